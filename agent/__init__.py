@@ -1,0 +1,1 @@
+"""In-engine agent and sidecar (step 2): taps signals, enforces plans through runtime mechanisms."""

@@ -1,0 +1,1 @@
+"""Benchmarks: `tierplan bench ...` measures and writes bench/results/ (JSON, Markdown, PNG)."""

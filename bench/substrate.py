@@ -1,0 +1,298 @@
+"""`tierplan bench substrate`: what the execution substrate achieves on this machine's links.
+
+Runs in one process on one CUDA GPU (or, with --quick on the CPU twin, a smoke run of the same code).
+Every figure is compared with a baseline measured in the same run, as a ratio:
+  * expert loads pinned host -> slot (map + engine copy) vs raw pinned host -> device copies, per size;
+  * map + set access per slot (CUDA VMM or the mmap twin);
+  * the transfer engine's achieved bandwidth per link vs raw copies (memory) or raw O_DIRECT I/O (disk);
+  * latency of a small urgent KV transfer submitted behind a 1 GiB expert stream, with and without chunks.
+Writes substrate_<device>.json, .md and .png into the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.device import Device
+from runtime.memory.slots import ExpertSlotPool
+from runtime.nvme import DirectFile
+from runtime.selfcheck.common import make_backend
+from runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferRequest
+from runtime.weights.format import ExpertFormat
+from runtime.weights.loader import ExpertLoadHandler, StoreKind
+from runtime.weights.sources import SyntheticExpertSource
+from runtime.weights.stores import PinnedExpertStore
+
+MiB = 1 << 20
+
+
+def _timed(dev: Device, fn: Callable[[], Any], reps: int, warmup: int = 2,
+           setup: Callable[[], Any] | None = None) -> float:
+    """Median wall seconds of fn() with the device synchronized around each call; setup() runs untimed."""
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    dev.synchronize()
+    times = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+            dev.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        dev.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def raw_copy_gbps(dev: Device, num_bytes: int, reps: int, to_device: bool = True, count: int = 1) -> float:
+    """Plain pinned copies on one stream, `count` of `num_bytes` back to back (the baseline)."""
+    host = dev.alloc_host(num_bytes * count)
+    host.tensor.copy_(torch.randint(0, 256, (num_bytes * count,), dtype=torch.uint8))
+    d = dev.alloc(num_bytes * count)
+    hs = host.tensor.view(count, num_bytes)
+    ds = d.view(count, num_bytes)
+    s = dev.new_stream()
+
+    def go() -> None:
+        for i in range(count):
+            dev.copy(ds[i], hs[i], s) if to_device else dev.copy(hs[i], ds[i], s)
+
+    sec = _timed(dev, go, reps)
+    host.close()
+    return num_bytes * count / sec / 1e9
+
+
+def expert_load_gbps(dev: Device, engine: TransferEngine, hidden: int, inter: int, batch: int,
+                     reps: int) -> dict[str, float]:
+    """Pinned store -> slots: `batch` loads in flight at once (a prefetch list), then a single load.
+
+    Timed: prepare_load (the slot map) + the engine's copy + complete_load, i.e. the whole load path.
+    Not timed: unmapping the previous round's experts (eviction happens off this path).
+    """
+    fmt = ExpertFormat.swiglu(hidden, inter)
+    src = SyntheticExpertSource(fmt, 1, batch, seed=1)
+    store = PinnedExpertStore(dev, src)
+    pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, fmt.num_bytes, batch)
+    loader = ExpertLoadHandler(pool, engine, pinned=store)
+
+    def evict_all() -> None:
+        for e in pool.resident_experts(0):
+            pool.unmap(0, e)
+
+    def load_all() -> None:
+        futs = [loader.load(0, e, StoreKind.PINNED) for e in range(batch)]
+        for f in futs:
+            f.wait()
+
+    def load_one() -> None:
+        loader.load(0, 0, StoreKind.PINNED).wait()
+
+    batch_s = _timed(dev, load_all, reps, setup=evict_all)
+    one_s = _timed(dev, load_one, reps * 2, setup=evict_all)
+    raw = raw_copy_gbps(dev, fmt.num_bytes, reps * 2, count=batch)
+    loader.close()
+    pool.close()
+    store.close()
+    n = fmt.num_bytes
+    return {"expert_bytes": n, "batch": batch, "pipelined_gbps": n * batch / batch_s / 1e9,
+            "single_gbps": n / one_s / 1e9, "single_ms": one_s * 1e3, "raw_gbps": raw,
+            "pipelined_ratio": n * batch / batch_s / 1e9 / raw}
+
+
+def map_cost_us(dev: Device, stride_bytes: int, n: int) -> dict[str, float]:
+    be = make_backend(dev)
+    stride_bytes = (stride_bytes + be.granularity_bytes - 1) // be.granularity_bytes * be.granularity_bytes
+    va = be.reserve(stride_bytes * n)
+    phys = [be.create_physical(stride_bytes) for _ in range(n)]
+    maps, unmaps = [], []
+    for _ in range(3):
+        for i, p in enumerate(phys):
+            t0 = time.perf_counter()
+            be.map(va + i * stride_bytes, stride_bytes, p)
+            maps.append(time.perf_counter() - t0)
+        for i in range(n):
+            t0 = time.perf_counter()
+            be.unmap(va + i * stride_bytes, stride_bytes)
+            unmaps.append(time.perf_counter() - t0)
+    be.close()
+    return {"stride_bytes": stride_bytes, "map_access_us_median": statistics.median(maps) * 1e6,
+            "map_access_us_p90": sorted(maps)[int(0.9 * len(maps))] * 1e6,
+            "unmap_us_median": statistics.median(unmaps) * 1e6}
+
+
+def engine_link_gbps(dev: Device, engine: TransferEngine, link: Link, num_bytes: int, f: DirectFile | None,
+                     reps: int) -> float:
+    host = dev.alloc_host(num_bytes)
+    host.tensor.copy_(torch.randint(0, 256, (num_bytes,), dtype=torch.uint8))
+    d = dev.alloc(num_bytes) if link in (Link.H2D, Link.D2H) else None
+    src: Any = {Link.H2D: host.tensor, Link.D2H: d, Link.DISK2H: f.region(0, num_bytes) if f else None,
+                Link.H2DISK: host.tensor}[link]
+    dst: Any = {Link.H2D: d, Link.D2H: host.tensor, Link.DISK2H: host.tensor,
+                Link.H2DISK: f.region(0, num_bytes) if f else None}[link]
+
+    def go() -> None:
+        engine.submit(TransferRequest(link, TrafficClass.EXPERT, src, dst)).wait()
+
+    sec = _timed(dev, go, reps, warmup=1)
+    host.close()
+    return num_bytes / sec / 1e9
+
+
+def raw_disk_gbps(dev: Device, f: DirectFile, num_bytes: int, write: bool) -> float:
+    buf = dev.alloc_host(num_bytes)
+    buf.tensor.copy_(torch.randint(0, 256, (num_bytes,), dtype=torch.uint8))
+    sec = _timed(dev, lambda: (f.write_from if write else f.read_into)(0, buf.tensor), reps=2, warmup=1)
+    buf.close()
+    return num_bytes / sec / 1e9
+
+
+def urgent_behind_stream(dev: Device, chunk_bytes: int | None, stream_bytes: int, small_bytes: int,
+                         reps: int, max_inflight_chunks: int = 2) -> dict[str, float]:
+    """Latency of a small URGENT KV copy submitted while a LOW expert stream of `stream_bytes` is queued."""
+    engine = TransferEngine(dev, chunk_bytes=chunk_bytes, max_inflight_chunks=max_inflight_chunks)
+    big_h = dev.alloc_host(stream_bytes)
+    big_d = dev.alloc(stream_bytes)
+    small_h = dev.alloc_host(small_bytes)
+    small_d = dev.alloc(small_bytes)
+    lat, qd, big_lat = [], [], []
+    for _ in range(reps):
+        big = engine.submit(TransferRequest(Link.H2D, TrafficClass.EXPERT, big_h.tensor, big_d, Priority.LOW))
+        time.sleep(0.001)  # the stream is on the wire
+        small = engine.submit(TransferRequest(Link.H2D, TrafficClass.KV, small_h.tensor, small_d, Priority.URGENT))
+        small.wait()
+        big.wait()
+        lat.append(small.latency_s)
+        qd.append(small.queue_delay_s)
+        big_lat.append(big.latency_s)
+    engine.close()
+    for b in (big_h, small_h):
+        b.close()
+    return {"chunk_bytes": chunk_bytes or 0, "max_inflight_chunks": max_inflight_chunks,
+            "urgent_latency_ms_median": statistics.median(lat) * 1e3,
+            "urgent_queue_delay_ms_median": statistics.median(qd) * 1e3,
+            "stream_ms_median": statistics.median(big_lat) * 1e3}
+
+
+def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None) -> dict:
+    dev = Device(device)
+    say = console.print if console is not None else print
+    reps = 3 if quick else 10
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev.is_cuda else platform.processor() or "cpu",
+                           "torch": torch.__version__, "quick": quick, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    sizes = [2 * MiB, 8 * MiB] if quick else [2 * MiB, 8 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
+    res["raw_h2d_gbps"] = {str(s): raw_copy_gbps(dev, s, reps) for s in sizes}
+    res["raw_d2h_gbps"] = {str(s): raw_copy_gbps(dev, s, reps, to_device=False) for s in sizes}
+    say(f"raw h2d: {res['raw_h2d_gbps']}")
+    shapes = [(256, 512, 4)] if quick else [(2048, 768, 16), (4096, 1024, 16), (4096, 14336, 2)]
+    configs = [(4 * MiB, 2)] if quick else [(4 * MiB, 2), (4 * MiB, 4), (8 * MiB, 2), (8 * MiB, 4)]
+    res["expert_loads"] = []
+    for chunk, inflight in configs:
+        with TransferEngine(dev, chunk_bytes=chunk, max_inflight_chunks=inflight) as eng:
+            for h, i, b in shapes:
+                r = expert_load_gbps(dev, eng, h, i, b, reps)
+                res["expert_loads"].append({**r, "chunk_bytes": chunk, "max_inflight_chunks": inflight})
+    say(f"expert loads: {res['expert_loads']}")
+    engine = TransferEngine(dev)
+    strides = [2 * MiB] if quick else [2 * MiB, 10 * MiB, 336 * MiB]
+    res["map_cost"] = [map_cost_us(dev, s, 8 if quick else 32 if s < 100 * MiB else 8) for s in strides]
+    say(f"map cost: {res['map_cost']}")
+    link_bytes = 8 * MiB if quick else 1024 * MiB
+    with tempfile.TemporaryDirectory(prefix="tierplan-bench-") as td:
+        f = DirectFile(Path(td) / "link.tpnvme", link_bytes)
+        res["disk_direct_io"] = f.direct_io
+        res["links"] = {
+            "h2d": {"engine_gbps": engine_link_gbps(dev, engine, Link.H2D, link_bytes, None, reps),
+                    "raw_gbps": raw_copy_gbps(dev, link_bytes, reps)},
+            "d2h": {"engine_gbps": engine_link_gbps(dev, engine, Link.D2H, link_bytes, None, reps),
+                    "raw_gbps": raw_copy_gbps(dev, link_bytes, reps, to_device=False)},
+            "h2disk": {"raw_gbps": raw_disk_gbps(dev, f, link_bytes, write=True),
+                       "engine_gbps": engine_link_gbps(dev, engine, Link.H2DISK, link_bytes, f, 2)},
+            "disk2h": {"raw_gbps": raw_disk_gbps(dev, f, link_bytes, write=False),
+                       "engine_gbps": engine_link_gbps(dev, engine, Link.DISK2H, link_bytes, f, 2)},
+        }
+        f.close()
+    for v in res["links"].values():
+        v["ratio"] = v["engine_gbps"] / v["raw_gbps"]
+    say(f"links: {res['links']}")
+    engine.close()
+    stream_bytes = 32 * MiB if quick else 1024 * MiB
+    res["urgent_kv"] = [urgent_behind_stream(dev, c, stream_bytes, 64 << 10, reps, k)
+                        for c, k in [*configs, (None, 2)]]
+    say(f"urgent kv: {res['urgent_kv']}")
+    _write(out_dir, res, device)
+    return res
+
+
+def _write(out_dir: Path, res: dict, device: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"substrate_{device}"
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
+    md = [f"# Substrate benchmark ({res['device']}, torch {res['torch']}, {res['when']})", "",
+          "## Expert loads, pinned host -> slot, vs raw pinned host -> device of the same size", "",
+          "| chunk | in flight chunks | expert bytes | loads in flight | pipelined GB/s | raw GB/s | ratio |"
+          " single load ms |",
+          "|---|---|---|---|---|---|---|---|"]
+    md += [f"| {_chunk_label(e['chunk_bytes'])} | {e['max_inflight_chunks']} | {e['expert_bytes']:,} | {e['batch']} | "
+           f"{e['pipelined_gbps']:.1f} | {e['raw_gbps']:.1f} | {e['pipelined_ratio']:.3f} | {e['single_ms']:.3f} |"
+           for e in res["expert_loads"]]
+    md += ["", "## Map + set access per slot", "", "| slot bytes | map+access µs (median) | p90 | unmap µs |",
+           "|---|---|---|---|"]
+    md += [f"| {m['stride_bytes']:,} | {m['map_access_us_median']:.1f} | {m['map_access_us_p90']:.1f} | "
+           f"{m['unmap_us_median']:.1f} |" for m in res["map_cost"]]
+    md += ["", f"## Transfer engine per link (disk O_DIRECT: {res['disk_direct_io']})", "",
+           "| link | engine GB/s | raw GB/s | ratio |", "|---|---|---|---|"]
+    md += [f"| {k} | {v['engine_gbps']:.2f} | {v['raw_gbps']:.2f} | {v['ratio']:.3f} |"
+           for k, v in res["links"].items()]
+    md += ["", "## Small urgent KV transfer (64 KiB) behind a LOW-priority expert stream", "",
+           "| chunking | in flight chunks | urgent latency ms | urgent queue delay ms | stream ms |",
+           "|---|---|---|---|---|"]
+    md += [f"| {_chunk_label(u['chunk_bytes'])} | {u['max_inflight_chunks']} | "
+           f"{u['urgent_latency_ms_median']:.3f} | {u['urgent_queue_delay_ms_median']:.3f} | "
+           f"{u['stream_ms_median']:.2f} |" for u in res["urgent_kv"]]
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    _plot(stem.with_suffix(".png"), res)
+
+
+def _chunk_label(chunk_bytes: int) -> str:
+    return f"{chunk_bytes >> 20} MiB chunks" if chunk_bytes else "off"
+
+
+def _plot(path: Path, res: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = [int(s) / MiB for s in res["raw_h2d_gbps"]]
+    a.plot(xs, list(res["raw_h2d_gbps"].values()), "o-", label="raw pinned H2D")
+    a.plot(xs, list(res["raw_d2h_gbps"].values()), "s-", label="raw pinned D2H")
+    for cfg in sorted({(e["chunk_bytes"], e["max_inflight_chunks"]) for e in res["expert_loads"]}):
+        pts = [e for e in res["expert_loads"] if (e["chunk_bytes"], e["max_inflight_chunks"]) == cfg]
+        a.plot([e["expert_bytes"] / MiB for e in pts], [e["pipelined_gbps"] for e in pts], "^--", ms=8,
+               label=f"expert loads, {_chunk_label(cfg[0])} x{cfg[1]}")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("transfer size (MiB)")
+    a.set_ylabel("GB/s")
+    a.set_title("Host<->device bandwidth")
+    a.legend(fontsize=7)
+    labels = [f"{_chunk_label(u['chunk_bytes'])}\nx{u['max_inflight_chunks']}" for u in res["urgent_kv"]]
+    b.bar(labels, [u["urgent_latency_ms_median"] for u in res["urgent_kv"]],
+          color=["tab:green" if u["chunk_bytes"] else "tab:red" for u in res["urgent_kv"]])
+    b.set_yscale("log")
+    b.set_ylabel("ms (median)")
+    b.set_title("64 KiB urgent KV copy behind an expert stream")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

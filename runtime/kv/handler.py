@@ -1,0 +1,393 @@
+"""Moves KV block bytes between tiers through the transfer engine (inference process).
+
+The byte-moving half of the KV tiers, modelled on vLLM v1 `kv_offload`'s worker/handler: the manager
+reserves (`prepare_move`), this handler copies, then reports `complete_move(ok)`. Every copy is a KV-class
+request on the engine's links: GPU<->CPU over H2D/D2H, CPU<->NVMe over H2DISK/DISK2H, GPU<->NVMe in two
+hops through a page-aligned staging buffer. Hops are chained by the engine's `on_done` callbacks, so no
+link worker ever blocks on another link. Checksums (xxh3 of host bytes) are taken when bytes first reach
+the host and verified when they come from a tier in `manager.verify_tiers`; a mismatch fails the move and
+the block stays where it was. Never decides which block goes where, never hashes device memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runtime.checksum import checksum
+from runtime.device import AlignedHostBuffer, Event
+from runtime.errors import BusyError, ConfigError, CorruptDataError, TransferError
+from runtime.kv.manager import KVBlockManager
+from runtime.kv.spec import KVBlockSpec, KVMove, Tier
+from runtime.kv.stores import KVTierStores
+from runtime.transfer import Buffer, Link, Priority, TrafficClass, TransferEngine, TransferHandle, TransferRequest
+
+PAIRS = tuple(f"{a.value}->{b.value}" for a in Tier for b in Tier if a is not b)
+
+
+class KVMoveFuture:
+    """The outcome of one asynchronous block move: poll with `done()`, block with `wait()`."""
+
+    def __init__(self, move: KVMove) -> None:
+        self.move = move
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def ok(self) -> bool:
+        return self._done.is_set() and self.error is None
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Return once the block sits at `move.dst`; raise the move's error if it stayed at `move.src`."""
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"KV move of block {self.move.block_id} ({self.move.pair}) not done in {timeout_s} s")
+        if self.error is not None:
+            raise self.error
+
+    def _resolve(self, error: BaseException | None) -> None:
+        self.error = error
+        self._done.set()
+
+
+@dataclass
+class _Hop:
+    link: Link
+    src: Buffer
+    dst: Buffer
+    after: Event | None = None  # device work that must finish before the copy reads `src`
+    lands_on_host: torch.Tensor | None = None  # checksummed or verified once this hop is done
+
+
+@dataclass
+class _MoveJob:
+    move: KVMove
+    future: KVMoveFuture
+    priority: Priority
+    deadline_s: float | None
+    staging: AlignedHostBuffer | None = None
+    hops: list[_Hop] = field(default_factory=list)
+
+
+class KVTransferHandler:
+    """Synchronous `write`/`read` of whole blocks and asynchronous `move` between tiers."""
+
+    def __init__(
+        self, manager: KVBlockManager, stores: KVTierStores, engine: TransferEngine, num_staging: int = 8
+    ) -> None:
+        if isinstance(num_staging, bool) or not isinstance(num_staging, int) or num_staging < 1:
+            raise ConfigError(f"KVTransferHandler: num_staging must be an int >= 1, got {num_staging!r}")
+        if manager.capacity != stores.capacity:
+            raise ConfigError(
+                f"KVTransferHandler: manager capacity {_caps(manager.capacity)} != stores capacity "
+                f"{_caps(stores.capacity)}"
+            )
+        if engine.device.torch_device != stores.device.torch_device:
+            raise ConfigError(
+                f"KVTransferHandler: engine runs on {engine.device.torch_device}, "
+                f"stores live on {stores.device.torch_device}"
+            )
+        self.manager = manager
+        self.stores = stores
+        self.engine = engine
+        self.block_bytes = stores.block_bytes
+        self._staging_all = [stores.device.alloc_host(self.block_bytes) for _ in range(num_staging)]
+        self._staging_free = list(self._staging_all)
+        self._cv = threading.Condition()  # guards staging, _num_inflight, _closed
+        self._num_inflight = 0
+        self._closed = False
+        self._staging_closed = False
+        self._stats_lock = threading.Lock()
+        self._moves_ok = 0
+        self._moves_failed = 0
+        self._corrupt_detected = 0
+        self._bytes_by_pair = dict.fromkeys(PAIRS, 0)
+
+    # ---- staging ------------------------------------------------------------------------------------
+    def _take_staging(self, what: str) -> AlignedHostBuffer:
+        """A free staging buffer; waits for one (moves in flight always give theirs back)."""
+        with self._cv:
+            while not self._staging_free and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                raise ConfigError(f"{what}: KVTransferHandler is closed")
+            return self._staging_free.pop()
+
+    def _give_staging(self, buf: AlignedHostBuffer) -> None:
+        with self._cv:
+            self._staging_free.append(buf)
+            self._cv.notify_all()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ConfigError(f"{what}: KVTransferHandler is closed")
+
+    # ---- checksums ----------------------------------------------------------------------------------
+    def _verify(self, block_id: int, spec: KVBlockSpec, expected: int, data: torch.Tensor, what: str) -> None:
+        got = checksum(data)
+        if got != expected:
+            with self._stats_lock:
+                self._corrupt_detected += 1
+            raise CorruptDataError(
+                f"{what}: KV block {block_id} on tier {spec.tier.value} index {spec.index}: checksum "
+                f"mismatch, expected {expected:#018x}, got {got:#018x}"
+            )
+
+    def _check_host_bytes(self, move: KVMove, data: torch.Tensor) -> None:
+        """Bytes of a moving block are on the host: record their checksum, or verify it if `src` asks so."""
+        expected = self.manager.checksum(move.block_id)
+        if expected is None:
+            self.manager.set_checksum(move.block_id, checksum(data))
+        elif move.src.tier in self.manager.verify_tiers:
+            self._verify(move.block_id, move.src, expected, data, f"move {move.pair}")
+
+    # ---- synchronous block I/O ----------------------------------------------------------------------
+    def _copy(self, link: Link, src: Buffer, dst: Buffer, after: Event | None = None) -> None:
+        self.engine.submit(TransferRequest(link, TrafficClass.KV, src, dst, after=after)).wait()
+
+    def write(self, block_id: int, data: torch.Tensor) -> None:
+        """Copy `data` (a CPU uint8 tensor of block_bytes) into the block wherever it lives; record its checksum."""
+        if (
+            not isinstance(data, torch.Tensor)
+            or data.device.type != "cpu"
+            or data.dtype != torch.uint8
+            or data.numel() != self.block_bytes
+        ):
+            got = (
+                f"{data.device.type} {data.dtype} tensor of {data.numel()} elements"
+                if isinstance(data, torch.Tensor)
+                else type(data).__name__
+            )
+            raise ConfigError(
+                f"write of KV block {block_id}: expected a CPU uint8 tensor of {self.block_bytes} bytes, got {got}"
+            )
+        self._check_open(f"write of KV block {block_id}")
+        flat = data.reshape(-1).contiguous()  # [B]
+        self.manager.acquire(block_id)  # no move and no free while we copy
+        try:
+            spec = self.manager.location(block_id)
+            value = checksum(flat)
+            if spec.tier is Tier.CPU:
+                self.stores.memory(spec).copy_(flat)
+            else:
+                buf = self._take_staging(f"write of KV block {block_id}")
+                try:
+                    buf.tensor.copy_(flat)
+                    if spec.tier is Tier.GPU:
+                        self._copy(Link.H2D, buf.tensor, self.stores.memory(spec))
+                    else:
+                        self._copy(Link.H2DISK, buf.tensor, self.stores.region(spec))
+                finally:
+                    self._give_staging(buf)
+            self.manager.set_checksum(block_id, value)  # only once the bytes are in place
+        finally:
+            self.manager.release(block_id)
+
+    def read(self, block_id: int) -> torch.Tensor:
+        """A host copy [block_bytes] of the block; verified when its tier is in `manager.verify_tiers`."""
+        self._check_open(f"read of KV block {block_id}")
+        self.manager.acquire(block_id)
+        try:
+            spec = self.manager.location(block_id)
+            expected = self.manager.checksum(block_id)
+            if spec.tier is Tier.CPU:
+                out = self.stores.memory(spec).clone()  # [B]
+            else:
+                buf = self._take_staging(f"read of KV block {block_id}")
+                try:
+                    if spec.tier is Tier.GPU:
+                        src = self.stores.memory(spec)
+                        self._copy(Link.D2H, src, buf.tensor, after=self.stores.device.record_event())
+                    else:
+                        self._copy(Link.DISK2H, self.stores.region(spec), buf.tensor)
+                    out = buf.tensor.clone()  # [B]
+                finally:
+                    self._give_staging(buf)
+        finally:
+            self.manager.release(block_id)
+        if expected is not None and spec.tier in self.manager.verify_tiers:
+            self._verify(block_id, spec, expected, out, "read")
+        return out
+
+    def mark_dirty(self, block_id: int) -> None:
+        """The engine wrote into the (GPU) block: its recorded checksum no longer holds."""
+        if self.manager.is_moving(block_id):
+            raise BusyError(f"mark_dirty: KV block {block_id} is in flight; writing into it races the move")
+        self.manager.set_checksum(block_id, None)
+
+    # ---- asynchronous moves -------------------------------------------------------------------------
+    def _plan(self, job: _MoveJob) -> None:
+        src, dst = job.move.src, job.move.dst
+        mem, region = self.stores.memory, self.stores.region
+        # Order the device-side read after the work already queued on the caller's stream (the writer).
+        after = self.stores.device.record_event() if src.tier is Tier.GPU else None
+        pair = (src.tier, dst.tier)
+        if pair == (Tier.GPU, Tier.CPU):
+            job.hops = [_Hop(Link.D2H, mem(src), mem(dst), after, lands_on_host=mem(dst))]
+        elif pair == (Tier.CPU, Tier.GPU):
+            job.hops = [_Hop(Link.H2D, mem(src), mem(dst))]
+        elif pair == (Tier.CPU, Tier.NVME):
+            job.hops = [_Hop(Link.H2DISK, mem(src), region(dst))]
+        elif pair == (Tier.NVME, Tier.CPU):
+            job.hops = [_Hop(Link.DISK2H, region(src), mem(dst), lands_on_host=mem(dst))]
+        else:
+            job.staging = self._take_staging(f"move of KV block {job.move.block_id}")
+            stage = job.staging.tensor  # [B]
+            if pair == (Tier.GPU, Tier.NVME):
+                job.hops = [
+                    _Hop(Link.D2H, mem(src), stage, after, lands_on_host=stage),
+                    _Hop(Link.H2DISK, stage, region(dst)),
+                ]
+            else:  # NVMe -> GPU
+                job.hops = [
+                    _Hop(Link.DISK2H, region(src), stage, lands_on_host=stage),
+                    _Hop(Link.H2D, stage, mem(dst)),
+                ]
+
+    def move(
+        self, block_id: int, dst: Tier, priority: Priority = Priority.NORMAL, deadline_s: float | None = None
+    ) -> KVMoveFuture:
+        """Start moving the block to `dst`; refusals raise here with nothing queued, failures come from wait().
+
+        `deadline_s` is absolute, on the engine's clock. May wait for a free staging buffer (GPU<->NVMe).
+        """
+        self._check_open(f"move of KV block {block_id}")
+        move = self.manager.prepare_move(block_id, dst)
+        job = _MoveJob(move, KVMoveFuture(move), Priority(priority), deadline_s)
+        with self._cv:  # counted before any byte moves, so close() waits for it
+            closed = self._closed
+            self._num_inflight += 0 if closed else 1
+        try:
+            if closed:
+                raise ConfigError(f"move of KV block {block_id}: KVTransferHandler is closed")
+            self._plan(job)
+        except BaseException:
+            if job.staging is not None:
+                self._give_staging(job.staging)
+            self.manager.complete_move(move, ok=False)  # undo the reservation: the refusal changes nothing
+            if not closed:
+                with self._cv:
+                    self._num_inflight -= 1
+                    self._cv.notify_all()
+            raise
+        try:
+            if move.src.tier is Tier.CPU:  # the bytes are on the host already: hash or verify them now
+                data = self.stores.memory(move.src)
+                expected = self.manager.checksum(block_id)
+                if expected is None:
+                    self.manager.set_checksum(block_id, checksum(data))
+                elif Tier.CPU in self.manager.verify_tiers:
+                    self._verify(block_id, move.src, expected, data, f"move {move.pair}")
+            self._submit_hop(job, 0)
+        except Exception as exc:
+            self._finish(job, exc)
+        return job.future
+
+    def _submit_hop(self, job: _MoveJob, i: int) -> None:
+        hop = job.hops[i]
+        req = TransferRequest(
+            hop.link,
+            TrafficClass.KV,
+            hop.src,
+            hop.dst,
+            priority=job.priority,
+            deadline_s=job.deadline_s,
+            after=hop.after,
+            on_done=lambda h: self._hop_done(job, i, h),
+        )
+        self.engine.submit(req)
+
+    def _hop_done(self, job: _MoveJob, i: int, h: TransferHandle) -> None:
+        """Runs in the link's worker thread: check what landed, then queue the next hop or finish."""
+        try:
+            if h.error is not None:  # h.ok is still False inside on_done; the error is what counts
+                m = job.move
+                raise TransferError(
+                    f"move {m.pair} of KV block {m.block_id} ({m.src} -> {m.dst}): "
+                    f"{h.request.link.value} transfer failed: {h.error}"
+                ) from h.error
+            hop = job.hops[i]
+            if hop.lands_on_host is not None:
+                self._check_host_bytes(job.move, hop.lands_on_host)
+            if i + 1 < len(job.hops):
+                self._submit_hop(job, i + 1)
+                return
+        except Exception as exc:
+            self._finish(job, exc)
+            return
+        self._finish(job, None)
+
+    def _finish(self, job: _MoveJob, error: BaseException | None) -> None:
+        try:
+            self.manager.complete_move(job.move, ok=error is None)
+        except Exception as exc:  # only if the books were changed behind our back; keep the first error
+            error = error if error is not None else exc
+        finally:
+            if job.staging is not None:
+                self._give_staging(job.staging)
+                job.staging = None
+            with self._stats_lock:
+                if error is None:
+                    self._moves_ok += 1
+                    self._bytes_by_pair[job.move.pair] += self.block_bytes
+                else:
+                    self._moves_failed += 1
+            with self._cv:
+                self._num_inflight -= 1
+                self._cv.notify_all()
+            job.future._resolve(error)
+
+    # ---- introspection and shutdown -----------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """moves_ok, moves_failed, corrupt_detected (reads and moves), bytes_by_pair ("gpu->cpu": bytes)."""
+        with self._cv:
+            num_inflight, num_staging_free = self._num_inflight, len(self._staging_free)
+        with self._stats_lock:
+            return {
+                "moves_ok": self._moves_ok,
+                "moves_failed": self._moves_failed,
+                "corrupt_detected": self._corrupt_detected,
+                "bytes_by_pair": dict(self._bytes_by_pair),
+                "moves_in_flight": num_inflight,
+                "num_staging_free": num_staging_free,
+            }
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Refuse new work, wait for moves in flight and staging to come back, then release staging memory.
+
+        BusyError if that takes longer than `timeout_s` (the handler stays closed; call again to finish).
+        """
+        end_s = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()  # staging waiters wake up and refuse
+            while self._num_inflight or len(self._staging_free) < len(self._staging_all):
+                left_s = None if end_s is None else end_s - time.monotonic()
+                if left_s is not None and left_s <= 0:
+                    raise BusyError(
+                        f"KVTransferHandler.close: {self._num_inflight} move(s) in flight, "
+                        f"{len(self._staging_all) - len(self._staging_free)} staging buffer(s) out "
+                        f"after {timeout_s} s"
+                    )
+                self._cv.wait(left_s)
+            if self._staging_closed:
+                return
+            self._staging_closed = True
+        for buf in self._staging_all:
+            buf.close()
+
+    def __enter__(self) -> KVTransferHandler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _caps(capacity: dict[Tier, int]) -> dict[str, int]:
+    return {t.value: n for t, n in capacity.items()}

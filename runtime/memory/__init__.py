@@ -1,0 +1,1 @@
+"""Expert slot pool over virtual memory: CUDA VMM on a GPU, memfd + mmap on the CPU twin."""

@@ -1,0 +1,306 @@
+"""Expert slot pool: a stable virtual range per MoE layer, a fixed pool of physical slots (inference process).
+
+Each layer owns one virtual range holding every expert at `expert * stride_bytes`, so a grouped GEMM reads
+expert e at a fixed address whether or not it is resident. `num_slots` physical chunks (granularity
+aligned) are mapped to logical experts on demand. Loading is two-phase: `prepare_load` maps a free slot
+and returns the destination view, the caller moves the bytes, `complete_load(ok, event)` publishes them.
+
+Invariants (each has a test in tests/runtime/test_slots.py):
+  I1 stable address: `layer_tensor(l).data_ptr()` never changes between construction and close.
+  I2 one page, one slot: an expert range maps at most one slot, and a slot backs at most one expert.
+  I3 RAW: an expert is readable only after its load; `wait_ready` orders the compute stream after the
+     load's event, and reading a LOADING or absent expert through `expert_tensor` raises.
+  I4 WAR: a slot is unmapped (and so reused) only after every reader event recorded on it completed.
+  I5 never stale: a non-resident expert's range shows the poison byte (or faults, poison off), never
+     another expert's bytes; `scrub_on_unmap` also poisons a slot's old contents before reuse.
+  I6 recycled: free + bound slots == num_slots at every step; close() releases every backend object.
+
+Mechanism only: which expert to load or evict is the caller's decision (agent local policy).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from runtime.device import Device, Event, completed_event
+from runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
+from runtime.memory.backend import SlotBackend
+from runtime.nvme import align_up
+
+POISON_BYTE = 0xFF  # NaN in bf16, fp16, fp32 and fp8-e4m3: a stale read shows up in any output
+
+
+class ExpertState(Enum):
+    ABSENT = "absent"
+    LOADING = "loading"
+    RESIDENT = "resident"
+    EVICTING = "evicting"
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How many experts of what size, and the slot stride the backend's granularity gives them."""
+
+    num_layers: int
+    num_experts: int
+    expert_bytes: int
+    granularity_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_experts", "expert_bytes", "granularity_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"ExpertLayout.{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def stride_bytes(self) -> int:
+        return align_up(self.expert_bytes, self.granularity_bytes)
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.num_experts * self.stride_bytes
+
+
+@dataclass
+class _Entry:
+    state: ExpertState = ExpertState.ABSENT
+    slot: int | None = None
+    pinned: bool = False
+    load_event: Event | None = None
+    readers: list[Event] | None = None
+
+
+class ExpertSlotPool:
+    """See the module docstring for the contract and invariants."""
+
+    def __init__(
+        self,
+        backend: SlotBackend,
+        device: Device,
+        num_layers: int,
+        num_experts: int,
+        expert_bytes: int,
+        num_slots: int,
+        poison_unmapped: bool = True,
+        scrub_on_unmap: bool = False,
+    ) -> None:
+        self.layout = ExpertLayout(num_layers, num_experts, expert_bytes, backend.granularity_bytes)
+        if not num_slots > 0:
+            raise ConfigError(f"num_slots must be > 0, got {num_slots}")
+        self.backend, self.device = backend, device
+        self.num_slots = num_slots
+        self.poison_unmapped, self.scrub_on_unmap = poison_unmapped, scrub_on_unmap
+        self._lock = threading.Lock()
+        self._bases: list[int] = []
+        self._tensors: list[torch.Tensor] = []
+        self._slots: list[Any] = []
+        stride = self.layout.stride_bytes
+        try:
+            self._poison = backend.create_physical(stride)
+            backend.fill_physical(self._poison, POISON_BYTE)
+            for _ in range(num_layers):
+                base = backend.reserve(self.layout.layer_bytes)
+                self._bases.append(base)
+                for e in range(num_experts):
+                    backend.map(base + e * stride, stride, self._poison, read_only=True)
+                # Made while everything is mapped: torch may query the pointer's attributes.
+                self._tensors.append(backend.tensor(base, self.layout.layer_bytes))  # [E*stride]
+                if not poison_unmapped:
+                    for e in range(num_experts):
+                        backend.unmap(base + e * stride, stride)
+            for _ in range(num_slots):
+                self._slots.append(backend.create_physical(stride))
+        except Exception:
+            backend.close()
+            raise
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._slot_owner: list[tuple[int, int] | None] = [None] * num_slots
+        self._entries = [[_Entry() for _ in range(num_experts)] for _ in range(num_layers)]
+        self.remaps = 0
+
+    # ---- queries ----------------------------------------------------------------------------------
+    def _entry(self, layer: int, expert: int) -> _Entry:
+        if not (0 <= layer < self.layout.num_layers and 0 <= expert < self.layout.num_experts):
+            raise ConfigError(
+                f"expert ({layer}, {expert}) out of range: layers 0..{self.layout.num_layers - 1}, "
+                f"experts 0..{self.layout.num_experts - 1}"
+            )
+        return self._entries[layer][expert]
+
+    def layer_tensor(self, layer: int) -> torch.Tensor:
+        """The whole stable range of a layer: [E * stride_bytes] uint8. Non-resident parts are poison."""
+        self._entry(layer, 0)
+        return self._tensors[layer]
+
+    def _view(self, layer: int, expert: int) -> torch.Tensor:
+        off = expert * self.layout.stride_bytes
+        return self._tensors[layer][off : off + self.layout.expert_bytes]  # [expert_bytes]
+
+    def expert_tensor(self, layer: int, expert: int) -> torch.Tensor:
+        """A checked view of a resident expert's bytes; raises NotResidentError otherwise (I3)."""
+        with self._lock:
+            st = self._entry(layer, expert).state
+        if st is not ExpertState.RESIDENT:
+            raise NotResidentError(f"expert ({layer}, {expert}) is {st.value}, not resident")
+        return self._view(layer, expert)
+
+    def state(self, layer: int, expert: int) -> ExpertState:
+        with self._lock:
+            return self._entry(layer, expert).state
+
+    def is_resident(self, layer: int, expert: int) -> bool:
+        return self.state(layer, expert) is ExpertState.RESIDENT
+
+    def resident_experts(self, layer: int) -> list[int]:
+        with self._lock:
+            self._entry(layer, 0)
+            return [e for e, en in enumerate(self._entries[layer]) if en.state is ExpertState.RESIDENT]
+
+    def slot_of(self, layer: int, expert: int) -> int | None:
+        with self._lock:
+            return self._entry(layer, expert).slot
+
+    @property
+    def num_free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if I2 or I6 does not hold (cheap; tests and self-checks call it)."""
+        with self._lock:
+            bound = [(l_, e) for l_, row in enumerate(self._entries) for e, en in enumerate(row) if en.slot is not None]
+            assert len(bound) + len(self._free) == self.num_slots, "I6: slots leaked or double-counted"
+            slots = [self._entries[l_][e].slot for l_, e in bound]
+            assert len(set(slots)) == len(slots), "I2: a slot backs two experts"
+            assert not set(slots) & set(self._free), "I2: a bound slot is also free"
+            for (l_, e), s in zip(bound, slots, strict=True):
+                assert self._slot_owner[s] == (l_, e), "I2: slot owner table disagrees"
+
+    # ---- two-phase load -----------------------------------------------------------------------------
+    def prepare_load(self, layer: int, expert: int) -> torch.Tensor:
+        """Map a free slot under the expert's range; returns the destination view [expert_bytes]."""
+        stride = self.layout.stride_bytes
+        with self._lock:
+            en = self._entry(layer, expert)
+            if en.state is not ExpertState.ABSENT:
+                raise BusyError(f"prepare_load: expert ({layer}, {expert}) is {en.state.value}")
+            if not self._free:
+                raise CapacityError(
+                    f"prepare_load: all {self.num_slots} slots are bound; unmap an expert first"
+                )
+            slot = self._free[-1]
+            va = self._bases[layer] + expert * stride
+            if self.poison_unmapped:
+                self.backend.unmap(va, stride)
+            try:
+                self.backend.map(va, stride, self._slots[slot])
+            except Exception:
+                if self.poison_unmapped:
+                    self.backend.map(va, stride, self._poison, read_only=True)
+                raise
+            self._free.pop()
+            self._slot_owner[slot] = (layer, expert)
+            en.state, en.slot, en.readers = ExpertState.LOADING, slot, []
+            self.remaps += 1
+        return self._view(layer, expert)
+
+    def complete_load(self, layer: int, expert: int, ok: bool, event: Event | None = None) -> None:
+        """Publish a loaded expert (ok) with the event its copy recorded, or give the slot back (not ok)."""
+        with self._lock:
+            en = self._entry(layer, expert)
+            if en.state is not ExpertState.LOADING:
+                raise BusyError(f"complete_load: expert ({layer}, {expert}) is {en.state.value}, not loading")
+            if ok:
+                en.state, en.load_event = ExpertState.RESIDENT, event or completed_event()
+                return
+            self._release_locked(layer, expert, en)
+
+    def _release_locked(self, layer: int, expert: int, en: _Entry) -> None:
+        stride = self.layout.stride_bytes
+        va = self._bases[layer] + expert * stride
+        slot = en.slot
+        assert slot is not None
+        if self.scrub_on_unmap:
+            self._tensors[layer][va - self._bases[layer] : va - self._bases[layer] + stride].fill_(POISON_BYTE)
+            self.device.synchronize()
+        self.backend.unmap(va, stride)
+        if self.poison_unmapped:
+            self.backend.map(va, stride, self._poison, read_only=True)
+        self._slot_owner[slot] = None
+        self._free.append(slot)
+        en.state, en.slot, en.load_event, en.readers = ExpertState.ABSENT, None, None, None
+
+    # ---- readers ----------------------------------------------------------------------------------
+    def wait_ready(self, layer: int, experts: Iterable[int], stream: Any = None) -> None:
+        """Order `stream` after the loads of `experts` (RAW); raises NotResidentError for any not resident."""
+        events = []
+        with self._lock:
+            for e in experts:
+                en = self._entry(layer, e)
+                if en.state is not ExpertState.RESIDENT:
+                    raise NotResidentError(f"wait_ready: expert ({layer}, {e}) is {en.state.value}")
+                events.append(en.load_event)
+        for ev in events:
+            self.device.stream_wait(ev, stream)
+
+    def record_read(self, layer: int, experts: Iterable[int], event: Event) -> None:
+        """Remember that work ending at `event` reads these experts (WAR protection for their slots)."""
+        with self._lock:
+            for e in experts:
+                en = self._entry(layer, e)
+                if en.state is not ExpertState.RESIDENT:
+                    raise NotResidentError(f"record_read: expert ({layer}, {e}) is {en.state.value}")
+                assert en.readers is not None
+                en.readers = [r for r in en.readers if not r.query()]
+                en.readers.append(event)
+
+    # ---- eviction and pinning ---------------------------------------------------------------------
+    def unmap(self, layer: int, expert: int, wait: bool = True) -> None:
+        """Unbind a resident expert's slot after its readers finish (I4). wait=False refuses if they have not."""
+        with self._lock:
+            en = self._entry(layer, expert)
+            if en.state is not ExpertState.RESIDENT:
+                err = BusyError if en.state in (ExpertState.LOADING, ExpertState.EVICTING) else NotResidentError
+                raise err(f"unmap: expert ({layer}, {expert}) is {en.state.value}")
+            if en.pinned:
+                raise PinnedError(f"unmap: expert ({layer}, {expert}) is pinned")
+            readers = [r for r in (en.readers or []) if not r.query()]
+            if readers and not wait:
+                raise BusyError(f"unmap: expert ({layer}, {expert}) has {len(readers)} reader(s) in flight")
+            en.state = ExpertState.EVICTING
+        for r in readers:  # outside the lock: other experts stay usable while we wait
+            r.synchronize()
+        with self._lock:
+            self._release_locked(layer, expert, en)
+
+    def pin(self, layer: int, expert: int) -> None:
+        with self._lock:
+            en = self._entry(layer, expert)
+            if en.state is not ExpertState.RESIDENT:
+                raise NotResidentError(f"pin: expert ({layer}, {expert}) is {en.state.value}")
+            en.pinned = True
+
+    def unpin(self, layer: int, expert: int) -> None:
+        with self._lock:
+            en = self._entry(layer, expert)
+            if not en.pinned:
+                raise ConfigError(f"unpin: expert ({layer}, {expert}) is not pinned")
+            en.pinned = False
+
+    def is_pinned(self, layer: int, expert: int) -> bool:
+        with self._lock:
+            return self._entry(layer, expert).pinned
+
+    def close(self) -> None:
+        """Wait for readers, then release every mapping, slot and reservation (I6)."""
+        with self._lock:
+            pending = [r for row in self._entries for en in row for r in (en.readers or [])]
+        for r in pending:
+            r.synchronize()
+        self._tensors.clear()
+        self.backend.close()

@@ -1,0 +1,1 @@
+"""Self-checks of the substrate (`tierplan check ...`): random traffic, every byte verified."""

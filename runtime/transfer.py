@@ -1,0 +1,380 @@
+"""One transfer engine for all byte movement: expert weights and KV blocks (inference process).
+
+Four links, one queue each: host->device, device->host, disk->host, host->disk. A request names its
+traffic class (expert or kv), a priority and an optional deadline; queues pop by (priority, deadline,
+arrival). A transfer of at least 2 x chunk_bytes is cut into even chunks of chunk_bytes (>= 2 MiB) to
+2 x chunk_bytes, so an urgent small transfer waits behind at most the chunks already in flight, never
+behind a whole 1 GiB stream. On a GPU each memory link owns a CUDA stream and keeps at most
+`max_inflight_chunks` chunks issued; on the CPU twin a worker thread does the copy. Disk links are
+worker threads doing aligned O_DIRECT I/O.
+
+Accounting per traffic class: transfers, bytes, queueing delay (submit -> first chunk issued), latency
+(submit -> done), deadline misses, failures. Accounting per link: bytes and chunks. Nothing is dropped: a
+failed transfer completes with `ok=False`, its error kept, and is counted.
+
+Never decides what to move: callers (the agent, the KV handler, the expert loader) do.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from typing import Any
+
+import torch
+
+from runtime.device import Device, Event
+from runtime.errors import ConfigError, TransferError
+from runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
+
+MIN_CHUNK_BYTES = 2 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+class Link(Enum):
+    H2D = "h2d"
+    D2H = "d2h"
+    DISK2H = "disk2h"
+    H2DISK = "h2disk"
+
+
+class TrafficClass(Enum):
+    EXPERT = "expert"
+    KV = "kv"
+
+
+class Priority(IntEnum):
+    """Lower pops first."""
+
+    URGENT = 0
+    HIGH = 1
+    NORMAL = 2
+    LOW = 3
+
+
+Buffer = torch.Tensor | FileRegion
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    link: Link
+    traffic: TrafficClass
+    src: Buffer
+    dst: Buffer
+    priority: Priority = Priority.NORMAL
+    deadline_s: float | None = None  # absolute, on the engine's clock
+    after: Event | None = None  # work that must finish before the copy reads `src`
+    on_done: Callable[[TransferHandle], None] | None = None  # runs in the link's worker, before wait() returns
+
+
+@dataclass
+class ClassStats:
+    transfers: int = 0
+    bytes: int = 0
+    queue_delay_s_sum: float = 0.0
+    queue_delay_s_max: float = 0.0
+    latency_s_sum: float = 0.0
+    latency_s_max: float = 0.0
+    deadline_misses: int = 0
+    failures: int = 0
+
+
+@dataclass
+class LinkStats:
+    bytes: int = 0
+    chunks: int = 0
+    transfers: int = 0
+
+
+class TransferHandle:
+    """A submitted transfer: poll with `done()`, block with `wait()`, order a stream with `device_event()`."""
+
+    def __init__(self, request: TransferRequest, num_bytes: int, num_chunks: int, submit_s: float) -> None:
+        self.request = request
+        self.num_bytes = num_bytes
+        self.submit_s = submit_s
+        self.start_s: float | None = None
+        self.end_s: float | None = None
+        self.error: BaseException | None = None
+        self._remaining = num_chunks
+        self._unissued = num_chunks
+        self._last_event: Event | None = None
+        self._issued = threading.Event()
+        self._done = threading.Event()
+
+    @property
+    def ok(self) -> bool:
+        """True once finished without error; already valid inside `on_done`."""
+        return self.end_s is not None and self.error is None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> TransferHandle:
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"transfer on {self.request.link.value} not done within {timeout_s} s")
+        if self.error is not None:
+            raise TransferError(f"transfer on {self.request.link.value} failed: {self.error}") from self.error
+        return self
+
+    def device_event(self, timeout_s: float | None = None) -> Event | None:
+        """The event of the last chunk once every chunk is issued (stream order makes it cover all)."""
+        if not self._issued.wait(timeout_s):
+            raise TimeoutError("transfer not fully issued in time")
+        return self._last_event
+
+    @property
+    def queue_delay_s(self) -> float | None:
+        return None if self.start_s is None else self.start_s - self.submit_s
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.end_s is None else self.end_s - self.submit_s
+
+
+@dataclass(order=True)
+class _Chunk:
+    key: tuple[int, float, int]
+    handle: TransferHandle = field(compare=False)
+    offset_bytes: int = field(compare=False)
+    length_bytes: int = field(compare=False)
+
+
+def _nbytes(buf: Buffer) -> int:
+    return buf.length_bytes if isinstance(buf, FileRegion) else buf.numel() * buf.element_size()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)  # [N]
+
+
+def _slice(buf: Buffer, off: int, n: int) -> Buffer:
+    return buf.sub(off, n) if isinstance(buf, FileRegion) else _as_bytes(buf)[off : off + n]
+
+
+class _LinkQueue:
+    def __init__(self) -> None:
+        self.heap: list[_Chunk] = []
+        self.cv = threading.Condition()
+
+
+class TransferEngine:
+    """Per-link priority queues with chunking, worker threads, CUDA streams, and per-class accounting."""
+
+    def __init__(
+        self,
+        device: Device,
+        chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
+        max_inflight_chunks: int = 2,
+        disk_workers: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if chunk_bytes is not None and (chunk_bytes < MIN_CHUNK_BYTES or chunk_bytes % DIRECT_ALIGN_BYTES):
+            raise ConfigError(
+                f"chunk_bytes must be None (no chunking) or a multiple of {DIRECT_ALIGN_BYTES} that is "
+                f">= {MIN_CHUNK_BYTES}, got {chunk_bytes}"
+            )
+        if max_inflight_chunks < 1 or disk_workers < 1:
+            raise ConfigError("max_inflight_chunks and disk_workers must be >= 1")
+        self.device = device
+        self.chunk_bytes = chunk_bytes
+        self.max_inflight_chunks = max_inflight_chunks
+        self.clock = clock
+        self._seq = itertools.count()
+        self._stats_lock = threading.Lock()
+        self._class_stats = {c: ClassStats() for c in TrafficClass}
+        self._link_stats = {lk: LinkStats() for lk in Link}
+        self._queues = {lk: _LinkQueue() for lk in Link}
+        self._streams = {lk: device.new_stream() for lk in (Link.H2D, Link.D2H)}
+        self._closing = False
+        self._threads: list[threading.Thread] = []
+        for lk in Link:
+            n = disk_workers if lk in (Link.DISK2H, Link.H2DISK) else 1
+            for i in range(n):
+                t = threading.Thread(target=self._run, args=(lk,), name=f"tierplan-{lk.value}-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    # ---- submission -------------------------------------------------------------------------------
+    def _validate(self, req: TransferRequest) -> int:
+        dev = self.device.torch_device.type
+        want = {
+            Link.H2D: ("cpu", dev),
+            Link.D2H: (dev, "cpu"),
+            Link.DISK2H: ("file", "cpu"),
+            Link.H2DISK: ("cpu", "file"),
+        }[req.link]
+        for side, buf, where in (("src", req.src, want[0]), ("dst", req.dst, want[1])):
+            got = "file" if isinstance(buf, FileRegion) else buf.device.type
+            if got != where:
+                raise ConfigError(f"{req.link.value} transfer: {side} must be on {where}, got {got}")
+            if isinstance(buf, torch.Tensor) and not buf.is_contiguous():
+                raise ConfigError(f"{req.link.value} transfer: {side} tensor must be contiguous")
+        n_src, n_dst = _nbytes(req.src), _nbytes(req.dst)
+        if n_src != n_dst or n_src <= 0:
+            raise ConfigError(f"{req.link.value} transfer: src has {n_src} bytes, dst {n_dst}; need equal and > 0")
+        return n_src
+
+    def submit(self, req: TransferRequest) -> TransferHandle:
+        """Queue a transfer; raises ConfigError (nothing queued) for a malformed request."""
+        if self._closing:
+            raise TransferError("transfer engine is closed")
+        n = self._validate(req)
+        step = n
+        if self.chunk_bytes is not None and n >= 2 * self.chunk_bytes:
+            # Even chunks of chunk_bytes..2*chunk_bytes (9 MiB at 4 MiB is 2 x 4.5, not 4 + 4 + 1): never a
+            # tiny tail, never below chunk_bytes. Page aligned for O_DIRECT.
+            num_chunks = n // self.chunk_bytes
+            step = -(-n // num_chunks // DIRECT_ALIGN_BYTES) * DIRECT_ALIGN_BYTES
+        offsets = list(range(0, n, step))
+        h = TransferHandle(req, n, len(offsets), self.clock())
+        deadline = float("inf") if req.deadline_s is None else req.deadline_s
+        q = self._queues[req.link]
+        with q.cv:
+            if self._closing:  # re-checked under the queue lock: a worker may be exiting on an empty queue
+                raise TransferError("transfer engine is closed")
+            for off in offsets:
+                key = (int(req.priority), deadline, next(self._seq))
+                heapq.heappush(q.heap, _Chunk(key, h, off, min(step, n - off)))
+            q.cv.notify()
+        return h
+
+    # ---- workers ----------------------------------------------------------------------------------
+    def _issue(self, link: Link, ch: _Chunk, first: bool) -> Event | None:
+        req = ch.handle.request
+        src = _slice(req.src, ch.offset_bytes, ch.length_bytes)
+        dst = _slice(req.dst, ch.offset_bytes, ch.length_bytes)
+        if link in (Link.DISK2H, Link.H2DISK) and req.after is not None:
+            req.after.synchronize()  # every chunk: disk workers run in parallel, so "first" proves nothing
+        if link is Link.DISK2H:
+            src.file.read_into(src.offset_bytes, dst)
+            return None
+        if link is Link.H2DISK:
+            dst.file.write_from(dst.offset_bytes, src)
+            return None
+        stream = self._streams[link]
+        if first and req.after is not None:
+            self.device.stream_wait(req.after, stream)
+        ev = self.device.copy(dst, src, stream)
+        return ev if self.device.is_cuda else None
+
+    def _retire(self, ch: _Chunk, event: Event | None, failed: BaseException | None) -> None:
+        h = ch.handle
+        if event is not None and failed is None:
+            try:
+                event.synchronize()
+            except Exception as exc:  # a CUDA error surfaces here
+                failed = exc
+        if failed is not None and h.error is None:
+            h.error = failed
+        with self._stats_lock:
+            ls = self._link_stats[h.request.link]
+            ls.chunks += 1
+            ls.bytes += ch.length_bytes if failed is None else 0
+            h._remaining -= 1
+            last = h._remaining == 0
+        if last:
+            self._finish(h)
+
+    def _finish(self, h: TransferHandle) -> None:
+        h.end_s = self.clock()
+        h._issued.set()
+        if h.request.on_done is not None:
+            try:
+                h.request.on_done(h)
+            except Exception as exc:
+                if h.error is None:
+                    h.error = exc
+        req = h.request
+        with self._stats_lock:
+            cs = self._class_stats[req.traffic]
+            self._link_stats[req.link].transfers += 1
+            cs.transfers += 1
+            if h.error is not None:
+                cs.failures += 1
+            else:
+                cs.bytes += h.num_bytes
+            qd = (h.start_s if h.start_s is not None else h.end_s) - h.submit_s
+            lat = h.end_s - h.submit_s
+            cs.queue_delay_s_sum += qd
+            cs.queue_delay_s_max = max(cs.queue_delay_s_max, qd)
+            cs.latency_s_sum += lat
+            cs.latency_s_max = max(cs.latency_s_max, lat)
+            if req.deadline_s is not None and h.end_s > req.deadline_s:
+                cs.deadline_misses += 1
+        h._done.set()
+
+    def _run(self, link: Link) -> None:
+        q = self._queues[link]
+        inflight: deque[tuple[_Chunk, Event]] = deque()
+        while True:
+            ch: _Chunk | None = None
+            with q.cv:
+                while not q.heap and not inflight and not self._closing:
+                    q.cv.wait()
+                if q.heap and len(inflight) < self.max_inflight_chunks:
+                    ch = heapq.heappop(q.heap)
+                elif not q.heap and not inflight:
+                    return  # closing and drained
+            if ch is None:
+                done_ch, ev = inflight.popleft()
+                self._retire(done_ch, ev, None)
+                continue
+            if ch.handle.error is not None:  # an earlier chunk failed: skip the copy, still account
+                self._retire(ch, None, ch.handle.error)
+                continue
+            h = ch.handle
+            with self._stats_lock:
+                first = h.start_s is None
+                if first:
+                    h.start_s = self.clock()
+            try:
+                ev = self._issue(link, ch, first)
+            except Exception as exc:
+                self._retire(ch, None, exc)
+                continue
+            with self._stats_lock:
+                h._unissued -= 1
+                if h._unissued == 0:
+                    h._last_event = ev
+                    h._issued.set()
+            if ev is None:
+                self._retire(ch, None, None)
+            else:
+                inflight.append((ch, ev))
+                while inflight and inflight[0][1].query():
+                    done_ch, done_ev = inflight.popleft()
+                    self._retire(done_ch, done_ev, None)
+
+    # ---- introspection ----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        with self._stats_lock:
+            return {
+                "classes": {c.value: vars(s).copy() for c, s in self._class_stats.items()},
+                "links": {lk.value: vars(s).copy() for lk, s in self._link_stats.items()},
+            }
+
+    def pending_chunks(self, link: Link) -> int:
+        with self._queues[link].cv:
+            return len(self._queues[link].heap)
+
+    def close(self) -> None:
+        """Finish everything queued, then stop the workers; later submits (also from callbacks) are refused."""
+        for q in self._queues.values():
+            with q.cv:
+                self._closing = True
+                q.cv.notify_all()
+        for t in self._threads:
+            t.join()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

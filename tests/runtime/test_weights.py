@@ -1,0 +1,169 @@
+"""Expert formats, sources, stores and the loader into slots (CPU twin)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from runtime.checksum import checksum
+from runtime.device import Device
+from runtime.errors import BusyError, CapacityError, ConfigError, CorruptDataError
+from runtime.memory.host import HostBackend
+from runtime.memory.slots import ExpertSlotPool, ExpertState
+from runtime.transfer import TransferEngine
+from runtime.weights.format import ExpertFormat
+from runtime.weights.loader import ExpertLoadHandler, StoreKind
+from runtime.weights.sources import SafetensorsExpertSource, SyntheticExpertSource
+from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
+
+MIXED = ExpertFormat.from_shapes(
+    [("w_bf16", (24, 40), "bfloat16"), ("w_fp8", (40, 24), "float8_e4m3fn"), ("w_fp4_packed", (24, 20), "uint8"),
+     ("scale", (3,), "float32")]
+)
+
+
+@pytest.fixture()
+def dev() -> Device:
+    return Device("cpu")
+
+
+@pytest.fixture()
+def engine(dev: Device):
+    e = TransferEngine(dev)
+    yield e
+    e.close()
+
+
+def test_format_offsets_are_aligned_and_roundtrip_every_dtype() -> None:
+    assert all(t.offset_bytes % 256 == 0 for t in MIXED.tensors)
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "w_bf16": torch.randn(24, 40, generator=g).to(torch.bfloat16),
+        "w_fp8": torch.randn(40, 24, generator=g).to(torch.float8_e4m3fn),
+        "w_fp4_packed": torch.randint(0, 256, (24, 20), dtype=torch.uint8, generator=g),
+        "scale": torch.rand(3, generator=g),
+    }
+    rec = torch.full((MIXED.num_bytes,), 7, dtype=torch.uint8)
+    MIXED.pack(tensors, rec)
+    back = MIXED.unpack(rec)
+    for k, v in tensors.items():
+        assert torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)), k
+
+
+def test_format_rejects_bad_input() -> None:
+    with pytest.raises(ConfigError, match="dimension"):
+        ExpertFormat.from_shapes([("w", (0, 4), "bfloat16")])
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        ExpertFormat.from_shapes([("w", (2, 4), "float128")])
+    rec = torch.empty(MIXED.num_bytes, dtype=torch.uint8)
+    with pytest.raises(ConfigError, match="missing tensors"):
+        MIXED.pack({}, rec)
+    with pytest.raises(ConfigError, match="w_bf16"):
+        MIXED.pack({t.name: torch.zeros(1) for t in MIXED.tensors}, rec)
+
+
+def test_synthetic_source_is_deterministic_and_distinct() -> None:
+    src = SyntheticExpertSource(MIXED, 2, 3, seed=5)
+    a, b, c = (torch.empty(MIXED.num_bytes, dtype=torch.uint8) for _ in range(3))
+    src.fill(1, 2, a)
+    src.fill(1, 2, b)
+    src.fill(1, 1, c)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_safetensors_source_reads_a_local_checkpoint(tmp_path: Path) -> None:
+    fmt = ExpertFormat.swiglu(16, 24)
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in (3, 5):
+        for e in range(2):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                shape = (16, 24) if name == "down_proj" else (24, 16)
+                tensors[f"model.layers.{layer}.mlp.experts.{e}.{name}.weight"] = torch.randn(
+                    shape, generator=g).to(torch.bfloat16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    src = SafetensorsExpertSource(tmp_path, fmt, num_experts=2, layer_ids=[3, 5])
+    rec = torch.empty(fmt.num_bytes, dtype=torch.uint8)
+    src.fill(1, 1, rec)
+    got = fmt.unpack(rec)
+    assert torch.equal(got["down_proj"], tensors["model.layers.5.mlp.experts.1.down_proj.weight"])
+    with pytest.raises(ConfigError, match="not in checkpoint"):
+        SafetensorsExpertSource(tmp_path, fmt, 2, [3], name_template="blocks.{layer}.{expert}.{name}")
+    with pytest.raises(ConfigError, match="not found"):
+        SafetensorsExpertSource(tmp_path / "nope", fmt, 2, [3])
+
+
+def test_nvme_store_reopens_from_its_index_and_matches_pinned(tmp_path: Path, dev: Device) -> None:
+    src = SyntheticExpertSource(MIXED, 2, 4, seed=1)
+    pinned = PinnedExpertStore(dev, src)
+    NvmeExpertStore.build(tmp_path / "e.bin", src, dev).close()
+    nvme = NvmeExpertStore(tmp_path / "e.bin")
+    buf = dev.alloc_host(nvme.records.record_bytes)
+    for layer in range(2):
+        for e in range(4):
+            r = nvme.region(layer, e)
+            nvme.file.read_into(r.offset_bytes, buf.tensor)
+            nvme.verify(layer, e, buf.tensor)
+            assert checksum(buf.tensor[: MIXED.num_bytes]) == pinned.checksum(layer, e)
+    assert nvme.format == MIXED
+    with pytest.raises(ConfigError, match="index"):
+        NvmeExpertStore(tmp_path / "missing.bin")
+    nvme.close()
+    pinned.close()
+
+
+def _rig(tmp_path: Path, dev: Device, engine: TransferEngine, num_slots: int = 3):
+    src = SyntheticExpertSource(MIXED, 2, 6, seed=2)
+    pinned = PinnedExpertStore(dev, src)
+    nvme = NvmeExpertStore.build(tmp_path / "e.bin", src, dev)
+    pool = ExpertSlotPool(HostBackend(), dev, 2, 6, MIXED.num_bytes, num_slots, scrub_on_unmap=True)
+    return pinned, nvme, pool, ExpertLoadHandler(pool, engine, pinned, nvme, num_staging=2)
+
+
+def test_loader_is_byte_exact_from_both_stores_and_any_dtype(tmp_path: Path, dev: Device, engine) -> None:
+    pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, num_slots=12)
+    futs = [loader.load(layer, e, StoreKind.NVME if (layer + e) % 2 else StoreKind.PINNED)
+            for layer in range(2) for e in range(6)]
+    for f in futs:
+        f.wait(10)
+    for layer in range(2):
+        for e in range(6):
+            assert checksum(pool.expert_tensor(layer, e)) == pinned.checksum(layer, e)
+    assert loader.stats()["loads_ok"] == 12
+    pool.close()
+
+
+def test_loader_detects_flipped_nvme_bytes_and_gives_the_slot_back(tmp_path: Path, dev: Device, engine) -> None:
+    pinned, nvme, pool, loader = _rig(tmp_path, dev, engine)
+    off = nvme.region(1, 4).offset_bytes + 100
+    fd = os.open(tmp_path / "e.bin", os.O_RDWR)
+    os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 1]), off)
+    os.close(fd)
+    fut = loader.load(1, 4, StoreKind.NVME)
+    with pytest.raises(CorruptDataError, match=r"expert \(1, 4\)"):
+        fut.wait(10)
+    assert pool.state(1, 4) is ExpertState.ABSENT and pool.num_free_slots == 3
+    assert loader.stats()["corrupt_detected"] == 1
+    loader.load(1, 4, StoreKind.PINNED).wait(10)  # the pinned copy is fine
+    assert checksum(pool.expert_tensor(1, 4)) == pinned.checksum(1, 4)
+    pool.close()
+
+
+def test_loader_refusals_move_nothing(tmp_path: Path, dev: Device, engine) -> None:
+    pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, num_slots=1)
+    loader.load(0, 0).wait(10)
+    before = engine.stats()
+    with pytest.raises(BusyError):
+        loader.load(0, 0)
+    with pytest.raises(CapacityError):
+        loader.load(0, 1)
+    assert engine.stats() == before and pool.num_free_slots == 0
+    with pytest.raises(ConfigError, match="no nvme store"):
+        ExpertLoadHandler(pool, engine, pinned=pinned).load(0, 1, StoreKind.NVME)
+    with pytest.raises(ConfigError, match="expert_bytes"):
+        ExpertLoadHandler(ExpertSlotPool(HostBackend(), dev, 1, 1, 4096, 1), engine, pinned=pinned)
+    pool.close()
