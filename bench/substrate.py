@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -158,9 +159,9 @@ def raw_disk_gbps(dev: Device, f: DirectFile, num_bytes: int, write: bool) -> fl
 
 
 def urgent_behind_stream(dev: Device, chunk_bytes: int | None, stream_bytes: int, small_bytes: int,
-                         reps: int, max_inflight_chunks: int = 2) -> dict[str, float]:
+                         reps: int, max_inflight_bytes: int = 16 * MiB) -> dict[str, float]:
     """Latency of a small URGENT KV copy submitted while a LOW expert stream of `stream_bytes` is queued."""
-    engine = TransferEngine(dev, chunk_bytes=chunk_bytes, max_inflight_chunks=max_inflight_chunks)
+    engine = TransferEngine(dev, chunk_bytes=chunk_bytes, max_inflight_bytes=max_inflight_bytes)
     big_h = dev.alloc_host(stream_bytes)
     big_d = dev.alloc(stream_bytes)
     small_h = dev.alloc_host(small_bytes)
@@ -178,7 +179,7 @@ def urgent_behind_stream(dev: Device, chunk_bytes: int | None, stream_bytes: int
     engine.close()
     for b in (big_h, small_h):
         b.close()
-    return {"chunk_bytes": chunk_bytes or 0, "max_inflight_chunks": max_inflight_chunks,
+    return {"chunk_bytes": chunk_bytes or 0, "max_inflight_bytes": max_inflight_bytes,
             "urgent_latency_ms_median": statistics.median(lat) * 1e3,
             "urgent_queue_delay_ms_median": statistics.median(qd) * 1e3,
             "stream_ms_median": statistics.median(big_lat) * 1e3}
@@ -194,14 +195,22 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
     res["raw_h2d_gbps"] = {str(s): raw_copy_gbps(dev, s, reps) for s in sizes}
     res["raw_d2h_gbps"] = {str(s): raw_copy_gbps(dev, s, reps, to_device=False) for s in sizes}
     say(f"raw h2d: {res['raw_h2d_gbps']}")
-    shapes = [(256, 512, 4)] if quick else [(2048, 768, 16), (4096, 1024, 16), (4096, 14336, 2)]
-    configs = [(4 * MiB, 2)] if quick else [(4 * MiB, 2), (4 * MiB, 4), (8 * MiB, 2), (8 * MiB, 4)]
+    # Prefetch batches a decode step really issues: at B>=32 ~110 of Qwen3's 128 experts per layer are active.
+    shapes = [(256, 512, 4)] if quick else [(2048, 768, 16), (2048, 768, 64), (4096, 1024, 32), (4096, 14336, 4)]
+    # (chunk, in-flight bytes, Python's GIL switch interval; None = the interpreter's default 5 ms)
+    configs = [(8 * MiB, 16 * MiB, None)] if quick else [(8 * MiB, 16 * MiB, None), (8 * MiB, 16 * MiB, 2e-4)]
     res["expert_loads"] = []
-    for chunk, inflight in configs:
-        with TransferEngine(dev, chunk_bytes=chunk, max_inflight_chunks=inflight) as eng:
-            for h, i, b in shapes:
-                r = expert_load_gbps(dev, eng, h, i, b, reps)
-                res["expert_loads"].append({**r, "chunk_bytes": chunk, "max_inflight_chunks": inflight})
+    default_switch_s = sys.getswitchinterval()
+    for chunk, inflight, switch_s in configs:
+        sys.setswitchinterval(switch_s or default_switch_s)
+        try:
+            with TransferEngine(dev, chunk_bytes=chunk, max_inflight_bytes=inflight) as eng:
+                for h, i, b in shapes:
+                    r = expert_load_gbps(dev, eng, h, i, b, reps)
+                    res["expert_loads"].append({**r, "chunk_bytes": chunk, "max_inflight_bytes": inflight,
+                                                "switch_interval_us": (switch_s or default_switch_s) * 1e6})
+        finally:
+            sys.setswitchinterval(default_switch_s)
     say(f"expert loads: {res['expert_loads']}")
     engine = TransferEngine(dev)
     strides = [2 * MiB] if quick else [2 * MiB, 10 * MiB, 336 * MiB]
@@ -228,7 +237,7 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
     engine.close()
     stream_bytes = 32 * MiB if quick else 1024 * MiB
     res["urgent_kv"] = [urgent_behind_stream(dev, c, stream_bytes, 64 << 10, reps, k)
-                        for c, k in [*configs, (None, 2)]]
+                        for c, k in [(8 * MiB, 16 * MiB), (4 * MiB, 8 * MiB), (None, 16 * MiB)]]
     say(f"urgent kv: {res['urgent_kv']}")
     _write(out_dir, res, device)
     return res
@@ -240,10 +249,12 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
     md = [f"# Substrate benchmark ({res['device']}, torch {res['torch']}, {res['when']})", "",
           "## Expert loads, pinned host -> slot, vs raw pinned host -> device of the same size", "",
-          "| chunk | in flight chunks | expert bytes | loads in flight | pipelined GB/s | raw GB/s | ratio |"
+          "| chunk | in flight | GIL switch µs | expert bytes | loads in flight | pipelined GB/s | raw GB/s | ratio |"
           " single load ms |",
-          "|---|---|---|---|---|---|---|---|"]
-    md += [f"| {_chunk_label(e['chunk_bytes'])} | {e['max_inflight_chunks']} | {e['expert_bytes']:,} | {e['batch']} | "
+          "|---|---|---|---|---|---|---|---|---|"]
+    md += [f"| {_chunk_label(e['chunk_bytes'])} | {e['max_inflight_bytes'] >> 20} MiB | "
+           f"{e['switch_interval_us']:.0f} | {e['expert_bytes']:,} | "
+           f"{e['batch']} | "
            f"{e['pipelined_gbps']:.1f} | {e['raw_gbps']:.1f} | {e['pipelined_ratio']:.3f} | {e['single_ms']:.3f} |"
            for e in res["expert_loads"]]
     md += ["", "## Map + set access per slot", "", "| slot bytes | map+access µs (median) | p90 | unmap µs |",
@@ -255,9 +266,9 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
     md += [f"| {k} | {v['engine_gbps']:.2f} | {v['raw_gbps']:.2f} | {v['ratio']:.3f} |"
            for k, v in res["links"].items()]
     md += ["", "## Small urgent KV transfer (64 KiB) behind a LOW-priority expert stream", "",
-           "| chunking | in flight chunks | urgent latency ms | urgent queue delay ms | stream ms |",
+           "| chunking | in flight | urgent latency ms | urgent queue delay ms | stream ms |",
            "|---|---|---|---|---|"]
-    md += [f"| {_chunk_label(u['chunk_bytes'])} | {u['max_inflight_chunks']} | "
+    md += [f"| {_chunk_label(u['chunk_bytes'])} | {u['max_inflight_bytes'] >> 20} MiB | "
            f"{u['urgent_latency_ms_median']:.3f} | {u['urgent_queue_delay_ms_median']:.3f} | "
            f"{u['stream_ms_median']:.2f} |" for u in res["urgent_kv"]]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
@@ -278,16 +289,20 @@ def _plot(path: Path, res: dict) -> None:
     xs = [int(s) / MiB for s in res["raw_h2d_gbps"]]
     a.plot(xs, list(res["raw_h2d_gbps"].values()), "o-", label="raw pinned H2D")
     a.plot(xs, list(res["raw_d2h_gbps"].values()), "s-", label="raw pinned D2H")
-    for cfg in sorted({(e["chunk_bytes"], e["max_inflight_chunks"]) for e in res["expert_loads"]}):
-        pts = [e for e in res["expert_loads"] if (e["chunk_bytes"], e["max_inflight_chunks"]) == cfg]
+    for cfg in sorted({(e["chunk_bytes"], e["max_inflight_bytes"], e["switch_interval_us"])
+                       for e in res["expert_loads"]}):
+        pts = [e for e in res["expert_loads"]
+               if (e["chunk_bytes"], e["max_inflight_bytes"], e["switch_interval_us"]) == cfg]
+        pts = [max((p for p in pts if p["expert_bytes"] == n), key=lambda p: p["batch"])
+               for n in sorted({p["expert_bytes"] for p in pts})]
         a.plot([e["expert_bytes"] / MiB for e in pts], [e["pipelined_gbps"] for e in pts], "^--", ms=8,
-               label=f"expert loads, {_chunk_label(cfg[0])} x{cfg[1]}")
+               label=f"expert loads, {_chunk_label(cfg[0])}, GIL switch {cfg[2]:.0f} µs")
     a.set_xscale("log", base=2)
     a.set_xlabel("transfer size (MiB)")
     a.set_ylabel("GB/s")
     a.set_title("Host<->device bandwidth")
     a.legend(fontsize=7)
-    labels = [f"{_chunk_label(u['chunk_bytes'])}\nx{u['max_inflight_chunks']}" for u in res["urgent_kv"]]
+    labels = [f"{_chunk_label(u['chunk_bytes'])}\n{u['max_inflight_bytes'] >> 20} MiB" for u in res["urgent_kv"]]
     b.bar(labels, [u["urgent_latency_ms_median"] for u in res["urgent_kv"]],
           color=["tab:green" if u["chunk_bytes"] else "tab:red" for u in res["urgent_kv"]])
     b.set_yscale("log")

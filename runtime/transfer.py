@@ -4,8 +4,10 @@ Four links, one queue each: host->device, device->host, disk->host, host->disk. 
 traffic class (expert or kv), a priority and an optional deadline; queues pop by (priority, deadline,
 arrival). A transfer of at least 2 x chunk_bytes is cut into even chunks of chunk_bytes (>= 2 MiB) to
 2 x chunk_bytes, so an urgent small transfer waits behind at most the chunks already in flight, never
-behind a whole 1 GiB stream. On a GPU each memory link owns a CUDA stream and keeps at most
-`max_inflight_chunks` chunks issued; on the CPU twin a worker thread does the copy. Disk links are
+behind a whole 1 GiB stream. On a GPU each memory link owns a CUDA stream and keeps issued at most
+`max_inflight_bytes` (always at least one chunk) and `max_inflight_chunks`, so many small KV copies
+pipeline deeply while an urgent one never waits behind more than ~16 MiB; on the CPU twin a worker
+thread does the copy. Disk links are
 worker threads doing aligned O_DIRECT I/O.
 
 Accounting per traffic class: transfers, bytes, queueing delay (submit -> first chunk issued), latency
@@ -34,7 +36,8 @@ from runtime.errors import ConfigError, TransferError
 from runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
 
 MIN_CHUNK_BYTES = 2 << 20
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_INFLIGHT_BYTES = 16 << 20  # ~0.3 ms of PCIe Gen5: the most an urgent transfer waits behind
 
 
 class Link(Enum):
@@ -70,6 +73,7 @@ class TransferRequest:
     priority: Priority = Priority.NORMAL
     deadline_s: float | None = None  # absolute, on the engine's clock
     after: Event | None = None  # work that must finish before the copy reads `src`
+    before_issue: Callable[[], None] | None = None  # runs in the link's worker right before the first chunk
     on_done: Callable[[TransferHandle], None] | None = None  # runs in the link's worker, before wait() returns
 
 
@@ -171,7 +175,8 @@ class TransferEngine:
         self,
         device: Device,
         chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
-        max_inflight_chunks: int = 2,
+        max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
+        max_inflight_chunks: int = 64,
         disk_workers: int = 2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -180,8 +185,9 @@ class TransferEngine:
                 f"chunk_bytes must be None (no chunking) or a multiple of {DIRECT_ALIGN_BYTES} that is "
                 f">= {MIN_CHUNK_BYTES}, got {chunk_bytes}"
             )
-        if max_inflight_chunks < 1 or disk_workers < 1:
-            raise ConfigError("max_inflight_chunks and disk_workers must be >= 1")
+        if max_inflight_chunks < 1 or disk_workers < 1 or max_inflight_bytes < 1:
+            raise ConfigError("max_inflight_bytes, max_inflight_chunks and disk_workers must be >= 1")
+        self.max_inflight_bytes = max_inflight_bytes
         self.device = device
         self.chunk_bytes = chunk_bytes
         self.max_inflight_chunks = max_inflight_chunks
@@ -248,6 +254,8 @@ class TransferEngine:
     # ---- workers ----------------------------------------------------------------------------------
     def _issue(self, link: Link, ch: _Chunk, first: bool) -> Event | None:
         req = ch.handle.request
+        if first and req.before_issue is not None:
+            req.before_issue()
         src = _slice(req.src, ch.offset_bytes, ch.length_bytes)
         dst = _slice(req.dst, ch.offset_bytes, ch.length_bytes)
         if link in (Link.DISK2H, Link.H2DISK) and req.after is not None:
@@ -311,19 +319,29 @@ class TransferEngine:
         h._done.set()
 
     def _run(self, link: Link) -> None:
+        if self.device.is_cuda:  # bind the device's context to this thread (driver calls in hooks need it)
+            torch.cuda.set_device(self.device.torch_device)
         q = self._queues[link]
         inflight: deque[tuple[_Chunk, Event]] = deque()
+        inflight_bytes = 0
         while True:
             ch: _Chunk | None = None
             with q.cv:
                 while not q.heap and not inflight and not self._closing:
                     q.cv.wait()
-                if q.heap and len(inflight) < self.max_inflight_chunks:
+                if q.heap and (
+                    not inflight
+                    or (
+                        len(inflight) < self.max_inflight_chunks
+                        and inflight_bytes + q.heap[0].length_bytes <= self.max_inflight_bytes
+                    )
+                ):
                     ch = heapq.heappop(q.heap)
                 elif not q.heap and not inflight:
                     return  # closing and drained
             if ch is None:
                 done_ch, ev = inflight.popleft()
+                inflight_bytes -= done_ch.length_bytes
                 self._retire(done_ch, ev, None)
                 continue
             if ch.handle.error is not None:  # an earlier chunk failed: skip the copy, still account
@@ -348,8 +366,10 @@ class TransferEngine:
                 self._retire(ch, None, None)
             else:
                 inflight.append((ch, ev))
+                inflight_bytes += ch.length_bytes
                 while inflight and inflight[0][1].query():
                     done_ch, done_ev = inflight.popleft()
+                    inflight_bytes -= done_ch.length_bytes
                     self._retire(done_ch, done_ev, None)
 
     # ---- introspection ----------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 Each layer owns one virtual range holding every expert at `expert * stride_bytes`, so a grouped GEMM reads
 expert e at a fixed address whether or not it is resident. `num_slots` physical chunks (granularity
-aligned) are mapped to logical experts on demand. Loading is two-phase: `prepare_load` maps a free slot
-and returns the destination view, the caller moves the bytes, `complete_load(ok, event)` publishes them.
+aligned) are mapped to logical experts on demand. Loading is two-phase: `prepare_load` reserves a free
+slot (and maps it, unless `map_now=False`: then the copy's worker calls `map_reserved` just before the
+first byte moves, keeping the ~50 µs driver calls off the submitting thread), returns the destination
+view, the caller moves the bytes, and `complete_load(ok, event)` publishes them.
 
 Invariants (each has a test in tests/runtime/test_slots.py):
   I1 stable address: `layer_tensor(l).data_ptr()` never changes between construction and close.
@@ -73,6 +75,7 @@ class _Entry:
     pinned: bool = False
     load_event: Event | None = None
     readers: list[Event] | None = None
+    mapped: bool = False  # the slot is mapped under the expert's range (LOADING may be reserved only)
 
 
 class ExpertSlotPool:
@@ -182,9 +185,8 @@ class ExpertSlotPool:
                 assert self._slot_owner[s] == (l_, e), "I2: slot owner table disagrees"
 
     # ---- two-phase load -----------------------------------------------------------------------------
-    def prepare_load(self, layer: int, expert: int) -> torch.Tensor:
-        """Map a free slot under the expert's range; returns the destination view [expert_bytes]."""
-        stride = self.layout.stride_bytes
+    def prepare_load(self, layer: int, expert: int, map_now: bool = True) -> torch.Tensor:
+        """Reserve a free slot for the expert (and map it unless map_now=False); returns the view to fill."""
         with self._lock:
             en = self._entry(layer, expert)
             if en.state is not ExpertState.ABSENT:
@@ -194,20 +196,35 @@ class ExpertSlotPool:
                     f"prepare_load: all {self.num_slots} slots are bound; unmap an expert first"
                 )
             slot = self._free[-1]
-            va = self._bases[layer] + expert * stride
-            if self.poison_unmapped:
-                self.backend.unmap(va, stride)
-            try:
-                self.backend.map(va, stride, self._slots[slot])
-            except Exception:
-                if self.poison_unmapped:
-                    self.backend.map(va, stride, self._poison, read_only=True)
-                raise
+            if map_now:
+                self._map_locked(layer, expert, slot)
             self._free.pop()
             self._slot_owner[slot] = (layer, expert)
-            en.state, en.slot, en.readers = ExpertState.LOADING, slot, []
+            en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], map_now
             self.remaps += 1
         return self._view(layer, expert)
+
+    def map_reserved(self, layer: int, expert: int) -> None:
+        """Map the slot reserved by `prepare_load(map_now=False)`; any thread may call it (the copy worker)."""
+        with self._lock:
+            en = self._entry(layer, expert)
+            if en.state is not ExpertState.LOADING or en.mapped:
+                raise BusyError(f"map_reserved: expert ({layer}, {expert}) is {en.state.value}, mapped={en.mapped}")
+            assert en.slot is not None
+            self._map_locked(layer, expert, en.slot)
+            en.mapped = True
+
+    def _map_locked(self, layer: int, expert: int, slot: int) -> None:
+        stride = self.layout.stride_bytes
+        va = self._bases[layer] + expert * stride
+        if self.poison_unmapped:
+            self.backend.unmap(va, stride)
+        try:
+            self.backend.map(va, stride, self._slots[slot])
+        except Exception:
+            if self.poison_unmapped:
+                self.backend.map(va, stride, self._poison, read_only=True)
+            raise
 
     def complete_load(self, layer: int, expert: int, ok: bool, event: Event | None = None) -> None:
         """Publish a loaded expert (ok) with the event its copy recorded, or give the slot back (not ok)."""
@@ -215,6 +232,8 @@ class ExpertSlotPool:
             en = self._entry(layer, expert)
             if en.state is not ExpertState.LOADING:
                 raise BusyError(f"complete_load: expert ({layer}, {expert}) is {en.state.value}, not loading")
+            if ok and not en.mapped:
+                raise BusyError(f"complete_load: expert ({layer}, {expert}) was never mapped (map_reserved)")
             if ok:
                 en.state, en.load_event = ExpertState.RESIDENT, event or completed_event()
                 return
@@ -225,15 +244,16 @@ class ExpertSlotPool:
         va = self._bases[layer] + expert * stride
         slot = en.slot
         assert slot is not None
-        if self.scrub_on_unmap:
-            self._tensors[layer][va - self._bases[layer] : va - self._bases[layer] + stride].fill_(POISON_BYTE)
-            self.device.synchronize()
-        self.backend.unmap(va, stride)
-        if self.poison_unmapped:
-            self.backend.map(va, stride, self._poison, read_only=True)
+        if en.mapped:
+            if self.scrub_on_unmap:
+                self._tensors[layer][expert * stride : (expert + 1) * stride].fill_(POISON_BYTE)
+                self.device.synchronize()
+            self.backend.unmap(va, stride)
+            if self.poison_unmapped:
+                self.backend.map(va, stride, self._poison, read_only=True)
         self._slot_owner[slot] = None
         self._free.append(slot)
-        en.state, en.slot, en.load_event, en.readers = ExpertState.ABSENT, None, None, None
+        en.state, en.slot, en.load_event, en.readers, en.mapped = ExpertState.ABSENT, None, None, None, False
 
     # ---- readers ----------------------------------------------------------------------------------
     def wait_ready(self, layer: int, experts: Iterable[int], stream: Any = None) -> None:

@@ -70,7 +70,8 @@ class ExpertLoadHandler:
         src_store = self.pinned if store is StoreKind.PINNED else self.nvme
         if src_store is None:
             raise ConfigError(f"load: no {store.value} store configured")
-        dst = self.pool.prepare_load(layer, expert)  # raises before anything moves
+        # Reserve now (refusals raise before anything moves); map in the H2D worker right before the copy.
+        dst = self.pool.prepare_load(layer, expert, map_now=False)
         fut = OpFuture(f"load of expert ({layer}, {expert}) from {store.value}")
 
         def finish(h: TransferHandle | None, error: BaseException | None, staging: Any = None) -> None:
@@ -86,6 +87,7 @@ class ExpertLoadHandler:
         def h2d(src: Any, staging: Any = None) -> None:
             self.engine.submit(TransferRequest(
                 Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s,
+                before_issue=lambda: self.pool.map_reserved(layer, expert),
                 on_done=lambda h: finish(h, h.error, staging),
             ))
 
