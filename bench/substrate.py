@@ -198,7 +198,7 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
     # Prefetch batches a decode step really issues: at B>=32 ~110 of Qwen3's 128 experts per layer are active.
     shapes = [(256, 512, 4)] if quick else [(2048, 768, 16), (2048, 768, 64), (4096, 1024, 32), (4096, 14336, 4)]
     # (chunk, in-flight bytes, Python's GIL switch interval; None = the interpreter's default 5 ms)
-    configs = [(8 * MiB, 16 * MiB, None)] if quick else [(8 * MiB, 16 * MiB, None), (8 * MiB, 16 * MiB, 2e-4)]
+    configs = [(4 * MiB, 16 * MiB, None)] if quick else [(4 * MiB, 16 * MiB, None), (8 * MiB, 16 * MiB, None)]
     res["expert_loads"] = []
     default_switch_s = sys.getswitchinterval()
     for chunk, inflight, switch_s in configs:
@@ -237,7 +237,7 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
     engine.close()
     stream_bytes = 32 * MiB if quick else 1024 * MiB
     res["urgent_kv"] = [urgent_behind_stream(dev, c, stream_bytes, 64 << 10, reps, k)
-                        for c, k in [(8 * MiB, 16 * MiB), (4 * MiB, 8 * MiB), (None, 16 * MiB)]]
+                        for c, k in [(4 * MiB, 16 * MiB), (8 * MiB, 16 * MiB), (None, 16 * MiB)]]
     say(f"urgent kv: {res['urgent_kv']}")
     _write(out_dir, res, device)
     return res

@@ -5,7 +5,7 @@ traffic class (expert or kv), a priority and an optional deadline; queues pop by
 arrival). A transfer of at least 2 x chunk_bytes is cut into even chunks of chunk_bytes (>= 2 MiB) to
 2 x chunk_bytes, so an urgent small transfer waits behind at most the chunks already in flight, never
 behind a whole 1 GiB stream. On a GPU each memory link owns a CUDA stream and keeps issued at most
-`max_inflight_bytes` (always at least one chunk) and `max_inflight_chunks`, so many small KV copies
+`max_inflight_bytes` (always at least two chunks) and `max_inflight_chunks`, so many small KV copies
 pipeline deeply while an urgent one never waits behind more than ~16 MiB; on the CPU twin a worker
 thread does the copy. Disk links are
 worker threads doing aligned O_DIRECT I/O.
@@ -36,7 +36,7 @@ from runtime.errors import ConfigError, TransferError
 from runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
 
 MIN_CHUNK_BYTES = 2 << 20
-DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_INFLIGHT_BYTES = 16 << 20  # ~0.3 ms of PCIe Gen5: the most an urgent transfer waits behind
 
 
@@ -329,8 +329,10 @@ class TransferEngine:
             with q.cv:
                 while not q.heap and not inflight and not self._closing:
                     q.cv.wait()
+                # Always two in flight: the next request's before_issue hook (a slot remap, ~60 µs) then runs
+                # while the link is still busy with the previous one.
                 if q.heap and (
-                    not inflight
+                    len(inflight) < 2
                     or (
                         len(inflight) < self.max_inflight_chunks
                         and inflight_bytes + q.heap[0].length_bytes <= self.max_inflight_bytes
