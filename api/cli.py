@@ -98,11 +98,17 @@ def bench_substrate(
     out_dir: Annotated[Path, typer.Option(help="Where to write JSON, Markdown and PNG.")] = Path("bench/results"),
     quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
     device: Dev = DeviceOpt.cuda,
+    only: Annotated[str, typer.Option(help="Comma-separated sections: raw,loads,map,links,urgent.")] = "",
 ) -> None:
     """Measure the substrate: link bandwidth, expert loads vs raw copies, map cost, urgent-KV queueing."""
-    from bench.substrate import run_substrate_bench
+    from bench.substrate import SECTIONS, run_substrate_bench
 
-    run_substrate_bench(out_dir, device.value, quick=quick, console=out)
+    sections = tuple(x.strip() for x in only.split(",") if x.strip()) or SECTIONS
+    bad = set(sections) - set(SECTIONS)
+    if bad:
+        raise typer.BadParameter(f"unknown section(s) {sorted(bad)}; expected some of {', '.join(SECTIONS)}",
+                                 param_hint="--only")
+    run_substrate_bench(out_dir, device.value, quick=quick, console=out, sections=sections)
 
 
 @app.command()

@@ -185,42 +185,57 @@ def urgent_behind_stream(dev: Device, chunk_bytes: int | None, stream_bytes: int
             "stream_ms_median": statistics.median(big_lat) * 1e3}
 
 
-def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None) -> dict:
+SECTIONS = ("raw", "loads", "map", "links", "urgent")
+
+
+def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None,
+                        sections: tuple[str, ...] = SECTIONS) -> dict:
+    """Run the chosen sections (all by default) and write the results; a partial run writes what it ran."""
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown bench sections {sorted(unknown)}; expected some of {SECTIONS}")
     dev = Device(device)
     say = console.print if console is not None else print
     reps = 3 if quick else 10
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev.is_cuda else platform.processor() or "cpu",
-                           "torch": torch.__version__, "quick": quick, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    sizes = [2 * MiB, 8 * MiB] if quick else [2 * MiB, 8 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
-    res["raw_h2d_gbps"] = {str(s): raw_copy_gbps(dev, s, reps) for s in sizes}
-    res["raw_d2h_gbps"] = {str(s): raw_copy_gbps(dev, s, reps, to_device=False) for s in sizes}
-    say(f"raw h2d: {res['raw_h2d_gbps']}")
-    # Prefetch batches a decode step really issues: at B>=32 ~110 of Qwen3's 128 experts per layer are active.
-    shapes = [(256, 512, 4)] if quick else [(2048, 768, 16), (2048, 768, 64), (4096, 1024, 32), (4096, 14336, 4)]
-    # (chunk, in-flight bytes, Python's GIL switch interval; None = the interpreter's default 5 ms)
-    configs = [(4 * MiB, 16 * MiB, None)] if quick else [(4 * MiB, 16 * MiB, None), (8 * MiB, 16 * MiB, None)]
-    res["expert_loads"] = []
-    default_switch_s = sys.getswitchinterval()
-    for chunk, inflight, switch_s in configs:
-        sys.setswitchinterval(switch_s or default_switch_s)
-        try:
+                           "torch": torch.__version__, "quick": quick, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "gil_switch_interval_us": sys.getswitchinterval() * 1e6}
+    if "raw" in sections:
+        sizes = [2 * MiB, 8 * MiB] if quick else [2 * MiB, 8 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
+        res["raw_h2d_gbps"] = {str(s): raw_copy_gbps(dev, s, reps) for s in sizes}
+        res["raw_d2h_gbps"] = {str(s): raw_copy_gbps(dev, s, reps, to_device=False) for s in sizes}
+        say(f"raw h2d: {res['raw_h2d_gbps']}")
+    if "loads" in sections:
+        # Prefetch batches a decode step really issues: at B>=32 ~110 of Qwen3's 128 experts per layer are active.
+        shapes = [(256, 512, 4)] if quick else [(2048, 768, 16), (2048, 768, 64), (4096, 1024, 32), (4096, 14336, 4)]
+        configs = [(4 * MiB, 16 * MiB)] if quick else [(4 * MiB, 16 * MiB), (8 * MiB, 16 * MiB)]
+        res["expert_loads"] = []
+        for chunk, inflight in configs:
             with TransferEngine(dev, chunk_bytes=chunk, max_inflight_bytes=inflight) as eng:
                 for h, i, b in shapes:
                     r = expert_load_gbps(dev, eng, h, i, b, reps)
-                    res["expert_loads"].append({**r, "chunk_bytes": chunk, "max_inflight_bytes": inflight,
-                                                "switch_interval_us": (switch_s or default_switch_s) * 1e6})
-        finally:
-            sys.setswitchinterval(default_switch_s)
-    say(f"expert loads: {res['expert_loads']}")
-    engine = TransferEngine(dev)
-    strides = [2 * MiB] if quick else [2 * MiB, 10 * MiB, 336 * MiB]
-    res["map_cost"] = [map_cost_us(dev, s, 8 if quick else 32 if s < 100 * MiB else 8) for s in strides]
-    say(f"map cost: {res['map_cost']}")
-    link_bytes = 8 * MiB if quick else 1024 * MiB
-    with tempfile.TemporaryDirectory(prefix="tierplan-bench-") as td:
+                    res["expert_loads"].append({**r, "chunk_bytes": chunk, "max_inflight_bytes": inflight})
+        say(f"expert loads: {res['expert_loads']}")
+    if "map" in sections:
+        strides = [2 * MiB] if quick else [2 * MiB, 10 * MiB, 336 * MiB]
+        res["map_cost"] = [map_cost_us(dev, s, 8 if quick else 32 if s < 100 * MiB else 8) for s in strides]
+        say(f"map cost: {res['map_cost']}")
+    if "links" in sections:
+        res.update(_links(dev, 8 * MiB if quick else 1024 * MiB, reps))
+        say(f"links: {res['links']}")
+    if "urgent" in sections:
+        stream_bytes = 32 * MiB if quick else 1024 * MiB
+        res["urgent_kv"] = [urgent_behind_stream(dev, c, stream_bytes, 64 << 10, reps, k)
+                            for c, k in [(4 * MiB, 16 * MiB), (8 * MiB, 16 * MiB), (None, 16 * MiB)]]
+        say(f"urgent kv: {res['urgent_kv']}")
+    _write(out_dir, res, device)
+    return res
+
+
+def _links(dev: Device, link_bytes: int, reps: int) -> dict[str, Any]:
+    with TransferEngine(dev) as engine, tempfile.TemporaryDirectory(prefix="tierplan-bench-") as td:
         f = DirectFile(Path(td) / "link.tpnvme", link_bytes)
-        res["disk_direct_io"] = f.direct_io
-        res["links"] = {
+        links = {
             "h2d": {"engine_gbps": engine_link_gbps(dev, engine, Link.H2D, link_bytes, None, reps),
                     "raw_gbps": raw_copy_gbps(dev, link_bytes, reps)},
             "d2h": {"engine_gbps": engine_link_gbps(dev, engine, Link.D2H, link_bytes, None, reps),
@@ -230,17 +245,11 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
             "disk2h": {"raw_gbps": raw_disk_gbps(dev, f, link_bytes, write=False),
                        "engine_gbps": engine_link_gbps(dev, engine, Link.DISK2H, link_bytes, f, 2)},
         }
+        direct = f.direct_io
         f.close()
-    for v in res["links"].values():
+    for v in links.values():
         v["ratio"] = v["engine_gbps"] / v["raw_gbps"]
-    say(f"links: {res['links']}")
-    engine.close()
-    stream_bytes = 32 * MiB if quick else 1024 * MiB
-    res["urgent_kv"] = [urgent_behind_stream(dev, c, stream_bytes, 64 << 10, reps, k)
-                        for c, k in [(4 * MiB, 16 * MiB), (8 * MiB, 16 * MiB), (None, 16 * MiB)]]
-    say(f"urgent kv: {res['urgent_kv']}")
-    _write(out_dir, res, device)
-    return res
+    return {"links": links, "disk_direct_io": direct}
 
 
 def _write(out_dir: Path, res: dict, device: str) -> None:
@@ -248,31 +257,36 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
     stem = out_dir / f"substrate_{device}"
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
     md = [f"# Substrate benchmark ({res['device']}, torch {res['torch']}, {res['when']})", "",
-          "## Expert loads, pinned host -> slot, vs raw pinned host -> device of the same size", "",
-          "| chunk | in flight | GIL switch µs | expert bytes | loads in flight | pipelined GB/s | raw GB/s | ratio |"
-          " single load ms |",
-          "|---|---|---|---|---|---|---|---|---|"]
-    md += [f"| {_chunk_label(e['chunk_bytes'])} | {e['max_inflight_bytes'] >> 20} MiB | "
-           f"{e['switch_interval_us']:.0f} | {e['expert_bytes']:,} | "
-           f"{e['batch']} | "
-           f"{e['pipelined_gbps']:.1f} | {e['raw_gbps']:.1f} | {e['pipelined_ratio']:.3f} | {e['single_ms']:.3f} |"
-           for e in res["expert_loads"]]
-    md += ["", "## Map + set access per slot", "", "| slot bytes | map+access µs (median) | p90 | unmap µs |",
-           "|---|---|---|---|"]
-    md += [f"| {m['stride_bytes']:,} | {m['map_access_us_median']:.1f} | {m['map_access_us_p90']:.1f} | "
-           f"{m['unmap_us_median']:.1f} |" for m in res["map_cost"]]
-    md += ["", f"## Transfer engine per link (disk O_DIRECT: {res['disk_direct_io']})", "",
-           "| link | engine GB/s | raw GB/s | ratio |", "|---|---|---|---|"]
-    md += [f"| {k} | {v['engine_gbps']:.2f} | {v['raw_gbps']:.2f} | {v['ratio']:.3f} |"
-           for k, v in res["links"].items()]
-    md += ["", "## Small urgent KV transfer (64 KiB) behind a LOW-priority expert stream", "",
-           "| chunking | in flight | urgent latency ms | urgent queue delay ms | stream ms |",
-           "|---|---|---|---|---|"]
-    md += [f"| {_chunk_label(u['chunk_bytes'])} | {u['max_inflight_bytes'] >> 20} MiB | "
-           f"{u['urgent_latency_ms_median']:.3f} | {u['urgent_queue_delay_ms_median']:.3f} | "
-           f"{u['stream_ms_median']:.2f} |" for u in res["urgent_kv"]]
+          f"Python GIL switch interval: {res['gil_switch_interval_us']:.0f} µs (the interpreter's default).", ""]
+    if "expert_loads" in res:
+        md += ["## Expert loads, pinned host -> slot (map + copy + publish), vs raw pinned host -> device copies of",
+               "the same sizes and count on one stream", "",
+               "| chunk | in flight | expert bytes | loads in flight | pipelined GB/s | raw GB/s | ratio "
+               "| single load ms |",
+               "|---|---|---|---|---|---|---|---|"]
+        md += [f"| {_chunk_label(e['chunk_bytes'])} | {e['max_inflight_bytes'] >> 20} MiB | {e['expert_bytes']:,} | "
+               f"{e['batch']} | {e['pipelined_gbps']:.1f} | {e['raw_gbps']:.1f} | {e['pipelined_ratio']:.3f} | "
+               f"{e['single_ms']:.3f} |" for e in res["expert_loads"]]
+    if "map_cost" in res:
+        md += ["", "## Map + set access per slot", "", "| slot bytes | map+access µs (median) | p90 | unmap µs |",
+               "|---|---|---|---|"]
+        md += [f"| {m['stride_bytes']:,} | {m['map_access_us_median']:.1f} | {m['map_access_us_p90']:.1f} | "
+               f"{m['unmap_us_median']:.1f} |" for m in res["map_cost"]]
+    if "links" in res:
+        md += ["", f"## Transfer engine per link, 1 GiB transfers (disk O_DIRECT: {res['disk_direct_io']})", "",
+               "| link | engine GB/s | raw GB/s | ratio |", "|---|---|---|---|"]
+        md += [f"| {k} | {v['engine_gbps']:.2f} | {v['raw_gbps']:.2f} | {v['ratio']:.3f} |"
+               for k, v in res["links"].items()]
+    if "urgent_kv" in res:
+        md += ["", "## Small urgent KV transfer (64 KiB) behind a LOW-priority 1 GiB expert stream", "",
+               "| chunking | in flight | urgent latency ms | urgent queue delay ms | stream ms |",
+               "|---|---|---|---|---|"]
+        md += [f"| {_chunk_label(u['chunk_bytes'])} | {u['max_inflight_bytes'] >> 20} MiB | "
+               f"{u['urgent_latency_ms_median']:.3f} | {u['urgent_queue_delay_ms_median']:.3f} | "
+               f"{u['stream_ms_median']:.2f} |" for u in res["urgent_kv"]]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
-    _plot(stem.with_suffix(".png"), res)
+    if {"raw_h2d_gbps", "expert_loads", "urgent_kv"} <= set(res):
+        _plot(stem.with_suffix(".png"), res)
 
 
 def _chunk_label(chunk_bytes: int) -> str:
@@ -289,14 +303,12 @@ def _plot(path: Path, res: dict) -> None:
     xs = [int(s) / MiB for s in res["raw_h2d_gbps"]]
     a.plot(xs, list(res["raw_h2d_gbps"].values()), "o-", label="raw pinned H2D")
     a.plot(xs, list(res["raw_d2h_gbps"].values()), "s-", label="raw pinned D2H")
-    for cfg in sorted({(e["chunk_bytes"], e["max_inflight_bytes"], e["switch_interval_us"])
-                       for e in res["expert_loads"]}):
-        pts = [e for e in res["expert_loads"]
-               if (e["chunk_bytes"], e["max_inflight_bytes"], e["switch_interval_us"]) == cfg]
+    for cfg in sorted({(e["chunk_bytes"], e["max_inflight_bytes"]) for e in res["expert_loads"]}):
+        pts = [e for e in res["expert_loads"] if (e["chunk_bytes"], e["max_inflight_bytes"]) == cfg]
         pts = [max((p for p in pts if p["expert_bytes"] == n), key=lambda p: p["batch"])
                for n in sorted({p["expert_bytes"] for p in pts})]
         a.plot([e["expert_bytes"] / MiB for e in pts], [e["pipelined_gbps"] for e in pts], "^--", ms=8,
-               label=f"expert loads, {_chunk_label(cfg[0])}, GIL switch {cfg[2]:.0f} µs")
+               label=f"expert loads, {_chunk_label(cfg[0])}, {cfg[1] >> 20} MiB in flight")
     a.set_xscale("log", base=2)
     a.set_xlabel("transfer size (MiB)")
     a.set_ylabel("GB/s")

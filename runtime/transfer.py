@@ -261,6 +261,9 @@ class TransferEngine:
                 key = (int(req.priority), deadline, next(self._seq))
                 heapq.heappush(q.heap, _Chunk(key, h, off, length))
             q.cv.notify_all()  # disk links have several workers: a multi-chunk transfer should wake them all
+        # Yield the GIL once: a submitter looping over a prefetch list would otherwise hold it for
+        # milliseconds (CPython forces a switch only every 5 ms) while the link worker waits to issue.
+        time.sleep(0)
         return h
 
     # ---- workers ----------------------------------------------------------------------------------
