@@ -26,7 +26,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
 from typing import Any
 
 import torch
@@ -34,66 +33,21 @@ import torch
 from runtime.device import Device, Event
 from runtime.errors import ConfigError, TransferError
 from runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
+from runtime.transfer_types import (
+    Buffer,
+    ClassStats,
+    Link,
+    LinkStats,
+    Priority,
+    TrafficClass,
+    TransferRequest,
+)
+
+__all__ = ["Link", "Priority", "TrafficClass", "TransferEngine", "TransferHandle", "TransferRequest"]
 
 MIN_CHUNK_BYTES = 2 << 20
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 8 << 20  # measured on the H200: 9-24 MiB expert loads pipeline best at 8 MiB
 DEFAULT_INFLIGHT_BYTES = 16 << 20  # ~0.3 ms of PCIe Gen5: the most an urgent transfer waits behind
-
-
-class Link(Enum):
-    H2D = "h2d"
-    D2H = "d2h"
-    DISK2H = "disk2h"
-    H2DISK = "h2disk"
-
-
-class TrafficClass(Enum):
-    EXPERT = "expert"
-    KV = "kv"
-
-
-class Priority(IntEnum):
-    """Lower pops first."""
-
-    URGENT = 0
-    HIGH = 1
-    NORMAL = 2
-    LOW = 3
-
-
-Buffer = torch.Tensor | FileRegion
-
-
-@dataclass(frozen=True)
-class TransferRequest:
-    link: Link
-    traffic: TrafficClass
-    src: Buffer
-    dst: Buffer
-    priority: Priority = Priority.NORMAL
-    deadline_s: float | None = None  # absolute, on the engine's clock
-    after: Event | None = None  # work that must finish before the copy reads `src`
-    before_issue: Callable[[], None] | None = None  # runs in the link's worker right before the first chunk
-    on_done: Callable[[TransferHandle], None] | None = None  # runs in the link's worker, before wait() returns
-
-
-@dataclass
-class ClassStats:
-    transfers: int = 0
-    bytes: int = 0
-    queue_delay_s_sum: float = 0.0
-    queue_delay_s_max: float = 0.0
-    latency_s_sum: float = 0.0
-    latency_s_max: float = 0.0
-    deadline_misses: int = 0
-    failures: int = 0
-
-
-@dataclass
-class LinkStats:
-    bytes: int = 0
-    chunks: int = 0
-    transfers: int = 0
 
 
 class TransferHandle:
@@ -261,9 +215,6 @@ class TransferEngine:
                 key = (int(req.priority), deadline, next(self._seq))
                 heapq.heappush(q.heap, _Chunk(key, h, off, length))
             q.cv.notify_all()  # disk links have several workers: a multi-chunk transfer should wake them all
-        # Yield the GIL once: a submitter looping over a prefetch list would otherwise hold it for
-        # milliseconds (CPython forces a switch only every 5 ms) while the link worker waits to issue.
-        time.sleep(0)
         return h
 
     # ---- workers ----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import torch
 from runtime.checksum import checksum
 from runtime.device import AlignedHostBuffer, Event
 from runtime.errors import BusyError, ConfigError, CorruptDataError, TransferError
+from runtime.future import OpFuture
 from runtime.kv.manager import KVBlockManager
 from runtime.kv.spec import KVBlockSpec, KVMove, Tier
 from runtime.kv.stores import KVTierStores
@@ -29,31 +30,16 @@ from runtime.transfer import Buffer, Link, Priority, TrafficClass, TransferEngin
 PAIRS = tuple(f"{a.value}->{b.value}" for a in Tier for b in Tier if a is not b)
 
 
-class KVMoveFuture:
-    """The outcome of one asynchronous block move: poll with `done()`, block with `wait()`."""
+class KVMoveFuture(OpFuture):
+    """One asynchronous block move: `wait()` returns once the block sits at `move.dst`, or raises the
+    move's error if it stayed at `move.src`."""
 
     def __init__(self, move: KVMove) -> None:
+        super().__init__(f"KV move of block {move.block_id} ({move.pair})")
         self.move = move
-        self.error: BaseException | None = None
-        self._done = threading.Event()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    @property
-    def ok(self) -> bool:
-        return self._done.is_set() and self.error is None
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Return once the block sits at `move.dst`; raise the move's error if it stayed at `move.src`."""
-        if not self._done.wait(timeout_s):
-            raise TimeoutError(f"KV move of block {self.move.block_id} ({self.move.pair}) not done in {timeout_s} s")
-        if self.error is not None:
-            raise self.error
 
     def _resolve(self, error: BaseException | None) -> None:
-        self.error = error
-        self._done.set()
+        self.set_result(error)
 
 
 @dataclass

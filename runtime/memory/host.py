@@ -64,9 +64,19 @@ class HostBackend:
         self._reservations[va] = num_bytes
         return va
 
+    def _inside(self, va: int, n: int) -> tuple[int, int] | None:
+        """The reservation holding [va, va+n), if any."""
+        for base, size in self._reservations.items():
+            if base <= va and va + n <= base + size:
+                return base, size
+        return None
+
     def free_reservation(self, va: int, num_bytes: int) -> None:
-        if self._reservations.pop(va, None) is None:
-            raise ConfigError(f"free_reservation: {va:#x} is not a reservation")
+        if self._reservations.get(va) != num_bytes:
+            raise ConfigError(f"free_reservation: {va:#x} is not a reservation of {num_bytes} bytes")
+        if any(va <= m < va + num_bytes for m in self._mapped):
+            raise ConfigError(f"free_reservation: {va:#x} still holds mappings; unmap them first")
+        del self._reservations[va]
         if _libc.munmap(va, num_bytes) != 0:
             raise OSError(ctypes.get_errno(), "munmap failed")
 
@@ -88,8 +98,11 @@ class HostBackend:
     def map(self, va: int, num_bytes: int, phys: object, read_only: bool = False) -> None:
         assert isinstance(phys, _Chunk)
         self._check("map", num_bytes)
-        if va in self._mapped:
-            raise ConfigError(f"map: {va:#x} is already mapped (a page maps at most one chunk)")
+        if self._inside(va, num_bytes) is None:
+            raise ConfigError(f"map: [{va:#x}, +{num_bytes}) is not inside a reservation")
+        for m, (n, _) in self._mapped.items():
+            if m < va + num_bytes and va < m + n:
+                raise ConfigError(f"map: {va:#x} is already mapped (by {m:#x}; a page maps at most one chunk)")
         if num_bytes > phys.num_bytes:
             raise ConfigError(f"map: {num_bytes} bytes exceed the chunk's {phys.num_bytes}")
         prot = _PROT_READ if read_only else _PROT_READ | _PROT_WRITE

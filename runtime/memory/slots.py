@@ -12,9 +12,11 @@ Invariants (each has a test in tests/runtime/test_slots.py):
   I2 one page, one slot: an expert range maps at most one slot, and a slot backs at most one expert.
   I3 RAW: an expert is readable only after its load; `wait_ready` orders the compute stream after the
      load's event, and reading a LOADING or absent expert through `expert_tensor` raises.
-  I4 WAR: a slot is unmapped (and so reused) only after every reader event recorded on it completed.
-  I5 never stale: a non-resident expert's range shows the poison byte (or faults, poison off), never
-     another expert's bytes; `scrub_on_unmap` also poisons a slot's old contents before reuse.
+  I4 WAR: a slot is unmapped (and so reused) only after every reader event recorded on it, and its own
+     load copy, completed.
+  I5 never stale: an ABSENT expert's range shows the poison byte (or faults, poison off), never another
+     expert's bytes. While LOADING, the reserved slot may still hold its previous expert's bytes (reads
+     are refused by I3); `scrub_on_unmap` poisons a slot's old contents before reuse so even that is gone.
   I6 recycled: free + bound slots == num_slots at every step; close() releases every backend object.
 
 Mechanism only: which expert to load or evict is the caller's decision (agent local policy).
@@ -270,11 +272,13 @@ class ExpertSlotPool:
 
     def record_read(self, layer: int, experts: Iterable[int], event: Event) -> None:
         """Remember that work ending at `event` reads these experts (WAR protection for their slots)."""
+        experts = list(experts)
         with self._lock:
-            for e in experts:
-                en = self._entry(layer, e)
+            entries = [self._entry(layer, e) for e in experts]
+            for e, en in zip(experts, entries, strict=True):  # validate all first: a refusal records nothing
                 if en.state is not ExpertState.RESIDENT:
                     raise NotResidentError(f"record_read: expert ({layer}, {e}) is {en.state.value}")
+            for en in entries:
                 assert en.readers is not None
                 en.readers = [r for r in en.readers if not r.query()]
                 en.readers.append(event)
@@ -289,9 +293,11 @@ class ExpertSlotPool:
                 raise err(f"unmap: expert ({layer}, {expert}) is {en.state.value}")
             if en.pinned:
                 raise PinnedError(f"unmap: expert ({layer}, {expert}) is pinned")
-            readers = [r for r in (en.readers or []) if not r.query()]
+            # The load's own copy counts as in flight too: a slot is never unmapped under a running copy.
+            pending = [*(en.readers or []), *([en.load_event] if en.load_event is not None else [])]
+            readers = [r for r in pending if not r.query()]
             if readers and not wait:
-                raise BusyError(f"unmap: expert ({layer}, {expert}) has {len(readers)} reader(s) in flight")
+                raise BusyError(f"unmap: expert ({layer}, {expert}) has {len(readers)} reader(s) or copy in flight")
             en.state = ExpertState.EVICTING
         for r in readers:  # outside the lock: other experts stay usable while we wait
             r.synchronize()
@@ -319,7 +325,8 @@ class ExpertSlotPool:
     def close(self) -> None:
         """Wait for readers, then release every mapping, slot and reservation (I6)."""
         with self._lock:
-            pending = [r for row in self._entries for en in row for r in (en.readers or [])]
+            pending = [r for row in self._entries for en in row
+                       for r in [*(en.readers or []), *([en.load_event] if en.load_event is not None else [])]]
         for r in pending:
             r.synchronize()
         self._tensors.clear()

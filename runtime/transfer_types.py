@@ -1,0 +1,77 @@
+"""Value types of the transfer engine: links, traffic classes, priorities, requests, statistics.
+
+Shared by the engine and its callers in the inference process; plain data, no behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+from typing import TYPE_CHECKING
+
+import torch
+
+from runtime.device import Event
+from runtime.nvme import FileRegion
+
+if TYPE_CHECKING:
+    from runtime.transfer import TransferHandle
+
+
+class Link(Enum):
+    H2D = "h2d"
+    D2H = "d2h"
+    DISK2H = "disk2h"
+    H2DISK = "h2disk"
+
+
+class TrafficClass(Enum):
+    EXPERT = "expert"
+    KV = "kv"
+
+
+class Priority(IntEnum):
+    """Lower pops first."""
+
+    URGENT = 0
+    HIGH = 1
+    NORMAL = 2
+    LOW = 3
+
+
+Buffer = torch.Tensor | FileRegion
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    link: Link
+    traffic: TrafficClass
+    src: Buffer
+    dst: Buffer
+    priority: Priority = Priority.NORMAL
+    deadline_s: float | None = None  # absolute, on the engine's clock
+    after: Event | None = None  # work that must finish before the copy reads `src`
+    before_issue: Callable[[], None] | None = None  # runs in the link's worker right before the first chunk
+    on_done: Callable[[TransferHandle], None] | None = None  # runs in the link's worker, before wait() returns
+
+
+@dataclass
+class ClassStats:
+    transfers: int = 0
+    bytes: int = 0
+    queue_delay_s_sum: float = 0.0
+    queue_delay_s_max: float = 0.0
+    latency_s_sum: float = 0.0
+    latency_s_max: float = 0.0
+    deadline_misses: int = 0
+    failures: int = 0
+
+
+@dataclass
+class LinkStats:
+    bytes: int = 0
+    chunks: int = 0
+    transfers: int = 0
+
+

@@ -1,0 +1,52 @@
+"""The `tierplan` command line: what a user types, what they read, and the exit codes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from api.cli import app
+
+runner = CliRunner()
+
+
+def test_check_slots_prints_the_result_line(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["check", "slots", "--remaps", "60", "--seed", "3", "--workdir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert r.output.strip().splitlines()[-1] == "slots: remaps=60 stale_reads=0"
+
+
+def test_check_tiers_prints_the_result_line(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["check", "tiers", "--moves", "400", "--seed", "3", "--inject-every", "100",
+                            "--workdir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert re.fullmatch(r"tiers: moves=400 mismatches=0 corrupt_detected=4", r.output.strip().splitlines()[-1])
+    assert "injected=4" in r.output
+
+
+def test_bad_arguments_are_refused_with_a_reason() -> None:
+    r = runner.invoke(app, ["check", "tiers", "--moves", "0"])
+    assert r.exit_code == 2 and "moves" in r.output
+    r = runner.invoke(app, ["check", "slots", "--device", "tpu"])
+    assert r.exit_code == 2 and "device" in r.output
+    r = runner.invoke(app, ["bench", "substrate", "--only", "bogus"])
+    assert r.exit_code == 2 and "bogus" in r.output
+
+
+def test_bench_substrate_quick_writes_json_markdown_and_plot(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["bench", "substrate", "--device", "cpu", "--quick", "--out-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "substrate_cpu.json").read_text())
+    assert res["expert_loads"] and res["urgent_kv"] and set(res["links"]) == {"h2d", "d2h", "h2disk", "disk2h"}
+    assert all(v["ratio"] > 0 for v in res["links"].values())
+    assert "| link | engine GB/s" in (tmp_path / "substrate_cpu.md").read_text()
+    assert (tmp_path / "substrate_cpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_ends_with_demo_ok(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["demo", "--workdir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert r.output.strip().splitlines()[-1] == "demo: ok"
