@@ -75,7 +75,7 @@ def raw_copy_gbps(dev: Device, num_bytes: int, reps: int, to_device: bool = True
 
 
 def expert_load_gbps(dev: Device, engine: TransferEngine, hidden: int, inter: int, batch: int,
-                     reps: int) -> dict[str, float]:
+                     reps: int, poison_unmapped: bool = True) -> dict[str, float]:
     """Pinned store -> slots: `batch` loads in flight at once (a prefetch list), then a single load.
 
     Timed: prepare_load (the slot map) + the engine's copy + complete_load, i.e. the whole load path.
@@ -84,7 +84,7 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, hidden: int, inter: in
     fmt = ExpertFormat.swiglu(hidden, inter)
     src = SyntheticExpertSource(fmt, 1, batch, seed=1)
     store = PinnedExpertStore(dev, src)
-    pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, fmt.num_bytes, batch)
+    pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, fmt.num_bytes, batch, poison_unmapped=poison_unmapped)
     loader = ExpertLoadHandler(pool, engine, pinned=store)
 
     def evict_all() -> None:
@@ -208,13 +208,16 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
     if "loads" in sections:
         # Prefetch batches a decode step really issues: at B>=32 ~110 of Qwen3's 128 experts per layer are active.
         shapes = [(256, 512, 4)] if quick else [(2048, 768, 16), (2048, 768, 64), (4096, 1024, 32), (4096, 14336, 4)]
-        configs = [(4 * MiB, 16 * MiB)] if quick else [(4 * MiB, 16 * MiB), (8 * MiB, 16 * MiB)]
+        # poison off: absent experts are unmapped (a read faults) and a load maps without unmapping poison first
+        configs = [(4 * MiB, 16 * MiB, True)] if quick else [(8 * MiB, 16 * MiB, True), (8 * MiB, 16 * MiB, False),
+                                                            (4 * MiB, 16 * MiB, True)]
         res["expert_loads"] = []
-        for chunk, inflight in configs:
+        for chunk, inflight, poison in configs:
             with TransferEngine(dev, chunk_bytes=chunk, max_inflight_bytes=inflight) as eng:
                 for h, i, b in shapes:
-                    r = expert_load_gbps(dev, eng, h, i, b, reps)
-                    res["expert_loads"].append({**r, "chunk_bytes": chunk, "max_inflight_bytes": inflight})
+                    r = expert_load_gbps(dev, eng, h, i, b, reps, poison_unmapped=poison)
+                    res["expert_loads"].append({**r, "chunk_bytes": chunk, "max_inflight_bytes": inflight,
+                                                "poison_unmapped": poison})
         say(f"expert loads: {res['expert_loads']}")
     if "map" in sections:
         strides = [2 * MiB] if quick else [2 * MiB, 10 * MiB, 336 * MiB]
@@ -261,10 +264,11 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
     if "expert_loads" in res:
         md += ["## Expert loads, pinned host -> slot (map + copy + publish), vs raw pinned host -> device copies of",
                "the same sizes and count on one stream", "",
-               "| chunk | in flight | expert bytes | loads in flight | pipelined GB/s | raw GB/s | ratio "
-               "| single load ms |",
-               "|---|---|---|---|---|---|---|---|"]
-        md += [f"| {_chunk_label(e['chunk_bytes'])} | {e['max_inflight_bytes'] >> 20} MiB | {e['expert_bytes']:,} | "
+               "| chunk | in flight | absent experts | expert bytes | loads in flight | pipelined GB/s | raw GB/s "
+               "| ratio | single load ms |",
+               "|---|---|---|---|---|---|---|---|---|"]
+        md += [f"| {_chunk_label(e['chunk_bytes'])} | {e['max_inflight_bytes'] >> 20} MiB | "
+               f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {e['expert_bytes']:,} | "
                f"{e['batch']} | {e['pipelined_gbps']:.1f} | {e['raw_gbps']:.1f} | {e['pipelined_ratio']:.3f} | "
                f"{e['single_ms']:.3f} |" for e in res["expert_loads"]]
     if "map_cost" in res:
@@ -303,12 +307,14 @@ def _plot(path: Path, res: dict) -> None:
     xs = [int(s) / MiB for s in res["raw_h2d_gbps"]]
     a.plot(xs, list(res["raw_h2d_gbps"].values()), "o-", label="raw pinned H2D")
     a.plot(xs, list(res["raw_d2h_gbps"].values()), "s-", label="raw pinned D2H")
-    for cfg in sorted({(e["chunk_bytes"], e["max_inflight_bytes"]) for e in res["expert_loads"]}):
-        pts = [e for e in res["expert_loads"] if (e["chunk_bytes"], e["max_inflight_bytes"]) == cfg]
+    for cfg in sorted({(e["chunk_bytes"], e["max_inflight_bytes"], e["poison_unmapped"])
+                       for e in res["expert_loads"]}):
+        pts = [e for e in res["expert_loads"]
+               if (e["chunk_bytes"], e["max_inflight_bytes"], e["poison_unmapped"]) == cfg]
         pts = [max((p for p in pts if p["expert_bytes"] == n), key=lambda p: p["batch"])
                for n in sorted({p["expert_bytes"] for p in pts})]
         a.plot([e["expert_bytes"] / MiB for e in pts], [e["pipelined_gbps"] for e in pts], "^--", ms=8,
-               label=f"expert loads, {_chunk_label(cfg[0])}, {cfg[1] >> 20} MiB in flight")
+               label=f"expert loads, {_chunk_label(cfg[0])}, {'poison' if cfg[2] else 'unmapped'}")
     a.set_xscale("log", base=2)
     a.set_xlabel("transfer size (MiB)")
     a.set_ylabel("GB/s")
