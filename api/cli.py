@@ -23,7 +23,7 @@ app.add_typer(check_app, name="check")
 app.add_typer(bench_app, name="bench")
 
 err = Console(stderr=True)
-out = Console(highlight=False)
+out = Console(highlight=False, soft_wrap=True)
 
 
 class DeviceOpt(StrEnum):
