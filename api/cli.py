@@ -93,6 +93,41 @@ def check_slots(
         raise typer.Exit(1)
 
 
+@check_app.command("exact")
+def check_exact(
+    preset: Annotated[str, typer.Option(help="Model preset (tiny, qwen3-30b-a3b, mixtral-8x7b, ...).")] = "tiny",
+    config: Annotated[Path | None, typer.Option(help="A Hugging Face config.json (or its folder) instead.")] = None,
+    layers: Annotated[int | None, typer.Option(min=1, help="Keep only the first N layers.")] = None,
+    resident_frac: Annotated[float, typer.Option(min=0.0, max=1.0, help="Fraction of experts with a slot.")] = 0.25,
+    prompts: Annotated[int, typer.Option(min=1, help="Number of random prompts.")] = 4,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per prompt.")] = 8,
+    seed: Seed = 0,
+    device: Dev = DeviceOpt.cpu,
+    workdir: Workdir = None,
+) -> None:
+    """Same prompts twice: all resident + KV on GPU, then F resident + KV spilled to CPU/NVMe; compare bits."""
+    from runtime.engine.config import load_hf_config
+    from runtime.engine.presets import preset as load_preset
+    from runtime.errors import ConfigError
+    from runtime.selfcheck.exact import run_exact_check
+
+    try:
+        spec = load_hf_config(config) if config is not None else load_preset(preset)
+        if layers is not None:
+            spec = spec.truncated(layers)
+        r = run_exact_check(spec, resident_frac, device.value, num_prompts=prompts, new_tokens=new_tokens,
+                            seed=seed, workdir=workdir)
+    except ConfigError as exc:
+        err.print(f"error: {exc}")
+        raise typer.Exit(2) from None
+    out.print(f"model={spec.name} steps={r.steps} expert_misses full={r.expert_misses_full} "
+              f"tight={r.expert_misses_tight} kv_fetches={r.kv_fetches} kv_spills={r.kv_spills} "
+              f"device={device.value} seconds={r.seconds:.1f}")
+    out.print(r.line())
+    if not r.ok:
+        raise typer.Exit(1)
+
+
 @bench_app.command("substrate")
 def bench_substrate(
     out_dir: Annotated[Path, typer.Option(help="Where to write JSON, Markdown and PNG.")] = Path("bench/results"),

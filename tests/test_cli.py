@@ -50,3 +50,15 @@ def test_demo_ends_with_demo_ok(tmp_path: Path) -> None:
     r = runner.invoke(app, ["demo", "--workdir", str(tmp_path)])
     assert r.exit_code == 0, r.output
     assert r.output.strip().splitlines()[-1] == "demo: ok"
+
+
+def test_check_exact_prints_the_result_line(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["check", "exact", "--preset", "tiny", "--resident-frac", "0.25",
+                            "--workdir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert r.output.strip().splitlines()[-1] == "exact: max_abs_diff=0.0 tokens_equal=True"
+
+
+def test_check_exact_unknown_preset_is_a_clear_error() -> None:
+    r = runner.invoke(app, ["check", "exact", "--preset", "gpt-5"])
+    assert r.exit_code == 2 and "gpt-5" in r.output

@@ -69,6 +69,13 @@ class KVTierStores:
         if not 0 <= spec.index < cap:
             raise ConfigError(f"{what}({spec}): index outside [0, {cap}) of tier {spec.tier.value}")
 
+    @property
+    def gpu_tensor(self) -> torch.Tensor:
+        """The whole GPU tier [capacity, block_bytes] uint8 (kernels view it with their own layout)."""
+        if self._gpu is None:
+            raise ConfigError("this KVTierStores has no GPU tier (capacity 0)")
+        return self._gpu
+
     def memory(self, spec: KVBlockSpec) -> torch.Tensor:
         """The block's bytes as a contiguous [block_bytes] uint8 view (GPU tier: device, CPU tier: host)."""
         self._check(spec, "memory")

@@ -1,0 +1,87 @@
+"""Attention of the reference engine over the paged KV cache (inference process).
+
+GQA (Qwen3-MoE, Mixtral, OLMoE): project, optional per-head q/k RMSNorm, RoPE, scatter the new K/V rows
+into their blocks, then attend over the sequence's blocks gathered through its block table. This is the
+torch reference path (CPU, and the correctness oracle on the GPU). MLA (DeepSeek-V2) caches the
+compressed latent; its kernels come with the GPU engine. Never moves blocks between tiers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.engine.config import AttentionKind, ModelSpec
+from runtime.engine.kv_cache import PagedKVCache
+from runtime.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`num_tokens` consecutive rows of the batch belonging to one sequence, starting at `first_pos`."""
+
+    seq_id: int
+    row_start: int
+    num_tokens: int
+    first_pos: int
+
+    @property
+    def context_len(self) -> int:
+        return self.first_pos + self.num_tokens
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding on x [N, heads, D] at integer positions [N] (computed in float32)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))  # [D/2]
+    ang = positions.to(torch.float32)[:, None] * inv[None, :]  # [N, D/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]  # [N, 1, D]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
+    x32 = x.float()
+    rot = torch.cat([-x32[..., d // 2 :], x32[..., : d // 2]], -1)
+    return (x32 * cos + rot * sin).to(x.dtype)
+
+
+def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
+                  cache: PagedKVCache, layer: int, spec: ModelSpec) -> torch.Tensor:
+    """x [N, H] -> [N, H]; writes the N new K/V rows into the cache first."""
+    if spec.attention is not AttentionKind.GQA:
+        raise ConfigError(f"{spec.name}: attention kind {spec.attention.value} has no reference kernel yet")
+    n = x.shape[0]
+    nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q = x @ w["q_proj"].t()  # [N, Hq*D]
+    k = x @ w["k_proj"].t()  # [N, Hkv*D]
+    if spec.qk_norm and not spec.qk_norm_per_head:  # OLMoE normalises the whole projection
+        q, k = rms_norm(q, w["q_norm"], spec.rms_norm_eps), rms_norm(k, w["k_norm"], spec.rms_norm_eps)
+    q, k = q.view(n, nh, d), k.view(n, nkv, d)  # [N, Hq, D], [N, Hkv, D]
+    v = (x @ w["v_proj"].t()).view(n, nkv, d)
+    if spec.qk_norm and spec.qk_norm_per_head:  # Qwen3 normalises each head
+        q, k = rms_norm(q, w["q_norm"], spec.rms_norm_eps), rms_norm(k, w["k_norm"], spec.rms_norm_eps)
+    q, k = rope(q, positions, spec.rope_theta), rope(k, positions, spec.rope_theta)
+    bt = cache.block_tokens
+    kv = cache.gpu[:, layer]  # [Nblk, 2, T, Hkv, D]
+    out = torch.empty(n, nh, d, dtype=x.dtype, device=x.device)  # [N, Hq, D]
+    for s in segments:
+        slots = cache.gpu_slots(s.seq_id)  # [B]
+        rows = slice(s.row_start, s.row_start + s.num_tokens)
+        pos = positions[rows]
+        kv[slots[pos // bt], 0, pos % bt] = k[rows]
+        kv[slots[pos // bt], 1, pos % bt] = v[rows]
+        ctx = s.context_len
+        nb = cache.num_blocks_for(ctx)
+        keys = kv[slots[:nb], 0].reshape(nb * bt, nkv, d)[:ctx]  # [C, Hkv, D]
+        vals = kv[slots[:nb], 1].reshape(nb * bt, nkv, d)[:ctx]
+        qs = q[rows].transpose(0, 1)  # [Hq, n, D]
+        ks = keys.transpose(0, 1).repeat_interleave(nh // nkv, 0)  # [Hq, C, D]
+        vs = vals.transpose(0, 1).repeat_interleave(nh // nkv, 0)
+        mask = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]  # [n, C]
+        out[rows] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
+        cache.mark_written(s.seq_id, s.first_pos, ctx)
+    return out.reshape(n, nh * d) @ w["o_proj"].t()

@@ -1,0 +1,139 @@
+"""The reference engine: builds weights, slot pool, stores, KV tiers and the model; runs generation.
+
+Runs in the inference process (CPU twin or one GPU). `generate` prefills every prompt in one forward and
+then decodes all sequences together, greedily. Placement knobs (`EngineConfig`): the fraction of experts
+with a slot, where experts are loaded from, the KV capacity per tier, and `spill_kv_every_step`, which
+moves every KV block off the GPU after each step (alternating CPU and NVMe) so the next step must fetch
+them back: the exactness check runs the same prompts with and without these and compares bits.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.device import Device
+from runtime.engine.attention import Segment
+from runtime.engine.config import ModelSpec
+from runtime.engine.experts import OnDemandExperts
+from runtime.engine.kv_cache import PagedKVCache
+from runtime.engine.model import MoEModel
+from runtime.engine.weights import expert_format, synthetic_dense_weights
+from runtime.errors import ConfigError
+from runtime.kv import Tier
+from runtime.memory.slots import ExpertSlotPool
+from runtime.selfcheck.common import make_backend
+from runtime.transfer import TransferEngine
+from runtime.weights.loader import ExpertLoadHandler, StoreKind
+from runtime.weights.sources import SyntheticExpertSource
+from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    resident_frac: float = 1.0
+    expert_store: StoreKind = StoreKind.PINNED
+    block_tokens: int = 16
+    kv_gpu_blocks: int = 256
+    kv_cpu_blocks: int = 0
+    kv_nvme_blocks: int = 0
+    spill_kv_every_step: bool = False
+    seed: int = 0
+    workdir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.resident_frac <= 1.0:
+            raise ConfigError(f"EngineConfig.resident_frac must be in (0, 1], got {self.resident_frac}")
+        if self.spill_kv_every_step and not (self.kv_cpu_blocks and self.kv_nvme_blocks):
+            raise ConfigError("EngineConfig.spill_kv_every_step needs kv_cpu_blocks > 0 and kv_nvme_blocks > 0")
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated tokens per prompt
+    logits: torch.Tensor  # [steps, S, V] float32, CPU
+    expert_hits: int = 0
+    expert_misses: int = 0
+    kv_fetches: int = 0
+    kv_spills: int = 0
+    kv_usage: dict[str, int] = field(default_factory=dict)
+
+
+class ReferenceEngine:
+    def __init__(self, spec: ModelSpec, device: Device, cfg: EngineConfig) -> None:
+        self.spec, self.device, self.cfg = spec, device, cfg
+        self._tmp = None if cfg.workdir else tempfile.TemporaryDirectory(prefix="tierplan-engine-")
+        wd = Path(cfg.workdir or self._tmp.name)  # type: ignore[union-attr]
+        wd.mkdir(parents=True, exist_ok=True)
+        fmt = expert_format(spec)
+        n_moe = len(spec.moe_layers)
+        src = SyntheticExpertSource(fmt, n_moe, spec.num_experts, seed=cfg.seed)
+        self.transfer = TransferEngine(device)
+        self.pinned = PinnedExpertStore(device, src) if cfg.expert_store is StoreKind.PINNED else None
+        self.nvme = NvmeExpertStore.build(wd / "experts.tpnvme", src, device) if self.pinned is None else None
+        num_slots = n_moe * spec.num_experts if cfg.resident_frac >= 1.0 else max(
+            1, math.ceil(cfg.resident_frac * n_moe * spec.num_experts))
+        self.pool = ExpertSlotPool(make_backend(device), device, n_moe, spec.num_experts, fmt.num_bytes, num_slots)
+        self.loader = ExpertLoadHandler(self.pool, self.transfer, self.pinned, self.nvme)
+        self.experts = OnDemandExperts(self.pool, self.loader, cfg.expert_store)
+        cap = {Tier.GPU: cfg.kv_gpu_blocks, Tier.CPU: cfg.kv_cpu_blocks, Tier.NVME: cfg.kv_nvme_blocks}
+        self.cache = PagedKVCache(spec, device, self.transfer, cfg.block_tokens, cap,
+                                  wd / "kv.tpnvme" if cfg.kv_nvme_blocks else None)
+        weights = synthetic_dense_weights(spec, device.torch_device, seed=cfg.seed)
+        self.model = MoEModel(spec, weights, self.pool, self.experts, self.cache)
+
+    def _step(self, seqs: list[int], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """One forward: sequence i contributes tokens[i] at positions starts[i]...; returns logits [S, V]."""
+        segs, row = [], 0
+        for s, toks, p in zip(seqs, tokens, starts, strict=True):
+            self.cache.grow(s, p + len(toks), protect=[b for q in seqs for b in self.cache.blocks_of(q)])
+            segs.append(Segment(s, row, len(toks), p))
+            row += len(toks)
+        self.cache.ensure_on_gpu([b for s in seqs for b in self.cache.blocks_of(s)])
+        dev = self.device.torch_device
+        flat = torch.tensor([t for toks in tokens for t in toks], dtype=torch.int64, device=dev)
+        pos = torch.tensor([p + j for toks, p in zip(tokens, starts, strict=True) for j in range(len(toks))],
+                           dtype=torch.int64, device=dev)
+        with torch.inference_mode():
+            logits = self.model.forward(flat, pos, segs)
+        if self.cfg.spill_kv_every_step:
+            for s in seqs:
+                self.cache.spill(self.cache.blocks_of(s), Tier.CPU if s % 2 == 0 else Tier.NVME)
+        return logits
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> GenerationResult:
+        if not prompts or any(not p for p in prompts):
+            raise ConfigError("generate: need at least one prompt, and every prompt needs >= 1 token")
+        if max_new_tokens < 1:
+            raise ConfigError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+        bad = [t for p in prompts for t in p if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ConfigError(f"generate: token id {bad[0]} outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        seqs = list(range(len(prompts)))
+        steps = [self._step(seqs, prompts, [0] * len(prompts))]
+        out = [[int(t)] for t in steps[0].argmax(-1).tolist()]
+        for _ in range(max_new_tokens - 1):
+            ctx = [len(p) + len(o) - 1 for p, o in zip(prompts, out, strict=True)]
+            steps.append(self._step(seqs, [[o[-1]] for o in out], ctx))
+            for o, t in zip(out, steps[-1].argmax(-1).tolist(), strict=True):
+                o.append(int(t))
+        for s in seqs:
+            self.cache.free(s)
+        return GenerationResult(out, torch.stack(steps).cpu(), self.experts.hits, self.experts.misses,
+                                self.cache.fetches, self.cache.spills, self.cache.tier_usage())
+
+    def close(self) -> None:
+        self.device.synchronize()
+        self.loader.close()
+        self.cache.close()
+        self.transfer.close()
+        self.pool.close()
+        for store in (self.pinned, self.nvme):
+            if store is not None:
+                store.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()

@@ -1,0 +1,138 @@
+"""Paged KV cache of the reference engine over the three KV tiers (inference process).
+
+One block holds every layer's K and V for `block_tokens` tokens (GQA: [L, 2, T, Hkv, D]; MLA: the
+compressed latent [L, T, R + P]), so one block id names one unit of placement. Kernels only read blocks on
+the GPU tier: before a step, `ensure_on_gpu` brings the batch's blocks back (spilling idle blocks GPU -> CPU
+-> NVMe to make room). Moving bytes is the KV handler's job; which blocks to spill is a policy passed in
+(`victim_order`), never decided here beyond "not in use by this step".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+
+from runtime.device import Device
+from runtime.engine.config import AttentionKind, ModelSpec
+from runtime.errors import CapacityError, ConfigError
+from runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
+from runtime.nvme import DIRECT_ALIGN_BYTES
+from runtime.transfer import TransferEngine
+from runtime.weights.format import dtype_from_name
+
+SPILL_ORDER = (Tier.GPU, Tier.CPU, Tier.NVME)
+
+
+def block_shape(spec: ModelSpec, block_tokens: int) -> tuple[int, ...]:
+    if spec.attention is AttentionKind.MLA:
+        return (spec.num_layers, block_tokens, spec.kv_lora_rank + spec.qk_rope_head_dim)
+    return (spec.num_layers, 2, block_tokens, spec.num_kv_heads, spec.head_dim)
+
+
+class PagedKVCache:
+    """Block tables per sequence over `KVTierStores`; see the module docstring."""
+
+    def __init__(self, spec: ModelSpec, device: Device, engine: TransferEngine, block_tokens: int,
+                 capacity: dict[Tier, int], nvme_path: str | os.PathLike[str] | None = None) -> None:
+        self.spec, self.device, self.block_tokens = spec, device, block_tokens
+        self.dtype = dtype_from_name(spec.dtype)
+        self.shape = block_shape(spec, block_tokens)
+        self.block_bytes = math.prod(self.shape) * self.dtype.itemsize
+        if self.block_bytes % DIRECT_ALIGN_BYTES:
+            raise ConfigError(
+                f"KV block of {block_tokens} tokens is {self.block_bytes} bytes for {spec.name}; it must be a "
+                f"multiple of {DIRECT_ALIGN_BYTES} (O_DIRECT): choose another block_tokens"
+            )
+        if capacity.get(Tier.GPU, 0) <= 0:
+            raise ConfigError("PagedKVCache needs GPU-tier capacity > 0")
+        self.stores = KVTierStores(device, self.block_bytes, capacity, nvme_path)
+        self.manager = KVBlockManager(capacity)
+        self.handler = KVTransferHandler(self.manager, self.stores, engine)
+        self.gpu = self.stores.gpu_tensor.view(self.dtype).view(capacity[Tier.GPU], *self.shape)  # [N, *block]
+        self.tables: dict[int, list[int]] = {}
+        self.spills = 0
+        self.fetches = 0
+
+    # ---- bookkeeping ------------------------------------------------------------------------------
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_tokens)
+
+    def blocks_of(self, seq_id: int) -> list[int]:
+        return self.tables.get(seq_id, [])
+
+    def tier_usage(self) -> dict[str, int]:
+        return {t.value: self.manager.num_used(t) for t in Tier}
+
+    def _make_room(self, tier: Tier, protect: set[int], victim_order: Callable[[list[int]], list[int]]) -> None:
+        """Free one slot on `tier` by pushing an unprotected block one tier down (recursively)."""
+        if self.manager.num_free(tier) > 0:
+            return
+        nxt = SPILL_ORDER.index(tier) + 1
+        if nxt >= len(SPILL_ORDER):
+            raise CapacityError(f"KV tiers full: no room on {tier.value} and no tier below it")
+        down = SPILL_ORDER[nxt]
+        here = [b for b in self.manager.blocks() if b not in protect and self.manager.location(b).tier is tier]
+        if not here:
+            raise CapacityError(f"KV tier {tier.value} is full of blocks this step needs ({len(protect)} protected)")
+        self._make_room(down, protect, victim_order)
+        victim = victim_order(here)[0]
+        self.handler.move(victim, down).wait()
+        self.spills += 1
+
+    # ---- what the engine calls --------------------------------------------------------------------
+    def grow(self, seq_id: int, num_tokens: int, protect: Iterable[int] = (),
+             victim_order: Callable[[list[int]], list[int]] = lambda bs: bs) -> None:
+        """Give the sequence enough blocks for `num_tokens` tokens; new blocks are allocated on the GPU."""
+        table = self.tables.setdefault(seq_id, [])
+        keep = set(protect) | set(table)
+        while len(table) < self.num_blocks_for(num_tokens):
+            self._make_room(Tier.GPU, keep, victim_order)
+            b = self.manager.allocate(Tier.GPU)
+            table.append(b)
+            keep.add(b)
+
+    def ensure_on_gpu(self, block_ids: Iterable[int],
+                      victim_order: Callable[[list[int]], list[int]] = lambda bs: bs) -> None:
+        """Bring every listed block to the GPU tier (kernels read only there)."""
+        need = list(block_ids)
+        protect = set(need)
+        for b in need:
+            if self.manager.location(b).tier is not Tier.GPU:
+                self._make_room(Tier.GPU, protect, victim_order)
+                self.handler.move(b, Tier.GPU).wait()
+                self.fetches += 1
+
+    def spill(self, block_ids: Iterable[int], tier: Tier) -> None:
+        """Move blocks down to `tier` now (a plan's or a test's decision)."""
+        for b in block_ids:
+            if self.manager.location(b).tier is not tier:
+                self._make_room(tier, set(), lambda bs: bs)
+                self.handler.move(b, tier).wait()
+                self.spills += 1
+
+    def gpu_slots(self, seq_id: int) -> torch.Tensor:
+        """GPU-tier indices of the sequence's blocks, in order: [num_blocks] int64 (all must be on GPU)."""
+        idx = []
+        for b in self.blocks_of(seq_id):
+            loc = self.manager.location(b)
+            if loc.tier is not Tier.GPU:
+                raise ConfigError(f"sequence {seq_id}: block {b} is on {loc.tier.value}; call ensure_on_gpu first")
+            idx.append(loc.index)
+        return torch.tensor(idx, dtype=torch.int64, device=self.device.torch_device)
+
+    def mark_written(self, seq_id: int, start_token: int, end_token: int) -> None:
+        """Kernels wrote tokens [start, end): the touched blocks' checksums are stale now."""
+        table = self.blocks_of(seq_id)
+        for i in range(start_token // self.block_tokens, self.num_blocks_for(end_token)):
+            self.handler.mark_dirty(table[i])
+
+    def free(self, seq_id: int) -> None:
+        for b in self.tables.pop(seq_id, []):
+            self.manager.free(b)
+
+    def close(self) -> None:
+        self.handler.close()
+        self.stores.close()

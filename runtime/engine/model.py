@@ -1,0 +1,60 @@
+"""The reference MoE decoder: one forward over a batch of sequence segments (inference process).
+
+Rows of the batch are grouped in `Segment`s (one per sequence: a prefill chunk or one decode token).
+Each layer: RMSNorm -> attention over the paged KV cache -> RMSNorm -> MoE (routed experts from the
+slot pool + shared experts) or a dense MLP. Logits are returned for the last row of each segment.
+`forced_routes` replaces the router's choice (real routing traces drive synthetic weights) without
+changing anything else. Never moves experts or KV blocks itself: it asks the provider and the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from runtime.engine.attention import Segment, gqa_attention, rms_norm
+from runtime.engine.config import ModelSpec
+from runtime.engine.kv_cache import PagedKVCache
+from runtime.engine.moe import ExpertProvider, ExpertViews, mlp, moe_forward, route
+from runtime.engine.weights import DenseWeights, expert_format
+from runtime.memory.slots import ExpertSlotPool
+
+# (model layer, token rows [N]) -> (ids [N, k] int64, weights [N, k] float32) or None to use the router
+ForcedRoutes = Callable[[int, int], tuple[torch.Tensor, torch.Tensor] | None]
+RouteTap = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, ids [N, k], weights [N, k])
+
+
+class MoEModel:
+    def __init__(self, spec: ModelSpec, weights: DenseWeights, pool: ExpertSlotPool, provider: ExpertProvider,
+                 cache: PagedKVCache) -> None:
+        self.spec, self.w, self.pool, self.provider, self.cache = spec, weights, pool, provider, cache
+        self.pool_layer = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        fmt = expert_format(spec)
+        self.views = {layer: ExpertViews(pool, fmt, i) for layer, i in self.pool_layer.items()}
+        self.forced_routes: ForcedRoutes | None = None
+        self.route_tap: RouteTap | None = None
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """tokens, positions [N] -> logits [S, V] (float32) for the last row of each of the S segments."""
+        spec = self.spec
+        x = self.w.embed[tokens]  # [N, H]
+        for i, lw in enumerate(self.w.layers):
+            h = rms_norm(x, lw.input_norm, spec.rms_norm_eps)
+            x = x + gqa_attention(h, lw.attn, positions, segments, self.cache, i, spec)
+            h = rms_norm(x, lw.post_attn_norm, spec.rms_norm_eps)
+            if lw.router is None:
+                assert lw.dense is not None
+                x = x + mlp(h, lw.dense)
+                continue
+            forced = self.forced_routes(i, h.shape[0]) if self.forced_routes is not None else None
+            ids, wts = forced if forced is not None else route(h, lw.router, spec)
+            if self.route_tap is not None:
+                self.route_tap(i, ids, wts)
+            out = moe_forward(h, ids, wts, self.views[i], self.pool_layer[i], self.provider)
+            if lw.shared is not None:
+                out = out + mlp(h, lw.shared)
+            x = x + out
+        last = torch.tensor([s.row_start + s.num_tokens - 1 for s in segments], device=x.device)
+        h = rms_norm(x[last], self.w.final_norm, spec.rms_norm_eps)
+        return (h @ self.w.lm_head.t()).float()  # [S, V]

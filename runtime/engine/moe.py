@@ -1,0 +1,102 @@
+"""The MoE block of the reference engine: router, grouped GEMM over the slot pool, deterministic combine.
+
+Runs in the inference process. Experts are read through each layer's stable virtual range: gate+up of all
+experts form one strided [E, 2I, H] view and down one [E, H, I] view, so `torch._grouped_mm` (a per-expert
+loop where it is missing) reads expert e at a fixed address whether or not it was just loaded. Tokens'
+top-k outputs are combined in a fixed order (no atomics), so results do not depend on placement.
+Residency is asked of an `ExpertProvider` before the GEMMs; this module never decides what to load.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from runtime.engine.config import ModelSpec
+from runtime.memory.slots import ExpertSlotPool
+from runtime.weights.format import ExpertFormat
+
+HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+class ExpertProvider(Protocol):
+    capacity: int  # how many experts can be resident at once (the pool's slots)
+
+    def ensure(self, layer: int, experts: list[int]) -> None:
+        """Return once every listed expert of `layer` is resident and ordered before compute."""
+        ...
+
+
+def route(x: torch.Tensor, router: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts per token: ids [T, k] int64 and weights [T, k] float32."""
+    probs = F.softmax((x @ router.t()).float(), dim=-1)  # [T, E]
+    w, ids = probs.topk(spec.top_k, dim=-1)  # [T, k]
+    if spec.norm_topk_prob:
+        w = w / w.sum(-1, keepdim=True)
+    return ids, w * spec.routed_scaling_factor
+
+
+class ExpertViews:
+    """Strided views of one layer's experts inside the slot pool's stable range (built once per layer)."""
+
+    def __init__(self, pool: ExpertSlotPool, fmt: ExpertFormat, layer: int) -> None:
+        gate, up, down = (next(t for t in fmt.tensors if t.name == n) for n in ("gate_proj", "up_proj", "down_proj"))
+        i, h = gate.shape
+        if up.offset_bytes != gate.offset_bytes + gate.num_bytes:
+            raise ValueError("expert format: up_proj must follow gate_proj directly to fuse them")
+        dt = getattr(torch, gate.dtype)
+        raw = pool.layer_tensor(layer).view(dt)  # [E * stride / itemsize]
+        es = pool.layout.stride_bytes // dt.itemsize
+        e = pool.layout.num_experts
+        self.gate_up = raw.as_strided((e, 2 * i, h), (es, h, 1), gate.offset_bytes // dt.itemsize)  # [E, 2I, H]
+        self.down = raw.as_strided((e, h, i), (es, i, 1), down.offset_bytes // dt.itemsize)  # [E, H, I]
+        self.intermediate = i
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """x [M, K] sorted by expert, w [E, N, K] -> [M, N]; groups given by offs (cumulative) / counts."""
+    if HAS_GROUPED_MM:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            out[start : start + n] = x[start : start + n] @ w[e].t()
+        start += n
+    return out
+
+
+def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views: ExpertViews, layer: int,
+                provider: ExpertProvider) -> torch.Tensor:
+    """x [T, H], ids/weights [T, k] -> [T, H] (routed experts only)."""
+    t, k = ids.shape
+    e = views.gate_up.shape[0]
+    flat = ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat, stable=True)  # [T*k]
+    counts_t = torch.bincount(flat, minlength=e)  # [E]
+    counts = counts_t.tolist()
+    needed = [i for i, n in enumerate(counts) if n]
+    xs = x[order // k]  # [T*k, H]
+    y = torch.empty_like(xs)  # [T*k, H]
+    # More experts needed than slots: run consecutive expert ranges one after another. Each expert's GEMM
+    # sees the same rows either way, so the result does not depend on how many slots there are.
+    for lo in range(0, len(needed), max(1, provider.capacity)):
+        chunk = needed[lo : lo + provider.capacity]
+        provider.ensure(layer, chunk)
+        e0, e1 = chunk[0], chunk[-1] + 1
+        r0, r1 = sum(counts[:e0]), sum(counts[:e1])
+        sub_counts = counts[e0:e1]
+        offs = torch.cumsum(counts_t[e0:e1], 0).to(torch.int32)  # [e1-e0]
+        gu = _grouped(xs[r0:r1], views.gate_up[e0:e1], offs, sub_counts)  # [rows, 2I]
+        g, u = gu.split(views.intermediate, dim=-1)
+        y[r0:r1] = _grouped(F.silu(g) * u, views.down[e0:e1], offs, sub_counts)  # [rows, H]
+    unsorted = torch.empty_like(y)
+    unsorted[order] = y
+    return (unsorted.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # [T, H]
+
+
+def mlp(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Dense SwiGLU MLP (dense layers, shared experts)."""
+    return (F.silu(x @ w["gate_proj"].t()) * (x @ w["up_proj"].t())) @ w["down_proj"].t()

@@ -1,0 +1,102 @@
+"""Resident (non-expert) weights of the reference MoE engine (inference process).
+
+Embeddings, attention, norms, routers, shared experts, dense MLPs and the LM head stay in device memory;
+routed experts live in the expert slot pool and its stores (`runtime.weights`). Synthetic weights are
+deterministic in (seed, name), drawn at the model's true shapes; a local safetensors checkpoint can supply
+them instead (HF names). Never decides placement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.engine.config import AttentionKind, ModelSpec
+from runtime.errors import ConfigError
+from runtime.weights.format import ExpertFormat, dtype_from_name
+
+
+def _seeded(name: str, seed: int) -> torch.Generator:
+    h = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little")
+    return torch.Generator().manual_seed(h & ((1 << 63) - 1))
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    post_attn_norm: torch.Tensor  # [H]
+    attn: dict[str, torch.Tensor]
+    router: torch.Tensor | None = None  # [E, H] on MoE layers
+    shared: dict[str, torch.Tensor] | None = None  # gate/up [S, H], down [H, S]
+    dense: dict[str, torch.Tensor] | None = None  # gate/up [D, H], down [H, D] on dense layers
+
+
+@dataclass
+class DenseWeights:
+    embed: torch.Tensor  # [V, H]
+    final_norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+    layers: list[LayerWeights] = field(default_factory=list)
+
+
+def expert_format(spec: ModelSpec) -> ExpertFormat:
+    """Routed experts as packed records: gate and up [I, H] back to back (one [2I, H] GEMM), down [H, I]."""
+    return ExpertFormat.swiglu(spec.hidden_size, spec.expert_intermediate, spec.dtype)
+
+
+def _attn_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h = spec.hidden_size
+    if spec.attention is AttentionKind.GQA:
+        s = {
+            "q_proj": (spec.num_heads * spec.head_dim, h),
+            "k_proj": (spec.num_kv_heads * spec.head_dim, h),
+            "v_proj": (spec.num_kv_heads * spec.head_dim, h),
+            "o_proj": (h, spec.num_heads * spec.head_dim),
+        }
+        if spec.qk_norm and spec.qk_norm_per_head:  # Qwen3: one RMSNorm over each head
+            s |= {"q_norm": (spec.head_dim,), "k_norm": (spec.head_dim,)}
+        elif spec.qk_norm:  # OLMoE: one RMSNorm over the whole q (and k) projection
+            s |= {"q_norm": (spec.num_heads * spec.head_dim,), "k_norm": (spec.num_kv_heads * spec.head_dim,)}
+        return s
+    if spec.q_lora_rank:
+        raise ConfigError(f"{spec.name}: MLA with q_lora_rank={spec.q_lora_rank} is not supported yet (expected 0)")
+    qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    return {
+        "q_proj": (spec.num_heads * qk, h),
+        "kv_a_proj_with_mqa": (spec.kv_lora_rank + spec.qk_rope_head_dim, h),
+        "kv_a_layernorm": (spec.kv_lora_rank,),
+        "kv_b_proj": (spec.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank),
+        "o_proj": (h, spec.num_heads * spec.v_head_dim),
+    }
+
+
+def synthetic_dense_weights(spec: ModelSpec, device: torch.device, seed: int = 0) -> DenseWeights:
+    """Random weights at the true shapes: N(0, 0.02) matrices, unit norms; deterministic per (seed, name)."""
+    dt = dtype_from_name(spec.dtype)
+
+    def mat(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if len(shape) == 1:  # norm weights
+            return torch.ones(shape, dtype=dt, device=device)
+        return (torch.randn(shape, generator=_seeded(name, seed)) * 0.02).to(dt).to(device)
+
+    h, v = spec.hidden_size, spec.vocab_size
+    w = DenseWeights(mat("embed", (v, h)), mat("final_norm", (h,)), mat("lm_head", (v, h)))
+    moe = set(spec.moe_layers)
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        lw = LayerWeights(mat(p + "input_norm", (h,)), mat(p + "post_attn_norm", (h,)),
+                          {k: mat(p + k, s) for k, s in _attn_shapes(spec).items()})
+        if i in moe:
+            lw.router = mat(p + "router", (spec.num_experts, h))
+            if spec.num_shared_experts:
+                s = spec.shared_intermediate
+                lw.shared = {"gate_proj": mat(p + "shared.gate", (s, h)), "up_proj": mat(p + "shared.up", (s, h)),
+                             "down_proj": mat(p + "shared.down", (h, s))}
+        else:
+            d = spec.dense_intermediate
+            lw.dense = {"gate_proj": mat(p + "mlp.gate", (d, h)), "up_proj": mat(p + "mlp.up", (d, h)),
+                        "down_proj": mat(p + "mlp.down", (h, d))}
+        w.layers.append(lw)
+    return w

@@ -1,0 +1,80 @@
+"""The reference engine on the CPU twin: exactness under tier moves, and refusals of bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import runtime.engine.moe as moe
+from runtime.device import Device
+from runtime.engine.engine import EngineConfig, ReferenceEngine
+from runtime.engine.presets import preset
+from runtime.errors import ConfigError
+from runtime.kv import Tier
+from runtime.selfcheck.exact import auto_block_tokens, run_exact_check
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return preset("tiny")
+
+
+def test_exact_with_a_quarter_of_experts_and_kv_spilled_every_step(tiny, tmp_path: Path) -> None:
+    r = run_exact_check(tiny, 0.25, workdir=tmp_path)
+    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True"
+    assert r.expert_misses_tight > r.expert_misses_full  # experts really moved
+    assert r.kv_fetches > 0 and r.kv_spills > 0  # KV really left the GPU and came back
+
+
+def test_exact_check_notices_a_corrupted_block(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check bites: flip bytes of a block parked on the CPU tier (not checksummed by default)."""
+    from runtime.engine.kv_cache import PagedKVCache
+
+    real_spill = PagedKVCache.spill
+
+    def spill_and_corrupt(self, block_ids, tier):
+        block_ids = list(block_ids)
+        real_spill(self, block_ids, tier)
+        if tier is Tier.CPU and block_ids:
+            mem = self.stores.memory(self.manager.location(block_ids[0]))
+            mem[:64] ^= 0x55
+
+    monkeypatch.setattr(PagedKVCache, "spill", spill_and_corrupt)
+    r = run_exact_check(tiny, 0.5, workdir=tmp_path, new_tokens=4)
+    assert r.max_abs_diff > 0.0 and not r.ok
+
+
+def test_grouped_gemm_and_the_fallback_loop_agree(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+    cfg = EngineConfig(block_tokens=auto_block_tokens(tiny), workdir=tmp_path / "a")
+    eng = ReferenceEngine(tiny, Device("cpu"), cfg)
+    a = eng.generate(prompts, 3)
+    eng.close()
+    monkeypatch.setattr(moe, "HAS_GROUPED_MM", False)
+    eng = ReferenceEngine(tiny, Device("cpu"), EngineConfig(block_tokens=cfg.block_tokens, workdir=tmp_path / "b"))
+    b = eng.generate(prompts, 3)
+    eng.close()
+    assert torch.equal(a.logits, b.logits) and a.tokens == b.tokens
+
+
+def test_bad_input_is_refused_with_the_field_named(tiny, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="resident_frac"):
+        EngineConfig(resident_frac=0.0)
+    with pytest.raises(ConfigError, match="spill_kv_every_step"):
+        EngineConfig(spill_kv_every_step=True)
+    with pytest.raises(ConfigError, match="multiple of 4096"):
+        ReferenceEngine(tiny, Device("cpu"), EngineConfig(block_tokens=3, workdir=tmp_path / "x"))
+    eng = ReferenceEngine(tiny, Device("cpu"), EngineConfig(block_tokens=auto_block_tokens(tiny),
+                                                            workdir=tmp_path / "y"))
+    try:
+        with pytest.raises(ConfigError, match="vocabulary"):
+            eng.generate([[tiny.vocab_size]], 2)
+        with pytest.raises(ConfigError, match="prompt"):
+            eng.generate([[]], 2)
+        with pytest.raises(ConfigError, match="max_new_tokens"):
+            eng.generate([[1]], 0)
+        assert eng.generate([[1, 2]], 1).tokens  # still usable after the refusals
+    finally:
+        eng.close()
