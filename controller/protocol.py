@@ -1,0 +1,399 @@
+"""Every message that crosses a process: agent -> sidecar -> controller and back (pydantic v2, versioned).
+
+Imported by the inference process (agent, sidecar) and by the controller service alike, so it is plain data
+plus validation. It must never import torch, runtime or agent, touch the network or disk, or keep state.
+Each top-level message carries `schema_version`; a change old readers cannot parse bumps it. Sequences are
+tuples so a frozen message is immutable all the way down (a list given on input is accepted and converted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Annotated, Any, Literal, Self, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic_core import ErrorDetails, PydanticCustomError
+
+# Bounds: generous for any real MoE model, small enough that a corrupt message cannot exhaust memory.
+MAX_LAYERS = 1024
+MAX_EXPERTS = 4096
+MAX_PAIRS_PER_LAYER = 4096
+MAX_ITEMS = 65_536  # reuse events per window, pinned experts, prefetch items, reuse scores
+MAX_FALLBACK_NAMES = 256
+MAX_ID_CHARS = 256
+MAX_TEXT_CHARS = 4096
+NUM_ERRORS_SHOWN = 5
+_INVARIANT = "protocol_invariant"
+
+
+def _check_id(value: str) -> str:
+    if not value or any(ch.isspace() for ch in value):
+        raise PydanticCustomError("bad_id", "must be non-empty and contain no whitespace")
+    return value
+
+
+def _check_text(value: str) -> str:
+    if not value.strip():
+        raise PydanticCustomError("blank_text", "must contain a non-whitespace character")
+    return value
+
+
+# Ints are strict: "3", 3.0 and True are refused rather than silently coerced.
+Count = Annotated[int, Strict(), Field(ge=0)]
+Version = Annotated[int, Strict(), Field(ge=1)]
+LayerIndex = Annotated[int, Strict(), Field(ge=0, lt=MAX_LAYERS)]
+ExpertIndex = Annotated[int, Strict(), Field(ge=0, lt=MAX_EXPERTS)]
+NumLayers = Annotated[int, Strict(), Field(ge=1, le=MAX_LAYERS)]
+NumExperts = Annotated[int, Strict(), Field(ge=1, le=MAX_EXPERTS)]
+Seconds = Annotated[float, Field(ge=0)]
+Millis = Annotated[float, Field(ge=0)]
+Probability = Annotated[float, Field(ge=0, le=1)]
+Id = Annotated[str, Field(max_length=MAX_ID_CHARS), AfterValidator(_check_id)]
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS), AfterValidator(_check_text)]
+
+
+def _invalid(path: str, detail: str) -> PydanticCustomError:
+    """A cross-field refusal; `path` is relative to the model raising it and joined onto pydantic's loc."""
+    return PydanticCustomError(_INVARIANT, "{path}: {detail}", {"path": path, "detail": detail})
+
+
+class Tier(StrEnum):
+    GPU = "gpu"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class StallCause(StrEnum):
+    EXPERT_MISS = "expert_miss"
+    KV_MISS = "kv_miss"
+    BOTH = "both"
+
+
+class Link(StrEnum):  # runtime's transfer links by value; repeated here because the controller never imports runtime
+    H2D = "h2d"
+    D2H = "d2h"
+    DISK2H = "disk2h"
+    H2DISK = "h2disk"
+
+
+class AckStatus(StrEnum):
+    APPLIED = "applied"
+    REJECTED = "rejected"
+
+
+class RejectReason(StrEnum):
+    STALE = "stale"  # base_version is not the agent's applied version
+    OVER_BUDGET = "over_budget"
+    MALFORMED = "malformed"
+    UNKNOWN_EXPERT = "unknown_expert"
+    OTHER = "other"
+
+
+class ProtocolModel(BaseModel):
+    """Base of every message and part: immutable, unknown fields refused, NaN/inf refused (not JSON)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class ExpertKey(ProtocolModel):
+    layer: LayerIndex
+    expert: ExpertIndex
+
+
+def _refuse_repeats(field: str, keys: Sequence[Any], suffix: str = "") -> None:
+    """Refuse the first key seen twice, naming both places: '<field>.<i><suffix>: <key> repeats ...'."""
+    first_at: dict[Any, int] = {}
+    for i, key in enumerate(keys):
+        if key in first_at:
+            raise _invalid(f"{field}.{i}{suffix}", f"{key} repeats {field}.{first_at[key]}{suffix}")
+        first_at[key] = i
+
+
+def _check_layer_rows(rows: Sequence[Any], vector: str, num_layers: int, num_experts: int) -> None:
+    """Rows keyed by `.layer`: in range, unique, and `.<vector>` of length num_experts."""
+    for i, row in enumerate(rows):
+        if row.layer >= num_layers:
+            raise _invalid(f"layers.{i}.layer", f"{row.layer} is out of range for num_layers={num_layers}")
+        if len(getattr(row, vector)) != num_experts:
+            detail = f"has {len(getattr(row, vector))} entries, expected num_experts={num_experts}"
+            raise _invalid(f"layers.{i}.{vector}", detail)
+    _refuse_repeats("layers", [row.layer for row in rows], ".layer")
+
+
+# ---- Telemetry (agent -> sidecar -> controller, one per window) ----
+class CoPair(ProtocolModel):
+    """`count` tokens of the window routed to both experts `a` and `b`; stored once, with a < b."""
+
+    a: ExpertIndex
+    b: ExpertIndex
+    count: Count
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.a >= self.b:
+            raise _invalid("b", f"{self.b} must be greater than a={self.a} (each pair is stored once, a < b)")
+        return self
+
+
+class LayerStats(ProtocolModel):
+    layer: LayerIndex
+    activation_counts: tuple[Count, ...] = Field(max_length=MAX_EXPERTS)  # indexed by expert id
+    cooccurrence: tuple[CoPair, ...] = Field(default=(), max_length=MAX_PAIRS_PER_LAYER)  # sparse top pairs
+    router_entropy_mean: float = Field(ge=0)
+    num_tokens: Count
+
+    @model_validator(mode="after")
+    def _unique_pairs(self) -> Self:
+        _refuse_repeats("cooccurrence", [(p.a, p.b) for p in self.cooccurrence])
+        return self
+
+
+class ReuseEvent(ProtocolModel):
+    """A prefix's KV blocks were reused `age_s` after they were last touched, found in `tier`."""
+
+    prefix_hash: Id
+    age_s: Seconds
+    tier: Tier
+
+
+class KVStats(ProtocolModel):
+    blocks_per_tier: dict[Tier, Count]
+    hits_per_tier: dict[Tier, Count]
+    misses_per_tier: dict[Tier, Count]
+    reuse_events: tuple[ReuseEvent, ...] = Field(default=(), max_length=MAX_ITEMS)
+
+
+class LinkStats(ProtocolModel):
+    link: Link
+    bytes: Count
+    queue_delay_ms_mean: Millis
+    queue_delay_ms_max: Millis
+
+    @model_validator(mode="after")
+    def _mean_within_max(self) -> Self:
+        if self.queue_delay_ms_mean > self.queue_delay_ms_max:
+            detail = f"{self.queue_delay_ms_mean} exceeds queue_delay_ms_max={self.queue_delay_ms_max}"
+            raise _invalid("queue_delay_ms_mean", detail)
+        return self
+
+
+class Stall(ProtocolModel):
+    cause: StallCause
+    count: Count
+    total_ms: Millis
+
+
+class StepTimings(ProtocolModel):
+    """Engine step durations over the window, in milliseconds."""
+
+    num_steps: Count
+    mean: Millis
+    p50: Millis
+    p99: Millis
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.p50 > self.p99:
+            raise _invalid("p50", f"{self.p50} exceeds p99={self.p99}")
+        return self
+
+
+class Telemetry(ProtocolModel):
+    schema_version: Literal[1] = 1
+    agent_id: Id
+    rank: Count
+    window_seq: Count
+    window_start_s: Seconds
+    window_end_s: Seconds
+    model: Text
+    num_layers: NumLayers
+    num_experts: NumExperts
+    layers: tuple[LayerStats, ...] = Field(max_length=MAX_LAYERS)  # may cover a subset (e.g. this rank's)
+    kv: KVStats
+    links: tuple[LinkStats, ...] = Field(default=(), max_length=len(Link))
+    stalls: tuple[Stall, ...] = Field(default=(), max_length=len(StallCause))
+    step_timings_ms: StepTimings
+    expert_hits: Count
+    expert_misses: Count
+    applied_plan_version: Count  # 0 until the first plan is applied
+    fallbacks: dict[Id, Count] = Field(default_factory=dict, max_length=MAX_FALLBACK_NAMES)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.window_end_s < self.window_start_s:
+            raise _invalid("window_end_s", f"{self.window_end_s} is before window_start_s={self.window_start_s}")
+        _check_layer_rows(self.layers, "activation_counts", self.num_layers, self.num_experts)
+        for i, row in enumerate(self.layers):
+            for k, pair in enumerate(row.cooccurrence):  # a < b, so only b can overflow
+                if pair.b >= self.num_experts:
+                    detail = f"expert {pair.b} is out of range for num_experts={self.num_experts}"
+                    raise _invalid(f"layers.{i}.cooccurrence.{k}.b", detail)
+        _refuse_repeats("links", [s.link for s in self.links], ".link")
+        _refuse_repeats("stalls", [s.cause for s in self.stalls], ".cause")
+        return self
+
+
+# ---- Forecast (controller internal and API) ----
+class LayerForecast(ProtocolModel):
+    layer: LayerIndex
+    probs: tuple[Probability, ...] = Field(max_length=MAX_EXPERTS)  # P(expert is needed within the horizon)
+
+
+class Forecast(ProtocolModel):
+    schema_version: Literal[1] = 1
+    model: Text
+    num_layers: NumLayers
+    num_experts: NumExperts
+    horizon_steps: Annotated[int, Strict(), Field(ge=1)]
+    created_s: Seconds
+    layers: tuple[LayerForecast, ...] = Field(max_length=MAX_LAYERS)
+    kv_reuse_scores: dict[Id, Probability] = Field(default_factory=dict, max_length=MAX_ITEMS)  # by prefix hash
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        _check_layer_rows(self.layers, "probs", self.num_layers, self.num_experts)
+        return self
+
+
+# ---- Plan (controller -> sidecar -> agent) ----
+class LayerEviction(ProtocolModel):
+    layer: LayerIndex
+    order: tuple[ExpertIndex, ...] = Field(max_length=MAX_EXPERTS)  # first to evict .. last to evict
+
+    @model_validator(mode="after")
+    def _distinct(self) -> Self:
+        _refuse_repeats("order", self.order)
+        return self
+
+
+class PrefetchItem(ProtocolModel):
+    key: ExpertKey
+    deadline_ms: Millis
+    priority: Annotated[int, Strict(), Field(ge=0, le=3)]  # 0 most urgent, as runtime's transfer Priority
+
+
+class Plan(ProtocolModel):
+    schema_version: Literal[1] = 1
+    plan_id: Id
+    version: Version
+    base_version: Count  # the applied version this plan was built on; the agent rejects it as STALE otherwise
+    created_s: Seconds
+    hbm_budget_bytes: Count
+    expert_bytes_per_layer: tuple[Count, ...] = Field(max_length=MAX_LAYERS)  # one entry per covered layer
+    kv_blocks_per_tier: dict[Tier, Count]
+    pinned_experts: tuple[ExpertKey, ...] = Field(default=(), max_length=MAX_ITEMS)
+    eviction_priority: tuple[LayerEviction, ...] = Field(default=(), max_length=MAX_LAYERS)
+    prefetch: tuple[PrefetchItem, ...] = Field(default=(), max_length=MAX_ITEMS)
+    link_shares: dict[Link, Probability] = Field(default_factory=dict)
+    reason: Text
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.version <= self.base_version:
+            raise _invalid("version", f"{self.version} must be greater than base_version={self.base_version}")
+        expert_bytes = sum(self.expert_bytes_per_layer)
+        if expert_bytes > self.hbm_budget_bytes:
+            # KV bytes per block are unknown here, so only the expert share can be checked against the budget.
+            detail = f"sums to {expert_bytes} bytes, over hbm_budget_bytes={self.hbm_budget_bytes}"
+            raise _invalid("expert_bytes_per_layer", detail)
+        _refuse_repeats("pinned_experts", self.pinned_experts)
+        _refuse_repeats("prefetch", [item.key for item in self.prefetch], ".key")
+        _refuse_repeats("eviction_priority", [e.layer for e in self.eviction_priority], ".layer")
+        self._check_covered()
+        return self
+
+    def _check_covered(self) -> None:
+        num_covered = len(self.expert_bytes_per_layer)
+        located = (
+            [(f"pinned_experts.{i}.layer", k.layer) for i, k in enumerate(self.pinned_experts)]
+            + [(f"eviction_priority.{i}.layer", e.layer) for i, e in enumerate(self.eviction_priority)]
+            + [(f"prefetch.{i}.key.layer", p.key.layer) for i, p in enumerate(self.prefetch)]
+        )
+        for path, layer in located:
+            if layer >= num_covered:
+                raise _invalid(path, f"layer {layer} is outside the {num_covered} layers of expert_bytes_per_layer")
+
+
+# ---- PlanAck (agent -> sidecar -> controller) ----
+class Footprint(ProtocolModel):
+    """What the agent measured after handling a plan (unchanged footprint when it rejected one)."""
+
+    expert_bytes_per_layer: tuple[Count, ...] = Field(max_length=MAX_LAYERS)
+    kv_blocks_per_tier: dict[Tier, Count]
+    total_hbm_bytes: Count
+
+    @model_validator(mode="after")
+    def _total_covers_experts(self) -> Self:
+        expert_bytes = sum(self.expert_bytes_per_layer)
+        if expert_bytes > self.total_hbm_bytes:
+            raise _invalid("total_hbm_bytes", f"{self.total_hbm_bytes} is below the {expert_bytes} expert bytes")
+        return self
+
+
+class PlanAck(ProtocolModel):
+    schema_version: Literal[1] = 1
+    agent_id: Id
+    rank: Count
+    plan_id: Id
+    version: Version
+    status: AckStatus
+    reason_code: RejectReason | None = None  # required when rejected, absent when applied
+    reason: str = Field(default="", max_length=MAX_TEXT_CHARS)  # required (non-blank) when rejected
+    applied_s: Seconds  # when the agent decided, applied or rejected
+    footprint: Footprint
+
+    @model_validator(mode="after")
+    def _reason_matches_status(self) -> Self:
+        if self.status is AckStatus.REJECTED:
+            if self.reason_code is None:
+                raise _invalid("reason_code", "is required when status is 'rejected'")
+            if not self.reason.strip():
+                raise _invalid("reason", "must be non-blank when status is 'rejected'")
+        elif self.reason_code is not None:
+            raise _invalid("reason_code", f"must be absent when status is 'applied', got {self.reason_code.value!r}")
+        return self
+
+
+# ---- Helpers ----
+
+M = TypeVar("M", bound=ProtocolModel)
+
+MESSAGE_TYPES: Mapping[str, type[ProtocolModel]] = MappingProxyType(
+    {cls.__name__: cls for cls in (Telemetry, Forecast, Plan, PlanAck)}
+)
+
+
+def _describe(error: ErrorDetails) -> str:
+    """One pydantic error as 'field.path: message' (input values left out: they can be huge)."""
+    loc, message = [str(part) for part in error["loc"]], error["msg"]
+    if error["type"] == _INVARIANT:
+        ctx = error.get("ctx", {})
+        loc, message = [*loc, str(ctx["path"])], str(ctx["detail"])
+    return f"{'.'.join(loc) or '(message)'}: {message}"
+
+
+class ProtocolError(ValueError):
+    """A message that failed to parse; `problems` holds every 'field.path: message', the text the first few."""
+
+    def __init__(self, kind: str, problems: Sequence[str]) -> None:
+        self.kind, self.problems = kind, tuple(problems)
+        num_hidden = max(0, len(self.problems) - NUM_ERRORS_SHOWN)
+        more = f"; (+{num_hidden} more)" if num_hidden else ""
+        super().__init__(f"invalid {kind}: {'; '.join(self.problems[:NUM_ERRORS_SHOWN])}{more}")
+
+
+def to_json(msg: ProtocolModel) -> str:
+    return msg.model_dump_json()
+
+
+def parse(kind: type[M], data: str | bytes | Mapping[str, Any]) -> M:
+    """`data` (JSON text or an already-decoded mapping) as a `kind`, or ProtocolError saying what is wrong."""
+    try:
+        if isinstance(data, str | bytes):
+            return kind.model_validate_json(data)
+        return kind.model_validate(dict(data))
+    except ValidationError as exc:
+        # `from None`: the pydantic chain adds only noise to logs; `problems` keeps every error.
+        raise ProtocolError(kind.__name__, [_describe(e) for e in exc.errors()]) from None
