@@ -5,6 +5,7 @@ Heavy modules (torch, the runtime) are imported inside commands so `tierplan --h
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,8 +23,19 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; results go to be
 app.add_typer(check_app, name="check")
 app.add_typer(bench_app, name="bench")
 
-err = Console(stderr=True)
-out = Console(highlight=False, soft_wrap=True)
+class _Consoles:
+    """stdout/stderr consoles, made on first use (nothing is built at import)."""
+
+    @functools.cached_property
+    def out(self) -> Console:
+        return Console(highlight=False, soft_wrap=True)
+
+    @functools.cached_property
+    def err(self) -> Console:
+        return Console(stderr=True)
+
+
+_io = _Consoles()
 
 
 class DeviceOpt(StrEnum):
@@ -33,7 +45,7 @@ class DeviceOpt(StrEnum):
 
 @contextmanager
 def _progress(what: str, total: int) -> Iterator[Callable[[int], None]]:
-    bar = Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
+    bar = Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=_io.err,
                    disable=not sys.stderr.isatty())
     with bar:
         task = bar.add_task(what, total=total)
@@ -58,16 +70,16 @@ def check_tiers(
     from runtime.selfcheck.tiers import run_tier_check, run_tier_check_jobs
 
     if jobs > 1:
-        err.print(f"sharding {moves} moves over {jobs} processes (no progress bar)")
+        _io.err.print(f"sharding {moves} moves over {jobs} processes (no progress bar)")
         r = run_tier_check_jobs(moves, seed, device.value, workdir, inject_every=inject_every, jobs=jobs)
     else:
         with _progress("tiers", moves) as tick:
             r = run_tier_check(moves, seed, device.value, workdir, inject_every=inject_every, progress=tick)
-    out.print(
+    _io.out.print(
         f"kv_moves={r.kv_moves} expert_loads={r.expert_loads} injected={r.injected} "
         f"unexpected_errors={r.unexpected_errors} direct_io={r.direct_io} device={r.device} seconds={r.seconds:.1f}"
     )
-    out.print(r.line())
+    _io.out.print(r.line())
     if not r.ok:
         raise typer.Exit(1)
 
@@ -84,11 +96,11 @@ def check_slots(
 
     with _progress("slots", remaps) as tick:
         r = run_slot_check(remaps, seed, device.value, workdir, progress=tick)
-    out.print(
+    _io.out.print(
         f"reads_checked={r.reads_checked} poison_reads={r.poison_reads} evictions={r.evictions} pins={r.pins} "
         f"device={r.device} seconds={r.seconds:.1f}"
     )
-    out.print(r.line())
+    _io.out.print(r.line())
     if r.stale_reads:
         raise typer.Exit(1)
 
@@ -118,12 +130,12 @@ def check_exact(
         r = run_exact_check(spec, resident_frac, device.value, num_prompts=prompts, new_tokens=new_tokens,
                             seed=seed, workdir=workdir)
     except ConfigError as exc:
-        err.print(f"error: {exc}")
+        _io.err.print(f"error: {exc}")
         raise typer.Exit(2) from None
-    out.print(f"model={spec.name} steps={r.steps} expert_misses full={r.expert_misses_full} "
+    _io.out.print(f"model={spec.name} steps={r.steps} expert_misses full={r.expert_misses_full} "
               f"tight={r.expert_misses_tight} kv_fetches={r.kv_fetches} kv_spills={r.kv_spills} "
               f"device={device.value} seconds={r.seconds:.1f}")
-    out.print(r.line())
+    _io.out.print(r.line())
     if not r.ok:
         raise typer.Exit(1)
 
@@ -143,7 +155,7 @@ def bench_substrate(
     if bad:
         raise typer.BadParameter(f"unknown section(s) {sorted(bad)}; expected some of {', '.join(SECTIONS)}",
                                  param_hint="--only")
-    run_substrate_bench(out_dir, device.value, quick=quick, console=out, sections=sections)
+    run_substrate_bench(out_dir, device.value, quick=quick, console=_io.out, sections=sections)
 
 
 @app.command()
@@ -154,17 +166,17 @@ def demo(
     from runtime.selfcheck.slots import run_slot_check
     from runtime.selfcheck.tiers import run_tier_check
 
-    out.print("[bold]tierplan demo[/bold] (step 1: the execution substrate, CPU twin)")
-    out.print("1) expert slot pool: 300 random remaps over memfd-backed virtual ranges, poisoned slots, every read")
-    out.print("   fingerprinted against the expert it should show")
+    _io.out.print("[bold]tierplan demo[/bold] (step 1: the execution substrate, CPU twin)")
+    _io.out.print("1) expert slot pool: 300 random remaps over memfd-backed virtual ranges, poisoned slots, every read")
+    _io.out.print("   fingerprinted against the expert it should show")
     s = run_slot_check(300, 0, "cpu", workdir)
-    out.print(f"   {s.line()} reads_checked={s.reads_checked} poison_reads={s.poison_reads} ({s.seconds:.1f} s)")
-    out.print("2) KV tiers + expert stores: 2000 random moves over GPU-twin/CPU/NVMe (O_DIRECT) and expert loads,")
-    out.print("   with NVMe bytes flipped behind the runtime's back every 200 moves")
+    _io.out.print(f"   {s.line()} reads_checked={s.reads_checked} poison_reads={s.poison_reads} ({s.seconds:.1f} s)")
+    _io.out.print("2) KV tiers + expert stores: 2000 random moves over GPU-twin/CPU/NVMe (O_DIRECT) and expert loads,")
+    _io.out.print("   with NVMe bytes flipped behind the runtime's back every 200 moves")
     t = run_tier_check(2000, 0, "cpu", workdir, inject_every=200)
-    out.print(f"   {t.line()} injected={t.injected} direct_io={t.direct_io} ({t.seconds:.1f} s)")
+    _io.out.print(f"   {t.line()} injected={t.injected} direct_io={t.direct_io} ({t.seconds:.1f} s)")
     ok = s.stale_reads == 0 and t.ok
-    out.print("demo: ok" if ok else "demo: FAILED")
+    _io.out.print("demo: ok" if ok else "demo: FAILED")
     if not ok:
         raise typer.Exit(1)
 

@@ -15,7 +15,6 @@ import json
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +24,8 @@ import torch
 
 from runtime.device import Device
 from runtime.memory.slots import ExpertSlotPool
-from runtime.nvme import DirectFile
-from runtime.selfcheck.common import make_backend
+from runtime.nvme import DirectFile, align_up
+from runtime.selfcheck.common import make_backend, workdir_for
 from runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferRequest
 from runtime.weights.format import ExpertFormat
 from runtime.weights.loader import ExpertLoadHandler, StoreKind
@@ -113,7 +112,7 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, hidden: int, inter: in
 
 def map_cost_us(dev: Device, stride_bytes: int, n: int) -> dict[str, float]:
     be = make_backend(dev)
-    stride_bytes = (stride_bytes + be.granularity_bytes - 1) // be.granularity_bytes * be.granularity_bytes
+    stride_bytes = align_up(stride_bytes, be.granularity_bytes)
     va = be.reserve(stride_bytes * n)
     phys = [be.create_physical(stride_bytes) for _ in range(n)]
     maps, unmaps = [], []
@@ -236,8 +235,8 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
 
 
 def _links(dev: Device, link_bytes: int, reps: int) -> dict[str, Any]:
-    with TransferEngine(dev) as engine, tempfile.TemporaryDirectory(prefix="tierplan-bench-") as td:
-        f = DirectFile(Path(td) / "link.tpnvme", link_bytes)
+    with TransferEngine(dev) as engine, workdir_for(None) as td:  # not tmpfs: O_DIRECT must hold
+        f = DirectFile(td / "link.tpnvme", link_bytes)
         links = {
             "h2d": {"engine_gbps": engine_link_gbps(dev, engine, Link.H2D, link_bytes, None, reps),
                     "raw_gbps": raw_copy_gbps(dev, link_bytes, reps)},

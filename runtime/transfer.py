@@ -265,6 +265,8 @@ class TransferEngine:
             except Exception as exc:
                 if h.error is None:
                     h.error = exc
+                else:  # keep both: the callback's failure must not vanish behind the transfer's
+                    h.error.add_note(f"on_done also failed: {exc!r}")
         req = h.request
         with self._stats_lock:
             cs = self._class_stats[req.traffic]

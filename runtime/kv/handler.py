@@ -38,8 +38,6 @@ class KVMoveFuture(OpFuture):
         super().__init__(f"KV move of block {move.block_id} ({move.pair})")
         self.move = move
 
-    def _resolve(self, error: BaseException | None) -> None:
-        self.set_result(error)
 
 
 @dataclass
@@ -165,8 +163,8 @@ class KVTransferHandler:
                 buf = self._take_staging(f"write of KV block {block_id}")
                 try:
                     buf.tensor.copy_(flat)
-                    if spec.tier is Tier.GPU:
-                        self._copy(Link.H2D, buf.tensor, self.stores.memory(spec))
+                    if spec.tier is Tier.GPU:  # after the kernels already queued that may read this index
+                        self._copy(Link.H2D, buf.tensor, self.stores.memory(spec), self.stores.device.record_event())
                     else:
                         self._copy(Link.H2DISK, buf.tensor, self.stores.region(spec))
                 finally:
@@ -211,13 +209,15 @@ class KVTransferHandler:
     def _plan(self, job: _MoveJob) -> None:
         src, dst = job.move.src, job.move.dst
         mem, region = self.stores.memory, self.stores.region
-        # Order the device-side read after the work already queued on the caller's stream (the writer).
-        after = self.stores.device.record_event() if src.tier is Tier.GPU else None
+        # Order every device-side copy after the work already queued on the caller's stream: a copy out of
+        # the GPU after the kernels that wrote the block, a copy into it after the kernels that still read
+        # the (freed, now reused) index.
+        after = self.stores.device.record_event() if Tier.GPU in (src.tier, dst.tier) else None
         pair = (src.tier, dst.tier)
         if pair == (Tier.GPU, Tier.CPU):
             job.hops = [_Hop(Link.D2H, mem(src), mem(dst), after, lands_on_host=mem(dst))]
         elif pair == (Tier.CPU, Tier.GPU):
-            job.hops = [_Hop(Link.H2D, mem(src), mem(dst))]
+            job.hops = [_Hop(Link.H2D, mem(src), mem(dst), after)]
         elif pair == (Tier.CPU, Tier.NVME):
             job.hops = [_Hop(Link.H2DISK, mem(src), region(dst))]
         elif pair == (Tier.NVME, Tier.CPU):
@@ -233,7 +233,7 @@ class KVTransferHandler:
             else:  # NVMe -> GPU
                 job.hops = [
                     _Hop(Link.DISK2H, region(src), stage, lands_on_host=stage),
-                    _Hop(Link.H2D, stage, mem(dst)),
+                    _Hop(Link.H2D, stage, mem(dst), after),
                 ]
 
     def move(
@@ -264,12 +264,7 @@ class KVTransferHandler:
             raise
         try:
             if move.src.tier is Tier.CPU:  # the bytes are on the host already: hash or verify them now
-                data = self.stores.memory(move.src)
-                expected = self.manager.checksum(block_id)
-                if expected is None:
-                    self.manager.set_checksum(block_id, checksum(data))
-                elif Tier.CPU in self.manager.verify_tiers:
-                    self._verify(block_id, move.src, expected, data, f"move {move.pair}")
+                self._check_host_bytes(move, self.stores.memory(move.src))
             self._submit_hop(job, 0)
         except Exception as exc:
             self._finish(job, exc)
@@ -327,7 +322,7 @@ class KVTransferHandler:
             with self._cv:
                 self._num_inflight -= 1
                 self._cv.notify_all()
-            job.future._resolve(error)
+            job.future.set_result(error)
 
     # ---- introspection and shutdown -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

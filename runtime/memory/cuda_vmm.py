@@ -81,6 +81,7 @@ class CudaVmmBackend:
             )
             self._access[ro] = desc
         self.read_only_fallbacks = 0  # maps asked read-only that the driver only granted read-write
+        self._read_only_refused = False
         self._reservations: dict[int, int] = {}
         self._physical: dict[int, tuple[Any, int]] = {}  # id -> (handle, bytes)
         self._mapped: dict[int, tuple[int, int]] = {}  # va -> (bytes, phys id)
@@ -130,10 +131,13 @@ class CudaVmmBackend:
         ptr = cu.CUdeviceptr(va)
         _check(cu, cu.cuMemMap(ptr, num_bytes, 0, handle, 0), "cuMemMap")
         try:
-            res = cu.cuMemSetAccess(ptr, num_bytes, [self._access[read_only]], 1)
-            if read_only and res[0] != cu.CUresult.CUDA_SUCCESS:
-                self.read_only_fallbacks += 1
+            ro = read_only and not self._read_only_refused
+            res = cu.cuMemSetAccess(ptr, num_bytes, [self._access[ro]], 1)
+            if ro and res[0] != cu.CUresult.CUDA_SUCCESS:
+                self._read_only_refused = True  # asked once; every later poison map goes read-write directly
                 res = cu.cuMemSetAccess(ptr, num_bytes, [self._access[False]], 1)
+            if read_only and self._read_only_refused:
+                self.read_only_fallbacks += 1
             _check(cu, res, "cuMemSetAccess")
         except Exception:
             cu.cuMemUnmap(ptr, num_bytes)

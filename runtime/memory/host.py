@@ -9,6 +9,7 @@ Touching an unmapped page faults (SIGSEGV); the pool therefore maps a read-only 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 
@@ -21,15 +22,19 @@ _PROT_NONE, _PROT_READ, _PROT_WRITE = 0, 1, 2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """libc's mmap/munmap with their C signatures (bound on first use, not at import)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
 
 
 def _mmap(addr: int | None, n: int, prot: int, flags: int, fd: int) -> int:
-    got = _libc.mmap(addr, n, prot, flags, fd, 0)
+    got = _libc().mmap(addr, n, prot, flags, fd, 0)
     if got in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         raise OSError(err, f"mmap({n} bytes) failed: {os.strerror(err)}")
@@ -77,7 +82,7 @@ class HostBackend:
         if any(va <= m < va + num_bytes for m in self._mapped):
             raise ConfigError(f"free_reservation: {va:#x} still holds mappings; unmap them first")
         del self._reservations[va]
-        if _libc.munmap(va, num_bytes) != 0:
+        if _libc().munmap(va, num_bytes) != 0:
             raise OSError(ctypes.get_errno(), "munmap failed")
 
     def create_physical(self, num_bytes: int) -> _Chunk:

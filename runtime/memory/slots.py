@@ -299,8 +299,13 @@ class ExpertSlotPool:
             if readers and not wait:
                 raise BusyError(f"unmap: expert ({layer}, {expert}) has {len(readers)} reader(s) or copy in flight")
             en.state = ExpertState.EVICTING
-        for r in readers:  # outside the lock: other experts stay usable while we wait
-            r.synchronize()
+        try:
+            for r in readers:  # outside the lock: other experts stay usable while we wait
+                r.synchronize()
+        except BaseException:
+            with self._lock:
+                en.state = ExpertState.RESIDENT  # nothing was unmapped: the expert is still usable
+            raise
         with self._lock:
             self._release_locked(layer, expert, en)
 

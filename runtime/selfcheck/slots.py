@@ -95,6 +95,9 @@ def run_slot_check(remaps: int, seed: int, device: str = "cpu", workdir: str | P
                     evictions += 1
                     read(vl, ve, poison_fp)  # I5: the evicted range shows poison, not the old bytes
                     poison_reads += 1
+                    # That read holds no slot, so no reader event protects it: finish it before a later load
+                    # remaps this range under it.
+                    dev.record_event(stream).synchronize()
                 kind = StoreKind.NVME if rng.random() < 0.25 else StoreKind.PINNED
                 loader.load(layer, e, kind).wait()
                 read(layer, e, fx.expected[(layer, e)])

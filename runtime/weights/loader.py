@@ -75,14 +75,18 @@ class ExpertLoadHandler:
         fut = OpFuture(f"load of expert ({layer}, {expert}) from {store.value}")
 
         def finish(h: TransferHandle | None, error: BaseException | None, staging: Any = None) -> None:
-            if staging is not None:
-                self._give_staging(staging)
-            ok = error is None
-            self.pool.complete_load(layer, expert, ok, event=h._last_event if (ok and h is not None) else None)
-            self._count("loads_ok" if ok else "loads_failed")
-            if ok:
-                self._count("bytes", dst.numel())
-            fut.set_result(error)
+            try:  # whatever fails here, the future completes and the outcome is counted
+                if staging is not None:
+                    self._give_staging(staging)
+                event = h.device_event() if (error is None and h is not None) else None
+                self.pool.complete_load(layer, expert, error is None, event=event)
+            except Exception as exc:
+                error = error or exc
+            finally:
+                self._count("loads_ok" if error is None else "loads_failed")
+                if error is None:
+                    self._count("bytes", dst.numel())
+                fut.set_result(error)
 
         def h2d(src: Any, staging: Any = None) -> None:
             self.engine.submit(TransferRequest(
@@ -93,7 +97,11 @@ class ExpertLoadHandler:
 
         if store is StoreKind.PINNED:
             assert self.pinned is not None
-            h2d(self.pinned.expert(layer, expert))
+            try:
+                h2d(self.pinned.expert(layer, expert))
+            except Exception:  # refused before any byte moved: give the slot back
+                self.pool.complete_load(layer, expert, ok=False)
+                raise
             return fut
 
         assert self.nvme is not None

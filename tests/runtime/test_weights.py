@@ -167,3 +167,35 @@ def test_loader_refusals_move_nothing(tmp_path: Path, dev: Device, engine) -> No
     with pytest.raises(ConfigError, match="expert_bytes"):
         ExpertLoadHandler(ExpertSlotPool(HostBackend(), dev, 1, 1, 4096, 1), engine, pinned=pinned)
     pool.close()
+
+
+def test_a_refused_submit_gives_the_slot_back(tmp_path: Path, dev: Device) -> None:
+    """Regression: a pinned load whose submit was refused (engine closed) left the expert LOADING for good."""
+    eng = TransferEngine(dev)
+    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, eng, num_slots=2)
+    eng.close()
+    from runtime.errors import TransferError
+
+    with pytest.raises(TransferError):
+        loader.load(0, 1)
+    assert pool.state(0, 1) is ExpertState.ABSENT and pool.num_free_slots == 2
+    pool.check_invariants()
+    pool.close()
+
+
+def test_a_failing_publish_still_completes_and_counts_the_load(tmp_path: Path, dev: Device, engine,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: an exception while publishing a finished copy hung wait() and was never counted."""
+    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine)
+    real = pool.complete_load
+
+    def broken(layer, expert, ok, event=None):
+        real(layer, expert, False)
+        raise RuntimeError("publish failed")
+
+    monkeypatch.setattr(pool, "complete_load", broken)
+    fut = loader.load(0, 2)
+    with pytest.raises(RuntimeError, match="publish failed"):
+        fut.wait(10)
+    assert loader.stats()["loads_failed"] == 1 and pool.state(0, 2) is ExpertState.ABSENT
+    pool.close()
