@@ -270,7 +270,8 @@ class TransferEngine:
         req = h.request
         with self._stats_lock:
             cs = self._class_stats[req.traffic]
-            self._link_stats[req.link].transfers += 1
+            ls = self._link_stats[req.link]
+            ls.transfers += 1
             cs.transfers += 1
             if h.error is not None:
                 cs.failures += 1
@@ -280,6 +281,8 @@ class TransferEngine:
             lat = h.end_s - h.submit_s
             cs.queue_delay_s_sum += qd
             cs.queue_delay_s_max = max(cs.queue_delay_s_max, qd)
+            ls.queue_delay_s_sum += qd
+            ls.queue_delay_s_max = max(ls.queue_delay_s_max, qd)
             cs.latency_s_sum += lat
             cs.latency_s_max = max(cs.latency_s_max, lat)
             if req.deadline_s is not None and h.end_s > req.deadline_s:

@@ -6,7 +6,7 @@ Shared by the engine and its callers in the inference process; plain data, no be
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING
 
@@ -73,5 +73,8 @@ class LinkStats:
     bytes: int = 0
     chunks: int = 0
     transfers: int = 0
+    # Timing, not identity: left out of == so counts can be compared exactly.
+    queue_delay_s_sum: float = field(default=0.0, compare=False)
+    queue_delay_s_max: float = field(default=0.0, compare=False)
 
 

@@ -3,7 +3,8 @@
 GQA (Qwen3-MoE, Mixtral, OLMoE): project, optional per-head q/k RMSNorm, RoPE, scatter the new K/V rows
 into their blocks, then attend over the sequence's blocks gathered through its block table. This is the
 torch reference path (CPU, and the correctness oracle on the GPU). MLA (DeepSeek-V2) caches the
-compressed latent; its kernels come with the GPU engine. Never moves blocks between tiers.
+compressed latent and lives in `mla.py`; `attention` dispatches on the spec's kind. Never moves blocks
+between tiers.
 """
 
 from __future__ import annotations
@@ -85,3 +86,15 @@ def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
         out[rows] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
         cache.mark_written(s.seq_id, s.first_pos, ctx)
     return out.reshape(n, nh * d) @ w["o_proj"].t()
+
+
+def attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
+              cache: PagedKVCache, layer: int, spec: ModelSpec) -> torch.Tensor:
+    """x [N, H] -> [N, H] with the spec's attention kind; same contract as gqa_attention."""
+    if spec.attention is AttentionKind.GQA:
+        return gqa_attention(x, w, positions, segments, cache, layer, spec)
+    if spec.attention is AttentionKind.MLA:
+        from runtime.engine.mla import mla_attention  # mla.py imports Segment/rms_norm/rope from here
+
+        return mla_attention(x, w, positions, segments, cache, layer, spec)
+    raise ConfigError(f"{spec.name}: attention kind {spec.attention.value} has no reference kernel")

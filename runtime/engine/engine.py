@@ -86,7 +86,7 @@ class ReferenceEngine:
         weights = synthetic_dense_weights(spec, device.torch_device, seed=cfg.seed)
         self.model = MoEModel(spec, weights, self.pool, self.experts, self.cache)
 
-    def _step(self, seqs: list[int], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
+    def step(self, seqs: list[int], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         """One forward: sequence i contributes tokens[i] at positions starts[i]...; returns logits [S, V]."""
         segs, row = [], 0
         for s, toks, p in zip(seqs, tokens, starts, strict=True):
@@ -114,11 +114,11 @@ class ReferenceEngine:
         if bad:
             raise ConfigError(f"generate: token id {bad[0]} outside the vocabulary (0..{self.spec.vocab_size - 1})")
         seqs = list(range(len(prompts)))
-        steps = [self._step(seqs, prompts, [0] * len(prompts))]
+        steps = [self.step(seqs, prompts, [0] * len(prompts))]
         out = [[int(t)] for t in steps[0].argmax(-1).tolist()]
         for _ in range(max_new_tokens - 1):
             ctx = [len(p) + len(o) - 1 for p, o in zip(prompts, out, strict=True)]
-            steps.append(self._step(seqs, [[o[-1]] for o in out], ctx))
+            steps.append(self.step(seqs, [[o[-1]] for o in out], ctx))
             for o, t in zip(out, steps[-1].argmax(-1).tolist(), strict=True):
                 o.append(int(t))
         for s in seqs:

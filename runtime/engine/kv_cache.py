@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -55,6 +56,9 @@ class PagedKVCache:
         self.tables: dict[int, list[int]] = {}
         self.spills = 0
         self.fetches = 0
+        self.gpu_hits = 0  # blocks a step needed that were already on the GPU
+        self.misses_by_tier = {Tier.CPU: 0, Tier.NVME: 0}  # blocks fetched back, by where they were
+        self.fetch_s = 0.0  # time steps spent waiting for fetched blocks (the KV-miss stall)
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -99,11 +103,19 @@ class PagedKVCache:
         """Bring every listed block to the GPU tier (kernels read only there)."""
         need = list(block_ids)
         protect = set(need)
+        t0, fetched = time.perf_counter(), 0
         for b in need:
-            if self.manager.location(b).tier is not Tier.GPU:
-                self._make_room(Tier.GPU, protect, victim_order)
-                self.handler.move(b, Tier.GPU).wait()
-                self.fetches += 1
+            tier = self.manager.location(b).tier
+            if tier is Tier.GPU:
+                self.gpu_hits += 1
+                continue
+            self.misses_by_tier[tier] += 1
+            self._make_room(Tier.GPU, protect, victim_order)
+            self.handler.move(b, Tier.GPU).wait()
+            fetched += 1
+        self.fetches += fetched
+        if fetched:
+            self.fetch_s += time.perf_counter() - t0
 
     def spill(self, block_ids: Iterable[int], tier: Tier) -> None:
         """Move blocks down to `tier` now (a plan's or a test's decision)."""

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from runtime.engine.attention import Segment, gqa_attention, rms_norm
+from runtime.engine.attention import Segment, attention, rms_norm
 from runtime.engine.config import ModelSpec
 from runtime.engine.kv_cache import PagedKVCache
 from runtime.engine.moe import ExpertProvider, ExpertViews, mlp, moe_forward, route
@@ -41,7 +41,7 @@ class MoEModel:
         x = self.w.embed[tokens]  # [N, H]
         for i, lw in enumerate(self.w.layers):
             h = rms_norm(x, lw.input_norm, spec.rms_norm_eps)
-            x = x + gqa_attention(h, lw.attn, positions, segments, self.cache, i, spec)
+            x = x + attention(h, lw.attn, positions, segments, self.cache, i, spec)
             h = rms_norm(x, lw.post_attn_norm, spec.rms_norm_eps)
             if lw.router is None:
                 assert lw.dense is not None

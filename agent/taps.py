@@ -1,0 +1,138 @@
+"""Signal taps of the in-engine agent (inference process): what the controller learns from.
+
+`RouterTap` is the model's route hook: it adds each layer's top-k choices into preallocated device
+counters (expert activations, top-k co-occurrence, router entropy) in place, so the hot path never syncs
+with the host. `TelemetryWindow` closes a window between steps: it copies the counters out, resets them,
+and builds a `controller.protocol.Telemetry` together with step timings, stalls by cause (expert miss, KV
+miss, both in one step), KV tier usage and hits, link statistics and fallback counters. Taps observe only;
+they never move anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from controller.protocol import (
+    CoPair,
+    KVStats,
+    LayerStats,
+    Link,
+    LinkStats,
+    Stall,
+    StallCause,
+    StepTimings,
+    Telemetry,
+    Tier,
+)
+
+MAX_COOCCURRENCE_EXPERTS = 256  # dense E x E counters above this would cost too much memory per layer
+TOP_PAIRS = 64
+
+
+class RouterTap:
+    """Device-side counters per MoE layer, filled by `__call__(layer, ids [N, k], weights [N, k])`."""
+
+    def __init__(self, moe_layers: tuple[int, ...], num_experts: int, device: torch.device) -> None:
+        self.index = {layer: i for i, layer in enumerate(moe_layers)}
+        self.moe_layers, self.num_experts = moe_layers, num_experts
+        n = len(moe_layers)
+        self.counts = torch.zeros(n, num_experts, dtype=torch.int64, device=device)  # [L, E]
+        self.track_pairs = num_experts <= MAX_COOCCURRENCE_EXPERTS
+        self.pairs = torch.zeros(n, num_experts * num_experts if self.track_pairs else 1, dtype=torch.int64,
+                                 device=device)  # [L, E*E]
+        self.entropy_sum = torch.zeros(n, dtype=torch.float64, device=device)  # [L]
+        self.tokens = torch.zeros(n, dtype=torch.int64, device=device)  # [L]
+
+    def __call__(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        m, e = self.index[layer], self.num_experts
+        n, k = ids.shape
+        self.counts[m] += torch.bincount(ids.reshape(-1), minlength=e)
+        if self.track_pairs and k > 1:
+            i, j = torch.triu_indices(k, k, 1, device=ids.device)  # [P]
+            a, b = torch.minimum(ids[:, i], ids[:, j]), torch.maximum(ids[:, i], ids[:, j])  # [N, P]
+            self.pairs[m] += torch.bincount((a * e + b).reshape(-1), minlength=e * e)
+        p = weights.float() / weights.float().sum(-1, keepdim=True).clamp_min(1e-12)  # [N, k]
+        self.entropy_sum[m] += -(p * p.clamp_min(1e-12).log()).sum()
+        self.tokens[m] += n
+
+    def drain(self) -> list[LayerStats]:
+        """Copy the counters to the host and reset them (the window's only host sync)."""
+        counts, pairs = self.counts.cpu(), self.pairs.cpu()
+        ent, toks = self.entropy_sum.cpu(), self.tokens.cpu()
+        for t in (self.counts, self.pairs, self.entropy_sum, self.tokens):
+            t.zero_()
+        out = []
+        for m, layer in enumerate(self.moe_layers):
+            co: list[CoPair] = []
+            if self.track_pairs:
+                top = torch.topk(pairs[m], min(TOP_PAIRS, pairs.shape[1]))
+                co = [CoPair(a=int(f) // self.num_experts, b=int(f) % self.num_experts, count=int(c))
+                      for c, f in zip(top.values.tolist(), top.indices.tolist(), strict=True) if c > 0]
+            nt = int(toks[m])
+            out.append(LayerStats(layer=layer, activation_counts=tuple(int(c) for c in counts[m].tolist()),
+                                  cooccurrence=tuple(co), router_entropy_mean=float(ent[m]) / nt if nt else 0.0,
+                                  num_tokens=nt))
+        return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+
+
+class TelemetryWindow:
+    """Accumulates one window of step observations; `close()` returns the Telemetry and starts the next."""
+
+    def __init__(self, agent_id: str, rank: int, model: str, num_layers: int, num_experts: int, tap: RouterTap,
+                 clock: Callable[[], float]) -> None:
+        self.agent_id, self.rank, self.model = agent_id, rank, model
+        self.num_layers, self.num_experts, self.tap, self.clock = num_layers, num_experts, tap, clock
+        self.seq = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.start_s = self.clock()
+        self.step_ms: list[float] = []
+        self.stalls = {c: [0, 0.0] for c in StallCause}
+
+    def observe_step(self, step_s: float, expert_stall_s: float, kv_stall_s: float) -> None:
+        """Record one step: its duration and how long it waited on expert loads and on KV fetches."""
+        self.step_ms.append(step_s * 1e3)
+        if expert_stall_s > 0 and kv_stall_s > 0:
+            cause, ms = StallCause.BOTH, (expert_stall_s + kv_stall_s) * 1e3
+        elif expert_stall_s > 0:
+            cause, ms = StallCause.EXPERT_MISS, expert_stall_s * 1e3
+        elif kv_stall_s > 0:
+            cause, ms = StallCause.KV_MISS, kv_stall_s * 1e3
+        else:
+            return
+        self.stalls[cause][0] += 1
+        self.stalls[cause][1] += ms
+
+    def close(self, kv_blocks: dict[str, int], kv_hits: dict[str, int], kv_misses: dict[str, int],
+              links: dict[str, dict[str, float]], expert_hits: int, expert_misses: int, plan_version: int,
+              fallbacks: dict[str, int]) -> Telemetry:
+        now = self.clock()
+        steps = self.step_ms
+        msg = Telemetry(
+            agent_id=self.agent_id, rank=self.rank, window_seq=self.seq, window_start_s=self.start_s,
+            window_end_s=max(now, self.start_s), model=self.model, num_layers=self.num_layers,
+            num_experts=self.num_experts, layers=tuple(self.tap.drain()),
+            kv=KVStats(blocks_per_tier={Tier(k): v for k, v in kv_blocks.items()},
+                       hits_per_tier={Tier(k): v for k, v in kv_hits.items()},
+                       misses_per_tier={Tier(k): v for k, v in kv_misses.items()}),
+            links=tuple(LinkStats(link=Link(k), bytes=int(v["bytes"]), queue_delay_ms_mean=v["queue_delay_ms_mean"],
+                                  queue_delay_ms_max=max(v["queue_delay_ms_max"], v["queue_delay_ms_mean"]))
+                        for k, v in links.items()),
+            stalls=tuple(Stall(cause=c, count=n, total_ms=ms) for c, (n, ms) in self.stalls.items() if n),
+            step_timings_ms=StepTimings(num_steps=len(steps), mean=math.fsum(steps) / len(steps) if steps else 0.0,
+                                        p50=_pct(steps, 0.5), p99=_pct(steps, 0.99)),
+            expert_hits=expert_hits, expert_misses=expert_misses, applied_plan_version=plan_version,
+            fallbacks=fallbacks,
+        )
+        self.seq += 1
+        self._reset()
+        return msg

@@ -1,0 +1,113 @@
+"""Continuous batching: admission by KV budget, preemption by swap or recompute, replay metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.device import Device
+from runtime.engine.engine import EngineConfig, ReferenceEngine
+from runtime.engine.presets import preset
+from runtime.engine.routing_trace import RoutingTrace
+from runtime.engine.runner import ForcedRouter, Runner
+from runtime.engine.scheduler import PreemptMode, Scheduler, SeqState, Sequence
+from runtime.engine.workloads import Request, load_mooncake, scale_requests
+from runtime.errors import ConfigError
+from runtime.selfcheck.exact import auto_block_tokens
+
+DATA = Path(__file__).parents[2] / "data"
+
+
+def seq(i: int, n: int, new: int = 4, at: float = 0.0) -> Sequence:
+    return Sequence(i, at, list(range(1, n + 1)), new)
+
+
+def test_admission_waits_for_arrival_and_kv_room() -> None:
+    s = Scheduler(gpu_blocks=4, block_tokens=4, max_batch=8)
+    s.add(seq(0, 6))  # needs 2 blocks
+    s.add(seq(1, 6))  # 2 more: fits
+    s.add(seq(2, 6, at=5.0))
+    b = s.schedule(now_s=0.0)
+    assert [x.seq_id for x in b.prefills] == [0, 1] and not b.decodes
+    assert s.schedule(now_s=1.0).prefills == []  # no room, and request 2 has not arrived anyway
+
+
+def test_decode_growth_preempts_the_newest_by_swap_then_swaps_it_back() -> None:
+    s = Scheduler(gpu_blocks=3, block_tokens=4, max_batch=8, preempt=PreemptMode.SWAP)
+    a, b = seq(0, 4, new=8), seq(1, 3, new=8)
+    s.add(a)
+    s.add(b)
+    s.schedule(0.0)
+    s.complete(a, 7, 0.1)
+    s.complete(b, 7, 0.1)
+    a.output += [7, 7, 7, 7]  # a has grown to 9 tokens (8 cached): its next one needs a third block
+    a.num_computed = 8
+    batch = s.schedule(0.2)
+    assert batch.preempted == [b] and b.state is SeqState.SWAPPED and b.num_preemptions == 1
+    s.complete(a, 7, 0.3)
+    s.running.remove(a)  # a finishes elsewhere: room again
+    assert s.schedule(0.4).swapped_in == [b]
+
+
+def test_recompute_preemption_requeues_with_generated_tokens_kept() -> None:
+    s = Scheduler(gpu_blocks=3, block_tokens=4, preempt=PreemptMode.RECOMPUTE)
+    a, b = seq(0, 3, new=8), seq(1, 3, new=8)
+    s.add(a)
+    s.add(b)
+    s.schedule(0.0)
+    for x in (a, b):
+        s.complete(x, 9, 0.1)
+        x.output += [9, 9, 9]
+        x.num_computed = 6
+    batch = s.schedule(0.2)
+    assert b in batch.preempted and b.state is SeqState.WAITING and b.num_computed == 0
+    assert b.tokens[-4:] == [9, 9, 9, 9]  # the recompute prefill will see prompt + output
+
+
+def test_requests_that_can_never_fit_are_refused() -> None:
+    with pytest.raises(ConfigError, match="never fit"):
+        Scheduler(gpu_blocks=2, block_tokens=4).add(seq(0, 8, new=4))
+    with pytest.raises(ConfigError, match="max_batch"):
+        Scheduler(gpu_blocks=2, block_tokens=4, max_batch=0)
+
+
+@pytest.mark.parametrize("mode", list(PreemptMode))
+def test_replay_of_a_real_trace_finishes_every_request(mode: PreemptMode, tmp_path: Path) -> None:
+    spec = preset("tiny")
+    bt = auto_block_tokens(spec)
+    reqs = scale_requests(load_mooncake(DATA / "requests/mooncake_conversation_sample.jsonl", limit=24,
+                                        time_scale=0.01), 48, 16, 24, block_tokens=16)
+    eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=bt, resident_frac=0.5, kv_gpu_blocks=4,
+                                                            kv_cpu_blocks=64, kv_nvme_blocks=64, workdir=tmp_path))
+    try:
+        trace = RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz")
+        rep = Runner(eng, Scheduler(4, bt, max_batch=16, preempt=mode), ForcedRouter(trace, eng)).run(reqs)
+    finally:
+        eng.close()
+    assert [r.request_id for r in rep.requests] == sorted(r.request_id for r in reqs)
+    assert all(m.output_len == r.output_len for m, r in zip(rep.requests, sorted(reqs, key=lambda r: r.request_id),
+                                                            strict=True))
+    assert all(m.ttft_s >= 0 and m.tpot_s >= 0 for m in rep.requests)
+    assert sum(m.preemptions for m in rep.requests) > 0  # the small KV budget forced preemptions
+    assert 0.0 <= rep.expert_hit_rate <= 1.0 and rep.tokens_per_s > 0
+
+
+def test_preemption_does_not_change_the_tokens(tmp_path: Path) -> None:
+    """Swap and recompute are placement decisions: the generated tokens must equal an unconstrained run."""
+    spec = preset("tiny")
+    bt = auto_block_tokens(spec)
+    reqs = [Request(i, 0.0, 20 + 7 * i, 10, (), "test") for i in range(6)]
+    outs = []
+    for gpu_blocks, mode in ((64, PreemptMode.SWAP), (6, PreemptMode.SWAP), (6, PreemptMode.RECOMPUTE)):
+        eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=bt, kv_gpu_blocks=gpu_blocks,
+                                                                kv_cpu_blocks=64, kv_nvme_blocks=8,
+                                                                workdir=tmp_path / f"{gpu_blocks}{mode.value}"))
+        try:
+            sched = Scheduler(gpu_blocks, bt, max_batch=1, preempt=mode)  # one at a time: same batches
+            runner = Runner(eng, sched)
+            runner.run(reqs)
+            outs.append({s.seq_id: s.output for s in sched.finished})
+        finally:
+            eng.close()
+    assert outs[0] == outs[1] == outs[2]
