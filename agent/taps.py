@@ -60,8 +60,9 @@ class RouterTap:
 
     def drain(self) -> list[LayerStats]:
         """Copy the counters to the host and reset them (the window's only host sync)."""
-        counts, pairs = self.counts.cpu(), self.pairs.cpu()
-        ent, toks = self.entropy_sum.cpu(), self.tokens.cpu()
+        # copy=True: on the CPU twin .cpu() would alias the counters we are about to zero
+        counts, pairs = self.counts.to("cpu", copy=True), self.pairs.to("cpu", copy=True)
+        ent, toks = self.entropy_sum.to("cpu", copy=True), self.tokens.to("cpu", copy=True)
         for t in (self.counts, self.pairs, self.entropy_sum, self.tokens):
             t.zero_()
         out = []

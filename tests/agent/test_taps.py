@@ -1,0 +1,50 @@
+"""Agent taps: router counters, co-occurrence, entropy, stalls by cause, and the Telemetry they produce."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from agent.taps import RouterTap, TelemetryWindow
+from controller.protocol import StallCause, Telemetry, parse, to_json
+
+
+def test_router_tap_counts_pairs_and_entropy_then_resets() -> None:
+    tap = RouterTap((1, 3), num_experts=6, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(20)])  # [20, 3] distinct per token
+    w = torch.rand(20, 3, generator=g)
+    tap(3, ids, w)
+    stats = {s.layer: s for s in tap.drain()}
+    assert stats[1].num_tokens == 0 and sum(stats[1].activation_counts) == 0
+    s = stats[3]
+    assert list(s.activation_counts) == torch.bincount(ids.reshape(-1), minlength=6).tolist()
+    want = {}
+    for row in ids.tolist():
+        for a, b in itertools.combinations(sorted(row), 2):
+            want[(a, b)] = want.get((a, b), 0) + 1
+    assert {(p.a, p.b): p.count for p in s.cooccurrence} == want
+    p = w / w.sum(-1, keepdim=True)
+    assert abs(s.router_entropy_mean - float(-(p * p.log()).sum(-1).mean())) < 1e-5
+    assert all(sum(x.activation_counts) == 0 for x in tap.drain())  # drained counters start again at zero
+
+
+def test_window_classifies_stalls_and_builds_valid_telemetry() -> None:
+    now = iter(float(i) for i in range(100))
+    tap = RouterTap((0,), num_experts=4, device=torch.device("cpu"))
+    win = TelemetryWindow("agent-0", 0, "tiny", 2, 4, tap, clock=lambda: next(now))
+    tap(0, torch.tensor([[0, 1], [1, 2]]), torch.ones(2, 2))
+    win.observe_step(0.010, expert_stall_s=0.002, kv_stall_s=0.0)
+    win.observe_step(0.012, expert_stall_s=0.0, kv_stall_s=0.003)
+    win.observe_step(0.020, expert_stall_s=0.001, kv_stall_s=0.001)
+    win.observe_step(0.008, expert_stall_s=0.0, kv_stall_s=0.0)
+    msg = win.close(kv_blocks={"gpu": 3, "cpu": 1, "nvme": 0}, kv_hits={"gpu": 9, "cpu": 0, "nvme": 0},
+                    kv_misses={"gpu": 0, "cpu": 2, "nvme": 1},
+                    links={"h2d": {"bytes": 4096, "queue_delay_ms_mean": 0.1, "queue_delay_ms_max": 0.3}},
+                    expert_hits=5, expert_misses=2, plan_version=1, fallbacks={"lru_no_plan_order": 2})
+    stalls = {s.cause: (s.count, round(s.total_ms, 6)) for s in msg.stalls}
+    assert stalls == {StallCause.EXPERT_MISS: (1, 2.0), StallCause.KV_MISS: (1, 3.0), StallCause.BOTH: (1, 2.0)}
+    assert msg.step_timings_ms.num_steps == 4 and msg.window_seq == 0
+    assert parse(Telemetry, to_json(msg)) == msg  # what the sidecar will ship round-trips
+    assert win.close({}, {}, {}, {}, 0, 0, 1, {}).window_seq == 1
