@@ -26,7 +26,8 @@ def static_plan(spec: ModelSpec, routes: np.ndarray, num_slots: int, stride_byte
         hot = np.argsort(-counts[m], kind="stable")
         pinned += [ExpertKey(layer=layer, expert=int(e)) for e in hot[: min(pin_per_layer, per_layer)]]
         evictions.append(LayerEviction(layer=layer, order=tuple(int(e) for e in hot[::-1])))  # coldest first
-    expert_bytes = [per_layer * stride_bytes] * n_moe
+    moe = set(spec.moe_layers)  # one entry per model layer; dense layers hold no experts
+    expert_bytes = [per_layer * stride_bytes if layer in moe else 0 for layer in range(spec.num_layers)]
     kv = {Tier(k): v for k, v in kv_blocks.items()}
     return Plan(
         plan_id=f"static-{base_version + 1}", version=base_version + 1, base_version=base_version,

@@ -281,7 +281,7 @@ class Plan(ProtocolModel):
     base_version: Count  # the applied version this plan was built on; the agent rejects it as STALE otherwise
     created_s: Seconds
     hbm_budget_bytes: Count
-    expert_bytes_per_layer: tuple[Count, ...] = Field(max_length=MAX_LAYERS)  # one entry per covered layer
+    expert_bytes_per_layer: tuple[Count, ...] = Field(max_length=MAX_LAYERS)  # per model layer; 0 if dense
     kv_blocks_per_tier: dict[Tier, Count]
     pinned_experts: tuple[ExpertKey, ...] = Field(default=(), max_length=MAX_ITEMS)
     eviction_priority: tuple[LayerEviction, ...] = Field(default=(), max_length=MAX_LAYERS)

@@ -1,0 +1,256 @@
+"""The plan's local rules for expert placement, run between plans without asking anyone (inference process).
+
+The enforcer installs what the last applied plan said, already translated to the slot pool's layer index:
+per-layer caps on resident experts, per-layer eviction orders (first to evict .. last), the pinned set and
+the prefetch list. From then on this policy
+
+  - ranks eviction victims for the engine's expert provider (`victim_order`, plugged into
+    `OnDemandExperts`): experts of layers over their cap first, then the plan's first-to-evict, then every
+    expert the plan does not list, least recently used first; never a pinned expert;
+  - names the experts a new cap pushes out (`over_cap_victims`);
+  - runs the prefetch list (`run_prefetch`), most urgent first (priority, then deadline), through the
+    expert provider's loader: into a free slot, or in place of a resident the plan does not want (for a
+    layer at its cap, one of the same layer); experts already resident are skipped.
+
+Every time it cannot follow the plan it counts the fallback it took, by name (`Fallback`). All calls come
+from the engine thread between steps (the ranking also from inside a step's `ensure`). It must never talk
+to the network, decide a new plan, or touch KV blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from runtime.engine.experts import OnDemandExperts
+from runtime.errors import ConfigError, RuntimeTierError
+from runtime.future import OpFuture
+from runtime.memory.slots import ExpertSlotPool, ExpertState
+from runtime.transfer import Priority
+
+Key = tuple[int, int]  # (pool layer, expert)
+
+
+class Fallback(StrEnum):
+    """What the policy did when the plan could not be followed (telemetry's `fallbacks` keys)."""
+
+    LRU_NO_PLAN_ORDER = "lru_no_plan_order"  # a victim chosen by LRU: the plan ranks none of the candidates
+    PREFETCH_NO_SLOT = "prefetch_no_slot"  # no free slot and nothing the plan lets a prefetch evict
+    PREFETCH_LATE = "prefetch_late"  # not seen landed by the first look after its deadline
+    PREFETCH_FAILED = "prefetch_failed"  # the loader refused it or the load failed
+
+
+@dataclass(frozen=True)
+class PrefetchJob:
+    key: Key  # (pool layer, expert)
+    priority: Priority
+    deadline_s: float  # on the enforcer's clock: plan-apply time + the item's deadline_ms
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """Everything a plan installs, plus the prefetches still queued or in flight (for comparisons)."""
+
+    caps: tuple[tuple[int, int], ...]  # (pool layer, max resident experts), by layer
+    eviction: tuple[tuple[int, tuple[int, ...]], ...]  # (pool layer, first-to-evict .. last), by layer
+    pinned: frozenset[Key]
+    queued: tuple[PrefetchJob, ...]
+    in_flight: frozenset[Key]
+
+
+@dataclass
+class _Pending:
+    job: PrefetchJob
+    fut: OpFuture
+    late: bool = False
+
+
+class LocalPolicy:
+    """See the module docstring."""
+
+    def __init__(self, pool: ExpertSlotPool, experts: OnDemandExperts) -> None:
+        if experts.pool is not pool:
+            raise ConfigError("LocalPolicy: experts.pool is not the pool given (the policy must rank that pool)")
+        self.pool, self.experts = pool, experts
+        self._lock = threading.RLock()
+        self._caps: dict[int, int] = {}  # absent layer: no cap
+        self._order: dict[int, tuple[int, ...]] = {}
+        self._position: dict[Key, int] = {}  # place in its layer's eviction order
+        self._pinned: frozenset[Key] = frozenset()
+        self._wanted: frozenset[Key] = frozenset()  # the plan's prefetch keys: never evicted for a prefetch
+        self._queue: list[PrefetchJob] = []
+        self._pending: list[_Pending] = []
+        self.fallbacks: dict[str, int] = dict.fromkeys((f.value for f in Fallback), 0)
+        self._counts = dict.fromkeys(("prefetch_started", "prefetch_landed", "prefetch_skipped_resident",
+                                      "evicted_for_room"), 0)
+
+    # ---- installing a plan ------------------------------------------------------------------------
+    def _check_key(self, where: str, layer: int, expert: int) -> None:
+        lay = self.pool.layout
+        if not (0 <= layer < lay.num_layers and 0 <= expert < lay.num_experts):
+            raise ConfigError(f"{where}: ({layer}, {expert}) is outside pool layers 0..{lay.num_layers - 1}, "
+                              f"experts 0..{lay.num_experts - 1}")
+
+    def install(self, caps: Mapping[int, int], eviction: Mapping[int, Sequence[int]], pinned: Iterable[Key],
+                prefetch: Sequence[PrefetchJob]) -> None:
+        """Replace the plan's rules (pool-layer indices); ConfigError, changing nothing, if any is out of range.
+
+        Queued prefetches of the previous plan are dropped; call `drain` first to settle ones in flight."""
+        pinned = frozenset(pinned)
+        for layer, cap in caps.items():
+            self._check_key(f"caps[{layer}]", layer, 0)
+            if cap < 0:
+                raise ConfigError(f"caps[{layer}]: {cap} is negative")
+        for layer, order in eviction.items():
+            if len(set(order)) != len(order):
+                raise ConfigError(f"eviction[{layer}]: repeats an expert: {tuple(order)}")
+            for e in order:
+                self._check_key(f"eviction[{layer}]", layer, e)
+        for k in pinned:
+            self._check_key("pinned", *k)
+        for job in prefetch:
+            self._check_key("prefetch", *job.key)
+        with self._lock:
+            self._caps = dict(caps)
+            self._order = {layer: tuple(order) for layer, order in eviction.items()}
+            self._position = {(layer, e): i for layer, order in self._order.items() for i, e in enumerate(order)}
+            self._pinned = pinned
+            self._wanted = frozenset(job.key for job in prefetch)
+            ranked = sorted(enumerate(prefetch), key=lambda ij: (int(ij[1].priority), ij[1].deadline_s, ij[0]))
+            self._queue = [job for _, job in ranked]
+
+    def cap(self, layer: int) -> int | None:
+        with self._lock:
+            return self._caps.get(layer)
+
+    @property
+    def pinned(self) -> frozenset[Key]:
+        with self._lock:
+            return self._pinned
+
+    def snapshot(self) -> PolicyState:
+        with self._lock:
+            return PolicyState(tuple(sorted(self._caps.items())), tuple(sorted(self._order.items())), self._pinned,
+                               tuple(self._queue), frozenset(p.job.key for p in self._pending))
+
+    # ---- ranking ----------------------------------------------------------------------------------
+    def _evictable(self, candidates: Iterable[Key], protect: frozenset[Key] = frozenset()) -> list[Key]:
+        return [k for k in candidates if k not in self._pinned and k not in protect and not self.pool.is_pinned(*k)]
+
+    def _over_cap(self, layer: int) -> bool:
+        cap = self._caps.get(layer)
+        return cap is not None and len(self.pool.resident_experts(layer)) > cap
+
+    def _rank(self, candidates: list[Key]) -> list[Key]:
+        """Candidates (least recently used first) in eviction order; counts an LRU fallback when the plan
+        ranks none of them (a choice among over-cap layers is the plan's caps speaking, not a fallback)."""
+        if not candidates:
+            return []
+        over = {layer for layer in {k[0] for k in candidates} if self._over_cap(layer)}
+
+        def sort_key(ik: tuple[int, Key]) -> tuple[bool, bool, int, int]:
+            i, k = ik
+            pos = self._position.get(k)
+            return (k[0] not in over, pos is None, i if pos is None else pos, i)
+
+        ranked = [k for _, k in sorted(enumerate(candidates), key=sort_key)]
+        if not over and all(k not in self._position for k in candidates):
+            self.fallbacks[Fallback.LRU_NO_PLAN_ORDER] += 1
+        return ranked
+
+    def victim_order(self, candidates: list[Key]) -> list[Key]:
+        """`OnDemandExperts`' hook: candidates arrive least recently used first; pinned ones are dropped."""
+        with self._lock:
+            return self._rank(self._evictable(candidates))
+
+    def over_cap_victims(self, layer: int) -> list[Key]:
+        """The residents of `layer` beyond its cap, first to evict first (fewer if the rest are pinned)."""
+        with self._lock:
+            cap = self._caps.get(layer)
+            if cap is None:
+                return []
+            excess = len(self.pool.resident_experts(layer)) - cap
+            if excess <= 0:
+                return []
+            cands = self._evictable(k for k in self.experts.residents_lru() if k[0] == layer)
+            return self._rank(cands)[:excess]
+
+    def make_room(self, key: Key, protect: frozenset[Key] = frozenset()) -> bool:
+        """Free a slot `key` may take without passing its layer's cap, evicting by the plan's order.
+
+        False (nothing changed) when no slot is free and every candidate is pinned or protected."""
+        with self._lock:
+            layer = key[0]
+            cap = self._caps.get(layer)
+            num_loading = sum(1 for p in self._pending if p.job.key[0] == layer and not p.fut.done())
+            at_cap = cap is not None and len(self.pool.resident_experts(layer)) + num_loading >= cap
+            if not at_cap and self.pool.num_free_slots > 0:
+                return True
+            cands = self._evictable((k for k in self.experts.residents_lru() if not at_cap or k[0] == layer),
+                                    protect | {key})
+            if not cands:
+                return False
+            self.experts.evict(*self._rank(cands)[0])
+            self._counts["evicted_for_room"] += 1
+            return True
+
+    # ---- prefetch ---------------------------------------------------------------------------------
+    def _poll(self, now_s: float) -> None:
+        still = []
+        for p in self._pending:
+            failed = p.fut.done() and p.fut.error is not None
+            if not p.late and not failed and now_s > p.job.deadline_s:
+                p.late = True  # not seen landed by the first look after its deadline
+                self.fallbacks[Fallback.PREFETCH_LATE] += 1
+            if not p.fut.done():
+                still.append(p)
+            elif failed:
+                self.fallbacks[Fallback.PREFETCH_FAILED] += 1
+            else:
+                self._counts["prefetch_landed"] += 1
+        self._pending = still
+
+    def run_prefetch(self, now_s: float) -> int:
+        """Settle finished prefetches, then start every queued one that can get a slot; returns how many
+        started. A job that cannot start now is counted and dropped (it is not retried)."""
+        with self._lock:
+            self._poll(now_s)
+            queue, self._queue = self._queue, []
+            started = 0
+            for job in queue:
+                state = self.pool.state(*job.key)
+                if state is ExpertState.RESIDENT:
+                    self._counts["prefetch_skipped_resident"] += 1
+                    continue
+                if state is not ExpertState.ABSENT or any(p.job.key == job.key for p in self._pending):
+                    continue  # already on its way
+                if not self.make_room(job.key, protect=self._wanted):
+                    self.fallbacks[Fallback.PREFETCH_NO_SLOT] += 1
+                    continue
+                try:
+                    fut = self.experts.load_async(*job.key, priority=job.priority, deadline_s=job.deadline_s)
+                except RuntimeTierError:
+                    self.fallbacks[Fallback.PREFETCH_FAILED] += 1
+                    continue
+                self._pending.append(_Pending(job, fut))
+                self._counts["prefetch_started"] += 1
+                started += 1
+            return started
+
+    def drain(self, now_s: float) -> None:
+        """Drop queued prefetches and wait for the ones in flight (before a new plan is installed)."""
+        with self._lock:
+            self._queue = []
+            for p in self._pending:
+                with contextlib.suppress(Exception):  # a failure is read back from fut.error by _poll
+                    p.fut.wait()
+            self._poll(now_s)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self.fallbacks, **self._counts, "prefetch_queued": len(self._queue),
+                    "prefetch_in_flight": len(self._pending), "num_pinned": len(self._pinned),
+                    "num_capped_layers": len(self._caps)}
