@@ -161,23 +161,12 @@ def bench_substrate(
 @app.command()
 def demo(
     workdir: Workdir = None,
+    requests: Annotated[int, typer.Option(min=1, max=400, help="Requests replayed from the bundled trace.")] = 48,
 ) -> None:
-    """Step-1 demo on CPU: a short self-check of slots and tiers, saying what it did."""
-    from runtime.selfcheck.slots import run_slot_check
-    from runtime.selfcheck.tiers import run_tier_check
+    """The main job on its embedded default (CPU, tiny MoE, bundled real traces); ends with "demo: ok"."""
+    from api.demo import run_demo
 
-    _io.out.print("[bold]tierplan demo[/bold] (step 1: the execution substrate, CPU twin)")
-    _io.out.print("1) expert slot pool: 300 random remaps over memfd-backed virtual ranges, poisoned slots, every read")
-    _io.out.print("   fingerprinted against the expert it should show")
-    s = run_slot_check(300, 0, "cpu", workdir)
-    _io.out.print(f"   {s.line()} reads_checked={s.reads_checked} poison_reads={s.poison_reads} ({s.seconds:.1f} s)")
-    _io.out.print("2) KV tiers + expert stores: 2000 random moves over GPU-twin/CPU/NVMe (O_DIRECT) and expert loads,")
-    _io.out.print("   with NVMe bytes flipped behind the runtime's back every 200 moves")
-    t = run_tier_check(2000, 0, "cpu", workdir, inject_every=200)
-    _io.out.print(f"   {t.line()} injected={t.injected} direct_io={t.direct_io} ({t.seconds:.1f} s)")
-    ok = s.stale_reads == 0 and t.ok
-    _io.out.print("demo: ok" if ok else "demo: FAILED")
-    if not ok:
+    if not run_demo(_io.out, workdir, requests):
         raise typer.Exit(1)
 
 

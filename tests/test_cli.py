@@ -47,9 +47,11 @@ def test_bench_substrate_quick_writes_json_markdown_and_plot(tmp_path: Path) -> 
 
 
 def test_demo_ends_with_demo_ok(tmp_path: Path) -> None:
-    r = runner.invoke(app, ["demo", "--workdir", str(tmp_path)])
+    r = runner.invoke(app, ["demo", "--workdir", str(tmp_path), "--requests", "16"])
     assert r.exit_code == 0, r.output
-    assert r.output.strip().splitlines()[-1] == "demo: ok"
+    assert r.output.strip().splitlines()[-1].startswith("demo: ok")
+    assert "outputs identical with and without the plan: True" in r.output
+    assert "static plan: plan applied v1" in r.output
 
 
 def test_check_exact_prints_the_result_line(tmp_path: Path) -> None:

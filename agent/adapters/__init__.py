@@ -1,0 +1,1 @@
+"""Adapters plugging the agent into an engine: ours (`reference`) now, vLLM later."""

@@ -1,0 +1,82 @@
+"""The agent inside our reference engine (inference process, engine thread between steps).
+
+Wires the router tap into the model, builds the local policy and the enforcer over the engine's slot pool,
+expert provider and KV cache, and observes every step (`on_step`, the runner's hook): stall time by cause,
+the local policy's prefetches, and a Telemetry window every `window_steps` steps, handed to `sink` (the
+sidecar's queue, or a list in a test). It never waits on the network: plans arrive through `apply`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agent.enforcer import Enforcer
+from agent.local_policy import LocalPolicy
+from agent.taps import RouterTap, TelemetryWindow
+from controller.protocol import Plan, PlanAck, Telemetry
+from runtime.engine.engine import ReferenceEngine
+from runtime.kv import Tier
+
+
+class ReferenceAdapter:
+    def __init__(self, engine: ReferenceEngine, agent_id: str = "agent-0", rank: int = 0, window_steps: int = 8,
+                 hbm_budget_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 sink: Callable[[Telemetry], None] | None = None) -> None:
+        spec, pool, cache = engine.spec, engine.pool, engine.cache
+        self.engine, self.window_steps, self.clock = engine, window_steps, clock
+        self.tap = RouterTap(spec.moe_layers, spec.num_experts, engine.device.torch_device)
+        engine.model.route_tap = self.tap
+        self.policy = LocalPolicy(pool, engine.experts)
+        budget = hbm_budget_bytes or (pool.num_slots * pool.layout.stride_bytes
+                                      + cache.manager.capacity[Tier.GPU] * cache.block_bytes)
+        self.enforcer = Enforcer(pool, engine.experts, engine.loader, cache, self.policy, spec.moe_layers, budget,
+                                 agent_id=agent_id, rank=rank, clock=clock)
+        self.window = TelemetryWindow(agent_id, rank, spec.name, spec.num_layers, spec.num_experts, self.tap, clock)
+        self.telemetry: list[Telemetry] = []
+        self.sink = sink or self.telemetry.append
+        self.steps = 0
+        self._last = self._counters()
+
+    def _counters(self) -> dict[str, Any]:
+        e, c = self.engine.experts, self.engine.cache
+        links = self.engine.transfer.stats()["links"]
+        return {"expert_stall_ms": e.stalls_ms, "kv_stall_s": c.fetch_s, "expert_hits": e.hits,
+                "expert_misses": e.misses, "kv_hits": c.gpu_hits, "kv_misses": dict(c.misses_by_tier),
+                "links": {k: dict(v) for k, v in links.items()}}
+
+    def apply(self, plan: Plan) -> PlanAck:
+        return self.enforcer.apply(plan)
+
+    def on_step(self, batch: object, step_s: float) -> None:
+        now = self._counters()
+        self.window.observe_step(step_s, (now["expert_stall_ms"] - self._last["expert_stall_ms"]) / 1e3,
+                                 now["kv_stall_s"] - self._last["kv_stall_s"])
+        self._last.update(expert_stall_ms=now["expert_stall_ms"], kv_stall_s=now["kv_stall_s"])
+        self.policy.run_prefetch(self.clock())
+        self.steps += 1
+        if self.steps % self.window_steps == 0:
+            self.flush()
+
+    def flush(self) -> Telemetry:
+        """Close the current window (between steps: the only host sync the taps need) and hand it on."""
+        now, last = self._counters(), self._last
+        links = {}
+        for name, s in now["links"].items():
+            n = s["transfers"] - last["links"][name]["transfers"]
+            q = s["queue_delay_s_sum"] - last["links"][name]["queue_delay_s_sum"]
+            mean_ms = q / n * 1e3 if n else 0.0
+            links[name] = {"bytes": s["bytes"] - last["links"][name]["bytes"], "queue_delay_ms_mean": mean_ms,
+                           "queue_delay_ms_max": s["queue_delay_s_max"] * 1e3}  # max since start, not per window
+        cache = self.engine.cache
+        msg = self.window.close(
+            kv_blocks=cache.tier_usage(),
+            kv_hits={"gpu": now["kv_hits"] - last["kv_hits"], "cpu": 0, "nvme": 0},
+            kv_misses={"gpu": 0, **{t.value: now["kv_misses"][t] - last["kv_misses"][t] for t in now["kv_misses"]}},
+            links=links, expert_hits=now["expert_hits"] - last["expert_hits"],
+            expert_misses=now["expert_misses"] - last["expert_misses"],
+            plan_version=self.enforcer.applied_version, fallbacks=dict(self.policy.fallbacks))
+        self._last = now
+        self.sink(msg)
+        return msg

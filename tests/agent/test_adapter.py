@@ -1,0 +1,47 @@
+"""The agent inside the reference engine: plan applied, every step observed, telemetry valid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agent.adapters.reference import ReferenceAdapter
+from agent.static_plan import static_plan
+from controller.protocol import AckStatus, Telemetry, parse, to_json
+from runtime.device import Device
+from runtime.engine.engine import EngineConfig, ReferenceEngine
+from runtime.engine.presets import preset
+from runtime.engine.routing_trace import RoutingTrace
+from runtime.engine.runner import ForcedRouter, Runner
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.workloads import Request
+from runtime.selfcheck.exact import auto_block_tokens
+
+DATA = Path(__file__).parents[2] / "data"
+
+
+def test_adapter_applies_a_static_plan_and_ships_valid_windows(tmp_path: Path) -> None:
+    spec = preset("tiny")
+    bt = auto_block_tokens(spec)
+    eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=bt, resident_frac=0.5, kv_gpu_blocks=8,
+                                                            kv_cpu_blocks=8, kv_nvme_blocks=16, workdir=tmp_path))
+    try:
+        trace = RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz")
+        agent = ReferenceAdapter(eng, window_steps=4)
+        warm, _ = trace.routes(256, len(spec.moe_layers), spec.top_k, spec.num_experts)
+        plan = static_plan(spec, warm, eng.pool.num_slots, eng.pool.layout.stride_bytes,
+                           {"gpu": 8, "cpu": 8, "nvme": 16}, eng.cache.block_bytes, pin_per_layer=1)
+        ack = agent.apply(plan)
+        assert ack.status is AckStatus.APPLIED and agent.enforcer.applied_version == 1
+        assert sum(eng.pool.is_pinned(m, e) for m in range(2) for e in range(8)) == 2
+        reqs = [Request(i, 0.0, 10 + 3 * i, 6, (), "test") for i in range(5)]
+        rep = Runner(eng, Scheduler(8, bt, max_batch=4), ForcedRouter(trace, eng), on_step=agent.on_step).run(reqs)
+        last = agent.flush()
+    finally:
+        eng.close()
+    assert agent.steps == rep.steps and len(agent.telemetry) == rep.steps // 4 + 1
+    routed = sum(sum(layer.activation_counts) for t in agent.telemetry for layer in t.layers)
+    assert routed > 0 and routed % spec.top_k == 0  # every routed token counted k times
+    assert sum(t.step_timings_ms.num_steps for t in agent.telemetry) == rep.steps
+    assert sum(t.expert_hits + t.expert_misses for t in agent.telemetry) == rep.expert_hits + rep.expert_misses
+    assert all(t.applied_plan_version == 1 for t in agent.telemetry)
+    assert parse(Telemetry, to_json(last)) == last
