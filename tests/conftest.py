@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +11,10 @@ import pytest
 import torch
 
 from runtime.device import Device
+
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels run in Triton's interpreter; it reads this when a kernel is defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

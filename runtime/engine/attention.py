@@ -50,13 +50,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return (x32 * cos + rot * sin).to(x.dtype)
 
 
-def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
-                  cache: PagedKVCache, layer: int, spec: ModelSpec) -> torch.Tensor:
-    """x [N, H] -> [N, H]; writes the N new K/V rows into the cache first."""
-    if spec.attention is not AttentionKind.GQA:
-        raise ConfigError(f"{spec.name}: attention kind {spec.attention.value} has no reference kernel yet")
-    n = x.shape[0]
-    nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+def _project_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor,
+                 spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, nh, nkv, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
     q = x @ w["q_proj"].t()  # [N, Hq*D]
     k = x @ w["k_proj"].t()  # [N, Hkv*D]
     if spec.qk_norm and not spec.qk_norm_per_head:  # OLMoE normalises the whole projection
@@ -65,7 +61,41 @@ def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
     v = (x @ w["v_proj"].t()).view(n, nkv, d)
     if spec.qk_norm and spec.qk_norm_per_head:  # Qwen3 normalises each head
         q, k = rms_norm(q, w["q_norm"], spec.rms_norm_eps), rms_norm(k, w["k_norm"], spec.rms_norm_eps)
-    q, k = rope(q, positions, spec.rope_theta), rope(k, positions, spec.rope_theta)
+    return rope(q, positions, spec.rope_theta), rope(k, positions, spec.rope_theta), v
+
+
+def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
+                     cache: PagedKVCache, layer: int, spec: ModelSpec) -> torch.Tensor:
+    """One token per segment: write all new K/V rows at once, then one paged-kernel launch for the batch."""
+    from runtime.engine.kernels.paged_attention import paged_decode_attention
+
+    n, bt = x.shape[0], cache.block_tokens
+    q, k, v = _project_qkv(x, w, positions, spec)
+    tables = [cache.gpu_slots(s.seq_id) for s in segments]
+    width = max(t.numel() for t in tables)
+    table = torch.zeros(len(segments), width, dtype=torch.int32, device=x.device)  # [B, M]
+    for i, t in enumerate(tables):
+        table[i, : t.numel()] = t
+    rows = positions // bt  # [B] block index of each new token
+    slot = table.gather(1, rows[:, None].to(torch.int64)).squeeze(1).long()  # [B]
+    kv = cache.gpu[:, layer]  # [Nblk, 2, T, Hkv, D]
+    kv[slot, 0, positions % bt] = k
+    kv[slot, 1, positions % bt] = v
+    lens = (positions + 1).to(torch.int32)  # [B]
+    out = paged_decode_attention(q, kv[:, 0], kv[:, 1], table, lens)  # [B, Hq, D]
+    for s in segments:
+        cache.mark_written(s.seq_id, s.first_pos, s.context_len)
+    return out.reshape(n, -1) @ w["o_proj"].t()
+
+
+def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
+                  cache: PagedKVCache, layer: int, spec: ModelSpec) -> torch.Tensor:
+    """x [N, H] -> [N, H]; writes the N new K/V rows into the cache first."""
+    if spec.attention is not AttentionKind.GQA:
+        raise ConfigError(f"{spec.name}: attention kind {spec.attention.value} has no reference kernel yet")
+    n = x.shape[0]
+    nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q, k, v = _project_qkv(x, w, positions, spec)
     bt = cache.block_tokens
     kv = cache.gpu[:, layer]  # [Nblk, 2, T, Hkv, D]
     out = torch.empty(n, nh, d, dtype=x.dtype, device=x.device)  # [N, Hq, D]
@@ -89,9 +119,13 @@ def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
 
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
-              cache: PagedKVCache, layer: int, spec: ModelSpec) -> torch.Tensor:
-    """x [N, H] -> [N, H] with the spec's attention kind; same contract as gqa_attention."""
+              cache: PagedKVCache, layer: int, spec: ModelSpec, decode_kernel: bool = False) -> torch.Tensor:
+    """x [N, H] -> [N, H] with the spec's attention kind; same contract as gqa_attention.
+
+    decode_kernel: a batch of single-token (decode) segments goes through the Triton paged kernel."""
     if spec.attention is AttentionKind.GQA:
+        if decode_kernel and all(s.num_tokens == 1 for s in segments):
+            return gqa_decode_paged(x, w, positions, segments, cache, layer, spec)
         return gqa_attention(x, w, positions, segments, cache, layer, spec)
     if spec.attention is AttentionKind.MLA:
         from runtime.engine.mla import mla_attention  # mla.py imports Segment/rms_norm/rope from here

@@ -42,6 +42,7 @@ class EngineConfig:
     kv_cpu_blocks: int = 0
     kv_nvme_blocks: int = 0
     spill_kv_every_step: bool = False
+    decode_kernel: bool | None = None  # Triton paged decode attention; None = on a GPU when Triton is there
     seed: int = 0
     workdir: Path | None = None
 
@@ -85,6 +86,12 @@ class ReferenceEngine:
                                   wd / "kv.tpnvme" if cfg.kv_nvme_blocks else None)
         weights = synthetic_dense_weights(spec, device.torch_device, seed=cfg.seed)
         self.model = MoEModel(spec, weights, self.pool, self.experts, self.cache)
+        if cfg.decode_kernel is None:
+            from runtime.engine.kernels.paged_attention import HAS_TRITON
+
+            self.model.decode_kernel = device.is_cuda and HAS_TRITON
+        else:
+            self.model.decode_kernel = cfg.decode_kernel
 
     def step(self, seqs: list[int], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         """One forward: sequence i contributes tokens[i] at positions starts[i]...; returns logits [S, V]."""

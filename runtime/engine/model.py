@@ -33,6 +33,7 @@ class MoEModel:
         fmt = expert_format(spec)
         self.views = {layer: ExpertViews(pool, fmt, i) for layer, i in self.pool_layer.items()}
         self.forced_routes: ForcedRoutes | None = None
+        self.decode_kernel = False  # decode batches through the Triton paged kernel (the engine turns it on)
         self.route_tap: RouteTap | None = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
@@ -41,7 +42,7 @@ class MoEModel:
         x = self.w.embed[tokens]  # [N, H]
         for i, lw in enumerate(self.w.layers):
             h = rms_norm(x, lw.input_norm, spec.rms_norm_eps)
-            x = x + attention(h, lw.attn, positions, segments, self.cache, i, spec)
+            x = x + attention(h, lw.attn, positions, segments, self.cache, i, spec, self.decode_kernel)
             h = rms_norm(x, lw.post_attn_norm, spec.rms_norm_eps)
             if lw.router is None:
                 assert lw.dense is not None
