@@ -45,6 +45,7 @@ class OnDemandExperts:
         self._lru: OrderedDict[Key, None] = OrderedDict()  # least recently used first
         self._inflight: dict[Key, OpFuture] = {}  # loads started by load_async, not yet seen by ensure
         self.victim_order: VictimOrder = victim_order or lru_victim_order
+        self.fast_path_layers = 0  # MoE layers computed without ensure (all resident, no host sync)
         self.hits = 0
         self.misses = 0
         self.stalls_ms = 0.0  # wall time ensure() spent making room for and waiting on missing experts
@@ -56,6 +57,15 @@ class OnDemandExperts:
         return max(1, self.pool.num_slots - self._num_pinned)
 
     # ---- policy hook ------------------------------------------------------------------------------
+    def all_resident(self, layer: int) -> bool:
+        """Every expert of `layer` holds a slot (e.g. a fully resident model): compute needs no `ensure`."""
+        if self.pool.num_slots < self.pool.layout.num_experts:
+            return False
+        if len(self.pool.resident_experts(layer)) == self.pool.layout.num_experts:
+            self.fast_path_layers += 1
+            return True
+        return False
+
     def set_victim_order(self, fn: VictimOrder | None) -> None:
         """Plug a ranking in (the agent's local policy); None restores least-recently-used."""
         self.victim_order = fn or lru_victim_order

@@ -24,6 +24,10 @@ HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 class ExpertProvider(Protocol):
     capacity: int  # how many experts can be resident at once (the pool's slots)
 
+    def all_resident(self, layer: int) -> bool:
+        """True when every expert of the layer is resident: compute may skip `ensure` (no host sync)."""
+        ...
+
     def ensure(self, layer: int, experts: list[int]) -> None:
         """Return once every listed expert of `layer` is resident and ordered before compute."""
         ...
@@ -76,9 +80,17 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
     flat = ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # [T*k]
     counts_t = torch.bincount(flat, minlength=e)  # [E]
+    xs = x[order // k]  # [T*k, H]
+    if HAS_GROUPED_MM and provider.all_resident(layer):
+        # Every expert has a slot: one grouped GEMM pair over all experts, offsets on the device, no host sync
+        # (CUDA-graph friendly). Per-expert rows are the same as in the chunked path below.
+        offs = torch.cumsum(counts_t, 0).to(torch.int32)  # [E]
+        gu = torch._grouped_mm(xs, views.gate_up.transpose(-2, -1), offs=offs)  # [T*k, 2I]
+        g, u = gu.split(views.intermediate, dim=-1)
+        y = torch._grouped_mm(F.silu(g) * u, views.down.transpose(-2, -1), offs=offs)  # [T*k, H]
+        return _combine(y, order, weights, t, k, x.dtype)
     counts = counts_t.tolist()
     needed = [i for i, n in enumerate(counts) if n]
-    xs = x[order // k]  # [T*k, H]
     y = torch.empty_like(xs)  # [T*k, H]
     # More experts needed than slots: run consecutive expert ranges one after another. Each expert's GEMM
     # sees the same rows either way, so the result does not depend on how many slots there are.
@@ -92,9 +104,15 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
         gu = _grouped(xs[r0:r1], views.gate_up[e0:e1], offs, sub_counts)  # [rows, 2I]
         g, u = gu.split(views.intermediate, dim=-1)
         y[r0:r1] = _grouped(F.silu(g) * u, views.down[e0:e1], offs, sub_counts)  # [rows, H]
+    return _combine(y, order, weights, t, k, x.dtype)
+
+
+def _combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, t: int, k: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    """Expert outputs y [T*k, H] in expert order -> [T, H]: weighted sum over each token's k, in fixed order."""
     unsorted = torch.empty_like(y)
     unsorted[order] = y
-    return (unsorted.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # [T, H]
+    return (unsorted.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1).to(dtype)  # [T, H]
 
 
 def mlp(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:

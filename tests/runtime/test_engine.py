@@ -51,6 +51,7 @@ def test_grouped_gemm_and_the_fallback_loop_agree(tiny, tmp_path: Path, monkeypa
     cfg = EngineConfig(block_tokens=auto_block_tokens(tiny), workdir=tmp_path / "a")
     eng = ReferenceEngine(tiny, Device("cpu"), cfg)
     a = eng.generate(prompts, 3)
+    assert eng.experts.fast_path_layers > 0  # once all experts were loaded, no per-layer host sync
     eng.close()
     monkeypatch.setattr(moe, "HAS_GROUPED_MM", False)
     eng = ReferenceEngine(tiny, Device("cpu"), EngineConfig(block_tokens=cfg.block_tokens, workdir=tmp_path / "b"))
