@@ -158,6 +158,18 @@ def bench_substrate(
     run_substrate_bench(out_dir, device.value, quick=quick, console=_io.out, sections=sections)
 
 
+@bench_app.command("engine")
+def bench_engine(
+    out_dir: Annotated[Path, typer.Option(help="Where to write JSON and Markdown.")] = Path("bench/results"),
+    quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
+    device: Dev = DeviceOpt.cuda,
+) -> None:
+    """Engine kernels vs bare baselines: MoE layer vs grouped GEMM, paged decode attention vs SDPA."""
+    from bench.engine import run_engine_bench
+
+    run_engine_bench(out_dir, device.value, quick=quick, console=_io.out)
+
+
 @app.command()
 def demo(
     workdir: Workdir = None,

@@ -64,3 +64,11 @@ def test_check_exact_prints_the_result_line(tmp_path: Path) -> None:
 def test_check_exact_unknown_preset_is_a_clear_error() -> None:
     r = runner.invoke(app, ["check", "exact", "--preset", "gpt-5"])
     assert r.exit_code == 2 and "gpt-5" in r.output
+
+
+def test_bench_engine_quick_writes_json_and_markdown(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["bench", "engine", "--device", "cpu", "--quick", "--out-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "engine_cpu.json").read_text())
+    assert len(res["moe"]) == 2 and len(res["attention"]) == 1
+    assert all(m["ratio"] > 0 for m in res["moe"]) and "SDPA" in (tmp_path / "engine_cpu.md").read_text()

@@ -1,0 +1,124 @@
+"""`tierplan bench engine`: the reference engine's kernels against bare baselines, measured in one run.
+
+Runs in one process on one CUDA GPU (`--quick` on the CPU is a smoke run of the same code, not a figure).
+  * MoE layer (router top-k, grouped GEMMs through the slot pool's strided views, fixed-order combine) vs a
+    bare `torch._grouped_mm` pair on contiguous weights with the same routing, at Qwen3-30B-A3B shapes;
+  * paged decode attention (Triton, block tables) vs SDPA on contiguous KV of the same lengths.
+Writes engine_<device>.json and .md; every ratio is against a baseline timed in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.substrate import _timed
+from runtime.device import Device
+from runtime.engine.moe import ExpertViews, moe_forward
+from runtime.memory.slots import ExpertSlotPool
+from runtime.selfcheck.common import make_backend
+from runtime.weights.format import ExpertFormat
+
+
+class _AllResident:
+    capacity = 1 << 30
+
+    def all_resident(self, layer: int) -> bool:
+        return True
+
+    def ensure(self, layer: int, experts: list[int]) -> None:  # pragma: no cover - never called
+        raise AssertionError("all resident")
+
+
+def moe_vs_grouped(dev: Device, hidden: int, inter: int, experts: int, top_k: int, batch: int, reps: int) -> dict:
+    fmt = ExpertFormat.swiglu(hidden, inter)
+    pool = ExpertSlotPool(make_backend(dev), dev, 1, experts, fmt.num_bytes, experts)
+    g = torch.Generator().manual_seed(0)
+    for e in range(experts):
+        dst = pool.prepare_load(0, e)
+        dst.copy_((torch.randn(fmt.num_bytes // 2, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8))
+        pool.complete_load(0, e, True)
+    views = ExpertViews(pool, fmt, 0)
+    w_gu = views.gate_up.contiguous()  # [E, 2I, H] the bare baseline's own contiguous copy
+    w_dn = views.down.contiguous()  # [E, H, I]
+    x = (torch.randn(batch, hidden, generator=g) * 0.1).to(torch.bfloat16).to(dev.torch_device)  # [B, H]
+    router = (torch.randn(experts, hidden, generator=g) * 0.02).to(torch.bfloat16).to(dev.torch_device)
+    probs = F.softmax((x @ router.t()).float(), -1)
+    wts, ids = probs.topk(top_k, -1)
+    provider = _AllResident()
+
+    def ours() -> None:
+        moe_forward(x, ids, wts, views, 0, provider)
+
+    def bare() -> None:
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat)
+        offs = torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32)
+        xs = x[order // top_k]
+        gu = torch._grouped_mm(xs, w_gu.transpose(-2, -1), offs=offs)
+        a, b = gu.split(inter, -1)
+        torch._grouped_mm(F.silu(a) * b, w_dn.transpose(-2, -1), offs=offs)
+
+    t_ours, t_bare = _timed(dev, ours, reps), _timed(dev, bare, reps)
+    pool.close()
+    return {"hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k, "batch": batch,
+            "moe_layer_ms": t_ours * 1e3, "grouped_gemm_ms": t_bare * 1e3, "ratio": t_ours / t_bare}
+
+
+def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, block: int, reps: int) -> dict:
+    from runtime.engine.kernels.paged_attention import paged_decode_attention
+
+    g = torch.Generator().manual_seed(1)
+    nb = ctx // block
+    tdev = dev.torch_device
+    k = torch.randn(batch * nb, block, hkv, d, generator=g).to(torch.bfloat16).to(tdev)  # [N, T, Hkv, D]
+    v = torch.randn(batch * nb, block, hkv, d, generator=g).to(torch.bfloat16).to(tdev)
+    table = torch.randperm(batch * nb, generator=g).view(batch, nb).to(torch.int32).to(tdev)  # scattered blocks
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=tdev)
+    q = torch.randn(batch, hq, d, generator=g).to(torch.bfloat16).to(tdev)
+    kc = k[table.long()].reshape(batch, ctx, hkv, d).transpose(1, 2).contiguous()  # [B, Hkv, C, D] contiguous
+    vc = v[table.long()].reshape(batch, ctx, hkv, d).transpose(1, 2).contiguous()
+    qs = q.view(batch, hq, 1, d)
+
+    def ours() -> None:
+        paged_decode_attention(q, k, v, table, lens)
+
+    def sdpa() -> None:
+        F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True)
+
+    t_ours, t_sdpa = _timed(dev, ours, reps), _timed(dev, sdpa, reps)
+    return {"batch": batch, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "block": block,
+            "paged_ms": t_ours * 1e3, "sdpa_ms": t_sdpa * 1e3, "ratio": t_ours / t_sdpa}
+
+
+def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None) -> dict:
+    dev = Device(device)
+    say = console.print if console is not None else print
+    reps = 3 if quick else 50
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev.is_cuda else platform.processor() or "cpu",
+                           "torch": torch.__version__, "quick": quick, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    shapes = [(64, 32, 8, 2, b) for b in (1, 4)] if quick else [(2048, 768, 128, 8, b) for b in (1, 64)]
+    res["moe"] = [moe_vs_grouped(dev, *s, reps) for s in shapes]
+    say(f"moe: {res['moe']}")
+    att = [(2, 64, 4, 2, 16, 16)] if quick else [(b, c, 32, 4, 128, 16) for b in (32, 128) for c in (4096, 16384)]
+    res["attention"] = [paged_vs_sdpa(dev, *a, reps) for a in att]
+    say(f"attention: {res['attention']}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"engine_{device}"
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
+    md = [f"# Engine kernels ({res['device']}, torch {res['torch']}, {res['when']})", "",
+          "| MoE layer | batch | ours ms | bare grouped GEMM ms | ratio |", "|---|---|---|---|---|"]
+    md += [f"| h{m['hidden']} i{m['inter']} E{m['experts']} k{m['top_k']} | {m['batch']} | {m['moe_layer_ms']:.3f} | "
+           f"{m['grouped_gemm_ms']:.3f} | {m['ratio']:.2f} |" for m in res["moe"]]
+    md += ["", "| decode attention | batch | ctx | paged ms | SDPA contiguous ms | ratio |",
+           "|---|---|---|---|---|---|"]
+    md += [f"| {a['hq']}q/{a['hkv']}kv d{a['d']} | {a['batch']} | {a['ctx']} | {a['paged_ms']:.3f} | "
+           f"{a['sdpa_ms']:.3f} | {a['ratio']:.2f} |" for a in res["attention"]]
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    return res
