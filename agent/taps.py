@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from controller.protocol import (
+    BlockMass,
     CoPair,
     KVStats,
     LayerStats,
@@ -79,6 +80,39 @@ class RouterTap:
         return out
 
 
+class AttentionMassTap:
+    """Samples attention mass per KV block: on every `every_steps`-th step, the first sequence seen in each
+    watched layer gets its last query's attention summed per block (computed beside the kernel, rarely).
+    Results stay on the device until `drain()` at the window's end."""
+
+    def __init__(self, layers: tuple[int, ...], every_steps: int = 8) -> None:
+        self.layers, self.every_steps = set(layers), max(1, every_steps)
+        self._sampling = False
+        self._taken: set[int] = set()
+        self._pending: list[tuple[list[int], torch.Tensor]] = []
+
+    def begin_step(self, step: int) -> None:
+        self._sampling = step % self.every_steps == 0
+        self._taken.clear()
+
+    def wants(self, layer: int, seq_id: int) -> bool:
+        if not self._sampling or layer not in self.layers or layer in self._taken:
+            return False
+        self._taken.add(layer)
+        return True
+
+    def record(self, layer: int, block_ids: list[int], mass: torch.Tensor) -> None:
+        self._pending.append((list(block_ids), mass.detach()))
+
+    def drain(self) -> tuple[BlockMass, ...]:
+        acc: dict[int, list[float]] = {}
+        for ids, mass in self._pending:
+            for b, m in zip(ids, mass.tolist(), strict=True):
+                acc.setdefault(b, []).append(min(1.0, max(0.0, m)))
+        self._pending.clear()
+        return tuple(BlockMass(block=b, mass=math.fsum(v) / len(v), samples=len(v)) for b, v in sorted(acc.items()))
+
+
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
@@ -88,9 +122,10 @@ class TelemetryWindow:
     """Accumulates one window of step observations; `close()` returns the Telemetry and starts the next."""
 
     def __init__(self, agent_id: str, rank: int, model: str, num_layers: int, num_experts: int, tap: RouterTap,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], mass_tap: AttentionMassTap | None = None) -> None:
         self.agent_id, self.rank, self.model = agent_id, rank, model
         self.num_layers, self.num_experts, self.tap, self.clock = num_layers, num_experts, tap, clock
+        self.mass_tap = mass_tap
         self.seq = 0
         self._reset()
 
@@ -124,7 +159,8 @@ class TelemetryWindow:
             num_experts=self.num_experts, layers=tuple(self.tap.drain()),
             kv=KVStats(blocks_per_tier={Tier(k): v for k, v in kv_blocks.items()},
                        hits_per_tier={Tier(k): v for k, v in kv_hits.items()},
-                       misses_per_tier={Tier(k): v for k, v in kv_misses.items()}),
+                       misses_per_tier={Tier(k): v for k, v in kv_misses.items()},
+                       attention_mass=self.mass_tap.drain() if self.mass_tap is not None else ()),
             links=tuple(LinkStats(link=Link(k), bytes=int(v["bytes"]), queue_delay_ms_mean=v["queue_delay_ms_mean"],
                                   queue_delay_ms_max=max(v["queue_delay_ms_max"], v["queue_delay_ms_mean"]))
                         for k, v in links.items()),

@@ -158,11 +158,25 @@ class ReuseEvent(ProtocolModel):
     tier: Tier
 
 
+class BlockMass(ProtocolModel):
+    """Sampled share of attention a KV block received (mean over sampled queries, heads and layers)."""
+
+    block: Count  # the agent's KV block id
+    mass: Probability
+    samples: Count
+
+
 class KVStats(ProtocolModel):
     blocks_per_tier: dict[Tier, Count]
     hits_per_tier: dict[Tier, Count]
     misses_per_tier: dict[Tier, Count]
     reuse_events: tuple[ReuseEvent, ...] = Field(default=(), max_length=MAX_ITEMS)
+    attention_mass: tuple[BlockMass, ...] = Field(default=(), max_length=MAX_ITEMS)
+
+    @model_validator(mode="after")
+    def _unique_blocks(self) -> Self:
+        _refuse_repeats("attention_mass", [b.block for b in self.attention_mass])
+        return self
 
 
 class LinkStats(ProtocolModel):

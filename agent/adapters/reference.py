@@ -14,7 +14,7 @@ from typing import Any
 
 from agent.enforcer import Enforcer
 from agent.local_policy import LocalPolicy
-from agent.taps import RouterTap, TelemetryWindow
+from agent.taps import AttentionMassTap, RouterTap, TelemetryWindow
 from controller.protocol import Plan, PlanAck, Telemetry
 from runtime.engine.engine import ReferenceEngine
 from runtime.kv import Tier
@@ -33,10 +33,14 @@ class ReferenceAdapter:
                                       + cache.manager.capacity[Tier.GPU] * cache.block_bytes)
         self.enforcer = Enforcer(pool, engine.experts, engine.loader, cache, self.policy, spec.moe_layers, budget,
                                  agent_id=agent_id, rank=rank, clock=clock)
-        self.window = TelemetryWindow(agent_id, rank, spec.name, spec.num_layers, spec.num_experts, self.tap, clock)
+        self.mass_tap = AttentionMassTap(layers=(0,), every_steps=window_steps)
+        engine.model.mass_observer = self.mass_tap
+        self.window = TelemetryWindow(agent_id, rank, spec.name, spec.num_layers, spec.num_experts, self.tap, clock,
+                                      self.mass_tap)
         self.telemetry: list[Telemetry] = []
         self.sink = sink or self.telemetry.append
         self.steps = 0
+        self.mass_tap.begin_step(0)
         self._last = self._counters()
 
     def _counters(self) -> dict[str, Any]:
@@ -56,6 +60,7 @@ class ReferenceAdapter:
         self._last.update(expert_stall_ms=now["expert_stall_ms"], kv_stall_s=now["kv_stall_s"])
         self.policy.run_prefetch(self.clock())
         self.steps += 1
+        self.mass_tap.begin_step(self.steps)  # decides whether the next step is sampled
         if self.steps % self.window_steps == 0:
             self.flush()
 

@@ -10,6 +10,7 @@ between tiers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,37 @@ class Segment:
     @property
     def context_len(self) -> int:
         return self.first_pos + self.num_tokens
+
+
+class MassObserver(Protocol):
+    """Samples how much attention each KV block gets (the agent's tap); called between kernels, rarely."""
+
+    def wants(self, layer: int, seq_id: int) -> bool: ...
+
+    def record(self, layer: int, block_ids: list[int], mass: torch.Tensor) -> None:
+        """mass [num_blocks] float32 on the device: share of the last query's attention per block."""
+        ...
+
+
+def block_mass(q: torch.Tensor, keys: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """q [Hq, D], keys [C, Hkv, D] -> [ceil(C / T)] float32: softmax(qK^T / sqrt(D)) summed per block, mean
+    over heads (sums to 1)."""
+    c, hkv, d = keys.shape
+    k = keys.float().repeat_interleave(q.shape[0] // hkv, 1)  # [C, Hq, D]
+    p = torch.einsum("hd,chd->hc", q.float(), k).div(d**0.5).softmax(-1).mean(0)  # [C]
+    return F.pad(p, (0, -c % block_tokens)).view(-1, block_tokens).sum(-1)
+
+
+def _observe(observer: MassObserver | None, layer: int, s: Segment, q_last: torch.Tensor, cache: PagedKVCache,
+             keys: torch.Tensor | None = None) -> None:
+    if observer is None or not observer.wants(layer, s.seq_id):
+        return
+    if keys is None:  # the kernel path gathered nothing: gather this one sequence now
+        kv = cache.gpu[:, layer, 0]  # [Nblk, T, Hkv, D]
+        nb = cache.num_blocks_for(s.context_len)
+        keys = kv[cache.gpu_slots(s.seq_id)[:nb]].flatten(0, 1)[: s.context_len]
+    mass = block_mass(q_last, keys, cache.block_tokens)
+    observer.record(layer, cache.blocks_of(s.seq_id)[: mass.numel()], mass)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,7 +97,8 @@ def _project_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.T
 
 
 def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
-                     cache: PagedKVCache, layer: int, spec: ModelSpec) -> torch.Tensor:
+                     cache: PagedKVCache, layer: int, spec: ModelSpec,
+                     observer: MassObserver | None = None) -> torch.Tensor:
     """One token per segment: write all new K/V rows at once, then one paged-kernel launch for the batch."""
     from runtime.engine.kernels.paged_attention import paged_decode_attention
 
@@ -83,13 +116,15 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
     kv[slot, 1, positions % bt] = v
     lens = (positions + 1).to(torch.int32)  # [B]
     out = paged_decode_attention(q, kv[:, 0], kv[:, 1], table, lens)  # [B, Hq, D]
-    for s in segments:
+    for i, s in enumerate(segments):
         cache.mark_written(s.seq_id, s.first_pos, s.context_len)
+        _observe(observer, layer, s, q[i], cache)
     return out.reshape(n, -1) @ w["o_proj"].t()
 
 
 def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
-                  cache: PagedKVCache, layer: int, spec: ModelSpec) -> torch.Tensor:
+                  cache: PagedKVCache, layer: int, spec: ModelSpec,
+                  observer: MassObserver | None = None) -> torch.Tensor:
     """x [N, H] -> [N, H]; writes the N new K/V rows into the cache first."""
     if spec.attention is not AttentionKind.GQA:
         raise ConfigError(f"{spec.name}: attention kind {spec.attention.value} has no reference kernel yet")
@@ -115,18 +150,21 @@ def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
         mask = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]  # [n, C]
         out[rows] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
         cache.mark_written(s.seq_id, s.first_pos, ctx)
+        _observe(observer, layer, s, q[rows][-1], cache, keys)
     return out.reshape(n, nh * d) @ w["o_proj"].t()
 
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
-              cache: PagedKVCache, layer: int, spec: ModelSpec, decode_kernel: bool = False) -> torch.Tensor:
+              cache: PagedKVCache, layer: int, spec: ModelSpec, decode_kernel: bool = False,
+              observer: MassObserver | None = None) -> torch.Tensor:
     """x [N, H] -> [N, H] with the spec's attention kind; same contract as gqa_attention.
 
-    decode_kernel: a batch of single-token (decode) segments goes through the Triton paged kernel."""
+    decode_kernel: a batch of single-token (decode) segments goes through the Triton paged kernel.
+    observer: samples attention mass per KV block (GQA)."""
     if spec.attention is AttentionKind.GQA:
         if decode_kernel and all(s.num_tokens == 1 for s in segments):
-            return gqa_decode_paged(x, w, positions, segments, cache, layer, spec)
-        return gqa_attention(x, w, positions, segments, cache, layer, spec)
+            return gqa_decode_paged(x, w, positions, segments, cache, layer, spec, observer)
+        return gqa_attention(x, w, positions, segments, cache, layer, spec, observer)
     if spec.attention is AttentionKind.MLA:
         from runtime.engine.mla import mla_attention  # mla.py imports Segment/rms_norm/rope from here
 

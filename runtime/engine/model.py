@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from runtime.engine.attention import Segment, attention, rms_norm
+from runtime.engine.attention import MassObserver, Segment, attention, rms_norm
 from runtime.engine.config import ModelSpec
 from runtime.engine.kv_cache import PagedKVCache
 from runtime.engine.moe import ExpertProvider, ExpertViews, mlp, moe_forward, route
@@ -34,6 +34,7 @@ class MoEModel:
         self.views = {layer: ExpertViews(pool, fmt, i) for layer, i in self.pool_layer.items()}
         self.forced_routes: ForcedRoutes | None = None
         self.decode_kernel = False  # decode batches through the Triton paged kernel (the engine turns it on)
+        self.mass_observer: MassObserver | None = None  # the agent's sampled attention-mass tap
         self.route_tap: RouteTap | None = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
@@ -42,7 +43,8 @@ class MoEModel:
         x = self.w.embed[tokens]  # [N, H]
         for i, lw in enumerate(self.w.layers):
             h = rms_norm(x, lw.input_norm, spec.rms_norm_eps)
-            x = x + attention(h, lw.attn, positions, segments, self.cache, i, spec, self.decode_kernel)
+            x = x + attention(h, lw.attn, positions, segments, self.cache, i, spec, self.decode_kernel,
+                              self.mass_observer)
             h = rms_norm(x, lw.post_attn_norm, spec.rms_norm_eps)
             if lw.router is None:
                 assert lw.dense is not None

@@ -44,4 +44,6 @@ def test_adapter_applies_a_static_plan_and_ships_valid_windows(tmp_path: Path) -
     assert sum(t.step_timings_ms.num_steps for t in agent.telemetry) == rep.steps
     assert sum(t.expert_hits + t.expert_misses for t in agent.telemetry) == rep.expert_hits + rep.expert_misses
     assert all(t.applied_plan_version == 1 for t in agent.telemetry)
+    sampled = [b for t in agent.telemetry for b in t.kv.attention_mass]
+    assert sampled and all(0.0 <= b.mass <= 1.0 for b in sampled)  # attention mass per block was sampled
     assert parse(Telemetry, to_json(last)) == last

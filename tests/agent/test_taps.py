@@ -48,3 +48,28 @@ def test_window_classifies_stalls_and_builds_valid_telemetry() -> None:
     assert msg.step_timings_ms.num_steps == 4 and msg.window_seq == 0
     assert parse(Telemetry, to_json(msg)) == msg  # what the sidecar will ship round-trips
     assert win.close({}, {}, {}, {}, 0, 0, 1, {}).window_seq == 1
+
+
+def test_block_mass_sums_to_one_and_follows_the_keys() -> None:
+    from runtime.engine.attention import block_mass
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 8, generator=g)
+    keys = torch.randn(21, 2, 8, generator=g) * 0.1
+    keys[17, :] = q.view(2, 2, 8).mean(1) * 40  # one key aligned with the query: its block dominates
+    m = block_mass(q, keys, 8)
+    assert m.shape == (3,) and abs(float(m.sum()) - 1.0) < 1e-5 and int(m.argmax()) == 2
+
+
+def test_attention_mass_tap_samples_one_sequence_per_layer_on_sampled_steps() -> None:
+    from agent.taps import AttentionMassTap
+
+    tap = AttentionMassTap(layers=(0,), every_steps=2)
+    tap.begin_step(1)
+    assert not tap.wants(0, 5)
+    tap.begin_step(2)
+    assert tap.wants(0, 5) and not tap.wants(0, 6) and not tap.wants(1, 5)
+    tap.record(0, [10, 11], torch.tensor([0.25, 0.75]))
+    tap.record(0, [10], torch.tensor([1.0]))
+    out = {b.block: (b.mass, b.samples) for b in tap.drain()}
+    assert out == {10: (0.625, 2), 11: (0.75, 1)} and tap.drain() == ()
