@@ -93,7 +93,8 @@ def run_demo(console: Console, workdir: str | Path | None = None, num_requests: 
     for j in jobs:
         table.add_column(j.label, justify="right")
     rows: list[tuple[str, Any]] = [
-        ("tokens/s", "tokens_per_s"), ("TTFT p50 ms", "ttft_ms_p50"), ("TTFT p99 ms", "ttft_ms_p99"),
+        ("tokens/s", "tokens_per_s"), ("queueing p50 ms", "queue_ms_p50"), ("TTFT p50 ms", "ttft_ms_p50"),
+        ("TTFT p99 ms", "ttft_ms_p99"),
         ("TPOT p50 ms", "tpot_ms_p50"), ("TPOT p99 ms", "tpot_ms_p99"), ("expert hit rate", "expert_hit_rate"),
         ("preemptions", "preemptions"), ("steps", "steps"), ("tokens out", "tokens_out")]
     for name, key in rows:

@@ -51,6 +51,7 @@ class RequestMetrics:
     request_id: int
     prompt_len: int
     output_len: int
+    queue_s: float  # arrival -> first scheduled
     ttft_s: float
     tpot_s: float
     e2e_s: float
@@ -82,6 +83,7 @@ class RunReport:
 
     def summary(self) -> dict[str, float]:
         return {"requests": len(self.requests), "tokens_out": self.tokens_out, "tokens_per_s": self.tokens_per_s,
+                "queue_ms_p50": self.pct("queue_s", 0.5) * 1e3, "queue_ms_p99": self.pct("queue_s", 0.99) * 1e3,
                 "ttft_ms_p50": self.pct("ttft_s", 0.5) * 1e3, "ttft_ms_p99": self.pct("ttft_s", 0.99) * 1e3,
                 "tpot_ms_p50": self.pct("tpot_s", 0.5) * 1e3, "tpot_ms_p99": self.pct("tpot_s", 0.99) * 1e3,
                 "expert_hit_rate": self.expert_hit_rate, "steps": self.steps,
@@ -142,10 +144,11 @@ class Runner:
         wall = self.clock() - t0
         metrics = []
         for s in sorted(self.sched.finished, key=lambda s: s.seq_id):
-            assert s.first_token_s is not None and s.finish_s is not None
+            assert s.first_token_s is not None and s.finish_s is not None and s.admitted_s is not None
             n = len(s.output)
             tpot = (s.finish_s - s.first_token_s) / (n - 1) if n > 1 else 0.0
-            metrics.append(RequestMetrics(s.seq_id, len(s.prompt), n, s.first_token_s - s.arrival_s, tpot,
+            metrics.append(RequestMetrics(s.seq_id, len(s.prompt), n, s.admitted_s - s.arrival_s,
+                                          s.first_token_s - s.arrival_s, tpot,
                                           s.finish_s - s.arrival_s, s.num_preemptions))
         return RunReport(metrics, wall, steps, sum(m.output_len for m in metrics),
                          self.engine.experts.hits - hits0, self.engine.experts.misses - misses0, peak)

@@ -38,6 +38,7 @@ class Sequence:
     state: SeqState = SeqState.WAITING
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    admitted_s: float | None = None  # first time it was scheduled (queueing = admitted_s - arrival_s)
     first_token_s: float | None = None
     finish_s: float | None = None
     num_preemptions: int = 0
@@ -124,6 +125,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             s.state = SeqState.RUNNING
+            if s.admitted_s is None:
+                s.admitted_s = now_s
             self.running.append(s)
             batch.prefills.append(s)
             free -= need

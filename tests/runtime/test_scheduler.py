@@ -88,7 +88,7 @@ def test_replay_of_a_real_trace_finishes_every_request(mode: PreemptMode, tmp_pa
     assert [r.request_id for r in rep.requests] == sorted(r.request_id for r in reqs)
     assert all(m.output_len == r.output_len for m, r in zip(rep.requests, sorted(reqs, key=lambda r: r.request_id),
                                                             strict=True))
-    assert all(m.ttft_s >= 0 and m.tpot_s >= 0 for m in rep.requests)
+    assert all(0 <= m.queue_s <= m.ttft_s and m.tpot_s >= 0 for m in rep.requests)
     assert sum(m.preemptions for m in rep.requests) > 0  # the small KV budget forced preemptions
     assert 0.0 <= rep.expert_hit_rate <= 1.0 and rep.tokens_per_s > 0
 
