@@ -3,7 +3,9 @@
 Runs in one process on one CUDA GPU (`--quick` on the CPU is a smoke run of the same code, not a figure).
   * MoE layer (router top-k, grouped GEMMs through the slot pool's strided views, fixed-order combine) vs a
     bare `torch._grouped_mm` pair on contiguous weights with the same routing, at Qwen3-30B-A3B shapes;
-  * paged decode attention (Triton, block tables) vs SDPA on contiguous KV of the same lengths.
+  * paged decode attention (Triton, block tables) vs SDPA on contiguous KV of the same lengths;
+  * decode throughput of a whole preset, every expert resident (generated on the device), with the agent's
+    taps and enforcement on and off (the agent's overhead is the ratio).
 Writes engine_<device>.json and .md; every ratio is against a baseline timed in the same run.
 """
 
@@ -97,6 +99,53 @@ def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, 
             "paged_ms": t_ours * 1e3, "sdpa_ms": t_sdpa * 1e3, "ratio": t_ours / t_sdpa}
 
 
+def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, batches: list[int], steps: int,
+                      rounds: int = 3) -> list[dict]:
+    """tok/s of `steps` decode steps after a 16-token prefill, agent off/on alternated `rounds` times."""
+    from agent.adapters.reference import ReferenceAdapter
+    from runtime.engine.engine import EngineConfig, ReferenceEngine
+    from runtime.engine.presets import preset
+    from runtime.selfcheck.exact import auto_block_tokens
+
+    spec = preset(preset_name) if num_layers is None else preset(preset_name).truncated(num_layers)
+    bt, prompt = auto_block_tokens(spec), 16
+    per_seq = -(-(prompt + steps + 1) // bt)
+    eng = ReferenceEngine(spec, dev, EngineConfig(experts_on_device=True, block_tokens=bt,
+                                                  kv_gpu_blocks=per_seq * max(batches)))
+    out, next_id = [], 0
+    try:
+        adapter = ReferenceAdapter(eng, window_steps=16)
+        taps = (eng.model.route_tap, eng.model.mass_observer)
+        for b in batches:
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(rounds):
+                for agent_on in (False, True):
+                    eng.model.route_tap, eng.model.mass_observer = taps if agent_on else (None, None)
+                    seqs = list(range(next_id, next_id + b))
+                    next_id += b
+                    logits = eng.step(seqs, [[1 + (s * 7 + j) % 100 for j in range(prompt)] for s in seqs],
+                                      [0] * b)
+                    last = logits.argmax(-1).tolist()
+                    dev.synchronize()
+                    t0 = time.perf_counter()
+                    for i in range(steps):
+                        logits = eng.step(seqs, [[t] for t in last], [prompt + i] * b)
+                        last = logits.argmax(-1).tolist()  # greedy: the host needs the token (as a server does)
+                        if agent_on:
+                            adapter.on_step(None, 0.0)
+                    dev.synchronize()
+                    times[agent_on].append(time.perf_counter() - t0)
+                    for s in seqs:
+                        eng.cache.free(s)
+            off, on = min(times[False]), min(times[True])
+            out.append({"preset": spec.name, "batch": b, "steps": steps, "tok_s_agent_off": b * steps / off,
+                        "tok_s_agent_on": b * steps / on, "step_ms_agent_off": off / steps * 1e3,
+                        "agent_overhead": on / off - 1.0})
+    finally:
+        eng.close()
+    return out
+
+
 def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None) -> dict:
     dev = Device(device)
     say = console.print if console is not None else print
@@ -109,6 +158,9 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
     att = [(2, 64, 4, 2, 16, 16)] if quick else [(b, c, 32, 4, 128, 16) for b in (32, 128) for c in (4096, 16384)]
     res["attention"] = [paged_vs_sdpa(dev, *a, reps) for a in att]
     say(f"attention: {res['attention']}")
+    res["decode"] = (decode_throughput(dev, "tiny", None, [1, 4], 4, rounds=1) if quick
+                     else decode_throughput(dev, "qwen3-30b-a3b", None, [1, 64], 32))
+    say(f"decode: {res['decode']}")
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"engine_{device}"
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
@@ -120,5 +172,9 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
            "|---|---|---|---|---|---|"]
     md += [f"| {a['hq']}q/{a['hkv']}kv d{a['d']} | {a['batch']} | {a['ctx']} | {a['paged_ms']:.3f} | "
            f"{a['sdpa_ms']:.3f} | {a['ratio']:.2f} |" for a in res["attention"]]
+    md += ["", "| decode, all experts resident | batch | tok/s agent off | tok/s agent on | step ms | agent overhead |",
+           "|---|---|---|---|---|---|"]
+    md += [f"| {x['preset']} | {x['batch']} | {x['tok_s_agent_off']:.1f} | {x['tok_s_agent_on']:.1f} | "
+           f"{x['step_ms_agent_off']:.2f} | {x['agent_overhead'] * 100:+.2f} % |" for x in res["decode"]]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     return res

@@ -70,5 +70,5 @@ def test_bench_engine_quick_writes_json_and_markdown(tmp_path: Path) -> None:
     r = runner.invoke(app, ["bench", "engine", "--device", "cpu", "--quick", "--out-dir", str(tmp_path)])
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "engine_cpu.json").read_text())
-    assert len(res["moe"]) == 2 and len(res["attention"]) == 1
+    assert len(res["moe"]) == 2 and len(res["attention"]) == 1 and len(res["decode"]) == 2
     assert all(m["ratio"] > 0 for m in res["moe"]) and "SDPA" in (tmp_path / "engine_cpu.md").read_text()

@@ -28,6 +28,7 @@ from runtime.kv import Tier
 from runtime.memory.slots import ExpertSlotPool
 from runtime.selfcheck.common import make_backend
 from runtime.transfer import TransferEngine
+from runtime.weights.format import dtype_from_name
 from runtime.weights.loader import ExpertLoadHandler, StoreKind
 from runtime.weights.sources import SyntheticExpertSource
 from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
@@ -43,12 +44,17 @@ class EngineConfig:
     kv_nvme_blocks: int = 0
     spill_kv_every_step: bool = False
     decode_kernel: bool | None = None  # Triton paged decode attention; None = on a GPU when Triton is there
+    # Every expert generated straight into its slot on the device (no host store, no loader): full-size
+    # all-resident throughput runs, where a host copy of every expert would not fit. Needs resident_frac=1.
+    experts_on_device: bool = False
     seed: int = 0
     workdir: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.resident_frac <= 1.0:
             raise ConfigError(f"EngineConfig.resident_frac must be in (0, 1], got {self.resident_frac}")
+        if self.experts_on_device and self.resident_frac < 1.0:
+            raise ConfigError("EngineConfig.experts_on_device needs resident_frac=1.0 (nothing to load them from)")
         if self.spill_kv_every_step and not (self.kv_cpu_blocks and self.kv_nvme_blocks):
             raise ConfigError("EngineConfig.spill_kv_every_step needs kv_cpu_blocks > 0 and kv_nvme_blocks > 0")
 
@@ -74,13 +80,17 @@ class ReferenceEngine:
         n_moe = len(spec.moe_layers)
         src = SyntheticExpertSource(fmt, n_moe, spec.num_experts, seed=cfg.seed)
         self.transfer = TransferEngine(device)
-        self.pinned = PinnedExpertStore(device, src) if cfg.expert_store is StoreKind.PINNED else None
-        self.nvme = NvmeExpertStore.build(wd / "experts.tpnvme", src, device) if self.pinned is None else None
+        host = not cfg.experts_on_device
+        self.pinned = PinnedExpertStore(device, src) if host and cfg.expert_store is StoreKind.PINNED else None
+        self.nvme = (NvmeExpertStore.build(wd / "experts.tpnvme", src, device)
+                     if host and cfg.expert_store is StoreKind.NVME else None)
         num_slots = n_moe * spec.num_experts if cfg.resident_frac >= 1.0 else max(
             1, math.ceil(cfg.resident_frac * n_moe * spec.num_experts))
         self.pool = ExpertSlotPool(make_backend(device), device, n_moe, spec.num_experts, fmt.num_bytes, num_slots)
-        self.loader = ExpertLoadHandler(self.pool, self.transfer, self.pinned, self.nvme)
-        self.experts = OnDemandExperts(self.pool, self.loader, cfg.expert_store)
+        self.loader = ExpertLoadHandler(self.pool, self.transfer, self.pinned, self.nvme) if host else None
+        if not host:
+            self._fill_slots_on_device(cfg.seed)
+        self.experts = OnDemandExperts(self.pool, self.loader, cfg.expert_store)  # type: ignore[arg-type]
         cap = {Tier.GPU: cfg.kv_gpu_blocks, Tier.CPU: cfg.kv_cpu_blocks, Tier.NVME: cfg.kv_nvme_blocks}
         self.cache = PagedKVCache(spec, device, self.transfer, cfg.block_tokens, cap,
                                   wd / "kv.tpnvme" if cfg.kv_nvme_blocks else None)
@@ -92,6 +102,16 @@ class ReferenceEngine:
             self.model.decode_kernel = device.is_cuda and HAS_TRITON
         else:
             self.model.decode_kernel = cfg.decode_kernel
+
+    def _fill_slots_on_device(self, seed: int) -> None:
+        """N(0, 0.02) bf16 bytes for every expert, drawn on the device into its slot (padding included)."""
+        gen = torch.Generator(device=self.device.torch_device).manual_seed(seed)
+        dt = dtype_from_name(self.spec.dtype)
+        for layer in range(self.pool.layout.num_layers):
+            for e in range(self.pool.layout.num_experts):
+                dst = self.pool.prepare_load(layer, e).view(dt)  # [expert_bytes / itemsize]
+                dst.copy_(torch.randn(dst.numel(), generator=gen, device=self.device.torch_device).mul_(0.02))
+                self.pool.complete_load(layer, e, True, self.device.record_event())
 
     def step(self, seqs: list[int], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         """One forward: sequence i contributes tokens[i] at positions starts[i]...; returns logits [S, V]."""
@@ -135,7 +155,8 @@ class ReferenceEngine:
 
     def close(self) -> None:
         self.device.synchronize()
-        self.loader.close()
+        if self.loader is not None:
+            self.loader.close()
         self.cache.close()
         self.transfer.close()
         self.pool.close()

@@ -79,3 +79,16 @@ def test_bad_input_is_refused_with_the_field_named(tiny, tmp_path: Path) -> None
         assert eng.generate([[1, 2]], 1).tokens  # still usable after the refusals
     finally:
         eng.close()
+
+
+def test_experts_generated_on_the_device_need_no_store_and_never_load(tiny, tmp_path: Path) -> None:
+    cfg = EngineConfig(block_tokens=auto_block_tokens(tiny), experts_on_device=True, workdir=tmp_path)
+    eng = ReferenceEngine(tiny, Device("cpu"), cfg)
+    try:
+        r = eng.generate([[1, 2, 3], [4, 5]], 3)
+        assert eng.loader is None and eng.pinned is None and eng.nvme is None
+        assert r.expert_misses == 0 and eng.experts.fast_path_layers > 0 and len(r.tokens[0]) == 3
+    finally:
+        eng.close()
+    with pytest.raises(ConfigError, match="experts_on_device"):
+        EngineConfig(experts_on_device=True, resident_frac=0.5)
