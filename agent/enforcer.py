@@ -26,7 +26,7 @@ from agent.local_policy import Key, LocalPolicy, PrefetchJob
 from controller.protocol import AckStatus, Footprint, Plan, PlanAck, RejectReason, Tier
 from runtime.engine.experts import OnDemandExperts
 from runtime.engine.kv_cache import PagedKVCache
-from runtime.errors import ConfigError, RuntimeTierError
+from runtime.errors import ConfigError
 from runtime.kv import Tier as KVTier
 from runtime.memory.slots import ExpertSlotPool
 from runtime.transfer import Priority
@@ -99,9 +99,9 @@ class Enforcer:
             return self._refuse(plan, now_s, refusal.code, refusal.text)
         try:
             self._enact(target, now_s)
-        except (RuntimeTierError, PlanRefused) as exc:  # a byte move failed midway: say so, keep the old version
+        except Exception as exc:  # a byte move (or the driver) failed midway: say so, keep the old version
             return self._refuse(plan, now_s, RejectReason.OTHER, f"failed while applying (state partly changed, "
-                                f"applied_version stays {self.applied_version}): {exc}")
+                                f"applied_version stays {self.applied_version}): {type(exc).__name__}: {exc}")
         self.applied_version = plan.version
         self.num_applied += 1
         return PlanAck(agent_id=self.agent_id, rank=self.rank, plan_id=plan.plan_id, version=plan.version,

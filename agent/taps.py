@@ -46,15 +46,20 @@ class RouterTap:
                                  device=device)  # [L, E*E]
         self.entropy_sum = torch.zeros(n, dtype=torch.float64, device=device)  # [L]
         self.tokens = torch.zeros(n, dtype=torch.int64, device=device)  # [L]
+        self._pair_idx: torch.Tensor | None = None
 
     def __call__(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
         m, e = self.index[layer], self.num_experts
         n, k = ids.shape
-        self.counts[m] += torch.bincount(ids.reshape(-1), minlength=e)
+        flat = ids.reshape(-1)  # scatter_add, not bincount: no host sync on a GPU
+        self.counts[m].scatter_add_(0, flat, torch.ones_like(flat))
         if self.track_pairs and k > 1:
-            i, j = torch.triu_indices(k, k, 1, device=ids.device)  # [P]
+            if self._pair_idx is None or self._pair_idx[0].numel() != k * (k - 1) // 2:
+                self._pair_idx = torch.triu_indices(k, k, 1, device=ids.device)  # [2, P], made once
+            i, j = self._pair_idx
             a, b = torch.minimum(ids[:, i], ids[:, j]), torch.maximum(ids[:, i], ids[:, j])  # [N, P]
-            self.pairs[m] += torch.bincount((a * e + b).reshape(-1), minlength=e * e)
+            pf = (a * e + b).reshape(-1)
+            self.pairs[m].scatter_add_(0, pf, torch.ones_like(pf))
         p = weights.float() / weights.float().sum(-1, keepdim=True).clamp_min(1e-12)  # [N, k]
         self.entropy_sum[m] += -(p * p.clamp_min(1e-12).log()).sum()
         self.tokens[m] += n

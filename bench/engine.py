@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.substrate import _timed
+from bench.substrate import timed
 from runtime.device import Device
 from runtime.engine.moe import ExpertViews, moe_forward
 from runtime.memory.slots import ExpertSlotPool
@@ -35,6 +35,9 @@ class _AllResident:
         return True
 
     def ensure(self, layer: int, experts: list[int]) -> None:  # pragma: no cover - never called
+        raise AssertionError("all resident")
+
+    def done_reading(self, layer: int, experts: list[int]) -> None:  # pragma: no cover - never called
         raise AssertionError("all resident")
 
 
@@ -67,7 +70,7 @@ def moe_vs_grouped(dev: Device, hidden: int, inter: int, experts: int, top_k: in
         a, b = gu.split(inter, -1)
         torch._grouped_mm(F.silu(a) * b, w_dn.transpose(-2, -1), offs=offs)
 
-    t_ours, t_bare = _timed(dev, ours, reps), _timed(dev, bare, reps)
+    t_ours, t_bare = timed(dev, ours, reps), timed(dev, bare, reps)
     pool.close()
     return {"hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k, "batch": batch,
             "moe_layer_ms": t_ours * 1e3, "grouped_gemm_ms": t_bare * 1e3, "ratio": t_ours / t_bare}
@@ -94,7 +97,7 @@ def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, 
     def sdpa() -> None:
         F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True)
 
-    t_ours, t_sdpa = _timed(dev, ours, reps), _timed(dev, sdpa, reps)
+    t_ours, t_sdpa = timed(dev, ours, reps), timed(dev, sdpa, reps)
     return {"batch": batch, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "block": block,
             "paged_ms": t_ours * 1e3, "sdpa_ms": t_sdpa * 1e3, "ratio": t_ours / t_sdpa}
 

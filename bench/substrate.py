@@ -35,7 +35,7 @@ from runtime.weights.stores import PinnedExpertStore
 MiB = 1 << 20
 
 
-def _timed(dev: Device, fn: Callable[[], Any], reps: int, warmup: int = 2,
+def timed(dev: Device, fn: Callable[[], Any], reps: int, warmup: int = 2,
            setup: Callable[[], Any] | None = None) -> float:
     """Median wall seconds of fn() with the device synchronized around each call; setup() runs untimed."""
     for _ in range(warmup):
@@ -68,7 +68,7 @@ def raw_copy_gbps(dev: Device, num_bytes: int, reps: int, to_device: bool = True
         for i in range(count):
             dev.copy(ds[i], hs[i], s) if to_device else dev.copy(hs[i], ds[i], s)
 
-    sec = _timed(dev, go, reps)
+    sec = timed(dev, go, reps)
     host.close()
     return num_bytes * count / sec / 1e9
 
@@ -98,8 +98,8 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, hidden: int, inter: in
     def load_one() -> None:
         loader.load(0, 0, StoreKind.PINNED).wait()
 
-    batch_s = _timed(dev, load_all, reps, setup=evict_all)
-    one_s = _timed(dev, load_one, reps * 2, setup=evict_all)
+    batch_s = timed(dev, load_all, reps, setup=evict_all)
+    one_s = timed(dev, load_one, reps * 2, setup=evict_all)
     raw = raw_copy_gbps(dev, fmt.num_bytes, reps * 2, count=batch)
     loader.close()
     pool.close()
@@ -144,7 +144,7 @@ def engine_link_gbps(dev: Device, engine: TransferEngine, link: Link, num_bytes:
     def go() -> None:
         engine.submit(TransferRequest(link, TrafficClass.EXPERT, src, dst)).wait()
 
-    sec = _timed(dev, go, reps, warmup=1)
+    sec = timed(dev, go, reps, warmup=1)
     host.close()
     return num_bytes / sec / 1e9
 
@@ -152,7 +152,7 @@ def engine_link_gbps(dev: Device, engine: TransferEngine, link: Link, num_bytes:
 def raw_disk_gbps(dev: Device, f: DirectFile, num_bytes: int, write: bool) -> float:
     buf = dev.alloc_host(num_bytes)
     buf.tensor.copy_(torch.randint(0, 256, (num_bytes,), dtype=torch.uint8))
-    sec = _timed(dev, lambda: (f.write_from if write else f.read_into)(0, buf.tensor), reps=2, warmup=1)
+    sec = timed(dev, lambda: (f.write_from if write else f.read_into)(0, buf.tensor), reps=2, warmup=1)
     buf.close()
     return num_bytes / sec / 1e9
 

@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from runtime.errors import CapacityError
+from runtime.errors import CapacityError, ConfigError
 from runtime.future import OpFuture
 from runtime.memory.slots import ExpertSlotPool, ExpertState
 from runtime.transfer import Priority
@@ -57,6 +57,16 @@ class OnDemandExperts:
         return max(1, self.pool.num_slots - self._num_pinned)
 
     # ---- policy hook ------------------------------------------------------------------------------
+    def _loader(self, layer: int, expert: int) -> ExpertLoadHandler:
+        if self.loader is None:
+            raise ConfigError(f"expert ({layer}, {expert}) is not resident and this engine has no store to load it "
+                              "from (EngineConfig.experts_on_device keeps every expert resident: evict none)")
+        return self.loader
+
+    def done_reading(self, layer: int, experts: list[int]) -> None:
+        """Record the compute stream's position as a reader of these slots (I4: unmap waits for it)."""
+        self.pool.record_read(layer, experts, self.pool.device.record_event())
+
     def all_resident(self, layer: int) -> bool:
         """Every expert of `layer` holds a slot (e.g. a fully resident model): compute needs no `ensure`."""
         if self.pool.num_slots < self.pool.layout.num_experts:
@@ -86,7 +96,7 @@ class OnDemandExperts:
                 try:
                     if not self._wait_inflight(key):
                         self._make_room(layer, e, want)
-                        self.loader.load(layer, e, self.store).wait()
+                        self._loader(layer, e).load(layer, e, self.store).wait()
                 finally:
                     self.stalls_ms += (time.perf_counter() - t0) * 1e3
                     self.num_stalls += 1
@@ -145,7 +155,7 @@ class OnDemandExperts:
                    deadline_s: float | None = None) -> OpFuture:
         """Start loading an absent expert through the loader (refusals raise before anything changes)."""
         self._inflight = {k: f for k, f in self._inflight.items() if not f.done()}
-        fut = self.loader.load(layer, expert, self.store, priority, deadline_s)
+        fut = self._loader(layer, expert).load(layer, expert, self.store, priority, deadline_s)
         key = (layer, expert)
         self._inflight[key] = fut
         self._lru[key] = None

@@ -32,6 +32,10 @@ class ExpertProvider(Protocol):
         """Return once every listed expert of `layer` is resident and ordered before compute."""
         ...
 
+    def done_reading(self, layer: int, experts: list[int]) -> None:
+        """The GEMMs just queued read these experts: their slots must not be reused before that work ends."""
+        ...
+
 
 def route(x: torch.Tensor, router: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts per token: ids [T, k] int64 and weights [T, k] float32."""
@@ -79,7 +83,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
     e = views.gate_up.shape[0]
     flat = ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)  # [T*k]
-    counts_t = torch.bincount(flat, minlength=e)  # [E]
+    # scatter_add, not bincount: CUDA bincount reads min/max back to the host (two syncs per layer)
+    counts_t = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
     xs = x[order // k]  # [T*k, H]
     if HAS_GROUPED_MM and provider.all_resident(layer):
         # Every expert has a slot: one grouped GEMM pair over all experts, offsets on the device, no host sync
@@ -104,6 +109,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
         gu = _grouped(xs[r0:r1], views.gate_up[e0:e1], offs, sub_counts)  # [rows, 2I]
         g, u = gu.split(views.intermediate, dim=-1)
         y[r0:r1] = _grouped(F.silu(g) * u, views.down[e0:e1], offs, sub_counts)  # [rows, H]
+        provider.done_reading(layer, chunk)  # the next chunk may evict these: it must wait for these GEMMs
     return _combine(y, order, weights, t, k, x.dtype)
 
 

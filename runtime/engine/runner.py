@@ -19,11 +19,14 @@ from runtime.engine.engine import ReferenceEngine
 from runtime.engine.routing_trace import RoutingTrace
 from runtime.engine.scheduler import Batch, PreemptMode, Scheduler, Sequence
 from runtime.engine.workloads import Request, synthetic_prompt_tokens
+from runtime.errors import ConfigError
 from runtime.kv import Tier
 
 
 class ForcedRouter:
-    """Feeds a real routing trace to the model: each forward takes the next N trace tokens (cycled)."""
+    """Feeds a real routing trace to the model. Token `pos` of sequence `seq` reads trace token
+    (seq * 997 + pos) % T: a sequence walks the trace in order (real temporal locality) and a token's route
+    never depends on what else shares its batch, or when it ran."""
 
     def __init__(self, trace: RoutingTrace, engine: ReferenceEngine, horizon_tokens: int = 4096) -> None:
         spec = engine.spec
@@ -32,13 +35,13 @@ class ForcedRouter:
         self.ids = torch.from_numpy(np.ascontiguousarray(ids)).to(dev)
         self.weights = torch.from_numpy(np.ascontiguousarray(w)).to(dev)
         self.pool_layer = engine.model.pool_layer
-        self.cursor = 0
         self._rows: torch.Tensor | None = None
 
-    def begin(self, num_rows: int) -> None:
+    def begin(self, rows: list[tuple[int, int]]) -> None:
+        """The (sequence id, position) of every row of the coming forward, in batch order."""
         t = self.ids.shape[0]
-        self._rows = (torch.arange(num_rows) + self.cursor) % t
-        self.cursor = (self.cursor + num_rows) % t
+        self._rows = torch.tensor([(s * 997 + p) % t for s, p in rows], dtype=torch.int64,
+                                  device=self.ids.device)  # [N]
 
     def __call__(self, layer: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._rows is not None and self._rows.numel() == num_rows, "begin() was not called for this forward"
@@ -51,7 +54,7 @@ class RequestMetrics:
     request_id: int
     prompt_len: int
     output_len: int
-    queue_s: float  # arrival -> first scheduled
+    queue_s: float  # arrival -> first scheduled (wall time)
     ttft_s: float
     tpot_s: float
     e2e_s: float
@@ -94,9 +97,27 @@ StepHook = Callable[[Batch, float], None]  # (batch, step seconds): the agent ob
 
 
 class Runner:
+    """Replays requests. `virtual_step_s` paces arrivals by a step clock (each step advances it by that much,
+    idle gaps are jumped) so that which requests share a batch does not depend on host speed; latencies
+    are still wall time, counted from the step at which the request arrived on that clock."""
+
     def __init__(self, engine: ReferenceEngine, scheduler: Scheduler, router: ForcedRouter | None = None,
-                 clock: Callable[[], float] = time.perf_counter, on_step: StepHook | None = None) -> None:
+                 clock: Callable[[], float] = time.perf_counter, on_step: StepHook | None = None,
+                 virtual_step_s: float | None = None) -> None:
+        cap = engine.cache.manager.capacity
+        if scheduler.block_tokens != engine.cache.block_tokens:
+            raise ConfigError(f"Runner: scheduler.block_tokens={scheduler.block_tokens} differs from the engine's "
+                              f"KV block_tokens={engine.cache.block_tokens}")
+        if scheduler.gpu_blocks > cap[Tier.GPU]:
+            raise ConfigError(f"Runner: scheduler.gpu_blocks={scheduler.gpu_blocks} exceeds the engine's GPU KV "
+                              f"capacity of {cap[Tier.GPU]} blocks (EngineConfig.kv_gpu_blocks)")
+        if scheduler.preempt is PreemptMode.SWAP and cap[Tier.CPU] == 0:
+            raise ConfigError("Runner: preemption by SWAP needs CPU KV blocks (EngineConfig.kv_cpu_blocks > 0); "
+                              "use PreemptMode.RECOMPUTE or give the CPU tier capacity")
+        if virtual_step_s is not None and not virtual_step_s > 0:
+            raise ConfigError(f"Runner: virtual_step_s must be > 0, got {virtual_step_s}")
         self.engine, self.sched, self.router, self.clock, self.on_step = engine, scheduler, router, clock, on_step
+        self.virtual_step_s = virtual_step_s
         if router is not None:
             engine.model.forced_routes = router
 
@@ -107,12 +128,23 @@ class Runner:
             self.sched.add(Sequence(r.request_id, r.arrival_s, prompt, r.output_len))
         hits0, misses0 = self.engine.experts.hits, self.engine.experts.misses
         t0, offset, steps, peak = self.clock(), 0.0, 0, {t.value: 0 for t in Tier}
+        arrived: dict[int, float] = {}  # wall time (since t0) at which each request became visible
+        admitted: dict[int, float] = {}
+        first: dict[int, float] = {}
+        finished: dict[int, float] = {}
 
-        def now() -> float:
-            return self.clock() - t0 + offset
+        def wall() -> float:
+            return self.clock() - t0
+
+        def now() -> float:  # the scheduling clock
+            return (steps * self.virtual_step_s if self.virtual_step_s else wall()) + offset
 
         while not self.sched.idle:
-            batch = self.sched.schedule(now())
+            t_sched = now()
+            for s in self.sched.waiting:
+                if s.arrival_s <= t_sched:
+                    arrived.setdefault(s.seq_id, wall())
+            batch = self.sched.schedule(t_sched)
             for s in batch.preempted:
                 if self.sched.preempt is PreemptMode.SWAP:
                     cache.spill(cache.blocks_of(s.seq_id), Tier.CPU)
@@ -120,36 +152,39 @@ class Runner:
                     cache.free(s.seq_id)
             if batch.empty:
                 nxt = self.sched.next_arrival_s()
-                if nxt is None:  # nothing runnable and nothing arriving: a scheduling dead end
-                    raise RuntimeError("scheduler made no progress with requests still queued")
-                offset += max(0.0, nxt - now())
+                if nxt is None or nxt <= t_sched:  # nothing runnable, nothing new to wait for: a dead end
+                    raise RuntimeError(f"scheduler made no progress with {len(self.sched.waiting)} request(s) "
+                                       f"waiting and {len(self.sched.swapped)} swapped out")
+                offset += nxt - t_sched
                 continue
             run = batch.prefills + batch.decodes
             toks = [s.tokens[s.num_computed :] for s in run]
             if self.router is not None:
-                self.router.begin(sum(len(t) for t in toks))
+                self.router.begin([(s.seq_id, s.num_computed + j) for s, t in zip(run, toks, strict=True)
+                                   for j in range(len(t))])
+            for s in batch.prefills:
+                admitted.setdefault(s.seq_id, wall())
             start = self.clock()
             logits = self.engine.step([s.seq_id for s in run], toks, [s.num_computed for s in run])
+            next_tokens = logits.argmax(-1).tolist()  # the host has the tokens: the step is really over
             step_s = self.clock() - start
-            t = now()
-            for s, tok in zip(run, logits.argmax(-1).tolist(), strict=True):
-                self.sched.complete(s, int(tok), t)
+            t = wall()
+            for s, tok in zip(run, next_tokens, strict=True):
+                self.sched.complete(s, int(tok), t_sched)
+                first.setdefault(s.seq_id, t)
                 if s.done:
+                    finished[s.seq_id] = t
                     cache.free(s.seq_id)
             steps += 1
             for k, v in cache.tier_usage().items():
                 peak[k] = max(peak[k], v)
             if self.on_step is not None:
                 self.on_step(batch, step_s)
-        wall = self.clock() - t0
         metrics = []
         for s in sorted(self.sched.finished, key=lambda s: s.seq_id):
-            assert s.first_token_s is not None and s.finish_s is not None and s.admitted_s is not None
-            n = len(s.output)
-            tpot = (s.finish_s - s.first_token_s) / (n - 1) if n > 1 else 0.0
-            metrics.append(RequestMetrics(s.seq_id, len(s.prompt), n, s.admitted_s - s.arrival_s,
-                                          s.first_token_s - s.arrival_s, tpot,
-                                          s.finish_s - s.arrival_s, s.num_preemptions))
-        return RunReport(metrics, wall, steps, sum(m.output_len for m in metrics),
+            i, n = s.seq_id, len(s.output)
+            tpot = (finished[i] - first[i]) / (n - 1) if n > 1 else 0.0
+            metrics.append(RequestMetrics(i, len(s.prompt), n, admitted[i] - arrived[i], first[i] - arrived[i], tpot,
+                                          finished[i] - arrived[i], s.num_preemptions))
+        return RunReport(metrics, wall(), steps, sum(m.output_len for m in metrics),
                          self.engine.experts.hits - hits0, self.engine.experts.misses - misses0, peak)
-

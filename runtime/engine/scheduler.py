@@ -10,6 +10,7 @@ runner moves the bytes.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -82,7 +83,12 @@ class Scheduler:
         return -(-num_tokens // self.block_tokens)
 
     def add(self, seq: Sequence) -> None:
-        if len(seq.prompt) + seq.max_new_tokens > self.gpu_blocks * self.block_tokens:
+        if not seq.prompt or seq.max_new_tokens < 1:
+            raise ConfigError(f"request {seq.seq_id}: needs >= 1 prompt token and max_new_tokens >= 1, got "
+                              f"{len(seq.prompt)} and {seq.max_new_tokens}")
+        if not math.isfinite(seq.arrival_s):
+            raise ConfigError(f"request {seq.seq_id}: arrival_s must be finite, got {seq.arrival_s}")
+        if self.blocks_for(len(seq.prompt) + seq.max_new_tokens) > self.gpu_blocks:
             raise ConfigError(
                 f"request {seq.seq_id}: {len(seq.prompt)} prompt + {seq.max_new_tokens} new tokens can never fit "
                 f"the GPU KV budget of {self.gpu_blocks} blocks x {self.block_tokens} tokens"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime.device import Device
 from runtime.engine.engine import EngineConfig, ReferenceEngine
@@ -111,3 +112,68 @@ def test_preemption_does_not_change_the_tokens(tmp_path: Path) -> None:
         finally:
             eng.close()
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_requests_the_runner_could_never_finish_are_refused_up_front() -> None:
+    s = Scheduler(gpu_blocks=4, block_tokens=4)
+    with pytest.raises(ConfigError, match="max_new_tokens >= 1"):
+        s.add(seq(0, 3, new=0))
+    with pytest.raises(ConfigError, match="arrival_s must be finite"):
+        s.add(Sequence(1, float("nan"), [1, 2], 2))
+    with pytest.raises(ConfigError, match="never fit"):
+        s.add(seq(2, 16, new=1))  # 17 tokens: 5 blocks of 4, the budget is 4
+    assert not s.waiting
+
+
+def test_runner_refuses_a_scheduler_that_does_not_match_the_engine(tmp_path: Path) -> None:
+    spec = preset("tiny")
+    bt = auto_block_tokens(spec)
+    eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=bt, kv_gpu_blocks=8, workdir=tmp_path))
+    try:
+        with pytest.raises(ConfigError, match="block_tokens"):
+            Runner(eng, Scheduler(8, bt * 2, preempt=PreemptMode.RECOMPUTE))
+        with pytest.raises(ConfigError, match="kv_gpu_blocks"):
+            Runner(eng, Scheduler(9, bt, preempt=PreemptMode.RECOMPUTE))
+        with pytest.raises(ConfigError, match="kv_cpu_blocks"):
+            Runner(eng, Scheduler(8, bt, preempt=PreemptMode.SWAP))
+    finally:
+        eng.close()
+
+
+def test_forced_routes_depend_on_sequence_and_position_only(tmp_path: Path) -> None:
+    spec = preset("tiny")
+    eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=auto_block_tokens(spec), workdir=tmp_path))
+    try:
+        router = ForcedRouter(RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz"), eng)
+        router.begin([(3, 5), (1, 0), (1, 1)])
+        a_ids, a_w = router(0, 3)
+        router.begin([(1, 1), (7, 2), (3, 5)])
+        b_ids, b_w = router(0, 3)
+    finally:
+        eng.close()
+    assert torch.equal(a_ids[0], b_ids[2]) and torch.equal(a_ids[2], b_ids[0]) and torch.equal(a_w[0], b_w[2])
+
+
+def test_a_step_clock_makes_batches_independent_of_host_speed(tmp_path: Path) -> None:
+    """Regression: with wall-clock pacing a slower host admitted requests in other batches."""
+    spec = preset("tiny")
+    bt = auto_block_tokens(spec)
+    reqs = scale_requests(load_mooncake(DATA / "requests/mooncake_conversation_sample.jsonl", limit=16,
+                                        time_scale=0.01), 32, 8, 16, block_tokens=16)
+    outs, batches = [], []
+    for speed in (1.0, 50.0):
+        seen: list[tuple[int, ...]] = []
+        ticks = iter(range(10**9))
+        eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=bt, kv_gpu_blocks=64, kv_cpu_blocks=16,
+                                                                workdir=tmp_path / str(speed)))
+        try:
+            trace = RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz")
+            sched = Scheduler(64, bt, max_batch=16)  # room for all: only arrivals pace admission
+            Runner(eng, sched, ForcedRouter(trace, eng), clock=lambda s=speed, tk=ticks: next(tk) * 0.001 * s,
+                   on_step=lambda b, _s, seen=seen: seen.append(tuple(x.seq_id for x in b.prefills + b.decodes)),
+                   virtual_step_s=0.005).run(reqs)
+            outs.append({x.seq_id: x.output for x in sched.finished})
+            batches.append(seen)
+        finally:
+            eng.close()
+    assert batches[0] == batches[1] and outs[0] == outs[1]

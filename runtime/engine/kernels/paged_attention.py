@@ -80,6 +80,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, t, hkv, dk = k_cache.shape
     if dk != d or hq % hkv or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError(f"paged_decode_attention: bad shapes/strides q={tuple(q.shape)} k={tuple(k_cache.shape)}")
+    for name, v in (("block_tokens", t), ("head_dim", d)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"paged_decode_attention: {name}={v} must be a power of two >= 16 (Triton tiles)")
     g = hq // hkv
     out = torch.empty_like(q)
     _paged_decode_kernel[(bsz, hkv)](
