@@ -6,7 +6,8 @@ Runs in one process on one CUDA GPU (`--quick` on the CPU is a smoke run of the 
   * paged decode attention (Triton, block tables) vs SDPA on contiguous KV of the same lengths;
   * decode throughput of a whole preset, every expert resident (generated on the device), with the agent's
     taps and enforcement on and off (the agent's overhead is the ratio).
-Writes engine_<device>.json and .md; every ratio is against a baseline timed in the same run.
+Writes engine_<device>.json and .md; every ratio is against a baseline timed in the same run. It must never
+assert on a time (tests assert behaviour) or hard-code a figure.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""A multi-hop operation's completion (inference process): set once by the last hop's callback."""
+"""A multi-hop operation's completion (inference process): set once by the last hop's callback.
+
+It must never be completed twice, and never swallow the error it carries.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 O_DIRECT bypasses the page cache so disk bandwidth is real and host memory is not double-booked. Every
 offset, length and buffer address must be aligned to `DIRECT_ALIGN_BYTES`. Where the filesystem refuses
 O_DIRECT (tmpfs, some overlays) the file falls back to buffered I/O, and says so in `direct_io` and
-`fallback_reason`: the fallback is never silent.
+`fallback_reason`: the fallback is never silent. Inference process; it must never decide what lives where.
 """
 
 from __future__ import annotations

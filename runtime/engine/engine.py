@@ -5,6 +5,7 @@ then decodes all sequences together, greedily. Placement knobs (`EngineConfig`):
 with a slot, where experts are loaded from, the KV capacity per tier, and `spill_kv_every_step`, which
 moves every KV block off the GPU after each step (alternating CPU and NVMe) so the next step must fetch
 them back: the exactness check runs the same prompts with and without these and compares bits.
+It must never decide placement beyond its configuration (the agent does) nor touch the network.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ Runs in the inference process. Requests arrive on a clock that is wall time plus
 CPU run does not sleep through a trace's quiet minutes). Each step: schedule, swap out or drop the
 preempted, run one forward over the prefills and decodes together, record tokens. Metrics per request:
 TTFT (arrival -> first token), TPOT (mean time per later token), end-to-end latency, preemptions.
+It must never decide placement (the agent's hook does, between steps) nor block on the network.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Each step it decides which sequences run: swapped-out sequences come back first,
 then arrived requests are admitted while their prompt fits the GPU KV budget (and the batch and prefill-
 token limits). When a decode step needs a block and none is free, the most recently admitted running
 sequence is preempted (as vLLM does): SWAP parks its blocks on the CPU tier, RECOMPUTE frees them and
-re-queues it with its generated tokens appended to the prompt. Pure bookkeeping over block counts; the
-runner moves the bytes.
+re-queues it with its generated tokens appended to the prompt. Pure bookkeeping over block counts, in
+the inference process: it must never move bytes (the runner does) or look at the clock itself.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Runs the same prompts twice with the same weights (one process, CPU twin or one GPU): first with every
 expert resident and all KV on the GPU, then with only `resident_frac` of the experts holding a slot
 (loaded on demand from the NVMe store) and every KV block spilled to CPU or NVMe after each step and
-fetched back before the next. Compares every step's logits and the generated tokens.
+fetched back before the next. Compares every step's logits and the generated tokens. It must never
+loosen the comparison: any difference, however small, fails.
 """
 
 from __future__ import annotations
