@@ -144,3 +144,25 @@ def test_engine_links_on_cuda_are_exact_and_urgent_overtakes(dev: Device, tmp_pa
     f.close()
     host.close()
     back.close()
+
+
+def test_engine_exact_on_cuda_with_the_paged_kernel(tmp_path: Path) -> None:
+    from runtime.engine.presets import preset
+    from runtime.selfcheck.exact import run_exact_check
+
+    r = run_exact_check(preset("tiny"), 0.25, device="cuda", workdir=tmp_path, decode_kernel=True)
+    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True"
+    assert r.kv_fetches > 0 and r.expert_misses_tight > r.expert_misses_full
+
+
+def test_paged_kernel_on_cuda_matches_the_reference() -> None:
+    from runtime.engine.kernels.paged_attention import paged_decode_attention, paged_decode_reference
+
+    g = torch.Generator().manual_seed(7)
+    kv = torch.randn(64, 2, 16, 4, 128, generator=g).to(torch.bfloat16).cuda()  # [N, 2, T, Hkv, D]
+    table = torch.randperm(64, generator=g)[:60].view(4, 15).to(torch.int32).cuda()
+    lens = torch.tensor([1, 100, 240, 17], dtype=torch.int32).cuda()
+    q = torch.randn(4, 32, 128, generator=g).to(torch.bfloat16).cuda()
+    out = paged_decode_attention(q, kv[:, 0], kv[:, 1], table, lens)
+    ref = paged_decode_reference(q, kv[:, 0], kv[:, 1], table, lens)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The H200 run for issue 3 (engine_h200.md), sent through the device tool from the repo root:
+#   bash bench/run_h200_engine.sh "$OUT"
+# The device image has no pydantic (the agent's protocol needs it): carry wheels made here first, e.g.
+#   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_17_x86_64 -d .whl pydantic pydantic-core annotated-types \
+#     typing-inspection
+# and name .whl in `carry`; this script installs them into /tmp/site when present.
+set -uo pipefail
+out=${1:-bench/results}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TIERPLAN_SCRATCH=${TIERPLAN_SCRATCH:-/tmp}
+step() { local t=$1 log=$2; shift 2; local s=$SECONDS
+  timeout "$t" "$@" > "$out/$log" 2>&1; local rc=$?
+  echo "== $log rc=$rc $((SECONDS - s))s: $(tail -n 1 "$out/$log")"; }
+step 240 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests
+step 300 exact_qwen3_2L.log python3 -m api.cli check exact --preset qwen3-30b-a3b --layers 2 --resident-frac 0.25 \
+  --device cuda
+step 400 bench_engine.log python3 -m api.cli bench engine --device cuda --out-dir "$out"
+step 200 bench_loads.log python3 -m api.cli bench substrate --device cuda --only loads,map --out-dir "$out"
