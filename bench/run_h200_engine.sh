@@ -4,7 +4,7 @@
 # The device image has no pydantic (the agent's protocol needs it): carry wheels made here first, e.g.
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_17_x86_64 -d .whl pydantic pydantic-core annotated-types \
-#     typing-inspection
+#     typing-inspection typing-extensions   (pydantic pins its pydantic-core: check Requires-Dist)
 # and name .whl in `carry`; this script installs them into /tmp/site when present.
 set -uo pipefail
 out=${1:-bench/results}
