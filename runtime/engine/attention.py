@@ -9,7 +9,7 @@ between tiers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -28,10 +28,20 @@ class Segment:
     row_start: int
     num_tokens: int
     first_pos: int
+    # This step's block table, built once per step on the device ([S, M] int32, row `table_row` is this
+    # segment's GPU slots): layers read it instead of rebuilding it (no per-layer host-to-device copies).
+    table: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    table_row: int = 0
 
     @property
     def context_len(self) -> int:
         return self.first_pos + self.num_tokens
+
+    def slots(self, cache: PagedKVCache) -> torch.Tensor:
+        """GPU-tier slots of this sequence's blocks [num_blocks] int64."""
+        if self.table is None:
+            return cache.gpu_slots(self.seq_id)
+        return self.table[self.table_row, : cache.num_blocks_for(self.context_len)].long()
 
 
 class MassObserver(Protocol):
@@ -60,9 +70,19 @@ def _observe(observer: MassObserver | None, layer: int, s: Segment, q_last: torc
     if keys is None:  # the kernel path gathered nothing: gather this one sequence now
         kv = cache.gpu[:, layer, 0]  # [Nblk, T, Hkv, D]
         nb = cache.num_blocks_for(s.context_len)
-        keys = kv[cache.gpu_slots(s.seq_id)[:nb]].flatten(0, 1)[: s.context_len]
+        keys = kv[s.slots(cache)[:nb]].flatten(0, 1)[: s.context_len]
     mass = block_mass(q_last, keys, cache.block_tokens)
     observer.record(layer, cache.blocks_of(s.seq_id)[: mass.numel()], mass)
+
+
+def build_block_table(segments: list[Segment], cache: PagedKVCache) -> torch.Tensor:
+    """[S, M] int32 GPU slots of each segment's blocks (zero padded), made on the host, copied once."""
+    rows = [[cache.manager.location(b).index for b in cache.blocks_of(s.seq_id)] for s in segments]
+    width = max(1, *(len(r) for r in rows))
+    host = torch.zeros(len(rows), width, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        host[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return host.to(cache.device.torch_device, non_blocking=True)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -104,11 +124,9 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
 
     n, bt = x.shape[0], cache.block_tokens
     q, k, v = _project_qkv(x, w, positions, spec)
-    tables = [cache.gpu_slots(s.seq_id) for s in segments]
-    width = max(t.numel() for t in tables)
-    table = torch.zeros(len(segments), width, dtype=torch.int32, device=x.device)  # [B, M]
-    for i, t in enumerate(tables):
-        table[i, : t.numel()] = t
+    table = segments[0].table
+    if table is None or any(s.table is not table or s.table_row != i for i, s in enumerate(segments)):
+        table = build_block_table(segments, cache)  # [B, M]
     rows = positions // bt  # [B] block index of each new token
     slot = table.gather(1, rows[:, None].to(torch.int64)).squeeze(1).long()  # [B]
     kv = cache.gpu[:, layer]  # [Nblk, 2, T, Hkv, D]
@@ -135,7 +153,7 @@ def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
     kv = cache.gpu[:, layer]  # [Nblk, 2, T, Hkv, D]
     out = torch.empty(n, nh, d, dtype=x.dtype, device=x.device)  # [N, Hq, D]
     for s in segments:
-        slots = cache.gpu_slots(s.seq_id)  # [B]
+        slots = s.slots(cache)  # [B]
         rows = slice(s.row_start, s.row_start + s.num_tokens)
         pos = positions[rows]
         kv[slots[pos // bt], 0, pos % bt] = k[rows]

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from runtime.device import Device
-from runtime.engine.attention import Segment
+from runtime.engine.attention import Segment, build_block_table
 from runtime.engine.config import ModelSpec
 from runtime.engine.experts import OnDemandExperts
 from runtime.engine.kv_cache import PagedKVCache
@@ -117,11 +117,15 @@ class ReferenceEngine:
     def step(self, seqs: list[int], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         """One forward: sequence i contributes tokens[i] at positions starts[i]...; returns logits [S, V]."""
         segs, row = [], 0
+        protect = {b for q in seqs for b in self.cache.blocks_of(q)}  # this step's blocks: never spilled by grow
         for s, toks, p in zip(seqs, tokens, starts, strict=True):
-            self.cache.grow(s, p + len(toks), protect=[b for q in seqs for b in self.cache.blocks_of(q)])
+            self.cache.grow(s, p + len(toks), protect=protect)
+            protect.update(self.cache.blocks_of(s))
             segs.append(Segment(s, row, len(toks), p))
             row += len(toks)
         self.cache.ensure_on_gpu([b for s in seqs for b in self.cache.blocks_of(s)])
+        table = build_block_table(segs, self.cache)  # once per step: every layer reads it on the device
+        segs = [replace(s, table=table, table_row=i) for i, s in enumerate(segs)]
         dev = self.device.torch_device
         flat = torch.tensor([t for toks in tokens for t in toks], dtype=torch.int64, device=dev)
         pos = torch.tensor([p + j for toks, p in zip(tokens, starts, strict=True) for j in range(len(toks))],

@@ -71,7 +71,7 @@ def mla_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
     kvc = cache.gpu[:, layer]  # [Nblk, T, R+P]
     out = torch.empty(n, nh, dv, dtype=x.dtype, device=x.device)  # [N, Hq, Dv]
     for s in segments:
-        slots = cache.gpu_slots(s.seq_id)  # [B]
+        slots = s.slots(cache)  # [B]
         rows = slice(s.row_start, s.row_start + s.num_tokens)
         pos = positions[rows]  # [n]
         kvc[slots[pos // bt], pos % bt] = latent[rows]
