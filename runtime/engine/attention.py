@@ -135,7 +135,6 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
     lens = (positions + 1).to(torch.int32)  # [B]
     out = paged_decode_attention(q, kv[:, 0], kv[:, 1], table, lens)  # [B, Hq, D]
     for i, s in enumerate(segments):
-        cache.mark_written(s.seq_id, s.first_pos, s.context_len)
         _observe(observer, layer, s, q[i], cache)
     return out.reshape(n, -1) @ w["o_proj"].t()
 
@@ -143,7 +142,8 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
 def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
                   cache: PagedKVCache, layer: int, spec: ModelSpec,
                   observer: MassObserver | None = None) -> torch.Tensor:
-    """x [N, H] -> [N, H]; writes the N new K/V rows into the cache first."""
+    """x [N, H] -> [N, H]; writes the N new K/V rows into the cache first. The caller marks the written
+    blocks dirty once per step (`PagedKVCache.mark_written`), not every layer."""
     if spec.attention is not AttentionKind.GQA:
         raise ConfigError(f"{spec.name}: attention kind {spec.attention.value} has no reference kernel yet")
     n = x.shape[0]
@@ -167,7 +167,6 @@ def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
         vs = vals.transpose(0, 1).repeat_interleave(nh // nkv, 0)
         mask = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]  # [n, C]
         out[rows] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
-        cache.mark_written(s.seq_id, s.first_pos, ctx)
         _observe(observer, layer, s, q[rows][-1], cache, keys)
     return out.reshape(n, nh * d) @ w["o_proj"].t()
 

@@ -132,6 +132,8 @@ class ReferenceEngine:
                            dtype=torch.int64, device=dev)
         with torch.inference_mode():
             logits = self.model.forward(flat, pos, segs)
+        for sg in segs:  # the kernels wrote these rows in every layer: once per step, not per layer
+            self.cache.mark_written(sg.seq_id, sg.first_pos, sg.context_len)
         if self.cfg.spill_kv_every_step:
             for s in seqs:
                 self.cache.spill(self.cache.blocks_of(s), Tier.CPU if s % 2 == 0 else Tier.NVME)

@@ -85,5 +85,4 @@ def mla_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # [Hq, n, C] float32
         out_latent = torch.einsum("hnc,cr->nhr", probs, c_kv)  # [n, Hq, R]
         out[rows] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv32).to(x.dtype)  # [n, Hq, Dv]
-        cache.mark_written(s.seq_id, s.first_pos, ctx)
     return out.reshape(n, nh * dv) @ w["o_proj"].t()  # [N, H]
