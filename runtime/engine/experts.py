@@ -71,7 +71,7 @@ class OnDemandExperts:
         """Every expert of `layer` holds a slot (e.g. a fully resident model): compute needs no `ensure`."""
         if self.pool.num_slots < self.pool.layout.num_experts:
             return False
-        if len(self.pool.resident_experts(layer)) == self.pool.layout.num_experts:
+        if self.pool.num_resident(layer) == self.pool.layout.num_experts:
             self.fast_path_layers += 1
             return True
         return False

@@ -126,6 +126,7 @@ class ExpertSlotPool:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._slot_owner: list[tuple[int, int] | None] = [None] * num_slots
         self._entries = [[_Entry() for _ in range(num_experts)] for _ in range(num_layers)]
+        self._num_resident = [0] * num_layers  # RESIDENT or EVICTING experts per layer (O(1) queries)
         self.remaps = 0
 
     # ---- queries ----------------------------------------------------------------------------------
@@ -166,6 +167,11 @@ class ExpertSlotPool:
             self._entry(layer, 0)
             return [e for e, en in enumerate(self._entries[layer]) if en.state is ExpertState.RESIDENT]
 
+    def num_resident(self, layer: int) -> int:
+        """Experts of the layer that hold a loaded slot (resident, or resident and being evicted)."""
+        self._entry(layer, 0)
+        return self._num_resident[layer]
+
     def slot_of(self, layer: int, expert: int) -> int | None:
         with self._lock:
             return self._entry(layer, expert).slot
@@ -185,6 +191,9 @@ class ExpertSlotPool:
             assert not set(slots) & set(self._free), "I2: a bound slot is also free"
             for (l_, e), s in zip(bound, slots, strict=True):
                 assert self._slot_owner[s] == (l_, e), "I2: slot owner table disagrees"
+            for l_, row in enumerate(self._entries):
+                n = sum(en.state in (ExpertState.RESIDENT, ExpertState.EVICTING) for en in row)
+                assert self._num_resident[l_] == n, "resident counter disagrees with the entries"
 
     # ---- two-phase load -----------------------------------------------------------------------------
     def prepare_load(self, layer: int, expert: int, map_now: bool = True) -> torch.Tensor:
@@ -238,6 +247,7 @@ class ExpertSlotPool:
                 raise BusyError(f"complete_load: expert ({layer}, {expert}) was never mapped (map_reserved)")
             if ok:
                 en.state, en.load_event = ExpertState.RESIDENT, event or completed_event()
+                self._num_resident[layer] += 1
                 return
             self._release_locked(layer, expert, en)
 
@@ -246,6 +256,8 @@ class ExpertSlotPool:
         va = self._bases[layer] + expert * stride
         slot = en.slot
         assert slot is not None
+        if en.state in (ExpertState.RESIDENT, ExpertState.EVICTING):
+            self._num_resident[layer] -= 1
         if en.mapped:
             if self.scrub_on_unmap:
                 self._tensors[layer][expert * stride : (expert + 1) * stride].fill_(POISON_BYTE)
