@@ -34,43 +34,84 @@ TOP_PAIRS = 64
 
 
 class RouterTap:
-    """Device-side counters per MoE layer, filled by `__call__(layer, ids [N, k], weights [N, k])`."""
+    """The model's route hook: `__call__(layer, ids [N, k], weights [N, k])` only copies the rows into a
+    preallocated device ring buffer (two copy kernels per MoE layer, no host sync). Every `capacity_rows`
+    rows, and at `drain()`, all layers are folded at once into activation counts, top-k co-occurrence and
+    router entropy (a handful of kernels for the whole model)."""
 
-    def __init__(self, moe_layers: tuple[int, ...], num_experts: int, device: torch.device) -> None:
+    def __init__(self, moe_layers: tuple[int, ...], num_experts: int, device: torch.device,
+                 capacity_rows: int = 4096) -> None:
         self.index = {layer: i for i, layer in enumerate(moe_layers)}
-        self.moe_layers, self.num_experts = moe_layers, num_experts
+        self.moe_layers, self.num_experts, self.device = moe_layers, num_experts, device
+        self.capacity_rows = capacity_rows
         n = len(moe_layers)
         self.counts = torch.zeros(n, num_experts, dtype=torch.int64, device=device)  # [L, E]
         self.track_pairs = num_experts <= MAX_COOCCURRENCE_EXPERTS
         self.pairs = torch.zeros(n, num_experts * num_experts if self.track_pairs else 1, dtype=torch.int64,
                                  device=device)  # [L, E*E]
         self.entropy_sum = torch.zeros(n, dtype=torch.float64, device=device)  # [L]
-        self.tokens = torch.zeros(n, dtype=torch.int64, device=device)  # [L]
-        self._pair_idx: torch.Tensor | None = None
+        self.tokens = [0] * n  # host ints: row counts are known on the host, no sync needed
+        self._ids: torch.Tensor | None = None  # [L, C, k] made on first use, when k is known
+        self._w: torch.Tensor | None = None  # [L, C, k]
+        self._fill = [0] * n
 
     def __call__(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        m, e = self.index[layer], self.num_experts
+        m = self.index[layer]
         n, k = ids.shape
-        flat = ids.reshape(-1)  # scatter_add, not bincount: no host sync on a GPU
-        self.counts[m].scatter_add_(0, flat, torch.ones_like(flat))
-        if self.track_pairs and k > 1:
-            if self._pair_idx is None or self._pair_idx[0].numel() != k * (k - 1) // 2:
-                self._pair_idx = torch.triu_indices(k, k, 1, device=ids.device)  # [2, P], made once
-            i, j = self._pair_idx
-            a, b = torch.minimum(ids[:, i], ids[:, j]), torch.maximum(ids[:, i], ids[:, j])  # [N, P]
-            pf = (a * e + b).reshape(-1)
-            self.pairs[m].scatter_add_(0, pf, torch.ones_like(pf))
-        p = weights.float() / weights.float().sum(-1, keepdim=True).clamp_min(1e-12)  # [N, k]
-        self.entropy_sum[m] += -(p * p.clamp_min(1e-12).log()).sum()
+        if self._ids is None or self._ids.shape[2] != k:
+            self._fold()
+            shape = (len(self.moe_layers), max(self.capacity_rows, n), k)
+            with torch.inference_mode(False):  # a normal tensor: drain() folds it outside inference mode
+                self._ids = torch.zeros(shape, dtype=torch.int64, device=ids.device)
+                self._w = torch.zeros(shape, dtype=torch.float32, device=ids.device)
+        if n > self._ids.shape[1]:  # a batch larger than the ring: fold it directly
+            self._fold()
+            self._accumulate(m, ids[None], weights.float()[None])
+            self.tokens[m] += n
+            return
+        if self._fill[m] + n > self._ids.shape[1]:
+            self._fold()
+        f = self._fill[m]
+        self._ids[m, f : f + n] = ids
+        self._w[m, f : f + n] = weights
+        self._fill[m] = f + n
         self.tokens[m] += n
 
+    def _accumulate(self, m: int | slice, ids: torch.Tensor, w: torch.Tensor) -> None:
+        """Fold rows ids/w [L', R, k] (padding rows carry weight 0 and are masked) into layer(s) m."""
+        e = self.num_experts
+        live = w.sum(-1) > 0  # [L', R] rows actually written
+        flat = torch.where(live[..., None], ids, 0)  # [L', R, k]
+        one = live[..., None].expand_as(ids).to(torch.int64)
+        self.counts[m].view(-1, e).scatter_add_(1, flat.flatten(1), one.flatten(1))
+        k = ids.shape[-1]
+        if self.track_pairs and k > 1:
+            i, j = torch.triu_indices(k, k, 1, device=ids.device)  # [2, P]
+            a, b = torch.minimum(flat[..., i], flat[..., j]), torch.maximum(flat[..., i], flat[..., j])
+            pone = live[..., None].expand_as(a).to(torch.int64)
+            self.pairs[m].view(-1, self.pairs.shape[-1]).scatter_add_(1, (a * e + b).flatten(1), pone.flatten(1))
+        p = w / w.sum(-1, keepdim=True).clamp_min(1e-12)  # [L', R, k]
+        ent = -(p * p.clamp_min(1e-12).log()).sum(-1)  # [L', R]
+        self.entropy_sum[m] += torch.where(live, ent, 0.0).sum(-1).to(torch.float64).view(self.entropy_sum[m].shape)
+
+    def _fold(self) -> None:
+        """Aggregate everything in the ring for all layers at once, then empty it."""
+        if self._ids is None or not any(self._fill):
+            return
+        r = max(self._fill)
+        self._accumulate(slice(None), self._ids[:, :r], self._w[:, :r])
+        self._w[:, :r].zero_()  # zero weight marks a row as empty for the next fold
+        self._fill = [0] * len(self._fill)
+
     def drain(self) -> list[LayerStats]:
-        """Copy the counters to the host and reset them (the window's only host sync)."""
+        """Fold the ring, copy the counters to the host and reset them (the window's only host sync)."""
+        self._fold()
         # copy=True: on the CPU twin .cpu() would alias the counters we are about to zero
         counts, pairs = self.counts.to("cpu", copy=True), self.pairs.to("cpu", copy=True)
-        ent, toks = self.entropy_sum.to("cpu", copy=True), self.tokens.to("cpu", copy=True)
-        for t in (self.counts, self.pairs, self.entropy_sum, self.tokens):
+        ent, toks = self.entropy_sum.to("cpu", copy=True), list(self.tokens)
+        for t in (self.counts, self.pairs, self.entropy_sum):
             t.zero_()
+        self.tokens = [0] * len(self.tokens)
         out = []
         for m, layer in enumerate(self.moe_layers):
             co: list[CoPair] = []

@@ -73,3 +73,27 @@ def test_attention_mass_tap_samples_one_sequence_per_layer_on_sampled_steps() ->
     tap.record(0, [10], torch.tensor([1.0]))
     out = {b.block: (b.mass, b.samples) for b in tap.drain()}
     assert out == {10: (0.625, 2), 11: (0.75, 1)} and tap.drain() == ()
+
+
+def test_router_tap_ring_folds_on_overflow_and_big_batches_and_uneven_layers() -> None:
+    g = torch.Generator().manual_seed(4)
+    tap = RouterTap((1, 3), num_experts=6, device=torch.device("cpu"), capacity_rows=8)
+    feeds = {1: [], 3: []}
+    for layer, n in ((3, 5), (1, 5), (3, 5), (3, 20), (1, 2), (3, 1)):  # overflow, a batch > ring, uneven fills
+        ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(n)])
+        w = torch.rand(n, 2, generator=g) + 0.01
+        tap(layer, ids, w)
+        feeds[layer].append((ids, w))
+    stats = {s.layer: s for s in tap.drain()}
+    for layer, parts in feeds.items():
+        ids = torch.cat([i for i, _ in parts])
+        w = torch.cat([x for _, x in parts])
+        s = stats[layer]
+        assert s.num_tokens == ids.shape[0]
+        assert list(s.activation_counts) == torch.bincount(ids.reshape(-1), minlength=6).tolist()
+        pairs = {}
+        for a, b in ids.sort(-1).values.tolist():
+            pairs[(a, b)] = pairs.get((a, b), 0) + 1
+        assert {(p.a, p.b): p.count for p in s.cooccurrence} == pairs
+        p = w / w.sum(-1, keepdim=True)
+        assert abs(s.router_entropy_mean - float(-(p * p.log()).sum(-1).mean())) < 1e-5
