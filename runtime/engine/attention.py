@@ -77,7 +77,7 @@ def _observe(observer: MassObserver | None, layer: int, s: Segment, q_last: torc
 
 def build_block_table(segments: list[Segment], cache: PagedKVCache) -> torch.Tensor:
     """[S, M] int32 GPU slots of each segment's blocks (zero padded), made on the host, copied once."""
-    rows = [[cache.manager.location(b).index for b in cache.blocks_of(s.seq_id)] for s in segments]
+    rows = [cache.gpu_indices(s.seq_id) for s in segments]
     width = max(1, *(len(r) for r in rows))
     host = torch.zeros(len(rows), width, dtype=torch.int32)
     for i, r in enumerate(rows):

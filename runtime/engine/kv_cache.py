@@ -125,15 +125,19 @@ class PagedKVCache:
                 self.handler.move(b, tier).wait()
                 self.spills += 1
 
-    def gpu_slots(self, seq_id: int) -> torch.Tensor:
-        """GPU-tier indices of the sequence's blocks, in order: [num_blocks] int64 (all must be on GPU)."""
+    def gpu_indices(self, seq_id: int) -> list[int]:
+        """GPU-tier indices of the sequence's blocks, in order (all must be on the GPU: kernels read only there)."""
         idx = []
         for b in self.blocks_of(seq_id):
             loc = self.manager.location(b)
             if loc.tier is not Tier.GPU:
                 raise ConfigError(f"sequence {seq_id}: block {b} is on {loc.tier.value}; call ensure_on_gpu first")
             idx.append(loc.index)
-        return torch.tensor(idx, dtype=torch.int64, device=self.device.torch_device)
+        return idx
+
+    def gpu_slots(self, seq_id: int) -> torch.Tensor:
+        """`gpu_indices` as a device tensor [num_blocks] int64."""
+        return torch.tensor(self.gpu_indices(seq_id), dtype=torch.int64, device=self.device.torch_device)
 
     def mark_written(self, seq_id: int, start_token: int, end_token: int) -> None:
         """Kernels wrote tokens [start, end): the touched blocks' checksums are stale now."""

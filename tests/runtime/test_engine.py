@@ -92,3 +92,20 @@ def test_experts_generated_on_the_device_need_no_store_and_never_load(tiny, tmp_
         eng.close()
     with pytest.raises(ConfigError, match="experts_on_device"):
         EngineConfig(experts_on_device=True, resident_frac=0.5)
+
+
+def test_a_block_table_never_points_into_another_tier(tiny, tmp_path: Path) -> None:
+    """Regression: the per-step block table read each block's index whatever its tier."""
+    from runtime.engine.attention import Segment, build_block_table
+
+    cfg = EngineConfig(block_tokens=auto_block_tokens(tiny), kv_cpu_blocks=4, workdir=tmp_path)
+    eng = ReferenceEngine(tiny, Device("cpu"), cfg)
+    try:
+        eng.cache.grow(0, 40)
+        seg = Segment(0, 0, 40, 0)
+        assert build_block_table([seg], eng.cache).shape == (1, eng.cache.num_blocks_for(40))
+        eng.cache.spill(eng.cache.blocks_of(0)[:1], Tier.CPU)
+        with pytest.raises(ConfigError, match="ensure_on_gpu"):
+            build_block_table([seg], eng.cache)
+    finally:
+        eng.close()
