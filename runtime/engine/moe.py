@@ -63,10 +63,11 @@ class ExpertViews:
         self.intermediate = i
 
 
-def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
     """x [M, K] sorted by expert, w [E, N, K] -> [M, N]; groups given by offs (cumulative) / counts."""
     if HAS_GROUPED_MM:
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    assert counts is not None, "the loop fallback needs the per-expert row counts on the host"
     out = x.new_empty(x.shape[0], w.shape[1])
     start = 0
     for e, n in enumerate(counts):
@@ -74,6 +75,15 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[
             out[start : start + n] = x[start : start + n] @ w[e].t()
         start += n
     return out
+
+
+def _expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, intermediate: int,
+                offs: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+    """SwiGLU of sorted rows xs [M, H] through experts gate_up [E', 2I, H] / down [E', H, I] -> [M, H].
+    `counts` (host) is only needed where `torch._grouped_mm` is missing."""
+    gu = _grouped(xs, gate_up, offs, counts)  # [M, 2I]
+    g, u = gu.split(intermediate, dim=-1)
+    return _grouped(F.silu(g) * u, down, offs, counts)  # [M, H]
 
 
 def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views: ExpertViews, layer: int,
@@ -90,9 +100,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
         # Every expert has a slot: one grouped GEMM pair over all experts, offsets on the device, no host sync
         # (CUDA-graph friendly). Per-expert rows are the same as in the chunked path below.
         offs = torch.cumsum(counts_t, 0).to(torch.int32)  # [E]
-        gu = torch._grouped_mm(xs, views.gate_up.transpose(-2, -1), offs=offs)  # [T*k, 2I]
-        g, u = gu.split(views.intermediate, dim=-1)
-        y = torch._grouped_mm(F.silu(g) * u, views.down.transpose(-2, -1), offs=offs)  # [T*k, H]
+        y = _expert_mlp(xs, views.gate_up, views.down, views.intermediate, offs, None)  # [T*k, H]
         return _combine(y, order, weights, t, k, x.dtype)
     counts = counts_t.tolist()
     needed = [i for i, n in enumerate(counts) if n]
@@ -106,9 +114,8 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
         r0, r1 = sum(counts[:e0]), sum(counts[:e1])
         sub_counts = counts[e0:e1]
         offs = torch.cumsum(counts_t[e0:e1], 0).to(torch.int32)  # [e1-e0]
-        gu = _grouped(xs[r0:r1], views.gate_up[e0:e1], offs, sub_counts)  # [rows, 2I]
-        g, u = gu.split(views.intermediate, dim=-1)
-        y[r0:r1] = _grouped(F.silu(g) * u, views.down[e0:e1], offs, sub_counts)  # [rows, H]
+        y[r0:r1] = _expert_mlp(xs[r0:r1], views.gate_up[e0:e1], views.down[e0:e1], views.intermediate, offs,
+                               sub_counts)  # [rows, H]
         provider.done_reading(layer, chunk)  # the next chunk may evict these: it must wait for these GEMMs
     return _combine(y, order, weights, t, k, x.dtype)
 
