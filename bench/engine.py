@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from bench.substrate import timed
 from runtime.device import Device
 from runtime.engine.moe import ExpertViews, moe_forward
+from runtime.memory.backend import make_backend
 from runtime.memory.slots import ExpertSlotPool
-from runtime.selfcheck.common import make_backend
 from runtime.weights.format import ExpertFormat
 
 

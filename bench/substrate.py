@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from runtime.device import Device
+from runtime.memory.backend import make_backend
 from runtime.memory.slots import ExpertSlotPool
 from runtime.nvme import DirectFile, align_up
-from runtime.selfcheck.common import make_backend, workdir_for
+from runtime.selfcheck.common import workdir_for
 from runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferRequest
 from runtime.weights.format import ExpertFormat
 from runtime.weights.loader import ExpertLoadHandler, StoreKind

@@ -26,8 +26,8 @@ from runtime.engine.model import MoEModel
 from runtime.engine.weights import expert_format, synthetic_dense_weights
 from runtime.errors import ConfigError
 from runtime.kv import Tier
+from runtime.memory.backend import make_backend
 from runtime.memory.slots import ExpertSlotPool
-from runtime.selfcheck.common import make_backend
 from runtime.transfer import TransferEngine
 from runtime.weights.format import dtype_from_name
 from runtime.weights.loader import ExpertLoadHandler, StoreKind

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from runtime.device import Device, DeviceKind
+
 
 @dataclass
 class LiveCounts:
@@ -53,3 +55,14 @@ class SlotBackend(Protocol):
     def live(self) -> LiveCounts: ...
 
     def close(self) -> None: ...
+
+
+def make_backend(device: Device) -> SlotBackend:
+    """The backend for a device: CUDA VMM on a GPU, the memfd + mmap twin on the CPU (imported lazily)."""
+    if device.kind is DeviceKind.CUDA:
+        from runtime.memory.cuda_vmm import CudaVmmBackend
+
+        return CudaVmmBackend(device.index)
+    from runtime.memory.host import HostBackend
+
+    return HostBackend()

@@ -1,6 +1,6 @@
 """Shared set-up of the substrate self-checks (inference process; CPU twin or one CUDA GPU).
 
-Builds a device, a slot-pool backend, synthetic expert stores (pinned + NVMe) and a position-weighted
+Builds synthetic expert stores (pinned + NVMe) and a position-weighted
 fingerprint that a GPU can compute without copying a record back: sum((i+1) * word_i) over int32 words,
 mod 2^64 (integer wrap-around is associative, so every reduction order gives the same number).
 """
@@ -17,23 +17,12 @@ from typing import Any
 
 import torch
 
-from runtime.device import Device, DeviceKind
-from runtime.memory.backend import SlotBackend
+from runtime.device import Device
 from runtime.weights.format import ExpertFormat
 from runtime.weights.sources import SyntheticExpertSource
 from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
 Progress = Callable[[int], None]  # called with the number of operations just finished
-
-
-def make_backend(device: Device) -> SlotBackend:
-    if device.kind is DeviceKind.CUDA:
-        from runtime.memory.cuda_vmm import CudaVmmBackend
-
-        return CudaVmmBackend(device.index)
-    from runtime.memory.host import HostBackend
-
-    return HostBackend()
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:

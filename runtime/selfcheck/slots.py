@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from runtime.device import Device
+from runtime.memory.backend import make_backend
 from runtime.memory.slots import POISON_BYTE, ExpertSlotPool
-from runtime.selfcheck.common import Progress, build_experts, fingerprint, make_backend, workdir_for
+from runtime.selfcheck.common import Progress, build_experts, fingerprint, workdir_for
 from runtime.transfer import TransferEngine
 from runtime.weights.loader import ExpertLoadHandler, StoreKind
 

@@ -23,8 +23,9 @@ from runtime.device import Device
 from runtime.errors import CorruptDataError
 from runtime.future import OpFuture
 from runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
+from runtime.memory.backend import make_backend
 from runtime.memory.slots import ExpertSlotPool
-from runtime.selfcheck.common import ExpertFixture, Progress, build_experts, flip_byte, make_backend, workdir_for
+from runtime.selfcheck.common import ExpertFixture, Progress, build_experts, flip_byte, workdir_for
 from runtime.transfer import TransferEngine
 from runtime.weights.loader import ExpertLoadHandler, StoreKind
 
