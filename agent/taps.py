@@ -77,6 +77,24 @@ class RouterTap:
         self._fill[m] = f + n
         self.tokens[m] += n
 
+    def add_all(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Every MoE layer's rows at once, ids/weights [L, n, k] (a CUDA-graph step's static router buffers,
+        raw top-k probabilities): two copy kernels per step instead of two per layer."""
+        n_layers, n, k = ids.shape
+        if n_layers != len(self.moe_layers):
+            raise ValueError(f"RouterTap.add_all: {n_layers} layers of routes, the model has {len(self.moe_layers)}")
+        if self._ids is None or self._ids.shape[2] != k or n > self._ids.shape[1]:
+            for m, layer in enumerate(self.moe_layers):  # first use, or a batch beyond the ring: per layer
+                self(layer, ids[m], weights[m])
+            return
+        if len(set(self._fill)) != 1 or self._fill[0] + n > self._ids.shape[1]:
+            self._fold()  # uneven (eager steps since) or full: empty the ring first
+        f = self._fill[0]
+        self._ids[:, f : f + n] = ids  # type: ignore[index]
+        self._w[:, f : f + n] = weights  # type: ignore[index]
+        self._fill = [f + n] * len(self._fill)
+        self.tokens = [t + n for t in self.tokens]
+
     def _accumulate(self, m: int | slice, ids: torch.Tensor, w: torch.Tensor) -> None:
         """Fold rows ids/w [L', R, k] (padding rows carry weight 0 and are masked) into layer(s) m."""
         e = self.num_experts

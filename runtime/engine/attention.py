@@ -45,13 +45,31 @@ class Segment:
 
 
 class MassObserver(Protocol):
-    """Samples how much attention each KV block gets (the agent's tap); called between kernels, rarely."""
+    """Samples how much attention each KV block gets (the agent's tap); called between kernels, rarely.
+    `layers`: the layers it may sample (a CUDA-graph step saves only their queries)."""
+
+    layers: set[int]
 
     def wants(self, layer: int, seq_id: int) -> bool: ...
 
     def record(self, layer: int, block_ids: list[int], mass: torch.Tensor) -> None:
         """mass [num_blocks] float32 on the device: share of the last query's attention per block."""
         ...
+
+
+class QCapture:
+    """Stands in for the mass observer while a decode step is captured in a CUDA graph: the paged path saves
+    the query rows of the watched layers into `saved[layer]` ([B, Hq, D] static buffers, one copy kernel per
+    watched layer), and the graph runner feeds them to the real observer after each replay."""
+
+    def __init__(self, saved: dict[int, torch.Tensor]) -> None:
+        self.saved = saved
+
+    def wants(self, layer: int, seq_id: int) -> bool:
+        return False
+
+    def record(self, layer: int, block_ids: list[int], mass: torch.Tensor) -> None:  # pragma: no cover
+        raise AssertionError("QCapture never samples")
 
 
 def block_mass(q: torch.Tensor, keys: torch.Tensor, block_tokens: int) -> torch.Tensor:
@@ -63,8 +81,9 @@ def block_mass(q: torch.Tensor, keys: torch.Tensor, block_tokens: int) -> torch.
     return F.pad(p, (0, -c % block_tokens)).view(-1, block_tokens).sum(-1)
 
 
-def _observe(observer: MassObserver | None, layer: int, s: Segment, q_last: torch.Tensor, cache: PagedKVCache,
-             keys: torch.Tensor | None = None) -> None:
+def observe(observer: MassObserver | None, layer: int, s: Segment, q_last: torch.Tensor, cache: PagedKVCache,
+            keys: torch.Tensor | None = None) -> None:
+    """Give the observer this segment's block mass for `layer` if it wants a sample (keys gathered if None)."""
     if observer is None or not observer.wants(layer, s.seq_id):
         return
     if keys is None:  # the kernel path gathered nothing: gather this one sequence now
@@ -134,8 +153,12 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
     kv[slot, 1, positions % bt] = v
     lens = (positions + 1).to(torch.int32)  # [B]
     out = paged_decode_attention(q, kv[:, 0], kv[:, 1], table, lens)  # [B, Hq, D]
+    if isinstance(observer, QCapture):
+        if layer in observer.saved:
+            observer.saved[layer].copy_(q)
+        return out.reshape(n, -1) @ w["o_proj"].t()
     for i, s in enumerate(segments):
-        _observe(observer, layer, s, q[i], cache)
+        observe(observer, layer, s, q[i], cache)
     return out.reshape(n, -1) @ w["o_proj"].t()
 
 
@@ -167,7 +190,7 @@ def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
         vs = vals.transpose(0, 1).repeat_interleave(nh // nkv, 0)
         mask = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]  # [n, C]
         out[rows] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
-        _observe(observer, layer, s, q[rows][-1], cache, keys)
+        observe(observer, layer, s, q[rows][-1], cache, keys)
     return out.reshape(n, nh * d) @ w["o_proj"].t()
 
 

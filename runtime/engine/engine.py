@@ -21,6 +21,7 @@ from runtime.device import Device
 from runtime.engine.attention import Segment, build_block_table
 from runtime.engine.config import ModelSpec
 from runtime.engine.experts import OnDemandExperts
+from runtime.engine.graphs import DecodeGraphs
 from runtime.engine.kv_cache import PagedKVCache
 from runtime.engine.model import MoEModel
 from runtime.engine.weights import expert_format, synthetic_dense_weights
@@ -48,6 +49,11 @@ class EngineConfig:
     # Every expert generated straight into its slot on the device (no host store, no loader): full-size
     # all-resident throughput runs, where a host copy of every expert would not fit. Needs resident_frac=1.
     experts_on_device: bool = False
+    # Decode steps replayed from CUDA graphs (graphs.py) when nothing needs the host mid-step. None = on a GPU;
+    # True on a CPU runs the same static-buffer step without capture (how CI checks it).
+    decode_graphs: bool | None = None
+    graph_max_batch: int = 128
+    graph_max_blocks: int = 4096  # block-table width of the graphs (longer sequences decode eagerly)
     seed: int = 0
     workdir: Path | None = None
 
@@ -56,6 +62,9 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.resident_frac must be in (0, 1], got {self.resident_frac}")
         if self.experts_on_device and self.resident_frac < 1.0:
             raise ConfigError("EngineConfig.experts_on_device needs resident_frac=1.0 (nothing to load them from)")
+        if self.graph_max_batch < 1 or self.graph_max_blocks < 1:
+            raise ConfigError(f"EngineConfig.graph_max_batch ({self.graph_max_batch}) and graph_max_blocks "
+                              f"({self.graph_max_blocks}) must be >= 1")
         if self.spill_kv_every_step and not (self.kv_cpu_blocks and self.kv_nvme_blocks):
             raise ConfigError("EngineConfig.spill_kv_every_step needs kv_cpu_blocks > 0 and kv_nvme_blocks > 0")
 
@@ -103,6 +112,10 @@ class ReferenceEngine:
             self.model.decode_kernel = device.is_cuda and HAS_TRITON
         else:
             self.model.decode_kernel = cfg.decode_kernel
+        use_graphs = device.is_cuda if cfg.decode_graphs is None else cfg.decode_graphs
+        self.graphs = DecodeGraphs(self.model, device, cfg.graph_max_batch,
+                                   min(cfg.graph_max_blocks, cfg.kv_gpu_blocks), capture=device.is_cuda
+                                   ) if use_graphs else None
 
     def _fill_slots_on_device(self, seed: int) -> None:
         """N(0, 0.02) bf16 bytes for every expert, drawn on the device into its slot (padding included)."""
@@ -124,6 +137,14 @@ class ReferenceEngine:
             segs.append(Segment(s, row, len(toks), p))
             row += len(toks)
         self.cache.ensure_on_gpu([b for s in seqs for b in self.cache.blocks_of(s)])
+        if self.graphs is not None:
+            rows = [self.cache.gpu_indices(s) for s in seqs]
+            why = self.graphs.why_not(tokens, rows)
+            if why is None:
+                logits = self.graphs.run(seqs, tokens, starts, rows)
+                self._after_step(segs, seqs)
+                return logits
+            self.graphs.fallbacks[why] += 1
         table = build_block_table(segs, self.cache)  # once per step: every layer reads it on the device
         segs = [replace(s, table=table, table_row=i) for i, s in enumerate(segs)]
         dev = self.device.torch_device
@@ -132,12 +153,15 @@ class ReferenceEngine:
                            dtype=torch.int64, device=dev)
         with torch.inference_mode():
             logits = self.model.forward(flat, pos, segs)
+        self._after_step(segs, seqs)
+        return logits
+
+    def _after_step(self, segs: list[Segment], seqs: list[int]) -> None:
         for sg in segs:  # the kernels wrote these rows in every layer: once per step, not per layer
             self.cache.mark_written(sg.seq_id, sg.first_pos, sg.context_len)
         if self.cfg.spill_kv_every_step:
             for s in seqs:
                 self.cache.spill(self.cache.blocks_of(s), Tier.CPU if s % 2 == 0 else Tier.NVME)
-        return logits
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> GenerationResult:
         if not prompts or any(not p for p in prompts):

@@ -49,10 +49,12 @@ class PagedKVCache:
             )
         if capacity.get(Tier.GPU, 0) <= 0:
             raise ConfigError("PagedKVCache needs GPU-tier capacity > 0")
-        self.stores = KVTierStores(device, self.block_bytes, capacity, nvme_path)
+        # One scratch GPU block past the capacity: padding rows of a CUDA-graph batch write their K/V there.
+        self.stores = KVTierStores(device, self.block_bytes, capacity, nvme_path, gpu_scratch_blocks=1)
         self.manager = KVBlockManager(capacity)
         self.handler = KVTransferHandler(self.manager, self.stores, engine)
-        self.gpu = self.stores.gpu_tensor.view(self.dtype).view(capacity[Tier.GPU], *self.shape)  # [N, *block]
+        self.scratch_slot = capacity[Tier.GPU]  # GPU index of the scratch block (no sequence ever owns it)
+        self.gpu = self.stores.gpu_tensor.view(self.dtype).view(capacity[Tier.GPU] + 1, *self.shape)  # [N+1, *block]
         self.tables: dict[int, list[int]] = {}
         self.spills = 0
         self.fetches = 0

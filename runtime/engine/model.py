@@ -36,6 +36,9 @@ class MoEModel:
         self.decode_kernel = False  # decode batches through the Triton paged kernel (the engine turns it on)
         self.mass_observer: MassObserver | None = None  # the agent's sampled attention-mass tap
         self.route_tap: RouteTap | None = None
+        # CUDA-graph mode: (probs, ids) [L_moe, N, k] buffers that every MoE layer's router writes its raw
+        # top-k into (instead of calling route_tap per layer); the graph runner hands them to the tap.
+        self.route_out: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """tokens, positions [N] -> logits [S, V] (float32) for the last row of each of the S segments."""
@@ -51,13 +54,23 @@ class MoEModel:
                 x = x + mlp(h, lw.dense)
                 continue
             forced = self.forced_routes(i, h.shape[0]) if self.forced_routes is not None else None
-            ids, wts = forced if forced is not None else route(h, lw.router, spec)
-            if self.route_tap is not None:
+            if forced is not None:
+                ids, wts = forced
+            elif self.route_out is not None:
+                m = self.pool_layer[i]
+                ids, wts = route(h, lw.router, spec, out=(self.route_out[0][m], self.route_out[1][m]))
+            else:
+                ids, wts = route(h, lw.router, spec)
+            if self.route_tap is not None and self.route_out is None:
                 self.route_tap(i, ids, wts)
             out = moe_forward(h, ids, wts, self.views[i], self.pool_layer[i], self.provider)
             if lw.shared is not None:
                 out = out + mlp(h, lw.shared)
             x = x + out
-        last = torch.tensor([s.row_start + s.num_tokens - 1 for s in segments], device=x.device)
-        h = rms_norm(x[last], self.w.final_norm, spec.rms_norm_eps)
+        if all(s.num_tokens == 1 and s.row_start == r for r, s in enumerate(segments)) and len(segments) == len(x):
+            last_rows = x  # decode: every row is a segment's last (no host-made index: CUDA-graph safe)
+        else:
+            last = torch.tensor([s.row_start + s.num_tokens - 1 for s in segments], device=x.device)
+            last_rows = x[last]
+        h = rms_norm(last_rows, self.w.final_norm, spec.rms_norm_eps)
         return (h @ self.w.lm_head.t()).float()  # [S, V]

@@ -37,10 +37,17 @@ class ExpertProvider(Protocol):
         ...
 
 
-def route(x: torch.Tensor, router: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k experts per token: ids [T, k] int64 and weights [T, k] float32."""
+def route(x: torch.Tensor, router: torch.Tensor, spec: ModelSpec,
+          out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts per token: ids [T, k] int64 and weights [T, k] float32.
+
+    out: (probs [T, k] float32, ids [T, k] int64) buffers that receive the raw top-k (a CUDA graph's static
+    buffers, read by the agent's tap after replay: the tap then costs no kernel inside the graph)."""
     probs = F.softmax((x @ router.t()).float(), dim=-1)  # [T, E]
-    w, ids = probs.topk(spec.top_k, dim=-1)  # [T, k]
+    if out is not None:
+        w, ids = torch.topk(probs, spec.top_k, dim=-1, out=out)  # [T, k] written in place
+    else:
+        w, ids = probs.topk(spec.top_k, dim=-1)  # [T, k]
     if spec.norm_topk_prob:
         w = w / w.sum(-1, keepdim=True)
     return ids, w * spec.routed_scaling_factor

@@ -27,6 +27,7 @@ class KVTierStores:
         capacity: dict[Tier, int],
         nvme_path: str | os.PathLike[str] | None = None,
         direct_io: bool = True,
+        gpu_scratch_blocks: int = 0,
     ) -> None:
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int):
             raise ConfigError(f"KVTierStores: block_bytes must be an int, got {block_bytes!r}")
@@ -48,8 +49,11 @@ class KVTierStores:
         self._host: AlignedHostBuffer | None = None
         self._cpu: torch.Tensor | None = None  # [C, B] pinned host
         self.nvme_file: DirectFile | None = None
+        if gpu_scratch_blocks < 0 or (gpu_scratch_blocks and not caps[Tier.GPU]):
+            raise ConfigError(f"KVTierStores: gpu_scratch_blocks={gpu_scratch_blocks} needs a GPU tier and >= 0")
         if caps[Tier.GPU]:
-            self._gpu = device.alloc(caps[Tier.GPU] * block_bytes).view(caps[Tier.GPU], block_bytes)
+            rows = caps[Tier.GPU] + gpu_scratch_blocks  # scratch rows sit past the capacity: never a block's home
+            self._gpu = device.alloc(rows * block_bytes).view(rows, block_bytes)
         if caps[Tier.CPU]:
             self._host = device.alloc_host(caps[Tier.CPU] * block_bytes)
             self._cpu = self._host.tensor.view(caps[Tier.CPU], block_bytes)
@@ -71,7 +75,8 @@ class KVTierStores:
 
     @property
     def gpu_tensor(self) -> torch.Tensor:
-        """The whole GPU tier [capacity, block_bytes] uint8 (kernels view it with their own layout)."""
+        """The whole GPU tier [capacity + gpu_scratch_blocks, block_bytes] uint8 (kernels view it with their own
+        layout). Scratch rows follow the capacity: no block ever lives there, moves never touch them."""
         if self._gpu is None:
             raise ConfigError("this KVTierStores has no GPU tier (capacity 0)")
         return self._gpu

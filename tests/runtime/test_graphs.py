@@ -1,0 +1,104 @@
+"""The CUDA-graph decode path through its CPU twin (same static buffers, padding and taps; no capture)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.taps import AttentionMassTap, RouterTap
+from runtime.device import Device
+from runtime.engine.engine import EngineConfig, ReferenceEngine
+from runtime.engine.presets import preset
+from runtime.errors import ConfigError
+from runtime.selfcheck.exact import auto_block_tokens
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [5] * 20, [11, 12]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return preset("tiny")
+
+
+def _engine(spec, tmp_path: Path, name: str, **kw) -> ReferenceEngine:
+    kw.setdefault("decode_kernel", True)
+    cfg = EngineConfig(block_tokens=auto_block_tokens(spec), workdir=tmp_path / name, **kw)
+    return ReferenceEngine(spec, Device("cpu"), cfg)
+
+
+@pytest.mark.parametrize("batch", [4, 3])  # 4 fills a bucket; 3 decodes with one padding row
+def test_graph_steps_match_eager_steps(tiny, tmp_path: Path, batch: int) -> None:
+    prompts = PROMPTS[:batch]
+    eager = _engine(tiny, tmp_path, "eager", decode_graphs=False)
+    a = eager.generate(prompts, 6)
+    eager.close()
+    graphed = _engine(tiny, tmp_path, "graphs", decode_graphs=True)
+    b = graphed.generate(prompts, 6)
+    assert graphed.graphs is not None and graphed.graphs.replays == 5  # every decode step after the prefill
+    assert graphed.graphs.fallbacks == {"prefill": 1}
+    # padding rows wrote only the scratch block: no real sequence's KV changed
+    assert a.tokens == b.tokens
+    if batch == 4:
+        assert torch.equal(a.logits, b.logits)
+    else:
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
+    graphed.close()
+
+
+def test_graph_path_falls_back_and_counts_why(tiny, tmp_path: Path) -> None:
+    eng = _engine(tiny, tmp_path, "a", decode_graphs=True, resident_frac=0.25)
+    eng.generate(PROMPTS[:2], 3)
+    assert eng.graphs is not None and eng.graphs.replays == 0
+    assert eng.graphs.fallbacks["experts_not_resident"] >= 1  # some decode step met a missing expert
+    eng.close()
+    eng = _engine(tiny, tmp_path, "b", decode_graphs=True, graph_max_batch=2)
+    eng.generate(PROMPTS[:3], 3)
+    assert eng.graphs is not None and eng.graphs.fallbacks["batch_too_large"] == 2
+    eng.close()
+    eng = _engine(tiny, tmp_path, "c", decode_graphs=True, decode_kernel=False)
+    eng.generate(PROMPTS[:1], 2)
+    assert eng.graphs is not None and eng.graphs.fallbacks["no_paged_decode_kernel"] == 1
+    eng.close()
+    with pytest.raises(ConfigError, match="graph_max_batch"):
+        EngineConfig(graph_max_batch=0)
+
+
+def test_taps_see_the_same_routes_and_mass_on_both_paths(tiny, tmp_path: Path) -> None:
+    got = {}
+    for graphs in (False, True):
+        eng = _engine(tiny, tmp_path, f"g{graphs}", decode_graphs=graphs)
+        tap = RouterTap(tiny.moe_layers, tiny.num_experts, torch.device("cpu"))
+        mass = AttentionMassTap(layers=(0, 1), every_steps=1)
+        mass.begin_step(0)
+        eng.model.route_tap, eng.model.mass_observer = tap, mass
+        eng.generate(PROMPTS[:3], 4)
+        got[graphs] = (tap.drain(), mass.drain())
+        eng.close()
+    (layers_e, mass_e), (layers_g, mass_g) = got[False], got[True]
+    assert [s.activation_counts for s in layers_e] == [s.activation_counts for s in layers_g]
+    assert [s.num_tokens for s in layers_e] == [s.num_tokens for s in layers_g]
+    assert [s.cooccurrence for s in layers_e] == [s.cooccurrence for s in layers_g]
+    for a, b in zip(layers_e, layers_g, strict=True):
+        assert a.router_entropy_mean == pytest.approx(b.router_entropy_mean, rel=1e-5)
+    assert [(m.block, m.samples) for m in mass_e] == [(m.block, m.samples) for m in mass_g]
+    for a, b in zip(mass_e, mass_g, strict=True):
+        assert a.mass == pytest.approx(b.mass, abs=1e-5)
+
+
+def test_router_tap_add_all_equals_per_layer_calls(tiny) -> None:
+    g = torch.Generator().manual_seed(0)
+    n_l, k = len(tiny.moe_layers), tiny.top_k
+    ids = torch.stack([torch.randperm(tiny.num_experts, generator=g)[:k] for _ in range(n_l * 5)]).view(n_l, 5, k)
+    w = torch.rand(n_l, 5, k, generator=g) + 0.01
+    a, b = (RouterTap(tiny.moe_layers, tiny.num_experts, torch.device("cpu"), capacity_rows=8) for _ in range(2))
+    for _ in range(3):  # the third call overflows the ring of 8 rows and folds first
+        a.add_all(ids, w)
+        for m, layer in enumerate(tiny.moe_layers):
+            b(layer, ids[m], w[m])
+    sa, sb = a.drain(), b.drain()
+    assert [s.activation_counts for s in sa] == [s.activation_counts for s in sb]
+    assert [s.num_tokens for s in sa] == [15] * n_l == [s.num_tokens for s in sb]
+    with pytest.raises(ValueError, match="layers of routes"):
+        a.add_all(ids[:1], w[:1])
