@@ -163,11 +163,12 @@ def bench_engine(
     out_dir: Annotated[Path, typer.Option(help="Where to write JSON and Markdown.")] = Path("bench/results"),
     quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
     device: Dev = DeviceOpt.cuda,
+    profile: Annotated[bool, typer.Option(help="Also write profile_eager_step.txt (torch.profiler, CUDA).")] = False,
 ) -> None:
     """Engine kernels vs bare baselines: MoE layer vs grouped GEMM, paged decode attention vs SDPA."""
     from bench.engine import run_engine_bench
 
-    run_engine_bench(out_dir, device.value, quick=quick, console=_io.out)
+    run_engine_bench(out_dir, device.value, quick=quick, console=_io.out, profile=profile)
 
 
 @app.command()

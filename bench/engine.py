@@ -104,8 +104,9 @@ def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, 
 
 
 def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, batches: list[int], steps: int,
-                      rounds: int = 3) -> list[dict]:
-    """tok/s of `steps` decode steps after a 16-token prefill, agent off/on alternated `rounds` times."""
+                      rounds: int = 3, graphs: bool = True) -> list[dict]:
+    """tok/s of `steps` decode steps after a 16-token prefill, agent off/on alternated `rounds` times;
+    decode steps replayed from CUDA graphs (`graphs`) or eager."""
     from agent.adapters.reference import ReferenceAdapter
     from runtime.engine.engine import EngineConfig, ReferenceEngine
     from runtime.engine.presets import preset
@@ -114,7 +115,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
     spec = preset(preset_name) if num_layers is None else preset(preset_name).truncated(num_layers)
     bt, prompt = auto_block_tokens(spec), 16
     per_seq = -(-(prompt + steps + 1) // bt)
-    eng = ReferenceEngine(spec, dev, EngineConfig(experts_on_device=True, block_tokens=bt,
+    eng = ReferenceEngine(spec, dev, EngineConfig(experts_on_device=True, block_tokens=bt, decode_graphs=graphs,
                                                   kv_gpu_blocks=per_seq * max(batches)))
     out, next_id = [], 0
     try:
@@ -142,7 +143,9 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                     for s in seqs:
                         eng.cache.free(s)
             off, on = min(times[False]), min(times[True])
-            out.append({"preset": spec.name, "batch": b, "steps": steps, "tok_s_agent_off": b * steps / off,
+            out.append({"preset": spec.name, "batch": b, "steps": steps, "graphs": graphs,
+                        "fallbacks": dict(eng.graphs.fallbacks) if eng.graphs is not None else {},
+                        "tok_s_agent_off": b * steps / off,
                         "tok_s_agent_on": b * steps / on, "step_ms_agent_off": off / steps * 1e3,
                         "agent_overhead": on / off - 1.0})
     finally:
@@ -150,7 +153,35 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
     return out
 
 
-def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None) -> dict:
+def profile_eager_step(dev: Device, preset_name: str, batch: int = 1) -> str:
+    """torch.profiler tables (by CPU and by CUDA time) of 3 eager decode steps: where an eager step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from runtime.engine.engine import EngineConfig, ReferenceEngine
+    from runtime.engine.presets import preset
+    from runtime.selfcheck.exact import auto_block_tokens
+
+    spec = preset(preset_name)
+    eng = ReferenceEngine(spec, dev, EngineConfig(experts_on_device=True, block_tokens=auto_block_tokens(spec),
+                                                  decode_graphs=False, kv_gpu_blocks=8 * batch))
+    try:
+        seqs = list(range(batch))
+        last = eng.step(seqs, [[1, 2, 3, 4] for _ in seqs], [0] * batch).argmax(-1).tolist()
+        for i in range(2):
+            last = eng.step(seqs, [[t] for t in last], [4 + i] * batch).argmax(-1).tolist()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(3):
+                last = eng.step(seqs, [[t] for t in last], [6 + i] * batch).argmax(-1).tolist()
+        ka = prof.key_averages()
+        return (ka.table(sort_by="cpu_time_total", row_limit=25) + "\n\n"
+                + ka.table(sort_by="self_cpu_time_total", row_limit=25) + "\n\n"
+                + ka.table(sort_by="cuda_time_total", row_limit=20))
+    finally:
+        eng.close()
+
+
+def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None,
+                     profile: bool = False) -> dict:
     dev = Device(device)
     say = console.print if console is not None else print
     reps = 3 if quick else 50
@@ -162,9 +193,14 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
     att = [(2, 64, 4, 2, 16, 16)] if quick else [(b, c, 32, 4, 128, 16) for b in (32, 128) for c in (4096, 16384)]
     res["attention"] = [paged_vs_sdpa(dev, *a, reps) for a in att]
     say(f"attention: {res['attention']}")
-    res["decode"] = (decode_throughput(dev, "tiny", None, [1, 4], 4, rounds=1) if quick
-                     else decode_throughput(dev, "qwen3-30b-a3b", None, [1, 64], 32))
-    say(f"decode: {res['decode']}")
+    res["decode"] = []
+    for graphs in (True, False) if dev.is_cuda else (False,):
+        res["decode"] += (decode_throughput(dev, "tiny", None, [1, 4], 4, rounds=1, graphs=graphs) if quick
+                          else decode_throughput(dev, "qwen3-30b-a3b", None, [1, 64], 32, graphs=graphs))
+        say(f"decode: {res['decode'][-2:]}")
+    if profile and dev.is_cuda:
+        (out_dir / "profile_eager_step.txt").parent.mkdir(parents=True, exist_ok=True)
+        (out_dir / "profile_eager_step.txt").write_text(profile_eager_step(dev, "tiny" if quick else "qwen3-30b-a3b"))
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"engine_{device}"
     stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
@@ -176,9 +212,11 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
            "|---|---|---|---|---|---|"]
     md += [f"| {a['hq']}q/{a['hkv']}kv d{a['d']} | {a['batch']} | {a['ctx']} | {a['paged_ms']:.3f} | "
            f"{a['sdpa_ms']:.3f} | {a['ratio']:.2f} |" for a in res["attention"]]
-    md += ["", "| decode, all experts resident | batch | tok/s agent off | tok/s agent on | step ms | agent overhead |",
-           "|---|---|---|---|---|---|"]
-    md += [f"| {x['preset']} | {x['batch']} | {x['tok_s_agent_off']:.1f} | {x['tok_s_agent_on']:.1f} | "
-           f"{x['step_ms_agent_off']:.2f} | {x['agent_overhead'] * 100:+.2f} % |" for x in res["decode"]]
+    md += ["", "| decode, all experts resident | step | batch | tok/s agent off | tok/s agent on | step ms | "
+           "agent overhead | eager fallbacks |", "|---|---|---|---|---|---|---|---|"]
+    md += [f"| {x['preset']} | {'CUDA graph' if x['graphs'] else 'eager'} | {x['batch']} | "
+           f"{x['tok_s_agent_off']:.1f} | "
+           f"{x['tok_s_agent_on']:.1f} | {x['step_ms_agent_off']:.2f} | {x['agent_overhead'] * 100:+.2f} % | "
+           f"{x['fallbacks'] or '-'} |" for x in res["decode"]]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     return res

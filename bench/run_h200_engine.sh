@@ -22,5 +22,4 @@ step() { local t=$1 log=$2; shift 2; local s=$SECONDS
 step 90 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests
 step 120 exact_qwen3_2L.log python3 -m api.cli check exact --preset qwen3-30b-a3b --layers 2 --resident-frac 0.25 \
   --device cuda
-step 250 bench_engine.log python3 -m api.cli bench engine --device cuda --out-dir "$out"
-step 110 bench_loads.log python3 -m api.cli bench substrate --device cuda --only loads,map --out-dir "$out"
+step 300 bench_engine.log python3 -m api.cli bench engine --device cuda --profile --out-dir "$out"
