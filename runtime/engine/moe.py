@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine.config import ModelSpec
+from runtime.engine.kernels import moe_gemm
 from runtime.memory.slots import ExpertSlotPool
 from runtime.weights.format import ExpertFormat
 
@@ -70,8 +71,11 @@ class ExpertViews:
         self.intermediate = i
 
 
-def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None,
+             triton_gemm: bool = False) -> torch.Tensor:
     """x [M, K] sorted by expert, w [E, N, K] -> [M, N]; groups given by offs (cumulative) / counts."""
+    if triton_gemm:
+        return moe_gemm.grouped_gemm(x, w, offs)
     if HAS_GROUPED_MM:
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     assert counts is not None, "the loop fallback needs the per-expert row counts on the host"
@@ -85,12 +89,13 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[
 
 
 def _expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, intermediate: int,
-                offs: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+                offs: torch.Tensor, counts: list[int] | None, triton_gemm: bool) -> torch.Tensor:
     """SwiGLU of sorted rows xs [M, H] through experts gate_up [E', 2I, H] / down [E', H, I] -> [M, H].
-    `counts` (host) is only needed where `torch._grouped_mm` is missing."""
-    gu = _grouped(xs, gate_up, offs, counts)  # [M, 2I]
+    `counts` (host) is only needed where `torch._grouped_mm` is missing; `triton_gemm` picks the Triton
+    grouped GEMM (decided per layer, so every chunk of a layer uses the same kernel)."""
+    gu = _grouped(xs, gate_up, offs, counts, triton_gemm)  # [M, 2I]
     g, u = gu.split(intermediate, dim=-1)
-    return _grouped(F.silu(g) * u, down, offs, counts)  # [M, H]
+    return _grouped(F.silu(g) * u, down, offs, counts, triton_gemm)  # [M, H]
 
 
 def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views: ExpertViews, layer: int,
@@ -103,11 +108,12 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
     # scatter_add, not bincount: CUDA bincount reads min/max back to the host (two syncs per layer)
     counts_t = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
     xs = x[order // k]  # [T*k, H]
-    if HAS_GROUPED_MM and provider.all_resident(layer):
+    tri = moe_gemm.usable(x, t * k)
+    if (HAS_GROUPED_MM or tri) and provider.all_resident(layer):
         # Every expert has a slot: one grouped GEMM pair over all experts, offsets on the device, no host sync
         # (CUDA-graph friendly). Per-expert rows are the same as in the chunked path below.
         offs = torch.cumsum(counts_t, 0).to(torch.int32)  # [E]
-        y = _expert_mlp(xs, views.gate_up, views.down, views.intermediate, offs, None)  # [T*k, H]
+        y = _expert_mlp(xs, views.gate_up, views.down, views.intermediate, offs, None, tri)  # [T*k, H]
         return _combine(y, order, weights, t, k, x.dtype)
     counts = counts_t.tolist()
     needed = [i for i, n in enumerate(counts) if n]
@@ -122,7 +128,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
         sub_counts = counts[e0:e1]
         offs = torch.cumsum(counts_t[e0:e1], 0).to(torch.int32)  # [e1-e0]
         y[r0:r1] = _expert_mlp(xs[r0:r1], views.gate_up[e0:e1], views.down[e0:e1], views.intermediate, offs,
-                               sub_counts)  # [rows, H]
+                               sub_counts, tri)  # [rows, H]
         provider.done_reading(layer, chunk)  # the next chunk may evict these: it must wait for these GEMMs
     return _combine(y, order, weights, t, k, x.dtype)
 

@@ -1,9 +1,11 @@
 """Paged decode attention (GQA) in Triton, with its torch reference (inference process).
 
-One query token per sequence reads its K/V through a block table: program (sequence b, KV head h) loads the
-G = Hq / Hkv query heads that share head h, walks the sequence's blocks in order with an online softmax
-(running max, running sum, float32 accumulator) and writes [G, D] outputs. The order of the walk is fixed,
-so the result is the same whichever tier a block was fetched from. On a CPU, Triton runs the same kernel in
+One query token per sequence reads its K/V through a block table (flash-decoding): program (sequence b,
+KV head h, split s) loads the G = Hq / Hkv query heads that share head h, walks its share of the context
+BLOCK_T tokens at a time (each token's block looked up in the table) with an online softmax (running max,
+running sum, float32 accumulator), and a second kernel combines the splits in a fixed order. The number of
+splits depends only on the batch and head counts and the walk order is fixed, so the result is the same
+whichever tier a block was fetched from. On a CPU, Triton runs the same kernel in
 its interpreter (TRITON_INTERPRET=1), which is how CI checks it. Never moves blocks; reads only.
 """
 
@@ -23,19 +25,34 @@ except ImportError:  # pragma: no cover - triton is a dev/gpu dependency
     HAS_TRITON = False
 
 
+BLOCK_T = 64  # tokens per inner step (several KV blocks gathered through the table at once)
+TARGET_PROGRAMS = 512  # splits of the context so that B * Hkv * splits reaches this (flash-decoding)
+MAX_SPLITS = 32
+
+
+def num_splits(batch: int, kv_heads: int) -> int:
+    """Context splits per (sequence, KV head): a function of the shapes only, never of where blocks live."""
+    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // (batch * kv_heads))))
+
+
 if HAS_TRITON:
 
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
-                             stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
-                             scale, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                             DOT_F32: tl.constexpr):
+    def _paged_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, m_ptr, l_ptr, acc_ptr,
+                            stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale, NSPLIT,
+                            G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                            BLOCK_T: tl.constexpr, DOT_F32: tl.constexpr):
         b = tl.program_id(0)
         hk = tl.program_id(1)
+        sp = tl.program_id(2)
         ctx = tl.load(lens_ptr + b)
+        ntiles = tl.cdiv(ctx, BLOCK_T)
+        per = tl.cdiv(ntiles, NSPLIT)
+        t_lo = sp * per
+        t_hi = tl.minimum(t_lo + per, ntiles)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, D)
-        t = tl.arange(0, T)
+        tok = tl.arange(0, BLOCK_T)
         gmask = g < G
         heads = hk * G + g
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None],
@@ -45,25 +62,44 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        for i in range(0, tl.cdiv(ctx, T)):
-            slot = tl.load(tables_ptr + b * stride_tb + i).to(tl.int64)
-            off = slot * stride_kb + hk * stride_kh + t[:, None] * stride_kt + d[None, :]
-            live = (i * T + t < ctx)[:, None]  # rows past the context may hold anything, NaN included
-            k = tl.load(k_ptr + off, mask=live, other=0.0)  # [T, D]
-            v = tl.load(v_ptr + off, mask=live, other=0.0)  # [T, D]
+        for ti in range(t_lo, t_hi):
+            pos = ti * BLOCK_T + tok  # [BT]
+            live = pos < ctx  # rows past the context may hold anything, NaN included
+            slot = tl.load(tables_ptr + b * stride_tb + pos // T, mask=live, other=0).to(tl.int64)  # [BT]
+            off = slot[:, None] * stride_kb + (pos % T)[:, None] * stride_kt + hk * stride_kh + d[None, :]
+            k = tl.load(k_ptr + off, mask=live[:, None], other=0.0)  # [BT, D]
+            v = tl.load(v_ptr + off, mask=live[:, None], other=0.0)  # [BT, D]
             if DOT_F32:
                 k, v = k.to(tl.float32), v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BG, T]
-            s = tl.where((i * T + t < ctx)[None, :], s, float("-inf"))
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BG, BT]
+            s = tl.where(live[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])  # [BG, T]
+            p = tl.exp(s - m_new[:, None])  # [BG, BT]
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        idx = (b * tl.num_programs(1) * G + heads) * NSPLIT + sp  # [BG] partial of (b, head, split)
+        tl.store(m_ptr + idx, m_i, mask=gmask)
+        tl.store(l_ptr + idx, l_i, mask=gmask)
+        tl.store(acc_ptr + idx[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+
+    @triton.jit
+    def _paged_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ob, stride_oh, NSPLIT,
+                             D: tl.constexpr, BLOCK_S: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, D)
+        smask = sp < NSPLIT
+        idx = (b * tl.num_programs(1) + h) * NSPLIT + sp  # [BS]
+        m = tl.load(m_ptr + idx, mask=smask, other=float("-inf"))
+        lsum = tl.load(l_ptr + idx, mask=smask, other=0.0)
+        m_all = tl.max(m, 0)
+        w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # empty splits (past the context) weigh 0
+        acc = tl.load(acc_ptr + idx[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)  # [BS, D]
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def _interpreted() -> bool:
@@ -85,13 +121,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"paged_decode_attention: {name}={v} must be a power of two >= 16 (Triton tiles)")
     g = hq // hkv
     out = torch.empty_like(q)
-    _paged_decode_kernel[(bsz, hkv)](
-        q, k_cache, v_cache, block_tables, context_lens, out,
+    ns = num_splits(bsz, hkv)
+    m = torch.empty(bsz, hq, ns, dtype=torch.float32, device=q.device)  # [B, Hq, S] running max per split
+    l_sum = torch.empty_like(m)  # [B, Hq, S]
+    acc = torch.empty(bsz, hq, ns, d, dtype=torch.float32, device=q.device)  # [B, Hq, S, D]
+    interp = _interpreted()  # Triton's CPU interpreter gets bf16 dots wrong (seen with triton 3.9): upcast there
+    _paged_split_kernel[(bsz, hkv, ns)](
+        q, k_cache, v_cache, block_tables, context_lens, m, l_sum, acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), 1.0 / math.sqrt(d), G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, T=t,
-        # Triton's CPU interpreter gets bf16 dots wrong (seen with triton 3.9): upcast there, never on a GPU.
-        DOT_F32=_interpreted(),
+        1.0 / math.sqrt(d), ns, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, T=t, BLOCK_T=BLOCK_T,
+        DOT_F32=interp,
     )
+    _paged_reduce_kernel[(bsz, hq)](m, l_sum, acc, out, out.stride(0), out.stride(1), ns, D=d,
+                                    BLOCK_S=max(2, triton.next_power_of_2(ns)))
     return out
 
 

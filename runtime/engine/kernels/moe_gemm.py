@@ -1,0 +1,86 @@
+"""Grouped expert GEMM in Triton that reads only the experts a batch routes to (inference process).
+
+`torch._grouped_mm` walks every group of the layer: at decode batch sizes (a few rows per expert, most
+experts idle at B=1) it spends its time on empty groups. Here program (e, n) reads expert e's row range
+from the cumulative offsets on the device and multiplies those rows by a BLOCK_N slice of its weight,
+looping over K in fixed BLOCK_K steps; experts with no rows cost two scalar loads. The tile sizes are
+constants, never chosen by batch or by group, so a row's result depends only on that row and its expert's
+weights: the same bits whether the layer runs as one grouped call or in chunks of resident experts.
+Weights are read through any strides (the slot pool's strided expert views). On a CPU the kernel runs in
+Triton's interpreter (tests). Never moves experts; reads only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from runtime.engine.kernels.paged_attention import HAS_TRITON
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
+MAX_ROWS = 2048  # above this many routed rows per layer the layer is compute-bound: torch._grouped_mm then
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _grouped_gemm_kernel(x_ptr, w_ptr, offs_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             DOT_F32: tl.constexpr):
+        e = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
+        start = tl.load(offs_ptr + e)
+        end = tl.load(offs_ptr + e + 1)
+        for m0 in range(start, end, BLOCK_M):
+            m = m0 + tl.arange(0, BLOCK_M)
+            mmask = m < end
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                kmask = k < K
+                a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :],
+                            mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK]
+                b = tl.load(w_ptr + e.to(tl.int64) * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None],
+                            mask=nmask[None, :] & kmask[:, None], other=0.0)  # [BK, BN]
+                if DOT_F32:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                acc += tl.dot(a, b)
+            tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+FORCE: bool | None = None  # tests: True runs it on a CPU too (Triton's interpreter), False never
+
+
+def usable(x: torch.Tensor, total_rows: int) -> bool:
+    """Whether a layer with `total_rows` routed rows runs through this kernel, decided once per layer from the
+    whole layer's rows (never per chunk: chunks of one layer must all take the same kernel)."""
+    if not HAS_TRITON or total_rows > MAX_ROWS or FORCE is False:
+        return False
+    return x.is_cuda or (FORCE is True and _interpreted())
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rows sorted by expert; w [E, N, K] (K contiguous, any expert/row stride); offs [E] int
+    cumulative row ends (as for torch._grouped_mm) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    e, n, kw = w.shape
+    if kw != k or w.stride(-1) != 1 or x.stride(-1) != 1 or offs.shape != (e,):
+        raise ValueError(f"grouped_gemm: bad shapes/strides x={tuple(x.shape)} w={tuple(w.shape)} "
+                         f"offs={tuple(offs.shape)}")
+    bounds = torch.zeros(e + 1, dtype=torch.int32, device=x.device)  # [E+1] row starts, then the end
+    bounds[1:] = offs
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    _grouped_gemm_kernel[(e, triton.cdiv(n, BLOCK_N))](
+        x, w, bounds, out, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_F32=_interpreted(), num_warps=4, num_stages=4)
+    return out
