@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -121,26 +123,51 @@ class RouterTap:
         self._w[:, :r].zero_()  # zero weight marks a row as empty for the next fold
         self._fill = [0] * len(self._fill)
 
-    def drain(self) -> list[LayerStats]:
-        """Fold the ring, copy the counters to the host and reset them (the window's only host sync)."""
+    def snapshot(self) -> RouterCounts:
+        """Engine thread, between steps: fold the ring, pick each layer's top pairs on the device, copy the
+        counters to the host as plain lists and reset them (the window's only host sync). Building the
+        messages from them (`RouterCounts.layer_stats`) is left to whoever sends them."""
         self._fold()
+        n_pairs = min(TOP_PAIRS, self.pairs.shape[1]) if self.track_pairs else 0
+        top_c, top_f = torch.topk(self.pairs, n_pairs, dim=1) if n_pairs else (self.pairs[:, :0], self.pairs[:, :0])
         # copy=True: on the CPU twin .cpu() would alias the counters we are about to zero
-        counts, pairs = self.counts.to("cpu", copy=True), self.pairs.to("cpu", copy=True)
-        ent, toks = self.entropy_sum.to("cpu", copy=True), list(self.tokens)
+        snap = RouterCounts(self.moe_layers, self.num_experts, self.counts.to("cpu", copy=True).tolist(),
+                            top_c.to("cpu", copy=True).tolist(), top_f.to("cpu", copy=True).tolist(),
+                            self.entropy_sum.to("cpu", copy=True).tolist(), list(self.tokens))
         for t in (self.counts, self.pairs, self.entropy_sum):
             t.zero_()
         self.tokens = [0] * len(self.tokens)
-        out = []
+        return snap
+
+    def drain(self) -> list[LayerStats]:
+        """`snapshot()` and build the per-layer messages at once."""
+        return self.snapshot().layer_stats()
+
+
+@dataclass(frozen=True)
+class RouterCounts:
+    """One window of router counters on the host (plain lists, per MoE layer)."""
+
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    counts: list[list[int]]  # [L][E]
+    pair_counts: list[list[int]]  # [L][P] top pairs, descending
+    pair_flat: list[list[int]]  # [L][P] a * E + b
+    entropy_sum: list[float]  # [L]
+    tokens: list[int]  # [L]
+
+    def layer_stats(self, between_layers: Callable[[], None] | None = None) -> list[LayerStats]:
+        """The LayerStats messages (validated); `between_layers` runs after each layer (a builder thread
+        passes a GIL yield so that the engine thread never waits long behind it)."""
+        e, out = self.num_experts, []
         for m, layer in enumerate(self.moe_layers):
-            co: list[CoPair] = []
-            if self.track_pairs:
-                top = torch.topk(pairs[m], min(TOP_PAIRS, pairs.shape[1]))
-                co = [CoPair(a=int(f) // self.num_experts, b=int(f) % self.num_experts, count=int(c))
-                      for c, f in zip(top.values.tolist(), top.indices.tolist(), strict=True) if c > 0]
-            nt = int(toks[m])
-            out.append(LayerStats(layer=layer, activation_counts=tuple(int(c) for c in counts[m].tolist()),
-                                  cooccurrence=tuple(co), router_entropy_mean=float(ent[m]) / nt if nt else 0.0,
-                                  num_tokens=nt))
+            co = tuple(CoPair(a=f // e, b=f % e, count=c)
+                       for c, f in zip(self.pair_counts[m], self.pair_flat[m], strict=True) if c > 0)
+            nt = self.tokens[m]
+            out.append(LayerStats(layer=layer, activation_counts=tuple(self.counts[m]), cooccurrence=co,
+                                  router_entropy_mean=self.entropy_sum[m] / nt if nt else 0.0, num_tokens=nt))
+            if between_layers is not None:
+                between_layers()
         return out
 
 
@@ -168,13 +195,21 @@ class AttentionMassTap:
     def record(self, layer: int, block_ids: list[int], mass: torch.Tensor) -> None:
         self._pending.append((list(block_ids), mass.detach()))
 
-    def drain(self) -> tuple[BlockMass, ...]:
+    def snapshot(self) -> dict[int, list[float]]:
+        """Engine thread: the window's samples on the host, block id -> masses (clamped to [0, 1])."""
         acc: dict[int, list[float]] = {}
         for ids, mass in self._pending:
             for b, m in zip(ids, mass.tolist(), strict=True):
                 acc.setdefault(b, []).append(min(1.0, max(0.0, m)))
         self._pending.clear()
+        return acc
+
+    @staticmethod
+    def block_mass(acc: dict[int, list[float]]) -> tuple[BlockMass, ...]:
         return tuple(BlockMass(block=b, mass=math.fsum(v) / len(v), samples=len(v)) for b, v in sorted(acc.items()))
+
+    def drain(self) -> tuple[BlockMass, ...]:
+        return self.block_mass(self.snapshot())
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -215,25 +250,56 @@ class TelemetryWindow:
     def close(self, kv_blocks: dict[str, int], kv_hits: dict[str, int], kv_misses: dict[str, int],
               links: dict[str, dict[str, float]], expert_hits: int, expert_misses: int, plan_version: int,
               fallbacks: dict[str, int]) -> Telemetry:
+        """Close the window and build its message here (see `close_draft` for the split)."""
+        return self.close_draft(kv_blocks, kv_hits, kv_misses, links, expert_hits, expert_misses, plan_version,
+                                fallbacks).build()
+
+    def close_draft(self, kv_blocks: dict[str, int], kv_hits: dict[str, int], kv_misses: dict[str, int],
+                    links: dict[str, dict[str, float]], expert_hits: int, expert_misses: int, plan_version: int,
+                    fallbacks: dict[str, int]) -> WindowDraft:
+        """Engine thread: snapshot the taps and start the next window; `WindowDraft.build()` makes the
+        Telemetry (pydantic validation: ~10 ms for a 48-layer model, so the adapter does it off this thread)."""
         now = self.clock()
         steps = self.step_ms
-        msg = Telemetry(
-            agent_id=self.agent_id, rank=self.rank, window_seq=self.seq, window_start_s=self.start_s,
-            window_end_s=max(now, self.start_s), model=self.model, num_layers=self.num_layers,
-            num_experts=self.num_experts, layers=tuple(self.tap.drain()),
-            kv=KVStats(blocks_per_tier={Tier(k): v for k, v in kv_blocks.items()},
-                       hits_per_tier={Tier(k): v for k, v in kv_hits.items()},
-                       misses_per_tier={Tier(k): v for k, v in kv_misses.items()},
-                       attention_mass=self.mass_tap.drain() if self.mass_tap is not None else ()),
-            links=tuple(LinkStats(link=Link(k), bytes=int(v["bytes"]), queue_delay_ms_mean=v["queue_delay_ms_mean"],
-                                  queue_delay_ms_max=max(v["queue_delay_ms_max"], v["queue_delay_ms_mean"]))
-                        for k, v in links.items()),
-            stalls=tuple(Stall(cause=c, count=n, total_ms=ms) for c, (n, ms) in self.stalls.items() if n),
-            step_timings_ms=StepTimings(num_steps=len(steps), mean=math.fsum(steps) / len(steps) if steps else 0.0,
-                                        p50=_pct(steps, 0.5), p99=_pct(steps, 0.99)),
-            expert_hits=expert_hits, expert_misses=expert_misses, applied_plan_version=plan_version,
-            fallbacks=fallbacks,
-        )
+        draft = WindowDraft(
+            fields=dict(agent_id=self.agent_id, rank=self.rank, window_seq=self.seq, window_start_s=self.start_s,
+                        window_end_s=max(now, self.start_s), model=self.model, num_layers=self.num_layers,
+                        num_experts=self.num_experts, expert_hits=expert_hits, expert_misses=expert_misses,
+                        applied_plan_version=plan_version, fallbacks=dict(fallbacks)),
+            router=self.tap.snapshot(), mass=self.mass_tap.snapshot() if self.mass_tap is not None else {},
+            kv=(dict(kv_blocks), dict(kv_hits), dict(kv_misses)), links={k: dict(v) for k, v in links.items()},
+            stalls={c: tuple(v) for c, v in self.stalls.items() if v[0]},
+            steps_ms=(len(steps), math.fsum(steps) / len(steps) if steps else 0.0, _pct(steps, 0.5),
+                      _pct(steps, 0.99)))
         self.seq += 1
         self._reset()
-        return msg
+        return draft
+
+
+@dataclass(frozen=True)
+class WindowDraft:
+    """A closed window as plain host values; `build()` validates it into a `Telemetry` (any thread)."""
+
+    fields: dict[str, Any]
+    router: RouterCounts
+    mass: dict[int, list[float]]
+    kv: tuple[dict[str, int], dict[str, int], dict[str, int]]  # blocks, hits, misses per tier
+    links: dict[str, dict[str, float]]
+    stalls: dict[StallCause, tuple[int, float]]
+    steps_ms: tuple[int, float, float, float]  # count, mean, p50, p99
+
+    def build(self, between_layers: Callable[[], None] | None = None) -> Telemetry:
+        blocks, hits, misses = self.kv
+        n, mean, p50, p99 = self.steps_ms
+        return Telemetry(
+            **self.fields, layers=tuple(self.router.layer_stats(between_layers)),
+            kv=KVStats(blocks_per_tier={Tier(k): v for k, v in blocks.items()},
+                       hits_per_tier={Tier(k): v for k, v in hits.items()},
+                       misses_per_tier={Tier(k): v for k, v in misses.items()},
+                       attention_mass=AttentionMassTap.block_mass(self.mass)),
+            links=tuple(LinkStats(link=Link(k), bytes=int(v["bytes"]), queue_delay_ms_mean=v["queue_delay_ms_mean"],
+                                  queue_delay_ms_max=max(v["queue_delay_ms_max"], v["queue_delay_ms_mean"]))
+                        for k, v in self.links.items()),
+            stalls=tuple(Stall(cause=c, count=cnt, total_ms=ms) for c, (cnt, ms) in self.stalls.items()),
+            step_timings_ms=StepTimings(num_steps=n, mean=mean, p50=p50, p99=p99),
+        )

@@ -67,6 +67,7 @@ def _job(workdir: Path, with_plan: bool, num_requests: int) -> JobResult:
         # A step clock paces arrivals, so both runs form the same batches whatever the host's speed.
         report = Runner(eng, sched, router, on_step=agent.on_step, virtual_step_s=0.005).run(reqs)
         agent.flush()
+        agent.close()
         return JobResult("static plan" if with_plan else "LRU only", report.summary(), report.kv_peak_blocks,
                          {s.seq_id: s.output for s in sched.finished}, ack, len(agent.telemetry),
                          dict(agent.policy.fallbacks))

@@ -118,8 +118,8 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
     eng = ReferenceEngine(spec, dev, EngineConfig(experts_on_device=True, block_tokens=bt, decode_graphs=graphs,
                                                   kv_gpu_blocks=per_seq * max(batches)))
     out, next_id = [], 0
+    adapter = ReferenceAdapter(eng, window_steps=16)
     try:
-        adapter = ReferenceAdapter(eng, window_steps=16)
         taps = (eng.model.route_tap, eng.model.mass_observer)
         for b in batches:
             times: dict[bool, list[float]] = {False: [], True: []}
@@ -138,6 +138,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                         last = logits.argmax(-1).tolist()  # greedy: the host needs the token (as a server does)
                         if agent_on:
                             adapter.on_step(None, 0.0)
+                    adapter.outbox.join()  # the windows' messages are built inside the timed span
                     dev.synchronize()
                     times[agent_on].append(time.perf_counter() - t0)
                     for s in seqs:
@@ -149,6 +150,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                         "tok_s_agent_on": b * steps / on, "step_ms_agent_off": off / steps * 1e3,
                         "agent_overhead": on / off - 1.0})
     finally:
+        adapter.close()
         eng.close()
     return out
 

@@ -17,6 +17,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _few_attention_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a GPU, Triton's interpreter runs every program in Python: fewer context splits per (sequence,
+    head) keep the paged-attention tests fast (still several splits, so the reduce is exercised)."""
+    if not torch.cuda.is_available():
+        import runtime.engine.kernels.paged_attention as pa
+
+        monkeypatch.setattr(pa, "TARGET_PROGRAMS", 8)
+
+
 @pytest.fixture
 def rand() -> Callable[[int], torch.Tensor]:
     """`rand(n)` -> n random uint8 bytes from a per-test seeded generator (never zeros: stale reads show)."""

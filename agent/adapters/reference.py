@@ -2,8 +2,9 @@
 
 Wires the router tap into the model, builds the local policy and the enforcer over the engine's slot pool,
 expert provider and KV cache, and observes every step (`on_step`, the runner's hook): stall time by cause,
-the local policy's prefetches, and a Telemetry window every `window_steps` steps, handed to `sink` (the
-sidecar's queue, or a list in a test). It never waits on the network: plans arrive through `apply`.
+the local policy's prefetches, and a Telemetry window every `window_steps` steps: snapshotted on the engine
+thread, built and handed to `sink` (the sidecar's queue, or a list in a test) by the outbox thread. It
+never waits on the network: plans arrive through `apply`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 from agent.enforcer import Enforcer
 from agent.local_policy import LocalPolicy
-from agent.taps import AttentionMassTap, RouterTap, TelemetryWindow
+from agent.outbox import Outbox
+from agent.taps import AttentionMassTap, RouterTap, TelemetryWindow, WindowDraft
 from controller.protocol import Plan, PlanAck, Telemetry
 from runtime.engine.engine import ReferenceEngine
 from runtime.kv import Tier
@@ -39,6 +41,7 @@ class ReferenceAdapter:
                                       self.mass_tap)
         self.telemetry: list[Telemetry] = []
         self.sink = sink or self.telemetry.append
+        self.outbox = Outbox(self.sink)
         self.steps = 0
         self.mass_tap.begin_step(0)
         self._last = self._counters()
@@ -54,18 +57,29 @@ class ReferenceAdapter:
         return self.enforcer.apply(plan)
 
     def on_step(self, batch: object, step_s: float) -> None:
-        now = self._counters()
-        self.window.observe_step(step_s, (now["expert_stall_ms"] - self._last["expert_stall_ms"]) / 1e3,
-                                 now["kv_stall_s"] - self._last["kv_stall_s"])
-        self._last.update(expert_stall_ms=now["expert_stall_ms"], kv_stall_s=now["kv_stall_s"])
+        stall_ms, kv_s = self.engine.experts.stalls_ms, self.engine.cache.fetch_s
+        self.window.observe_step(step_s, (stall_ms - self._last["expert_stall_ms"]) / 1e3,
+                                 kv_s - self._last["kv_stall_s"])
+        self._last.update(expert_stall_ms=stall_ms, kv_stall_s=kv_s)
         self.policy.run_prefetch(self.clock())
         self.steps += 1
         self.mass_tap.begin_step(self.steps)  # decides whether the next step is sampled
         if self.steps % self.window_steps == 0:
-            self.flush()
+            self.outbox.put(self._close_window())  # the message is built off the engine thread
 
     def flush(self) -> Telemetry:
-        """Close the current window (between steps: the only host sync the taps need) and hand it on."""
+        """Close the current window now and hand it on; returns once it (and every earlier one) is sunk."""
+        self.outbox.join()
+        msg = self._close_window().build()
+        self.sink(msg)
+        return msg
+
+    def close(self) -> None:
+        """Send what is queued and stop the outbox thread."""
+        self.outbox.close()
+
+    def _close_window(self) -> WindowDraft:
+        """Between steps, on the engine thread: snapshot the taps (their only host sync) and the counters."""
         now, last = self._counters(), self._last
         links = {}
         for name, s in now["links"].items():
@@ -75,7 +89,7 @@ class ReferenceAdapter:
             links[name] = {"bytes": s["bytes"] - last["links"][name]["bytes"], "queue_delay_ms_mean": mean_ms,
                            "queue_delay_ms_max": s["queue_delay_s_max"] * 1e3}  # max since start, not per window
         cache = self.engine.cache
-        msg = self.window.close(
+        draft = self.window.close_draft(
             kv_blocks=cache.tier_usage(),
             kv_hits={"gpu": now["kv_hits"] - last["kv_hits"], "cpu": 0, "nvme": 0},
             kv_misses={"gpu": 0, **{t.value: now["kv_misses"][t] - last["kv_misses"][t] for t in now["kv_misses"]}},
@@ -83,5 +97,4 @@ class ReferenceAdapter:
             expert_misses=now["expert_misses"] - last["expert_misses"],
             plan_version=self.enforcer.applied_version, fallbacks=dict(self.policy.fallbacks))
         self._last = now
-        self.sink(msg)
-        return msg
+        return draft

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine.config import AttentionKind, ModelSpec
+from runtime.engine.kernels.paged_attention import HAS_TRITON
 from runtime.engine.kv_cache import PagedKVCache
 from runtime.errors import ConfigError
 
@@ -104,25 +105,40 @@ def build_block_table(segments: list[Segment], cache: PagedKVCache) -> torch.Ten
     return host.to(cache.device.torch_device, non_blocking=True)
 
 
+FUSED_NORM = True  # on a GPU with Triton: one fused kernel per norm (kernels/rmsnorm.py)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if FUSED_NORM and x.is_cuda and HAS_TRITON:
+        from runtime.engine.kernels.rmsnorm import rms_norm_fused
+
+        return rms_norm_fused(x, w, eps)
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def rope_tables(positions: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, 1, D] float32 for positions [N]: made once per step, shared by every layer."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d))  # [D/2]
+    ang = positions.to(torch.float32)[:, None] * inv[None, :]  # [N, D/2]
+    return torch.cat([ang.cos(), ang.cos()], -1)[:, None, :], torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
+         tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Rotary embedding on x [N, heads, D] at integer positions [N] (computed in float32)."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))  # [D/2]
-    ang = positions.to(torch.float32)[:, None] * inv[None, :]  # [N, D/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]  # [N, 1, D]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
+    cos, sin = tables if tables is not None else rope_tables(positions, d, theta)
     x32 = x.float()
     rot = torch.cat([-x32[..., d // 2 :], x32[..., : d // 2]], -1)
     return (x32 * cos + rot * sin).to(x.dtype)
 
 
-def _project_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor,
-                 spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def _project_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, spec: ModelSpec,
+                 rt: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, nh, nkv, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
     q = x @ w["q_proj"].t()  # [N, Hq*D]
     k = x @ w["k_proj"].t()  # [N, Hkv*D]
@@ -132,27 +148,51 @@ def _project_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.T
     v = (x @ w["v_proj"].t()).view(n, nkv, d)
     if spec.qk_norm and spec.qk_norm_per_head:  # Qwen3 normalises each head
         q, k = rms_norm(q, w["q_norm"], spec.rms_norm_eps), rms_norm(k, w["k_norm"], spec.rms_norm_eps)
-    return rope(q, positions, spec.rope_theta), rope(k, positions, spec.rope_theta), v
+    return rope(q, positions, spec.rope_theta, rt), rope(k, positions, spec.rope_theta, rt), v
+
+
+@dataclass(frozen=True)
+class StepMeta:
+    """What every layer of one step shares, made once per step on the device: RoPE tables and, for a decode
+    batch, the block table, each new token's GPU slot and offset in it, and the context lengths."""
+
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [N, 1, D]
+    table: torch.Tensor | None = None  # [B, M] int32
+    slot: torch.Tensor | None = None  # [B] int64
+    offset: torch.Tensor | None = None  # [B] int64
+    lens: torch.Tensor | None = None  # [B] int32
+
+
+def step_meta(positions: torch.Tensor, segments: list[Segment], cache: PagedKVCache, spec: ModelSpec,
+              decode: bool) -> StepMeta:
+    if spec.attention is not AttentionKind.GQA:
+        return StepMeta()
+    rt = rope_tables(positions, spec.head_dim, spec.rope_theta)
+    if not decode:
+        return StepMeta(rope=rt)
+    bt = cache.block_tokens
+    table = segments[0].table
+    if table is None or any(s.table is not table or s.table_row != i for i, s in enumerate(segments)):
+        table = build_block_table(segments, cache)  # [B, M]
+    slot = table.gather(1, (positions // bt)[:, None].to(torch.int64)).squeeze(1).long()  # [B]
+    return StepMeta(rt, table, slot, positions % bt, (positions + 1).to(torch.int32))
 
 
 def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
                      cache: PagedKVCache, layer: int, spec: ModelSpec,
-                     observer: MassObserver | None = None) -> torch.Tensor:
+                     observer: MassObserver | None = None, meta: StepMeta | None = None) -> torch.Tensor:
     """One token per segment: write all new K/V rows at once, then one paged-kernel launch for the batch."""
     from runtime.engine.kernels.paged_attention import paged_decode_attention
 
-    n, bt = x.shape[0], cache.block_tokens
-    q, k, v = _project_qkv(x, w, positions, spec)
-    table = segments[0].table
-    if table is None or any(s.table is not table or s.table_row != i for i, s in enumerate(segments)):
-        table = build_block_table(segments, cache)  # [B, M]
-    rows = positions // bt  # [B] block index of each new token
-    slot = table.gather(1, rows[:, None].to(torch.int64)).squeeze(1).long()  # [B]
+    n = x.shape[0]
+    if meta is None or meta.table is None:
+        meta = step_meta(positions, segments, cache, spec, decode=True)
+    q, k, v = _project_qkv(x, w, positions, spec, meta.rope)
+    table = meta.table
     kv = cache.gpu[:, layer]  # [Nblk, 2, T, Hkv, D]
-    kv[slot, 0, positions % bt] = k
-    kv[slot, 1, positions % bt] = v
-    lens = (positions + 1).to(torch.int32)  # [B]
-    out = paged_decode_attention(q, kv[:, 0], kv[:, 1], table, lens)  # [B, Hq, D]
+    kv[meta.slot, 0, meta.offset] = k
+    kv[meta.slot, 1, meta.offset] = v
+    out = paged_decode_attention(q, kv[:, 0], kv[:, 1], table, meta.lens)  # [B, Hq, D]
     if isinstance(observer, QCapture):
         if layer in observer.saved:
             observer.saved[layer].copy_(q)
@@ -164,14 +204,14 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
 
 def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
                   cache: PagedKVCache, layer: int, spec: ModelSpec,
-                  observer: MassObserver | None = None) -> torch.Tensor:
+                  observer: MassObserver | None = None, meta: StepMeta | None = None) -> torch.Tensor:
     """x [N, H] -> [N, H]; writes the N new K/V rows into the cache first. The caller marks the written
     blocks dirty once per step (`PagedKVCache.mark_written`), not every layer."""
     if spec.attention is not AttentionKind.GQA:
         raise ConfigError(f"{spec.name}: attention kind {spec.attention.value} has no reference kernel yet")
     n = x.shape[0]
     nh, nkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q, k, v = _project_qkv(x, w, positions, spec)
+    q, k, v = _project_qkv(x, w, positions, spec, meta.rope if meta is not None else None)
     bt = cache.block_tokens
     kv = cache.gpu[:, layer]  # [Nblk, 2, T, Hkv, D]
     out = torch.empty(n, nh, d, dtype=x.dtype, device=x.device)  # [N, Hq, D]
@@ -196,15 +236,15 @@ def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
               cache: PagedKVCache, layer: int, spec: ModelSpec, decode_kernel: bool = False,
-              observer: MassObserver | None = None) -> torch.Tensor:
+              observer: MassObserver | None = None, meta: StepMeta | None = None) -> torch.Tensor:
     """x [N, H] -> [N, H] with the spec's attention kind; same contract as gqa_attention.
 
     decode_kernel: a batch of single-token (decode) segments goes through the Triton paged kernel.
     observer: samples attention mass per KV block (GQA)."""
     if spec.attention is AttentionKind.GQA:
         if decode_kernel and all(s.num_tokens == 1 for s in segments):
-            return gqa_decode_paged(x, w, positions, segments, cache, layer, spec, observer)
-        return gqa_attention(x, w, positions, segments, cache, layer, spec, observer)
+            return gqa_decode_paged(x, w, positions, segments, cache, layer, spec, observer, meta)
+        return gqa_attention(x, w, positions, segments, cache, layer, spec, observer, meta)
     if spec.attention is AttentionKind.MLA:
         from runtime.engine.mla import mla_attention  # mla.py imports Segment/rms_norm/rope from here
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from runtime.engine.attention import MassObserver, Segment, attention, rms_norm
+from runtime.engine.attention import MassObserver, Segment, attention, rms_norm, step_meta
 from runtime.engine.config import ModelSpec
 from runtime.engine.kv_cache import PagedKVCache
 from runtime.engine.moe import ExpertProvider, ExpertViews, mlp, moe_forward, route
@@ -44,10 +44,12 @@ class MoEModel:
         """tokens, positions [N] -> logits [S, V] (float32) for the last row of each of the S segments."""
         spec = self.spec
         x = self.w.embed[tokens]  # [N, H]
+        decode = self.decode_kernel and all(s.num_tokens == 1 for s in segments)
+        meta = step_meta(positions, segments, self.cache, spec, decode)  # shared by every layer
         for i, lw in enumerate(self.w.layers):
             h = rms_norm(x, lw.input_norm, spec.rms_norm_eps)
             x = x + attention(h, lw.attn, positions, segments, self.cache, i, spec, self.decode_kernel,
-                              self.mass_observer)
+                              self.mass_observer, meta)
             h = rms_norm(x, lw.post_attn_norm, spec.rms_norm_eps)
             if lw.router is None:
                 assert lw.dense is not None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from agent.adapters.reference import ReferenceAdapter
 from agent.static_plan import static_plan
 from controller.protocol import AckStatus, Telemetry, parse, to_json
@@ -36,8 +38,10 @@ def test_adapter_applies_a_static_plan_and_ships_valid_windows(tmp_path: Path) -
         reqs = [Request(i, 0.0, 10 + 3 * i, 6, (), "test") for i in range(5)]
         rep = Runner(eng, Scheduler(8, bt, max_batch=4), ForcedRouter(trace, eng), on_step=agent.on_step).run(reqs)
         last = agent.flush()
+        agent.close()
     finally:
         eng.close()
+    assert agent.outbox.sent == rep.steps // 4 and agent.outbox.failed == 0
     assert agent.steps == rep.steps and len(agent.telemetry) == rep.steps // 4 + 1
     routed = sum(sum(layer.activation_counts) for t in agent.telemetry for layer in t.layers)
     assert routed > 0 and routed % spec.top_k == 0  # every routed token counted k times
@@ -47,3 +51,26 @@ def test_adapter_applies_a_static_plan_and_ships_valid_windows(tmp_path: Path) -
     sampled = [b for t in agent.telemetry for b in t.kv.attention_mass]
     assert sampled and all(0.0 <= b.mass <= 1.0 for b in sampled)  # attention mass per block was sampled
     assert parse(Telemetry, to_json(last)) == last
+
+
+def test_outbox_keeps_order_and_counts_a_window_that_fails_to_build() -> None:
+    from agent.outbox import Outbox
+
+    class Draft:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def build(self, between_layers=None):
+            if self.n == 1:
+                raise ValueError("bad window")
+            return self.n
+
+    got: list[int] = []
+    box = Outbox(got.append)
+    for n in range(4):
+        box.put(Draft(n))  # type: ignore[arg-type]
+    box.join()
+    assert got == [0, 2, 3] and box.sent == 3 and box.failed == 1 and "bad window" in str(box.last_error)
+    box.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        box.put(Draft(5))  # type: ignore[arg-type]

@@ -133,13 +133,16 @@ def test_engine_links_on_cuda_are_exact_and_urgent_overtakes(dev: Device, tmp_pa
     eng.submit(TransferRequest(Link.DISK2H, TrafficClass.KV, f.region(0, n), back.tensor)).wait()
     assert torch.equal(back.tensor, host.tensor)
     order: list[str] = []
-    big = eng.submit(TransferRequest(Link.H2D, TrafficClass.EXPERT, host.tensor, d, Priority.LOW,
+    small_d = dev.alloc(1 << 16)  # allocated first: a cudaMalloc between the two submits let big finish first
+    big_n = 1 << 30  # ~20 ms on the link: the urgent copy is submitted while it is surely in flight
+    big_host, big_d = dev.alloc_host(big_n), dev.alloc(big_n)
+    big = eng.submit(TransferRequest(Link.H2D, TrafficClass.EXPERT, big_host.tensor, big_d, Priority.LOW,
                                      on_done=lambda h: order.append("big")))
-    small_d = dev.alloc(1 << 16)
     eng.submit(TransferRequest(Link.H2D, TrafficClass.KV, host.tensor[: 1 << 16], small_d, Priority.URGENT,
                                on_done=lambda h: order.append("small"))).wait()
     big.wait()
     assert order == ["small", "big"]
+    big_host.close()
     eng.close()
     f.close()
     host.close()

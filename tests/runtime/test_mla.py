@@ -169,9 +169,10 @@ def test_shrunk_deepseek_v2_lite_is_exact_across_kv_tiers(tmp_path: Path, monkey
     NVMe after each step and fetched back must reproduce the all-resident run bit for bit."""
     used: list[str] = []
 
-    def counting_attention(x, w, positions, segments, cache, layer, spec, decode_kernel=False, observer=None):
+    def counting_attention(x, w, positions, segments, cache, layer, spec, decode_kernel=False, observer=None,
+                           meta=None):
         used.append(spec.attention.value)
-        return attention(x, w, positions, segments, cache, layer, spec, decode_kernel, observer)
+        return attention(x, w, positions, segments, cache, layer, spec, decode_kernel, observer, meta)
 
     monkeypatch.setattr(model_mod, "attention", counting_attention)
     spec = small_v2_lite()
