@@ -19,7 +19,6 @@ import torch
 
 from controller.protocol import (
     BlockMass,
-    CoPair,
     KVStats,
     LayerStats,
     Link,
@@ -156,19 +155,18 @@ class RouterCounts:
     entropy_sum: list[float]  # [L]
     tokens: list[int]  # [L]
 
-    def layer_stats(self, between_layers: Callable[[], None] | None = None) -> list[LayerStats]:
-        """The LayerStats messages (validated); `between_layers` runs after each layer (a builder thread
-        passes a GIL yield so that the engine thread never waits long behind it)."""
+    def layer_rows(self) -> list[dict[str, Any]]:
+        """Plain rows for `LayerStats` (validated once, where the Telemetry message is built)."""
         e, out = self.num_experts, []
         for m, layer in enumerate(self.moe_layers):
-            co = tuple(CoPair(a=f // e, b=f % e, count=c)
-                       for c, f in zip(self.pair_counts[m], self.pair_flat[m], strict=True) if c > 0)
+            co = [(f // e, f % e, c) for c, f in zip(self.pair_counts[m], self.pair_flat[m], strict=True) if c > 0]
             nt = self.tokens[m]
-            out.append(LayerStats(layer=layer, activation_counts=tuple(self.counts[m]), cooccurrence=co,
-                                  router_entropy_mean=self.entropy_sum[m] / nt if nt else 0.0, num_tokens=nt))
-            if between_layers is not None:
-                between_layers()
+            out.append({"layer": layer, "activation_counts": self.counts[m], "cooccurrence": co,
+                        "router_entropy_mean": self.entropy_sum[m] / nt if nt else 0.0, "num_tokens": nt})
         return out
+
+    def layer_stats(self) -> list[LayerStats]:
+        return [LayerStats.model_validate(row) for row in self.layer_rows()]
 
 
 class AttentionMassTap:
@@ -288,11 +286,11 @@ class WindowDraft:
     stalls: dict[StallCause, tuple[int, float]]
     steps_ms: tuple[int, float, float, float]  # count, mean, p50, p99
 
-    def build(self, between_layers: Callable[[], None] | None = None) -> Telemetry:
+    def build(self) -> Telemetry:
         blocks, hits, misses = self.kv
         n, mean, p50, p99 = self.steps_ms
         return Telemetry(
-            **self.fields, layers=tuple(self.router.layer_stats(between_layers)),
+            **self.fields, layers=self.router.layer_rows(),  # type: ignore[arg-type]  # validated here
             kv=KVStats(blocks_per_tier={Tier(k): v for k, v in blocks.items()},
                        hits_per_tier={Tier(k): v for k, v in hits.items()},
                        misses_per_tier={Tier(k): v for k, v in misses.items()},

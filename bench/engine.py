@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,29 @@ from runtime.engine.moe import ExpertViews, moe_forward
 from runtime.memory.backend import make_backend
 from runtime.memory.slots import ExpertSlotPool
 from runtime.weights.format import ExpertFormat
+
+
+def timed_gpu(dev: Device, fn: Callable[[], Any], reps: int) -> float:
+    """Seconds per call of fn as the engine runs it in a decode step: on a GPU captured in a CUDA graph and
+    replayed `reps` times back to back (device time, no host launch cost); on a CPU the plain median."""
+    if not dev.is_cuda:
+        return timed(dev, fn, reps)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    dev.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    dev.synchronize()
+    return (time.perf_counter() - t0) / reps
 
 
 class _AllResident:
@@ -65,13 +89,15 @@ def moe_vs_grouped(dev: Device, hidden: int, inter: int, experts: int, top_k: in
     def bare() -> None:
         flat = ids.reshape(-1)
         order = torch.argsort(flat)
-        offs = torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32)
+        counts = torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat,
+                                                                                         torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # (bincount would sync with the host: no graph)
         xs = x[order // top_k]
         gu = torch._grouped_mm(xs, w_gu.transpose(-2, -1), offs=offs)
         a, b = gu.split(inter, -1)
         torch._grouped_mm(F.silu(a) * b, w_dn.transpose(-2, -1), offs=offs)
 
-    t_ours, t_bare = timed(dev, ours, reps), timed(dev, bare, reps)
+    t_ours, t_bare = timed_gpu(dev, ours, reps), timed_gpu(dev, bare, reps)
     pool.close()
     return {"hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k, "batch": batch,
             "moe_layer_ms": t_ours * 1e3, "grouped_gemm_ms": t_bare * 1e3, "ratio": t_ours / t_bare}
@@ -98,13 +124,13 @@ def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, 
     def sdpa() -> None:
         F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True)
 
-    t_ours, t_sdpa = timed(dev, ours, reps), timed(dev, sdpa, reps)
+    t_ours, t_sdpa = timed_gpu(dev, ours, reps), timed_gpu(dev, sdpa, reps)
     return {"batch": batch, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "block": block,
             "paged_ms": t_ours * 1e3, "sdpa_ms": t_sdpa * 1e3, "ratio": t_ours / t_sdpa}
 
 
 def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, batches: list[int], steps: int,
-                      rounds: int = 3, graphs: bool = True) -> list[dict]:
+                      rounds: int = 3, graphs: bool = True, window_steps: int = 128) -> list[dict]:
     """tok/s of `steps` decode steps after a 16-token prefill, agent off/on alternated `rounds` times;
     decode steps replayed from CUDA graphs (`graphs`) or eager."""
     from agent.adapters.reference import ReferenceAdapter
@@ -118,7 +144,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
     eng = ReferenceEngine(spec, dev, EngineConfig(experts_on_device=True, block_tokens=bt, decode_graphs=graphs,
                                                   kv_gpu_blocks=per_seq * max(batches)))
     out, next_id = [], 0
-    adapter = ReferenceAdapter(eng, window_steps=16)
+    adapter = ReferenceAdapter(eng, window_steps=window_steps)
     try:
         taps = (eng.model.route_tap, eng.model.mass_observer)
         for b in batches:
@@ -145,6 +171,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                         eng.cache.free(s)
             off, on = min(times[False]), min(times[True])
             out.append({"preset": spec.name, "batch": b, "steps": steps, "graphs": graphs,
+                        "window_steps": window_steps,
                         "fallbacks": dict(eng.graphs.fallbacks) if eng.graphs is not None else {},
                         "tok_s_agent_off": b * steps / off,
                         "tok_s_agent_on": b * steps / on, "step_ms_agent_off": off / steps * 1e3,
@@ -197,8 +224,13 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
     say(f"attention: {res['attention']}")
     res["decode"] = []
     for graphs in (True, False) if dev.is_cuda else (False,):
-        res["decode"] += (decode_throughput(dev, "tiny", None, [1, 4], 4, rounds=1, graphs=graphs) if quick
-                          else decode_throughput(dev, "qwen3-30b-a3b", None, [1, 64], 32, graphs=graphs))
+        # A Telemetry window every 128 steps (~1.2 s at B=1); two windows are built inside each timed span.
+        # Eager rows are the slow reference: fewer steps.
+        res["decode"] += (decode_throughput(dev, "tiny", None, [1, 4], 4, rounds=1, graphs=graphs, window_steps=2)
+                          if quick else
+                          decode_throughput(dev, "qwen3-30b-a3b", None, [1, 64], 256 if graphs else 32,
+                                            rounds=3 if graphs else 2, graphs=graphs,
+                                            window_steps=128 if graphs else 16))
         say(f"decode: {res['decode'][-2:]}")
     if profile and dev.is_cuda:
         (out_dir / "profile_eager_step.txt").parent.mkdir(parents=True, exist_ok=True)
@@ -214,9 +246,10 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
            "|---|---|---|---|---|---|"]
     md += [f"| {a['hq']}q/{a['hkv']}kv d{a['d']} | {a['batch']} | {a['ctx']} | {a['paged_ms']:.3f} | "
            f"{a['sdpa_ms']:.3f} | {a['ratio']:.2f} |" for a in res["attention"]]
-    md += ["", "| decode, all experts resident | step | batch | tok/s agent off | tok/s agent on | step ms | "
-           "agent overhead | eager fallbacks |", "|---|---|---|---|---|---|---|---|"]
-    md += [f"| {x['preset']} | {'CUDA graph' if x['graphs'] else 'eager'} | {x['batch']} | "
+    md += ["", "| decode, all experts resident | step | batch | steps | telemetry window (steps) | tok/s agent off | "
+           "tok/s agent on | step ms | agent overhead | eager fallbacks |", "|---|---|---|---|---|---|---|---|---|---|"]
+    md += [f"| {x['preset']} | {'CUDA graph' if x['graphs'] else 'eager'} | {x['batch']} | {x['steps']} | "
+           f"{x['window_steps']} | "
            f"{x['tok_s_agent_off']:.1f} | "
            f"{x['tok_s_agent_on']:.1f} | {x['step_ms_agent_off']:.2f} | {x['agent_overhead'] * 100:+.2f} % | "
            f"{x['fallbacks'] or '-'} |" for x in res["decode"]]

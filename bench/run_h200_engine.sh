@@ -22,4 +22,5 @@ step() { local t=$1 log=$2; shift 2; local s=$SECONDS
 step 90 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests
 step 120 exact_qwen3_2L.log python3 -m api.cli check exact --preset qwen3-30b-a3b --layers 2 --resident-frac 0.25 \
   --device cuda
-step 300 bench_engine.log python3 -m api.cli bench engine --device cuda --profile --out-dir "$out"
+step 330 bench_engine.log python3 -m api.cli bench engine --device cuda --out-dir "$out"
+step 90 bench_map.log python3 -m api.cli bench substrate --device cuda --only map --out-dir "$out"
