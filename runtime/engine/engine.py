@@ -157,6 +157,8 @@ class ReferenceEngine:
         return logits
 
     def _after_step(self, segs: list[Segment], seqs: list[int]) -> None:
+        # All-resident layers and graph replays record no per-expert reads: one fence covers the step (I4).
+        self.pool.record_read_all(self.device.record_event())
         for sg in segs:  # the kernels wrote these rows in every layer: once per step, not per layer
             self.cache.mark_written(sg.seq_id, sg.first_pos, sg.context_len)
         if self.cfg.spill_kv_every_step:

@@ -12,8 +12,8 @@ Invariants (each has a test in tests/runtime/test_slots.py):
   I2 one page, one slot: an expert range maps at most one slot, and a slot backs at most one expert.
   I3 RAW: an expert is readable only after its load; `wait_ready` orders the compute stream after the
      load's event, and reading a LOADING or absent expert through `expert_tensor` raises.
-  I4 WAR: a slot is unmapped (and so reused) only after every reader event recorded on it, and its own
-     load copy, completed.
+  I4 WAR: a slot is unmapped (and so reused) only after every reader event recorded on it, its own load
+     copy, and the last pool-wide read fence (`record_read_all`: work that may read any slot) completed.
   I5 never stale: an ABSENT expert's range shows the poison byte (or faults, poison off), never another
      expert's bytes. While LOADING, the reserved slot may still hold its previous expert's bytes (reads
      are refused by I3); `scrub_on_unmap` poisons a slot's old contents before reuse so even that is gone.
@@ -101,6 +101,7 @@ class ExpertSlotPool:
         self.num_slots = num_slots
         self.poison_unmapped, self.scrub_on_unmap = poison_unmapped, scrub_on_unmap
         self._lock = threading.Lock()
+        self._fence: Event | None = None  # last record_read_all: work that may read any slot
         self._bases: list[int] = []
         self._tensors: list[torch.Tensor] = []
         self._slots: list[Any] = []
@@ -295,6 +296,12 @@ class ExpertSlotPool:
                 en.readers = [r for r in en.readers if not r.query()]
                 en.readers.append(event)
 
+    def record_read_all(self, event: Event) -> None:
+        """Work ending at `event` may read any resident expert (a decode step that skipped per-expert
+        bookkeeping because every expert was resident, or a CUDA-graph replay): every unmap waits for it."""
+        with self._lock:
+            self._fence = event
+
     # ---- eviction and pinning ---------------------------------------------------------------------
     def unmap(self, layer: int, expert: int, wait: bool = True) -> None:
         """Unbind a resident expert's slot after its readers finish (I4). wait=False refuses if they have not."""
@@ -306,7 +313,8 @@ class ExpertSlotPool:
             if en.pinned:
                 raise PinnedError(f"unmap: expert ({layer}, {expert}) is pinned")
             # The load's own copy counts as in flight too: a slot is never unmapped under a running copy.
-            pending = [*(en.readers or []), *([en.load_event] if en.load_event is not None else [])]
+            pending = [*(en.readers or []), *([en.load_event] if en.load_event is not None else []),
+                       *([self._fence] if self._fence is not None else [])]
             readers = [r for r in pending if not r.query()]
             if readers and not wait:
                 raise BusyError(f"unmap: expert ({layer}, {expert}) has {len(readers)} reader(s) or copy in flight")

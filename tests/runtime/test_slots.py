@@ -172,6 +172,19 @@ def test_I4_unmap_without_wait_refuses_while_a_reader_is_in_flight(pool, env, ra
     assert pool.state(0, 4) is ABSENT and pool.num_free_slots == S
 
 
+def test_I4_a_pool_wide_read_fence_holds_every_unmap(pool, env, rand):
+    """A step that read experts without per-expert bookkeeping (all resident, or a CUDA-graph replay)."""
+    load(pool, 0, 4, rand(EB))
+    load(pool, 1, 2, rand(EB))
+    step = env.event()
+    pool.record_read_all(step)
+    refused(pool, BusyError, lambda: pool.unmap(0, 4, wait=False))
+    refused(pool, BusyError, lambda: pool.unmap(1, 2, wait=False))
+    step.set()
+    pool.unmap(0, 4, wait=False)
+    pool.unmap(1, 2, wait=False)
+
+
 def test_I4_unmap_with_wait_blocks_until_the_reader_event_is_set(pool, env, rand):
     data = rand(EB)
     load(pool, 1, 2, data)
