@@ -146,6 +146,7 @@ def bench_substrate(
     quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
     device: Dev = DeviceOpt.cuda,
     only: Annotated[str, typer.Option(help="Comma-separated sections: raw,loads,map,links,urgent.")] = "",
+    load_configs: Annotated[str, typer.Option(help="loads: 'all' engine configs or only the 'default' one.")] = "all",
 ) -> None:
     """Measure the substrate: link bandwidth, expert loads vs raw copies, map cost, urgent-KV queueing."""
     from bench.substrate import SECTIONS, run_substrate_bench
@@ -155,7 +156,10 @@ def bench_substrate(
     if bad:
         raise typer.BadParameter(f"unknown section(s) {sorted(bad)}; expected some of {', '.join(SECTIONS)}",
                                  param_hint="--only")
-    run_substrate_bench(out_dir, device.value, quick=quick, console=_io.out, sections=sections)
+    if load_configs not in ("all", "default"):
+        raise typer.BadParameter(f"{load_configs!r}; expected 'all' or 'default'", param_hint="--load-configs")
+    run_substrate_bench(out_dir, device.value, quick=quick, console=_io.out, sections=sections,
+                        load_configs=load_configs)
 
 
 @bench_app.command("engine")

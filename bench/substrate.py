@@ -221,7 +221,7 @@ SECTIONS = ("raw", "loads", "map", "links", "urgent")
 
 
 def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None,
-                        sections: tuple[str, ...] = SECTIONS) -> dict:
+                        sections: tuple[str, ...] = SECTIONS, load_configs: str = "all") -> dict:
     """Run the chosen sections (all by default) and write the results; a partial run writes what it ran."""
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -243,6 +243,8 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
         # poison off: absent experts are unmapped (a read faults) and a load maps without unmapping poison first
         configs = [(4 * MiB, 16 * MiB, True)] if quick else [(8 * MiB, 16 * MiB, True), (8 * MiB, 16 * MiB, False),
                                                             (4 * MiB, 16 * MiB, True)]
+        if load_configs == "default":  # only the engine's defaults (8 MiB chunks, 16 MiB in flight, poison)
+            configs = configs[:1]
         res["expert_loads"] = []
         for chunk, inflight, poison in configs:
             with TransferEngine(dev, chunk_bytes=chunk, max_inflight_bytes=inflight) as eng:
