@@ -11,52 +11,34 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Annotated, Any, Literal, NamedTuple, Self, TypeVar
+from typing import Annotated, Any, Literal, NamedTuple, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
-from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
-# Bounds: generous for any real MoE model, small enough that a corrupt message cannot exhaust memory.
-MAX_LAYERS = 1024
-MAX_EXPERTS = 4096
-MAX_PAIRS_PER_LAYER = 4096
-MAX_ITEMS = 65_536  # reuse events per window, pinned experts, prefetch items, reuse scores
-MAX_FALLBACK_NAMES = 256
-MAX_ID_CHARS = 256
-MAX_TEXT_CHARS = 4096
-NUM_ERRORS_SHOWN = 5
-_INVARIANT = "protocol_invariant"
-
-
-def _check_id(value: str) -> str:
-    if not value or any(ch.isspace() for ch in value):
-        raise PydanticCustomError("bad_id", "must be non-empty and contain no whitespace")
-    return value
-
-
-def _check_text(value: str) -> str:
-    if not value.strip():
-        raise PydanticCustomError("blank_text", "must contain a non-whitespace character")
-    return value
-
-
-# Ints are strict: "3", 3.0 and True are refused rather than silently coerced.
-Count = Annotated[int, Strict(), Field(ge=0)]
-Version = Annotated[int, Strict(), Field(ge=1)]
-LayerIndex = Annotated[int, Strict(), Field(ge=0, lt=MAX_LAYERS)]
-ExpertIndex = Annotated[int, Strict(), Field(ge=0, lt=MAX_EXPERTS)]
-NumLayers = Annotated[int, Strict(), Field(ge=1, le=MAX_LAYERS)]
-NumExperts = Annotated[int, Strict(), Field(ge=1, le=MAX_EXPERTS)]
-Seconds = Annotated[float, Field(ge=0)]
-Millis = Annotated[float, Field(ge=0)]
-Probability = Annotated[float, Field(ge=0, le=1)]
-Id = Annotated[str, Field(max_length=MAX_ID_CHARS), AfterValidator(_check_id)]
-Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS), AfterValidator(_check_text)]
-
-
-def _invalid(path: str, detail: str) -> PydanticCustomError:
-    """A cross-field refusal; `path` is relative to the model raising it and joined onto pydantic's loc."""
-    return PydanticCustomError(_INVARIANT, "{path}: {detail}", {"path": path, "detail": detail})
+from controller.validation import (  # noqa: F401 - parse, to_json, ProtocolError are this module's API too
+    MAX_EXPERTS,
+    MAX_FALLBACK_NAMES,
+    MAX_ITEMS,
+    MAX_LAYERS,
+    MAX_PAIRS_PER_LAYER,
+    MAX_TEXT_CHARS,
+    NUM_ERRORS_SHOWN,
+    Count,
+    ExpertIndex,
+    Id,
+    LayerIndex,
+    Millis,
+    NumExperts,
+    NumLayers,
+    Probability,
+    ProtocolError,
+    Seconds,
+    Text,
+    Version,
+    _invalid,
+    parse,
+    to_json,
+)
 
 
 class Tier(StrEnum):
@@ -372,42 +354,8 @@ class PlanAck(ProtocolModel):
 
 # ---- Helpers ----
 
-M = TypeVar("M", bound=ProtocolModel)
-
 MESSAGE_TYPES: Mapping[str, type[ProtocolModel]] = MappingProxyType(
     {cls.__name__: cls for cls in (Telemetry, Forecast, Plan, PlanAck)}
 )
 
 
-def _describe(error: ErrorDetails) -> str:
-    """One pydantic error as 'field.path: message' (input values left out: they can be huge)."""
-    loc, message = [str(part) for part in error["loc"]], error["msg"]
-    if error["type"] == _INVARIANT:
-        ctx = error.get("ctx", {})
-        loc, message = [*loc, str(ctx["path"])], str(ctx["detail"])
-    return f"{'.'.join(loc) or '(message)'}: {message}"
-
-
-class ProtocolError(ValueError):
-    """A message that failed to parse; `problems` holds every 'field.path: message', the text the first few."""
-
-    def __init__(self, kind: str, problems: Sequence[str]) -> None:
-        self.kind, self.problems = kind, tuple(problems)
-        num_hidden = max(0, len(self.problems) - NUM_ERRORS_SHOWN)
-        more = f"; (+{num_hidden} more)" if num_hidden else ""
-        super().__init__(f"invalid {kind}: {'; '.join(self.problems[:NUM_ERRORS_SHOWN])}{more}")
-
-
-def to_json(msg: ProtocolModel) -> str:
-    return msg.model_dump_json()
-
-
-def parse(kind: type[M], data: str | bytes | Mapping[str, Any]) -> M:
-    """`data` (JSON text or an already-decoded mapping) as a `kind`, or ProtocolError saying what is wrong."""
-    try:
-        if isinstance(data, str | bytes):
-            return kind.model_validate_json(data)
-        return kind.model_validate(dict(data))
-    except ValidationError as exc:
-        # `from None`: the pydantic chain adds only noise to logs; `problems` keeps every error.
-        raise ProtocolError(kind.__name__, [_describe(e) for e in exc.errors()]) from None
