@@ -295,11 +295,10 @@ class TransferEngine:
         q = self._queues[link]
         inflight: deque[tuple[_Chunk, Event]] = deque()
         inflight_bytes = 0
-        finished: list[tuple[_Chunk, Event | None, BaseException | None]] = []  # copies done, not yet retired
         while True:
             ch: _Chunk | None = None
             with q.cv:
-                while not q.heap and not inflight and not finished and not self._closing:
+                while not q.heap and not inflight and not self._closing:
                     q.cv.wait()
                 # Always two in flight: the next request's before_issue hook (a slot remap, ~60 µs) then runs
                 # while the link is still busy with the previous one.
@@ -311,21 +310,12 @@ class TransferEngine:
                     )
                 ):
                     ch = heapq.heappop(q.heap)
-                elif not q.heap and not inflight and not finished:
+                elif not q.heap and not inflight:
                     return  # closing and drained
-                more = bool(q.heap)
             if ch is None:
-                if inflight:  # wait for the oldest copy; its budget frees the next issue at once
-                    done_ch, ev = inflight.popleft()
-                    inflight_bytes -= done_ch.length_bytes
-                    err: BaseException | None = None
-                    try:
-                        ev.synchronize()
-                    except Exception as exc:  # a CUDA error surfaces here; _retire records it
-                        err = exc
-                    finished.append((done_ch, ev, err))
-                if not more or not inflight:  # nothing to issue first: publish what is done now
-                    self._retire_all(finished)
+                done_ch, ev = inflight.popleft()
+                inflight_bytes -= done_ch.length_bytes
+                self._retire(done_ch, ev, None)
                 continue
             if ch.handle.error is not None:  # an earlier chunk failed: skip the copy, still account
                 self._retire(ch, None, ch.handle.error)
@@ -350,18 +340,10 @@ class TransferEngine:
             else:
                 inflight.append((ch, ev))
                 inflight_bytes += ch.length_bytes
-            # Completions found while the link was kept busy are published only now, after the next copy was
-            # issued: their callbacks (publishing an expert, waking a waiter) never delay the link.
-            self._retire_all(finished)
-            while inflight and inflight[0][1].query():
-                done_ch, done_ev = inflight.popleft()
-                inflight_bytes -= done_ch.length_bytes
-                self._retire(done_ch, done_ev, None)
-
-    def _retire_all(self, finished: list[tuple[_Chunk, Event | None, BaseException | None]]) -> None:
-        for done_ch, ev, err in finished:
-            self._retire(done_ch, None if err is not None else ev, err)
-        finished.clear()
+                while inflight and inflight[0][1].query():
+                    done_ch, done_ev = inflight.popleft()
+                    inflight_bytes -= done_ch.length_bytes
+                    self._retire(done_ch, done_ev, None)
 
     # ---- introspection ----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
