@@ -1,7 +1,8 @@
 """Builds Telemetry messages from closed windows off the engine thread (inference process, one thread).
 
 The engine thread only snapshots a window (`WindowDraft`: plain host values); validating it into a pydantic
-`Telemetry` takes a few ms for a 48-layer model, which happens on this thread instead. Messages reach `sink` in window
+`Telemetry` takes a few ms for a 48-layer model, which happens here instead, one layer at a time with a GIL
+yield in between (pydantic holds the GIL while it validates). Messages reach `sink` in window
 order. A window that fails to build is never dropped silently: it is counted in `failed` with its error kept.
 """
 
@@ -14,6 +15,10 @@ from collections.abc import Callable
 
 from agent.taps import WindowDraft
 from controller.protocol import Telemetry
+
+
+def _yield_gil() -> None:
+    time.sleep(0)  # releases the GIL: a waiting engine thread takes it now, not after the 5 ms switch interval
 
 
 class Outbox:
@@ -46,8 +51,7 @@ class Outbox:
             try:
                 if draft is None:
                     return
-                self.sink(draft.build())
-                time.sleep(0)  # let a waiting engine thread take the GIL first
+                self.sink(draft.build(between_layers=_yield_gil))
                 self.sent += 1
             except Exception as exc:  # kept and counted: the engine thread must not die of it
                 self.failed += 1

@@ -129,10 +129,16 @@ class RouterTap:
         self._fold()
         n_pairs = min(TOP_PAIRS, self.pairs.shape[1]) if self.track_pairs else 0
         top_c, top_f = torch.topk(self.pairs, n_pairs, dim=1) if n_pairs else (self.pairs[:, :0], self.pairs[:, :0])
-        # copy=True: on the CPU twin .cpu() would alias the counters we are about to zero
-        snap = RouterCounts(self.moe_layers, self.num_experts, self.counts.to("cpu", copy=True).tolist(),
-                            top_c.to("cpu", copy=True).tolist(), top_f.to("cpu", copy=True).tolist(),
-                            self.entropy_sum.to("cpu", copy=True).tolist(), list(self.tokens))
+        n_l, e = self.counts.shape
+        # One packed copy to the host (one sync, not four); float64 holds these counts exactly. A new tensor,
+        # so on the CPU twin nothing aliases the counters zeroed below.
+        packed = torch.cat([self.counts.flatten().double(), top_c.flatten().double(), top_f.flatten().double(),
+                            self.entropy_sum.double()]).cpu().numpy()  # [L*E + 2*L*P + L]
+        cut = (n_l * e, n_l * e + n_l * n_pairs, n_l * e + 2 * n_l * n_pairs)
+        counts, tc, tf, ent = (packed[:cut[0]], packed[cut[0]:cut[1]], packed[cut[1]:cut[2]], packed[cut[2]:])
+        snap = RouterCounts(self.moe_layers, self.num_experts, counts.astype("int64").reshape(n_l, e).tolist(),
+                            tc.astype("int64").reshape(n_l, n_pairs).tolist(),
+                            tf.astype("int64").reshape(n_l, n_pairs).tolist(), ent.tolist(), list(self.tokens))
         for t in (self.counts, self.pairs, self.entropy_sum):
             t.zero_()
         self.tokens = [0] * len(self.tokens)
@@ -286,11 +292,18 @@ class WindowDraft:
     stalls: dict[StallCause, tuple[int, float]]
     steps_ms: tuple[int, float, float, float]  # count, mean, p50, p99
 
-    def build(self) -> Telemetry:
+    def build(self, between_layers: Callable[[], None] | None = None) -> Telemetry:
+        """Validate layer by layer (`between_layers` runs after each: the outbox yields the GIL there, so an
+        engine thread waiting for it never sits behind one long validation), then the whole message."""
+        layers = []
+        for row in self.router.layer_rows():
+            layers.append(LayerStats.model_validate(row))
+            if between_layers is not None:
+                between_layers()
         blocks, hits, misses = self.kv
         n, mean, p50, p99 = self.steps_ms
         return Telemetry(
-            **self.fields, layers=self.router.layer_rows(),  # type: ignore[arg-type]  # validated here
+            **self.fields, layers=tuple(layers),
             kv=KVStats(blocks_per_tier={Tier(k): v for k, v in blocks.items()},
                        hits_per_tier={Tier(k): v for k, v in hits.items()},
                        misses_per_tier={Tier(k): v for k, v in misses.items()},

@@ -168,11 +168,19 @@ def bench_engine(
     quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
     device: Dev = DeviceOpt.cuda,
     profile: Annotated[bool, typer.Option(help="Also write profile_eager_step.txt (torch.profiler, CUDA).")] = False,
+    only: Annotated[str, typer.Option(help="Comma-separated sections: moe,attention,decode,eager.")] = "",
+    rounds: Annotated[int, typer.Option(min=1, max=50, help="Agent off/on rounds per decode batch.")] = 3,
 ) -> None:
     """Engine kernels vs bare baselines: MoE layer vs grouped GEMM, paged decode attention vs SDPA."""
-    from bench.engine import run_engine_bench
+    from bench.engine import SECTIONS, run_engine_bench
 
-    run_engine_bench(out_dir, device.value, quick=quick, console=_io.out, profile=profile)
+    sections = tuple(x.strip() for x in only.split(",") if x.strip()) or SECTIONS
+    bad = set(sections) - set(SECTIONS)
+    if bad:
+        raise typer.BadParameter(f"unknown section(s) {sorted(bad)}; expected some of {', '.join(SECTIONS)}",
+                                 param_hint="--only")
+    run_engine_bench(out_dir, device.value, quick=quick, console=_io.out, profile=profile, sections=sections,
+                     rounds=rounds)
 
 
 @app.command()

@@ -170,12 +170,14 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                     for s in seqs:
                         eng.cache.free(s)
             off, on = min(times[False]), min(times[True])
+            paired = sorted(a / b - 1.0 for a, b in zip(times[True], times[False], strict=True))
             out.append({"preset": spec.name, "batch": b, "steps": steps, "graphs": graphs,
                         "window_steps": window_steps,
                         "fallbacks": dict(eng.graphs.fallbacks) if eng.graphs is not None else {},
                         "tok_s_agent_off": b * steps / off,
                         "tok_s_agent_on": b * steps / on, "step_ms_agent_off": off / steps * 1e3,
-                        "agent_overhead": on / off - 1.0})
+                        "agent_overhead": on / off - 1.0, "rounds": rounds,
+                        "agent_overhead_paired_median": paired[len(paired) // 2]})
     finally:
         adapter.close()
         eng.close()
@@ -209,27 +211,34 @@ def profile_eager_step(dev: Device, preset_name: str, batch: int = 1) -> str:
         eng.close()
 
 
+SECTIONS = ("moe", "attention", "decode", "eager")
+
+
 def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None,
-                     profile: bool = False) -> dict:
+                     profile: bool = False, sections: tuple[str, ...] = SECTIONS, rounds: int = 3) -> dict:
     dev = Device(device)
     say = console.print if console is not None else print
     reps = 3 if quick else 50
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev.is_cuda else platform.processor() or "cpu",
                            "torch": torch.__version__, "quick": quick, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     shapes = [(64, 32, 8, 2, b) for b in (1, 4)] if quick else [(2048, 768, 128, 8, b) for b in (1, 64)]
-    res["moe"] = [moe_vs_grouped(dev, *s, reps) for s in shapes]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown bench sections {sorted(unknown)}; expected some of {SECTIONS}")
+    res["moe"] = [moe_vs_grouped(dev, *s, reps) for s in shapes] if "moe" in sections else []
     say(f"moe: {res['moe']}")
     att = [(2, 64, 4, 2, 16, 16)] if quick else [(b, c, 32, 4, 128, 16) for b in (32, 128) for c in (4096, 16384)]
-    res["attention"] = [paged_vs_sdpa(dev, *a, reps) for a in att]
+    res["attention"] = [paged_vs_sdpa(dev, *a, reps) for a in att] if "attention" in sections else []
     say(f"attention: {res['attention']}")
     res["decode"] = []
-    for graphs in (True, False) if dev.is_cuda else (False,):
+    modes = [g for g, name in ((True, "decode"), (False, "eager")) if name in sections and (dev.is_cuda or not g)]
+    for graphs in modes:
         # A Telemetry window every 128 steps (~1.2 s at B=1); two windows are built inside each timed span.
         # Eager rows are the slow reference: fewer steps.
         res["decode"] += (decode_throughput(dev, "tiny", None, [1, 4], 4, rounds=1, graphs=graphs, window_steps=2)
                           if quick else
                           decode_throughput(dev, "qwen3-30b-a3b", None, [1, 64], 256 if graphs else 32,
-                                            rounds=3 if graphs else 2, graphs=graphs,
+                                            rounds=rounds if graphs else 2, graphs=graphs,
                                             window_steps=128 if graphs else 16))
         say(f"decode: {res['decode'][-2:]}")
     if profile and dev.is_cuda:
@@ -247,11 +256,13 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
     md += [f"| {a['hq']}q/{a['hkv']}kv d{a['d']} | {a['batch']} | {a['ctx']} | {a['paged_ms']:.3f} | "
            f"{a['sdpa_ms']:.3f} | {a['ratio']:.2f} |" for a in res["attention"]]
     md += ["", "| decode, all experts resident | step | batch | steps | telemetry window (steps) | tok/s agent off | "
-           "tok/s agent on | step ms | agent overhead | eager fallbacks |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "tok/s agent on | step ms | agent overhead (best vs best) | paired median | rounds | eager fallbacks |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {x['preset']} | {'CUDA graph' if x['graphs'] else 'eager'} | {x['batch']} | {x['steps']} | "
            f"{x['window_steps']} | "
            f"{x['tok_s_agent_off']:.1f} | "
            f"{x['tok_s_agent_on']:.1f} | {x['step_ms_agent_off']:.2f} | {x['agent_overhead'] * 100:+.2f} % | "
+           f"{x['agent_overhead_paired_median'] * 100:+.2f} % | {x['rounds']} | "
            f"{x['fallbacks'] or '-'} |" for x in res["decode"]]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     return res

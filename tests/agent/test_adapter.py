@@ -60,7 +60,7 @@ def test_outbox_keeps_order_and_counts_a_window_that_fails_to_build() -> None:
         def __init__(self, n: int) -> None:
             self.n = n
 
-        def build(self):
+        def build(self, between_layers=None):
             if self.n == 1:
                 raise ValueError("bad window")
             return self.n
