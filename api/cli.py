@@ -111,7 +111,7 @@ def check_exact(
     config: Annotated[Path | None, typer.Option(help="A Hugging Face config.json (or its folder) instead.")] = None,
     layers: Annotated[int | None, typer.Option(min=1, help="Keep only the first N layers.")] = None,
     resident_frac: Annotated[float, typer.Option(min=0.0, max=1.0, help="Fraction of experts with a slot.")] = 0.25,
-    prompts: Annotated[int, typer.Option(min=1, help="Number of random prompts.")] = 4,
+    prompts: Annotated[int, typer.Option(min=1, help="Number of random prompts (3: a padded CUDA-graph bucket).")] = 3,
     new_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per prompt.")] = 8,
     seed: Seed = 0,
     device: Dev = DeviceOpt.cpu,

@@ -78,6 +78,13 @@ class ReferenceAdapter:
         """Send what is queued and stop the outbox thread."""
         self.outbox.close()
 
+    def _fallbacks(self) -> dict[str, int]:
+        """The local policy's fallback counters, plus telemetry windows that failed to build (never silent)."""
+        out = dict(self.policy.fallbacks)
+        if self.outbox.failed:
+            out["telemetry_build_failed"] = self.outbox.failed
+        return out
+
     def _close_window(self) -> WindowDraft:
         """Between steps, on the engine thread: snapshot the taps (their only host sync) and the counters."""
         now, last = self._counters(), self._last
@@ -95,6 +102,6 @@ class ReferenceAdapter:
             kv_misses={"gpu": 0, **{t.value: now["kv_misses"][t] - last["kv_misses"][t] for t in now["kv_misses"]}},
             links=links, expert_hits=now["expert_hits"] - last["expert_hits"],
             expert_misses=now["expert_misses"] - last["expert_misses"],
-            plan_version=self.enforcer.applied_version, fallbacks=dict(self.policy.fallbacks))
+            plan_version=self.enforcer.applied_version, fallbacks=self._fallbacks())
         self._last = now
         return draft

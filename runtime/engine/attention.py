@@ -198,7 +198,8 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
             observer.saved[layer].copy_(q)
         return out.reshape(n, -1) @ w["o_proj"].t()
     for i, s in enumerate(segments):
-        observe(observer, layer, s, q[i], cache)
+        if s.seq_id >= 0:  # padding rows of a bucket carry negative ids: nothing to observe
+            observe(observer, layer, s, q[i], cache)
     return out.reshape(n, -1) @ w["o_proj"].t()
 
 

@@ -35,6 +35,10 @@ from runtime.weights.loader import ExpertLoadHandler, StoreKind
 from runtime.weights.sources import SyntheticExpertSource
 from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
+# Decode steps that cannot replay for a reason that depends on placement or routing run eagerly over the
+# bucket's padded rows (the same shapes as the graph): a replayed and an eager step then give the same bits.
+PADDED_EAGER = frozenset({"experts_not_resident", "forced_routes"})
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -140,11 +144,13 @@ class ReferenceEngine:
         if self.graphs is not None:
             rows = [self.cache.gpu_indices(s) for s in seqs]
             why = self.graphs.why_not(tokens, rows)
-            if why is None:
-                logits = self.graphs.run(seqs, tokens, starts, rows)
-                self._after_step(segs, seqs)
-                return logits
-            self.graphs.fallbacks[why] += 1
+            if why is not None:
+                self.graphs.fallbacks[why] += 1
+            if why is None or why in PADDED_EAGER:
+                try:
+                    return self.graphs.run(seqs, tokens, starts, rows, replay=why is None)
+                finally:
+                    self._after_step(segs, seqs)
         table = build_block_table(segs, self.cache)  # once per step: every layer reads it on the device
         segs = [replace(s, table=table, table_row=i) for i, s in enumerate(segs)]
         dev = self.device.torch_device

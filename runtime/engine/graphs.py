@@ -10,8 +10,9 @@ of the layers the attention-mass observer may sample are saved (one copy per wat
 
 On a CPU there is nothing to capture: the same static-buffer step runs eagerly (`capture=False`), which is
 how CI checks the padding, staging and tap logic. Whatever the graph cannot run (a prefill, a missing
-expert, forced routes, MLA, a batch or context beyond the buffers) is the engine's eager path; the reason
-is counted in `fallbacks`.
+expert, forced routes, MLA, a batch or context beyond the buffers) runs eagerly and the reason is counted
+in `fallbacks`; a decode step that misses an expert or has forced routes runs eagerly over the same padded
+rows (`run(replay=False)`), so whether a step replays never changes its bits.
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ class DecodeGraphs:
         n_moe = len(spec.moe_layers)
         self.route_probs = torch.zeros(n_moe, n, max(1, spec.top_k), dtype=torch.float32, device=dev)  # [L, B, k]
         self.route_ids = torch.zeros(n_moe, n, max(1, spec.top_k), dtype=torch.int64, device=dev)  # [L, B, k]
-        self._graphs: dict[tuple[int, tuple[int, ...]], _Captured] = {}
+        self._graphs: dict[tuple[int, tuple[int, ...]], _Captured | None] = {}  # None: capture failed
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.fallbacks: Counter[str] = Counter()  # eager steps by reason
         self.replays = 0
+        self.padded_eager = 0  # decode steps run eagerly over the bucket's padded rows
 
     # ---- eligibility -------------------------------------------------------------------------------
     def why_not(self, tokens: list[list[int]], tables: list[list[int]] | None) -> str | None:
@@ -73,7 +75,8 @@ class DecodeGraphs:
             return "forced_routes"
         if len(tokens) > self.max_batch:
             return "batch_too_large"
-        if not all(m.provider.all_resident(layer) for layer in m.pool_layer):
+        pool = m.pool
+        if not all(pool.num_resident(i) == pool.layout.num_experts for i in m.pool_layer.values()):
             return "experts_not_resident"
         if tables is not None and any(len(t) > self.max_blocks for t in tables):
             return "context_too_long"
@@ -98,7 +101,7 @@ class DecodeGraphs:
         finally:
             m.route_tap, m.mass_observer, m.route_out = hooks
 
-    def _get(self, bb: int, watched: tuple[int, ...]) -> _Captured:
+    def _get(self, bb: int, watched: tuple[int, ...]) -> _Captured | None:
         key = (bb, watched)
         if key in self._graphs:
             return self._graphs[key]
@@ -118,8 +121,14 @@ class DecodeGraphs:
                     self._forward(bb, saved_q)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._forward(bb, saved_q)
+            try:
+                # thread_local: the transfer engine's threads may sync on their own events meanwhile
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    logits = self._forward(bb, saved_q)
+            except RuntimeError:
+                self.fallbacks["capture_failed"] += 1
+                self._graphs[key] = None  # this bucket decodes eagerly (padded) from now on
+                return None
             got = _Captured(graph, logits, saved_q)
         self._graphs[key] = got
         return got
@@ -130,12 +139,16 @@ class DecodeGraphs:
         self.table[lo:hi, 0] = self.cache.scratch_slot
 
     # ---- replay ------------------------------------------------------------------------------------
-    def run(self, seqs: list[int], tokens: list[list[int]], starts: list[int],
-            tables: list[list[int]]) -> torch.Tensor:
-        """One decode step (why_not(...) must be None): logits [B, V] float32, a fresh tensor."""
+    def run(self, seqs: list[int], tokens: list[list[int]], starts: list[int], tables: list[list[int]],
+            replay: bool = True) -> torch.Tensor:
+        """One decode step over the batch padded to its bucket: logits [B, V] float32, a fresh tensor.
+
+        replay: why_not(...) was None, so the step replays its graph. Otherwise (an expert missing, forced
+        routes) it runs eagerly over the same padded rows, so that dense layers and attention see the shapes
+        the graph sees: which path a step takes must never change its bits (placement exactness)."""
         b = len(seqs)
         bb = self.buckets[bisect.bisect_left(self.buckets, b)]
-        got = self._get(bb, self._watched())
+        got = self._get(bb, self._watched()) if replay else None
         if self._staged is not None:
             self._staged.synchronize()  # the last copy out of the staging buffers is done
         ids, tab = self._stage_ids.numpy(), self._stage_table.numpy()
@@ -150,6 +163,14 @@ class DecodeGraphs:
         self.positions[:bb].copy_(self._stage_ids[1, :bb], non_blocking=True)
         self.table[:bb, :nb].copy_(self._stage_table[:bb, :nb], non_blocking=True)
         self._staged = self.device.record_event()
+        if got is None:
+            self.padded_eager += 1
+            table = self.table[:bb]
+            segs = [Segment(s, i, 1, p, table=table, table_row=i) for i, (s, p) in enumerate(zip(seqs, starts,
+                                                                                                   strict=True))]
+            segs += [Segment(-1 - i, i, 1, 0, table=table, table_row=i) for i in range(b, bb)]
+            with torch.inference_mode():
+                return self.model.forward(self.tokens[:bb], self.positions[:bb], segs, live_rows=b)[:b]
         if got.graph is not None:
             got.graph.replay()
             logits = got.logits[:b].clone()
@@ -160,7 +181,9 @@ class DecodeGraphs:
         return logits
 
     def _after_replay(self, seqs: list[int], starts: list[int], b: int, got: _Captured) -> None:
-        """Hand the static router and query buffers to the agent's taps (outside the graph)."""
+        """Hand the static router and query buffers to the agent's taps (outside the graph). A tap without
+        `add_all` is called per layer with views of the static buffers (raw top-k probabilities, rewritten by
+        the next replay): it must copy what it keeps."""
         m = self.model
         tap = m.route_tap
         if tap is not None:

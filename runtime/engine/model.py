@@ -40,8 +40,13 @@ class MoEModel:
         # top-k into (instead of calling route_tap per layer); the graph runner hands them to the tap.
         self.route_out: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """tokens, positions [N] -> logits [S, V] (float32) for the last row of each of the S segments."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                live_rows: int | None = None) -> torch.Tensor:
+        """tokens, positions [N] -> logits [S, V] (float32) for the last row of each of the S segments.
+
+        live_rows: only the first `live_rows` rows are real (a decode batch padded to a CUDA-graph bucket and
+        run eagerly): dense layers see all N rows, as the graph does, while routed experts are fetched and
+        computed for the real rows only (each row's expert output is independent of the others)."""
         spec = self.spec
         x = self.w.embed[tokens]  # [N, H]
         decode = self.decode_kernel and all(s.num_tokens == 1 for s in segments)
@@ -55,7 +60,8 @@ class MoEModel:
                 assert lw.dense is not None
                 x = x + mlp(h, lw.dense)
                 continue
-            forced = self.forced_routes(i, h.shape[0]) if self.forced_routes is not None else None
+            n = h.shape[0] if live_rows is None else live_rows
+            forced = self.forced_routes(i, n) if self.forced_routes is not None else None
             if forced is not None:
                 ids, wts = forced
             elif self.route_out is not None:
@@ -63,9 +69,13 @@ class MoEModel:
                 ids, wts = route(h, lw.router, spec, out=(self.route_out[0][m], self.route_out[1][m]))
             else:
                 ids, wts = route(h, lw.router, spec)
+            ids, wts = ids[:n], wts[:n]
             if self.route_tap is not None and self.route_out is None:
                 self.route_tap(i, ids, wts)
-            out = moe_forward(h, ids, wts, self.views[i], self.pool_layer[i], self.provider)
+            out = moe_forward(h[:n], ids, wts, self.views[i], self.pool_layer[i], self.provider,
+                              kernel_rows=h.shape[0] * ids.shape[1])
+            if n < h.shape[0]:
+                out = torch.cat([out, out.new_zeros(h.shape[0] - n, out.shape[1])])  # padding rows: no experts
             if lw.shared is not None:
                 out = out + mlp(h, lw.shared)
             x = x + out

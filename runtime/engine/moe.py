@@ -99,8 +99,11 @@ def _expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, int
 
 
 def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views: ExpertViews, layer: int,
-                provider: ExpertProvider) -> torch.Tensor:
-    """x [T, H], ids/weights [T, k] -> [T, H] (routed experts only)."""
+                provider: ExpertProvider, kernel_rows: int | None = None) -> torch.Tensor:
+    """x [T, H], ids/weights [T, k] -> [T, H] (routed experts only).
+
+    kernel_rows: the routed rows the GEMM kernel is chosen for (default T*k); a padded batch passes its padded
+    count, so it picks the kernel its CUDA-graph twin picks."""
     t, k = ids.shape
     e = views.gate_up.shape[0]
     flat = ids.reshape(-1)  # [T*k]
@@ -108,13 +111,15 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
     # scatter_add, not bincount: CUDA bincount reads min/max back to the host (two syncs per layer)
     counts_t = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
     xs = x[order // k]  # [T*k, H]
-    tri = moe_gemm.usable(x, t * k)
+    tri = moe_gemm.usable(x, t * k if kernel_rows is None else kernel_rows)
     if (HAS_GROUPED_MM or tri) and provider.all_resident(layer):
         # Every expert has a slot: one grouped GEMM pair over all experts, offsets on the device, no host sync
         # (CUDA-graph friendly). Per-expert rows are the same as in the chunked path below.
         offs = torch.cumsum(counts_t, 0).to(torch.int32)  # [E]
         y = _expert_mlp(xs, views.gate_up, views.down, views.intermediate, offs, None, tri)  # [T*k, H]
         return _combine(y, order, weights, t, k, x.dtype)
+    # This host sync also means every earlier layer's GEMMs (all-resident layers record no per-expert
+    # readers) have finished before `ensure` below may evict one of their experts.
     counts = counts_t.tolist()
     needed = [i for i, n in enumerate(counts) if n]
     y = torch.empty_like(xs)  # [T*k, H]

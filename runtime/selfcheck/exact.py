@@ -51,9 +51,10 @@ def auto_block_tokens(spec: ModelSpec, at_least: int = 16) -> int:
     return -(-at_least // step) * step
 
 
-def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", num_prompts: int = 4,
+def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", num_prompts: int = 3,
                     max_prompt_len: int = 40, new_tokens: int = 8, seed: int = 0,
-                    workdir: str | Path | None = None, decode_kernel: bool | None = None) -> ExactResult:
+                    workdir: str | Path | None = None, decode_kernel: bool | None = None,
+                    decode_graphs: bool | None = None) -> ExactResult:
     rng = random.Random(seed)
     prompts = [[rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, max_prompt_len))]
                for _ in range(num_prompts)]
@@ -63,11 +64,11 @@ def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", 
     t0 = time.perf_counter()
     with workdir_for(workdir) as wd:
         full_cfg = EngineConfig(block_tokens=bt, kv_gpu_blocks=per_seq * num_prompts, seed=seed,
-                                decode_kernel=decode_kernel, workdir=wd / "full")
+                                decode_kernel=decode_kernel, decode_graphs=decode_graphs, workdir=wd / "full")
         tight_cfg = EngineConfig(resident_frac=resident_frac, expert_store=StoreKind.NVME, block_tokens=bt,
                                  kv_gpu_blocks=per_seq * num_prompts, kv_cpu_blocks=max(1, per_seq * num_prompts // 2),
                                  kv_nvme_blocks=per_seq * num_prompts, spill_kv_every_step=True, seed=seed,
-                                 decode_kernel=decode_kernel, workdir=wd / "tight")
+                                 decode_kernel=decode_kernel, decode_graphs=decode_graphs, workdir=wd / "tight")
         runs = []
         for cfg in (full_cfg, tight_cfg):
             eng = ReferenceEngine(spec, dev, cfg)

@@ -74,3 +74,31 @@ def test_outbox_keeps_order_and_counts_a_window_that_fails_to_build() -> None:
     box.close()
     with pytest.raises(RuntimeError, match="closed"):
         box.put(Draft(5))  # type: ignore[arg-type]
+
+
+def test_a_window_that_fails_to_build_shows_in_the_next_windows_fallbacks(tmp_path: Path) -> None:
+    from agent.taps import WindowDraft
+
+    spec = preset("tiny")
+    eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=auto_block_tokens(spec), workdir=tmp_path))
+    agent = ReferenceAdapter(eng, window_steps=1)
+    try:
+        real = WindowDraft.build
+        calls = []
+
+        def flaky(self, between_layers=None):
+            calls.append(1)
+            if len(calls) == 1:
+                raise ValueError("boom")
+            return real(self, between_layers)
+
+        WindowDraft.build = flaky  # type: ignore[method-assign]
+        try:
+            agent.on_step(None, 0.001)  # window 0 fails on the outbox thread
+            last = agent.flush()  # window 1 is built here and reports it
+        finally:
+            WindowDraft.build = real  # type: ignore[method-assign]
+    finally:
+        agent.close()
+        eng.close()
+    assert agent.outbox.failed == 1 and last.fallbacks["telemetry_build_failed"] == 1

@@ -102,3 +102,27 @@ def test_router_tap_add_all_equals_per_layer_calls(tiny) -> None:
     assert [s.num_tokens for s in sa] == [15] * n_l == [s.num_tokens for s in sb]
     with pytest.raises(ValueError, match="layers of routes"):
         a.add_all(ids[:1], w[:1])
+
+
+@pytest.mark.parametrize("prompts", [3, 5])  # padded buckets (4 and 8): replayed and eager steps must agree
+def test_placement_keeps_bits_when_steps_replay_or_not(tiny, tmp_path: Path, prompts: int) -> None:
+    """All experts resident (steps replay) vs a quarter resident (steps run eagerly over the padded rows)."""
+    from runtime.selfcheck.exact import run_exact_check
+
+    r = run_exact_check(tiny, 0.25, workdir=tmp_path, num_prompts=prompts, new_tokens=5, decode_kernel=True,
+                        decode_graphs=True)
+    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True"
+
+
+def test_a_padded_eager_step_fetches_experts_only_for_real_rows(tiny, tmp_path: Path) -> None:
+    eng = _engine(tiny, tmp_path, "p", decode_graphs=True, resident_frac=0.25)
+    seen: list[int] = []
+    real = eng.experts.ensure
+    eng.experts.ensure = lambda layer, experts: seen.append(len(experts)) or real(layer, experts)  # type: ignore[method-assign]
+    tap = RouterTap(tiny.moe_layers, tiny.num_experts, torch.device("cpu"))
+    eng.model.route_tap = tap
+    eng.generate(PROMPTS[:3], 3)
+    assert eng.graphs is not None and eng.graphs.padded_eager == 2 and eng.graphs.replays == 0 and seen
+    # the tap saw 3 real rows per decode step (plus the prefill rows), never the padding row
+    assert [s.num_tokens for s in tap.drain()] == [sum(len(p) for p in PROMPTS[:3]) + 2 * 3] * len(tiny.moe_layers)
+    eng.close()
