@@ -146,7 +146,9 @@ def bench_substrate(
     quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
     device: Dev = DeviceOpt.cuda,
     only: Annotated[str, typer.Option(help="Comma-separated sections: raw,loads,map,links,urgent.")] = "",
-    load_configs: Annotated[str, typer.Option(help="loads: 'all' engine configs or only the 'default' one.")] = "all",
+    load_configs: Annotated[str, typer.Option(
+        help="loads: 'all' engine configs, only the 'default' one, or 'urgent-stream' (default vs deep bulk "
+             "queue with urgent copies on their own stream).")] = "all",
 ) -> None:
     """Measure the substrate: link bandwidth, expert loads vs raw copies, map cost, urgent-KV queueing."""
     from bench.substrate import SECTIONS, run_substrate_bench
@@ -156,8 +158,9 @@ def bench_substrate(
     if bad:
         raise typer.BadParameter(f"unknown section(s) {sorted(bad)}; expected some of {', '.join(SECTIONS)}",
                                  param_hint="--only")
-    if load_configs not in ("all", "default"):
-        raise typer.BadParameter(f"{load_configs!r}; expected 'all' or 'default'", param_hint="--load-configs")
+    if load_configs not in ("all", "default", "urgent-stream"):
+        raise typer.BadParameter(f"{load_configs!r}; expected 'all', 'default' or 'urgent-stream'",
+                                 param_hint="--load-configs")
     run_substrate_bench(out_dir, device.value, quick=quick, console=_io.out, sections=sections,
                         load_configs=load_configs)
 

@@ -191,9 +191,10 @@ def raw_disk_gbps(dev: Device, f: DirectFile, num_bytes: int, write: bool) -> fl
 
 
 def urgent_behind_stream(dev: Device, chunk_bytes: int | None, stream_bytes: int, small_bytes: int,
-                         reps: int, max_inflight_bytes: int = 16 * MiB) -> dict[str, float]:
+                         reps: int, max_inflight_bytes: int = 16 * MiB, urgent_stream: bool = False) -> dict[str, Any]:
     """Latency of a small URGENT KV copy submitted while a LOW expert stream of `stream_bytes` is queued."""
-    engine = TransferEngine(dev, chunk_bytes=chunk_bytes, max_inflight_bytes=max_inflight_bytes)
+    engine = TransferEngine(dev, chunk_bytes=chunk_bytes, max_inflight_bytes=max_inflight_bytes,
+                            urgent_stream=urgent_stream)
     big_h = dev.alloc_host(stream_bytes)
     big_d = dev.alloc(stream_bytes)
     small_h = dev.alloc_host(small_bytes)
@@ -211,7 +212,7 @@ def urgent_behind_stream(dev: Device, chunk_bytes: int | None, stream_bytes: int
     engine.close()
     for b in (big_h, small_h):
         b.close()
-    return {"chunk_bytes": chunk_bytes or 0, "max_inflight_bytes": max_inflight_bytes,
+    return {"chunk_bytes": chunk_bytes or 0, "max_inflight_bytes": max_inflight_bytes, "urgent_stream": urgent_stream,
             "urgent_latency_ms_median": statistics.median(lat) * 1e3,
             "urgent_queue_delay_ms_median": statistics.median(qd) * 1e3,
             "stream_ms_median": statistics.median(big_lat) * 1e3}
@@ -241,17 +242,20 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
         # Prefetch batches a decode step really issues: at B>=32 ~110 of Qwen3's 128 experts per layer are active.
         shapes = [(256, 512, 4)] if quick else [(2048, 768, 16), (2048, 768, 64), (4096, 1024, 32), (4096, 14336, 4)]
         # poison off: absent experts are unmapped (a read faults) and a load maps without unmapping poison first
-        configs = [(4 * MiB, 16 * MiB, True)] if quick else [(8 * MiB, 16 * MiB, True), (8 * MiB, 16 * MiB, False),
-                                                            (4 * MiB, 16 * MiB, True)]
-        if load_configs == "default":  # only the engine's defaults (8 MiB chunks, 16 MiB in flight, poison)
-            configs = configs[:1]
+        # (chunk, in-flight bound, poison absent experts, urgent copies on their own stream)
+        default, deep = (8 * MiB, 16 * MiB, True, False), (8 * MiB, 64 * MiB, True, True)
+        configs = {"default": [default], "urgent-stream": [default, deep],
+                   "all": [default, (8 * MiB, 16 * MiB, False, False), (4 * MiB, 16 * MiB, True, False), deep]
+                   }[load_configs]
+        if quick:
+            configs = [(4 * MiB, 16 * MiB, True, False)]
         res["expert_loads"] = []
-        for chunk, inflight, poison in configs:
-            with TransferEngine(dev, chunk_bytes=chunk, max_inflight_bytes=inflight) as eng:
+        for chunk, inflight, poison, urgent in configs:
+            with TransferEngine(dev, chunk_bytes=chunk, max_inflight_bytes=inflight, urgent_stream=urgent) as eng:
                 for h, i, b in shapes:
                     r = expert_load_gbps(dev, eng, h, i, b, reps, poison_unmapped=poison)
                     res["expert_loads"].append({**r, "chunk_bytes": chunk, "max_inflight_bytes": inflight,
-                                                "poison_unmapped": poison})
+                                                "poison_unmapped": poison, "urgent_stream": urgent})
         say(f"expert loads: {res['expert_loads']}")
     if "map" in sections:
         strides = [2 * MiB] if quick else [2 * MiB, 10 * MiB, 336 * MiB]
@@ -263,8 +267,9 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
         say(f"links: {res['links']}")
     if "urgent" in sections:
         stream_bytes = 32 * MiB if quick else 1024 * MiB
-        res["urgent_kv"] = [urgent_behind_stream(dev, c, stream_bytes, 64 << 10, reps, k)
-                            for c, k in [(4 * MiB, 16 * MiB), (8 * MiB, 16 * MiB), (None, 16 * MiB)]]
+        res["urgent_kv"] = [urgent_behind_stream(dev, c, stream_bytes, 64 << 10, reps, k, u)
+                            for c, k, u in [(4 * MiB, 16 * MiB, False), (8 * MiB, 16 * MiB, False),
+                                            (None, 16 * MiB, False), (8 * MiB, 64 * MiB, True)]]
         say(f"urgent kv: {res['urgent_kv']}")
     _write(out_dir, res, device)
     return res
@@ -302,7 +307,8 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
                "| chunk | in flight | absent experts | expert bytes | loads in flight | pipelined GB/s | raw GB/s "
                "| ratio | single load ms |",
                "|---|---|---|---|---|---|---|---|---|"]
-        md += [f"| {_chunk_label(e['chunk_bytes'])} | {e['max_inflight_bytes'] >> 20} MiB | "
+        md += [f"| {_chunk_label(e['chunk_bytes'], e.get('urgent_stream', False))} | "
+               f"{e['max_inflight_bytes'] >> 20} MiB | "
                f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {e['expert_bytes']:,} | "
                f"{e['batch']} | {e['pipelined_gbps']:.1f} | {e['raw_gbps']:.1f} | {e['pipelined_ratio']:.3f} | "
                f"{e['single_ms']:.3f} |" for e in res["expert_loads"]]
@@ -326,7 +332,8 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
         md += ["", "## Small urgent KV transfer (64 KiB) behind a LOW-priority 1 GiB expert stream", "",
                "| chunking | in flight | urgent latency ms | urgent queue delay ms | stream ms |",
                "|---|---|---|---|---|"]
-        md += [f"| {_chunk_label(u['chunk_bytes'])} | {u['max_inflight_bytes'] >> 20} MiB | "
+        md += [f"| {_chunk_label(u['chunk_bytes'], u.get('urgent_stream', False))} | "
+               f"{u['max_inflight_bytes'] >> 20} MiB | "
                f"{u['urgent_latency_ms_median']:.3f} | {u['urgent_queue_delay_ms_median']:.3f} | "
                f"{u['stream_ms_median']:.2f} |" for u in res["urgent_kv"]]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
@@ -334,8 +341,9 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
         _plot(stem.with_suffix(".png"), res)
 
 
-def _chunk_label(chunk_bytes: int) -> str:
-    return f"{chunk_bytes >> 20} MiB chunks" if chunk_bytes else "off"
+def _chunk_label(chunk_bytes: int, urgent_stream: bool = False) -> str:
+    label = f"{chunk_bytes >> 20} MiB chunks" if chunk_bytes else "off"
+    return label + (" + urgent stream" if urgent_stream else "")
 
 
 def _plot(path: Path, res: dict) -> None:

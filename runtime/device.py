@@ -110,8 +110,9 @@ class Device:
         """Page-aligned host memory, pinned when the device is a GPU."""
         return AlignedHostBuffer(num_bytes, pin=self.is_cuda)
 
-    def new_stream(self) -> Any:
-        return torch.cuda.Stream(device=self.torch_device) if self.is_cuda else None
+    def new_stream(self, priority: int = 0) -> Any:
+        """A CUDA stream (None on the CPU twin); priority < 0 is scheduled ahead of default streams."""
+        return torch.cuda.Stream(device=self.torch_device, priority=priority) if self.is_cuda else None
 
     def record_event(self, stream: Any = None) -> Event:
         if not self.is_cuda:

@@ -149,6 +149,7 @@ class TransferEngine:
         max_inflight_chunks: int = 64,
         disk_workers: int = 2,
         clock: Callable[[], float] = time.monotonic,
+        urgent_stream: bool = False,
     ) -> None:
         if chunk_bytes is not None and (chunk_bytes < MIN_CHUNK_BYTES or chunk_bytes % DIRECT_ALIGN_BYTES):
             raise ConfigError(
@@ -168,6 +169,10 @@ class TransferEngine:
         self._link_stats = {lk: LinkStats() for lk in Link}
         self._queues = {lk: _LinkQueue() for lk in Link}
         self._streams = {lk: device.new_stream() for lk in (Link.H2D, Link.D2H)}
+        # urgent_stream: URGENT chunks of the memory links go on their own high-priority stream, outside the
+        # in-flight bound, so they never queue behind bulk copies and the bound can be raised for bulk loads.
+        self._urgent_streams = ({lk: device.new_stream(priority=-1) for lk in (Link.H2D, Link.D2H)}
+                                if urgent_stream else {})
         self._closing = False
         self._threads: list[threading.Thread] = []
         for lk in Link:
@@ -232,11 +237,15 @@ class TransferEngine:
         if link is Link.H2DISK:
             dst.file.write_from(dst.offset_bytes, src)
             return None
-        stream = self._streams[link]
+        stream = self._urgent_streams[link] if self._bypasses(link, ch) else self._streams[link]
         if first and req.after is not None:
             self.device.stream_wait(req.after, stream)
         ev = self.device.copy(dst, src, stream)
         return ev if self.device.is_cuda else None
+
+    def _bypasses(self, link: Link, ch: _Chunk) -> bool:
+        """An URGENT chunk of a memory link with an urgent stream: issued at once, outside the bound."""
+        return link in self._urgent_streams and ch.key[0] == int(Priority.URGENT)
 
     def _retire(self, ch: _Chunk, event: Event | None, failed: BaseException | None) -> None:
         h = ch.handle
@@ -294,27 +303,30 @@ class TransferEngine:
             torch.cuda.set_device(self.device.torch_device)
         q = self._queues[link]
         inflight: deque[tuple[_Chunk, Event]] = deque()
+        urgent: deque[tuple[_Chunk, Event]] = deque()  # on the urgent stream: retired on their own
         inflight_bytes = 0
         while True:
             ch: _Chunk | None = None
             with q.cv:
-                while not q.heap and not inflight and not self._closing:
+                while not q.heap and not inflight and not urgent and not self._closing:
                     q.cv.wait()
                 # Always two in flight: the next request's before_issue hook (a slot remap, ~60 µs) then runs
                 # while the link is still busy with the previous one.
                 if q.heap and (
-                    len(inflight) < 2
+                    self._bypasses(link, q.heap[0])
+                    or len(inflight) < 2
                     or (
                         len(inflight) < self.max_inflight_chunks
                         and inflight_bytes + q.heap[0].length_bytes <= self.max_inflight_bytes
                     )
                 ):
                     ch = heapq.heappop(q.heap)
-                elif not q.heap and not inflight:
+                elif not q.heap and not inflight and not urgent:
                     return  # closing and drained
             if ch is None:
-                done_ch, ev = inflight.popleft()
-                inflight_bytes -= done_ch.length_bytes
+                done_ch, ev = (urgent or inflight).popleft()  # an urgent copy is short: wait for it first
+                if not self._bypasses(link, done_ch):
+                    inflight_bytes -= done_ch.length_bytes
                 self._retire(done_ch, ev, None)
                 continue
             if ch.handle.error is not None:  # an earlier chunk failed: skip the copy, still account
@@ -337,13 +349,18 @@ class TransferEngine:
                     h._issued.set()
             if ev is None:
                 self._retire(ch, None, None)
+            elif self._bypasses(link, ch):
+                urgent.append((ch, ev))
             else:
                 inflight.append((ch, ev))
                 inflight_bytes += ch.length_bytes
-                while inflight and inflight[0][1].query():
-                    done_ch, done_ev = inflight.popleft()
-                    inflight_bytes -= done_ch.length_bytes
-                    self._retire(done_ch, done_ev, None)
+            while urgent and urgent[0][1].query():
+                done_ch, done_ev = urgent.popleft()
+                self._retire(done_ch, done_ev, None)
+            while inflight and inflight[0][1].query():
+                done_ch, done_ev = inflight.popleft()
+                inflight_bytes -= done_ch.length_bytes
+                self._retire(done_ch, done_ev, None)
 
     # ---- introspection ----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -190,3 +190,23 @@ def test_cuda_graph_decode_matches_eager_decode(tmp_path: Path, batch: int) -> N
     assert out[False].tokens == out[True].tokens
     if batch == 4:  # a full bucket runs the very same kernels: the same bits
         assert torch.equal(out[False].logits, out[True].logits)
+
+
+def test_urgent_stream_on_cuda_overtakes_a_deep_bulk_queue(dev: Device) -> None:
+    """Expert copies queued 64 MiB deep; an URGENT KV copy on its own stream finishes first, bytes exact."""
+    eng = TransferEngine(dev, chunk_bytes=8 << 20, max_inflight_bytes=64 << 20, urgent_stream=True)
+    big_n, small_n = 1 << 30, 1 << 16
+    big_h, big_d = dev.alloc_host(big_n), dev.alloc(big_n)
+    small_h, small_d, back = dev.alloc_host(small_n), dev.alloc(small_n), dev.alloc_host(small_n)
+    small_h.tensor.copy_(_rand(small_n, 9))
+    order: list[str] = []
+    big = eng.submit(TransferRequest(Link.H2D, TrafficClass.EXPERT, big_h.tensor, big_d, Priority.LOW,
+                                     on_done=lambda h: order.append("big")))
+    eng.submit(TransferRequest(Link.H2D, TrafficClass.KV, small_h.tensor, small_d, Priority.URGENT,
+                               on_done=lambda h: order.append("small"))).wait()
+    big.wait()
+    eng.submit(TransferRequest(Link.D2H, TrafficClass.KV, small_d, back.tensor, Priority.URGENT)).wait()
+    eng.close()
+    assert order == ["small", "big"] and torch.equal(back.tensor, small_h.tensor)
+    for b in (big_h, small_h, back):
+        b.close()

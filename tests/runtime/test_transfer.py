@@ -192,6 +192,30 @@ def test_urgent_small_transfer_overtakes_a_large_low_stream(engine, gate, rand):
     assert torch.equal(h_big.request.dst, big)
 
 
+def test_urgent_stream_engine_still_overtakes_and_copies_exactly(cpu, rand):
+    """urgent_stream=True (URGENT chunks outside the in-flight bound, on their own stream): same guarantees."""
+    eng = TransferEngine(cpu, chunk_bytes=CHUNK, max_inflight_bytes=64 * MiB, urgent_stream=True)
+    hold = HostEvent()
+    try:
+        done: list[str] = []
+        big = rand(16 * CHUNK)
+        h_big = eng.submit(req(Link.H2D, big, torch.empty_like(big), priority=Priority.LOW, after=hold,
+                               on_done=lambda h: done.append("big")))
+        wait_until(lambda: h_big.start_s is not None, T, "worker holding the big stream's first chunk")
+        small = rand(3 * CHUNK)  # a multi-chunk urgent transfer: its chunks stay in order on the urgent path
+        small_dst = torch.empty_like(small)
+        h_small = eng.submit(req(Link.H2D, small, small_dst, priority=Priority.URGENT, traffic=TrafficClass.KV,
+                                 on_done=lambda h: done.append("urgent")))
+        hold.set()
+        h_small.wait(T)
+        h_big.wait(T)
+        assert done == ["urgent", "big"] and torch.equal(small_dst, small) and torch.equal(h_big.request.dst, big)
+        assert class_stats(eng, TrafficClass.KV).bytes == small.numel()
+    finally:
+        hold.set()
+        eng.close()
+
+
 def test_same_priority_pops_earliest_deadline_first(engine, gate, rand):
     done: list[str] = []
     hold = gate()
