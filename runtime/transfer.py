@@ -169,7 +169,7 @@ class TransferEngine:
         self._link_stats = {lk: LinkStats() for lk in Link}
         self._queues = {lk: _LinkQueue() for lk in Link}
         self._streams = {lk: device.new_stream() for lk in (Link.H2D, Link.D2H)}
-        # urgent_stream: URGENT chunks of the memory links go on their own high-priority stream, outside the
+        # urgent_stream: URGENT KV chunks of the memory links go on their own high-priority stream, outside the
         # in-flight bound, so they never queue behind bulk copies and the bound can be raised for bulk loads.
         self._urgent_streams = ({lk: device.new_stream(priority=-1) for lk in (Link.H2D, Link.D2H)}
                                 if urgent_stream else {})
@@ -244,8 +244,10 @@ class TransferEngine:
         return ev if self.device.is_cuda else None
 
     def _bypasses(self, link: Link, ch: _Chunk) -> bool:
-        """An URGENT chunk of a memory link with an urgent stream: issued at once, outside the bound."""
-        return link in self._urgent_streams and ch.key[0] == int(Priority.URGENT)
+        """An URGENT KV chunk of a memory link with an urgent stream: issued at once, outside the bound (urgent
+        expert loads, e.g. a plan's, stay in the bounded bulk queue: they are large)."""
+        return (link in self._urgent_streams and ch.key[0] == int(Priority.URGENT)
+                and ch.handle.request.traffic is TrafficClass.KV)
 
     def _retire(self, ch: _Chunk, event: Event | None, failed: BaseException | None) -> None:
         h = ch.handle

@@ -148,9 +148,12 @@ class ReferenceEngine:
                 self.graphs.fallbacks[why] += 1
             if why is None or why in PADDED_EAGER:
                 try:
-                    return self.graphs.run(seqs, tokens, starts, rows, replay=why is None)
-                finally:
-                    self._after_step(segs, seqs)
+                    logits = self.graphs.run(seqs, tokens, starts, rows, replay=why is None)
+                except BaseException:
+                    self.pool.record_read_all(self.device.record_event())  # whatever was queued may read slots
+                    raise
+                self._after_step(segs, seqs)
+                return logits
         table = build_block_table(segs, self.cache)  # once per step: every layer reads it on the device
         segs = [replace(s, table=table, table_row=i) for i, s in enumerate(segs)]
         dev = self.device.torch_device

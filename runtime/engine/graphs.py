@@ -65,21 +65,25 @@ class DecodeGraphs:
 
     # ---- eligibility -------------------------------------------------------------------------------
     def why_not(self, tokens: list[list[int]], tables: list[list[int]] | None) -> str | None:
-        """None when this step can replay a graph, else the reason it runs eagerly (a fallbacks key)."""
+        """None when this step can replay a graph, else the reason it runs eagerly (a fallbacks key).
+
+        Shape reasons come first: a step that fits the buffers and only misses an expert or has forced routes
+        runs eagerly over the padded rows (engine.PADDED_EAGER), so which of those it is never depends on
+        where the experts are."""
         m = self.model
         if any(len(t) != 1 for t in tokens):
             return "prefill"
         if m.spec.attention is not AttentionKind.GQA or not m.decode_kernel:
             return "no_paged_decode_kernel"
-        if m.forced_routes is not None:
-            return "forced_routes"
         if len(tokens) > self.max_batch:
             return "batch_too_large"
+        if tables is not None and any(len(t) > self.max_blocks for t in tables):
+            return "context_too_long"
+        if m.forced_routes is not None:
+            return "forced_routes"
         pool = m.pool
         if not all(pool.num_resident(i) == pool.layout.num_experts for i in m.pool_layer.values()):
             return "experts_not_resident"
-        if tables is not None and any(len(t) > self.max_blocks for t in tables):
-            return "context_too_long"
         return None
 
     # ---- capture -----------------------------------------------------------------------------------

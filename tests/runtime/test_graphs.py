@@ -126,3 +126,25 @@ def test_a_padded_eager_step_fetches_experts_only_for_real_rows(tiny, tmp_path: 
     # the tap saw 3 real rows per decode step (plus the prefill rows), never the padding row
     assert [s.num_tokens for s in tap.drain()] == [sum(len(p) for p in PROMPTS[:3]) + 2 * 3] * len(tiny.moe_layers)
     eng.close()
+
+
+def test_steps_that_do_not_fit_the_buffers_never_take_the_padded_path(tiny, tmp_path: Path) -> None:
+    """Shape reasons win over placement reasons: a missing expert with a too-long context, or forced routes
+    with a too-large batch, decode plainly (no crash, and the path does not depend on placement)."""
+    eng = _engine(tiny, tmp_path, "long", decode_graphs=True, resident_frac=0.25, graph_max_blocks=1)
+    eng.generate(PROMPTS[:3], 3)  # prompt 3 has 20 tokens: more than one block
+    assert eng.graphs is not None and eng.graphs.fallbacks["context_too_long"] == 2
+    eng.close()
+    eng = _engine(tiny, tmp_path, "wide", decode_graphs=True, graph_max_batch=2)
+    rows: list[int] = []
+
+    def forced(layer: int, n: int):
+        rows.append(n)
+        ids = torch.arange(tiny.top_k).repeat(n, 1)
+        return ids, torch.full((n, tiny.top_k), 1.0 / tiny.top_k)
+
+    eng.model.forced_routes = forced
+    eng.generate(PROMPTS[:3], 3)
+    assert eng.graphs is not None and eng.graphs.fallbacks["batch_too_large"] == 2
+    assert eng.graphs.fallbacks["forced_routes"] == 0 and eng.graphs.padded_eager == 0 and set(rows) >= {3}
+    eng.close()
