@@ -210,3 +210,12 @@ def test_urgent_stream_on_cuda_overtakes_a_deep_bulk_queue(dev: Device) -> None:
     assert order == ["small", "big"] and torch.equal(back.tensor, small_h.tensor)
     for b in (big_h, small_h, back):
         b.close()
+
+
+@pytest.mark.parametrize("batch", [3, 5, 17])
+def test_replayed_and_padded_eager_steps_are_bit_identical_on_cuda(tmp_path: Path, batch: int) -> None:
+    from runtime.engine.presets import preset
+    from tests.runtime.test_graphs import replay_vs_padded_eager
+
+    a, b = replay_vs_padded_eager(preset("tiny"), "cuda", tmp_path, batch)
+    assert torch.equal(a, b)
