@@ -132,6 +132,9 @@ def _slice(buf: Buffer, off: int, n: int) -> Buffer:
     return buf.sub(off, n) if isinstance(buf, FileRegion) else _as_bytes(buf)[off : off + n]
 
 
+URGENT_POLL_S = 100e-6  # with an urgent stream: how often a worker waiting on bulk copies looks at them
+
+
 class _LinkQueue:
     def __init__(self) -> None:
         self.heap: list[_Chunk] = []
@@ -326,6 +329,13 @@ class TransferEngine:
                 elif not q.heap and not inflight and not urgent:
                     return  # closing and drained
             if ch is None:
+                if self._urgent_streams and not urgent and not inflight[0][1].query():
+                    # Never block on a bulk copy here: an urgent KV chunk submitted meanwhile (submit notifies
+                    # the queue) is issued at once instead of after the oldest bulk chunk.
+                    with q.cv:
+                        if not (q.heap and self._bypasses(link, q.heap[0])):
+                            q.cv.wait(URGENT_POLL_S)
+                    continue
                 done_ch, ev = (urgent or inflight).popleft()  # an urgent copy is short: wait for it first
                 if not self._bypasses(link, done_ch):
                     inflight_bytes -= done_ch.length_bytes
