@@ -140,6 +140,16 @@ def check_exact(
         raise typer.Exit(1)
 
 
+def _sections(only: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """`--only a,b` as a tuple of known section names (all of them when empty)."""
+    sections = tuple(x.strip() for x in only.split(",") if x.strip()) or allowed
+    bad = set(sections) - set(allowed)
+    if bad:
+        raise typer.BadParameter(f"unknown section(s) {sorted(bad)}; expected some of {', '.join(allowed)}",
+                                 param_hint="--only")
+    return sections
+
+
 @bench_app.command("substrate")
 def bench_substrate(
     out_dir: Annotated[Path, typer.Option(help="Where to write JSON, Markdown and PNG.")] = Path("bench/results"),
@@ -153,11 +163,7 @@ def bench_substrate(
     """Measure the substrate: link bandwidth, expert loads vs raw copies, map cost, urgent-KV queueing."""
     from bench.substrate import SECTIONS, run_substrate_bench
 
-    sections = tuple(x.strip() for x in only.split(",") if x.strip()) or SECTIONS
-    bad = set(sections) - set(SECTIONS)
-    if bad:
-        raise typer.BadParameter(f"unknown section(s) {sorted(bad)}; expected some of {', '.join(SECTIONS)}",
-                                 param_hint="--only")
+    sections = _sections(only, SECTIONS)
     if load_configs not in ("all", "default", "urgent-stream"):
         raise typer.BadParameter(f"{load_configs!r}; expected 'all', 'default' or 'urgent-stream'",
                                  param_hint="--load-configs")
@@ -177,11 +183,7 @@ def bench_engine(
     """Engine kernels vs bare baselines: MoE layer vs grouped GEMM, paged decode attention vs SDPA."""
     from bench.engine import SECTIONS, run_engine_bench
 
-    sections = tuple(x.strip() for x in only.split(",") if x.strip()) or SECTIONS
-    bad = set(sections) - set(SECTIONS)
-    if bad:
-        raise typer.BadParameter(f"unknown section(s) {sorted(bad)}; expected some of {', '.join(SECTIONS)}",
-                                 param_hint="--only")
+    sections = _sections(only, SECTIONS)
     run_engine_bench(out_dir, device.value, quick=quick, console=_io.out, profile=profile, sections=sections,
                      rounds=rounds)
 

@@ -95,9 +95,12 @@ def observe(observer: MassObserver | None, layer: int, s: Segment, q_last: torch
     observer.record(layer, cache.blocks_of(s.seq_id)[: mass.numel()], mass)
 
 
-def build_block_table(segments: list[Segment], cache: PagedKVCache) -> torch.Tensor:
-    """[S, M] int32 GPU slots of each segment's blocks (zero padded), made on the host, copied once."""
-    rows = [cache.gpu_indices(s.seq_id) for s in segments]
+def build_block_table(segments: list[Segment], cache: PagedKVCache,
+                      rows: list[list[int]] | None = None) -> torch.Tensor:
+    """[S, M] int32 GPU slots of each segment's blocks (zero padded), made on the host, copied once.
+    rows: the segments' `cache.gpu_indices`, when the caller already looked them up."""
+    if rows is None:
+        rows = [cache.gpu_indices(s.seq_id) for s in segments]
     width = max(1, *(len(r) for r in rows))
     host = torch.zeros(len(rows), width, dtype=torch.int32)
     for i, r in enumerate(rows):

@@ -141,6 +141,7 @@ class ReferenceEngine:
             segs.append(Segment(s, row, len(toks), p))
             row += len(toks)
         self.cache.ensure_on_gpu([b for s in seqs for b in self.cache.blocks_of(s)])
+        rows: list[list[int]] | None = None
         if self.graphs is not None:
             rows = [self.cache.gpu_indices(s) for s in seqs]
             why = self.graphs.why_not(tokens, rows)
@@ -154,7 +155,7 @@ class ReferenceEngine:
                     raise
                 self._after_step(segs, seqs)
                 return logits
-        table = build_block_table(segs, self.cache)  # once per step: every layer reads it on the device
+        table = build_block_table(segs, self.cache, rows)  # once per step: every layer reads it on the device
         segs = [replace(s, table=table, table_row=i) for i, s in enumerate(segs)]
         dev = self.device.torch_device
         flat = torch.tensor([t for toks in tokens for t in toks], dtype=torch.int64, device=dev)

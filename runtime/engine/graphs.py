@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,8 +95,7 @@ class DecodeGraphs:
     def _forward(self, bb: int, saved_q: dict[int, torch.Tensor]) -> torch.Tensor:
         """The decode forward over the first bb static rows, hooks pointed at the static buffers."""
         m = self.model
-        table = self.table[:bb]  # one tensor object: the attention reads it as this step's table
-        segs = [Segment(-1 - i, i, 1, 0, table=table, table_row=i) for i in range(bb)]
+        segs = self._segments(bb)
         hooks = m.route_tap, m.mass_observer, m.route_out
         m.route_out = (self.route_probs[:, :bb], self.route_ids[:, :bb])
         m.route_tap, m.mass_observer = None, QCapture(saved_q)
@@ -137,6 +137,14 @@ class DecodeGraphs:
         self._graphs[key] = got
         return got
 
+    def _segments(self, bb: int, seqs: Sequence[int] = (), starts: Sequence[int] = ()) -> list[Segment]:
+        """One decode segment per static row: the real sequences first, then padding rows (negative ids,
+        position 0); all share one table tensor, which the attention reads as this step's block table."""
+        table = self.table[:bb]
+        real = [Segment(s, i, 1, p, table=table, table_row=i) for i, (s, p) in enumerate(zip(seqs, starts,
+                                                                                              strict=True))]
+        return real + [Segment(-1 - i, i, 1, 0, table=table, table_row=i) for i in range(len(real), bb)]
+
     def _pad_rows(self, lo: int, hi: int) -> None:
         self.tokens[lo:hi].zero_()
         self.positions[lo:hi].zero_()
@@ -169,10 +177,7 @@ class DecodeGraphs:
         self._staged = self.device.record_event()
         if got is None:
             self.padded_eager += 1
-            table = self.table[:bb]
-            segs = [Segment(s, i, 1, p, table=table, table_row=i) for i, (s, p) in enumerate(zip(seqs, starts,
-                                                                                                   strict=True))]
-            segs += [Segment(-1 - i, i, 1, 0, table=table, table_row=i) for i in range(b, bb)]
+            segs = self._segments(bb, seqs, starts)
             with torch.inference_mode():
                 return self.model.forward(self.tokens[:bb], self.positions[:bb], segs, live_rows=b)[:b]
         if got.graph is not None:
@@ -199,8 +204,7 @@ class DecodeGraphs:
                     tap(layer, self.route_ids[i, :b], self.route_probs[i, :b])
         obs = m.mass_observer
         if obs is not None and got.saved_q:
-            segs = [Segment(s, i, 1, p, table=self.table, table_row=i)
-                    for i, (s, p) in enumerate(zip(seqs, starts, strict=True))]
+            segs = self._segments(len(seqs), seqs, starts)
             for layer, q in got.saved_q.items():
                 for i, sg in enumerate(segs):
                     observe(obs, layer, sg, q[i], self.cache)
