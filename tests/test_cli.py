@@ -34,6 +34,8 @@ def test_bad_arguments_are_refused_with_a_reason() -> None:
     assert r.exit_code == 2 and "device" in r.output
     r = runner.invoke(app, ["bench", "substrate", "--only", "bogus"])
     assert r.exit_code == 2 and "bogus" in r.output
+    r = runner.invoke(app, ["bench", "engine", "--only", "moe,bogus"])
+    assert r.exit_code == 2 and "bogus" in r.output
 
 
 def test_bench_substrate_quick_writes_json_markdown_and_plot(tmp_path: Path) -> None:
