@@ -157,15 +157,16 @@ def bench_substrate(
     device: Dev = DeviceOpt.cuda,
     only: Annotated[str, typer.Option(help="Comma-separated sections: raw,loads,map,links,urgent.")] = "",
     load_configs: Annotated[str, typer.Option(
-        help="loads: 'all' engine configs, only the 'default' one, or 'urgent-stream' (default vs deep bulk "
-             "queue with urgent copies on their own stream).")] = "all",
+        help="loads: 'all' engine configs, only the 'default' one, 'urgent-stream' (default vs deep bulk "
+             "queue with urgent copies on their own stream), or 'map-in' (slot maps in the link worker vs "
+             "on the loader's mapper thread).")] = "all",
 ) -> None:
     """Measure the substrate: link bandwidth, expert loads vs raw copies, map cost, urgent-KV queueing."""
-    from bench.substrate import SECTIONS, run_substrate_bench
+    from bench.substrate import LOAD_CONFIG_SETS, SECTIONS, run_substrate_bench
 
     sections = _sections(only, SECTIONS)
-    if load_configs not in ("all", "default", "urgent-stream"):
-        raise typer.BadParameter(f"{load_configs!r}; expected 'all', 'default' or 'urgent-stream'",
+    if load_configs not in LOAD_CONFIG_SETS:
+        raise typer.BadParameter(f"{load_configs!r}; expected one of {', '.join(map(repr, LOAD_CONFIG_SETS))}",
                                  param_hint="--load-configs")
     run_substrate_bench(out_dir, device.value, quick=quick, console=_io.out, sections=sections,
                         load_configs=load_configs)

@@ -104,7 +104,7 @@ def moe_vs_grouped(dev: Device, hidden: int, inter: int, experts: int, top_k: in
 
 
 def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, block: int, reps: int) -> dict:
-    from runtime.engine.kernels.paged_attention import paged_decode_attention
+    from runtime.engine.kernels.paged_attention import interpreted, paged_decode_attention
 
     g = torch.Generator().manual_seed(1)
     nb = ctx // block
@@ -118,66 +118,103 @@ def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, 
     vc = v[table.long()].reshape(batch, ctx, hkv, d).transpose(1, 2).contiguous()
     qs = q.view(batch, hq, 1, d)
 
+    kernel = dev.is_cuda or interpreted()  # on a plain CPU the engine reads paged KV with torch instead
+
     def ours() -> None:
-        paged_decode_attention(q, k, v, table, lens)
+        if kernel:
+            paged_decode_attention(q, k, v, table, lens)
+            return
+        kk = k[table.long()].reshape(batch, ctx, hkv, d).transpose(1, 2)  # [B, Hkv, C, D] gathered by table
+        vv = v[table.long()].reshape(batch, ctx, hkv, d).transpose(1, 2)
+        F.scaled_dot_product_attention(qs, kk, vv, enable_gqa=True)
 
     def sdpa() -> None:
         F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True)
 
     t_ours, t_sdpa = timed_gpu(dev, ours, reps), timed_gpu(dev, sdpa, reps)
     return {"batch": batch, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "block": block,
-            "paged_ms": t_ours * 1e3, "sdpa_ms": t_sdpa * 1e3, "ratio": t_ours / t_sdpa}
+            "paged_ms": t_ours * 1e3, "sdpa_ms": t_sdpa * 1e3, "ratio": t_ours / t_sdpa,
+            "paged_kernel": "triton" if kernel else "torch gather + SDPA (CPU reference)"}
 
 
 def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, batches: list[int], steps: int,
-                      rounds: int = 3, graphs: bool = True, window_steps: int = 128) -> list[dict]:
-    """tok/s of `steps` decode steps after a 16-token prefill, agent off/on alternated `rounds` times;
-    decode steps replayed from CUDA graphs (`graphs`) or eager."""
+                      rounds: int = 3, graphs: bool = True, window_steps: int = 128,
+                      block_steps: int = 16) -> list[dict]:
+    """tok/s of decode with the agent off and on, interleaved: each of `rounds` fresh batches (16-token
+    prefill) decodes `steps` steps in blocks of `block_steps`, the agent switched per block in ABBA order
+    (off on on off, next quad on off off on). Adjacent blocks see the same batch at nearly the same context
+    length, so each quad gives a paired overhead estimate that cancels the context's linear growth; the
+    median over quads is reported beside the all-blocks ratio. Decode steps are CUDA-graph replays
+    (`graphs`) or eager. An on-block that closes a Telemetry window also waits for its message to be built."""
     from agent.adapters.reference import ReferenceAdapter
     from runtime.engine.engine import EngineConfig, ReferenceEngine
     from runtime.engine.presets import preset
     from runtime.selfcheck.exact import auto_block_tokens
 
+    if block_steps < 1 or steps % (4 * block_steps):
+        raise ValueError(f"steps={steps} must be a multiple of 4 x block_steps={block_steps} (ABBA quads)")
     spec = preset(preset_name) if num_layers is None else preset(preset_name).truncated(num_layers)
-    bt, prompt = auto_block_tokens(spec), 16
-    per_seq = -(-(prompt + steps + 1) // bt)
+    bt, prompt, warm = auto_block_tokens(spec), 16, 2
+    per_seq = -(-(prompt + warm + steps + 1) // bt)
     eng = ReferenceEngine(spec, dev, EngineConfig(experts_on_device=True, block_tokens=bt, decode_graphs=graphs,
                                                   kv_gpu_blocks=per_seq * max(batches)))
     out, next_id = [], 0
     adapter = ReferenceAdapter(eng, window_steps=window_steps)
     try:
         taps = (eng.model.route_tap, eng.model.mass_observer)
+
+        def switch(agent_on: bool) -> None:
+            eng.model.route_tap, eng.model.mass_observer = taps if agent_on else (None, None)
+
         for b in batches:
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for _ in range(rounds):
-                for agent_on in (False, True):
-                    eng.model.route_tap, eng.model.mass_observer = taps if agent_on else (None, None)
-                    seqs = list(range(next_id, next_id + b))
-                    next_id += b
-                    logits = eng.step(seqs, [[1 + (s * 7 + j) % 100 for j in range(prompt)] for s in seqs],
-                                      [0] * b)
-                    last = logits.argmax(-1).tolist()
+            blocks: dict[bool, list[float]] = {False: [], True: []}
+            quads: list[float] = []
+            for r in range(rounds):
+                seqs = list(range(next_id, next_id + b))
+                next_id += b
+                switch(False)
+                logits = eng.step(seqs, [[1 + (s * 7 + j) % 100 for j in range(prompt)] for s in seqs], [0] * b)
+                last, pos = logits.argmax(-1).tolist(), prompt
+                for agent_on in (False, True):  # untimed: both graphs (with and without saved queries) exist
+                    switch(agent_on)
+                    last = eng.step(seqs, [[t] for t in last], [pos] * b).argmax(-1).tolist()
+                    pos += 1
+                order = (False, True, True, False) if r % 2 == 0 else (True, False, False, True)
+                quad: dict[bool, float] = {False: 0.0, True: 0.0}
+                for k in range(steps // block_steps):
+                    agent_on = order[k % 4]
+                    switch(agent_on)
                     dev.synchronize()
                     t0 = time.perf_counter()
-                    for i in range(steps):
-                        logits = eng.step(seqs, [[t] for t in last], [prompt + i] * b)
+                    for _ in range(block_steps):
+                        logits = eng.step(seqs, [[t] for t in last], [pos] * b)
                         last = logits.argmax(-1).tolist()  # greedy: the host needs the token (as a server does)
+                        pos += 1
                         if agent_on:
                             adapter.on_step(None, 0.0)
-                    adapter.outbox.join()  # the windows' messages are built inside the timed span
+                    if agent_on:
+                        adapter.outbox.join()  # a window closed in this block is built inside it
                     dev.synchronize()
-                    times[agent_on].append(time.perf_counter() - t0)
-                    for s in seqs:
-                        eng.cache.free(s)
-            off, on = min(times[False]), min(times[True])
-            paired = sorted(a / b - 1.0 for a, b in zip(times[True], times[False], strict=True))
+                    dt = time.perf_counter() - t0
+                    blocks[agent_on].append(dt)
+                    quad[agent_on] += dt
+                    if k % 4 == 3:
+                        quads.append(quad[True] / quad[False] - 1.0)
+                        quad = {False: 0.0, True: 0.0}
+                for s in seqs:
+                    eng.cache.free(s)
+            off_s, on_s = sum(blocks[False]), sum(blocks[True])
+            n_steps = len(blocks[False]) * block_steps  # as many on-steps as off-steps
+            quads.sort()
             out.append({"preset": spec.name, "batch": b, "steps": steps, "graphs": graphs,
-                        "window_steps": window_steps,
+                        "window_steps": window_steps, "block_steps": block_steps,
                         "fallbacks": dict(eng.graphs.fallbacks) if eng.graphs is not None else {},
-                        "tok_s_agent_off": b * steps / off,
-                        "tok_s_agent_on": b * steps / on, "step_ms_agent_off": off / steps * 1e3,
-                        "agent_overhead": on / off - 1.0, "rounds": rounds,
-                        "agent_overhead_paired_median": paired[len(paired) // 2]})
+                        "tok_s_agent_off": b * n_steps / off_s, "tok_s_agent_on": b * n_steps / on_s,
+                        "step_ms_agent_off": off_s / n_steps * 1e3, "agent_overhead": on_s / off_s - 1.0,
+                        "rounds": rounds, "quads": len(quads),
+                        "agent_overhead_paired_median": quads[len(quads) // 2],
+                        "agent_overhead_quad_p25": quads[len(quads) // 4],
+                        "agent_overhead_quad_p75": quads[(3 * len(quads)) // 4]})
     finally:
         adapter.close()
         eng.close()
@@ -235,11 +272,12 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
     for graphs in modes:
         # A Telemetry window every 128 steps (~1.2 s at B=1); two windows are built inside each timed span.
         # Eager rows are the slow reference: fewer steps.
-        res["decode"] += (decode_throughput(dev, "tiny", None, [1, 4], 4, rounds=1, graphs=graphs, window_steps=2)
+        res["decode"] += (decode_throughput(dev, "tiny", None, [1, 4], 4, rounds=1, graphs=graphs, window_steps=2,
+                                            block_steps=1)
                           if quick else
                           decode_throughput(dev, "qwen3-30b-a3b", None, [1, 64], 256 if graphs else 32,
                                             rounds=rounds if graphs else 2, graphs=graphs,
-                                            window_steps=128 if graphs else 16))
+                                            window_steps=128 if graphs else 16, block_steps=16 if graphs else 8))
         say(f"decode: {res['decode'][-2:]}")
     if profile and dev.is_cuda:
         (out_dir / "profile_eager_step.txt").parent.mkdir(parents=True, exist_ok=True)
@@ -255,14 +293,18 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
            "|---|---|---|---|---|---|"]
     md += [f"| {a['hq']}q/{a['hkv']}kv d{a['d']} | {a['batch']} | {a['ctx']} | {a['paged_ms']:.3f} | "
            f"{a['sdpa_ms']:.3f} | {a['ratio']:.2f} |" for a in res["attention"]]
-    md += ["", "| decode, all experts resident | step | batch | steps | telemetry window (steps) | tok/s agent off | "
-           "tok/s agent on | step ms | agent overhead (best vs best) | paired median | rounds | eager fallbacks |",
+    md += ["", "Decode: agent off and on interleaved in blocks of steps, ABBA order, over fresh batches (rounds); "
+           "overhead = on time / off time - 1 over all blocks, and the median (p25..p75) of the per-quad ratios.", "",
+           "| decode, all experts resident | step | batch | steps × rounds | block | telemetry window (steps) "
+           "| tok/s agent off | tok/s agent on | step ms | agent overhead (all blocks) | per-quad median (p25..p75) "
+           "| eager fallbacks |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    md += [f"| {x['preset']} | {'CUDA graph' if x['graphs'] else 'eager'} | {x['batch']} | {x['steps']} | "
-           f"{x['window_steps']} | "
+    md += [f"| {x['preset']} | {'CUDA graph' if x['graphs'] else 'eager'} | {x['batch']} | "
+           f"{x['steps']} × {x['rounds']} | {x['block_steps']} | {x['window_steps']} | "
            f"{x['tok_s_agent_off']:.1f} | "
            f"{x['tok_s_agent_on']:.1f} | {x['step_ms_agent_off']:.2f} | {x['agent_overhead'] * 100:+.2f} % | "
-           f"{x['agent_overhead_paired_median'] * 100:+.2f} % | {x['rounds']} | "
+           f"{x['agent_overhead_paired_median'] * 100:+.2f} % ({x['agent_overhead_quad_p25'] * 100:+.2f} .. "
+           f"{x['agent_overhead_quad_p75'] * 100:+.2f}) | "
            f"{x['fallbacks'] or '-'} |" for x in res["decode"]]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     return res

@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from runtime.nvme import DirectFile, align_up
 from runtime.selfcheck.common import workdir_for
 from runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferRequest
 from runtime.weights.format import ExpertFormat
-from runtime.weights.loader import ExpertLoadHandler, StoreKind
+from runtime.weights.loader import ExpertLoadHandler, MapIn, StoreKind
 from runtime.weights.sources import SyntheticExpertSource
 from runtime.weights.stores import PinnedExpertStore
 
@@ -74,18 +75,22 @@ def raw_copy_gbps(dev: Device, num_bytes: int, reps: int, to_device: bool = True
     return num_bytes * count / sec / 1e9
 
 
+WORKER_PHASES = ("hook_s", "issue_s", "blocked_s", "retire_s")
+
+
 def expert_load_gbps(dev: Device, engine: TransferEngine, hidden: int, inter: int, batch: int,
-                     reps: int, poison_unmapped: bool = True) -> dict[str, float]:
+                     reps: int, poison_unmapped: bool = True, map_in: MapIn = "worker") -> dict[str, Any]:
     """Pinned store -> slots: `batch` loads in flight at once (a prefetch list), then a single load.
 
     Timed: prepare_load (the slot map) + the engine's copy + complete_load, i.e. the whole load path.
     Not timed: unmapping the previous round's experts (eviction happens off this path).
+    Also reported, per pipelined load: where the host->device worker (and the mapper) spent their time.
     """
     fmt = ExpertFormat.swiglu(hidden, inter)
     src = SyntheticExpertSource(fmt, 1, batch, seed=1)
     store = PinnedExpertStore(dev, src)
     pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, fmt.num_bytes, batch, poison_unmapped=poison_unmapped)
-    loader = ExpertLoadHandler(pool, engine, pinned=store)
+    loader = ExpertLoadHandler(pool, engine, pinned=store, map_in=map_in)
 
     def evict_all() -> None:
         for e in pool.resident_experts(0):
@@ -99,7 +104,11 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, hidden: int, inter: in
     def load_one() -> None:
         loader.load(0, 0, StoreKind.PINNED).wait()
 
+    before, mapper_before = engine.stats()["links"]["h2d"], loader.mapper_busy_s()
     batch_s = timed(dev, load_all, reps, setup=evict_all)
+    after, num_loads = engine.stats()["links"]["h2d"], (reps + 2) * batch  # timed() runs 2 warmups
+    worker_us = {k.removesuffix("_s"): (after[k] - before[k]) / num_loads * 1e6 for k in WORKER_PHASES}
+    worker_us["mapper"] = (loader.mapper_busy_s() - mapper_before) / num_loads * 1e6
     one_s = timed(dev, load_one, reps * 2, setup=evict_all)
     raw = raw_copy_gbps(dev, fmt.num_bytes, reps * 2, count=batch)
     loader.close()
@@ -108,7 +117,8 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, hidden: int, inter: in
     n = fmt.num_bytes
     return {"expert_bytes": n, "batch": batch, "pipelined_gbps": n * batch / batch_s / 1e9,
             "single_gbps": n / one_s / 1e9, "single_ms": one_s * 1e3, "raw_gbps": raw,
-            "pipelined_ratio": n * batch / batch_s / 1e9 / raw}
+            "pipelined_ratio": n * batch / batch_s / 1e9 / raw, "map_in": map_in,
+            "worker_us_per_load": worker_us}
 
 
 def map_cost_us(dev: Device, stride_bytes: int, n: int) -> dict[str, float]:
@@ -221,12 +231,37 @@ def urgent_behind_stream(dev: Device, chunk_bytes: int | None, stream_bytes: int
 SECTIONS = ("raw", "loads", "map", "links", "urgent")
 
 
+@dataclass(frozen=True)
+class LoadConfig:
+    """One transfer-engine + loader setting the loads section measures."""
+
+    chunk_bytes: int
+    max_inflight_bytes: int
+    poison_unmapped: bool = True  # False: absent experts are unmapped (a read faults), a load only maps
+    urgent_stream: bool = False  # urgent KV copies on their own stream, so the bulk bound can be deep
+    map_in: MapIn = "worker"  # who maps a slot: the link's worker, or the loader's mapper thread
+
+
+_DEFAULT = LoadConfig(8 * MiB, 16 * MiB)
+_DEEP = LoadConfig(8 * MiB, 64 * MiB, urgent_stream=True)
+LOAD_CONFIG_SETS: dict[str, list[LoadConfig]] = {
+    "default": [_DEFAULT],
+    "urgent-stream": [_DEFAULT, _DEEP],
+    "map-in": [_DEFAULT, replace(_DEFAULT, map_in="mapper"), _DEEP, replace(_DEEP, map_in="mapper"),
+               replace(_DEEP, map_in="mapper", poison_unmapped=False)],
+    "all": [_DEFAULT, replace(_DEFAULT, poison_unmapped=False), LoadConfig(4 * MiB, 16 * MiB), _DEEP,
+            replace(_DEEP, map_in="mapper")],
+}
+
+
 def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None,
                         sections: tuple[str, ...] = SECTIONS, load_configs: str = "all") -> dict:
     """Run the chosen sections (all by default) and write the results; a partial run writes what it ran."""
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown bench sections {sorted(unknown)}; expected some of {SECTIONS}")
+    if load_configs not in LOAD_CONFIG_SETS:
+        raise ValueError(f"unknown load config set {load_configs!r}; expected one of {sorted(LOAD_CONFIG_SETS)}")
     dev = Device(device)
     say = console.print if console is not None else print
     reps = 3 if quick else 10
@@ -241,21 +276,15 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
     if "loads" in sections:
         # Prefetch batches a decode step really issues: at B>=32 ~110 of Qwen3's 128 experts per layer are active.
         shapes = [(256, 512, 4)] if quick else [(2048, 768, 16), (2048, 768, 64), (4096, 1024, 32), (4096, 14336, 4)]
-        # poison off: absent experts are unmapped (a read faults) and a load maps without unmapping poison first
-        # (chunk, in-flight bound, poison absent experts, urgent copies on their own stream)
-        default, deep = (8 * MiB, 16 * MiB, True, False), (8 * MiB, 64 * MiB, True, True)
-        configs = {"default": [default], "urgent-stream": [default, deep],
-                   "all": [default, (8 * MiB, 16 * MiB, False, False), (4 * MiB, 16 * MiB, True, False), deep]
-                   }[load_configs]
-        if quick:
-            configs = [(4 * MiB, 16 * MiB, True, False)]
+        configs = [LoadConfig(4 * MiB, 16 * MiB), LoadConfig(4 * MiB, 16 * MiB, map_in="mapper")] if quick \
+            else LOAD_CONFIG_SETS[load_configs]
         res["expert_loads"] = []
-        for chunk, inflight, poison, urgent in configs:
-            with TransferEngine(dev, chunk_bytes=chunk, max_inflight_bytes=inflight, urgent_stream=urgent) as eng:
+        for c in configs:
+            with TransferEngine(dev, chunk_bytes=c.chunk_bytes, max_inflight_bytes=c.max_inflight_bytes,
+                                urgent_stream=c.urgent_stream) as eng:
                 for h, i, b in shapes:
-                    r = expert_load_gbps(dev, eng, h, i, b, reps, poison_unmapped=poison)
-                    res["expert_loads"].append({**r, "chunk_bytes": chunk, "max_inflight_bytes": inflight,
-                                                "poison_unmapped": poison, "urgent_stream": urgent})
+                    r = expert_load_gbps(dev, eng, h, i, b, reps, poison_unmapped=c.poison_unmapped, map_in=c.map_in)
+                    res["expert_loads"].append({**r, **asdict(c)})
         say(f"expert loads: {res['expert_loads']}")
     if "map" in sections:
         strides = [2 * MiB] if quick else [2 * MiB, 10 * MiB, 336 * MiB]
@@ -304,14 +333,16 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
     if "expert_loads" in res:
         md += ["## Expert loads, pinned host -> slot (map + copy + publish), vs raw pinned host -> device copies of",
                "the same sizes and count on one stream", "",
-               "| chunk | in flight | absent experts | expert bytes | loads in flight | pipelined GB/s | raw GB/s "
-               "| ratio | single load ms |",
-               "|---|---|---|---|---|---|---|---|---|"]
+               "| chunk | in flight | absent experts | maps in | expert bytes | loads in flight | pipelined GB/s "
+               "| raw GB/s | ratio | single load ms | link worker µs/load: hook · issue · blocked · retire | "
+               "mapper µs/load |",
+               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {_chunk_label(e['chunk_bytes'], e.get('urgent_stream', False))} | "
                f"{e['max_inflight_bytes'] >> 20} MiB | "
-               f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {e['expert_bytes']:,} | "
+               f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {e.get('map_in', 'worker')} | "
+               f"{e['expert_bytes']:,} | "
                f"{e['batch']} | {e['pipelined_gbps']:.1f} | {e['raw_gbps']:.1f} | {e['pipelined_ratio']:.3f} | "
-               f"{e['single_ms']:.3f} |" for e in res["expert_loads"]]
+               f"{e['single_ms']:.3f} | {_phases(e)} | {_mapper_us(e)} |" for e in res["expert_loads"]]
     if "map_cost" in res:
         md += ["", "## Map + set access per slot", "", "| slot bytes | map+access µs (median) | p90 | unmap µs |",
                "|---|---|---|---|"]
@@ -341,6 +372,16 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
         _plot(stem.with_suffix(".png"), res)
 
 
+def _phases(e: dict) -> str:
+    w = e.get("worker_us_per_load")
+    return "" if w is None else " · ".join(f"{w[k]:.0f}" for k in ("hook", "issue", "blocked", "retire"))
+
+
+def _mapper_us(e: dict) -> str:
+    w = e.get("worker_us_per_load")
+    return "" if w is None or e.get("map_in") != "mapper" else f"{w['mapper']:.0f}"
+
+
 def _chunk_label(chunk_bytes: int, urgent_stream: bool = False) -> str:
     label = f"{chunk_bytes >> 20} MiB chunks" if chunk_bytes else "off"
     return label + (" + urgent stream" if urgent_stream else "")
@@ -356,14 +397,16 @@ def _plot(path: Path, res: dict) -> None:
     xs = [int(s) / MiB for s in res["raw_h2d_gbps"]]
     a.plot(xs, list(res["raw_h2d_gbps"].values()), "o-", label="raw pinned H2D")
     a.plot(xs, list(res["raw_d2h_gbps"].values()), "s-", label="raw pinned D2H")
-    for cfg in sorted({(e["chunk_bytes"], e["max_inflight_bytes"], e["poison_unmapped"])
-                       for e in res["expert_loads"]}):
-        pts = [e for e in res["expert_loads"]
-               if (e["chunk_bytes"], e["max_inflight_bytes"], e["poison_unmapped"]) == cfg]
+    def key(e: dict) -> tuple:
+        return (e["chunk_bytes"], e["max_inflight_bytes"], e["poison_unmapped"], e.get("map_in", "worker"))
+
+    for cfg in sorted({key(e) for e in res["expert_loads"]}):
+        pts = [e for e in res["expert_loads"] if key(e) == cfg]
         pts = [max((p for p in pts if p["expert_bytes"] == n), key=lambda p: p["batch"])
                for n in sorted({p["expert_bytes"] for p in pts})]
         a.plot([e["expert_bytes"] / MiB for e in pts], [e["pipelined_gbps"] for e in pts], "^--", ms=8,
-               label=f"expert loads, {_chunk_label(cfg[0])}, {'poison' if cfg[2] else 'unmapped'}")
+               label=f"loads, {_chunk_label(cfg[0])}, {cfg[1] >> 20} MiB in flight, "
+                     f"{'poison' if cfg[2] else 'unmapped'}, maps in {cfg[3]}")
     a.set_xscale("log", base=2)
     a.set_xlabel("transfer size (MiB)")
     a.set_ylabel("GB/s")

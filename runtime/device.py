@@ -110,6 +110,14 @@ class Device:
         """Page-aligned host memory, pinned when the device is a GPU."""
         return AlignedHostBuffer(num_bytes, pin=self.is_cuda)
 
+    def bind_thread(self, stream: Any = None) -> None:
+        """Make this device current on the calling thread (driver calls from worker threads need it) and,
+        given one, `stream` the thread's current stream (its copies then need no stream switch)."""
+        if self.is_cuda:
+            torch.cuda.set_device(self.torch_device)
+            if stream is not None:
+                torch.cuda.set_stream(stream)
+
     def new_stream(self, priority: int = 0) -> Any:
         """A CUDA stream (None on the CPU twin); priority < 0 is scheduled ahead of default streams."""
         return torch.cuda.Stream(device=self.torch_device, priority=priority) if self.is_cuda else None
@@ -137,8 +145,11 @@ class Device:
         if not self.is_cuda:
             dst.copy_(src)
             return completed_event()
-        with torch.cuda.stream(stream):
+        if stream is None or stream == torch.cuda.current_stream(self.torch_device):  # no stream switch needed
             dst.copy_(src, non_blocking=True)
+        else:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
         return self.record_event(stream)
 
     def synchronize(self) -> None:

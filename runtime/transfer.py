@@ -129,7 +129,11 @@ def _chunk_spans(n: int, chunk_bytes: int | None) -> list[tuple[int, int]]:
 
 
 def _slice(buf: Buffer, off: int, n: int) -> Buffer:
-    return buf.sub(off, n) if isinstance(buf, FileRegion) else _as_bytes(buf)[off : off + n]
+    if isinstance(buf, FileRegion):
+        return buf.sub(off, n)
+    if off == 0 and buf.dim() == 1 and buf.dtype == torch.uint8 and buf.numel() == n:
+        return buf  # a whole byte buffer (an expert record, a slot view): no view ops on the worker
+    return _as_bytes(buf)[off : off + n]
 
 
 URGENT_POLL_S = 100e-6  # with an urgent stream: how often a worker waiting on bulk copies looks at them
@@ -229,7 +233,11 @@ class TransferEngine:
     def _issue(self, link: Link, ch: _Chunk, first: bool) -> Event | None:
         req = ch.handle.request
         if first and req.before_issue is not None:
-            req.before_issue()
+            t0 = time.perf_counter()
+            try:
+                req.before_issue()
+            finally:
+                self._add_time(link, "hook_s", time.perf_counter() - t0)
         src = _slice(req.src, ch.offset_bytes, ch.length_bytes)
         dst = _slice(req.dst, ch.offset_bytes, ch.length_bytes)
         if link in (Link.DISK2H, Link.H2DISK) and req.after is not None:
@@ -252,13 +260,28 @@ class TransferEngine:
         return (link in self._urgent_streams and ch.key[0] == int(Priority.URGENT)
                 and ch.handle.request.traffic is TrafficClass.KV)
 
+    def _add_time(self, link: Link, phase: str, dt_s: float) -> None:
+        with self._stats_lock:
+            ls = self._link_stats[link]
+            setattr(ls, phase, getattr(ls, phase) + dt_s)
+
     def _retire(self, ch: _Chunk, event: Event | None, failed: BaseException | None) -> None:
         h = ch.handle
         if event is not None and failed is None:
+            t0 = time.perf_counter()
             try:
                 event.synchronize()
             except Exception as exc:  # a CUDA error surfaces here
                 failed = exc
+            self._add_time(h.request.link, "blocked_s", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        try:
+            self._account(ch, failed)
+        finally:
+            self._add_time(h.request.link, "retire_s", time.perf_counter() - t0)
+
+    def _account(self, ch: _Chunk, failed: BaseException | None) -> None:
+        h = ch.handle
         if failed is not None and h.error is None:
             h.error = failed
         with self._stats_lock:
@@ -304,8 +327,7 @@ class TransferEngine:
         h._done.set()
 
     def _run(self, link: Link) -> None:
-        if self.device.is_cuda:  # bind the device's context to this thread (driver calls in hooks need it)
-            torch.cuda.set_device(self.device.torch_device)
+        self.device.bind_thread(self._streams.get(link))  # hooks' driver calls need the context; bulk copies
         q = self._queues[link]
         inflight: deque[tuple[_Chunk, Event]] = deque()
         urgent: deque[tuple[_Chunk, Event]] = deque()  # on the urgent stream: retired on their own
@@ -349,11 +371,14 @@ class TransferEngine:
                 first = h.start_s is None
                 if first:
                     h.start_s = self.clock()
+            t0 = time.perf_counter()
             try:
                 ev = self._issue(link, ch, first)
             except Exception as exc:
                 self._retire(ch, None, exc)
                 continue
+            finally:
+                self._add_time(link, "issue_s", time.perf_counter() - t0)  # hooks included; hook_s says how much
             with self._stats_lock:
                 h._unissued -= 1
                 if h._unissued == 0:

@@ -76,5 +76,11 @@ class LinkStats:
     # Timing, not identity: left out of == so counts can be compared exactly.
     queue_delay_s_sum: float = field(default=0.0, compare=False)
     queue_delay_s_max: float = field(default=0.0, compare=False)
+    # Where the link's worker spends its time (memory links): before_issue hooks (e.g. slot remaps), issuing
+    # copies, blocked on the oldest copy, and retiring finished chunks (events, on_done callbacks).
+    hook_s: float = field(default=0.0, compare=False)
+    issue_s: float = field(default=0.0, compare=False)
+    blocked_s: float = field(default=0.0, compare=False)
+    retire_s: float = field(default=0.0, compare=False)
 
 

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from api.cli import app
@@ -36,6 +37,8 @@ def test_bad_arguments_are_refused_with_a_reason() -> None:
     assert r.exit_code == 2 and "bogus" in r.output
     r = runner.invoke(app, ["bench", "engine", "--only", "moe,bogus"])
     assert r.exit_code == 2 and "bogus" in r.output
+    r = runner.invoke(app, ["bench", "substrate", "--load-configs", "fastest"])
+    assert r.exit_code == 2 and "'fastest'" in r.output and "'map-in'" in r.output
 
 
 def test_bench_substrate_quick_writes_json_markdown_and_plot(tmp_path: Path) -> None:
@@ -44,6 +47,8 @@ def test_bench_substrate_quick_writes_json_markdown_and_plot(tmp_path: Path) -> 
     res = json.loads((tmp_path / "substrate_cpu.json").read_text())
     assert res["expert_loads"] and res["urgent_kv"] and set(res["links"]) == {"h2d", "d2h", "h2disk", "disk2h"}
     assert all(v["ratio"] > 0 for v in res["links"].values())
+    assert {e["map_in"] for e in res["expert_loads"]} == {"worker", "mapper"}
+    assert all(e["worker_us_per_load"]["issue"] > 0 for e in res["expert_loads"])
     assert "| link | engine GB/s" in (tmp_path / "substrate_cpu.md").read_text()
     assert (tmp_path / "substrate_cpu.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -74,3 +79,14 @@ def test_bench_engine_quick_writes_json_and_markdown(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "engine_cpu.json").read_text())
     assert len(res["moe"]) == 2 and len(res["attention"]) == 1 and len(res["decode"]) == 2
     assert all(m["ratio"] > 0 for m in res["moe"]) and "SDPA" in (tmp_path / "engine_cpu.md").read_text()
+
+
+def test_bench_engine_attention_runs_on_a_plain_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: without Triton's interpreter the CPU run called the GPU kernel and died ('0 active drivers');
+    it now times the engine's CPU path (gather by block table + SDPA) and says so."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    r = runner.invoke(app, ["bench", "engine", "--device", "cpu", "--quick", "--only", "attention",
+                            "--out-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "engine_cpu.json").read_text())
+    assert [a["paged_kernel"] for a in res["attention"]] == ["torch gather + SDPA (CPU reference)"]

@@ -219,3 +219,40 @@ def test_replayed_and_padded_eager_steps_are_bit_identical_on_cuda(tmp_path: Pat
 
     a, b = replay_vs_padded_eager(preset("tiny"), "cuda", tmp_path, batch)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("map_in", ["worker", "mapper"])
+def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, vmm, map_in: str) -> None:
+    """Rounds of a whole-layer prefetch list, evicted in between, with a KV stream on the same link: every
+    expert lands byte-exact and absent ones read as poison, whether the link worker or the mapper maps."""
+    from runtime.weights.format import ExpertFormat
+    from runtime.weights.loader import ExpertLoadHandler
+    from runtime.weights.sources import SyntheticExpertSource
+    from runtime.weights.stores import PinnedExpertStore
+
+    fmt = ExpertFormat.swiglu(512, 768)  # 2.25 MiB, a slot of two 2 MiB pages
+    pinned = PinnedExpertStore(dev, SyntheticExpertSource(fmt, 2, 12, seed=5))
+    pool = ExpertSlotPool(vmm, dev, 2, 12, fmt.num_bytes, 12)
+    kv_src, kv_dst = _rand(24 << 20, 9).pin_memory(), torch.empty(24 << 20, dtype=torch.uint8, device="cuda")
+    with TransferEngine(dev, max_inflight_bytes=64 << 20, urgent_stream=True) as eng:
+        loader = ExpertLoadHandler(pool, eng, pinned=pinned, map_in=map_in)
+        for rnd in range(4):
+            layer = rnd % 2
+            kv = eng.submit(TransferRequest(Link.H2D, TrafficClass.KV, kv_src, kv_dst, Priority.URGENT))
+            futs = [loader.load(layer, e) for e in range(12)]
+            for f in futs:
+                f.wait(30)
+            kv.wait(30)
+            pool.wait_ready(layer, range(12))
+            for e in range(12):
+                assert checksum(pool.expert_tensor(layer, e).cpu()) == pinned.checksum(layer, e), (rnd, e)
+            assert checksum(kv_dst.cpu()) == checksum(kv_src)
+            pool.record_read_all(dev.record_event())
+            for e in range(12):
+                pool.unmap(layer, e)
+            assert torch.isnan(pool.layer_tensor(layer)[: 1 << 20].view(torch.bfloat16)).all()
+        loader.close()
+    assert loader.stats()["loads_ok"] == 48
+    pool.check_invariants()
+    pool.close()
+    pinned.close()

@@ -554,6 +554,9 @@ def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.Monk
         def new_stream(self, priority: int = 0):
             return object()
 
+        def bind_thread(self, stream=None) -> None:
+            pass
+
         def stream_wait(self, ev, stream=None) -> None:
             pass
 

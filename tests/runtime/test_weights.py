@@ -116,16 +116,22 @@ def test_nvme_store_reopens_from_its_index_and_matches_pinned(tmp_path: Path, de
     pinned.close()
 
 
-def _rig(tmp_path: Path, dev: Device, engine: TransferEngine, num_slots: int = 3):
+@pytest.fixture(params=["worker", "mapper"])
+def map_in(request: pytest.FixtureRequest) -> str:
+    """Where a load's slot is mapped: in the link's worker, or on the loader's own mapper thread."""
+    return request.param
+
+
+def _rig(tmp_path: Path, dev: Device, engine: TransferEngine, num_slots: int = 3, map_in: str = "worker"):
     src = SyntheticExpertSource(MIXED, 2, 6, seed=2)
     pinned = PinnedExpertStore(dev, src)
     nvme = NvmeExpertStore.build(tmp_path / "e.bin", src, dev)
     pool = ExpertSlotPool(HostBackend(), dev, 2, 6, MIXED.num_bytes, num_slots, scrub_on_unmap=True)
-    return pinned, nvme, pool, ExpertLoadHandler(pool, engine, pinned, nvme, num_staging=2)
+    return pinned, nvme, pool, ExpertLoadHandler(pool, engine, pinned, nvme, num_staging=2, map_in=map_in)
 
 
-def test_loader_is_byte_exact_from_both_stores_and_any_dtype(tmp_path: Path, dev: Device, engine) -> None:
-    pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, num_slots=12)
+def test_loader_is_byte_exact_from_both_stores_and_any_dtype(tmp_path: Path, dev: Device, engine, map_in) -> None:
+    pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, num_slots=12, map_in=map_in)
     futs = [loader.load(layer, e, StoreKind.NVME if (layer + e) % 2 else StoreKind.PINNED)
             for layer in range(2) for e in range(6)]
     for f in futs:
@@ -137,8 +143,8 @@ def test_loader_is_byte_exact_from_both_stores_and_any_dtype(tmp_path: Path, dev
     pool.close()
 
 
-def test_loader_detects_flipped_nvme_bytes_and_gives_the_slot_back(tmp_path: Path, dev: Device, engine) -> None:
-    pinned, nvme, pool, loader = _rig(tmp_path, dev, engine)
+def test_loader_detects_flipped_nvme_bytes_and_gives_the_slot_back(tmp_path: Path, dev: Device, engine, map_in) -> None:
+    pinned, nvme, pool, loader = _rig(tmp_path, dev, engine, map_in=map_in)
     off = nvme.region(1, 4).offset_bytes + 100
     fd = os.open(tmp_path / "e.bin", os.O_RDWR)
     os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 1]), off)
@@ -153,8 +159,13 @@ def test_loader_detects_flipped_nvme_bytes_and_gives_the_slot_back(tmp_path: Pat
     pool.close()
 
 
-def test_loader_refusals_move_nothing(tmp_path: Path, dev: Device, engine) -> None:
-    pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, num_slots=1)
+def test_loader_rejects_an_unknown_map_in(tmp_path: Path, dev: Device, engine) -> None:
+    with pytest.raises(ConfigError, match="map_in must be 'worker' or 'mapper', got 'gpu'"):
+        _rig(tmp_path, dev, engine, map_in="gpu")
+
+
+def test_loader_refusals_move_nothing(tmp_path: Path, dev: Device, engine, map_in) -> None:
+    pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, num_slots=1, map_in=map_in)
     loader.load(0, 0).wait(10)
     before = engine.stats()
     with pytest.raises(BusyError):
@@ -169,24 +180,27 @@ def test_loader_refusals_move_nothing(tmp_path: Path, dev: Device, engine) -> No
     pool.close()
 
 
-def test_a_refused_submit_gives_the_slot_back(tmp_path: Path, dev: Device) -> None:
-    """Regression: a pinned load whose submit was refused (engine closed) left the expert LOADING for good."""
+def test_a_refused_submit_gives_the_slot_back(tmp_path: Path, dev: Device, map_in: str) -> None:
+    """Regression: a pinned load whose submit was refused (engine closed) left the expert LOADING for good.
+    With the mapper the refusal comes after load() returned: the future carries it and the slot is back."""
     eng = TransferEngine(dev)
-    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, eng, num_slots=2)
+    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, eng, num_slots=2, map_in=map_in)
     eng.close()
     from runtime.errors import TransferError
 
     with pytest.raises(TransferError):
-        loader.load(0, 1)
+        loader.load(0, 1).wait(10)
     assert pool.state(0, 1) is ExpertState.ABSENT and pool.num_free_slots == 2
+    assert loader.stats()["loads_failed"] == (map_in == "mapper")
+    loader.close()
     pool.check_invariants()
     pool.close()
 
 
-def test_a_failing_publish_still_completes_and_counts_the_load(tmp_path: Path, dev: Device, engine,
+def test_a_failing_publish_still_completes_and_counts_the_load(tmp_path: Path, dev: Device, engine, map_in,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression: an exception while publishing a finished copy hung wait() and was never counted."""
-    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine)
+    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in=map_in)
     real = pool.complete_load
 
     def broken(layer, expert, ok, event=None):

@@ -12,11 +12,9 @@ Triton's interpreter (tests). Never moves experts; reads only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from runtime.engine.kernels.paged_attention import HAS_TRITON
+from runtime.engine.kernels.paged_attention import HAS_TRITON, interpreted
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
 MAX_ROWS = 2048  # above this many routed rows per layer the layer is compute-bound: torch._grouped_mm then
@@ -60,11 +58,7 @@ def usable(x: torch.Tensor, total_rows: int) -> bool:
     whole layer's rows (never per chunk: chunks of one layer must all take the same kernel)."""
     if not HAS_TRITON or total_rows > MAX_ROWS or FORCE is False:
         return False
-    return x.is_cuda or (FORCE is True and _interpreted())
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return x.is_cuda or (FORCE is True and interpreted())
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -82,5 +76,5 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.
         return out
     _grouped_gemm_kernel[(e, triton.cdiv(n, BLOCK_N))](
         x, w, bounds, out, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_F32=_interpreted(), num_warps=4, num_stages=4)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_F32=interpreted(), num_warps=4, num_stages=4)
     return out

@@ -102,7 +102,8 @@ if HAS_TRITON:
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
+    """True when Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -125,7 +126,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     m = torch.empty(bsz, hq, ns, dtype=torch.float32, device=q.device)  # [B, Hq, S] running max per split
     l_sum = torch.empty_like(m)  # [B, Hq, S]
     acc = torch.empty(bsz, hq, ns, d, dtype=torch.float32, device=q.device)  # [B, Hq, S, D]
-    interp = _interpreted()  # Triton's CPU interpreter gets bf16 dots wrong (seen with triton 3.9): upcast there
+    interp = interpreted()  # Triton's CPU interpreter gets bf16 dots wrong (seen with triton 3.9): upcast there
     _paged_split_kernel[(bsz, hkv, ns)](
         q, k_cache, v_cache, block_tables, context_lens, m, l_sum, acc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
