@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from agent.taps import WindowDraft
@@ -26,6 +27,7 @@ class Outbox:
         self.sink = sink
         self.sent = 0
         self.failed = 0
+        self.build_ms: deque[float] = deque(maxlen=1024)  # how long each recent message took to build and sink
         self.last_error: BaseException | None = None
         self._q: queue.Queue[WindowDraft | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tierplan-telemetry-outbox", daemon=True)
@@ -51,7 +53,9 @@ class Outbox:
             try:
                 if draft is None:
                     return
+                t0 = time.perf_counter()
                 self.sink(draft.build(between_layers=_yield_gil))
+                self.build_ms.append((time.perf_counter() - t0) * 1e3)
                 self.sent += 1
             except Exception as exc:  # kept and counted: the engine thread must not die of it
                 self.failed += 1

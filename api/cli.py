@@ -116,6 +116,9 @@ def check_exact(
     seed: Seed = 0,
     device: Dev = DeviceOpt.cpu,
     workdir: Workdir = None,
+    expert_map_in: Annotated[str, typer.Option(
+        help="Second run: who maps a loading expert: 'worker' (the link, before the copy) or 'mapper' (a thread "
+             "beside a copy through the slot window).")] = "worker",
 ) -> None:
     """Same prompts twice: all resident + KV on GPU, then F resident + KV spilled to CPU/NVMe; compare bits."""
     from runtime.engine.config import load_hf_config
@@ -127,8 +130,10 @@ def check_exact(
         spec = load_hf_config(config) if config is not None else load_preset(preset)
         if layers is not None:
             spec = spec.truncated(layers)
+        if expert_map_in not in ("worker", "mapper"):
+            raise typer.BadParameter(f"{expert_map_in!r}; expected 'worker' or 'mapper'", param_hint="--expert-map-in")
         r = run_exact_check(spec, resident_frac, device.value, num_prompts=prompts, new_tokens=new_tokens,
-                            seed=seed, workdir=workdir)
+                            seed=seed, workdir=workdir, expert_map_in=expert_map_in)  # type: ignore[arg-type]
     except ConfigError as exc:
         _io.err.print(f"error: {exc}")
         raise typer.Exit(2) from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -169,6 +170,9 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
         for b in batches:
             blocks: dict[bool, list[float]] = {False: [], True: []}
             quads: list[float] = []
+            hook_ms: dict[bool, list[float]] = {False: [], True: []}  # on_step calls: plain / closing a window
+            join_ms: list[float] = []
+            builds_before = len(adapter.outbox.build_ms)
             for r in range(rounds):
                 seqs = list(range(next_id, next_id + b))
                 next_id += b
@@ -191,9 +195,13 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                         last = logits.argmax(-1).tolist()  # greedy: the host needs the token (as a server does)
                         pos += 1
                         if agent_on:
+                            t1 = time.perf_counter()
                             adapter.on_step(None, 0.0)
+                            hook_ms[adapter.steps % window_steps == 0].append((time.perf_counter() - t1) * 1e3)
                     if agent_on:
+                        t1 = time.perf_counter()
                         adapter.outbox.join()  # a window closed in this block is built inside it
+                        join_ms.append((time.perf_counter() - t1) * 1e3)
                     dev.synchronize()
                     dt = time.perf_counter() - t0
                     blocks[agent_on].append(dt)
@@ -214,11 +222,21 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                         "rounds": rounds, "quads": len(quads),
                         "agent_overhead_paired_median": quads[len(quads) // 2],
                         "agent_overhead_quad_p25": quads[len(quads) // 4],
-                        "agent_overhead_quad_p75": quads[(3 * len(quads)) // 4]})
+                        "agent_overhead_quad_p75": quads[(3 * len(quads)) // 4],
+                        # where the agent's host time goes (engine thread unless said)
+                        "agent_on_step_ms_median": _median(hook_ms[False]),
+                        "window_close_ms_median": _median(hook_ms[True]), "windows": len(hook_ms[True]),
+                        "window_build_ms_median": _median(list(adapter.outbox.build_ms)[builds_before:]),  # outbox
+                        "block_join_ms_max": max(join_ms, default=0.0),
+                        "agent_host_share": (sum(hook_ms[False]) + sum(hook_ms[True]) + sum(join_ms)) / 1e3 / on_s})
     finally:
         adapter.close()
         eng.close()
     return out
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
 
 
 def profile_eager_step(dev: Device, preset_name: str, batch: int = 1) -> str:
@@ -306,5 +324,12 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
            f"{x['agent_overhead_paired_median'] * 100:+.2f} % ({x['agent_overhead_quad_p25'] * 100:+.2f} .. "
            f"{x['agent_overhead_quad_p75'] * 100:+.2f}) | "
            f"{x['fallbacks'] or '-'} |" for x in res["decode"]]
+    md += ["", "Where the agent's host time went in the on-blocks (engine thread unless said):", "",
+           "| step | batch | on_step median ms | window close median ms (windows) | window build median ms "
+           "(outbox thread) | longest wait for the outbox ms | agent host time / on-block time |",
+           "|---|---|---|---|---|---|---|"]
+    md += [f"| {'CUDA graph' if x['graphs'] else 'eager'} | {x['batch']} | {x['agent_on_step_ms_median']:.3f} | "
+           f"{x['window_close_ms_median']:.2f} ({x['windows']}) | {x['window_build_ms_median']:.2f} | "
+           f"{x['block_join_ms_max']:.2f} | {x['agent_host_share'] * 100:.2f} % |" for x in res["decode"]]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     return res

@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1 TIERPLAN_SCRATCH=${TIERPLAN_SCRATCH:-/tmp}
 step() { local t=$1 log=$2; shift 2; local s=$SECONDS
   timeout "$t" "$@" > "$out/$log" 2>&1; local rc=$?
   echo "== $log rc=$rc $((SECONDS - s))s: $(tail -n 1 "$out/$log")"; }
-step 90 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests
+step 150 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests
 step 200 bench_loads.log python3 -m api.cli bench substrate --device cuda --only loads,urgent --load-configs map-in \
   --out-dir "$out"
 step 100 exact_qwen3_2L.log python3 -m api.cli check exact --preset qwen3-30b-a3b --layers 2 --resident-frac 0.25 \

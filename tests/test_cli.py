@@ -37,6 +37,8 @@ def test_bad_arguments_are_refused_with_a_reason() -> None:
     assert r.exit_code == 2 and "bogus" in r.output
     r = runner.invoke(app, ["bench", "engine", "--only", "moe,bogus"])
     assert r.exit_code == 2 and "bogus" in r.output
+    r = runner.invoke(app, ["check", "exact", "--expert-map-in", "gpu"])
+    assert r.exit_code == 2 and "'gpu'" in r.output and "'mapper'" in r.output
     r = runner.invoke(app, ["bench", "substrate", "--load-configs", "fastest"])
     assert r.exit_code == 2 and "'fastest'" in r.output and "'map-in'" in r.output
 

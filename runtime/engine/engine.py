@@ -31,7 +31,7 @@ from runtime.memory.backend import make_backend
 from runtime.memory.slots import ExpertSlotPool
 from runtime.transfer import TransferEngine
 from runtime.weights.format import dtype_from_name
-from runtime.weights.loader import ExpertLoadHandler, StoreKind
+from runtime.weights.loader import ExpertLoadHandler, MapIn, StoreKind
 from runtime.weights.sources import SyntheticExpertSource
 from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
@@ -44,6 +44,9 @@ PADDED_EAGER = frozenset({"experts_not_resident", "forced_routes"})
 class EngineConfig:
     resident_frac: float = 1.0
     expert_store: StoreKind = StoreKind.PINNED
+    # Who maps a loading expert's range: the link worker before the copy, or the loader's mapper thread
+    # beside a copy made through the slot window (runtime/weights/loader.py).
+    expert_map_in: MapIn = "worker"
     block_tokens: int = 16
     kv_gpu_blocks: int = 256
     kv_cpu_blocks: int = 0
@@ -62,6 +65,8 @@ class EngineConfig:
     workdir: Path | None = None
 
     def __post_init__(self) -> None:
+        if self.expert_map_in not in ("worker", "mapper"):
+            raise ConfigError(f"EngineConfig.expert_map_in must be 'worker' or 'mapper', got {self.expert_map_in!r}")
         if not 0.0 < self.resident_frac <= 1.0:
             raise ConfigError(f"EngineConfig.resident_frac must be in (0, 1], got {self.resident_frac}")
         if self.experts_on_device and self.resident_frac < 1.0:
@@ -100,8 +105,10 @@ class ReferenceEngine:
                      if host and cfg.expert_store is StoreKind.NVME else None)
         num_slots = n_moe * spec.num_experts if cfg.resident_frac >= 1.0 else max(
             1, math.ceil(cfg.resident_frac * n_moe * spec.num_experts))
-        self.pool = ExpertSlotPool(make_backend(device), device, n_moe, spec.num_experts, fmt.num_bytes, num_slots)
-        self.loader = ExpertLoadHandler(self.pool, self.transfer, self.pinned, self.nvme) if host else None
+        self.pool = ExpertSlotPool(make_backend(device), device, n_moe, spec.num_experts, fmt.num_bytes, num_slots,
+                                   slot_window=host and cfg.expert_map_in == "mapper")
+        self.loader = (ExpertLoadHandler(self.pool, self.transfer, self.pinned, self.nvme, map_in=cfg.expert_map_in)
+                       if host else None)
         if not host:
             self._fill_slots_on_device(cfg.seed)
         self.experts = OnDemandExperts(self.pool, self.loader, cfg.expert_store)  # type: ignore[arg-type]

@@ -7,6 +7,11 @@ slot (and maps it, unless `map_now=False`: then the copy's worker calls `map_res
 first byte moves, keeping the ~50 µs driver calls off the submitting thread), returns the destination
 view, the caller moves the bytes, and `complete_load(ok, event)` publishes them.
 
+With `slot_window=True` every physical slot is also mapped, for the pool's lifetime, at its own address in
+one extra range (the slot window). `prepare_load(..., via_window=True)` then returns the slot's window view:
+the copy can start at once and the expert's range is mapped (`map_reserved`) beside it on another thread;
+both must be done before `complete_load(ok=True)`. Kernels only ever read through expert ranges.
+
 Invariants (each has a test in tests/runtime/test_slots.py):
   I1 stable address: `layer_tensor(l).data_ptr()` never changes between construction and close.
   I2 one page, one slot: an expert range maps at most one slot, and a slot backs at most one expert.
@@ -93,6 +98,7 @@ class ExpertSlotPool:
         num_slots: int,
         poison_unmapped: bool = True,
         scrub_on_unmap: bool = False,
+        slot_window: bool = False,
     ) -> None:
         self.layout = ExpertLayout(num_layers, num_experts, expert_bytes, backend.granularity_bytes)
         if not num_slots > 0:
@@ -121,6 +127,12 @@ class ExpertSlotPool:
                         backend.unmap(base + e * stride, stride)
             for _ in range(num_slots):
                 self._slots.append(backend.create_physical(stride))
+            self._window: torch.Tensor | None = None
+            if slot_window:  # every slot at a fixed address too: copies need no remap first
+                base = backend.reserve(num_slots * stride)  # released with the rest by backend.close()
+                for i, phys in enumerate(self._slots):
+                    backend.map(base + i * stride, stride, phys)
+                self._window = backend.tensor(base, num_slots * stride)  # [num_slots * stride]
         except Exception:
             backend.close()
             raise
@@ -197,8 +209,15 @@ class ExpertSlotPool:
                 assert self._num_resident[l_] == n, "resident counter disagrees with the entries"
 
     # ---- two-phase load -----------------------------------------------------------------------------
-    def prepare_load(self, layer: int, expert: int, map_now: bool = True) -> torch.Tensor:
-        """Reserve a free slot for the expert (and map it unless map_now=False); returns the view to fill."""
+    @property
+    def slot_window(self) -> bool:
+        return self._window is not None
+
+    def prepare_load(self, layer: int, expert: int, map_now: bool = True, via_window: bool = False) -> torch.Tensor:
+        """Reserve a free slot for the expert (and map it unless map_now=False); returns the view to fill: the
+        expert's range, or with via_window=True the slot's window (needs slot_window=True)."""
+        if via_window and self._window is None:
+            raise ConfigError("prepare_load(via_window=True) needs a pool made with slot_window=True")
         with self._lock:
             en = self._entry(layer, expert)
             if en.state is not ExpertState.ABSENT:
@@ -214,6 +233,10 @@ class ExpertSlotPool:
             self._slot_owner[slot] = (layer, expert)
             en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], map_now
             self.remaps += 1
+        if via_window:
+            assert self._window is not None
+            off = slot * self.layout.stride_bytes
+            return self._window[off : off + self.layout.expert_bytes]  # [expert_bytes]
         return self._view(layer, expert)
 
     def map_reserved(self, layer: int, expert: int) -> None:
@@ -259,10 +282,12 @@ class ExpertSlotPool:
         assert slot is not None
         if en.state in (ExpertState.RESIDENT, ExpertState.EVICTING):
             self._num_resident[layer] -= 1
+        if self.scrub_on_unmap and (en.mapped or self._window is not None):  # a window load may not be mapped yet
+            src = self._window[slot * stride : (slot + 1) * stride] if self._window is not None else \
+                self._tensors[layer][expert * stride : (expert + 1) * stride]
+            src.fill_(POISON_BYTE)
+            self.device.synchronize()
         if en.mapped:
-            if self.scrub_on_unmap:
-                self._tensors[layer][expert * stride : (expert + 1) * stride].fill_(POISON_BYTE)
-                self.device.synchronize()
             self.backend.unmap(va, stride)
             if self.poison_unmapped:
                 self.backend.map(va, stride, self._poison, read_only=True)

@@ -22,7 +22,7 @@ from runtime.engine.kv_cache import block_shape
 from runtime.nvme import DIRECT_ALIGN_BYTES
 from runtime.selfcheck.common import workdir_for
 from runtime.weights.format import dtype_from_name
-from runtime.weights.loader import StoreKind
+from runtime.weights.loader import MapIn, StoreKind
 
 
 @dataclass
@@ -54,7 +54,7 @@ def auto_block_tokens(spec: ModelSpec, at_least: int = 16) -> int:
 def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", num_prompts: int = 3,
                     max_prompt_len: int = 40, new_tokens: int = 8, seed: int = 0,
                     workdir: str | Path | None = None, decode_kernel: bool | None = None,
-                    decode_graphs: bool | None = None) -> ExactResult:
+                    decode_graphs: bool | None = None, expert_map_in: MapIn = "worker") -> ExactResult:
     rng = random.Random(seed)
     prompts = [[rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, max_prompt_len))]
                for _ in range(num_prompts)]
@@ -68,7 +68,8 @@ def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", 
         tight_cfg = EngineConfig(resident_frac=resident_frac, expert_store=StoreKind.NVME, block_tokens=bt,
                                  kv_gpu_blocks=per_seq * num_prompts, kv_cpu_blocks=max(1, per_seq * num_prompts // 2),
                                  kv_nvme_blocks=per_seq * num_prompts, spill_kv_every_step=True, seed=seed,
-                                 decode_kernel=decode_kernel, decode_graphs=decode_graphs, workdir=wd / "tight")
+                                 decode_kernel=decode_kernel, decode_graphs=decode_graphs, workdir=wd / "tight",
+                                 expert_map_in=expert_map_in)
         runs = []
         for cfg in (full_cfg, tight_cfg):
             eng = ReferenceEngine(spec, dev, cfg)

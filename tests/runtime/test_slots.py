@@ -370,10 +370,13 @@ def test_bad_layout_raises_config_error_and_leaks_nothing(cpu, kw):
 
 
 # ---- randomized sequence ------------------------------------------------------------------------------
-@pytest.mark.parametrize(("seed", "scrub"), [(0, False), (1, True), (2, False)])
-def test_random_sequence_keeps_invariants_and_never_reads_stale_bytes(env, seed, scrub):
-    """1000 random ops against a model; each refusal must match the model and change nothing."""
-    pool = env.pool(scrub_on_unmap=scrub)
+@pytest.mark.parametrize(("seed", "scrub", "window"), [(0, False, False), (1, True, False), (2, False, False),
+                                                       (3, False, True), (5, True, True)])
+def test_random_sequence_keeps_invariants_and_never_reads_stale_bytes(env, seed, scrub, window):
+    """1000 random ops against a model; each refusal must match the model and change nothing. With a slot
+    window, some loads write through it before the expert's range is mapped: the range shows poison until
+    `map_reserved`, then exactly the bytes written."""
+    pool = env.pool(scrub_on_unmap=scrub, slot_window=window)
     r = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     state = dict.fromkeys(ALL, ABSENT)
@@ -383,13 +386,18 @@ def test_random_sequence_keeps_invariants_and_never_reads_stale_bytes(env, seed,
     readers: dict[tuple[int, int], list[HostEvent]] = {k: [] for k in ALL}
     seen: Counter[str] = Counter()
 
-    def fill(k: tuple[int, int]) -> None:
-        dst = stride_view(pool, *k)[:EB]  # [EB] what prepare_load returned
+    windowed: set[tuple[int, int]] = set()  # LOADING experts whose bytes went in through the slot window
+
+    def fill(k: tuple[int, int], dst: torch.Tensor | None = None) -> None:
+        dst = stride_view(pool, *k)[:EB] if dst is None else dst  # [EB] what prepare_load returned
         if scrub:  # a fresh slot is zeros, a reused one was scrubbed: never another expert's bytes
             assert bool((dst == 0).all()) or is_poison(dst)
         data[k] = torch.randint(0, 256, (EB,), dtype=torch.uint8, generator=gen)
         dst.copy_(data[k])
-        mapped.add(k)
+        if dst.data_ptr() == stride_view(pool, *k).data_ptr():
+            mapped.add(k)
+        else:
+            windowed.add(k)
 
     def expected(op: str, k: tuple[int, int], ok: bool) -> tuple[type[Exception] | None, str]:
         st, busy = state[k], any(not ev.query() for ev in readers[k])
@@ -414,9 +422,10 @@ def test_random_sequence_keeps_invariants_and_never_reads_stale_bytes(env, seed,
                     ev.set()
             return
         ok, now, ev = r.random() < 0.8, r.random() < 0.6, HostEvent()
+        via = window and not now and r.random() < 0.7
         exc, why = expected(op, k, ok)
         call = {
-            "prepare": lambda: pool.prepare_load(*k, map_now=now),
+            "prepare": lambda: pool.prepare_load(*k, map_now=now, via_window=via),
             "map": lambda: pool.map_reserved(*k),
             "complete": lambda: pool.complete_load(*k, ok),
             "unmap": lambda: pool.unmap(*k, wait=exc is None and r.random() < 0.5),
@@ -429,17 +438,27 @@ def test_random_sequence_keeps_invariants_and_never_reads_stale_bytes(env, seed,
         if exc is not None:
             refused(pool, exc, call)
             return
-        call()
+        got = call()
         if op == "prepare":
             state[k] = LOADING
             if now:
                 fill(k)
+            elif via:
+                assert is_poison(stride_view(pool, *k)) and got.data_ptr() != stride_view(pool, *k).data_ptr()
+                fill(k, got)
+                seen["through the window"] += 1
         elif op == "map":
-            fill(k)
+            if k in windowed:  # the bytes are in the slot already: mapping the range shows them
+                windowed.discard(k)
+                mapped.add(k)
+                assert torch.equal(stride_view(pool, *k)[:EB], data[k])
+            else:
+                fill(k)
             seen["mapped late"] += 1
         elif op == "complete":
             state[k] = RESIDENT if ok else ABSENT
             mapped.discard(k)
+            windowed.discard(k)
             seen["published" if ok else "failed"] += 1
         elif op == "unmap":
             state[k], readers[k] = ABSENT, []
@@ -473,4 +492,5 @@ def test_random_sequence_keeps_invariants_and_never_reads_stale_bytes(env, seed,
                 assert is_poison(stride_view(pool, *x)), f"non-resident {x} shows non-poison bytes"
     wanted = ["prepare: full", "prepare", "mapped late", "published", "failed", "unmap: pinned",
               "unmap: reader busy", "unmap"]
+    wanted += ["through the window"] if window else []
     assert min(seen[w] for w in wanted) >= 5, seen  # the walk reached every interesting branch

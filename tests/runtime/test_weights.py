@@ -126,7 +126,8 @@ def _rig(tmp_path: Path, dev: Device, engine: TransferEngine, num_slots: int = 3
     src = SyntheticExpertSource(MIXED, 2, 6, seed=2)
     pinned = PinnedExpertStore(dev, src)
     nvme = NvmeExpertStore.build(tmp_path / "e.bin", src, dev)
-    pool = ExpertSlotPool(HostBackend(), dev, 2, 6, MIXED.num_bytes, num_slots, scrub_on_unmap=True)
+    pool = ExpertSlotPool(HostBackend(), dev, 2, 6, MIXED.num_bytes, num_slots, scrub_on_unmap=True,
+                          slot_window=map_in == "mapper")
     return pinned, nvme, pool, ExpertLoadHandler(pool, engine, pinned, nvme, num_staging=2, map_in=map_in)
 
 
@@ -139,7 +140,7 @@ def test_loader_is_byte_exact_from_both_stores_and_any_dtype(tmp_path: Path, dev
     for layer in range(2):
         for e in range(6):
             assert checksum(pool.expert_tensor(layer, e)) == pinned.checksum(layer, e)
-    assert loader.stats()["loads_ok"] == 12
+    assert loader.stats()["loads_ok"] == 12 and loader.stats()["mapper_errors"] == 0
     pool.close()
 
 
@@ -159,9 +160,17 @@ def test_loader_detects_flipped_nvme_bytes_and_gives_the_slot_back(tmp_path: Pat
     pool.close()
 
 
-def test_loader_rejects_an_unknown_map_in(tmp_path: Path, dev: Device, engine) -> None:
+def test_loader_rejects_an_unknown_map_in_and_a_mapper_without_a_slot_window(tmp_path: Path, dev: Device,
+                                                                             engine) -> None:
     with pytest.raises(ConfigError, match="map_in must be 'worker' or 'mapper', got 'gpu'"):
         _rig(tmp_path, dev, engine, map_in="gpu")
+    pinned, _nvme, pool, _loader = _rig(tmp_path, dev, engine)
+    with pytest.raises(ConfigError, match="slot_window=True"):
+        ExpertLoadHandler(pool, engine, pinned, map_in="mapper")
+    with pytest.raises(ConfigError, match="slot_window=True"):
+        pool.prepare_load(0, 0, map_now=False, via_window=True)
+    assert pool.num_free_slots == 3  # refused: nothing reserved
+    pool.close()
 
 
 def test_loader_refusals_move_nothing(tmp_path: Path, dev: Device, engine, map_in) -> None:
@@ -181,8 +190,7 @@ def test_loader_refusals_move_nothing(tmp_path: Path, dev: Device, engine, map_i
 
 
 def test_a_refused_submit_gives_the_slot_back(tmp_path: Path, dev: Device, map_in: str) -> None:
-    """Regression: a pinned load whose submit was refused (engine closed) left the expert LOADING for good.
-    With the mapper the refusal comes after load() returned: the future carries it and the slot is back."""
+    """Regression: a pinned load whose submit was refused (engine closed) left the expert LOADING for good."""
     eng = TransferEngine(dev)
     _pinned, _nvme, pool, loader = _rig(tmp_path, dev, eng, num_slots=2, map_in=map_in)
     eng.close()
@@ -191,8 +199,32 @@ def test_a_refused_submit_gives_the_slot_back(tmp_path: Path, dev: Device, map_i
     with pytest.raises(TransferError):
         loader.load(0, 1).wait(10)
     assert pool.state(0, 1) is ExpertState.ABSENT and pool.num_free_slots == 2
-    assert loader.stats()["loads_failed"] == (map_in == "mapper")
     loader.close()
+
+
+def test_a_failing_map_fails_the_load_and_gives_the_slot_back(tmp_path: Path, dev: Device, engine, map_in,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The map fails (in the link worker, or on the mapper beside a copy already under way): the load's
+    future carries the error, the slot is free again, nothing stays LOADING, and the next load works."""
+    pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in=map_in)
+    real = pool.map_reserved
+
+    def broken(layer, expert):
+        raise RuntimeError("cuMemMap failed (injected)")
+
+    monkeypatch.setattr(pool, "map_reserved", broken)
+    futs = [loader.load(0, e) for e in range(3)]
+    for f in futs:
+        with pytest.raises(Exception, match="injected"):
+            f.wait(10)
+    assert all(pool.state(0, e) is ExpertState.ABSENT for e in range(3)) and pool.num_free_slots == 3
+    assert loader.stats()["loads_failed"] == 3 and loader.stats()["mapper_errors"] == 0
+    monkeypatch.setattr(pool, "map_reserved", real)
+    loader.load(0, 1).wait(10)
+    assert checksum(pool.expert_tensor(0, 1)) == pinned.checksum(0, 1)
+    pool.check_invariants()
+    loader.close()
+    pool.close()
     pool.check_invariants()
     pool.close()
 
