@@ -146,7 +146,8 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
     (off on on off, next quad on off off on). Adjacent blocks see the same batch at nearly the same context
     length, so each quad gives a paired overhead estimate that cancels the context's linear growth; the
     median over quads is reported beside the all-blocks ratio. Decode steps are CUDA-graph replays
-    (`graphs`) or eager. An on-block that closes a Telemetry window also waits for its message to be built."""
+    (`graphs`) or eager. Telemetry windows are built on the outbox thread beside decode, as in serving; any
+    build still running when an off-block starts is waited for and charged to the on-block before it."""
     from agent.adapters.reference import ReferenceAdapter
     from runtime.engine.engine import EngineConfig, ReferenceEngine
     from runtime.engine.presets import preset
@@ -184,9 +185,13 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                     last = eng.step(seqs, [[t] for t in last], [pos] * b).argmax(-1).tolist()
                     pos += 1
                 order = (False, True, True, False) if r % 2 == 0 else (True, False, False, True)
-                quad: dict[bool, float] = {False: 0.0, True: 0.0}
+                timed: list[list[Any]] = []  # [agent_on, seconds] per block of this round
                 for k in range(steps // block_steps):
                     agent_on = order[k % 4]
+                    if not agent_on and timed and timed[-1][0]:
+                        # Telemetry is built on the outbox thread while decode goes on; what is still unbuilt
+                        # when an off-block starts is charged to the on-block before it (never to an off-block).
+                        timed[-1][1] += _join_s(adapter, join_ms)
                     switch(agent_on)
                     dev.synchronize()
                     t0 = time.perf_counter()
@@ -198,17 +203,15 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                             t1 = time.perf_counter()
                             adapter.on_step(None, 0.0)
                             hook_ms[adapter.steps % window_steps == 0].append((time.perf_counter() - t1) * 1e3)
-                    if agent_on:
-                        t1 = time.perf_counter()
-                        adapter.outbox.join()  # a window closed in this block is built inside it
-                        join_ms.append((time.perf_counter() - t1) * 1e3)
                     dev.synchronize()
-                    dt = time.perf_counter() - t0
+                    timed.append([agent_on, time.perf_counter() - t0])
+                if timed[-1][0]:
+                    timed[-1][1] += _join_s(adapter, join_ms)
+                for k in range(0, len(timed), 4):
+                    quad = {on: sum(dt for o, dt in timed[k : k + 4] if o is on) for on in (False, True)}
+                    quads.append(quad[True] / quad[False] - 1.0)
+                for agent_on, dt in timed:
                     blocks[agent_on].append(dt)
-                    quad[agent_on] += dt
-                    if k % 4 == 3:
-                        quads.append(quad[True] / quad[False] - 1.0)
-                        quad = {False: 0.0, True: 0.0}
                 for s in seqs:
                     eng.cache.free(s)
             off_s, on_s = sum(blocks[False]), sum(blocks[True])
@@ -233,6 +236,15 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
         adapter.close()
         eng.close()
     return out
+
+
+def _join_s(adapter: Any, join_ms: list[float]) -> float:
+    """Wait for the outbox to build every closed window; returns (and records, in ms) how long that took."""
+    t0 = time.perf_counter()
+    adapter.outbox.join()
+    dt = time.perf_counter() - t0
+    join_ms.append(dt * 1e3)
+    return dt
 
 
 def _median(xs: list[float]) -> float:

@@ -243,6 +243,7 @@ class LoadConfig:
     poison_unmapped: bool = True  # False: absent experts are unmapped (a read faults), a load only maps
     urgent_stream: bool = False  # urgent KV copies on their own stream, so the bulk bound can be deep
     map_in: MapIn = "worker"  # who maps a slot: the link's worker, or the loader's mapper thread
+    gil_switch_us: int | None = None  # sys.setswitchinterval for this config (None: the interpreter's 5000 µs)
 
 
 _DEFAULT = LoadConfig(8 * MiB, 16 * MiB)
@@ -250,7 +251,8 @@ _DEEP = LoadConfig(8 * MiB, 64 * MiB, urgent_stream=True)
 LOAD_CONFIG_SETS: dict[str, list[LoadConfig]] = {
     "default": [_DEFAULT],
     "urgent-stream": [_DEFAULT, _DEEP],
-    "map-in": [_DEFAULT, replace(_DEFAULT, map_in="mapper"), _DEEP, replace(_DEEP, map_in="mapper")],
+    "map-in": [_DEFAULT, replace(_DEFAULT, map_in="mapper"), _DEEP, replace(_DEEP, map_in="mapper"),
+               replace(_DEFAULT, gil_switch_us=200), replace(_DEFAULT, map_in="mapper", gil_switch_us=200)],
     "all": [_DEFAULT, replace(_DEFAULT, poison_unmapped=False), LoadConfig(4 * MiB, 16 * MiB), _DEEP,
             replace(_DEEP, map_in="mapper")],
 }
@@ -284,12 +286,18 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
         stores = [pinned_experts(dev, *shape) for shape in shapes]  # made once: random weights take a while
         try:
             for c in configs:
-                with TransferEngine(dev, chunk_bytes=c.chunk_bytes, max_inflight_bytes=c.max_inflight_bytes,
-                                    urgent_stream=c.urgent_stream) as eng:
-                    for (_h, _i, b), store in zip(shapes, stores, strict=True):
-                        r = expert_load_gbps(dev, eng, store, b, reps, poison_unmapped=c.poison_unmapped,
-                                             map_in=c.map_in)
-                        res["expert_loads"].append({**r, **asdict(c)})
+                switch = sys.getswitchinterval()
+                if c.gil_switch_us is not None:
+                    sys.setswitchinterval(c.gil_switch_us * 1e-6)
+                try:
+                    with TransferEngine(dev, chunk_bytes=c.chunk_bytes, max_inflight_bytes=c.max_inflight_bytes,
+                                        urgent_stream=c.urgent_stream) as eng:
+                        for (_h, _i, b), store in zip(shapes, stores, strict=True):
+                            r = expert_load_gbps(dev, eng, store, b, reps, poison_unmapped=c.poison_unmapped,
+                                                 map_in=c.map_in)
+                            res["expert_loads"].append({**r, **asdict(c)})
+                finally:
+                    sys.setswitchinterval(switch)
         finally:
             for store in stores:
                 store.close()
@@ -347,7 +355,7 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {_chunk_label(e['chunk_bytes'], e.get('urgent_stream', False))} | "
                f"{e['max_inflight_bytes'] >> 20} MiB | "
-               f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {e.get('map_in', 'worker')} | "
+               f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {e.get('map_in', 'worker')}{_gil(e)} | "
                f"{e['expert_bytes']:,} | "
                f"{e['batch']} | {e['pipelined_gbps']:.1f} | {e['raw_gbps']:.1f} | {e['pipelined_ratio']:.3f} | "
                f"{e['single_ms']:.3f} | {_phases(e)} | {_mapper_us(e)} |" for e in res["expert_loads"]]
@@ -378,6 +386,11 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     if {"raw_h2d_gbps", "expert_loads", "urgent_kv"} <= set(res):
         _plot(stem.with_suffix(".png"), res)
+
+
+def _gil(e: dict) -> str:
+    us = e.get("gil_switch_us")
+    return "" if us is None else f", GIL switch {us} µs"
 
 
 def _phases(e: dict) -> str:

@@ -234,7 +234,7 @@ def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, v
 
     fmt = ExpertFormat.swiglu(512, 768)  # 2.25 MiB, a slot of two 2 MiB pages
     pinned = PinnedExpertStore(dev, SyntheticExpertSource(fmt, 2, 12, seed=5))
-    pool = ExpertSlotPool(vmm, dev, 2, 12, fmt.num_bytes, 12)
+    pool = ExpertSlotPool(vmm, dev, 2, 12, fmt.num_bytes, 12, slot_window=map_in == "mapper")
     kv_src, kv_dst = _rand(24 << 20, 9).pin_memory(), torch.empty(24 << 20, dtype=torch.uint8, device="cuda")
     with TransferEngine(dev, max_inflight_bytes=64 << 20, urgent_stream=True) as eng:
         loader = ExpertLoadHandler(pool, eng, pinned=pinned, map_in=map_in)
