@@ -146,8 +146,9 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
     (off on on off, next quad on off off on). Adjacent blocks see the same batch at nearly the same context
     length, so each quad gives a paired overhead estimate that cancels the context's linear growth; the
     median over quads is reported beside the all-blocks ratio. Decode steps are CUDA-graph replays
-    (`graphs`) or eager. Telemetry windows are built on the outbox thread beside decode, as in serving; any
-    build still running when an off-block starts is waited for and charged to the on-block before it."""
+    (`graphs`) or eager. Telemetry windows close mid-block and are built on the outbox thread beside decode,
+    as in serving; any build still running when an off-block starts is waited for and charged to the
+    on-block before it. The table beside it says what a window costs if nothing overlaps it."""
     from agent.adapters.reference import ReferenceAdapter
     from runtime.engine.engine import EngineConfig, ReferenceEngine
     from runtime.engine.presets import preset
@@ -156,7 +157,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
     if block_steps < 1 or steps % (4 * block_steps):
         raise ValueError(f"steps={steps} must be a multiple of 4 x block_steps={block_steps} (ABBA quads)")
     spec = preset(preset_name) if num_layers is None else preset(preset_name).truncated(num_layers)
-    bt, prompt, warm = auto_block_tokens(spec), 16, 2
+    bt, prompt, warm = auto_block_tokens(spec), 16, 2 + block_steps
     per_seq = -(-(prompt + warm + steps + 1) // bt)
     eng = ReferenceEngine(spec, dev, EngineConfig(experts_on_device=True, block_tokens=bt, decode_graphs=graphs,
                                                   kv_gpu_blocks=per_seq * max(batches)))
@@ -184,6 +185,16 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                     switch(agent_on)
                     last = eng.step(seqs, [[t] for t in last], [pos] * b).argmax(-1).tolist()
                     pos += 1
+                    if agent_on:
+                        adapter.on_step(None, 0.0)
+                # Untimed agent-on steps until the adapter's step count is half a block past a block boundary:
+                # on-blocks advance it in whole blocks, so every window then closes mid-block, as it would at
+                # any step of a serving loop, and its message is built beside the rest of that block.
+                while adapter.steps % block_steps != block_steps // 2:
+                    last = eng.step(seqs, [[t] for t in last], [pos] * b).argmax(-1).tolist()
+                    pos += 1
+                    adapter.on_step(None, 0.0)
+                adapter.outbox.join()
                 order = (False, True, True, False) if r % 2 == 0 else (True, False, False, True)
                 timed: list[list[Any]] = []  # [agent_on, seconds] per block of this round
                 for k in range(steps // block_steps):
