@@ -1,9 +1,9 @@
 """Builds Telemetry messages from closed windows off the engine thread (inference process, one thread).
 
-The engine thread only snapshots a window (`WindowDraft`: plain host values); validating it into a pydantic
-`Telemetry` takes a few ms for a 48-layer model, which happens here instead, one layer at a time with a GIL
-yield in between (pydantic holds the GIL while it validates; see `_yield_gil`). Messages reach `sink` in window
-order. A window that fails to build is never dropped silently: it is counted in `failed` with its error kept.
+The engine thread only snapshots a window (`WindowDraft`: host arrays and values); building it into a
+`Telemetry` (per-layer parts checked on the arrays, the message validated: `WindowDraft.build`) happens
+here, with a GIL yield after the layers (see `_yield_gil`). Messages reach `sink` in window order. A window
+that fails to build is never dropped silently: it is counted in `failed` with its error kept.
 """
 
 from __future__ import annotations

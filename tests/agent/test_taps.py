@@ -97,3 +97,56 @@ def test_router_tap_ring_folds_on_overflow_and_big_batches_and_uneven_layers() -
         assert {(p.a, p.b): p.count for p in s.cooccurrence} == pairs
         p = w / w.sum(-1, keepdim=True)
         assert abs(s.router_entropy_mean - float(-(p * p.log()).sum(-1).mean())) < 1e-5
+
+
+def _window_counts(seed: int = 3):
+    """A qwen3-shaped window (48 layers x 128 experts, top-8) through a real RouterTap snapshot."""
+    g = torch.Generator().manual_seed(seed)
+    layers = tuple(range(48))
+    tap = RouterTap(layers, num_experts=128, device=torch.device("cpu"))
+    for _ in range(6):
+        ids = torch.stack([torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(16)])
+                           for _ in layers])  # [48, 16, 8] distinct experts per token
+        tap.add_all(ids, torch.rand(48, 16, 8, generator=g))
+    return tap.snapshot()
+
+
+def test_trusted_layer_stats_equal_validated_ones_and_round_trip() -> None:
+    """The fast path (array checks + model_construct) builds exactly what validation builds, and the result
+    validates: what the sidecar parses is what the agent made."""
+    from controller.protocol import LayerStats
+
+    snap = _window_counts()
+    fast, slow = snap.layer_stats(trusted=True), snap.layer_stats(trusted=False)
+    assert fast == slow and len(fast) == 48 and all(len(s.cooccurrence) > 0 for s in fast)
+    for s in fast:
+        assert LayerStats.model_validate_json(s.model_dump_json()) == s
+
+
+def test_trusted_layer_stats_refuse_what_validation_refuses() -> None:
+    import dataclasses
+
+    import numpy as np
+    import pytest
+
+    snap = _window_counts()
+
+    def broken(**arrays):
+        return dataclasses.replace(snap, **arrays)
+
+    flat = snap.pair_flat.copy()
+    flat[5, 0] = 7 * 128 + 7  # a == b
+    with pytest.raises(ValueError, match=r"layers\.5\.cooccurrence\.0: pair \(7, 7\) must have a < b"):
+        broken(pair_flat=flat).layer_stats(trusted=True)
+    flat = snap.pair_flat.copy()
+    flat[2, 1] = flat[2, 0]
+    with pytest.raises(ValueError, match=r"layers\.2\.cooccurrence: a pair repeats in layer 2"):
+        broken(pair_flat=flat).layer_stats(trusted=True)
+    counts = snap.counts.copy()
+    counts[9, 3] = -1
+    with pytest.raises(ValueError, match=r"layers\.9\.activation_counts: negative count"):
+        broken(counts=counts).layer_stats(trusted=True)
+    ent = snap.entropy_sum.copy()
+    ent[4] = np.nan
+    with pytest.raises(ValueError, match=r"layers\.4\.router_entropy_mean: nan must be finite"):
+        broken(entropy_sum=ent).layer_stats(trusted=True)
