@@ -156,6 +156,9 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
 
     if block_steps < 1 or steps % (4 * block_steps):
         raise ValueError(f"steps={steps} must be a multiple of 4 x block_steps={block_steps} (ABBA quads)")
+    if window_steps % block_steps:
+        raise ValueError(f"window_steps={window_steps} must be a multiple of block_steps={block_steps} "
+                         "(windows then close mid-block)")
     spec = preset(preset_name) if num_layers is None else preset(preset_name).truncated(num_layers)
     bt, prompt, warm = auto_block_tokens(spec), 16, 2 + block_steps
     per_seq = -(-(prompt + warm + steps + 1) // bt)
@@ -174,7 +177,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
             quads: list[float] = []
             hook_ms: dict[bool, list[float]] = {False: [], True: []}  # on_step calls: plain / closing a window
             join_ms: list[float] = []
-            builds_before = len(adapter.outbox.build_ms)
+            sent_before = adapter.outbox.sent
             for r in range(rounds):
                 seqs = list(range(next_id, next_id + b))
                 next_id += b
@@ -240,7 +243,8 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                         # where the agent's host time goes (engine thread unless said)
                         "agent_on_step_ms_median": _median(hook_ms[False]),
                         "window_close_ms_median": _median(hook_ms[True]), "windows": len(hook_ms[True]),
-                        "window_build_ms_median": _median(list(adapter.outbox.build_ms)[builds_before:]),  # outbox
+                        "window_build_ms_median": _median(_last(adapter.outbox.build_ms,
+                                                                adapter.outbox.sent - sent_before)),  # outbox
                         "block_join_ms_max": max(join_ms, default=0.0),
                         "agent_host_share": (sum(hook_ms[False]) + sum(hook_ms[True]) + sum(join_ms)) / 1e3 / on_s})
     finally:
@@ -256,6 +260,11 @@ def _join_s(adapter: Any, join_ms: list[float]) -> float:
     dt = time.perf_counter() - t0
     join_ms.append(dt * 1e3)
     return dt
+
+
+def _last(xs: Any, n: int) -> list[float]:
+    """The last n entries of a bounded deque (all it still holds if fewer)."""
+    return list(xs)[-n:] if n > 0 else []
 
 
 def _median(xs: list[float]) -> float:
@@ -337,8 +346,8 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
     md += ["", "Decode: agent off and on interleaved in blocks of steps, ABBA order, over fresh batches (rounds); "
            "overhead = on time / off time - 1 over all blocks, and the median (p25..p75) of the per-quad ratios.", "",
            "| decode, all experts resident | step | batch | steps × rounds | block | telemetry window (steps) "
-           "| tok/s agent off | tok/s agent on | step ms | agent overhead (all blocks) | per-quad median (p25..p75) "
-           "| eager fallbacks |",
+           "| tok/s agent off | tok/s agent on | step ms | agent overhead (all blocks) "
+           "| per-quad median, typical step (p25..p75) | eager fallbacks |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {x['preset']} | {'CUDA graph' if x['graphs'] else 'eager'} | {x['batch']} | "
            f"{x['steps']} × {x['rounds']} | {x['block_steps']} | {x['window_steps']} | "

@@ -375,10 +375,10 @@ class TransferEngine:
             try:
                 ev = self._issue(link, ch, first)
             except Exception as exc:
+                self._add_time(link, "issue_s", time.perf_counter() - t0)
                 self._retire(ch, None, exc)
                 continue
-            finally:
-                self._add_time(link, "issue_s", time.perf_counter() - t0)  # hooks included; hook_s says how much
+            self._add_time(link, "issue_s", time.perf_counter() - t0)  # hooks included; hook_s says how much
             with self._stats_lock:
                 h._unissued -= 1
                 if h._unissued == 0:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from runtime.device import AlignedHostBuffer
 from runtime.errors import ConfigError, CorruptDataError
 from runtime.future import OpFuture
-from runtime.memory.slots import ExpertSlotPool
+from runtime.memory.slots import ExpertSlotPool, ExpertState
 from runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferHandle, TransferRequest
 from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
@@ -41,13 +41,15 @@ MapIn = Literal["worker", "mapper"]
 
 class _Mapper:
     """One thread running map jobs in (priority, deadline, arrival) order (inference process). A job reports
-    its own outcome; one that raises anyway is counted in `errors`, never dropped silently."""
+    its own outcome; one that raises anyway is counted in `errors`, never dropped silently. If the thread
+    cannot start (binding the device fails) every queued and later job is failed with that error."""
 
     def __init__(self, bind: Callable[[], None]) -> None:
-        self._heap: list[tuple[int, float, int, Callable[[], None]]] = []
+        self._heap: list[tuple[int, float, int, Callable[[], None], Callable[[BaseException], None]]] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._closing = False
+        self._dead: BaseException | None = None
         self._bind = bind
         self.busy_s = 0.0
         self.errors = 0
@@ -55,27 +57,39 @@ class _Mapper:
         self._thread = threading.Thread(target=self._run, name="tierplan-mapper", daemon=True)
         self._thread.start()
 
-    def put(self, priority: Priority, deadline_s: float | None, job: Callable[[], None]) -> None:
+    def put(self, priority: Priority, deadline_s: float | None, job: Callable[[], None],
+            fail: Callable[[BaseException], None]) -> None:
+        """Queue `job`; `fail(error)` is called instead if the mapper dies before running it."""
         with self._cv:
+            if self._dead is not None:
+                raise ConfigError(f"expert loader's mapper thread failed: {self._dead!r}")
             if self._closing:
                 raise ConfigError("expert loader is closed")
             deadline = float("inf") if deadline_s is None else deadline_s
-            heapq.heappush(self._heap, (int(priority), deadline, next(self._seq), job))
+            heapq.heappush(self._heap, (int(priority), deadline, next(self._seq), job, fail))
             self._cv.notify()
 
     def _run(self) -> None:
-        self._bind()
+        try:
+            self._bind()
+        except BaseException as exc:
+            with self._cv:
+                self._dead, self.errors, self.last_error = exc, self.errors + 1, exc
+                queued, self._heap = self._heap, []
+            for *_, fail in queued:
+                fail(exc)
+            return
         while True:
             with self._cv:
                 while not self._heap and not self._closing:
                     self._cv.wait()
                 if not self._heap:
                     return
-                job = heapq.heappop(self._heap)[-1]
+                *_, job, _fail = heapq.heappop(self._heap)
             t0 = time.perf_counter()
             try:
                 job()
-            except Exception as exc:
+            except BaseException as exc:  # jobs report their own errors; anything else is counted here
                 self.errors += 1
                 self.last_error = exc
             self.busy_s += time.perf_counter() - t0
@@ -90,7 +104,7 @@ class _Mapper:
 
 class _Join:
     """The independent parts of one load (the copy; with the mapper, also the map): the last part to end
-    calls `then(handle, first_error, staging)` exactly once."""
+    calls `then(handle, error, staging)` exactly once; a second part's error is kept as a note on the first."""
 
     def __init__(self, parts: int, then: Callable[[TransferHandle | None, BaseException | None, Any], None]) -> None:
         self._left, self._then, self._lock = parts, then, threading.Lock()
@@ -101,6 +115,8 @@ class _Join:
     def part_done(self, error: BaseException | None = None, handle: TransferHandle | None = None,
                   staging: Any = None) -> None:
         with self._lock:
+            if error is not None and self._error is not None and error is not self._error:
+                self._error.add_note(f"another part of the load failed too: {error!r}")
             self._error = self._error or error
             self._handle = handle or self._handle
             self._staging = staging if staging is not None else self._staging
@@ -141,6 +157,8 @@ class ExpertLoadHandler:
             self._staging = [engine.device.alloc_host(nvme.records.record_bytes) for _ in range(num_staging)]
         self._free_staging = list(self._staging)
         self.map_in = map_in
+        self._inflight = 0  # loads started and not yet completed (close() waits for them)
+        self._closed = False
         dev = engine.device
         self._mapper = _Mapper(dev.bind_thread) if map_in == "mapper" else None
         self._stats = {"loads_ok": 0, "loads_failed": 0, "corrupt_detected": 0, "bytes": 0}
@@ -166,22 +184,32 @@ class ExpertLoadHandler:
         if src_store is None:
             raise ConfigError(f"load: no {store.value} store configured")
         windowed = self._mapper is not None
-        # Reserve now (refusals raise before anything moves); map beside the copy or right before it.
-        dst = self.pool.prepare_load(layer, expert, map_now=False, via_window=windowed)
+        with self._cv:
+            if self._closed:
+                raise ConfigError("load: the expert loader is closed")
+            # Reserve now (refusals raise before anything moves); map beside the copy or right before it.
+            dst = self.pool.prepare_load(layer, expert, map_now=False, via_window=windowed)
+            self._inflight += 1
         fut = OpFuture(f"load of expert ({layer}, {expert}) from {store.value}")
 
         def finish(h: TransferHandle | None, error: BaseException | None, staging: Any = None) -> None:
-            try:  # whatever fails here, the future completes and the outcome is counted
+            try:  # whatever fails here, the future completes, the slot is not left LOADING, and it is counted
                 if staging is not None:
                     self._give_staging(staging)
                 event = h.device_event() if (error is None and h is not None) else None
                 self.pool.complete_load(layer, expert, error is None, event=event)
             except Exception as exc:
                 error = error or exc
+                if self.pool.state(layer, expert) is ExpertState.LOADING:
+                    try:
+                        self.pool.complete_load(layer, expert, ok=False)
+                    except Exception as again:
+                        error.add_note(f"giving the slot back failed too: {again!r}")
             finally:
                 self._count("loads_ok" if error is None else "loads_failed")
                 if error is None:
                     self._count("bytes", dst.numel())
+                self._load_ended()
                 fut.set_result(error)
 
         join = _Join(2 if windowed else 1, finish)
@@ -199,6 +227,7 @@ class ExpertLoadHandler:
                 h2d(self.pinned.expert(layer, expert))
             except Exception:  # refused before any byte moved: give the slot back
                 self.pool.complete_load(layer, expert, ok=False)
+                self._load_ended()
                 raise
             self._start_map(layer, expert, priority, deadline_s, join)
             return fut
@@ -213,8 +242,9 @@ class ExpertLoadHandler:
                 return
             try:
                 nvme.verify(layer, expert, staging.tensor)
-            except CorruptDataError as exc:
-                self._count("corrupt_detected")
+            except Exception as exc:  # corruption, or anything else: the load still completes with it
+                if isinstance(exc, CorruptDataError):
+                    self._count("corrupt_detected")
                 join.part_done(exc, None, staging)
                 return
             try:
@@ -230,6 +260,7 @@ class ExpertLoadHandler:
         except Exception:
             self._give_staging(staging)
             self.pool.complete_load(layer, expert, ok=False)
+            self._load_ended()
             raise
         self._start_map(layer, expert, priority, deadline_s, join)
         return fut
@@ -248,7 +279,7 @@ class ExpertLoadHandler:
             join.part_done()
 
         try:
-            self._mapper.put(priority, deadline_s, job)
+            self._mapper.put(priority, deadline_s, job, join.part_done)
         except Exception as exc:  # the copy is under way: the load completes with this error once it lands
             join.part_done(exc)
 
@@ -267,9 +298,21 @@ class ExpertLoadHandler:
         """Seconds the mapper thread spent mapping (0 with map_in="worker")."""
         return 0.0 if self._mapper is None else self._mapper.busy_s
 
-    def close(self) -> None:
-        """Finish queued maps (their copies complete through the transfer engine), then free staging."""
+    def _load_ended(self) -> None:
+        with self._cv:
+            self._inflight -= 1
+            self._cv.notify_all()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Refuse new loads, wait for those in flight (the transfer engine must still run), stop the mapper,
+        then free staging. Raises TimeoutError (staging kept) if loads are still in flight after timeout_s."""
+        with self._cv:
+            self._closed = True
+            if not self._cv.wait_for(lambda: self._inflight == 0, timeout_s):
+                raise TimeoutError(f"expert loader close: {self._inflight} load(s) still in flight "
+                                   f"after {timeout_s} s")
         if self._mapper is not None:
             self._mapper.close()
         for b in self._staging:
             b.close()
+        self._staging = []

@@ -245,3 +245,79 @@ def test_a_failing_publish_still_completes_and_counts_the_load(tmp_path: Path, d
         fut.wait(10)
     assert loader.stats()["loads_failed"] == 1 and pool.state(0, 2) is ExpertState.ABSENT
     pool.close()
+
+
+def test_a_mapper_that_cannot_start_fails_loads_instead_of_hanging(tmp_path: Path, dev: Device, engine,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review): a mapper thread that died binding the device left every windowed load waiting."""
+    def no_bind(stream=None) -> None:
+        raise RuntimeError("no device context (injected)")
+
+    monkeypatch.setattr(dev, "bind_thread", no_bind)
+    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in="mapper")
+    futs = [loader.load(0, e) for e in range(2)]
+    for f in futs:
+        with pytest.raises(Exception, match="no device context"):
+            f.wait(10)
+    assert pool.num_free_slots == 3 and loader.stats()["mapper_errors"] == 1
+    loader.close()
+    pool.close()
+
+
+def test_any_verify_error_and_any_publish_error_complete_the_load(tmp_path: Path, dev: Device, engine, map_in,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (review): a non-corruption error in the NVMe verify hung the load; a publish that raised
+    without giving the slot back left it LOADING."""
+    _pinned, nvme, pool, loader = _rig(tmp_path, dev, engine, map_in=map_in)
+
+    def verify(layer, expert, buf):
+        raise OSError("read back failed (injected)")
+
+    monkeypatch.setattr(nvme, "verify", verify)
+    with pytest.raises(OSError, match="injected"):
+        loader.load(0, 1, StoreKind.NVME).wait(10)
+    assert pool.state(0, 1) is ExpertState.ABSENT and loader.stats()["corrupt_detected"] == 0
+
+    def publish(layer, expert, ok, event=None):
+        if ok:
+            raise RuntimeError("publish failed (injected)")
+        real(layer, expert, ok, event)
+
+    real = pool.complete_load
+    monkeypatch.setattr(pool, "complete_load", publish)
+    with pytest.raises(RuntimeError, match="publish failed"):
+        loader.load(0, 2).wait(10)
+    assert pool.state(0, 2) is ExpertState.ABSENT and pool.num_free_slots == 3
+    loader.close()
+    pool.close()
+
+
+def test_close_waits_for_loads_in_flight_and_then_refuses_new_ones(tmp_path: Path, dev: Device, map_in) -> None:
+    """Regression (review): close() freed NVMe staging buffers while a load could still be reading into them."""
+    import threading
+
+    gate = threading.Event()
+    eng = TransferEngine(dev)
+    pinned, nvme, pool, loader = _rig(tmp_path, dev, eng, map_in=map_in)
+    real = nvme.verify
+
+    def slow_verify(layer, expert, buf):
+        gate.wait(10)
+        real(layer, expert, buf)
+
+    nvme.verify = slow_verify  # type: ignore[method-assign]
+    fut = loader.load(1, 3, StoreKind.NVME)
+    closer = threading.Thread(target=loader.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive() and not fut.done()  # close is waiting for the load
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    fut.wait(10)
+    assert checksum(pool.expert_tensor(1, 3)) == pinned.checksum(1, 3)
+    with pytest.raises(ConfigError, match="closed"):
+        loader.load(0, 0)
+    assert pool.num_free_slots == 2  # the refused load reserved nothing
+    eng.close()
+    pool.close()
