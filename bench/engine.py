@@ -12,6 +12,7 @@ assert on a time (tests assert behaviour) or hard-code a figure.
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import statistics
@@ -165,6 +166,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
     eng = ReferenceEngine(spec, dev, EngineConfig(experts_on_device=True, block_tokens=bt, decode_graphs=graphs,
                                                   kv_gpu_blocks=per_seq * max(batches)))
     out, next_id = [], 0
+    watches: list[_GcWatch] = []
     adapter = ReferenceAdapter(eng, window_steps=window_steps)
     try:
         taps = (eng.model.route_tap, eng.model.mass_observer)
@@ -178,6 +180,8 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
             hook_ms: dict[bool, list[float]] = {False: [], True: []}  # on_step calls: plain / closing a window
             join_ms: list[float] = []
             sent_before = adapter.outbox.sent
+            gc_watch = _GcWatch()  # collector pauses (any thread) by the block they fell in
+            watches.append(gc_watch)
             for r in range(rounds):
                 seqs = list(range(next_id, next_id + b))
                 next_id += b
@@ -208,6 +212,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                         timed[-1][1] += _join_s(adapter, join_ms)
                     switch(agent_on)
                     dev.synchronize()
+                    gc_watch.block = agent_on
                     t0 = time.perf_counter()
                     for _ in range(block_steps):
                         logits = eng.step(seqs, [[t] for t in last], [pos] * b)
@@ -219,6 +224,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                             hook_ms[adapter.steps % window_steps == 0].append((time.perf_counter() - t1) * 1e3)
                     dev.synchronize()
                     timed.append([agent_on, time.perf_counter() - t0])
+                    gc_watch.block = None
                 if timed[-1][0]:
                     timed[-1][1] += _join_s(adapter, join_ms)
                 for k in range(0, len(timed), 4):
@@ -228,6 +234,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                     blocks[agent_on].append(dt)
                 for s in seqs:
                     eng.cache.free(s)
+            gc_watch.close()
             off_s, on_s = sum(blocks[False]), sum(blocks[True])
             n_steps = len(blocks[False]) * block_steps  # as many on-steps as off-steps
             quads.sort()
@@ -246,11 +253,38 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                         "window_build_ms_median": _median(_last(adapter.outbox.build_ms,
                                                                 adapter.outbox.sent - sent_before)),  # outbox
                         "block_join_ms_max": max(join_ms, default=0.0),
+                        "gc_ms_agent_off": gc_watch.ms[False], "gc_ms_agent_on": gc_watch.ms[True],
+                        "gc_full_collections_off": gc_watch.full[False], "gc_full_collections_on": gc_watch.full[True],
                         "agent_host_share": (sum(hook_ms[False]) + sum(hook_ms[True]) + sum(join_ms)) / 1e3 / on_s})
     finally:
+        for w in watches:
+            w.close()
         adapter.close()
         eng.close()
     return out
+
+
+class _GcWatch:
+    """Times the cyclic garbage collector's pauses (they stop every thread that needs the GIL) and files
+    them under the block running when they happened: agent off (False), on (True), or untimed (None)."""
+
+    def __init__(self) -> None:
+        self.block: bool | None = None
+        self.ms = {False: 0.0, True: 0.0}
+        self.full = {False: 0, True: 0}
+        self._t0 = 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.block is not None:
+            self.ms[self.block] += (time.perf_counter() - self._t0) * 1e3
+            self.full[self.block] += info.get("generation") == 2
+
+    def close(self) -> None:
+        if self._cb in gc.callbacks:
+            gc.callbacks.remove(self._cb)
 
 
 def _join_s(adapter: Any, join_ms: list[float]) -> float:
@@ -358,10 +392,13 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
            f"{x['fallbacks'] or '-'} |" for x in res["decode"]]
     md += ["", "Where the agent's host time went in the on-blocks (engine thread unless said):", "",
            "| step | batch | on_step median ms | window close median ms (windows) | window build median ms "
-           "(outbox thread) | longest wait for the outbox ms | agent host time / on-block time |",
-           "|---|---|---|---|---|---|---|"]
+           "(outbox thread) | longest wait for the outbox ms | agent host time / on-block time "
+           "| GC pauses ms off / on (full collections) |",
+           "|---|---|---|---|---|---|---|---|"]
     md += [f"| {'CUDA graph' if x['graphs'] else 'eager'} | {x['batch']} | {x['agent_on_step_ms_median']:.3f} | "
            f"{x['window_close_ms_median']:.2f} ({x['windows']}) | {x['window_build_ms_median']:.2f} | "
-           f"{x['block_join_ms_max']:.2f} | {x['agent_host_share'] * 100:.2f} % |" for x in res["decode"]]
+           f"{x['block_join_ms_max']:.2f} | {x['agent_host_share'] * 100:.2f} % | "
+           f"{x['gc_ms_agent_off']:.1f} / {x['gc_ms_agent_on']:.1f} ({x['gc_full_collections_off']} / "
+           f"{x['gc_full_collections_on']}) |" for x in res["decode"]]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     return res
