@@ -10,6 +10,7 @@ It must never decide placement beyond its configuration (the agent does) nor tou
 
 from __future__ import annotations
 
+import gc
 import math
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -59,6 +60,10 @@ class EngineConfig:
     # Decode steps replayed from CUDA graphs (graphs.py) when nothing needs the host mid-step. None = on a GPU;
     # True on a CPU runs the same static-buffer step without capture (how CI checks it).
     decode_graphs: bool | None = None
+    # gc.collect() + gc.freeze() once the engine is built: the objects made at load time (a 48-layer model
+    # process tracks ~270k) are never rescanned, so a full collection no longer pauses a decode step for
+    # ~0.1 s (measured on the CPU box: 127-137 ms, 0 ms once frozen). None = on a GPU. close() unfreezes.
+    freeze_gc: bool | None = None
     graph_max_batch: int = 128
     graph_max_blocks: int = 4096  # block-table width of the graphs (longer sequences decode eagerly)
     seed: int = 0
@@ -127,6 +132,10 @@ class ReferenceEngine:
         self.graphs = DecodeGraphs(self.model, device, cfg.graph_max_batch,
                                    min(cfg.graph_max_blocks, cfg.kv_gpu_blocks), capture=device.is_cuda
                                    ) if use_graphs else None
+        self.gc_frozen = device.is_cuda if cfg.freeze_gc is None else cfg.freeze_gc
+        if self.gc_frozen:
+            gc.collect()
+            gc.freeze()
 
     def _fill_slots_on_device(self, seed: int) -> None:
         """N(0, 0.02) bf16 bytes for every expert, drawn on the device into its slot (padding included)."""
@@ -215,3 +224,6 @@ class ReferenceEngine:
                 store.close()
         if self._tmp is not None:
             self._tmp.cleanup()
+        if self.gc_frozen:  # process-wide: what any engine froze becomes collectable again
+            gc.unfreeze()
+            self.gc_frozen = False
