@@ -2,7 +2,7 @@
 
 The engine thread only snapshots a window (`WindowDraft`: host arrays and values); building it into a
 `Telemetry` (per-layer parts checked on the arrays, the message validated: `WindowDraft.build`) happens
-here, with a GIL yield after the layers (see `_yield_gil`). Messages reach `sink` in window order. A window
+here, with a GIL yield after each layer (see `_yield_gil`). Messages reach `sink` in window order. A window
 that fails to build is never dropped silently: it is counted in `failed` with its error kept.
 """
 

@@ -125,12 +125,13 @@ def check_exact(
     from runtime.engine.presets import preset as load_preset
     from runtime.errors import ConfigError
     from runtime.selfcheck.exact import run_exact_check
+    from runtime.weights.loader import MAP_IN
 
     try:
         spec = load_hf_config(config) if config is not None else load_preset(preset)
         if layers is not None:
             spec = spec.truncated(layers)
-        if expert_map_in not in ("worker", "mapper"):
+        if expert_map_in not in MAP_IN:
             raise typer.BadParameter(f"{expert_map_in!r}; expected 'worker' or 'mapper'", param_hint="--expert-map-in")
         r = run_exact_check(spec, resident_frac, device.value, num_prompts=prompts, new_tokens=new_tokens,
                             seed=seed, workdir=workdir, expert_map_in=expert_map_in)  # type: ignore[arg-type]

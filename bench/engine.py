@@ -166,13 +166,17 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
     eng = ReferenceEngine(spec, dev, EngineConfig(experts_on_device=True, block_tokens=bt, decode_graphs=graphs,
                                                   kv_gpu_blocks=per_seq * max(batches)))
     out, next_id = [], 0
-    watches: list[_GcWatch] = []
     adapter = ReferenceAdapter(eng, window_steps=window_steps)
+    gc_watch = _GcWatch()  # collector pauses (any thread) by the block they fell in
     try:
         taps = (eng.model.route_tap, eng.model.mass_observer)
 
         def switch(agent_on: bool) -> None:
             eng.model.route_tap, eng.model.mass_observer = taps if agent_on else (None, None)
+
+        def decode(seqs: list[int], last: list[int], pos: int) -> list[int]:
+            """One greedy decode step; the host needs the tokens (as a server does)."""
+            return eng.step(seqs, [[t] for t in last], [pos] * len(seqs)).argmax(-1).tolist()
 
         for b in batches:
             blocks: dict[bool, list[float]] = {False: [], True: []}
@@ -180,8 +184,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
             hook_ms: dict[bool, list[float]] = {False: [], True: []}  # on_step calls: plain / closing a window
             join_ms: list[float] = []
             sent_before = adapter.outbox.sent
-            gc_watch = _GcWatch()  # collector pauses (any thread) by the block they fell in
-            watches.append(gc_watch)
+            gc_watch.reset()
             for r in range(rounds):
                 seqs = list(range(next_id, next_id + b))
                 next_id += b
@@ -190,7 +193,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                 last, pos = logits.argmax(-1).tolist(), prompt
                 for agent_on in (False, True):  # untimed: both graphs (with and without saved queries) exist
                     switch(agent_on)
-                    last = eng.step(seqs, [[t] for t in last], [pos] * b).argmax(-1).tolist()
+                    last = decode(seqs, last, pos)
                     pos += 1
                     if agent_on:
                         adapter.on_step(None, 0.0)
@@ -198,7 +201,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                 # on-blocks advance it in whole blocks, so every window then closes mid-block, as it would at
                 # any step of a serving loop, and its message is built beside the rest of that block.
                 while adapter.steps % block_steps != block_steps // 2:
-                    last = eng.step(seqs, [[t] for t in last], [pos] * b).argmax(-1).tolist()
+                    last = decode(seqs, last, pos)
                     pos += 1
                     adapter.on_step(None, 0.0)
                 adapter.outbox.join()
@@ -215,8 +218,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                     gc_watch.block = agent_on
                     t0 = time.perf_counter()
                     for _ in range(block_steps):
-                        logits = eng.step(seqs, [[t] for t in last], [pos] * b)
-                        last = logits.argmax(-1).tolist()  # greedy: the host needs the token (as a server does)
+                        last = decode(seqs, last, pos)
                         pos += 1
                         if agent_on:
                             t1 = time.perf_counter()
@@ -234,7 +236,6 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                     blocks[agent_on].append(dt)
                 for s in seqs:
                     eng.cache.free(s)
-            gc_watch.close()
             off_s, on_s = sum(blocks[False]), sum(blocks[True])
             n_steps = len(blocks[False]) * block_steps  # as many on-steps as off-steps
             quads.sort()
@@ -257,8 +258,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                         "gc_full_collections_off": gc_watch.full[False], "gc_full_collections_on": gc_watch.full[True],
                         "agent_host_share": (sum(hook_ms[False]) + sum(hook_ms[True]) + sum(join_ms)) / 1e3 / on_s})
     finally:
-        for w in watches:
-            w.close()
+        gc_watch.close()
         adapter.close()
         eng.close()
     return out
@@ -270,10 +270,13 @@ class _GcWatch:
 
     def __init__(self) -> None:
         self.block: bool | None = None
-        self.ms = {False: 0.0, True: 0.0}
-        self.full = {False: 0, True: 0}
+        self.reset()
         self._t0 = 0.0
         gc.callbacks.append(self._cb)
+
+    def reset(self) -> None:
+        self.ms = {False: 0.0, True: 0.0}
+        self.full = {False: 0, True: 0}
 
     def _cb(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -283,8 +286,7 @@ class _GcWatch:
             self.full[self.block] += info.get("generation") == 2
 
     def close(self) -> None:
-        if self._cb in gc.callbacks:
-            gc.callbacks.remove(self._cb)
+        gc.callbacks.remove(self._cb)
 
 
 def _join_s(adapter: Any, join_ms: list[float]) -> float:

@@ -32,7 +32,7 @@ from runtime.memory.backend import make_backend
 from runtime.memory.slots import ExpertSlotPool
 from runtime.transfer import TransferEngine
 from runtime.weights.format import dtype_from_name
-from runtime.weights.loader import ExpertLoadHandler, MapIn, StoreKind
+from runtime.weights.loader import MAP_IN, ExpertLoadHandler, MapIn, StoreKind
 from runtime.weights.sources import SyntheticExpertSource
 from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
@@ -70,7 +70,7 @@ class EngineConfig:
     workdir: Path | None = None
 
     def __post_init__(self) -> None:
-        if self.expert_map_in not in ("worker", "mapper"):
+        if self.expert_map_in not in MAP_IN:
             raise ConfigError(f"EngineConfig.expert_map_in must be 'worker' or 'mapper', got {self.expert_map_in!r}")
         if not 0.0 < self.resident_frac <= 1.0:
             raise ConfigError(f"EngineConfig.resident_frac must be in (0, 1], got {self.resident_frac}")

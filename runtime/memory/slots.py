@@ -234,10 +234,14 @@ class ExpertSlotPool:
             en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], map_now
             self.remaps += 1
         if via_window:
-            assert self._window is not None
-            off = slot * self.layout.stride_bytes
-            return self._window[off : off + self.layout.expert_bytes]  # [expert_bytes]
+            return self._window_view(slot)[: self.layout.expert_bytes]  # [expert_bytes]
         return self._view(layer, expert)
+
+    def _window_view(self, slot: int) -> torch.Tensor:
+        """A slot's whole stride through the slot window: [stride_bytes]."""
+        assert self._window is not None
+        stride = self.layout.stride_bytes
+        return self._window[slot * stride : (slot + 1) * stride]
 
     def map_reserved(self, layer: int, expert: int) -> None:
         """Map the slot reserved by `prepare_load(map_now=False)`; any thread may call it (the copy worker)."""
@@ -283,7 +287,7 @@ class ExpertSlotPool:
         if en.state in (ExpertState.RESIDENT, ExpertState.EVICTING):
             self._num_resident[layer] -= 1
         if self.scrub_on_unmap and (en.mapped or self._window is not None):  # a window load may not be mapped yet
-            src = self._window[slot * stride : (slot + 1) * stride] if self._window is not None else \
+            src = self._window_view(slot) if self._window is not None else \
                 self._tensors[layer][expert * stride : (expert + 1) * stride]
             src.fill_(POISON_BYTE)
             self.device.synchronize()

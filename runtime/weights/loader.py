@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from runtime.device import AlignedHostBuffer
 from runtime.errors import ConfigError, CorruptDataError
@@ -37,6 +37,7 @@ class StoreKind(Enum):
 
 
 MapIn = Literal["worker", "mapper"]
+MAP_IN: tuple[str, ...] = get_args(MapIn)  # the values, for checks and messages
 
 
 class _Mapper:
@@ -138,7 +139,7 @@ class ExpertLoadHandler:
         num_staging: int = 4,
         map_in: MapIn = "worker",
     ) -> None:
-        if map_in not in ("worker", "mapper"):
+        if map_in not in MAP_IN:
             raise ConfigError(f"ExpertLoadHandler.map_in must be 'worker' or 'mapper', got {map_in!r}")
         if map_in == "mapper" and not pool.slot_window:
             raise ConfigError("ExpertLoadHandler(map_in='mapper') needs a pool made with slot_window=True "
@@ -159,8 +160,7 @@ class ExpertLoadHandler:
         self.map_in = map_in
         self._inflight = 0  # loads started and not yet completed (close() waits for them)
         self._closed = False
-        dev = engine.device
-        self._mapper = _Mapper(dev.bind_thread) if map_in == "mapper" else None
+        self._mapper = _Mapper(engine.device.bind_thread) if map_in == "mapper" else None
         self._stats = {"loads_ok": 0, "loads_failed": 0, "corrupt_detected": 0, "bytes": 0}
 
     def _count(self, key: str, n: int = 1) -> None:
