@@ -165,7 +165,8 @@ def bench_substrate(
     load_configs: Annotated[str, typer.Option(
         help="loads: 'all' engine configs, only the 'default' one, 'urgent-stream' (default vs deep bulk "
              "queue with urgent copies on their own stream), or 'map-in' (slot maps in the link worker vs "
-             "on the loader's mapper thread).")] = "all",
+             "on the loader's mapper thread), or 'submit' (a prefetch list as one load_many call vs one load "
+             "per expert).")] = "all",
 ) -> None:
     """Measure the substrate: link bandwidth, expert loads vs raw copies, map cost, urgent-KV queueing."""
     from bench.substrate import LOAD_CONFIG_SETS, SECTIONS, run_substrate_bench

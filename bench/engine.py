@@ -183,6 +183,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
             quads: list[float] = []
             hook_ms: dict[bool, list[float]] = {False: [], True: []}  # on_step calls: plain / closing a window
             join_ms: list[float] = []
+            step_log: list[tuple[bool, int, int, int, float, float, int]] = []
             sent_before = adapter.outbox.sent
             gc_watch.reset()
             for r in range(rounds):
@@ -217,13 +218,19 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                     dev.synchronize()
                     gc_watch.block = agent_on
                     t0 = time.perf_counter()
-                    for _ in range(block_steps):
+                    for i in range(block_steps):
+                        ts = time.perf_counter()
                         last = decode(seqs, last, pos)
                         pos += 1
+                        hook = 0.0
                         if agent_on:
                             t1 = time.perf_counter()
                             adapter.on_step(None, 0.0)
-                            hook_ms[adapter.steps % window_steps == 0].append((time.perf_counter() - t1) * 1e3)
+                            hook = (time.perf_counter() - t1) * 1e3
+                            hook_ms[adapter.steps % window_steps == 0].append(hook)
+                        # one row per timed step: where a slow on-step sits relative to window closes
+                        step_log.append((agent_on, r, k, i, (time.perf_counter() - ts) * 1e3, hook,
+                                         adapter.steps % window_steps if agent_on else -1))
                     dev.synchronize()
                     timed.append([agent_on, time.perf_counter() - t0])
                     gc_watch.block = None
@@ -256,7 +263,8 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                         "block_join_ms_max": max(join_ms, default=0.0),
                         "gc_ms_agent_off": gc_watch.ms[False], "gc_ms_agent_on": gc_watch.ms[True],
                         "gc_full_collections_off": gc_watch.full[False], "gc_full_collections_on": gc_watch.full[True],
-                        "agent_host_share": (sum(hook_ms[False]) + sum(hook_ms[True]) + sum(join_ms)) / 1e3 / on_s})
+                        "agent_host_share": (sum(hook_ms[False]) + sum(hook_ms[True]) + sum(join_ms)) / 1e3 / on_s,
+                        **_step_profile(step_log)})
     finally:
         gc_watch.close()
         adapter.close()
@@ -301,6 +309,20 @@ def _join_s(adapter: Any, join_ms: list[float]) -> float:
 def _last(xs: Any, n: int) -> list[float]:
     """The last n entries of a bounded deque (all it still holds if fewer)."""
     return list(xs)[-n:] if n > 0 else []
+
+
+def _step_profile(log: list[tuple[bool, int, int, int, float, float, int]], top: int = 12) -> dict[str, Any]:
+    """Per-step wall times (decode + the agent's hook) off and on: medians, the time above the median in each
+    set, and the slowest steps with where they sat (round, block, step in block, steps since the last window
+    closed; -1 when the agent was off), so a gap concentrated in a few steps can be told from a spread one."""
+    ms = {on: [row[4] for row in log if row[0] is on] for on in (False, True)}
+    med = {on: _median(ms[on]) for on in (False, True)}
+    slow = sorted(log, key=lambda row: row[4], reverse=True)[:top]
+    return {"step_ms_median_off": med[False], "step_ms_median_on": med[True],
+            "step_ms_excess_off": sum(max(0.0, x - med[False]) for x in ms[False]),
+            "step_ms_excess_on": sum(max(0.0, x - med[True]) for x in ms[True]),
+            "slowest_steps": [{"agent_on": on, "round": r, "block": k, "step": i, "ms": round(t, 3),
+                               "on_step_ms": round(h, 3), "window_pos": w} for on, r, k, i, t, h, w in slow]}
 
 
 def _median(xs: list[float]) -> float:
@@ -402,5 +424,14 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
            f"{x['block_join_ms_max']:.2f} | {x['agent_host_share'] * 100:.2f} % | "
            f"{x['gc_ms_agent_off']:.1f} / {x['gc_ms_agent_on']:.1f} ({x['gc_full_collections_off']} / "
            f"{x['gc_full_collections_on']}) |" for x in res["decode"]]
+    md += ["", "Per-step wall time (decode + agent hook): medians, time above the median summed over each set, and "
+           "the five slowest steps (on/off, round.block.step, ms, window position: steps since a window closed).",
+           "", "| step | batch | median ms off / on | above-median ms off / on | slowest steps |",
+           "|---|---|---|---|---|"]
+    md += [f"| {'CUDA graph' if x['graphs'] else 'eager'} | {x['batch']} | {x['step_ms_median_off']:.2f} / "
+           f"{x['step_ms_median_on']:.2f} | {x['step_ms_excess_off']:.1f} / {x['step_ms_excess_on']:.1f} | "
+           + ", ".join(f"{'on' if s['agent_on'] else 'off'} {s['round']}.{s['block']}.{s['step']} {s['ms']:.1f}"
+                       f"{'' if s['window_pos'] < 0 else ' w' + str(s['window_pos'])}" for s in x["slowest_steps"][:5])
+           + " |" for x in res["decode"]]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     return res

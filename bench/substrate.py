@@ -84,8 +84,10 @@ def pinned_experts(dev: Device, hidden: int, inter: int, batch: int) -> PinnedEx
 
 
 def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertStore, batch: int,
-                     reps: int, poison_unmapped: bool = True, map_in: MapIn = "worker") -> dict[str, Any]:
-    """Pinned store -> slots: `batch` loads in flight at once (a prefetch list), then a single load.
+                     reps: int, poison_unmapped: bool = True, map_in: MapIn = "worker",
+                     submit: str = "list") -> dict[str, Any]:
+    """Pinned store -> slots: `batch` loads in flight at once (a prefetch list: one `load_many` call, or with
+    submit="each" one `load` per expert), then a single load.
 
     Timed: prepare_load (the slot map) + the engine's copy + complete_load, i.e. the whole load path.
     Not timed: unmapping the previous round's experts (eviction happens off this path).
@@ -101,7 +103,8 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertSto
             pool.unmap(0, e)
 
     def load_all() -> None:
-        futs = [loader.load(0, e, StoreKind.PINNED) for e in range(batch)]
+        futs = loader.load_many(0, list(range(batch))) if submit == "list" else \
+            [loader.load(0, e, StoreKind.PINNED) for e in range(batch)]
         for f in futs:
             f.wait()
 
@@ -120,7 +123,7 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertSto
     n = fmt.num_bytes
     return {"expert_bytes": n, "batch": batch, "pipelined_gbps": n * batch / batch_s / 1e9,
             "single_gbps": n / one_s / 1e9, "single_ms": one_s * 1e3, "raw_gbps": raw,
-            "pipelined_ratio": n * batch / batch_s / 1e9 / raw, "map_in": map_in,
+            "pipelined_ratio": n * batch / batch_s / 1e9 / raw, "map_in": map_in, "submit": submit,
             "worker_us_per_load": worker_us}
 
 
@@ -244,6 +247,7 @@ class LoadConfig:
     urgent_stream: bool = False  # urgent KV copies on their own stream, so the bulk bound can be deep
     map_in: MapIn = "worker"  # who maps a slot: the link's worker, or the loader's mapper thread
     gil_switch_us: int | None = None  # sys.setswitchinterval for this config (None: the interpreter's 5000 µs)
+    submit: str = "list"  # a prefetch list as one load_many call ("list") or one load() per expert ("each")
 
 
 _DEFAULT = LoadConfig(8 * MiB, 16 * MiB)
@@ -253,7 +257,9 @@ LOAD_CONFIG_SETS: dict[str, list[LoadConfig]] = {
     "urgent-stream": [_DEFAULT, _DEEP],
     "map-in": [_DEFAULT, replace(_DEFAULT, map_in="mapper"), _DEEP, replace(_DEEP, map_in="mapper"),
                replace(_DEFAULT, gil_switch_us=200), replace(_DEFAULT, map_in="mapper", gil_switch_us=200)],
-    "all": [_DEFAULT, replace(_DEFAULT, poison_unmapped=False), LoadConfig(4 * MiB, 16 * MiB), _DEEP,
+    "submit": [_DEFAULT, replace(_DEFAULT, submit="each"), replace(_DEFAULT, poison_unmapped=False), _DEEP],
+    "all": [_DEFAULT, replace(_DEFAULT, submit="each"), replace(_DEFAULT, poison_unmapped=False),
+            LoadConfig(4 * MiB, 16 * MiB), _DEEP,
             replace(_DEEP, map_in="mapper")],
 }
 
@@ -294,7 +300,7 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
                                         urgent_stream=c.urgent_stream) as eng:
                         for (_h, _i, b), store in zip(shapes, stores, strict=True):
                             r = expert_load_gbps(dev, eng, store, b, reps, poison_unmapped=c.poison_unmapped,
-                                                 map_in=c.map_in)
+                                                 map_in=c.map_in, submit=c.submit)
                             res["expert_loads"].append({**r, **asdict(c)})
                 finally:
                     sys.setswitchinterval(switch)
@@ -349,14 +355,15 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
     if "expert_loads" in res:
         md += ["## Expert loads, pinned host -> slot (map + copy + publish), vs raw pinned host -> device copies of",
                "the same sizes and count on one stream", "",
-               "| chunk | in flight | absent experts | maps in | expert bytes | loads in flight | pipelined GB/s "
+               "| chunk | in flight | absent experts | maps in | submitted | expert bytes | loads in flight "
+               "| pipelined GB/s "
                "| raw GB/s | ratio | single load ms | link worker µs/load: hook · issue · blocked · retire | "
                "mapper µs/load |",
-               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {_chunk_label(e['chunk_bytes'], e.get('urgent_stream', False))} | "
                f"{e['max_inflight_bytes'] >> 20} MiB | "
                f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {e.get('map_in', 'worker')}{_gil(e)} | "
-               f"{e['expert_bytes']:,} | "
+               f"{'load_many' if e.get('submit', 'each') == 'list' else 'load each'} | {e['expert_bytes']:,} | "
                f"{e['batch']} | {e['pipelined_gbps']:.1f} | {e['raw_gbps']:.1f} | {e['pipelined_ratio']:.3f} | "
                f"{e['single_ms']:.3f} | {_phases(e)} | {_mapper_us(e)} |" for e in res["expert_loads"]]
     if "map_cost" in res:
@@ -419,7 +426,8 @@ def _plot(path: Path, res: dict) -> None:
     a.plot(xs, list(res["raw_h2d_gbps"].values()), "o-", label="raw pinned H2D")
     a.plot(xs, list(res["raw_d2h_gbps"].values()), "s-", label="raw pinned D2H")
     def key(e: dict) -> tuple:
-        return (e["chunk_bytes"], e["max_inflight_bytes"], e["poison_unmapped"], e.get("map_in", "worker"))
+        return (e["chunk_bytes"], e["max_inflight_bytes"], e["poison_unmapped"], e.get("map_in", "worker"),
+                e.get("submit", "each"))
 
     for cfg in sorted({key(e) for e in res["expert_loads"]}):
         pts = [e for e in res["expert_loads"] if key(e) == cfg]
@@ -427,7 +435,7 @@ def _plot(path: Path, res: dict) -> None:
                for n in sorted({p["expert_bytes"] for p in pts})]
         a.plot([e["expert_bytes"] / MiB for e in pts], [e["pipelined_gbps"] for e in pts], "^--", ms=8,
                label=f"loads, {_chunk_label(cfg[0])}, {cfg[1] >> 20} MiB in flight, "
-                     f"{'poison' if cfg[2] else 'unmapped'}, maps in {cfg[3]}")
+                     f"{'poison' if cfg[2] else 'unmapped'}, maps in {cfg[3]}, submit {cfg[4]}")
     a.set_xscale("log", base=2)
     a.set_xlabel("transfer size (MiB)")
     a.set_ylabel("GB/s")

@@ -136,8 +136,9 @@ class Device:
         else:
             event.synchronize()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> Event:
-        """Copy `src` into `dst` on `stream`; returns the event that marks the copy done."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None, stream_is_current: bool = False) -> Event:
+        """Copy `src` into `dst` on `stream`; returns the event that marks the copy done. A caller that knows
+        `stream` is its thread's current one (a link worker, see `bind_thread`) says so and skips the check."""
         if dst.numel() != src.numel() or dst.dtype != src.dtype:
             raise ConfigError(
                 f"copy: shape/dtype mismatch dst={tuple(dst.shape)}/{dst.dtype} src={tuple(src.shape)}/{src.dtype}"
@@ -145,12 +146,14 @@ class Device:
         if not self.is_cuda:
             dst.copy_(src)
             return completed_event()
-        if stream is None or stream == torch.cuda.current_stream(self.torch_device):  # no stream switch needed
-            dst.copy_(src, non_blocking=True)
+        if stream_is_current or stream is None or stream == torch.cuda.current_stream(self.torch_device):
+            dst.copy_(src, non_blocking=True)  # no stream switch needed
         else:
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
-        return self.record_event(stream)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
 
     def synchronize(self) -> None:
         if self.is_cuda:

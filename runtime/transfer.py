@@ -211,23 +211,40 @@ class TransferEngine:
 
     def submit(self, req: TransferRequest) -> TransferHandle:
         """Queue a transfer; raises ConfigError (nothing queued) for a malformed request."""
+        return self.submit_many([req])[0]
+
+    def submit_many(self, reqs: list[TransferRequest]) -> list[TransferHandle]:
+        """Queue transfers of one link at once (a prefetch list: one lock, one wake-up, in list order at equal
+        priority). Every request is checked first: a malformed one raises ConfigError and none is queued."""
         if self._closing:
             raise TransferError("transfer engine is closed")
-        n = self._validate(req)
-        if req.before_issue is not None and req.link in (Link.DISK2H, Link.H2DISK):
-            raise ConfigError("before_issue is only ordered on memory links (disk links run parallel workers)")
-        spans = _chunk_spans(n, self.chunk_bytes)
-        h = TransferHandle(req, n, len(spans), self.clock())
-        deadline = float("inf") if req.deadline_s is None else req.deadline_s
-        q = self._queues[req.link]
+        if not reqs:
+            return []
+        link = reqs[0].link
+        sizes = []
+        for i, req in enumerate(reqs):
+            if req.link is not link:
+                raise ConfigError(f"submit_many: request {i} is on {req.link.value}, request 0 on {link.value}; "
+                                  "one link per call")
+            if req.before_issue is not None and link in (Link.DISK2H, Link.H2DISK):
+                raise ConfigError("before_issue is only ordered on memory links (disk links run parallel workers)")
+            sizes.append(self._validate(req))
+        now = self.clock()
+        handles, chunks = [], []
+        for req, n in zip(reqs, sizes, strict=True):
+            spans = _chunk_spans(n, self.chunk_bytes)
+            h = TransferHandle(req, n, len(spans), now)
+            handles.append(h)
+            deadline = float("inf") if req.deadline_s is None else req.deadline_s
+            chunks.extend((int(req.priority), deadline, h, off, length) for off, length in spans)
+        q = self._queues[link]
         with q.cv:
             if self._closing:  # re-checked under the queue lock: a worker may be exiting on an empty queue
                 raise TransferError("transfer engine is closed")
-            for off, length in spans:
-                key = (int(req.priority), deadline, next(self._seq))
-                heapq.heappush(q.heap, _Chunk(key, h, off, length))
+            for prio, deadline, h, off, length in chunks:
+                heapq.heappush(q.heap, _Chunk((prio, deadline, next(self._seq)), h, off, length))
             q.cv.notify_all()  # disk links have several workers: a multi-chunk transfer should wake them all
-        return h
+        return handles
 
     # ---- workers ----------------------------------------------------------------------------------
     def _issue(self, link: Link, ch: _Chunk, first: bool) -> Event | None:
@@ -248,10 +265,11 @@ class TransferEngine:
         if link is Link.H2DISK:
             dst.file.write_from(dst.offset_bytes, src)
             return None
-        stream = self._urgent_streams[link] if self._bypasses(link, ch) else self._streams[link]
+        urgent = self._bypasses(link, ch)
+        stream = self._urgent_streams[link] if urgent else self._streams[link]
         if first and req.after is not None:
             self.device.stream_wait(req.after, stream)
-        ev = self.device.copy(dst, src, stream)
+        ev = self.device.copy(dst, src, stream, stream_is_current=not urgent)  # _run made the bulk one current
         return ev if self.device.is_cuda else None
 
     def _bypasses(self, link: Link, ch: _Chunk) -> bool:
@@ -266,6 +284,7 @@ class TransferEngine:
             setattr(ls, phase, getattr(ls, phase) + dt_s)
 
     def _retire(self, ch: _Chunk, event: Event | None, failed: BaseException | None) -> None:
+        """Account a chunk; `event` (None if the copy is known done) is waited for first."""
         h = ch.handle
         if event is not None and failed is None:
             t0 = time.perf_counter()
@@ -391,13 +410,12 @@ class TransferEngine:
             else:
                 inflight.append((ch, ev))
                 inflight_bytes += ch.length_bytes
-            while urgent and urgent[0][1].query():
-                done_ch, done_ev = urgent.popleft()
-                self._retire(done_ch, done_ev, None)
+            while urgent and urgent[0][1].query():  # done: no wait (None) in _retire
+                self._retire(urgent.popleft()[0], None, None)
             while inflight and inflight[0][1].query():
-                done_ch, done_ev = inflight.popleft()
+                done_ch = inflight.popleft()[0]
                 inflight_bytes -= done_ch.length_bytes
-                self._retire(done_ch, done_ev, None)
+                self._retire(done_ch, None, None)
 
     # ---- introspection ----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

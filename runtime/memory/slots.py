@@ -237,6 +237,32 @@ class ExpertSlotPool:
             return self._window_view(slot)[: self.layout.expert_bytes]  # [expert_bytes]
         return self._view(layer, expert)
 
+    def prepare_loads(self, layer: int, experts: list[int], via_window: bool = False) -> list[torch.Tensor]:
+        """`prepare_load(map_now=False)` for several experts of one layer under one lock (a prefetch list): all
+        are reserved or, if any is refused (out of range, repeated, not absent, too few free slots), none is."""
+        if via_window and self._window is None:
+            raise ConfigError("prepare_loads(via_window=True) needs a pool made with slot_window=True")
+        with self._lock:
+            entries = [self._entry(layer, e) for e in experts]
+            if len(set(experts)) != len(experts):
+                raise ConfigError(f"prepare_loads: layer {layer} experts {experts} repeat an expert")
+            for e, en in zip(experts, entries, strict=True):
+                if en.state is not ExpertState.ABSENT:
+                    raise BusyError(f"prepare_loads: expert ({layer}, {e}) is {en.state.value}")
+            if len(experts) > len(self._free):
+                raise CapacityError(f"prepare_loads: {len(experts)} experts need slots, {len(self._free)} of "
+                                    f"{self.num_slots} are free; unmap experts first")
+            slots = []
+            for e, en in zip(experts, entries, strict=True):
+                slot = self._free.pop()
+                self._slot_owner[slot] = (layer, e)
+                en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], False
+                slots.append(slot)
+            self.remaps += len(experts)
+        if via_window:
+            return [self._window_view(s)[: self.layout.expert_bytes] for s in slots]  # [expert_bytes] each
+        return [self._view(layer, e) for e in experts]
+
     def _window_view(self, slot: int) -> torch.Tensor:
         """A slot's whole stride through the slot window: [stride_bytes]."""
         assert self._window is not None

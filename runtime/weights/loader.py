@@ -193,24 +193,7 @@ class ExpertLoadHandler:
         fut = OpFuture(f"load of expert ({layer}, {expert}) from {store.value}")
 
         def finish(h: TransferHandle | None, error: BaseException | None, staging: Any = None) -> None:
-            try:  # whatever fails here, the future completes, the slot is not left LOADING, and it is counted
-                if staging is not None:
-                    self._give_staging(staging)
-                event = h.device_event() if (error is None and h is not None) else None
-                self.pool.complete_load(layer, expert, error is None, event=event)
-            except Exception as exc:
-                error = error or exc
-                if self.pool.state(layer, expert) is ExpertState.LOADING:
-                    try:
-                        self.pool.complete_load(layer, expert, ok=False)
-                    except Exception as again:
-                        error.add_note(f"giving the slot back failed too: {again!r}")
-            finally:
-                self._count("loads_ok" if error is None else "loads_failed")
-                if error is None:
-                    self._count("bytes", dst.numel())
-                self._load_ended()
-                fut.set_result(error)
+            self._finish(layer, expert, dst.numel(), fut, h, error, staging)
 
         join = _Join(2 if windowed else 1, finish)
 
@@ -264,6 +247,70 @@ class ExpertLoadHandler:
             raise
         self._start_map(layer, expert, priority, deadline_s, join)
         return fut
+
+    def load_many(self, layer: int, experts: list[int], priority: Priority = Priority.NORMAL,
+                  deadline_s: float | None = None) -> list[OpFuture]:
+        """Load several experts of one layer from the pinned store (a prefetch list), one future each, copied in
+        list order. Slots are reserved for all or, if any expert is refused, for none (nothing moves); the
+        copies go to the link in one submission, so the submitting thread holds the GIL briefly and the link's
+        worker starts at once."""
+        if self.pinned is None:
+            raise ConfigError("load_many: no pinned store configured")
+        pinned, pool, windowed = self.pinned, self.pool, self._mapper is not None
+        with self._cv:
+            if self._closed:
+                raise ConfigError("load_many: the expert loader is closed")
+            dsts = pool.prepare_loads(layer, experts, via_window=windowed)
+            self._inflight += len(experts)
+        futs = [OpFuture(f"load of expert ({layer}, {e}) from pinned") for e in experts]
+        joins: list[_Join] = []
+
+        def request(e: int, dst: Any, fut: OpFuture) -> TransferRequest:
+            n = dst.numel()
+            if windowed:  # two parts: this copy through the slot window, and the mapper's map
+                join = _Join(2, lambda h, error, _staging: self._finish(layer, e, n, fut, h, error))
+                joins.append(join)
+                return TransferRequest(Link.H2D, TrafficClass.EXPERT, pinned.expert(layer, e), dst, priority,
+                                       deadline_s, on_done=lambda h: join.part_done(h.error, h))
+            return TransferRequest(Link.H2D, TrafficClass.EXPERT, pinned.expert(layer, e), dst, priority, deadline_s,
+                                   before_issue=lambda: pool.map_reserved(layer, e),
+                                   on_done=lambda h: self._finish(layer, e, n, fut, h, h.error))
+
+        try:
+            self.engine.submit_many([request(e, d, f) for e, d, f in zip(experts, dsts, futs, strict=True)])
+        except Exception:  # refused before any byte moved: give every slot back
+            for e in experts:
+                pool.complete_load(layer, e, ok=False)
+                self._load_ended()
+            raise
+        for e, join in zip(experts, joins, strict=False):  # the mapper's parts (none without it)
+            self._start_map(layer, e, priority, deadline_s, join)
+        return futs
+
+    def _finish(self, layer: int, expert: int, num_bytes: int, fut: OpFuture, h: TransferHandle | None,
+                error: BaseException | None, staging: Any = None) -> None:
+        """A load's last part ended (link worker or mapper thread): publish the expert or give its slot back.
+        Whatever fails here, the future completes, the slot is not left LOADING, and it is counted."""
+        try:
+            if staging is not None:
+                self._give_staging(staging)
+            event = h.device_event() if (error is None and h is not None) else None
+            self.pool.complete_load(layer, expert, error is None, event=event)
+        except Exception as exc:
+            error = error or exc
+            if self.pool.state(layer, expert) is ExpertState.LOADING:
+                try:
+                    self.pool.complete_load(layer, expert, ok=False)
+                except Exception as again:
+                    error.add_note(f"giving the slot back failed too: {again!r}")
+        finally:
+            with self._cv:
+                self._stats["loads_ok" if error is None else "loads_failed"] += 1
+                if error is None:
+                    self._stats["bytes"] += num_bytes
+                self._inflight -= 1
+                self._cv.notify_all()
+            fut.set_result(error)
 
     def _start_map(self, layer: int, expert: int, priority: Priority, deadline_s: float | None, join: _Join) -> None:
         """With the mapper: queue the map of the expert's range (the load's second part)."""

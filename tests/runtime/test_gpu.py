@@ -225,8 +225,9 @@ def test_replayed_and_padded_eager_steps_are_bit_identical_on_cuda(tmp_path: Pat
 
 @pytest.mark.parametrize("map_in", ["worker", "mapper"])
 def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, vmm, map_in: str) -> None:
-    """Rounds of a whole-layer prefetch list, evicted in between, with a KV stream on the same link: every
-    expert lands byte-exact and absent ones read as poison, whether the link worker or the mapper maps."""
+    """Rounds of a whole-layer prefetch list (one load each, or one load_many), evicted in between, with a KV
+    stream on the same link: every expert lands byte-exact and absent ones read as poison, whether the link
+    worker or the mapper maps."""
     from runtime.weights.format import ExpertFormat
     from runtime.weights.loader import ExpertLoadHandler
     from runtime.weights.sources import SyntheticExpertSource
@@ -241,7 +242,8 @@ def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, v
         for rnd in range(4):
             layer = rnd % 2
             kv = eng.submit(TransferRequest(Link.H2D, TrafficClass.KV, kv_src, kv_dst, Priority.URGENT))
-            futs = [loader.load(layer, e) for e in range(12)]
+            order = list(range(12)) if rnd < 2 else list(range(11, -1, -1))
+            futs = loader.load_many(layer, order) if rnd % 2 else [loader.load(layer, e) for e in order]
             for f in futs:
                 f.wait(30)
             kv.wait(30)

@@ -108,7 +108,7 @@ class ChunkRecorder(Device):
         super().__init__("cpu")
         self.sizes: list[int] = []
 
-    def copy(self, dst, src, stream=None):
+    def copy(self, dst, src, stream=None, stream_is_current=False):
         self.sizes.append(src.numel())
         return completed_event()
 
@@ -446,6 +446,32 @@ def test_malformed_requests_raise_and_queue_nothing(cpu, rand, tmp_path):
     assert all(LinkStats(**s) == LinkStats() for s in eng.stats()["links"].values())
 
 
+def test_submit_many_queues_a_list_in_order_and_refuses_a_bad_list_whole(engine, gate, rand):
+    """A prefetch list in one call: copies exact, issued in list order at equal priority; a list with one
+    malformed request, or requests on two links, queues none of them."""
+    hold = gate()
+    blocker = rand(4096)
+    h0 = engine.submit(req(Link.H2D, blocker, torch.empty_like(blocker), after=hold))
+    wait_until(lambda: h0.start_s is not None, T, "worker held")
+    done: list[int] = []
+    srcs = [rand(4096 * (i + 1)) for i in range(5)]
+    dsts = [torch.empty_like(s) for s in srcs]
+    handles = engine.submit_many([req(Link.H2D, s, d, on_done=lambda _h, i=i: done.append(i))
+                                  for i, (s, d) in enumerate(zip(srcs, dsts, strict=True))])
+    good = req(Link.H2D, rand(4096), torch.empty(4096, dtype=torch.uint8))
+    for bad, match in (([good, req(Link.H2D, rand(4096), torch.empty(8, dtype=torch.uint8))], "src has 4096"),
+                       ([good, req(Link.D2H, rand(4096), torch.empty(4096, dtype=torch.uint8))], "one link")):
+        with pytest.raises(ConfigError, match=match):
+            engine.submit_many(bad)
+        assert engine.pending_chunks(Link.H2D) == 5
+    assert engine.submit_many([]) == []
+    hold.set()
+    for h in handles:
+        h.wait(T)
+    assert done == [0, 1, 2, 3, 4]
+    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts, strict=True))
+
+
 # ---- concurrency ------------------------------------------------------------------------------------
 def test_four_threads_two_hundred_random_transfers_each(cpu, tmp_path):
     slot = 64 << 10
@@ -560,7 +586,7 @@ def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.Monk
         def stream_wait(self, ev, stream=None) -> None:
             pass
 
-        def copy(self, dst, src, stream=None):
+        def copy(self, dst, src, stream=None, stream_is_current=False):
             dst.copy_(src)
             return LateEvent(_time.monotonic() + rng.random() * 0.002)
 

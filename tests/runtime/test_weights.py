@@ -321,3 +321,48 @@ def test_close_waits_for_loads_in_flight_and_then_refuses_new_ones(tmp_path: Pat
     assert pool.num_free_slots == 2  # the refused load reserved nothing
     eng.close()
     pool.close()
+
+
+def test_load_many_is_byte_exact_and_reserves_all_or_nothing(tmp_path: Path, dev: Device, engine, map_in) -> None:
+    """A prefetch list in one call: every expert lands byte-exact with its own future; a list with any refused
+    expert (repeated, not absent, too many for the free slots, out of range) reserves and moves nothing."""
+    pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, num_slots=4, map_in=map_in)
+    futs = loader.load_many(1, [5, 0, 3])
+    for f in futs:
+        f.wait(10)
+    for e in (5, 0, 3):
+        assert checksum(pool.expert_tensor(1, e)) == pinned.checksum(1, e)
+    before = engine.stats()
+    for experts, err, match in (([1, 1], ConfigError, "repeat"), ([1, 0], BusyError, r"\(1, 0\) is resident"),
+                                ([1, 2], CapacityError, "2 experts need slots, 1 of 4"),
+                                ([1, 9], ConfigError, "out of range")):
+        with pytest.raises(err, match=match):
+            loader.load_many(1, experts)
+        assert pool.state(1, 1) is ExpertState.ABSENT and pool.num_free_slots == 1
+    assert engine.stats() == before and loader.stats()["loads_ok"] == 3
+    assert loader.load_many(0, []) == []
+    pool.check_invariants()
+    loader.close()
+    with pytest.raises(ConfigError, match="closed"):
+        loader.load_many(0, [1])
+    pool.close()
+
+
+def test_load_many_failures_complete_every_future_and_free_every_slot(tmp_path: Path, dev: Device, map_in,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = TransferEngine(dev)
+    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, eng, num_slots=3, map_in=map_in)
+    monkeypatch.setattr(pool, "map_reserved", lambda layer, expert: (_ for _ in ()).throw(RuntimeError("injected")))
+    for f in loader.load_many(0, [0, 1, 2]):
+        with pytest.raises(Exception, match="injected"):
+            f.wait(10)
+    assert pool.num_free_slots == 3 and loader.stats()["loads_failed"] == 3
+    eng.close()
+    from runtime.errors import TransferError
+
+    with pytest.raises(TransferError):  # refused by a closed engine: every slot given back
+        loader.load_many(0, [0, 1])
+    assert pool.num_free_slots == 3 and all(pool.state(0, e) is ExpertState.ABSENT for e in range(3))
+    pool.check_invariants()
+    loader.close()
+    pool.close()
