@@ -207,6 +207,11 @@ class TelemetryWindow:
         self.seq = 0
         self._reset()
 
+    def restart(self) -> None:
+        """Forget everything observed and start again at window 0 (after a warm-up window)."""
+        self.seq = 0
+        self._reset()
+
     def _reset(self) -> None:
         self.start_s = self.clock()
         self.step_ms: list[float] = []

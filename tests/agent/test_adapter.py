@@ -29,6 +29,9 @@ def test_adapter_applies_a_static_plan_and_ships_valid_windows(tmp_path: Path) -
     try:
         trace = RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz")
         agent = ReferenceAdapter(eng, window_steps=4)
+        # the warm-up window at attach leaves nothing behind: no message, empty counters, window 0 next
+        assert agent.telemetry == [] and agent.window.seq == 0 and not agent.tap.counts.any()
+        assert sum(agent.tap.tokens) == 0 and not agent.tap.pairs.any()
         warm, _ = trace.routes(256, len(spec.moe_layers), spec.top_k, spec.num_experts)
         plan = static_plan(spec, warm, eng.pool.num_slots, eng.pool.layout.stride_bytes,
                            {"gpu": 8, "cpu": 8, "nvme": 16}, eng.cache.block_bytes, pin_per_layer=1)
@@ -51,6 +54,7 @@ def test_adapter_applies_a_static_plan_and_ships_valid_windows(tmp_path: Path) -
     sampled = [b for t in agent.telemetry for b in t.kv.attention_mass]
     assert sampled and all(0.0 <= b.mass <= 1.0 for b in sampled)  # attention mass per block was sampled
     assert parse(Telemetry, to_json(last)) == last
+    assert [t.window_seq for t in agent.telemetry] == list(range(len(agent.telemetry)))
 
 
 def test_outbox_keeps_order_and_counts_a_window_that_fails_to_build() -> None:
