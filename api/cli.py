@@ -161,7 +161,7 @@ def bench_substrate(
     out_dir: Annotated[Path, typer.Option(help="Where to write JSON, Markdown and PNG.")] = Path("bench/results"),
     quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
     device: Dev = DeviceOpt.cuda,
-    only: Annotated[str, typer.Option(help="Comma-separated sections: raw,loads,map,links,urgent.")] = "",
+    only: Annotated[str, typer.Option(help="Comma-separated sections: raw,loads,map,links,urgent,calls.")] = "",
     load_configs: Annotated[str, typer.Option(
         help="loads: 'all' engine configs, only the 'default' one, 'urgent-stream' (default vs deep bulk "
              "queue with urgent copies on their own stream), or 'map-in' (slot maps in the link worker vs "

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 run for issue 3 (engine_h200.md), sent through the device tool from the repo root:
 #   bash bench/run_h200_engine.sh "$OUT" [steps]
-# steps: comma-separated subset of pytest,loads,exact,engine (all by default); LOAD_CONFIGS (default map-in)
+# steps: comma-separated subset of pytest,loads,exact,engine (all by default); SUBSTRATE_ONLY (default
+# loads,urgent), LOAD_CONFIGS (default map-in)
 # and ENGINE_ONLY (default: every section) narrow the two benches.
 # The device image has no pydantic (the agent's protocol needs it): carry wheels made here first, e.g.
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -24,7 +25,7 @@ step() { local t=$1 log=$2; shift 2; local s=$SECONDS
   echo "== $log rc=$rc $((SECONDS - s))s: $(tail -n 1 "$out/$log")"; }
 want() { [[ ",$steps," == *",$1,"* ]]; }
 want pytest && step 150 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests
-want loads && step 200 bench_loads.log python3 -m api.cli bench substrate --device cuda --only loads,urgent \
+want loads && step 200 bench_loads.log python3 -m api.cli bench substrate --device cuda --only "${SUBSTRATE_ONLY:-loads,urgent}" \
   --load-configs "${LOAD_CONFIGS:-map-in}" --out-dir "$out"
 want exact && step 100 exact_qwen3_2L.log python3 -m api.cli check exact --preset qwen3-30b-a3b --layers 2 \
   --resident-frac 0.25 --device cuda

@@ -234,7 +234,7 @@ def urgent_behind_stream(dev: Device, chunk_bytes: int | None, stream_bytes: int
             "stream_ms_median": statistics.median(big_lat) * 1e3}
 
 
-SECTIONS = ("raw", "loads", "map", "links", "urgent")
+SECTIONS = ("raw", "loads", "map", "links", "urgent", "calls")
 
 
 @dataclass(frozen=True)
@@ -248,6 +248,7 @@ class LoadConfig:
     map_in: MapIn = "worker"  # who maps a slot: the link's worker, or the loader's mapper thread
     gil_switch_us: int | None = None  # sys.setswitchinterval for this config (None: the interpreter's 5000 µs)
     submit: str = "list"  # a prefetch list as one load_many call ("list") or one load() per expert ("each")
+    retire_thread: bool = False  # finished copies accounted (loads published) on the link's retire thread
 
 
 _DEFAULT = LoadConfig(8 * MiB, 16 * MiB)
@@ -257,7 +258,8 @@ LOAD_CONFIG_SETS: dict[str, list[LoadConfig]] = {
     "urgent-stream": [_DEFAULT, _DEEP],
     "map-in": [_DEFAULT, replace(_DEFAULT, map_in="mapper"), _DEEP, replace(_DEEP, map_in="mapper"),
                replace(_DEFAULT, gil_switch_us=200), replace(_DEFAULT, map_in="mapper", gil_switch_us=200)],
-    "submit": [_DEFAULT, replace(_DEFAULT, submit="each"), replace(_DEFAULT, poison_unmapped=False), _DEEP],
+    "submit": [_DEFAULT, replace(_DEFAULT, retire_thread=True), replace(_DEFAULT, poison_unmapped=False,
+               retire_thread=True), replace(_DEFAULT, submit="each")],
     "all": [_DEFAULT, replace(_DEFAULT, submit="each"), replace(_DEFAULT, poison_unmapped=False),
             LoadConfig(4 * MiB, 16 * MiB), _DEEP,
             replace(_DEEP, map_in="mapper")],
@@ -297,7 +299,7 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
                     sys.setswitchinterval(c.gil_switch_us * 1e-6)
                 try:
                     with TransferEngine(dev, chunk_bytes=c.chunk_bytes, max_inflight_bytes=c.max_inflight_bytes,
-                                        urgent_stream=c.urgent_stream) as eng:
+                                        urgent_stream=c.urgent_stream, retire_thread=c.retire_thread) as eng:
                         for (_h, _i, b), store in zip(shapes, stores, strict=True):
                             r = expert_load_gbps(dev, eng, store, b, reps, poison_unmapped=c.poison_unmapped,
                                                  map_in=c.map_in, submit=c.submit)
@@ -308,6 +310,15 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
             for store in stores:
                 store.close()
         say(f"expert loads: {res['expert_loads']}")
+    if "calls" in sections:
+        from bench.host_calls import host_call_costs
+
+        store = pinned_experts(dev, *((256, 512, 4) if quick else (2048, 768, 64)))
+        try:
+            res["host_calls"] = host_call_costs(dev, store, 4 if quick else 64)
+        finally:
+            store.close()
+        say(f"host calls: {res['host_calls']}")
     if "map" in sections:
         strides = [2 * MiB] if quick else [2 * MiB, 10 * MiB, 336 * MiB]
         res["map_cost"] = [map_cost_us(dev, s, 8 if quick else 32 if s < 100 * MiB else 8) for s in strides]
@@ -362,10 +373,19 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {_chunk_label(e['chunk_bytes'], e.get('urgent_stream', False))} | "
                f"{e['max_inflight_bytes'] >> 20} MiB | "
-               f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {e.get('map_in', 'worker')}{_gil(e)} | "
+               f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {e.get('map_in', 'worker')}{_gil(e)}"
+               f"{', retire thread' if e.get('retire_thread') else ''} | "
                f"{'load_many' if e.get('submit', 'each') == 'list' else 'load each'} | {e['expert_bytes']:,} | "
                f"{e['batch']} | {e['pipelined_gbps']:.1f} | {e['raw_gbps']:.1f} | {e['pipelined_ratio']:.3f} | "
                f"{e['single_ms']:.3f} | {_phases(e)} | {_mapper_us(e)} |" for e in res["expert_loads"]]
+    if "host_calls" in res:
+        c = res["host_calls"]
+        md += ["", f"## Host µs per call of what a load issues ({c['expert_bytes']:,}-byte experts, lists of "
+               f"{c['batch']}; submission timed with the link's worker held back)", "",
+               "| call | µs |", "|---|---|"]
+        md += [f"| {k.removesuffix('_us').removesuffix('_us_per_expert').replace('_', ' ')}"
+               f"{' (per expert)' if k.endswith('per_expert') else ''} | {v:.1f} |"
+               for k, v in c.items() if k.endswith(("_us", "_per_expert"))]
     if "map_cost" in res:
         md += ["", "## Map + set access per slot", "", "| slot bytes | map+access µs (median) | p90 | unmap µs |",
                "|---|---|---|---|"]
@@ -427,7 +447,7 @@ def _plot(path: Path, res: dict) -> None:
     a.plot(xs, list(res["raw_d2h_gbps"].values()), "s-", label="raw pinned D2H")
     def key(e: dict) -> tuple:
         return (e["chunk_bytes"], e["max_inflight_bytes"], e["poison_unmapped"], e.get("map_in", "worker"),
-                e.get("submit", "each"))
+                e.get("submit", "each"), e.get("retire_thread", False))
 
     for cfg in sorted({key(e) for e in res["expert_loads"]}):
         pts = [e for e in res["expert_loads"] if key(e) == cfg]
@@ -435,7 +455,8 @@ def _plot(path: Path, res: dict) -> None:
                for n in sorted({p["expert_bytes"] for p in pts})]
         a.plot([e["expert_bytes"] / MiB for e in pts], [e["pipelined_gbps"] for e in pts], "^--", ms=8,
                label=f"loads, {_chunk_label(cfg[0])}, {cfg[1] >> 20} MiB in flight, "
-                     f"{'poison' if cfg[2] else 'unmapped'}, maps in {cfg[3]}, submit {cfg[4]}")
+                     f"{'poison' if cfg[2] else 'unmapped'}, maps in {cfg[3]}, submit {cfg[4]}"
+                     f"{', retire thread' if cfg[5] else ''}")
     a.set_xscale("log", base=2)
     a.set_xlabel("transfer size (MiB)")
     a.set_ylabel("GB/s")

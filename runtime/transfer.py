@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import queue
 import threading
 import time
 from collections import deque
@@ -32,6 +33,7 @@ import torch
 
 from runtime.device import Device, Event
 from runtime.errors import ConfigError, TransferError
+from runtime.future import Latch
 from runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
 from runtime.transfer_types import (
     Buffer,
@@ -63,8 +65,8 @@ class TransferHandle:
         self._remaining = num_chunks
         self._unissued = num_chunks
         self._last_event: Event | None = None
-        self._issued = threading.Event()
-        self._done = threading.Event()
+        self._issued = Latch()
+        self._done = Latch()
 
     @property
     def ok(self) -> bool:
@@ -157,6 +159,7 @@ class TransferEngine:
         disk_workers: int = 2,
         clock: Callable[[], float] = time.monotonic,
         urgent_stream: bool = False,
+        retire_thread: bool = False,
     ) -> None:
         if chunk_bytes is not None and (chunk_bytes < MIN_CHUNK_BYTES or chunk_bytes % DIRECT_ALIGN_BYTES):
             raise ConfigError(
@@ -175,29 +178,33 @@ class TransferEngine:
         self._class_stats = {c: ClassStats() for c in TrafficClass}
         self._link_stats = {lk: LinkStats() for lk in Link}
         self._queues = {lk: _LinkQueue() for lk in Link}
+        dev = device.torch_device.type  # where each link's src and dst must be
+        self._sides = {Link.H2D: ("cpu", dev), Link.D2H: (dev, "cpu"), Link.DISK2H: ("file", "cpu"),
+                       Link.H2DISK: ("cpu", "file")}
         self._streams = {lk: device.new_stream() for lk in (Link.H2D, Link.D2H)}
         # urgent_stream: URGENT KV chunks of the memory links go on their own high-priority stream, outside the
         # in-flight bound, so they never queue behind bulk copies and the bound can be raised for bulk loads.
         self._urgent_streams = ({lk: device.new_stream(priority=-1) for lk in (Link.H2D, Link.D2H)}
                                 if urgent_stream else {})
         self._closing = False
+        # retire_thread: a memory link's finished chunks are accounted (and their on_done run) on a second thread,
+        # in order, which runs while the worker waits in GIL-free driver calls (slot remaps, copies).
+        self._retire_queues: dict[Link, queue.SimpleQueue[tuple[_Chunk, BaseException | None] | None]] = {}
         self._threads: list[threading.Thread] = []
         for lk in Link:
             n = disk_workers if lk in (Link.DISK2H, Link.H2DISK) else 1
-            for i in range(n):
-                t = threading.Thread(target=self._run, args=(lk,), name=f"tierplan-{lk.value}-{i}", daemon=True)
+            jobs = [(self._run, (lk,), f"tierplan-{lk.value}-{i}") for i in range(n)]
+            if retire_thread and lk in (Link.H2D, Link.D2H):
+                self._retire_queues[lk] = queue.SimpleQueue()
+                jobs.append((self._retire_loop, (self._retire_queues[lk],), f"tierplan-{lk.value}-retire"))
+            for target, args, name in jobs:
+                t = threading.Thread(target=target, args=args, name=name, daemon=True)
                 t.start()
                 self._threads.append(t)
 
     # ---- submission -------------------------------------------------------------------------------
     def _validate(self, req: TransferRequest) -> int:
-        dev = self.device.torch_device.type
-        want = {
-            Link.H2D: ("cpu", dev),
-            Link.D2H: (dev, "cpu"),
-            Link.DISK2H: ("file", "cpu"),
-            Link.H2DISK: ("cpu", "file"),
-        }[req.link]
+        want = self._sides[req.link]
         for side, buf, where in (("src", req.src, want[0]), ("dst", req.dst, want[1])):
             got = "file" if isinstance(buf, FileRegion) else buf.device.type
             if got != where:
@@ -284,20 +291,36 @@ class TransferEngine:
             setattr(ls, phase, getattr(ls, phase) + dt_s)
 
     def _retire(self, ch: _Chunk, event: Event | None, failed: BaseException | None) -> None:
-        """Account a chunk; `event` (None if the copy is known done) is waited for first."""
-        h = ch.handle
+        """Account a chunk (here, or in order on the link's retire thread); `event` (None if the copy is known
+        done) is waited for first, on the worker."""
+        link = ch.handle.request.link
         if event is not None and failed is None:
             t0 = time.perf_counter()
             try:
                 event.synchronize()
             except Exception as exc:  # a CUDA error surfaces here
                 failed = exc
-            self._add_time(h.request.link, "blocked_s", time.perf_counter() - t0)
+            self._add_time(link, "blocked_s", time.perf_counter() - t0)
+        rq = self._retire_queues.get(link)
+        if rq is not None:
+            if failed is not None and ch.handle.error is None:
+                ch.handle.error = failed  # now, on the worker: the transfer's later chunks must not be issued
+            rq.put((ch, failed))
+            return
+        self._account_timed(ch, failed)
+
+    def _account_timed(self, ch: _Chunk, failed: BaseException | None) -> None:
         t0 = time.perf_counter()
         try:
             self._account(ch, failed)
         finally:
-            self._add_time(h.request.link, "retire_s", time.perf_counter() - t0)
+            self._add_time(ch.handle.request.link, "retire_s", time.perf_counter() - t0)
+
+    def _retire_loop(self, rq: queue.SimpleQueue[tuple[_Chunk, BaseException | None] | None]) -> None:
+        """A memory link's retire thread: accounts finished chunks in the order its worker handed them over."""
+        self.device.bind_thread()  # on_done callbacks may make driver calls
+        while (item := rq.get()) is not None:
+            self._account_timed(*item)
 
     def _account(self, ch: _Chunk, failed: BaseException | None) -> None:
         h = ch.handle
@@ -368,6 +391,8 @@ class TransferEngine:
                 ):
                     ch = heapq.heappop(q.heap)
                 elif not q.heap and not inflight and not urgent:
+                    if link in self._retire_queues:
+                        self._retire_queues[link].put(None)  # the retire thread ends after what is queued
                     return  # closing and drained
             if ch is None:
                 if self._urgent_streams and not urgent and not inflight[0][1].query():

@@ -76,7 +76,8 @@ class PinnedExpertStore:
 
     def expert(self, layer: int, expert: int) -> torch.Tensor:
         """Host view of the expert's bytes [format.num_bytes]."""
-        return self.record(layer, expert)[: self.format.num_bytes]
+        off = self.records.offset(layer, expert)
+        return self._buf.tensor[off : off + self.records.format.num_bytes]  # [num_bytes]
 
     def checksum(self, layer: int, expert: int) -> int:
         return self.records.checksums[self.records.index(layer, expert)]

@@ -223,8 +223,10 @@ def test_replayed_and_padded_eager_steps_are_bit_identical_on_cuda(tmp_path: Pat
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("retire_thread", [False, True])
 @pytest.mark.parametrize("map_in", ["worker", "mapper"])
-def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, vmm, map_in: str) -> None:
+def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, vmm, map_in: str,
+                                                                  retire_thread: bool) -> None:
     """Rounds of a whole-layer prefetch list (one load each, or one load_many), evicted in between, with a KV
     stream on the same link: every expert lands byte-exact and absent ones read as poison, whether the link
     worker or the mapper maps."""
@@ -237,7 +239,7 @@ def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, v
     pinned = PinnedExpertStore(dev, SyntheticExpertSource(fmt, 2, 12, seed=5))
     pool = ExpertSlotPool(vmm, dev, 2, 12, fmt.num_bytes, 12, slot_window=map_in == "mapper")
     kv_src, kv_dst = _rand(24 << 20, 9).pin_memory(), torch.empty(24 << 20, dtype=torch.uint8, device="cuda")
-    with TransferEngine(dev, max_inflight_bytes=64 << 20, urgent_stream=True) as eng:
+    with TransferEngine(dev, max_inflight_bytes=64 << 20, urgent_stream=True, retire_thread=retire_thread) as eng:
         loader = ExpertLoadHandler(pool, eng, pinned=pinned, map_in=map_in)
         for rnd in range(4):
             layer = rnd % 2

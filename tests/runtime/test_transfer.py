@@ -32,9 +32,15 @@ CHUNK = 2 * MiB
 T = 10.0  # bound on every wait: a hang fails the test instead of freezing the suite
 
 
+@pytest.fixture(params=[False, True], ids=["inline-retire", "retire-thread"])
+def retire_thread(request: pytest.FixtureRequest) -> bool:
+    """Finished chunks accounted on the link's worker, or in order on the link's retire thread."""
+    return request.param
+
+
 @pytest.fixture
-def engine(cpu: Device) -> Iterator[TransferEngine]:
-    eng = TransferEngine(cpu, chunk_bytes=CHUNK)
+def engine(cpu: Device, retire_thread: bool) -> Iterator[TransferEngine]:
+    eng = TransferEngine(cpu, chunk_bytes=CHUNK, retire_thread=retire_thread)
     yield eng
     eng.close()
 
@@ -405,8 +411,8 @@ def test_submit_after_close_raises(cpu, rand):
         eng.submit(req(Link.H2D, src, torch.empty_like(src)))
 
 
-def test_close_finishes_everything_queued(cpu, rand):
-    eng = TransferEngine(cpu, chunk_bytes=CHUNK)
+def test_close_finishes_everything_queued(cpu, rand, retire_thread):
+    eng = TransferEngine(cpu, chunk_bytes=CHUNK, retire_thread=retire_thread)
     hold = HostEvent()
     hs = []
     for i in range(5):
@@ -473,10 +479,10 @@ def test_submit_many_queues_a_list_in_order_and_refuses_a_bad_list_whole(engine,
 
 
 # ---- concurrency ------------------------------------------------------------------------------------
-def test_four_threads_two_hundred_random_transfers_each(cpu, tmp_path):
+def test_four_threads_two_hundred_random_transfers_each(cpu, tmp_path, retire_thread):
     slot = 64 << 10
     num_threads, per_thread = 4, 200
-    eng = TransferEngine(cpu, chunk_bytes=CHUNK, disk_workers=2)
+    eng = TransferEngine(cpu, chunk_bytes=CHUNK, disk_workers=2, retire_thread=retire_thread)
     f = DirectFile(tmp_path / "c.tpnvme", num_threads * per_thread * slot)
     totals = {lk: [0] * num_threads for lk in Link}
     gates: list[HostEvent] = []  # set in `finally`, so a failed write cannot leave a read parked forever
@@ -551,7 +557,7 @@ def test_after_event_orders_a_disk_read_behind_its_write(engine, gate, cpu, rand
         assert torch.equal(back, data)
 
 
-def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.MonkeyPatch, retire_thread: bool) -> None:
     """A device whose copies finish later (events that complete after a random delay), so chunks really sit
     in flight: mixed priorities and classes on both memory links, a small in-flight bound, urgent KV chunks
     bypassing it. Every transfer completes, byte-exact, and nothing deadlocks."""
@@ -592,7 +598,8 @@ def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)
     dev = LateDevice()
-    eng = TransferEngine(dev, chunk_bytes=CHUNK, max_inflight_bytes=4 * CHUNK, urgent_stream=True)
+    eng = TransferEngine(dev, chunk_bytes=CHUNK, max_inflight_bytes=4 * CHUNK, urgent_stream=True,
+                         retire_thread=retire_thread)
     monkeypatch.setattr(eng, "_validate", lambda r: r.src.numel())  # CPU tensors stand in for both sides
     try:
         jobs = []
@@ -609,3 +616,18 @@ def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.Monk
     finally:
         eng.close()
     assert sum(link_stats(eng, lk).transfers for lk in (Link.H2D, Link.D2H)) == 120
+
+
+def test_latch_is_one_shot_and_wakes_every_waiter() -> None:
+    from runtime.future import Latch
+
+    latch = Latch()
+    assert not latch.is_set() and latch.wait(0.01) is False
+    woke: list[int] = []
+    threads = [start_thread(lambda i=i: woke.append(i) if latch.wait(T) else None) for i in range(4)]
+    latch.set()
+    latch.set()  # a second set does nothing
+    for t, errors in threads:
+        t.join(T)
+        assert not errors
+    assert sorted(woke) == [0, 1, 2, 3] and latch.is_set() and latch.wait(0) and latch.wait()

@@ -1,0 +1,105 @@
+"""Host time per call of what an expert load issues (the `calls` section of `tierplan bench substrate`).
+
+A 9 MiB load keeps the link busy ~175 µs on the H200; when the host needs longer per load, the link waits. This
+times, on the calling thread, each host-side piece a load is made of, so the load path can be put together
+from measured parts: the copy through torch vs the driver call, an event record and query, and the Python
+that submitting a prefetch list costs per expert (the link's worker held back, so only submission is timed).
+Runs in the inference process; GPU rows only on CUDA.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from runtime.device import Device, HostEvent
+from runtime.memory.backend import make_backend
+from runtime.memory.slots import ExpertSlotPool
+from runtime.transfer import Link, TrafficClass, TransferEngine, TransferRequest
+from runtime.weights.loader import ExpertLoadHandler, StoreKind
+from runtime.weights.stores import PinnedExpertStore
+
+
+def _per_call_us(fn: Callable[[int], Any], n: int, reps: int = 5, before: Callable[[], Any] | None = None) -> float:
+    """Median over `reps` rounds of (host time of n back-to-back calls fn(0..n-1)) / n, in µs."""
+    out = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        out.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(out)
+
+
+def _gpu_call_costs(dev: Device, num_bytes: int, n: int) -> dict[str, float]:
+    from cuda.bindings import driver as cu
+
+    host = dev.alloc_host(num_bytes * n)
+    dst = dev.alloc(num_bytes * n)
+    hs, ds = host.tensor.view(n, num_bytes), dst.view(n, num_bytes)
+    stream = torch.cuda.Stream()
+    raw_stream = cu.CUstream(stream.cuda_stream)
+    src_ptr, dst_ptr = host.tensor.data_ptr(), dst.data_ptr()
+    done = [torch.cuda.Event() for _ in range(n)]
+    for ev in done:
+        ev.record(stream)
+    stream.synchronize()
+    res: dict[str, float] = {}
+    with torch.cuda.stream(stream):
+        res["torch_copy_us"] = _per_call_us(lambda i: ds[i].copy_(hs[i], non_blocking=True), n,
+                                            before=stream.synchronize)
+        res["driver_copy_us"] = _per_call_us(
+            lambda i: cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(dst_ptr + i * num_bytes), src_ptr + i * num_bytes,
+                                           num_bytes, raw_stream), n, before=stream.synchronize)
+        res["torch_event_record_us"] = _per_call_us(lambda i: torch.cuda.Event().record(stream), n)
+        res["torch_event_query_us"] = _per_call_us(lambda i: done[i].query(), n, before=stream.synchronize)
+        res["current_stream_us"] = _per_call_us(lambda i: torch.cuda.current_stream(), n)
+    stream.synchronize()
+    host.close()
+    return res
+
+
+def submit_cost_us(dev: Device, store: PinnedExpertStore, batch: int, reps: int = 5) -> dict[str, float]:
+    """Host µs per expert to submit a prefetch list of `batch` (one `load_many`, or one `load` each) while the
+    link's worker is held back by a gate, so the worker's own work is not in the figure."""
+    fmt = store.format
+    pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, fmt.num_bytes, batch)
+    engine = TransferEngine(dev)
+    loader = ExpertLoadHandler(pool, engine, pinned=store)
+    gate_src, gate_dst = torch.zeros(4096, dtype=torch.uint8), dev.alloc(4096)
+    out: dict[str, list[float]] = {"load_many": [], "load_each": []}
+    try:
+        for _ in range(reps):
+            for how in out:
+                for e in pool.resident_experts(0):
+                    pool.unmap(0, e)
+                gate = HostEvent()
+                engine.submit(TransferRequest(Link.H2D, TrafficClass.KV, gate_src, gate_dst, after=gate))
+                t0 = time.perf_counter()
+                futs = loader.load_many(0, list(range(batch))) if how == "load_many" else \
+                    [loader.load(0, e, StoreKind.PINNED) for e in range(batch)]
+                out[how].append((time.perf_counter() - t0) / batch * 1e6)
+                gate.set()
+                for f in futs:
+                    f.wait(60)
+    finally:
+        loader.close()
+        engine.close()
+        pool.close()
+    return {f"{how}_submit_us_per_expert": statistics.median(v) for how, v in out.items()}
+
+
+def host_call_costs(dev: Device, store: PinnedExpertStore, batch: int) -> dict[str, Any]:
+    """Every figure of the section, for experts of `store` in lists of `batch`."""
+    res: dict[str, Any] = {"expert_bytes": store.format.num_bytes, "batch": batch,
+                           **submit_cost_us(dev, store, batch)}
+    res["thread_event_us"] = _per_call_us(lambda i: __import__("threading").Event(), 256)
+    if dev.is_cuda:
+        res.update(_gpu_call_costs(dev, store.format.num_bytes, batch))
+    return res
