@@ -248,7 +248,7 @@ class LoadConfig:
     map_in: MapIn = "worker"  # who maps a slot: the link's worker, or the loader's mapper thread
     gil_switch_us: int | None = None  # sys.setswitchinterval for this config (None: the interpreter's 5000 µs)
     submit: str = "list"  # a prefetch list as one load_many call ("list") or one load() per expert ("each")
-    retire_thread: bool = False  # finished copies accounted (loads published) on the link's retire thread
+    retire_thread: bool = True  # finished copies accounted (loads published) on the link's retire thread
 
 
 _DEFAULT = LoadConfig(8 * MiB, 16 * MiB)
@@ -258,8 +258,8 @@ LOAD_CONFIG_SETS: dict[str, list[LoadConfig]] = {
     "urgent-stream": [_DEFAULT, _DEEP],
     "map-in": [_DEFAULT, replace(_DEFAULT, map_in="mapper"), _DEEP, replace(_DEEP, map_in="mapper"),
                replace(_DEFAULT, gil_switch_us=200), replace(_DEFAULT, map_in="mapper", gil_switch_us=200)],
-    "submit": [_DEFAULT, replace(_DEFAULT, retire_thread=True), replace(_DEFAULT, poison_unmapped=False,
-               retire_thread=True), replace(_DEFAULT, submit="each")],
+    "submit": [_DEFAULT, replace(_DEFAULT, retire_thread=False), replace(_DEFAULT, poison_unmapped=False),
+               replace(_DEFAULT, submit="each")],
     "all": [_DEFAULT, replace(_DEFAULT, submit="each"), replace(_DEFAULT, poison_unmapped=False),
             LoadConfig(4 * MiB, 16 * MiB), _DEEP,
             replace(_DEEP, map_in="mapper")],
@@ -367,14 +367,14 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
         md += ["## Expert loads, pinned host -> slot (map + copy + publish), vs raw pinned host -> device copies of",
                "the same sizes and count on one stream", "",
                "| chunk | in flight | absent experts | maps in | submitted | expert bytes | loads in flight "
-               "| pipelined GB/s "
-               "| raw GB/s | ratio | single load ms | link worker µs/load: hook · issue · blocked · retire | "
+               "| pipelined GB/s | raw GB/s | ratio | single load ms "
+               "| link µs/load: hook · issue · blocked (worker) · retire (retire thread) | "
                "mapper µs/load |",
                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {_chunk_label(e['chunk_bytes'], e.get('urgent_stream', False))} | "
                f"{e['max_inflight_bytes'] >> 20} MiB | "
                f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {e.get('map_in', 'worker')}{_gil(e)}"
-               f"{', retire thread' if e.get('retire_thread') else ''} | "
+               f"{'' if e.get('retire_thread') else ', inline retire'} | "
                f"{'load_many' if e.get('submit', 'each') == 'list' else 'load each'} | {e['expert_bytes']:,} | "
                f"{e['batch']} | {e['pipelined_gbps']:.1f} | {e['raw_gbps']:.1f} | {e['pipelined_ratio']:.3f} | "
                f"{e['single_ms']:.3f} | {_phases(e)} | {_mapper_us(e)} |" for e in res["expert_loads"]]
@@ -456,7 +456,7 @@ def _plot(path: Path, res: dict) -> None:
         a.plot([e["expert_bytes"] / MiB for e in pts], [e["pipelined_gbps"] for e in pts], "^--", ms=8,
                label=f"loads, {_chunk_label(cfg[0])}, {cfg[1] >> 20} MiB in flight, "
                      f"{'poison' if cfg[2] else 'unmapped'}, maps in {cfg[3]}, submit {cfg[4]}"
-                     f"{', retire thread' if cfg[5] else ''}")
+                     f"{'' if cfg[5] else ', inline retire'}")
     a.set_xscale("log", base=2)
     a.set_xlabel("transfer size (MiB)")
     a.set_ylabel("GB/s")

@@ -237,9 +237,10 @@ class ExpertSlotPool:
             return self._window_view(slot)[: self.layout.expert_bytes]  # [expert_bytes]
         return self._view(layer, expert)
 
-    def prepare_loads(self, layer: int, experts: list[int], via_window: bool = False) -> list[torch.Tensor]:
+    def prepare_loads(self, layer: int, experts: list[int], via_window: bool = False) -> list[tuple[torch.Tensor, int]]:
         """`prepare_load(map_now=False)` for several experts of one layer under one lock (a prefetch list): all
-        are reserved or, if any is refused (out of range, repeated, not absent, too few free slots), none is."""
+        are reserved or, if any is refused (out of range, repeated, not absent, too few free slots), none is.
+        Returns where to write each, as (range, byte offset): the layer's range, or the slot window."""
         if via_window and self._window is None:
             raise ConfigError("prepare_loads(via_window=True) needs a pool made with slot_window=True")
         with self._lock:
@@ -259,9 +260,11 @@ class ExpertSlotPool:
                 en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], False
                 slots.append(slot)
             self.remaps += len(experts)
+        stride = self.layout.stride_bytes
         if via_window:
-            return [self._window_view(s)[: self.layout.expert_bytes] for s in slots]  # [expert_bytes] each
-        return [self._view(layer, e) for e in experts]
+            assert self._window is not None
+            return [(self._window, s * stride) for s in slots]
+        return [(self._tensors[layer], e * stride) for e in experts]
 
     def _window_view(self, slot: int) -> torch.Tensor:
         """A slot's whole stride through the slot window: [stride_bytes]."""

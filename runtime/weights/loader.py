@@ -264,20 +264,23 @@ class ExpertLoadHandler:
             self._inflight += len(experts)
         futs = [OpFuture(f"load of expert ({layer}, {e}) from pinned") for e in experts]
         joins: list[_Join] = []
+        src, n = pinned.buffer, pool.layout.expert_bytes
 
-        def request(e: int, dst: Any, fut: OpFuture) -> TransferRequest:
-            n = dst.numel()
+        def request(e: int, dst: Any, dst_off: int, fut: OpFuture) -> TransferRequest:
+            # by byte range of the store's buffer and the pool's range: no tensor views per expert
             if windowed:  # two parts: this copy through the slot window, and the mapper's map
                 join = _Join(2, lambda h, error, _staging: self._finish(layer, e, n, fut, h, error))
                 joins.append(join)
-                return TransferRequest(Link.H2D, TrafficClass.EXPERT, pinned.expert(layer, e), dst, priority,
-                                       deadline_s, on_done=lambda h: join.part_done(h.error, h))
-            return TransferRequest(Link.H2D, TrafficClass.EXPERT, pinned.expert(layer, e), dst, priority, deadline_s,
+                return TransferRequest(Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s,
+                                       on_done=lambda h: join.part_done(h.error, h), num_bytes=n,
+                                       src_offset_bytes=pinned.offset(layer, e), dst_offset_bytes=dst_off)
+            return TransferRequest(Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s,
                                    before_issue=lambda: pool.map_reserved(layer, e),
-                                   on_done=lambda h: self._finish(layer, e, n, fut, h, h.error))
+                                   on_done=lambda h: self._finish(layer, e, n, fut, h, h.error), num_bytes=n,
+                                   src_offset_bytes=pinned.offset(layer, e), dst_offset_bytes=dst_off)
 
         try:
-            self.engine.submit_many([request(e, d, f) for e, d, f in zip(experts, dsts, futs, strict=True)])
+            self.engine.submit_many([request(e, d, off, f) for e, (d, off), f in zip(experts, dsts, futs, strict=True)])
         except Exception:  # refused before any byte moved: give every slot back
             for e in experts:
                 pool.complete_load(layer, e, ok=False)

@@ -74,6 +74,14 @@ class PinnedExpertStore:
         off = self.records.offset(layer, expert)
         return self._buf.tensor[off : off + self.records.record_bytes]  # [record_bytes]
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole pinned buffer [total_bytes]; expert (l, e) starts at `offset(l, e)`."""
+        return self._buf.tensor
+
+    def offset(self, layer: int, expert: int) -> int:
+        return self.records.offset(layer, expert)
+
     def expert(self, layer: int, expert: int) -> torch.Tensor:
         """Host view of the expert's bytes [format.num_bytes]."""
         off = self.records.offset(layer, expert)

@@ -478,6 +478,26 @@ def test_submit_many_queues_a_list_in_order_and_refuses_a_bad_list_whole(engine,
     assert all(torch.equal(s, d) for s, d in zip(srcs, dsts, strict=True))
 
 
+@pytest.mark.parametrize("link", [Link.H2D, Link.D2H])
+def test_byte_ranges_copy_exactly_into_place_and_bad_ranges_are_refused(engine, rand, link):
+    """num_bytes with offsets moves a range of one buffer into a range of another (chunked when large); every
+    byte outside the destination range is untouched. Ranges that do not fit, or offsets without num_bytes,
+    are refused before anything is queued."""
+    src, dst = rand(5 * CHUNK + 777), rand(6 * CHUNK)
+    before = dst.clone()
+    n, s_off, d_off = 4 * CHUNK + 123, 333, CHUNK + 4096
+    h = engine.submit(req(link, src, dst, num_bytes=n, src_offset_bytes=s_off, dst_offset_bytes=d_off))
+    assert h.wait(T).ok and h.num_bytes == n
+    assert torch.equal(dst[d_off : d_off + n], src[s_off : s_off + n])
+    assert torch.equal(dst[:d_off], before[:d_off]) and torch.equal(dst[d_off + n :], before[d_off + n :])
+    for kw, match in ((dict(num_bytes=n, src_offset_bytes=CHUNK + 800), "src bytes"),
+                      (dict(num_bytes=n, dst_offset_bytes=-1), "dst bytes"),
+                      (dict(num_bytes=0), "num_bytes > 0"), (dict(src_offset_bytes=4), "offsets need num_bytes")):
+        with pytest.raises(ConfigError, match=match):
+            engine.submit(req(link, src, dst, **kw))
+        assert engine.pending_chunks(link) == 0
+
+
 # ---- concurrency ------------------------------------------------------------------------------------
 def test_four_threads_two_hundred_random_transfers_each(cpu, tmp_path, retire_thread):
     slot = 64 << 10
@@ -600,7 +620,7 @@ def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.Monk
     dev = LateDevice()
     eng = TransferEngine(dev, chunk_bytes=CHUNK, max_inflight_bytes=4 * CHUNK, urgent_stream=True,
                          retire_thread=retire_thread)
-    monkeypatch.setattr(eng, "_validate", lambda r: r.src.numel())  # CPU tensors stand in for both sides
+    monkeypatch.setattr(eng, "_validate", lambda r, _checked=None: r.src.numel())  # CPU tensors stand in for both
     try:
         jobs = []
         for _ in range(120):
