@@ -95,10 +95,44 @@ def submit_cost_us(dev: Device, store: PinnedExpertStore, batch: int, reps: int 
     return {f"{how}_submit_us_per_expert": statistics.median(v) for how, v in out.items()}
 
 
+def submit_profile(dev: Device, store: PinnedExpertStore, batch: int, top: int = 15) -> list[dict[str, Any]]:
+    """cProfile of one gated `load_many` of `batch` experts on the calling thread: the functions with the most
+    own time, in µs per expert (profiling slows every call; the split, not the sum, is the point)."""
+    import cProfile
+    import pstats
+
+    fmt = store.format
+    pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, fmt.num_bytes, batch)
+    engine = TransferEngine(dev)
+    loader = ExpertLoadHandler(pool, engine, pinned=store)
+    gate = HostEvent()
+    try:
+        engine.submit(TransferRequest(Link.H2D, TrafficClass.KV, torch.zeros(4096, dtype=torch.uint8),
+                                      dev.alloc(4096), after=gate))
+        prof = cProfile.Profile()
+        prof.enable()
+        futs = loader.load_many(0, list(range(batch)))
+        prof.disable()
+        gate.set()
+        for f in futs:
+            f.wait(60)
+    finally:
+        gate.set()
+        loader.close()
+        engine.close()
+        pool.close()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [{"function": f"{fn.rsplit('/', 1)[-1]}:{line}({name})", "calls": cc,
+             "own_us_per_expert": round(tt / batch * 1e6, 2), "total_us_per_expert": round(ct / batch * 1e6, 2)}
+            for (fn, line, name), (cc, _nc, tt, ct, _callers) in rows]
+
+
 def host_call_costs(dev: Device, store: PinnedExpertStore, batch: int) -> dict[str, Any]:
     """Every figure of the section, for experts of `store` in lists of `batch`."""
     res: dict[str, Any] = {"expert_bytes": store.format.num_bytes, "batch": batch,
                            **submit_cost_us(dev, store, batch)}
+    res["submit_profile"] = submit_profile(dev, store, batch)
     res["thread_event_us"] = _per_call_us(lambda i: __import__("threading").Event(), 256)
     if dev.is_cuda:
         res.update(_gpu_call_costs(dev, store.format.num_bytes, batch))
