@@ -6,6 +6,10 @@ set -uo pipefail
 out=${1:-bench/results}; moves=${2:-1000000}; jobs=${3:-8}; remaps=${4:-20000}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TIERPLAN_SCRATCH=${TIERPLAN_SCRATCH:-/tmp}
+if ls .whl/*.whl >/dev/null 2>&1; then  # pydantic wheels, carried as in run_h200_engine.sh (the CLI imports it)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
   df -h "$TIERPLAN_SCRATCH" | tail -1; nproc; } 2>&1 | tee "$out/env.txt"
