@@ -10,6 +10,10 @@ pipeline deeply while an urgent one never waits behind more than ~16 MiB; on the
 thread does the copy. Disk links are
 worker threads doing aligned O_DIRECT I/O.
 
+Memory-link copies go by address (`Device.copy_range`: one cuMemcpyAsync on a GPU). A memory link's finished
+chunks are accounted, and `on_done` callbacks run, in order on its retire thread (`retire_thread=True`, the
+default) or on its worker. `submit_many` queues a list of one link's transfers with one lock and one wake-up.
+
 Accounting per traffic class: transfers, bytes, queueing delay (submit -> first chunk issued), latency
 (submit -> done), deadline misses, failures. Accounting per link: bytes and chunks. Nothing is dropped: a
 failed transfer completes with `ok=False`, its error kept, and is counted.

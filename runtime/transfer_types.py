@@ -56,7 +56,7 @@ class TransferRequest:
     deadline_s: float | None = None  # absolute, on the engine's clock
     after: Event | None = None  # work that must finish before the copy reads `src`
     before_issue: Callable[[], None] | None = None  # runs in the link's worker right before the first chunk
-    on_done: Callable[[TransferHandle], None] | None = None  # runs in the link's worker, before wait() returns
+    on_done: Callable[[TransferHandle], None] | None = None  # on the link's worker or retire thread, before wait()
     num_bytes: int | None = None  # None: the whole of src and dst, which must be the same size
     src_offset_bytes: int = 0
     dst_offset_bytes: int = 0

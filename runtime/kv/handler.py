@@ -285,7 +285,7 @@ class KVTransferHandler:
         self.engine.submit(req)
 
     def _hop_done(self, job: _MoveJob, i: int, h: TransferHandle) -> None:
-        """Runs in the link's worker thread: check what landed, then queue the next hop or finish."""
+        """Runs on the link's worker or retire thread: check what landed, then queue the next hop or finish."""
         try:
             if h.error is not None:  # h.ok is still False inside on_done; the error is what counts
                 m = job.move

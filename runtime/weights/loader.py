@@ -292,7 +292,7 @@ class ExpertLoadHandler:
 
     def _finish(self, layer: int, expert: int, num_bytes: int, fut: OpFuture, h: TransferHandle | None,
                 error: BaseException | None, staging: Any = None) -> None:
-        """A load's last part ended (link worker or mapper thread): publish the expert or give its slot back.
+        """A load's last part ended (the link's worker or retire thread, or the mapper): publish or give the slot back.
         Whatever fails here, the future completes, the slot is not left LOADING, and it is counted."""
         try:
             if staging is not None:
