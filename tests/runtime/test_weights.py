@@ -366,3 +366,46 @@ def test_load_many_failures_complete_every_future_and_free_every_slot(tmp_path: 
     pool.check_invariants()
     loader.close()
     pool.close()
+
+
+def test_load_many_of_a_long_list_submits_in_two_parts_and_a_closing_engine_fails_only_the_rest(
+        tmp_path: Path, dev: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list longer than HEAD_LOADS goes to the link as a head, then the rest: every expert lands exact. If
+    the engine refuses the rest (it closed meanwhile), the head still lands and the rest's futures carry the
+    refusal, their slots given back and counted; nothing is left LOADING."""
+    from runtime.errors import TransferError
+    from runtime.weights.loader import HEAD_LOADS
+
+    eng = TransferEngine(dev)
+    pinned, _nvme, pool, loader = _rig(tmp_path, dev, eng, num_slots=12)
+    order = [4, 1, 5, 0, 3, 2]
+    assert len(order) > HEAD_LOADS
+    for f in loader.load_many(0, order):
+        f.wait(10)
+    assert all(checksum(pool.expert_tensor(0, e)) == pinned.checksum(0, e) for e in order)
+    real, calls = eng.submit_many, []
+
+    def second_refused(reqs):
+        calls.append(len(reqs))
+        if len(calls) == 2:
+            raise TransferError("transfer engine is closed")
+        return real(reqs)
+
+    monkeypatch.setattr(eng, "submit_many", second_refused)
+    futs = loader.load_many(1, order)
+    assert calls == [HEAD_LOADS, len(order) - HEAD_LOADS]
+    for e, f in zip(order, futs, strict=True):
+        if e in order[:HEAD_LOADS]:
+            f.wait(10)
+            assert checksum(pool.expert_tensor(1, e)) == pinned.checksum(1, e)
+        else:
+            with pytest.raises(TransferError, match="closed"):
+                f.wait(10)
+            assert pool.state(1, e) is ExpertState.ABSENT
+    assert loader.stats()["loads_ok"] == len(order) + HEAD_LOADS
+    assert loader.stats()["loads_failed"] == len(order) - HEAD_LOADS
+    assert pool.num_free_slots == 12 - len(order) - HEAD_LOADS
+    pool.check_invariants()
+    loader.close()
+    eng.close()
+    pool.close()
