@@ -87,10 +87,6 @@ class TransferHandle:
             raise TransferError(f"transfer on {self.request.link.value} failed: {self.error}") from self.error
         return self
 
-    def wait_issued(self, timeout_s: float | None = None) -> bool:
-        """True once every chunk is issued (or the transfer ended); False if `timeout_s` passed first."""
-        return self._issued.wait(timeout_s)
-
     def device_event(self, timeout_s: float | None = None) -> Event | None:
         """The event of the last chunk once every chunk is issued (stream order makes it cover all)."""
         if not self._issued.wait(timeout_s):

@@ -36,9 +36,6 @@ class StoreKind(Enum):
     NVME = "nvme"
 
 
-HEAD_LOADS = 3  # load_many: submitted before the rest of a list is built (see there)
-HEAD_WAIT_S = 2e-3  # load_many: the longest it waits for the head to start before building the rest
-
 MapIn = Literal["worker", "mapper"]
 MAP_IN: tuple[str, ...] = get_args(MapIn)  # the values, for checks and messages
 
@@ -254,13 +251,9 @@ class ExpertLoadHandler:
     def load_many(self, layer: int, experts: list[int], priority: Priority = Priority.NORMAL,
                   deadline_s: float | None = None) -> list[OpFuture]:
         """Load several experts of one layer from the pinned store (a prefetch list), one future each, copied in
-        list order. Slots are reserved for all or, if any expert is refused, for none (nothing moves).
-
-        The copies go to the link in two submissions (one with the mapper): the first `HEAD_LOADS`, then, once
-        the second of them is issued (or after `HEAD_WAIT_S`), the rest. Building requests holds the GIL, and
-        the link's worker needs it between its driver calls: without the split the link stayed idle while a
-        64-expert list was built (~0.6 ms on the H200 host). Should the engine close between the two
-        submissions, the experts of the second complete with that error (slots given back, counted)."""
+        list order. Slots are reserved for all or, if any expert is refused, for none (nothing moves); the
+        copies go to the link in one submission, so the submitting thread holds the GIL briefly and the link's
+        worker starts at once."""
         if self.pinned is None:
             raise ConfigError("load_many: no pinned store configured")
         pinned, pool, windowed = self.pinned, self.pool, self._mapper is not None
@@ -286,10 +279,8 @@ class ExpertLoadHandler:
                                    on_done=lambda h: self._finish(layer, e, n, fut, h, h.error), num_bytes=n,
                                    src_offset_bytes=pinned.offset(layer, e), dst_offset_bytes=dst_off)
 
-        items = list(zip(experts, dsts, futs, strict=True))
-        k = len(items) if windowed else HEAD_LOADS
         try:
-            head = self.engine.submit_many([request(e, d, off, f) for e, (d, off), f in items[:k]])
+            self.engine.submit_many([request(e, d, off, f) for e, (d, off), f in zip(experts, dsts, futs, strict=True)])
         except Exception:  # refused before any byte moved: give every slot back
             for e in experts:
                 pool.complete_load(layer, e, ok=False)
@@ -297,13 +288,6 @@ class ExpertLoadHandler:
             raise
         for e, join in zip(experts, joins, strict=False):  # the mapper's parts (none without it)
             self._start_map(layer, e, priority, deadline_s, join)
-        if len(items) > k:
-            head[min(1, k - 1)].wait_issued(HEAD_WAIT_S)  # the link busy, its worker ahead: now build the rest
-            try:
-                self.engine.submit_many([request(e, d, off, f) for e, (d, off), f in items[k:]])
-            except Exception as exc:  # the engine closed meanwhile: the head is on its way, the rest fail
-                for e, _dst, fut in items[k:]:
-                    self._finish(layer, e, n, fut, None, exc)
         return futs
 
     def _finish(self, layer: int, expert: int, num_bytes: int, fut: OpFuture, h: TransferHandle | None,
