@@ -30,15 +30,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from runtime.device import Device, Event
 from runtime.errors import ConfigError, TransferError
-from runtime.future import Latch
 from runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
+from runtime.transfer_handle import TransferHandle, _Chunk, _chunk_spans, _nbytes, _slice
 from runtime.transfer_types import (
     Buffer,
     ClassStats,
@@ -49,97 +48,11 @@ from runtime.transfer_types import (
     TransferRequest,
 )
 
-__all__ = ["Link", "Priority", "TrafficClass", "TransferEngine", "TransferHandle", "TransferRequest"]
+__all__ = ["Buffer", "Link", "Priority", "TrafficClass", "TransferEngine", "TransferHandle", "TransferRequest"]
 
 MIN_CHUNK_BYTES = 2 << 20
 DEFAULT_CHUNK_BYTES = 8 << 20  # measured on the H200: 9-24 MiB expert loads pipeline best at 8 MiB
 DEFAULT_INFLIGHT_BYTES = 16 << 20  # ~0.3 ms of PCIe Gen5: the most an urgent transfer waits behind
-
-
-class TransferHandle:
-    """A submitted transfer: poll with `done()`, block with `wait()`, order a stream with `device_event()`."""
-
-    def __init__(self, request: TransferRequest, num_bytes: int, num_chunks: int, submit_s: float) -> None:
-        self.request = request
-        self.num_bytes = num_bytes
-        self.submit_s = submit_s
-        self.start_s: float | None = None
-        self.end_s: float | None = None
-        self.error: BaseException | None = None
-        self._remaining = num_chunks
-        self._unissued = num_chunks
-        self._last_event: Event | None = None
-        self._issued = Latch()
-        self._done = Latch()
-
-    @property
-    def ok(self) -> bool:
-        """True once finished without error; already valid inside `on_done`."""
-        return self.end_s is not None and self.error is None
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout_s: float | None = None) -> TransferHandle:
-        if not self._done.wait(timeout_s):
-            raise TimeoutError(f"transfer on {self.request.link.value} not done within {timeout_s} s")
-        if self.error is not None:
-            raise TransferError(f"transfer on {self.request.link.value} failed: {self.error}") from self.error
-        return self
-
-    def device_event(self, timeout_s: float | None = None) -> Event | None:
-        """The event of the last chunk once every chunk is issued (stream order makes it cover all)."""
-        if not self._issued.wait(timeout_s):
-            raise TimeoutError("transfer not fully issued in time")
-        return self._last_event
-
-    @property
-    def queue_delay_s(self) -> float | None:
-        return None if self.start_s is None else self.start_s - self.submit_s
-
-    @property
-    def latency_s(self) -> float | None:
-        return None if self.end_s is None else self.end_s - self.submit_s
-
-
-@dataclass(order=True)
-class _Chunk:
-    key: tuple[int, float, int]
-    handle: TransferHandle = field(compare=False)
-    offset_bytes: int = field(compare=False)
-    length_bytes: int = field(compare=False)
-
-
-def _nbytes(buf: Buffer) -> int:
-    return buf.length_bytes if isinstance(buf, FileRegion) else buf.numel() * buf.element_size()
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)  # [N]
-
-
-def _chunk_spans(n: int, chunk_bytes: int | None) -> list[tuple[int, int]]:
-    """(offset, length) of each chunk: k = n // chunk_bytes even chunks of whole pages, each in
-    [chunk_bytes, 2 * chunk_bytes); the sub-page remainder goes to the last. A 9 MiB expert at 4 MiB is
-    2 x 4.5 MiB, never 4 + 4 + 1. Fewer than 2 * chunk_bytes moves whole."""
-    if chunk_bytes is None or n < 2 * chunk_bytes:
-        return [(0, n)]
-    k = n // chunk_bytes
-    pages, tail = divmod(n, DIRECT_ALIGN_BYTES)
-    spans, off = [], 0
-    for i in range(k):
-        length = (pages // k + (1 if i < pages % k else 0)) * DIRECT_ALIGN_BYTES + (tail if i == k - 1 else 0)
-        spans.append((off, length))
-        off += length
-    return spans
-
-
-def _slice(buf: Buffer, off: int, n: int) -> Buffer:
-    if isinstance(buf, FileRegion):
-        return buf.sub(off, n)
-    if off == 0 and buf.dim() == 1 and buf.dtype == torch.uint8 and buf.numel() == n:
-        return buf  # a whole byte buffer (an expert record, a slot view): no view ops on the worker
-    return _as_bytes(buf)[off : off + n]
 
 
 URGENT_POLL_S = 100e-6  # with an urgent stream: how often a worker waiting on bulk copies looks at them

@@ -16,7 +16,7 @@ from runtime.device import Event
 from runtime.nvme import FileRegion
 
 if TYPE_CHECKING:
-    from runtime.transfer import TransferHandle
+    from runtime.transfer_handle import TransferHandle
 
 
 class Link(Enum):
