@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from runtime.device import Device, HostEvent
+from runtime.future import OpFuture
 from runtime.memory.backend import make_backend
 from runtime.memory.slots import ExpertSlotPool
 from runtime.transfer import Link, TrafficClass, TransferEngine, TransferRequest
 from runtime.weights.loader import ExpertLoadHandler, StoreKind
 from runtime.weights.stores import PinnedExpertStore
+
+Submit = Callable[[ExpertLoadHandler], list[OpFuture]]  # submits loads, returns their futures
 
 
 def _per_call_us(fn: Callable[[int], Any], n: int, reps: int = 5, before: Callable[[], Any] | None = None) -> float:
@@ -65,33 +69,54 @@ def _gpu_call_costs(dev: Device, num_bytes: int, n: int) -> dict[str, float]:
     return res
 
 
-def submit_cost_us(dev: Device, store: PinnedExpertStore, batch: int, reps: int = 5) -> dict[str, float]:
-    """Host µs per expert to submit a prefetch list of `batch` (one `load_many`, or one `load` each) while the
-    link's worker is held back by a gate, so the worker's own work is not in the figure."""
-    fmt = store.format
-    pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, fmt.num_bytes, batch)
+@contextmanager
+def _gated_loader(dev: Device, store: PinnedExpertStore, batch: int) -> Iterator[Callable[[Submit], None]]:
+    """A one-layer pool of `batch` slots and a loader over `store`. Yields `gated(submit)`: it runs
+    `submit(loader)` (which returns the load futures) while the link's worker is held back by a gate, so only
+    submission runs, then lets the worker go, waits for the loads and evicts them."""
+    pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, store.format.num_bytes, batch)
     engine = TransferEngine(dev)
     loader = ExpertLoadHandler(pool, engine, pinned=store)
     gate_src, gate_dst = torch.zeros(4096, dtype=torch.uint8), dev.alloc(4096)
-    out: dict[str, list[float]] = {"load_many": [], "load_each": []}
+
+    def gated(submit: Submit) -> None:
+        gate = HostEvent()
+        engine.submit(TransferRequest(Link.H2D, TrafficClass.KV, gate_src, gate_dst, after=gate))
+        try:
+            futs = submit(loader)
+        finally:
+            gate.set()
+        for f in futs:
+            f.wait(60)
+        for e in pool.resident_experts(0):
+            pool.unmap(0, e)
+
     try:
-        for _ in range(reps):
-            for how in out:
-                for e in pool.resident_experts(0):
-                    pool.unmap(0, e)
-                gate = HostEvent()
-                engine.submit(TransferRequest(Link.H2D, TrafficClass.KV, gate_src, gate_dst, after=gate))
-                t0 = time.perf_counter()
-                futs = loader.load_many(0, list(range(batch))) if how == "load_many" else \
-                    [loader.load(0, e, StoreKind.PINNED) for e in range(batch)]
-                out[how].append((time.perf_counter() - t0) / batch * 1e6)
-                gate.set()
-                for f in futs:
-                    f.wait(60)
+        yield gated
     finally:
         loader.close()
         engine.close()
         pool.close()
+
+
+def submit_cost_us(dev: Device, store: PinnedExpertStore, batch: int, reps: int = 5) -> dict[str, float]:
+    """Host µs per expert to submit a prefetch list of `batch` (one `load_many`, or one `load` each) while the
+    link's worker is held back, so the worker's own work is not in the figure."""
+    out: dict[str, list[float]] = {"load_many": [], "load_each": []}
+
+    def timed_submit(how: str) -> Submit:
+        def go(loader: ExpertLoadHandler) -> list[OpFuture]:
+            t0 = time.perf_counter()
+            futs = loader.load_many(0, list(range(batch))) if how == "load_many" else \
+                [loader.load(0, e, StoreKind.PINNED) for e in range(batch)]
+            out[how].append((time.perf_counter() - t0) / batch * 1e6)
+            return futs
+        return go
+
+    with _gated_loader(dev, store, batch) as gated:
+        for _ in range(reps):
+            for how in out:
+                gated(timed_submit(how))
     return {f"{how}_submit_us_per_expert": statistics.median(v) for how, v in out.items()}
 
 
@@ -101,26 +126,17 @@ def submit_profile(dev: Device, store: PinnedExpertStore, batch: int, top: int =
     import cProfile
     import pstats
 
-    fmt = store.format
-    pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, fmt.num_bytes, batch)
-    engine = TransferEngine(dev)
-    loader = ExpertLoadHandler(pool, engine, pinned=store)
-    gate = HostEvent()
-    try:
-        engine.submit(TransferRequest(Link.H2D, TrafficClass.KV, torch.zeros(4096, dtype=torch.uint8),
-                                      dev.alloc(4096), after=gate))
-        prof = cProfile.Profile()
+    prof = cProfile.Profile()
+
+    def profiled(loader: ExpertLoadHandler) -> list[OpFuture]:
         prof.enable()
-        futs = loader.load_many(0, list(range(batch)))
-        prof.disable()
-        gate.set()
-        for f in futs:
-            f.wait(60)
-    finally:
-        gate.set()
-        loader.close()
-        engine.close()
-        pool.close()
+        try:
+            return loader.load_many(0, list(range(batch)))
+        finally:
+            prof.disable()
+
+    with _gated_loader(dev, store, batch) as gated:
+        gated(profiled)
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     return [{"function": f"{fn.rsplit('/', 1)[-1]}:{line}({name})", "calls": cc,

@@ -170,9 +170,7 @@ class Device:
         else:
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        return ev
+        return self.record_event(stream)
 
     def copy_range(self, dst: torch.Tensor, dst_offset_bytes: int, src: torch.Tensor, src_offset_bytes: int,
                    num_bytes: int, stream: Any = None, stream_is_current: bool = False) -> Event:
@@ -194,9 +192,7 @@ class Device:
                                cu.CUdeviceptr(src.data_ptr() + src_offset_bytes), num_bytes, cu_stream)[0]
         if err != cu.CUresult.CUDA_SUCCESS:
             raise CudaError(f"cuMemcpyAsync of {num_bytes} bytes failed: {err}")
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        return ev
+        return self.record_event(stream)
 
     def synchronize(self) -> None:
         if self.is_cuda:

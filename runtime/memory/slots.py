@@ -229,10 +229,7 @@ class ExpertSlotPool:
             slot = self._free[-1]
             if map_now:
                 self._map_locked(layer, expert, slot)
-            self._free.pop()
-            self._slot_owner[slot] = (layer, expert)
-            en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], map_now
-            self.remaps += 1
+            self._bind_free_slot_locked(layer, expert, en, map_now)
         if via_window:
             return self._window_view(slot)[: self.layout.expert_bytes]  # [expert_bytes]
         return self._view(layer, expert)
@@ -253,18 +250,20 @@ class ExpertSlotPool:
             if len(experts) > len(self._free):
                 raise CapacityError(f"prepare_loads: {len(experts)} experts need slots, {len(self._free)} of "
                                     f"{self.num_slots} are free; unmap experts first")
-            slots = []
-            for e, en in zip(experts, entries, strict=True):
-                slot = self._free.pop()
-                self._slot_owner[slot] = (layer, e)
-                en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], False
-                slots.append(slot)
-            self.remaps += len(experts)
+            slots = [self._bind_free_slot_locked(layer, e, en, False) for e, en in zip(experts, entries, strict=True)]
         stride = self.layout.stride_bytes
         if via_window:
             assert self._window is not None
             return [(self._window, s * stride) for s in slots]
         return [(self._tensors[layer], e * stride) for e in experts]
+
+    def _bind_free_slot_locked(self, layer: int, expert: int, en: _Entry, mapped: bool) -> int:
+        """Take the last free slot for the expert, which becomes LOADING (the caller checked it may)."""
+        slot = self._free.pop()
+        self._slot_owner[slot] = (layer, expert)
+        en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], mapped
+        self.remaps += 1
+        return slot
 
     def _window_view(self, slot: int) -> torch.Tensor:
         """A slot's whole stride through the slot window: [stride_bytes]."""

@@ -268,16 +268,16 @@ class ExpertLoadHandler:
 
         def request(e: int, dst: Any, dst_off: int, fut: OpFuture) -> TransferRequest:
             # by byte range of the store's buffer and the pool's range: no tensor views per expert
+            join = None
             if windowed:  # two parts: this copy through the slot window, and the mapper's map
                 join = _Join(2, lambda h, error, _staging: self._finish(layer, e, n, fut, h, error))
                 joins.append(join)
-                return TransferRequest(Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s,
-                                       on_done=lambda h: join.part_done(h.error, h), num_bytes=n,
-                                       src_offset_bytes=pinned.offset(layer, e), dst_offset_bytes=dst_off)
-            return TransferRequest(Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s,
-                                   before_issue=lambda: pool.map_reserved(layer, e),
-                                   on_done=lambda h: self._finish(layer, e, n, fut, h, h.error), num_bytes=n,
-                                   src_offset_bytes=pinned.offset(layer, e), dst_offset_bytes=dst_off)
+            return TransferRequest(
+                Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s,
+                before_issue=None if windowed else (lambda: pool.map_reserved(layer, e)),
+                on_done=(lambda h: join.part_done(h.error, h)) if join is not None
+                else (lambda h: self._finish(layer, e, n, fut, h, h.error)),
+                num_bytes=n, src_offset_bytes=pinned.offset(layer, e), dst_offset_bytes=dst_off)
 
         try:
             self.engine.submit_many([request(e, d, off, f) for e, (d, off), f in zip(experts, dsts, futs, strict=True)])
