@@ -30,7 +30,7 @@ from runtime.nvme import DirectFile, align_up
 from runtime.selfcheck.common import workdir_for
 from runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferRequest
 from runtime.weights.format import ExpertFormat
-from runtime.weights.loader import ExpertLoadHandler, MapIn, StoreKind
+from runtime.weights.loader import ExpertLoadHandler, MapIn, Publish, StoreKind
 from runtime.weights.sources import SyntheticExpertSource
 from runtime.weights.stores import PinnedExpertStore
 
@@ -85,18 +85,20 @@ def pinned_experts(dev: Device, hidden: int, inter: int, batch: int) -> PinnedEx
 
 def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertStore, batch: int,
                      reps: int, poison_unmapped: bool = True, map_in: MapIn = "worker",
-                     submit: str = "list") -> dict[str, Any]:
+                     submit: str = "list", publish: Publish = "done") -> dict[str, Any]:
     """Pinned store -> slots: `batch` loads in flight at once (a prefetch list: one `load_many` call, or with
     submit="each" one `load` per expert), then a single load.
 
-    Timed: prepare_load (the slot map) + the engine's copy + complete_load, i.e. the whole load path.
+    Timed: prepare_load (the slot map) + the engine's copy + complete_load, i.e. the whole load path, until
+    every future is done and the device is synchronized (with publish="issued" a future is done once its copy
+    is issued, so the synchronize is what waits for the bytes; the raw copies end the same way).
     Not timed: unmapping the previous round's experts (eviction happens off this path).
     Also reported, per pipelined load: where the host->device worker (and the mapper) spent their time.
     """
     fmt = store.format
     pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, fmt.num_bytes, batch, poison_unmapped=poison_unmapped,
                           slot_window=map_in == "mapper")
-    loader = ExpertLoadHandler(pool, engine, pinned=store, map_in=map_in)
+    loader = ExpertLoadHandler(pool, engine, pinned=store, map_in=map_in, publish=publish)
 
     def evict_all() -> None:
         for e in pool.resident_experts(0):
@@ -123,7 +125,7 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertSto
     n = fmt.num_bytes
     return {"expert_bytes": n, "batch": batch, "pipelined_gbps": n * batch / batch_s / 1e9,
             "single_gbps": n / one_s / 1e9, "single_ms": one_s * 1e3, "raw_gbps": raw,
-            "pipelined_ratio": n * batch / batch_s / 1e9 / raw, "map_in": map_in, "submit": submit,
+            "pipelined_ratio": n * batch / batch_s / 1e9 / raw, "map_in": map_in, "submit": submit, "publish": publish,
             "worker_us_per_load": worker_us}
 
 
@@ -249,6 +251,7 @@ class LoadConfig:
     gil_switch_us: int | None = None  # sys.setswitchinterval for this config (None: the interpreter's 5000 µs)
     submit: str = "list"  # a prefetch list as one load_many call ("list") or one load() per expert ("each")
     retire_thread: bool = True  # finished copies accounted (loads published) on the link's retire thread
+    publish: Publish = "done"  # a load is published once its copy is done, or once it is issued (event-ordered)
 
 
 _DEFAULT = LoadConfig(8 * MiB, 16 * MiB)
@@ -260,6 +263,10 @@ LOAD_CONFIG_SETS: dict[str, list[LoadConfig]] = {
                replace(_DEFAULT, gil_switch_us=200), replace(_DEFAULT, map_in="mapper", gil_switch_us=200)],
     "submit": [_DEFAULT, replace(_DEFAULT, retire_thread=False), replace(_DEFAULT, poison_unmapped=False),
                replace(_DEFAULT, submit="each")],
+    "publish": [_DEFAULT, replace(_DEFAULT, publish="issued"), replace(_DEFAULT, map_in="mapper"),
+                replace(_DEFAULT, map_in="mapper", publish="issued"),
+                replace(_DEFAULT, map_in="mapper", publish="issued", poison_unmapped=False),
+                replace(_DEFAULT, submit="each")],
     "all": [_DEFAULT, replace(_DEFAULT, retire_thread=False), replace(_DEFAULT, poison_unmapped=False),
             replace(_DEFAULT, submit="each"), _DEEP],
 }
@@ -301,7 +308,7 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
                                         urgent_stream=c.urgent_stream, retire_thread=c.retire_thread) as eng:
                         for (_h, _i, b), store in zip(shapes, stores, strict=True):
                             r = expert_load_gbps(dev, eng, store, b, reps, poison_unmapped=c.poison_unmapped,
-                                                 map_in=c.map_in, submit=c.submit)
+                                                 map_in=c.map_in, submit=c.submit, publish=c.publish)
                             res["expert_loads"].append({**r, **asdict(c)})
                 finally:
                     sys.setswitchinterval(switch)
@@ -365,16 +372,17 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
     if "expert_loads" in res:
         md += ["## Expert loads, pinned host -> slot (map + copy + publish), vs raw pinned host -> device copies of",
                "the same sizes and count on one stream", "",
-               "| chunk | in flight | absent experts | maps in | submitted | expert bytes | loads in flight "
-               "| pipelined GB/s | raw GB/s | ratio | single load ms "
+               "| chunk | in flight | absent experts | maps in | submitted | published | expert bytes "
+               "| loads in flight | pipelined GB/s | raw GB/s | ratio | single load ms "
                "| link µs/load: hook · issue · blocked (worker) · retire (retire thread) | "
                "mapper µs/load |",
-               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {_chunk_label(e['chunk_bytes'], e.get('urgent_stream', False))} | "
                f"{e['max_inflight_bytes'] >> 20} MiB | "
                f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {e.get('map_in', 'worker')}{_gil(e)}"
                f"{'' if e.get('retire_thread') else ', inline retire'} | "
-               f"{'load_many' if e.get('submit', 'each') == 'list' else 'load each'} | {e['expert_bytes']:,} | "
+               f"{'load_many' if e.get('submit', 'each') == 'list' else 'load each'} | "
+               f"{'when issued' if e.get('publish') == 'issued' else 'when done'} | {e['expert_bytes']:,} | "
                f"{e['batch']} | {e['pipelined_gbps']:.1f} | {e['raw_gbps']:.1f} | {e['pipelined_ratio']:.3f} | "
                f"{e['single_ms']:.3f} | {_phases(e)} | {_mapper_us(e)} |" for e in res["expert_loads"]]
     if "host_calls" in res:

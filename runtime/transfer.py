@@ -121,10 +121,11 @@ class TransferEngine:
                 self._threads.append(t)
 
     # ---- submission -------------------------------------------------------------------------------
-    def _validate(self, req: TransferRequest, checked: set[tuple[int, int]] | None = None) -> int:
-        """The request's byte count, or ConfigError. `checked` holds (id(src), id(dst)) pairs whose sides were
-        already found right in this call (a prefetch list reads one buffer into one range): only the byte
-        ranges are checked again."""
+    def _validate(self, req: TransferRequest, checked: set[tuple[int, int]] | None = None
+                  ) -> list[tuple[int, int, int]]:
+        """The request's segments as (src_offset, dst_offset, bytes), or ConfigError. `checked` holds (id(src),
+        id(dst)) pairs whose sides were already found right in this call (a prefetch list reads one buffer into
+        one range): only the byte ranges are checked again."""
         if checked is None or (id(req.src), id(req.dst)) not in checked:
             want = self._sides[req.link]
             for side, buf, where in (("src", req.src, want[0]), ("dst", req.dst, want[1])):
@@ -136,19 +137,28 @@ class TransferEngine:
             if checked is not None:
                 checked.add((id(req.src), id(req.dst)))
         n_src, n_dst = _nbytes(req.src), _nbytes(req.dst)
-        if req.num_bytes is None:
+        if req.segments is not None:
+            if req.num_bytes is not None or req.src_offset_bytes or req.dst_offset_bytes:
+                raise ConfigError(f"{req.link.value} transfer: segments replace num_bytes and the byte offsets")
+            if not req.segments:
+                raise ConfigError(f"{req.link.value} transfer: segments is empty")
+            segs = req.segments
+        elif req.num_bytes is None:
             if req.src_offset_bytes or req.dst_offset_bytes:
                 raise ConfigError(f"{req.link.value} transfer: byte offsets need num_bytes")
             if n_src != n_dst or n_src <= 0:
                 raise ConfigError(f"{req.link.value} transfer: src has {n_src} bytes, dst {n_dst}; "
                                   "need equal and > 0")
-            return n_src
-        n = req.num_bytes
-        for side, off, size in (("src", req.src_offset_bytes, n_src), ("dst", req.dst_offset_bytes, n_dst)):
-            if n <= 0 or off < 0 or off + n > size:
-                raise ConfigError(f"{req.link.value} transfer: {side} bytes [{off}, {off + n}) do not fit its "
-                                  f"{size} bytes; need num_bytes > 0 and 0 <= offset")
-        return n
+            return [(0, 0, n_src)]
+        else:
+            segs = [(req.src_offset_bytes, req.dst_offset_bytes, req.num_bytes)]
+        for i, (src_off, dst_off, n) in enumerate(segs):
+            if n <= 0 or src_off < 0 or dst_off < 0 or src_off + n > n_src or dst_off + n > n_dst:
+                where = f"segment {i}: " if req.segments is not None else ""
+                raise ConfigError(f"{req.link.value} transfer: {where}src bytes [{src_off}, {src_off + n}) of "
+                                  f"{n_src}, dst bytes [{dst_off}, {dst_off + n}) of {n_dst}; need num_bytes > 0 "
+                                  "and both ranges inside their buffers")
+        return segs
 
     def submit(self, req: TransferRequest) -> TransferHandle:
         """Queue a transfer; raises ConfigError (nothing queued) for a malformed request."""
@@ -162,29 +172,41 @@ class TransferEngine:
         if not reqs:
             return []
         link = reqs[0].link
-        sizes: list[int] = []
+        all_segs: list[list[tuple[int, int, int]]] = []
         checked: set[tuple[int, int]] = set()
         for i, req in enumerate(reqs):
             if req.link is not link:
                 raise ConfigError(f"submit_many: request {i} is on {req.link.value}, request 0 on {link.value}; "
                                   "one link per call")
-            if req.before_issue is not None and link in (Link.DISK2H, Link.H2DISK):
-                raise ConfigError("before_issue is only ordered on memory links (disk links run parallel workers)")
-            sizes.append(self._validate(req, checked))
+            if link in (Link.DISK2H, Link.H2DISK) and (req.before_issue is not None or req.before_segment is not None
+                                                       or req.on_segment_issued is not None):
+                raise ConfigError("before_issue, before_segment and on_segment_issued are only ordered on memory "
+                                  "links (disk links run parallel workers)")
+            all_segs.append(self._validate(req, checked))
         now = self.clock()
         handles, chunks = [], []
-        for req, n in zip(reqs, sizes, strict=True):
-            spans = _chunk_spans(n, self.chunk_bytes)
-            h = TransferHandle(req, n, len(spans), now)
-            handles.append(h)
+        for req, segs in zip(reqs, all_segs, strict=True):
+            prio = int(req.priority)
             deadline = float("inf") if req.deadline_s is None else req.deadline_s
-            chunks.extend((int(req.priority), deadline, h, off, length) for off, length in spans)
+            seg_chunks: list[int] = []
+            h_chunks: list[tuple[int, int, int, int, int, bool, bool]] = []
+            for s, (src_off, dst_off, n) in enumerate(segs):
+                spans = _chunk_spans(n, self.chunk_bytes)
+                last = len(spans) - 1
+                seg_chunks.append(len(spans))
+                h_chunks.extend((prio, s, src_off + off, dst_off + off, length, j == 0, j == last)
+                                for j, (off, length) in enumerate(spans))
+            h = TransferHandle(req, sum(n for _s, _d, n in segs), len(h_chunks), now,
+                               seg_chunks if req.segments is not None else None)
+            handles.append(h)
+            chunks.extend((h, deadline, c) for c in h_chunks)
         q = self._queues[link]
         with q.cv:
             if self._closing:  # re-checked under the queue lock: a worker may be exiting on an empty queue
                 raise TransferError("transfer engine is closed")
-            for prio, deadline, h, off, length in chunks:
-                heapq.heappush(q.heap, _Chunk((prio, deadline, next(self._seq)), h, off, length))
+            for h, deadline, (prio, seg, src_off, dst_off, length, first, last) in chunks:
+                heapq.heappush(q.heap, _Chunk((prio, deadline, next(self._seq)), h, seg, src_off, dst_off, length,
+                                              first, last))
             q.cv.notify_all()  # disk links have several workers: a multi-chunk transfer should wake them all
         return handles
 
@@ -202,12 +224,11 @@ class TransferEngine:
             stream = self._urgent_streams[link] if urgent else self._streams[link]
             if first and req.after is not None:
                 self.device.stream_wait(req.after, stream)
-            ev = self.device.copy_range(req.dst, req.dst_offset_bytes + ch.offset_bytes, req.src,
-                                        req.src_offset_bytes + ch.offset_bytes, ch.length_bytes, stream,
-                                        stream_is_current=not urgent)  # _run made the bulk stream current
+            ev = self.device.copy_range(req.dst, ch.dst_offset_bytes, req.src, ch.src_offset_bytes, ch.length_bytes,
+                                        stream, stream_is_current=not urgent)  # _run made the bulk stream current
             return ev if self.device.is_cuda else None
-        src = _slice(req.src, req.src_offset_bytes + ch.offset_bytes, ch.length_bytes)
-        dst = _slice(req.dst, req.dst_offset_bytes + ch.offset_bytes, ch.length_bytes)
+        src = _slice(req.src, ch.src_offset_bytes, ch.length_bytes)
+        dst = _slice(req.dst, ch.dst_offset_bytes, ch.length_bytes)
         if link in (Link.DISK2H, Link.H2DISK) and req.after is not None:
             req.after.synchronize()  # every chunk: disk workers run in parallel, so "first" proves nothing
         if link is Link.DISK2H:
@@ -259,16 +280,44 @@ class TransferEngine:
         while (item := rq.get()) is not None:
             self._account_timed(*item)
 
+    def _segment_hook(self, link: Link, ch: _Chunk) -> bool:
+        """Run the request's before_segment hook for the chunk's segment; False (error kept) if it raised."""
+        h = ch.handle
+        t0 = time.perf_counter()
+        try:
+            h.request.before_segment(ch.seg)  # type: ignore[misc]
+            return True
+        except Exception as exc:
+            h.segment_errors.setdefault(ch.seg, exc)
+            return False
+        finally:
+            self._add_time(link, "hook_s", time.perf_counter() - t0)
+
     def _account(self, ch: _Chunk, failed: BaseException | None) -> None:
         h = ch.handle
         if failed is not None and h.error is None:
             h.error = failed
+        seg_error = h.segment_errors.get(ch.seg) if h.segment_errors else None
         with self._stats_lock:
             ls = self._link_stats[h.request.link]
             ls.chunks += 1
-            ls.bytes += ch.length_bytes if failed is None else 0
+            ls.bytes += ch.length_bytes if failed is None and seg_error is None else 0
             h._remaining -= 1
             last = h._remaining == 0
+            if h._seg_left is None:
+                seg_last = last
+            else:
+                h._seg_left[ch.seg] -= 1
+                seg_last = h._seg_left[ch.seg] == 0
+        if seg_last and h.request.on_segment_done is not None:
+            error = h.error or h.segment_errors.get(ch.seg)
+            try:
+                h.request.on_segment_done(ch.seg, error)
+            except Exception as exc:
+                if error is None:
+                    h.segment_errors[ch.seg] = exc
+                else:
+                    error.add_note(f"on_segment_done({ch.seg}) also failed: {exc!r}")
         if last:
             self._finish(h)
 
@@ -289,8 +338,11 @@ class TransferEngine:
             ls = self._link_stats[req.link]
             ls.transfers += 1
             cs.transfers += 1
-            if h.error is not None:
+            if h.error is not None or h.segment_errors:
                 cs.failures += 1
+                if h.error is None:  # the segments that did move count
+                    cs.bytes += sum(n for i, (_s, _d, n) in enumerate(req.segments or [])
+                                    if i not in h.segment_errors)
             else:
                 cs.bytes += h.num_bytes
             qd = (h.start_s if h.start_s is not None else h.end_s) - h.submit_s
@@ -344,21 +396,31 @@ class TransferEngine:
                     inflight_bytes -= done_ch.length_bytes
                 self._retire(done_ch, ev, None)
                 continue
-            if ch.handle.error is not None:  # an earlier chunk failed: skip the copy, still account
-                self._retire(ch, None, ch.handle.error)
-                continue
             h = ch.handle
+            if h.error is not None or (h.segment_errors and ch.seg in h.segment_errors):
+                self._retire(ch, None, h.error)  # an earlier chunk failed: skip the copy, still account
+                continue
             with self._stats_lock:
                 first = h.start_s is None
                 if first:
                     h.start_s = self.clock()
             t0 = time.perf_counter()
+            req = h.request
+            if ch.first and req.before_segment is not None and not self._segment_hook(link, ch):
+                self._add_time(link, "issue_s", time.perf_counter() - t0)
+                self._retire(ch, None, None)  # the segment failed alone: its error is in h.segment_errors
+                continue
             try:
                 ev = self._issue(link, ch, first)
             except Exception as exc:
                 self._add_time(link, "issue_s", time.perf_counter() - t0)
                 self._retire(ch, None, exc)
                 continue
+            if ch.last and req.on_segment_issued is not None:
+                try:
+                    req.on_segment_issued(ch.seg, ev)
+                except Exception as exc:  # the bytes still move; the segment reports the error when done
+                    h.segment_errors.setdefault(ch.seg, exc)
             self._add_time(link, "issue_s", time.perf_counter() - t0)  # hooks included; hook_s says how much
             with self._stats_lock:
                 h._unissued -= 1

@@ -16,14 +16,17 @@ from runtime.transfer_types import Buffer, TransferRequest
 class TransferHandle:
     """A submitted transfer: poll with `done()`, block with `wait()`, order a stream with `device_event()`."""
 
-    def __init__(self, request: TransferRequest, num_bytes: int, num_chunks: int, submit_s: float) -> None:
+    def __init__(self, request: TransferRequest, num_bytes: int, num_chunks: int, submit_s: float,
+                 segment_chunks: list[int] | None = None) -> None:
         self.request = request
         self.num_bytes = num_bytes
         self.submit_s = submit_s
         self.start_s: float | None = None
         self.end_s: float | None = None
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the whole transfer failed (a copy): later chunks are skipped
+        self.segment_errors: dict[int, BaseException] = {}  # segments that failed on their own (their hook)
         self._remaining = num_chunks
+        self._seg_left = segment_chunks  # chunks not yet retired, per segment (None: one segment, no callbacks)
         self._unissued = num_chunks
         self._last_event: Event | None = None
         self._issued = Latch()
@@ -31,8 +34,8 @@ class TransferHandle:
 
     @property
     def ok(self) -> bool:
-        """True once finished without error; already valid inside `on_done`."""
-        return self.end_s is not None and self.error is None
+        """True once finished without error in any segment; already valid inside `on_done`."""
+        return self.end_s is not None and self.error is None and not self.segment_errors
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -42,6 +45,11 @@ class TransferHandle:
             raise TimeoutError(f"transfer on {self.request.link.value} not done within {timeout_s} s")
         if self.error is not None:
             raise TransferError(f"transfer on {self.request.link.value} failed: {self.error}") from self.error
+        if self.segment_errors:
+            i = min(self.segment_errors)
+            err = self.segment_errors[i]
+            raise TransferError(f"transfer on {self.request.link.value}: segments {sorted(self.segment_errors)} "
+                                f"failed; segment {i}: {err}") from err
         return self
 
     def device_event(self, timeout_s: float | None = None) -> Event | None:
@@ -59,12 +67,19 @@ class TransferHandle:
         return None if self.end_s is None else self.end_s - self.submit_s
 
 
-@dataclass(order=True)
+@dataclass(order=True, slots=True)
 class _Chunk:
+    """A queue entry: `length_bytes` from `src_offset_bytes` of the request's src to `dst_offset_bytes` of its dst
+    (absolute), the chunk of segment `seg` that comes `first` and/or `last` in it."""
+
     key: tuple[int, float, int]
     handle: TransferHandle = field(compare=False)
-    offset_bytes: int = field(compare=False)
+    seg: int = field(compare=False)
+    src_offset_bytes: int = field(compare=False)
+    dst_offset_bytes: int = field(compare=False)
     length_bytes: int = field(compare=False)
+    first: bool = field(compare=False)
+    last: bool = field(compare=False)
 
 
 def _nbytes(buf: Buffer) -> int:

@@ -46,7 +46,12 @@ Buffer = torch.Tensor | FileRegion
 @dataclass(slots=True)  # not frozen: a frozen dataclass costs ~3 µs to build, and a prefetch list builds many
 class TransferRequest:
     """Move `src` to `dst` whole, or with `num_bytes` set, that many bytes from `src_offset_bytes` of `src` to
-    `dst_offset_bytes` of `dst` (a range of a big buffer without making a view of it per request)."""
+    `dst_offset_bytes` of `dst` (a range of a big buffer without making a view of it per request), or with
+    `segments` set, each (src_offset_bytes, dst_offset_bytes, num_bytes) range in list order: a prefetch list
+    as one transfer, submitted in O(1) requests, with a callback per segment.
+
+    A segment fails on its own when its `before_segment` hook raises (its chunks are skipped, the others go
+    on); a failed copy fails the whole transfer (every segment not yet done reports that error)."""
 
     link: Link
     traffic: TrafficClass
@@ -60,6 +65,15 @@ class TransferRequest:
     num_bytes: int | None = None  # None: the whole of src and dst, which must be the same size
     src_offset_bytes: int = 0
     dst_offset_bytes: int = 0
+    segments: list[tuple[int, int, int]] | None = None  # (src_offset_bytes, dst_offset_bytes, num_bytes) each
+    # Memory links only, on the link's worker: right before segment i's first chunk is issued (e.g. a slot map).
+    before_segment: Callable[[int], None] | None = None
+    # Memory links only, on the link's worker: segment i's last chunk is issued; its event (None on a CPU) orders
+    # a stream after all of segment i's bytes.
+    on_segment_issued: Callable[[int, Event | None], None] | None = None
+    # Segment i's chunks are all retired (done, or skipped after a failure: the error), in order, on the link's
+    # retire thread or worker, before the transfer's on_done. Also called for a request without `segments` (i=0).
+    on_segment_done: Callable[[int, BaseException | None], None] | None = None
 
 
 @dataclass

@@ -38,6 +38,8 @@ class StoreKind(Enum):
 
 MapIn = Literal["worker", "mapper"]
 MAP_IN: tuple[str, ...] = get_args(MapIn)  # the values, for checks and messages
+Publish = Literal["done", "issued"]
+PUBLISH: tuple[str, ...] = get_args(Publish)
 
 
 class _Mapper:
@@ -103,28 +105,25 @@ class _Mapper:
         self._thread.join()
 
 
-class _Join:
-    """The independent parts of one load (the copy; with the mapper, also the map): the last part to end
-    calls `then(handle, error, staging)` exactly once; a second part's error is kept as a note on the first."""
+class _Load:
+    """One expert load in flight (inference process). Before it is published the copy must be done (publish
+    "done") or issued (publish "issued": its event orders readers), and with the mapper the map too; a failure
+    gives the slot back only once the copy no longer writes it. Concluded (published or refused) once, then
+    settled (staging freed, no longer in flight) once its copy has ended."""
 
-    def __init__(self, parts: int, then: Callable[[TransferHandle | None, BaseException | None, Any], None]) -> None:
-        self._left, self._then, self._lock = parts, then, threading.Lock()
-        self._error: BaseException | None = None
-        self._handle: TransferHandle | None = None
-        self._staging: Any = None
+    __slots__ = ("concluded", "copy_open", "copy_signaled", "error", "event", "expert", "fut", "layer", "lock",
+                 "parts_left", "settled", "staging")
 
-    def part_done(self, error: BaseException | None = None, handle: TransferHandle | None = None,
-                  staging: Any = None) -> None:
-        with self._lock:
-            if error is not None and self._error is not None and error is not self._error:
-                self._error.add_note(f"another part of the load failed too: {error!r}")
-            self._error = self._error or error
-            self._handle = handle or self._handle
-            self._staging = staging if staging is not None else self._staging
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            self._then(self._handle, self._error, self._staging)
+    def __init__(self, layer: int, expert: int, fut: OpFuture, parts: int) -> None:
+        self.layer, self.expert, self.fut = layer, expert, fut
+        self.staging: AlignedHostBuffer | None = None
+        self.lock = threading.Lock()
+        self.parts_left = parts
+        self.copy_signaled = False  # the copy's part of parts_left has been counted
+        self.copy_open = True  # the copy may still write the slot
+        self.error: BaseException | None = None
+        self.event: Any = None  # the copy's event once issued (None on a CPU)
+        self.concluded = self.settled = False
 
 
 class ExpertLoadHandler:
@@ -138,9 +137,12 @@ class ExpertLoadHandler:
         nvme: NvmeExpertStore | None = None,
         num_staging: int = 4,
         map_in: MapIn = "worker",
+        publish: Publish = "done",
     ) -> None:
         if map_in not in MAP_IN:
             raise ConfigError(f"ExpertLoadHandler.map_in must be 'worker' or 'mapper', got {map_in!r}")
+        if publish not in PUBLISH:
+            raise ConfigError(f"ExpertLoadHandler.publish must be 'done' or 'issued', got {publish!r}")
         if map_in == "mapper" and not pool.slot_window:
             raise ConfigError("ExpertLoadHandler(map_in='mapper') needs a pool made with slot_window=True "
                               "(copies go through the slot window while the mapper maps)")
@@ -157,20 +159,56 @@ class ExpertLoadHandler:
         if nvme is not None:
             self._staging = [engine.device.alloc_host(nvme.records.record_bytes) for _ in range(num_staging)]
         self._free_staging = list(self._staging)
-        self.map_in = map_in
-        self._inflight = 0  # loads started and not yet completed (close() waits for them)
+        self.map_in, self.publish = map_in, publish
+        self._inflight = 0  # loads started and not yet settled (close() waits for them)
         self._closed = False
         self._mapper = _Mapper(engine.device.bind_thread) if map_in == "mapper" else None
-        self._stats = {"loads_ok": 0, "loads_failed": 0, "corrupt_detected": 0, "bytes": 0}
+        self._stats = {"loads_ok": 0, "loads_failed": 0, "corrupt_detected": 0, "bytes": 0, "failed_after_publish": 0}
+        self.last_error: BaseException | None = None
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._cv:
             self._stats[key] += n
 
     def stats(self) -> dict[str, int]:
-        """Loads ok / failed, NVMe corruptions caught, bytes loaded, and map jobs that raised (never expected)."""
+        """Loads ok / failed, NVMe corruptions caught, bytes loaded, copies that failed after their expert was
+        published (publish="issued"; a CUDA error), and map jobs that raised (never expected)."""
         with self._cv:
             return {**self._stats, "mapper_errors": 0 if self._mapper is None else self._mapper.errors}
+
+    # ---- starting loads ---------------------------------------------------------------------------------
+    def _begin(self, layer: int, experts: list[int], store: StoreKind) -> tuple[list[_Load], Any, list[int]]:
+        """Reserve slots for all of `experts` or none (refusals raise, nothing moves); the loads, the range the
+        copies write (the layer's range or the slot window) and each one's byte offset in it."""
+        windowed = self._mapper is not None
+        with self._cv:
+            if self._closed:
+                raise ConfigError("load: the expert loader is closed")
+            dsts = self.pool.prepare_loads(layer, experts, via_window=windowed)
+            self._inflight += len(experts)
+        loads = [_Load(layer, e, OpFuture(f"load of expert ({layer}, {e}) from {store.value}"), 1 + windowed)
+                 for e in experts]
+        return loads, dsts[0][0], [off for _t, off in dsts]
+
+    def _abandon(self, loads: list[_Load]) -> None:
+        """A submission was refused before any byte moved: give every slot back."""
+        for ld in loads:
+            self.pool.complete_load(ld.layer, ld.expert, ok=False)
+        with self._cv:
+            self._inflight -= len(loads)
+            self._cv.notify_all()
+
+    def _h2d_request(self, loads: list[_Load], src: Any, dst: Any, segments: list[tuple[int, int, int]],
+                     priority: Priority, deadline_s: float | None) -> TransferRequest:
+        """One host->device transfer whose segment i fills loads[i] (maps it first in the worker unless the
+        mapper does)."""
+        pool = self.pool
+        return TransferRequest(
+            Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s, segments=segments,
+            before_segment=None if self._mapper is not None else
+            (lambda i: pool.map_reserved(loads[i].layer, loads[i].expert)),
+            on_segment_issued=lambda i, ev: self._step(loads[i], copy_issued=True, event=ev),
+            on_segment_done=lambda i, error: self._step(loads[i], copy_end=True, error=error))
 
     def load(
         self,
@@ -180,60 +218,33 @@ class ExpertLoadHandler:
         priority: Priority = Priority.NORMAL,
         deadline_s: float | None = None,
     ) -> OpFuture:
-        src_store = self.pinned if store is StoreKind.PINNED else self.nvme
-        if src_store is None:
-            raise ConfigError(f"load: no {store.value} store configured")
-        windowed = self._mapper is not None
-        with self._cv:
-            if self._closed:
-                raise ConfigError("load: the expert loader is closed")
-            # Reserve now (refusals raise before anything moves); map beside the copy or right before it.
-            dst = self.pool.prepare_load(layer, expert, map_now=False, via_window=windowed)
-            self._inflight += 1
-        fut = OpFuture(f"load of expert ({layer}, {expert}) from {store.value}")
-
-        def finish(h: TransferHandle | None, error: BaseException | None, staging: Any = None) -> None:
-            self._finish(layer, expert, dst.numel(), fut, h, error, staging)
-
-        join = _Join(2 if windowed else 1, finish)
-
-        def h2d(src: Any, staging: Any = None) -> None:
-            self.engine.submit(TransferRequest(
-                Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s,
-                before_issue=None if windowed else (lambda: self.pool.map_reserved(layer, expert)),
-                on_done=lambda h: join.part_done(h.error, h, staging),
-            ))
-
         if store is StoreKind.PINNED:
-            assert self.pinned is not None
-            try:
-                h2d(self.pinned.expert(layer, expert))
-            except Exception:  # refused before any byte moved: give the slot back
-                self.pool.complete_load(layer, expert, ok=False)
-                self._load_ended()
-                raise
-            self._start_map(layer, expert, priority, deadline_s, join)
-            return fut
-
-        assert self.nvme is not None
+            if self.pinned is None:
+                raise ConfigError("load: no pinned store configured")
+            return self.load_many(layer, [expert], priority, deadline_s)[0]
+        if self.nvme is None:
+            raise ConfigError(f"load: no {store.value} store configured")
         nvme = self.nvme
-        staging = self._take_staging()
+        (ld,), dst, (dst_off,) = self._begin(layer, [expert], store)
+        n = self.pool.layout.expert_bytes
+        staging = ld.staging = self._take_staging()
 
         def after_disk(h: TransferHandle) -> None:
             if h.error is not None:
-                join.part_done(h.error, None, staging)
+                self._step(ld, copy_end=True, error=h.error)
                 return
             try:
                 nvme.verify(layer, expert, staging.tensor)
             except Exception as exc:  # corruption, or anything else: the load still completes with it
                 if isinstance(exc, CorruptDataError):
                     self._count("corrupt_detected")
-                join.part_done(exc, None, staging)
+                self._step(ld, copy_end=True, error=exc)
                 return
             try:
-                h2d(staging.tensor[: dst.numel()], staging)
+                self.engine.submit(self._h2d_request([ld], staging.tensor, dst, [(0, dst_off, n)], priority,
+                                                     deadline_s))
             except Exception as exc:
-                join.part_done(exc, None, staging)
+                self._step(ld, copy_end=True, error=exc)
 
         try:
             self.engine.submit(TransferRequest(
@@ -242,96 +253,136 @@ class ExpertLoadHandler:
             ))
         except Exception:
             self._give_staging(staging)
-            self.pool.complete_load(layer, expert, ok=False)
-            self._load_ended()
+            self._abandon([ld])
             raise
-        self._start_map(layer, expert, priority, deadline_s, join)
-        return fut
+        self._start_maps([ld], priority, deadline_s)
+        return ld.fut
 
     def load_many(self, layer: int, experts: list[int], priority: Priority = Priority.NORMAL,
                   deadline_s: float | None = None) -> list[OpFuture]:
         """Load several experts of one layer from the pinned store (a prefetch list), one future each, copied in
-        list order. Slots are reserved for all or, if any expert is refused, for none (nothing moves); the
-        copies go to the link in one submission, so the submitting thread holds the GIL briefly and the link's
-        worker starts at once."""
+        list order. Slots are reserved for all or, if any expert is refused, for none (nothing moves); the copies
+        go to the link as one transfer of one segment per expert, so submitting costs a few µs per expert and the
+        link's worker starts at once; with the mapper, one map job walks the list beside the copies."""
         if self.pinned is None:
             raise ConfigError("load_many: no pinned store configured")
-        pinned, pool, windowed = self.pinned, self.pool, self._mapper is not None
-        with self._cv:
-            if self._closed:
-                raise ConfigError("load_many: the expert loader is closed")
-            dsts = pool.prepare_loads(layer, experts, via_window=windowed)
-            self._inflight += len(experts)
-        futs = [OpFuture(f"load of expert ({layer}, {e}) from pinned") for e in experts]
-        joins: list[_Join] = []
-        src, n = pinned.buffer, pool.layout.expert_bytes
-
-        def request(e: int, dst: Any, dst_off: int, fut: OpFuture) -> TransferRequest:
-            # by byte range of the store's buffer and the pool's range: no tensor views per expert
-            join = None
-            if windowed:  # two parts: this copy through the slot window, and the mapper's map
-                join = _Join(2, lambda h, error, _staging: self._finish(layer, e, n, fut, h, error))
-                joins.append(join)
-            return TransferRequest(
-                Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s,
-                before_issue=None if windowed else (lambda: pool.map_reserved(layer, e)),
-                on_done=(lambda h: join.part_done(h.error, h)) if join is not None
-                else (lambda h: self._finish(layer, e, n, fut, h, h.error)),
-                num_bytes=n, src_offset_bytes=pinned.offset(layer, e), dst_offset_bytes=dst_off)
-
+        if not experts:
+            return []
+        pinned, n = self.pinned, self.pool.layout.expert_bytes
+        loads, dst, dst_offs = self._begin(layer, experts, StoreKind.PINNED)
+        segments = [(pinned.offset(layer, e), off, n) for e, off in zip(experts, dst_offs, strict=True)]
         try:
-            self.engine.submit_many([request(e, d, off, f) for e, (d, off), f in zip(experts, dsts, futs, strict=True)])
+            self.engine.submit(self._h2d_request(loads, pinned.buffer, dst, segments, priority, deadline_s))
         except Exception:  # refused before any byte moved: give every slot back
-            for e in experts:
-                pool.complete_load(layer, e, ok=False)
-                self._load_ended()
+            self._abandon(loads)
             raise
-        for e, join in zip(experts, joins, strict=False):  # the mapper's parts (none without it)
-            self._start_map(layer, e, priority, deadline_s, join)
-        return futs
+        self._start_maps(loads, priority, deadline_s)
+        return [ld.fut for ld in loads]
 
-    def _finish(self, layer: int, expert: int, num_bytes: int, fut: OpFuture, h: TransferHandle | None,
-                error: BaseException | None, staging: Any = None) -> None:
-        """A load's last part ended (the link's worker or retire thread, or the mapper): publish or give the slot back.
-        Whatever fails here, the future completes, the slot is not left LOADING, and it is counted."""
+    # ---- completing loads -------------------------------------------------------------------------------
+    def _step(self, ld: _Load, *, copy_issued: bool = False, copy_end: bool = False, map_end: bool = False,
+              error: BaseException | None = None, event: Any = None) -> None:
+        """A part of a load ended (on the link's worker or retire thread, or the mapper): publish it once every
+        part before publishing has, give the slot back on failure once the copy is over, settle it at the end.
+        Whatever fails here, the future completes exactly once, the slot is never left LOADING, and it is
+        counted."""
+        with ld.lock:
+            if event is not None:
+                ld.event = event
+            if error is not None:
+                if ld.error is None:
+                    ld.error = error
+                elif error is not ld.error:
+                    ld.error.add_note(f"another part of the load failed too: {error!r}")
+            if copy_end:
+                ld.copy_open = False
+            if not ld.copy_signaled and ((copy_issued and self.publish == "issued") or copy_end):
+                ld.copy_signaled = True
+                ld.parts_left -= 1
+            if map_end:
+                ld.parts_left -= 1
+            if ld.concluded:
+                if copy_end and error is not None:  # publish="issued": the copy failed after publishing
+                    self._failed_after_publish(ld, error)
+            elif ld.parts_left == 0:
+                if ld.error is None:
+                    self._publish(ld)
+                if ld.error is not None and not ld.copy_open:
+                    self._refuse(ld)
+            if ld.concluded and not ld.copy_open and not ld.settled:
+                ld.settled = True
+                self._settle(ld)
+
+    def _publish(self, ld: _Load) -> None:
         try:
-            if staging is not None:
-                self._give_staging(staging)
-            event = h.device_event() if (error is None and h is not None) else None
-            self.pool.complete_load(layer, expert, error is None, event=event)
+            self.pool.complete_load(ld.layer, ld.expert, True, event=ld.event)
         except Exception as exc:
-            error = error or exc
-            if self.pool.state(layer, expert) is ExpertState.LOADING:
-                try:
-                    self.pool.complete_load(layer, expert, ok=False)
-                except Exception as again:
-                    error.add_note(f"giving the slot back failed too: {again!r}")
-        finally:
-            with self._cv:
-                self._stats["loads_ok" if error is None else "loads_failed"] += 1
-                if error is None:
-                    self._stats["bytes"] += num_bytes
-                self._inflight -= 1
-                self._cv.notify_all()
-            fut.set_result(error)
+            ld.error = exc
+            return
+        ld.concluded = True
+        with self._cv:
+            self._stats["loads_ok"] += 1
+            self._stats["bytes"] += self.pool.layout.expert_bytes
+        ld.fut.set_result(None)
 
-    def _start_map(self, layer: int, expert: int, priority: Priority, deadline_s: float | None, join: _Join) -> None:
-        """With the mapper: queue the map of the expert's range (the load's second part)."""
+    def _refuse(self, ld: _Load) -> None:
+        error = ld.error
+        assert error is not None
+        ld.concluded = True
+        try:
+            if self.pool.state(ld.layer, ld.expert) is ExpertState.LOADING:
+                self.pool.complete_load(ld.layer, ld.expert, ok=False)
+        except Exception as again:
+            error.add_note(f"giving the slot back failed too: {again!r}")
+        with self._cv:
+            self._stats["loads_failed"] += 1
+            self.last_error = error
+        ld.fut.set_result(error)
+
+    def _failed_after_publish(self, ld: _Load, error: BaseException) -> None:
+        """The copy of a published expert failed (a CUDA error, which also poisons the context): counted, kept
+        in `last_error`, and the expert is unmapped if its readers allow it."""
+        with self._cv:
+            self._stats["loads_failed"] += 1
+            self._stats["failed_after_publish"] += 1
+            self.last_error = error
+        try:
+            self.pool.unmap(ld.layer, ld.expert, wait=False)
+        except Exception as again:
+            error.add_note(f"unmapping the published expert failed too: {again!r}")
+
+    def _settle(self, ld: _Load) -> None:
+        if ld.staging is not None:
+            self._give_staging(ld.staging)
+        with self._cv:
+            self._inflight -= 1
+            self._cv.notify_all()
+
+    def _start_maps(self, loads: list[_Load], priority: Priority, deadline_s: float | None, i: int = 0) -> None:
+        """With the mapper: one job maps loads[i]'s range and queues the next, so a list costs one queued job at
+        a time and a more urgent list's maps still go first."""
         if self._mapper is None:
             return
 
         def job() -> None:
+            ld = loads[i]
             try:
-                self.pool.map_reserved(layer, expert)
+                self.pool.map_reserved(ld.layer, ld.expert)
             except Exception as exc:
-                join.part_done(exc)
-                return
-            join.part_done()
+                self._step(ld, map_end=True, error=exc)
+            else:
+                self._step(ld, map_end=True)
+            if i + 1 < len(loads):
+                self._start_maps(loads, priority, deadline_s, i + 1)
+
+        def fail(exc: BaseException) -> None:
+            for ld in loads[i:]:
+                self._step(ld, map_end=True, error=exc)
 
         try:
-            self._mapper.put(priority, deadline_s, job, join.part_done)
-        except Exception as exc:  # the copy is under way: the load completes with this error once it lands
-            join.part_done(exc)
+            self._mapper.put(priority, deadline_s, job, fail)
+        except Exception as exc:  # the copies are under way: these loads complete with this error once they land
+            fail(exc)
 
     def _take_staging(self) -> AlignedHostBuffer:
         with self._cv:
@@ -347,11 +398,6 @@ class ExpertLoadHandler:
     def mapper_busy_s(self) -> float:
         """Seconds the mapper thread spent mapping (0 with map_in="worker")."""
         return 0.0 if self._mapper is None else self._mapper.busy_s
-
-    def _load_ended(self) -> None:
-        with self._cv:
-            self._inflight -= 1
-            self._cv.notify_all()
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Refuse new loads, wait for those in flight (the transfer engine must still run), stop the mapper,

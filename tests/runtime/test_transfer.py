@@ -498,6 +498,73 @@ def test_byte_ranges_copy_exactly_into_place_and_bad_ranges_are_refused(engine, 
         assert engine.pending_chunks(link) == 0
 
 
+@pytest.mark.parametrize("link", [Link.H2D, Link.D2H])
+def test_segments_move_a_list_as_one_transfer_with_a_callback_each(engine, rand, link):
+    """A list of (src, dst, bytes) segments, some chunked: each lands exactly, nothing else in dst changes, and
+    each segment reports issued, then done, exactly once, in list order, before the transfer's on_done."""
+    src, dst = rand(9 * CHUNK), rand(10 * CHUNK)
+    before = dst.clone()
+    segs = [(5 * CHUNK, 0, 3 * CHUNK + 5), (0, 4 * CHUNK, 4097), (4096, 6 * CHUNK, 2 * CHUNK)]
+    log: list[tuple[str, int]] = []
+    h = engine.submit(req(link, src, dst, segments=segs, on_segment_issued=lambda i, ev: log.append(("issued", i)),
+                          on_segment_done=lambda i, err: log.append(("done", i) if err is None else ("failed", i)),
+                          on_done=lambda h: log.append(("all", -1))))
+    assert h.wait(T).ok and h.num_bytes == sum(n for *_x, n in segs)
+    mask = torch.ones_like(dst, dtype=torch.bool)
+    for s_off, d_off, n in segs:
+        assert torch.equal(dst[d_off : d_off + n], src[s_off : s_off + n])
+        mask[d_off : d_off + n] = False
+    assert torch.equal(dst[mask], before[mask])
+    assert [e for e in log if e[0] == "done"] == [("done", 0), ("done", 1), ("done", 2)] and log[-1] == ("all", -1)
+    assert [e for e in log if e[0] == "issued"] == [("issued", 0), ("issued", 1), ("issued", 2)]
+    for i in range(3):
+        assert log.index(("issued", i)) < log.index(("done", i))
+    assert class_stats(engine, TrafficClass.EXPERT).transfers == 1 and link_stats(engine, link).chunks == 3 + 1 + 2
+
+
+def test_a_failing_segment_hook_fails_that_segment_only(engine, rand):
+    """before_segment raising for segment 1: its bytes never move and it reports the error; segments 0 and 2
+    land; wait() raises naming the segment; the class counts one failed transfer and only the moved bytes."""
+    src, dst = rand(3 * CHUNK), rand(3 * CHUNK)
+    before = dst.clone()
+    segs = [(0, 0, CHUNK), (CHUNK, CHUNK, CHUNK), (2 * CHUNK, 2 * CHUNK, CHUNK)]
+    boom = RuntimeError("map failed (injected)")
+    hooked: list[int] = []
+    done: dict[int, BaseException | None] = {}
+
+    def hook(i: int) -> None:
+        hooked.append(i)
+        if i == 1:
+            raise boom
+
+    h = engine.submit(req(Link.H2D, src, dst, segments=segs, before_segment=hook,
+                          on_segment_done=lambda i, err: done.__setitem__(i, err)))
+    with pytest.raises(TransferError, match=r"segments \[1\] failed; segment 1: map failed") as ei:
+        h.wait(T)
+    assert ei.value.__cause__ is boom and not h.ok and h.error is None and h.segment_errors == {1: boom}
+    assert hooked == [0, 1, 2] and done == {0: None, 1: boom, 2: None}
+    assert torch.equal(dst[CHUNK : 2 * CHUNK], before[CHUNK : 2 * CHUNK])
+    assert torch.equal(dst[:CHUNK], src[:CHUNK]) and torch.equal(dst[2 * CHUNK :], src[2 * CHUNK :])
+    cs = class_stats(engine, TrafficClass.EXPERT)
+    assert cs.failures == 1 and cs.bytes == 2 * CHUNK and link_stats(engine, Link.H2D).bytes == 2 * CHUNK
+
+
+def test_bad_segments_are_refused_and_queue_nothing(engine, cpu, rand, tmp_path):
+    src, dst = rand(4 * CHUNK), rand(4 * CHUNK)
+    for kw, match in ((dict(segments=[]), "segments is empty"),
+                      (dict(segments=[(0, 0, 10)], num_bytes=10), "segments replace num_bytes"),
+                      (dict(segments=[(0, 0, 10), (0, 4 * CHUNK - 5, 10)]), "segment 1: src bytes"),
+                      (dict(segments=[(0, 0, 0)]), "segment 0: .*num_bytes > 0")):
+        with pytest.raises(ConfigError, match=match):
+            engine.submit(req(Link.H2D, src, dst, **kw))
+        assert engine.pending_chunks(Link.H2D) == 0
+    with DirectFile(tmp_path / "d.tpnvme", 4 * CHUNK) as f:
+        with pytest.raises(ConfigError, match="only ordered on memory links"):
+            engine.submit(req(Link.DISK2H, f.region(0, 4 * CHUNK), cpu.alloc_host(4 * CHUNK).tensor,
+                              segments=[(0, 0, 4096)], before_segment=lambda i: None))
+        assert engine.pending_chunks(Link.DISK2H) == 0
+
+
 # ---- concurrency ------------------------------------------------------------------------------------
 def test_four_threads_two_hundred_random_transfers_each(cpu, tmp_path, retire_thread):
     slot = 64 << 10
@@ -620,7 +687,8 @@ def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.Monk
     dev = LateDevice()
     eng = TransferEngine(dev, chunk_bytes=CHUNK, max_inflight_bytes=4 * CHUNK, urgent_stream=True,
                          retire_thread=retire_thread)
-    monkeypatch.setattr(eng, "_validate", lambda r, _checked=None: r.src.numel())  # CPU tensors stand in for both
+    # CPU tensors stand in for both sides
+    monkeypatch.setattr(eng, "_validate", lambda r, _checked=None: [(0, 0, r.src.numel())])
     try:
         jobs = []
         for _ in range(120):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -116,19 +117,22 @@ def test_nvme_store_reopens_from_its_index_and_matches_pinned(tmp_path: Path, de
     pinned.close()
 
 
-@pytest.fixture(params=["worker", "mapper"])
+@pytest.fixture(params=["worker", "mapper", "worker/issued", "mapper/issued"])
 def map_in(request: pytest.FixtureRequest) -> str:
-    """Where a load's slot is mapped: in the link's worker, or on the loader's own mapper thread."""
+    """Where a load's slot is mapped (in the link's worker, or on the loader's own mapper thread) and, after a
+    slash, when it is published (default: once its copy is done; "issued": once the copy is issued)."""
     return request.param
 
 
 def _rig(tmp_path: Path, dev: Device, engine: TransferEngine, num_slots: int = 3, map_in: str = "worker"):
+    where, _, publish = map_in.partition("/")
     src = SyntheticExpertSource(MIXED, 2, 6, seed=2)
     pinned = PinnedExpertStore(dev, src)
     nvme = NvmeExpertStore.build(tmp_path / "e.bin", src, dev)
     pool = ExpertSlotPool(HostBackend(), dev, 2, 6, MIXED.num_bytes, num_slots, scrub_on_unmap=True,
-                          slot_window=map_in == "mapper")
-    return pinned, nvme, pool, ExpertLoadHandler(pool, engine, pinned, nvme, num_staging=2, map_in=map_in)
+                          slot_window=where == "mapper")
+    return pinned, nvme, pool, ExpertLoadHandler(pool, engine, pinned, nvme, num_staging=2, map_in=where,
+                                                 publish=publish or "done")
 
 
 def test_loader_is_byte_exact_from_both_stores_and_any_dtype(tmp_path: Path, dev: Device, engine, map_in) -> None:
@@ -366,3 +370,43 @@ def test_load_many_failures_complete_every_future_and_free_every_slot(tmp_path: 
     pool.check_invariants()
     loader.close()
     pool.close()
+
+
+def test_issued_publish_gives_a_failed_map_back_only_after_its_copy(tmp_path: Path, dev: Device, engine,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """publish="issued" with the mapper: the map fails while the copy is still held back. The slot must not be
+    given back (and reused) under a copy that may still write it: the load stays LOADING until the copy is
+    over, then fails, counted, with its slot free."""
+    from runtime.device import HostEvent
+    from runtime.transfer import Link, TrafficClass, TransferRequest
+
+    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in="mapper/issued")
+    mapped = threading.Event()
+
+    def broken(layer, expert):
+        mapped.set()
+        raise RuntimeError("cuMemMap failed (injected)")
+
+    monkeypatch.setattr(pool, "map_reserved", broken)
+    gate = HostEvent()
+    engine.submit(TransferRequest(Link.H2D, TrafficClass.KV, torch.zeros(4096, dtype=torch.uint8), dev.alloc(4096),
+                                  after=gate))
+    try:
+        (fut,) = loader.load_many(0, [1])
+        assert mapped.wait(10)
+        with pytest.raises(TimeoutError):
+            fut.wait(0.2)
+        assert pool.state(0, 1) is ExpertState.LOADING and pool.num_free_slots == 2
+    finally:
+        gate.set()
+    with pytest.raises(RuntimeError, match="injected"):
+        fut.wait(10)
+    assert pool.state(0, 1) is ExpertState.ABSENT and pool.num_free_slots == 3
+    assert loader.stats()["loads_failed"] == 1 and loader.stats()["failed_after_publish"] == 0
+    loader.close()
+    pool.close()
+
+
+def test_loader_rejects_an_unknown_publish(tmp_path: Path, dev: Device, engine) -> None:
+    with pytest.raises(ConfigError, match="publish must be 'done' or 'issued', got 'early'"):
+        _rig(tmp_path, dev, engine, map_in="worker/early")
