@@ -117,8 +117,8 @@ def check_exact(
     device: Dev = DeviceOpt.cpu,
     workdir: Workdir = None,
     expert_map_in: Annotated[str, typer.Option(
-        help="Second run: who maps a loading expert: 'worker' (the link, before the copy) or 'mapper' (a thread "
-             "beside a copy through the slot window).")] = "worker",
+        help="Second run: who maps a loading expert: 'link' (the link worker, in its waits beside a copy "
+             "through the slot window; the default) or 'worker' (the link worker, before the copy).")] = "link",
 ) -> None:
     """Same prompts twice: all resident + KV on GPU, then F resident + KV spilled to CPU/NVMe; compare bits."""
     from runtime.engine.config import load_hf_config
@@ -132,7 +132,8 @@ def check_exact(
         if layers is not None:
             spec = spec.truncated(layers)
         if expert_map_in not in MAP_IN:
-            raise typer.BadParameter(f"{expert_map_in!r}; expected 'worker' or 'mapper'", param_hint="--expert-map-in")
+            raise typer.BadParameter(f"{expert_map_in!r}; expected one of {', '.join(map(repr, MAP_IN))}",
+                                     param_hint="--expert-map-in")
         r = run_exact_check(spec, resident_frac, device.value, num_prompts=prompts, new_tokens=new_tokens,
                             seed=seed, workdir=workdir, expert_map_in=expert_map_in)  # type: ignore[arg-type]
     except ConfigError as exc:
@@ -164,9 +165,10 @@ def bench_substrate(
     only: Annotated[str, typer.Option(help="Comma-separated sections: raw,loads,map,links,urgent,calls.")] = "",
     load_configs: Annotated[str, typer.Option(
         help="loads: 'all' engine configs, only the 'default' one, 'urgent-stream' (default vs deep bulk "
-             "queue with urgent copies on their own stream), or 'map-in' (slot maps in the link worker vs "
-             "on the loader's mapper thread), or 'submit' (a prefetch list as one load_many call vs one load "
-             "per expert).")] = "all",
+             "queue with urgent copies on their own stream), 'map-in' (the default: maps in the link worker's "
+             "waits beside the copy, published when issued, vs before the copy and/or published when done), or "
+             "'submit' (a prefetch list as one load_many call vs one load per expert, inline retire, unmapped "
+             "absent experts).")] = "all",
 ) -> None:
     """Measure the substrate: link bandwidth, expert loads vs raw copies, map cost, urgent-KV queueing."""
     from bench.substrate import LOAD_CONFIG_SETS, SECTIONS, run_substrate_bench

@@ -75,7 +75,7 @@ def raw_copy_gbps(dev: Device, num_bytes: int, reps: int, to_device: bool = True
     return num_bytes * count / sec / 1e9
 
 
-WORKER_PHASES = ("hook_s", "issue_s", "blocked_s", "retire_s")
+WORKER_PHASES = ("hook_s", "issue_s", "blocked_s", "retire_s", "idle_s")
 
 
 def pinned_experts(dev: Device, hidden: int, inter: int, batch: int) -> PinnedExpertStore:
@@ -84,8 +84,8 @@ def pinned_experts(dev: Device, hidden: int, inter: int, batch: int) -> PinnedEx
 
 
 def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertStore, batch: int,
-                     reps: int, poison_unmapped: bool = True, map_in: MapIn = "worker",
-                     submit: str = "list", publish: Publish = "done") -> dict[str, Any]:
+                     reps: int, poison_unmapped: bool = True, map_in: MapIn = "link",
+                     submit: str = "list", publish: Publish = "issued") -> dict[str, Any]:
     """Pinned store -> slots: `batch` loads in flight at once (a prefetch list: one `load_many` call, or with
     submit="each" one `load` per expert), then a single load.
 
@@ -93,11 +93,11 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertSto
     every future is done and the device is synchronized (with publish="issued" a future is done once its copy
     is issued, so the synchronize is what waits for the bytes; the raw copies end the same way).
     Not timed: unmapping the previous round's experts (eviction happens off this path).
-    Also reported, per pipelined load: where the host->device worker (and the mapper) spent their time.
+    Also reported, per pipelined load: where the host->device worker (and its retire thread) spent their time.
     """
     fmt = store.format
     pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, fmt.num_bytes, batch, poison_unmapped=poison_unmapped,
-                          slot_window=map_in == "mapper")
+                          slot_window=map_in != "worker")
     loader = ExpertLoadHandler(pool, engine, pinned=store, map_in=map_in, publish=publish)
 
     def evict_all() -> None:
@@ -113,11 +113,10 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertSto
     def load_one() -> None:
         loader.load(0, 0, StoreKind.PINNED).wait()
 
-    before, mapper_before = engine.stats()["links"]["h2d"], loader.mapper_busy_s()
+    before = engine.stats()["links"]["h2d"]
     batch_s = timed(dev, load_all, reps, setup=evict_all)
     after, num_loads = engine.stats()["links"]["h2d"], (reps + 2) * batch  # timed() runs 2 warmups
     worker_us = {k.removesuffix("_s"): (after[k] - before[k]) / num_loads * 1e6 for k in WORKER_PHASES}
-    worker_us["mapper"] = (loader.mapper_busy_s() - mapper_before) / num_loads * 1e6
     one_s = timed(dev, load_one, reps * 2, setup=evict_all)
     raw = raw_copy_gbps(dev, fmt.num_bytes, reps * 2, count=batch)
     loader.close()
@@ -241,33 +240,28 @@ SECTIONS = ("raw", "loads", "map", "links", "urgent", "calls")
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """One transfer-engine + loader setting the loads section measures."""
+    """One transfer-engine + loader setting the loads section measures; the defaults are the engine's."""
 
     chunk_bytes: int
     max_inflight_bytes: int
     poison_unmapped: bool = True  # False: absent experts are unmapped (a read faults), a load only maps
     urgent_stream: bool = False  # urgent KV copies on their own stream, so the bulk bound can be deep
-    map_in: MapIn = "worker"  # who maps a slot: the link's worker, or the loader's mapper thread
-    gil_switch_us: int | None = None  # sys.setswitchinterval for this config (None: the interpreter's 5000 µs)
+    map_in: MapIn = "link"  # who maps a slot: the link's worker in its waits beside the copy, or before it
     submit: str = "list"  # a prefetch list as one load_many call ("list") or one load() per expert ("each")
     retire_thread: bool = True  # finished copies accounted (loads published) on the link's retire thread
-    publish: Publish = "done"  # a load is published once its copy is done, or once it is issued (event-ordered)
+    publish: Publish = "issued"  # a load is published once its copy is issued (event-ordered), or once done
 
 
 _DEFAULT = LoadConfig(8 * MiB, 16 * MiB)
-_DEEP = LoadConfig(8 * MiB, 64 * MiB, urgent_stream=True)
+_BEFORE = replace(_DEFAULT, map_in="worker", publish="done")  # maps before each copy, published when done (≤ run 19)
+_DEEP = replace(_DEFAULT, max_inflight_bytes=64 * MiB, urgent_stream=True)
 LOAD_CONFIG_SETS: dict[str, list[LoadConfig]] = {
     "default": [_DEFAULT],
     "urgent-stream": [_DEFAULT, _DEEP],
-    "map-in": [_DEFAULT, replace(_DEFAULT, map_in="mapper"), _DEEP, replace(_DEEP, map_in="mapper"),
-               replace(_DEFAULT, gil_switch_us=200), replace(_DEFAULT, map_in="mapper", gil_switch_us=200)],
+    "map-in": [_DEFAULT, replace(_DEFAULT, publish="done"), replace(_DEFAULT, map_in="worker"), _BEFORE],
     "submit": [_DEFAULT, replace(_DEFAULT, retire_thread=False), replace(_DEFAULT, poison_unmapped=False),
                replace(_DEFAULT, submit="each")],
-    "publish": [_DEFAULT, replace(_DEFAULT, publish="issued"), replace(_DEFAULT, map_in="mapper"),
-                replace(_DEFAULT, map_in="mapper", publish="issued"),
-                replace(_DEFAULT, map_in="mapper", publish="issued", poison_unmapped=False),
-                replace(_DEFAULT, submit="each")],
-    "all": [_DEFAULT, replace(_DEFAULT, retire_thread=False), replace(_DEFAULT, poison_unmapped=False),
+    "all": [_DEFAULT, _BEFORE, replace(_DEFAULT, publish="done"), replace(_DEFAULT, retire_thread=False),
             replace(_DEFAULT, submit="each"), _DEEP],
 }
 
@@ -294,24 +288,18 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
     if "loads" in sections:
         # Prefetch batches a decode step really issues: at B>=32 ~110 of Qwen3's 128 experts per layer are active.
         shapes = [(256, 512, 4)] if quick else [(2048, 768, 16), (2048, 768, 64), (4096, 1024, 32), (4096, 14336, 4)]
-        configs = [LoadConfig(4 * MiB, 16 * MiB), LoadConfig(4 * MiB, 16 * MiB, map_in="mapper")] if quick \
+        configs = [LoadConfig(4 * MiB, 16 * MiB), replace(_BEFORE, chunk_bytes=4 * MiB)] if quick \
             else LOAD_CONFIG_SETS[load_configs]
         res["expert_loads"] = []
         stores = [pinned_experts(dev, *shape) for shape in shapes]  # made once: random weights take a while
         try:
             for c in configs:
-                switch = sys.getswitchinterval()
-                if c.gil_switch_us is not None:
-                    sys.setswitchinterval(c.gil_switch_us * 1e-6)
-                try:
-                    with TransferEngine(dev, chunk_bytes=c.chunk_bytes, max_inflight_bytes=c.max_inflight_bytes,
-                                        urgent_stream=c.urgent_stream, retire_thread=c.retire_thread) as eng:
-                        for (_h, _i, b), store in zip(shapes, stores, strict=True):
-                            r = expert_load_gbps(dev, eng, store, b, reps, poison_unmapped=c.poison_unmapped,
-                                                 map_in=c.map_in, submit=c.submit, publish=c.publish)
-                            res["expert_loads"].append({**r, **asdict(c)})
-                finally:
-                    sys.setswitchinterval(switch)
+                with TransferEngine(dev, chunk_bytes=c.chunk_bytes, max_inflight_bytes=c.max_inflight_bytes,
+                                    urgent_stream=c.urgent_stream, retire_thread=c.retire_thread) as eng:
+                    for (_h, _i, b), store in zip(shapes, stores, strict=True):
+                        r = expert_load_gbps(dev, eng, store, b, reps, poison_unmapped=c.poison_unmapped,
+                                             map_in=c.map_in, submit=c.submit, publish=c.publish)
+                        res["expert_loads"].append({**r, **asdict(c)})
         finally:
             for store in stores:
                 store.close()
@@ -375,11 +363,11 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
                "| chunk | in flight | absent experts | maps in | submitted | published | expert bytes "
                "| loads in flight | pipelined GB/s | raw GB/s | ratio | single load ms "
                "| link µs/load: hook · issue · blocked (worker) · retire (retire thread) | "
-               "mapper µs/load |",
+               "link worker µs/load mapping beside the copy |",
                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {_chunk_label(e['chunk_bytes'], e.get('urgent_stream', False))} | "
                f"{e['max_inflight_bytes'] >> 20} MiB | "
-               f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {e.get('map_in', 'worker')}{_gil(e)}"
+               f"{'poison' if e['poison_unmapped'] else 'unmapped'} | {_maps_in(e)}"
                f"{'' if e.get('retire_thread') else ', inline retire'} | "
                f"{'load_many' if e.get('submit', 'each') == 'list' else 'load each'} | "
                f"{'when issued' if e.get('publish') == 'issued' else 'when done'} | {e['expert_bytes']:,} | "
@@ -428,9 +416,9 @@ def _write(out_dir: Path, res: dict, device: str) -> None:
         _plot(stem.with_suffix(".png"), res)
 
 
-def _gil(e: dict) -> str:
-    us = e.get("gil_switch_us")
-    return "" if us is None else f", GIL switch {us} µs"
+def _maps_in(e: dict) -> str:
+    m = e.get("map_in", "worker")
+    return {"worker": "before the copy", "link": "beside the copy"}.get(m, m)
 
 
 def _phases(e: dict) -> str:
@@ -440,7 +428,7 @@ def _phases(e: dict) -> str:
 
 def _mapper_us(e: dict) -> str:
     w = e.get("worker_us_per_load")
-    return "" if w is None or e.get("map_in") != "mapper" else f"{w['mapper']:.0f}"
+    return "" if w is None or e.get("map_in", "worker") != "link" else f"{w.get('idle', 0.0):.0f}"
 
 
 def _chunk_label(chunk_bytes: int, urgent_stream: bool = False) -> str:
@@ -459,8 +447,8 @@ def _plot(path: Path, res: dict) -> None:
     a.plot(xs, list(res["raw_h2d_gbps"].values()), "o-", label="raw pinned H2D")
     a.plot(xs, list(res["raw_d2h_gbps"].values()), "s-", label="raw pinned D2H")
     def key(e: dict) -> tuple:
-        return (e["chunk_bytes"], e["max_inflight_bytes"], e["poison_unmapped"], e.get("map_in", "worker"),
-                e.get("submit", "each"), e.get("retire_thread", False))
+        return (e["chunk_bytes"], e["max_inflight_bytes"], e["poison_unmapped"], _maps_in(e),
+                e.get("submit", "each"), e.get("retire_thread", False), e.get("publish", "done"))
 
     for cfg in sorted({key(e) for e in res["expert_loads"]}):
         pts = [e for e in res["expert_loads"] if key(e) == cfg]
@@ -469,7 +457,7 @@ def _plot(path: Path, res: dict) -> None:
         a.plot([e["expert_bytes"] / MiB for e in pts], [e["pipelined_gbps"] for e in pts], "^--", ms=8,
                label=f"loads, {_chunk_label(cfg[0])}, {cfg[1] >> 20} MiB in flight, "
                      f"{'poison' if cfg[2] else 'unmapped'}, maps in {cfg[3]}, submit {cfg[4]}"
-                     f"{'' if cfg[5] else ', inline retire'}")
+                     f"{'' if cfg[5] else ', inline retire'}, published when {cfg[6]}")
     a.set_xscale("log", base=2)
     a.set_xlabel("transfer size (MiB)")
     a.set_ylabel("GB/s")

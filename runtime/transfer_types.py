@@ -102,5 +102,8 @@ class LinkStats:
     issue_s: float = field(default=0.0, compare=False)
     blocked_s: float = field(default=0.0, compare=False)
     retire_s: float = field(default=0.0, compare=False)
+    idle_s: float = field(default=0.0, compare=False)  # running jobs queued with submit_idle (e.g. slot maps)
+    idle_jobs: int = 0
+    idle_job_errors: int = 0
 
 

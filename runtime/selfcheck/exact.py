@@ -54,7 +54,7 @@ def auto_block_tokens(spec: ModelSpec, at_least: int = 16) -> int:
 def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", num_prompts: int = 3,
                     max_prompt_len: int = 40, new_tokens: int = 8, seed: int = 0,
                     workdir: str | Path | None = None, decode_kernel: bool | None = None,
-                    decode_graphs: bool | None = None, expert_map_in: MapIn = "worker") -> ExactResult:
+                    decode_graphs: bool | None = None, expert_map_in: MapIn = "link") -> ExactResult:
     rng = random.Random(seed)
     prompts = [[rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, max_prompt_len))]
                for _ in range(num_prompts)]

@@ -49,9 +49,10 @@ def run_slot_check(remaps: int, seed: int, device: str = "cpu", workdir: str | P
     with workdir_for(workdir) as wd:
         fx = build_experts(dev, wd, layers, experts, hidden, inter, seed)
         pool = ExpertSlotPool(make_backend(dev), dev, layers, experts, fx.format.num_bytes, slots,
-                              poison_unmapped=True, scrub_on_unmap=True)
+                              poison_unmapped=True, scrub_on_unmap=True, slot_window=True)
         engine = TransferEngine(dev)
-        loader = ExpertLoadHandler(pool, engine, fx.pinned, fx.nvme)
+        # The engine's defaults: copies through the slot window, ranges mapped beside them, published when issued.
+        loader = ExpertLoadHandler(pool, engine, fx.pinned, fx.nvme, map_in="link", publish="issued")
         stream = dev.new_stream()
         poison = torch.full((fx.format.num_bytes,), POISON_BYTE, dtype=torch.uint8)
         poison_fp = int(fingerprint(poison))

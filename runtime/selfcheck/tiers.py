@@ -67,8 +67,9 @@ def run_tier_check(moves: int, seed: int, device: str = "cpu", workdir: str | Pa
         mgr = KVBlockManager(cap)
         kv = KVTransferHandler(mgr, stores, engine)
         fx = build_experts(dev, wd, layers, experts, 64, 96, seed)
-        pool = ExpertSlotPool(make_backend(dev), dev, layers, experts, fx.format.num_bytes, slots)
-        loader = ExpertLoadHandler(pool, engine, fx.pinned, fx.nvme)
+        pool = ExpertSlotPool(make_backend(dev), dev, layers, experts, fx.format.num_bytes, slots, slot_window=True)
+        # The engine's defaults: copies through the slot window, ranges mapped beside them, published when issued.
+        loader = ExpertLoadHandler(pool, engine, fx.pinned, fx.nvme, map_in="link", publish="issued")
         truth: dict[int, torch.Tensor] = {}
         tainted_blocks: set[int] = set()
         tainted_experts: set[tuple[int, int]] = set()
@@ -100,6 +101,7 @@ def run_tier_check(moves: int, seed: int, device: str = "cpu", workdir: str | Pa
             else:
                 if kind == "expert":
                     lay, e = key
+                    pool.wait_ready(lay, [e])  # published once issued: the read waits on the copy's event
                     got = pool.expert_tensor(lay, e).cpu()
                     if checksum(got) != fx.pinned.checksum(lay, e):
                         counts["mismatches"] += 1

@@ -7,19 +7,20 @@ refusal (no free slot, expert busy) raises before any byte moves; any later fail
 
 Where the expert's range is mapped (`map_in`):
   "worker": by the host->device link's worker right before the copy, which then writes through the range.
-  "mapper": the copy writes through the slot's window (a pool made with `slot_window=True`) and starts at
-    once, while this handler's mapper thread maps the expert's range beside it, in (priority, deadline,
-    arrival) order. Whichever of the two ends last publishes the expert. Measured on the H200, a remap costs
-    ~100-200 µs while copies run, as much as a 9 MiB copy: in the worker it left the link idle between copies.
+  "link": the copy writes through the slot's window (a pool made with `slot_window=True`) and starts at once;
+    the link's worker maps the expert's range beside it, as an idle job (`TransferEngine.submit_idle`) in the
+    waits for its copies, in (priority, deadline, arrival) order. Measured on the H200, a remap costs ~75-160 µs
+    while copies run, close to a 9 MiB copy's ~175 µs: before the copy it left the link idle between copies,
+    and on a thread of its own (tried in runs 10-20) it waited on the GIL.
+When a load is published (`publish`):
+  "done": once its copy is done (and its range mapped): then any reader may use it.
+  "issued": once its copy is issued (and its range mapped), with the copy's event: readers order their stream
+    with `ExpertSlotPool.wait_ready`, which the engine always does; the host never waits for the bytes.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
-import time
-from collections.abc import Callable
 from enum import Enum
 from typing import Any, Literal, get_args
 
@@ -36,78 +37,15 @@ class StoreKind(Enum):
     NVME = "nvme"
 
 
-MapIn = Literal["worker", "mapper"]
+MapIn = Literal["worker", "link"]
 MAP_IN: tuple[str, ...] = get_args(MapIn)  # the values, for checks and messages
 Publish = Literal["done", "issued"]
 PUBLISH: tuple[str, ...] = get_args(Publish)
 
 
-class _Mapper:
-    """One thread running map jobs in (priority, deadline, arrival) order (inference process). A job reports
-    its own outcome; one that raises anyway is counted in `errors`, never dropped silently. If the thread
-    cannot start (binding the device fails) every queued and later job is failed with that error."""
-
-    def __init__(self, bind: Callable[[], None]) -> None:
-        self._heap: list[tuple[int, float, int, Callable[[], None], Callable[[BaseException], None]]] = []
-        self._seq = itertools.count()
-        self._cv = threading.Condition()
-        self._closing = False
-        self._dead: BaseException | None = None
-        self._bind = bind
-        self.busy_s = 0.0
-        self.errors = 0
-        self.last_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="tierplan-mapper", daemon=True)
-        self._thread.start()
-
-    def put(self, priority: Priority, deadline_s: float | None, job: Callable[[], None],
-            fail: Callable[[BaseException], None]) -> None:
-        """Queue `job`; `fail(error)` is called instead if the mapper dies before running it."""
-        with self._cv:
-            if self._dead is not None:
-                raise ConfigError(f"expert loader's mapper thread failed: {self._dead!r}")
-            if self._closing:
-                raise ConfigError("expert loader is closed")
-            deadline = float("inf") if deadline_s is None else deadline_s
-            heapq.heappush(self._heap, (int(priority), deadline, next(self._seq), job, fail))
-            self._cv.notify()
-
-    def _run(self) -> None:
-        try:
-            self._bind()
-        except BaseException as exc:
-            with self._cv:
-                self._dead, self.errors, self.last_error = exc, self.errors + 1, exc
-                queued, self._heap = self._heap, []
-            for *_, fail in queued:
-                fail(exc)
-            return
-        while True:
-            with self._cv:
-                while not self._heap and not self._closing:
-                    self._cv.wait()
-                if not self._heap:
-                    return
-                *_, job, _fail = heapq.heappop(self._heap)
-            t0 = time.perf_counter()
-            try:
-                job()
-            except BaseException as exc:  # jobs report their own errors; anything else is counted here
-                self.errors += 1
-                self.last_error = exc
-            self.busy_s += time.perf_counter() - t0
-
-    def close(self) -> None:
-        """Run every queued job, then stop."""
-        with self._cv:
-            self._closing = True
-            self._cv.notify()
-        self._thread.join()
-
-
 class _Load:
     """One expert load in flight (inference process). Before it is published the copy must be done (publish
-    "done") or issued (publish "issued": its event orders readers), and with the mapper the map too; a failure
+    "done") or issued (publish "issued": its event orders readers), and with map_in="link" the map too; a failure
     gives the slot back only once the copy no longer writes it. Concluded (published or refused) once, then
     settled (staging freed, no longer in flight) once its copy has ended."""
 
@@ -140,12 +78,12 @@ class ExpertLoadHandler:
         publish: Publish = "done",
     ) -> None:
         if map_in not in MAP_IN:
-            raise ConfigError(f"ExpertLoadHandler.map_in must be 'worker' or 'mapper', got {map_in!r}")
+            raise ConfigError(f"ExpertLoadHandler.map_in must be one of {MAP_IN}, got {map_in!r}")
         if publish not in PUBLISH:
             raise ConfigError(f"ExpertLoadHandler.publish must be 'done' or 'issued', got {publish!r}")
-        if map_in == "mapper" and not pool.slot_window:
-            raise ConfigError("ExpertLoadHandler(map_in='mapper') needs a pool made with slot_window=True "
-                              "(copies go through the slot window while the mapper maps)")
+        if map_in != "worker" and not pool.slot_window:
+            raise ConfigError(f"ExpertLoadHandler(map_in={map_in!r}) needs a pool made with slot_window=True "
+                              "(copies go through the slot window while the range is mapped beside them)")
         if pinned is None and nvme is None:
             raise ConfigError("ExpertLoadHandler needs a pinned store, an NVMe store, or both")
         for store in (pinned, nvme):
@@ -162,7 +100,6 @@ class ExpertLoadHandler:
         self.map_in, self.publish = map_in, publish
         self._inflight = 0  # loads started and not yet settled (close() waits for them)
         self._closed = False
-        self._mapper = _Mapper(engine.device.bind_thread) if map_in == "mapper" else None
         self._stats = {"loads_ok": 0, "loads_failed": 0, "corrupt_detected": 0, "bytes": 0, "failed_after_publish": 0}
         self.last_error: BaseException | None = None
 
@@ -171,16 +108,16 @@ class ExpertLoadHandler:
             self._stats[key] += n
 
     def stats(self) -> dict[str, int]:
-        """Loads ok / failed, NVMe corruptions caught, bytes loaded, copies that failed after their expert was
-        published (publish="issued"; a CUDA error), and map jobs that raised (never expected)."""
+        """Loads ok / failed, NVMe corruptions caught, bytes loaded, and copies that failed after their expert was
+        published (publish="issued"; a CUDA error)."""
         with self._cv:
-            return {**self._stats, "mapper_errors": 0 if self._mapper is None else self._mapper.errors}
+            return dict(self._stats)
 
     # ---- starting loads ---------------------------------------------------------------------------------
     def _begin(self, layer: int, experts: list[int], store: StoreKind) -> tuple[list[_Load], Any, list[int]]:
         """Reserve slots for all of `experts` or none (refusals raise, nothing moves); the loads, the range the
         copies write (the layer's range or the slot window) and each one's byte offset in it."""
-        windowed = self._mapper is not None
+        windowed = self.map_in != "worker"
         with self._cv:
             if self._closed:
                 raise ConfigError("load: the expert loader is closed")
@@ -200,12 +137,11 @@ class ExpertLoadHandler:
 
     def _h2d_request(self, loads: list[_Load], src: Any, dst: Any, segments: list[tuple[int, int, int]],
                      priority: Priority, deadline_s: float | None) -> TransferRequest:
-        """One host->device transfer whose segment i fills loads[i] (maps it first in the worker unless the
-        mapper does)."""
+        """One host->device transfer whose segment i fills loads[i] (with map_in="worker", maps it first)."""
         pool = self.pool
         return TransferRequest(
             Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s, segments=segments,
-            before_segment=None if self._mapper is not None else
+            before_segment=None if self.map_in != "worker" else
             (lambda i: pool.map_reserved(loads[i].layer, loads[i].expert)),
             on_segment_issued=lambda i, ev: self._step(loads[i], copy_issued=True, event=ev),
             on_segment_done=lambda i, error: self._step(loads[i], copy_end=True, error=error))
@@ -263,7 +199,7 @@ class ExpertLoadHandler:
         """Load several experts of one layer from the pinned store (a prefetch list), one future each, copied in
         list order. Slots are reserved for all or, if any expert is refused, for none (nothing moves); the copies
         go to the link as one transfer of one segment per expert, so submitting costs a few µs per expert and the
-        link's worker starts at once; with the mapper, one map job walks the list beside the copies."""
+        link's worker starts at once; with map_in="link", one map job at a time walks the list beside the copies."""
         if self.pinned is None:
             raise ConfigError("load_many: no pinned store configured")
         if not experts:
@@ -282,7 +218,7 @@ class ExpertLoadHandler:
     # ---- completing loads -------------------------------------------------------------------------------
     def _step(self, ld: _Load, *, copy_issued: bool = False, copy_end: bool = False, map_end: bool = False,
               error: BaseException | None = None, event: Any = None) -> None:
-        """A part of a load ended (on the link's worker or retire thread, or the mapper): publish it once every
+        """A part of a load ended (on the link's worker or retire thread): publish it once every
         part before publishing has, give the slot back on failure once the copy is over, settle it at the end.
         Whatever fails here, the future completes exactly once, the slot is never left LOADING, and it is
         counted."""
@@ -359,9 +295,10 @@ class ExpertLoadHandler:
             self._cv.notify_all()
 
     def _start_maps(self, loads: list[_Load], priority: Priority, deadline_s: float | None, i: int = 0) -> None:
-        """With the mapper: one job maps loads[i]'s range and queues the next, so a list costs one queued job at
-        a time and a more urgent list's maps still go first."""
-        if self._mapper is None:
+        """map_in="link": map the expert ranges beside their copies, as idle jobs of the host->device worker: one
+        job maps loads[i]'s range and queues the next, so a list costs one queued job at a time and a more urgent
+        list's maps still go first."""
+        if self.map_in == "worker":
             return
 
         def job() -> None:
@@ -380,7 +317,7 @@ class ExpertLoadHandler:
                 self._step(ld, map_end=True, error=exc)
 
         try:
-            self._mapper.put(priority, deadline_s, job, fail)
+            self.engine.submit_idle(Link.H2D, job, priority, deadline_s)
         except Exception as exc:  # the copies are under way: these loads complete with this error once they land
             fail(exc)
 
@@ -395,20 +332,14 @@ class ExpertLoadHandler:
             self._free_staging.append(buf)
             self._cv.notify()
 
-    def mapper_busy_s(self) -> float:
-        """Seconds the mapper thread spent mapping (0 with map_in="worker")."""
-        return 0.0 if self._mapper is None else self._mapper.busy_s
-
     def close(self, timeout_s: float = 60.0) -> None:
-        """Refuse new loads, wait for those in flight (the transfer engine must still run), stop the mapper,
-        then free staging. Raises TimeoutError (staging kept) if loads are still in flight after timeout_s."""
+        """Refuse new loads, wait for those in flight (the transfer engine must still run, and runs their map
+        jobs), then free staging. Raises TimeoutError (staging kept) if loads are still in flight after timeout_s."""
         with self._cv:
             self._closed = True
             if not self._cv.wait_for(lambda: self._inflight == 0, timeout_s):
                 raise TimeoutError(f"expert loader close: {self._inflight} load(s) still in flight "
                                    f"after {timeout_s} s")
-        if self._mapper is not None:
-            self._mapper.close()
         for b in self._staging:
             b.close()
         self._staging = []

@@ -21,9 +21,10 @@ def tiny():
     return preset("tiny")
 
 
-@pytest.mark.parametrize("map_in", ["worker", "mapper"])
+@pytest.mark.parametrize("map_in", ["link", "worker"])
 def test_exact_with_a_quarter_of_experts_and_kv_spilled_every_step(tiny, tmp_path: Path, map_in: str) -> None:
-    """Also with expert copies through the slot window while the mapper maps their ranges beside them."""
+    """With the default (copies through the slot window, ranges mapped beside them by the link worker) and with
+    every range mapped before its copy."""
     r = run_exact_check(tiny, 0.25, workdir=tmp_path, expert_map_in=map_in)
     assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True"
     assert r.expert_misses_tight > r.expert_misses_full  # experts really moved
@@ -67,7 +68,7 @@ def test_bad_input_is_refused_with_the_field_named(tiny, tmp_path: Path) -> None
         EngineConfig(resident_frac=0.0)
     with pytest.raises(ConfigError, match="spill_kv_every_step"):
         EngineConfig(spill_kv_every_step=True)
-    with pytest.raises(ConfigError, match="expert_map_in must be 'worker' or 'mapper', got 'gpu'"):
+    with pytest.raises(ConfigError, match=r"expert_map_in must be one of \('worker', 'link'\), got 'gpu'"):
         EngineConfig(expert_map_in="gpu")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="multiple of 4096"):
         ReferenceEngine(tiny, Device("cpu"), EngineConfig(block_tokens=3, workdir=tmp_path / "x"))

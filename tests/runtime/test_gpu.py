@@ -149,7 +149,7 @@ def test_engine_links_on_cuda_are_exact_and_urgent_overtakes(dev: Device, tmp_pa
     back.close()
 
 
-@pytest.mark.parametrize("map_in", ["worker", "mapper"])
+@pytest.mark.parametrize("map_in", ["link", "worker"])
 def test_engine_exact_on_cuda_with_the_paged_kernel(tmp_path: Path, map_in: str) -> None:
     from runtime.engine.presets import preset
     from runtime.selfcheck.exact import run_exact_check
@@ -224,13 +224,13 @@ def test_replayed_and_padded_eager_steps_are_bit_identical_on_cuda(tmp_path: Pat
 
 
 @pytest.mark.parametrize("retire_thread", [False, True])
-@pytest.mark.parametrize("map_in", ["worker", "mapper", "worker/issued", "mapper/issued"])
+@pytest.mark.parametrize("map_in", ["worker", "link", "worker/issued", "link/issued"])
 def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, vmm, map_in: str,
                                                                   retire_thread: bool) -> None:
     """Rounds of a whole-layer prefetch list (one load each, or one load_many), evicted in between, with a KV
     stream on the same link: every expert lands byte-exact and absent ones read as poison, whether the link
-    worker or the mapper maps, and whether a load is published once its copy is done or once it is issued
-    (then the read is ordered by wait_ready alone)."""
+    worker maps before each copy or beside it, and whether a load is published once its copy is done or once
+    it is issued (then the read is ordered by wait_ready alone)."""
     map_in, _, publish = map_in.partition("/")
     from runtime.weights.format import ExpertFormat
     from runtime.weights.loader import ExpertLoadHandler
@@ -239,7 +239,7 @@ def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, v
 
     fmt = ExpertFormat.swiglu(512, 768)  # 2.25 MiB, a slot of two 2 MiB pages
     pinned = PinnedExpertStore(dev, SyntheticExpertSource(fmt, 2, 12, seed=5))
-    pool = ExpertSlotPool(vmm, dev, 2, 12, fmt.num_bytes, 12, slot_window=map_in == "mapper")
+    pool = ExpertSlotPool(vmm, dev, 2, 12, fmt.num_bytes, 12, slot_window=map_in != "worker")
     kv_src, kv_dst = _rand(24 << 20, 9).pin_memory(), torch.empty(24 << 20, dtype=torch.uint8, device="cuda")
     with TransferEngine(dev, max_inflight_bytes=64 << 20, urgent_stream=True, retire_thread=retire_thread) as eng:
         loader = ExpertLoadHandler(pool, eng, pinned=pinned, map_in=map_in, publish=publish or "done")

@@ -689,21 +689,54 @@ def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.Monk
                          retire_thread=retire_thread)
     # CPU tensors stand in for both sides
     monkeypatch.setattr(eng, "_validate", lambda r, _checked=None: [(0, 0, r.src.numel())])
+    ran: list[int] = []
     try:
         jobs = []
-        for _ in range(120):
+        for i in range(120):
             n = rng.choice([4096, 3 * MiB, 9 * MiB])
             src = torch.randint(0, 255, (n,), dtype=torch.uint8)
             dst = torch.empty_like(src)
             h = eng.submit(TransferRequest(rng.choice([Link.H2D, Link.D2H]), rng.choice(list(TrafficClass)), src,
                                            dst, rng.choice(list(Priority))))
             jobs.append((h, src, dst))
+            if i % 3 == 0:  # host work for the workers' waits, among the copies
+                eng.submit_idle(rng.choice([Link.H2D, Link.D2H]), lambda i=i: ran.append(i), rng.choice(list(Priority)))
         for h, src, dst in jobs:
             h.wait(T)
             assert h.error is None and torch.equal(src, dst)
     finally:
         eng.close()
     assert sum(link_stats(eng, lk).transfers for lk in (Link.H2D, Link.D2H)) == 120
+    assert sorted(ran) == list(range(0, 120, 3))  # every idle job ran once, all before close() returned
+
+
+def test_idle_jobs_run_in_priority_order_are_counted_and_refused_after_close(cpu, rand, retire_thread):
+    eng = TransferEngine(cpu, chunk_bytes=CHUNK, retire_thread=retire_thread)
+    gate = HostEvent()
+    src, dst = rand(4096), rand(4096)
+    eng.submit(req(Link.H2D, src, dst, after=gate))  # holds the worker while the jobs are queued
+    ran: list[str] = []
+    boom = RuntimeError("job failed (injected)")
+
+    def failing() -> None:
+        ran.append("failing")
+        raise boom
+
+    eng.submit_idle(Link.H2D, lambda: ran.append("low"), Priority.LOW)
+    eng.submit_idle(Link.H2D, failing, Priority.NORMAL)
+    eng.submit_idle(Link.H2D, lambda: ran.append("urgent"), Priority.URGENT)
+    eng.submit_idle(Link.H2D, lambda: ran.append("high, late"), Priority.HIGH, deadline_s=2.0)
+    eng.submit_idle(Link.H2D, lambda: ran.append("high, soon"), Priority.HIGH, deadline_s=1.0)
+    with pytest.raises(ConfigError, match="not a memory link"):
+        eng.submit_idle(Link.DISK2H, lambda: None)
+    gate.set()
+    wait_until(lambda: len(ran) == 5, T)
+    assert ran == ["urgent", "high, soon", "high, late", "failing", "low"] and torch.equal(src, dst)
+    ls = link_stats(eng, Link.H2D)
+    assert ls.idle_jobs == 5 and ls.idle_job_errors == 1 and eng.last_idle_error is boom
+    eng.close()
+    with pytest.raises(TransferError, match="closed"):
+        eng.submit_idle(Link.H2D, lambda: None)
 
 
 def test_latch_is_one_shot_and_wakes_every_waiter() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -117,9 +116,10 @@ def test_nvme_store_reopens_from_its_index_and_matches_pinned(tmp_path: Path, de
     pinned.close()
 
 
-@pytest.fixture(params=["worker", "mapper", "worker/issued", "mapper/issued"])
+@pytest.fixture(params=["worker", "link", "worker/issued", "link/issued"])
 def map_in(request: pytest.FixtureRequest) -> str:
-    """Where a load's slot is mapped (in the link's worker, or on the loader's own mapper thread) and, after a
+    """Where a load's slot is mapped (by the link's worker before the copy, or beside it in the worker's waits)
+    and, after a
     slash, when it is published (default: once its copy is done; "issued": once the copy is issued)."""
     return request.param
 
@@ -130,7 +130,7 @@ def _rig(tmp_path: Path, dev: Device, engine: TransferEngine, num_slots: int = 3
     pinned = PinnedExpertStore(dev, src)
     nvme = NvmeExpertStore.build(tmp_path / "e.bin", src, dev)
     pool = ExpertSlotPool(HostBackend(), dev, 2, 6, MIXED.num_bytes, num_slots, scrub_on_unmap=True,
-                          slot_window=where == "mapper")
+                          slot_window=where != "worker")
     return pinned, nvme, pool, ExpertLoadHandler(pool, engine, pinned, nvme, num_staging=2, map_in=where,
                                                  publish=publish or "done")
 
@@ -144,7 +144,7 @@ def test_loader_is_byte_exact_from_both_stores_and_any_dtype(tmp_path: Path, dev
     for layer in range(2):
         for e in range(6):
             assert checksum(pool.expert_tensor(layer, e)) == pinned.checksum(layer, e)
-    assert loader.stats()["loads_ok"] == 12 and loader.stats()["mapper_errors"] == 0
+    assert loader.stats()["loads_ok"] == 12 and engine.stats()["links"]["h2d"]["idle_job_errors"] == 0
     pool.close()
 
 
@@ -164,13 +164,13 @@ def test_loader_detects_flipped_nvme_bytes_and_gives_the_slot_back(tmp_path: Pat
     pool.close()
 
 
-def test_loader_rejects_an_unknown_map_in_and_a_mapper_without_a_slot_window(tmp_path: Path, dev: Device,
+def test_loader_rejects_an_unknown_map_in_and_a_windowed_map_without_a_slot_window(tmp_path: Path, dev: Device,
                                                                              engine) -> None:
-    with pytest.raises(ConfigError, match="map_in must be 'worker' or 'mapper', got 'gpu'"):
+    with pytest.raises(ConfigError, match=r"map_in must be one of \('worker', 'link'\), got 'gpu'"):
         _rig(tmp_path, dev, engine, map_in="gpu")
     pinned, _nvme, pool, _loader = _rig(tmp_path, dev, engine)
     with pytest.raises(ConfigError, match="slot_window=True"):
-        ExpertLoadHandler(pool, engine, pinned, map_in="mapper")
+        ExpertLoadHandler(pool, engine, pinned, map_in="link")
     with pytest.raises(ConfigError, match="slot_window=True"):
         pool.prepare_load(0, 0, map_now=False, via_window=True)
     assert pool.num_free_slots == 3  # refused: nothing reserved
@@ -208,7 +208,7 @@ def test_a_refused_submit_gives_the_slot_back(tmp_path: Path, dev: Device, map_i
 
 def test_a_failing_map_fails_the_load_and_gives_the_slot_back(tmp_path: Path, dev: Device, engine, map_in,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The map fails (in the link worker, or on the mapper beside a copy already under way): the load's
+    """The map fails (in the link worker before the copy, or beside a copy already under way): the load's
     future carries the error, the slot is free again, nothing stays LOADING, and the next load works."""
     pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in=map_in)
     real = pool.map_reserved
@@ -222,7 +222,7 @@ def test_a_failing_map_fails_the_load_and_gives_the_slot_back(tmp_path: Path, de
         with pytest.raises(Exception, match="injected"):
             f.wait(10)
     assert all(pool.state(0, e) is ExpertState.ABSENT for e in range(3)) and pool.num_free_slots == 3
-    assert loader.stats()["loads_failed"] == 3 and loader.stats()["mapper_errors"] == 0
+    assert loader.stats()["loads_failed"] == 3 and engine.stats()["links"]["h2d"]["idle_job_errors"] == 0
     monkeypatch.setattr(pool, "map_reserved", real)
     loader.load(0, 1).wait(10)
     assert checksum(pool.expert_tensor(0, 1)) == pinned.checksum(0, 1)
@@ -248,23 +248,6 @@ def test_a_failing_publish_still_completes_and_counts_the_load(tmp_path: Path, d
     with pytest.raises(RuntimeError, match="publish failed"):
         fut.wait(10)
     assert loader.stats()["loads_failed"] == 1 and pool.state(0, 2) is ExpertState.ABSENT
-    pool.close()
-
-
-def test_a_mapper_that_cannot_start_fails_loads_instead_of_hanging(tmp_path: Path, dev: Device, engine,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Regression (review): a mapper thread that died binding the device left every windowed load waiting."""
-    def no_bind(stream=None) -> None:
-        raise RuntimeError("no device context (injected)")
-
-    monkeypatch.setattr(dev, "bind_thread", no_bind)
-    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in="mapper")
-    futs = [loader.load(0, e) for e in range(2)]
-    for f in futs:
-        with pytest.raises(Exception, match="no device context"):
-            f.wait(10)
-    assert pool.num_free_slots == 3 and loader.stats()["mapper_errors"] == 1
-    loader.close()
     pool.close()
 
 
@@ -372,37 +355,48 @@ def test_load_many_failures_complete_every_future_and_free_every_slot(tmp_path: 
     pool.close()
 
 
-def test_issued_publish_gives_a_failed_map_back_only_after_its_copy(tmp_path: Path, dev: Device, engine,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """publish="issued" with the mapper: the map fails while the copy is still held back. The slot must not be
-    given back (and reused) under a copy that may still write it: the load stays LOADING until the copy is
-    over, then fails, counted, with its slot free."""
-    from runtime.device import HostEvent
-    from runtime.transfer import Link, TrafficClass, TransferRequest
+def test_issued_publish_gives_a_failed_map_back_only_after_its_copy(tmp_path: Path, dev: Device, engine) -> None:
+    """publish="issued", mapped beside the copy: the copy is issued, then its map fails while the copy may still
+    write the slot. The slot must not be given back (and reused) under it: the load stays LOADING until the copy
+    has ended, then fails, counted, with its slot free. The parts are driven in that order by hand."""
+    from runtime.future import OpFuture
+    from runtime.weights.loader import _Load
 
-    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in="mapper/issued")
-    mapped = threading.Event()
-
-    def broken(layer, expert):
-        mapped.set()
-        raise RuntimeError("cuMemMap failed (injected)")
-
-    monkeypatch.setattr(pool, "map_reserved", broken)
-    gate = HostEvent()
-    engine.submit(TransferRequest(Link.H2D, TrafficClass.KV, torch.zeros(4096, dtype=torch.uint8), dev.alloc(4096),
-                                  after=gate))
-    try:
-        (fut,) = loader.load_many(0, [1])
-        assert mapped.wait(10)
-        with pytest.raises(TimeoutError):
-            fut.wait(0.2)
-        assert pool.state(0, 1) is ExpertState.LOADING and pool.num_free_slots == 2
-    finally:
-        gate.set()
+    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in="link/issued")
+    pool.prepare_loads(0, [1], via_window=True)
+    loader._inflight += 1
+    ld = _Load(0, 1, OpFuture("load of expert (0, 1)"), parts=2)
+    loader._step(ld, copy_issued=True)
+    loader._step(ld, map_end=True, error=RuntimeError("cuMemMap failed (injected)"))
+    assert not ld.fut.done() and pool.state(0, 1) is ExpertState.LOADING and pool.num_free_slots == 2
+    loader._step(ld, copy_end=True)
     with pytest.raises(RuntimeError, match="injected"):
-        fut.wait(10)
+        ld.fut.wait(0)
     assert pool.state(0, 1) is ExpertState.ABSENT and pool.num_free_slots == 3
     assert loader.stats()["loads_failed"] == 1 and loader.stats()["failed_after_publish"] == 0
+    loader.close()  # nothing left in flight
+    pool.close()
+
+
+def test_a_copy_failing_after_an_issued_publish_is_counted_and_the_expert_evicted(tmp_path: Path, dev: Device,
+                                                                                 engine) -> None:
+    """publish="issued": the expert is published when its copy is issued; if the copy then fails (a CUDA error)
+    the failure is counted, kept, and the expert unmapped, never left looking loaded."""
+    from runtime.future import OpFuture
+    from runtime.weights.loader import _Load
+
+    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in="link/issued")
+    pool.prepare_loads(0, [2], via_window=True)
+    loader._inflight += 1
+    ld = _Load(0, 2, OpFuture("load of expert (0, 2)"), parts=2)
+    pool.map_reserved(0, 2)
+    loader._step(ld, map_end=True)
+    loader._step(ld, copy_issued=True)
+    assert ld.fut.ok and pool.is_resident(0, 2)
+    boom = RuntimeError("copy failed (injected)")
+    loader._step(ld, copy_end=True, error=boom)
+    assert pool.state(0, 2) is ExpertState.ABSENT and pool.num_free_slots == 3 and loader.last_error is boom
+    assert loader.stats()["failed_after_publish"] == 1 and loader.stats()["loads_failed"] == 1
     loader.close()
     pool.close()
 
