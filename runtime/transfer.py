@@ -58,6 +58,10 @@ DEFAULT_INFLIGHT_BYTES = 16 << 20  # ~0.3 ms of PCIe Gen5: the most an urgent tr
 URGENT_POLL_S = 100e-6  # with an urgent stream: how often a worker waiting on bulk copies looks at them
 
 
+class _SegmentFailed(Exception):
+    """A segment's before_segment hook raised: that segment fails alone (the error is in h.segment_errors)."""
+
+
 class _LinkQueue:
     def __init__(self) -> None:
         self.heap: list[_Chunk] = []
@@ -260,6 +264,8 @@ class TransferEngine:
             stream = self._urgent_streams[link] if urgent else self._streams[link]
             if first and req.after is not None:
                 self.device.stream_wait(req.after, stream)
+            if ch.first and req.before_segment is not None:  # after the transfer's own prologue, whatever it does
+                self._segment_hook(link, ch)
             ev = self.device.copy_range(req.dst, ch.dst_offset_bytes, req.src, ch.src_offset_bytes, ch.length_bytes,
                                         stream, stream_is_current=not urgent)  # _run made the bulk stream current
             return ev if self.device.is_cuda else None
@@ -316,16 +322,16 @@ class TransferEngine:
         while (item := rq.get()) is not None:
             self._account_timed(*item)
 
-    def _segment_hook(self, link: Link, ch: _Chunk) -> bool:
-        """Run the request's before_segment hook for the chunk's segment; False (error kept) if it raised."""
+    def _segment_hook(self, link: Link, ch: _Chunk) -> None:
+        """Run the request's before_segment hook for the chunk's segment; _SegmentFailed (error kept in
+        h.segment_errors) if it raised."""
         h = ch.handle
         t0 = time.perf_counter()
         try:
             h.request.before_segment(ch.seg)  # type: ignore[misc]
-            return True
         except Exception as exc:
             h.segment_errors.setdefault(ch.seg, exc)
-            return False
+            raise _SegmentFailed from exc
         finally:
             self._add_time(link, "hook_s", time.perf_counter() - t0)
 
@@ -334,6 +340,8 @@ class TransferEngine:
         if failed is not None and h.error is None:
             h.error = failed
         seg_error = h.segment_errors.get(ch.seg) if h.segment_errors else None
+        if failed is not None:  # this chunk failed or was skipped: its segment reports it (not those already moved)
+            h._seg_failures.setdefault(ch.seg, failed)
         with self._stats_lock:
             ls = self._link_stats[h.request.link]
             ls.chunks += 1
@@ -346,7 +354,7 @@ class TransferEngine:
                 h._seg_left[ch.seg] -= 1
                 seg_last = h._seg_left[ch.seg] == 0
         if seg_last and h.request.on_segment_done is not None:
-            error = h.error or h.segment_errors.get(ch.seg)
+            error = h._seg_failures.get(ch.seg) or h.segment_errors.get(ch.seg)
             try:
                 h.request.on_segment_done(ch.seg, error)
             except Exception as exc:
@@ -445,12 +453,12 @@ class TransferEngine:
                     h.start_s = self.clock()
             t0 = time.perf_counter()
             req = h.request
-            if ch.first and req.before_segment is not None and not self._segment_hook(link, ch):
+            try:
+                ev = self._issue(link, ch, first)
+            except _SegmentFailed:
                 self._add_time(link, "issue_s", time.perf_counter() - t0)
                 self._retire(ch, None, None)  # the segment failed alone: its error is in h.segment_errors
                 continue
-            try:
-                ev = self._issue(link, ch, first)
             except Exception as exc:
                 self._add_time(link, "issue_s", time.perf_counter() - t0)
                 self._retire(ch, None, exc)

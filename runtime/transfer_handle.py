@@ -27,6 +27,7 @@ class TransferHandle:
         self.segment_errors: dict[int, BaseException] = {}  # segments that failed on their own (their hook)
         self._remaining = num_chunks
         self._seg_left = segment_chunks  # chunks not yet retired, per segment (None: one segment, no callbacks)
+        self._seg_failures: dict[int, BaseException] = {}  # segments with a chunk that failed or was skipped
         self._unissued = num_chunks
         self._last_event: Event | None = None
         self._issued = Latch()

@@ -73,6 +73,7 @@ class OnDemandExperts:
             return False
         if self.pool.num_resident(layer) == self.pool.layout.num_experts:
             self.fast_path_layers += 1
+            self.pool.wait_published()  # a load published once issued may still be copying (I3)
             return True
         return False
 

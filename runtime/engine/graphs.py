@@ -180,6 +180,7 @@ class DecodeGraphs:
             segs = self._segments(bb, seqs, starts)
             with torch.inference_mode():
                 return self.model.forward(self.tokens[:bb], self.positions[:bb], segs, live_rows=b)[:b]
+        self.model.pool.wait_published()  # the graph reads every expert: loads published once issued (I3)
         if got.graph is not None:
             got.graph.replay()
             logits = got.logits[:b].clone()

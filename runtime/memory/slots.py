@@ -16,7 +16,9 @@ Invariants (each has a test in tests/runtime/test_slots.py):
   I1 stable address: `layer_tensor(l).data_ptr()` never changes between construction and close.
   I2 one page, one slot: an expert range maps at most one slot, and a slot backs at most one expert.
   I3 RAW: an expert is readable only after its load; `wait_ready` orders the compute stream after the
-     load's event, and reading a LOADING or absent expert through `expert_tensor` raises.
+     load's event, and reading a LOADING or absent expert through `expert_tensor` raises. A load may be
+     published while its copy still runs (its event pending): work that reads experts without naming them
+     (an all-resident layer, a CUDA-graph replay) calls `wait_published` first.
   I4 WAR: a slot is unmapped (and so reused) only after every reader event recorded on it, its own load
      copy, and the last pool-wide read fence (`record_read_all`: work that may read any slot) completed.
   I5 never stale: an ABSENT expert's range shows the poison byte (or faults, poison off), never another
@@ -108,6 +110,7 @@ class ExpertSlotPool:
         self.poison_unmapped, self.scrub_on_unmap = poison_unmapped, scrub_on_unmap
         self._lock = threading.Lock()
         self._fence: Event | None = None  # last record_read_all: work that may read any slot
+        self._unsettled: list[Event] = []  # events of published loads whose copy may still run
         self._bases: list[int] = []
         self._tensors: list[torch.Tensor] = []
         self._slots: list[Any] = []
@@ -304,6 +307,8 @@ class ExpertSlotPool:
             if ok:
                 en.state, en.load_event = ExpertState.RESIDENT, event or completed_event()
                 self._num_resident[layer] += 1
+                if event is not None:
+                    self._unsettled.append(event)
                 return
             self._release_locked(layer, expert, en)
 
@@ -338,6 +343,17 @@ class ExpertSlotPool:
                     raise NotResidentError(f"wait_ready: expert ({layer}, {e}) is {en.state.value}")
                 events.append(en.load_event)
         for ev in events:
+            self.device.stream_wait(ev, stream)
+
+    def wait_published(self, stream: Any = None) -> None:
+        """Order `stream` after every published load whose copy may still run (I3 for readers that name no
+        experts: an all-resident layer, a graph replay). Cheap when none is: one lock, an empty list."""
+        with self._lock:
+            if not self._unsettled:
+                return
+            pending = [ev for ev in self._unsettled if not ev.query()]
+            self._unsettled = pending
+        for ev in pending:
             self.device.stream_wait(ev, stream)
 
     def record_read(self, layer: int, experts: Iterable[int], event: Event) -> None:

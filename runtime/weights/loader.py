@@ -304,13 +304,15 @@ class ExpertLoadHandler:
         def job() -> None:
             ld = loads[i]
             try:
-                self.pool.map_reserved(ld.layer, ld.expert)
-            except Exception as exc:
-                self._step(ld, map_end=True, error=exc)
-            else:
-                self._step(ld, map_end=True)
-            if i + 1 < len(loads):
-                self._start_maps(loads, priority, deadline_s, i + 1)
+                try:
+                    self.pool.map_reserved(ld.layer, ld.expert)
+                except Exception as exc:
+                    self._step(ld, map_end=True, error=exc)
+                else:
+                    self._step(ld, map_end=True)
+            finally:  # the rest of the list is mapped whatever happened to this one
+                if i + 1 < len(loads):
+                    self._start_maps(loads, priority, deadline_s, i + 1)
 
         def fail(exc: BaseException) -> None:
             for ld in loads[i:]:

@@ -494,3 +494,36 @@ def test_random_sequence_keeps_invariants_and_never_reads_stale_bytes(env, seed,
               "unmap: reader busy", "unmap"]
     wanted += ["through the window"] if window else []
     assert min(seen[w] for w in wanted) >= 5, seen  # the walk reached every interesting branch
+
+
+def test_wait_published_orders_readers_after_loads_published_while_copying(env, pool) -> None:
+    """I3 for readers that name no experts (an all-resident layer, a graph replay): a load published with a copy
+    still running (publish="issued") is waited for; once its event is done it is no longer waited on."""
+    pool.prepare_load(0, 1)
+    copying = env.event()
+    pool.complete_load(0, 1, True, event=copying)
+    assert pool.is_resident(0, 1)
+    t, errors = start_thread(pool.wait_published)
+    t.join(0.2)
+    assert t.is_alive()  # the reader's stream (the host, on the CPU twin) waits for the copy
+    copying.set()
+    t.join(T)
+    assert not t.is_alive() and not errors
+    pool.wait_published()  # nothing pending any more: returns at once
+    assert pool._unsettled == []
+
+
+def test_all_resident_layers_wait_for_loads_published_while_copying(env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MoE fast path for a layer whose experts all hold slots names no expert: it must still wait."""
+    from runtime.engine.experts import OnDemandExperts
+
+    pool = ExpertSlotPool(HostBackend(), env.device, 1, 2, EB, 2)
+    env.pools.append(pool)
+    waited: list[bool] = []
+    monkeypatch.setattr(pool, "wait_published", lambda stream=None: waited.append(True))
+    experts = OnDemandExperts(pool, None, None)  # type: ignore[arg-type]
+    assert not experts.all_resident(0) and waited == []
+    for e in range(2):
+        pool.prepare_load(0, e)
+        pool.complete_load(0, e, True)
+    assert experts.all_resident(0) and waited == [True]

@@ -549,6 +549,50 @@ def test_a_failing_segment_hook_fails_that_segment_only(engine, rand):
     assert cs.failures == 1 and cs.bytes == 2 * CHUNK and link_stats(engine, Link.H2D).bytes == 2 * CHUNK
 
 
+def test_a_failing_first_segment_keeps_the_transfers_after_and_before_issue(engine, rand):
+    """Regression (review): a failing hook on segment 0 used the transfer's "first chunk" turn, so `after` and
+    `before_issue` were skipped for every other segment, which then read src before `after`'s work ended."""
+    src, dst = rand(2 * CHUNK), rand(2 * CHUNK)
+    before = dst.clone()
+    after, prologue = HostEvent(), []
+
+    def hook(i: int) -> None:
+        if i == 0:
+            raise RuntimeError("map failed (injected)")
+
+    h = engine.submit(req(Link.H2D, src, dst, segments=[(0, 0, CHUNK), (CHUNK, CHUNK, CHUNK)], after=after,
+                          before_issue=lambda: prologue.append(1), before_segment=hook))
+    with pytest.raises(TimeoutError):
+        h.wait(0.2)
+    assert torch.equal(dst, before)  # nothing moved before `after`
+    after.set()
+    with pytest.raises(TransferError, match=r"segments \[0\] failed"):
+        h.wait(T)
+    assert prologue == [1] and torch.equal(dst[CHUNK:], src[CHUNK:]) and torch.equal(dst[:CHUNK], before[:CHUNK])
+
+
+def test_a_failed_copy_fails_only_the_segments_it_did_not_move(engine, rand, monkeypatch: pytest.MonkeyPatch):
+    """Regression (review): a copy failing in segment 1 made segment 0, already moved, report that error too
+    (and its loaded expert was then evicted). Segment 1 reports it, segment 2 (skipped) too; 0 is fine."""
+    src, dst = rand(3 * CHUNK), rand(3 * CHUNK)
+    dev, calls, boom = engine.device, [], RuntimeError("copy failed (injected)")
+    real = dev.copy_range
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise boom
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dev, "copy_range", flaky)
+    done: dict[int, BaseException | None] = {}
+    h = engine.submit(req(Link.H2D, src, dst, segments=[(i * CHUNK, i * CHUNK, CHUNK) for i in range(3)],
+                          on_segment_done=lambda i, err: done.__setitem__(i, err)))
+    with pytest.raises(TransferError, match="copy failed"):
+        h.wait(T)
+    assert done == {0: None, 1: boom, 2: boom} and torch.equal(dst[:CHUNK], src[:CHUNK])
+
+
 def test_bad_segments_are_refused_and_queue_nothing(engine, cpu, rand, tmp_path):
     src, dst = rand(4 * CHUNK), rand(4 * CHUNK)
     for kw, match in ((dict(segments=[]), "segments is empty"),
