@@ -85,7 +85,7 @@ def pinned_experts(dev: Device, hidden: int, inter: int, batch: int) -> PinnedEx
 
 def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertStore, batch: int,
                      reps: int, poison_unmapped: bool = True, map_in: MapIn = "link",
-                     submit: str = "list", publish: Publish = "issued") -> dict[str, Any]:
+                     submit: str = "list", publish: Publish = "done") -> dict[str, Any]:
     """Pinned store -> slots: `batch` loads in flight at once (a prefetch list: one `load_many` call, or with
     submit="each" one `load` per expert), then a single load.
 
@@ -249,19 +249,19 @@ class LoadConfig:
     map_in: MapIn = "link"  # who maps a slot: the link's worker in its waits beside the copy, or before it
     submit: str = "list"  # a prefetch list as one load_many call ("list") or one load() per expert ("each")
     retire_thread: bool = True  # finished copies accounted (loads published) on the link's retire thread
-    publish: Publish = "issued"  # a load is published once its copy is issued (event-ordered), or once done
+    publish: Publish = "done"  # a load is published once its copy is done, or once issued (event-ordered)
 
 
 _DEFAULT = LoadConfig(8 * MiB, 16 * MiB)
-_BEFORE = replace(_DEFAULT, map_in="worker", publish="done")  # maps before each copy, published when done (≤ run 19)
+_BEFORE = replace(_DEFAULT, map_in="worker")  # each range mapped before its copy (the default until run 19)
 _DEEP = replace(_DEFAULT, max_inflight_bytes=64 * MiB, urgent_stream=True)
 LOAD_CONFIG_SETS: dict[str, list[LoadConfig]] = {
     "default": [_DEFAULT],
     "urgent-stream": [_DEFAULT, _DEEP],
-    "map-in": [_DEFAULT, replace(_DEFAULT, publish="done"), replace(_DEFAULT, map_in="worker"), _BEFORE],
+    "map-in": [_DEFAULT, replace(_DEFAULT, publish="issued"), _BEFORE, replace(_BEFORE, publish="issued")],
     "submit": [_DEFAULT, replace(_DEFAULT, retire_thread=False), replace(_DEFAULT, poison_unmapped=False),
                replace(_DEFAULT, submit="each")],
-    "all": [_DEFAULT, _BEFORE, replace(_DEFAULT, publish="done"), replace(_DEFAULT, retire_thread=False),
+    "all": [_DEFAULT, _BEFORE, replace(_DEFAULT, publish="issued"), replace(_DEFAULT, retire_thread=False),
             replace(_DEFAULT, submit="each"), _DEEP],
 }
 
