@@ -47,8 +47,8 @@ class EngineConfig:
     expert_store: StoreKind = StoreKind.PINNED
     # Who maps a loading expert's range and when it is published (runtime/weights/loader.py): by default the copy
     # goes through the slot window at once, the link worker maps the range in its waits, and the expert is
-    # published once its copy is done. 9 MiB lists on the H200 (runs 20-22): 0.88-0.96 of raw pinned H2D,
-    # against 0.85-0.93 mapping before each copy; publishing once issued ("issued") was 0.75-0.97: it puts the
+    # published once its copy is done. 9 MiB lists on the H200 (runs 20-23): 0.88-0.96 of raw pinned H2D,
+    # against 0.85-0.94 mapping before each copy; publishing once issued ("issued") gave 0.75-0.97: it puts the
     # publishing on the link worker, which on a slow lease then falls behind the copies.
     expert_map_in: MapIn = "link"
     expert_publish: Publish = "done"
