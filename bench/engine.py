@@ -12,10 +12,8 @@ assert on a time (tests assert behaviour) or hard-code a figure.
 
 from __future__ import annotations
 
-import gc
 import json
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.engine_steps import GcWatch, last_n, median_or_zero, outbox_join_s, profile_eager_step, step_profile
 from bench.substrate import timed
 from runtime.device import Device
 from runtime.engine.moe import ExpertViews, moe_forward
@@ -167,7 +166,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                                                   kv_gpu_blocks=per_seq * max(batches)))
     out, next_id = [], 0
     adapter = ReferenceAdapter(eng, window_steps=window_steps)
-    gc_watch = _GcWatch()  # collector pauses (any thread) by the block they fell in
+    gc_watch = GcWatch()  # collector pauses (any thread) by the block they fell in
     try:
         taps = (eng.model.route_tap, eng.model.mass_observer)
 
@@ -213,7 +212,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                     if not agent_on and timed and timed[-1][0]:
                         # Telemetry is built on the outbox thread while decode goes on; what is still unbuilt
                         # when an off-block starts is charged to the on-block before it (never to an off-block).
-                        timed[-1][1] += _join_s(adapter, join_ms)
+                        timed[-1][1] += outbox_join_s(adapter, join_ms)
                     switch(agent_on)
                     dev.synchronize()
                     gc_watch.block = agent_on
@@ -235,7 +234,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                     timed.append([agent_on, time.perf_counter() - t0])
                     gc_watch.block = None
                 if timed[-1][0]:
-                    timed[-1][1] += _join_s(adapter, join_ms)
+                    timed[-1][1] += outbox_join_s(adapter, join_ms)
                 for k in range(0, len(timed), 4):
                     quad = {on: sum(dt for o, dt in timed[k : k + 4] if o is on) for on in (False, True)}
                     quads.append(quad[True] / quad[False] - 1.0)
@@ -256,104 +255,20 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
                         "agent_overhead_quad_p25": quads[len(quads) // 4],
                         "agent_overhead_quad_p75": quads[(3 * len(quads)) // 4],
                         # where the agent's host time goes (engine thread unless said)
-                        "agent_on_step_ms_median": _median(hook_ms[False]),
-                        "window_close_ms_median": _median(hook_ms[True]), "windows": len(hook_ms[True]),
-                        "window_build_ms_median": _median(_last(adapter.outbox.build_ms,
+                        "agent_on_step_ms_median": median_or_zero(hook_ms[False]),
+                        "window_close_ms_median": median_or_zero(hook_ms[True]), "windows": len(hook_ms[True]),
+                        "window_build_ms_median": median_or_zero(last_n(adapter.outbox.build_ms,
                                                                 adapter.outbox.sent - sent_before)),  # outbox
                         "block_join_ms_max": max(join_ms, default=0.0),
                         "gc_ms_agent_off": gc_watch.ms[False], "gc_ms_agent_on": gc_watch.ms[True],
                         "gc_full_collections_off": gc_watch.full[False], "gc_full_collections_on": gc_watch.full[True],
                         "agent_host_share": (sum(hook_ms[False]) + sum(hook_ms[True]) + sum(join_ms)) / 1e3 / on_s,
-                        **_step_profile(step_log)})
+                        **step_profile(step_log)})
     finally:
         gc_watch.close()
         adapter.close()
         eng.close()
     return out
-
-
-class _GcWatch:
-    """Times the cyclic garbage collector's pauses (they stop every thread that needs the GIL) and files
-    them under the block running when they happened: agent off (False), on (True), or untimed (None)."""
-
-    def __init__(self) -> None:
-        self.block: bool | None = None
-        self.reset()
-        self._t0 = 0.0
-        gc.callbacks.append(self._cb)
-
-    def reset(self) -> None:
-        self.ms = {False: 0.0, True: 0.0}
-        self.full = {False: 0, True: 0}
-
-    def _cb(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        elif self.block is not None:
-            self.ms[self.block] += (time.perf_counter() - self._t0) * 1e3
-            self.full[self.block] += info.get("generation") == 2
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._cb)
-
-
-def _join_s(adapter: Any, join_ms: list[float]) -> float:
-    """Wait for the outbox to build every closed window; returns (and records, in ms) how long that took."""
-    t0 = time.perf_counter()
-    adapter.outbox.join()
-    dt = time.perf_counter() - t0
-    join_ms.append(dt * 1e3)
-    return dt
-
-
-def _last(xs: Any, n: int) -> list[float]:
-    """The last n entries of a bounded deque (all it still holds if fewer)."""
-    return list(xs)[-n:] if n > 0 else []
-
-
-def _step_profile(log: list[tuple[bool, int, int, int, float, float, int]], top: int = 12) -> dict[str, Any]:
-    """Per-step wall times (decode + the agent's hook) off and on: medians, the time above the median in each
-    set, and the slowest steps with where they sat (round, block, step in block, steps since the last window
-    closed; -1 when the agent was off), so a gap concentrated in a few steps can be told from a spread one."""
-    ms = {on: [row[4] for row in log if row[0] is on] for on in (False, True)}
-    med = {on: _median(ms[on]) for on in (False, True)}
-    slow = sorted(log, key=lambda row: row[4], reverse=True)[:top]
-    return {"step_ms_median_off": med[False], "step_ms_median_on": med[True],
-            "step_ms_excess_off": sum(max(0.0, x - med[False]) for x in ms[False]),
-            "step_ms_excess_on": sum(max(0.0, x - med[True]) for x in ms[True]),
-            "slowest_steps": [{"agent_on": on, "round": r, "block": k, "step": i, "ms": round(t, 3),
-                               "on_step_ms": round(h, 3), "window_pos": w} for on, r, k, i, t, h, w in slow]}
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else 0.0
-
-
-def profile_eager_step(dev: Device, preset_name: str, batch: int = 1) -> str:
-    """torch.profiler tables (by CPU and by CUDA time) of 3 eager decode steps: where an eager step goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from runtime.engine.engine import EngineConfig, ReferenceEngine
-    from runtime.engine.presets import preset
-    from runtime.selfcheck.exact import auto_block_tokens
-
-    spec = preset(preset_name)
-    eng = ReferenceEngine(spec, dev, EngineConfig(experts_on_device=True, block_tokens=auto_block_tokens(spec),
-                                                  decode_graphs=False, kv_gpu_blocks=8 * batch))
-    try:
-        seqs = list(range(batch))
-        last = eng.step(seqs, [[1, 2, 3, 4] for _ in seqs], [0] * batch).argmax(-1).tolist()
-        for i in range(2):
-            last = eng.step(seqs, [[t] for t in last], [4 + i] * batch).argmax(-1).tolist()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(3):
-                last = eng.step(seqs, [[t] for t in last], [6 + i] * batch).argmax(-1).tolist()
-        ka = prof.key_averages()
-        return (ka.table(sort_by="cpu_time_total", row_limit=25) + "\n\n"
-                + ka.table(sort_by="self_cpu_time_total", row_limit=25) + "\n\n"
-                + ka.table(sort_by="cuda_time_total", row_limit=20))
-    finally:
-        eng.close()
 
 
 SECTIONS = ("moe", "attention", "decode", "eager")

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
@@ -42,49 +40,9 @@ import torch
 from runtime.device import Device, Event, completed_event
 from runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
 from runtime.memory.backend import SlotBackend
-from runtime.nvme import align_up
+from runtime.memory.slot_types import ExpertLayout, ExpertState, _Entry
 
 POISON_BYTE = 0xFF  # NaN in bf16, fp16, fp32 and fp8-e4m3: a stale read shows up in any output
-
-
-class ExpertState(Enum):
-    ABSENT = "absent"
-    LOADING = "loading"
-    RESIDENT = "resident"
-    EVICTING = "evicting"
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """How many experts of what size, and the slot stride the backend's granularity gives them."""
-
-    num_layers: int
-    num_experts: int
-    expert_bytes: int
-    granularity_bytes: int
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_experts", "expert_bytes", "granularity_bytes"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"ExpertLayout.{name} must be > 0, got {getattr(self, name)}")
-
-    @property
-    def stride_bytes(self) -> int:
-        return align_up(self.expert_bytes, self.granularity_bytes)
-
-    @property
-    def layer_bytes(self) -> int:
-        return self.num_experts * self.stride_bytes
-
-
-@dataclass
-class _Entry:
-    state: ExpertState = ExpertState.ABSENT
-    slot: int | None = None
-    pinned: bool = False
-    load_event: Event | None = None
-    readers: list[Event] | None = None
-    mapped: bool = False  # the slot is mapped under the expert's range (LOADING may be reserved only)
 
 
 class ExpertSlotPool:
