@@ -1,0 +1,60 @@
+"""Fixtures and helpers of the transfer engine's tests (test_transfer*.py): a CPU engine with 2 MiB chunks, with
+finished chunks retired inline or on the retire thread, and gates that hold a link's worker."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from runtime.device import Device, HostEvent
+from runtime.transfer import (
+    ClassStats,
+    Link,
+    LinkStats,
+    TrafficClass,
+    TransferEngine,
+    TransferRequest,
+)
+
+MiB = 1 << 20
+CHUNK = 2 * MiB
+T = 10.0  # bound on every wait: a hang fails the test instead of freezing the suite
+
+
+@pytest.fixture(params=[False, True], ids=["inline-retire", "retire-thread"])
+def retire_thread(request: pytest.FixtureRequest) -> bool:
+    """Finished chunks accounted on the link's worker, or in order on the link's retire thread."""
+    return request.param
+
+
+@pytest.fixture
+def engine(cpu: Device, retire_thread: bool) -> Iterator[TransferEngine]:
+    eng = TransferEngine(cpu, chunk_bytes=CHUNK, retire_thread=retire_thread)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def gate(engine: TransferEngine) -> Iterator[Callable[[], HostEvent]]:
+    """Unsignalled events that hold a worker; all set at teardown (before the engine closes), so no hang."""
+    made: list[HostEvent] = []
+
+    def make() -> HostEvent:
+        made.append(HostEvent())
+        return made[-1]
+
+    yield make
+    for ev in made:
+        ev.set()
+
+
+def class_stats(eng: TransferEngine, tc: TrafficClass) -> ClassStats:
+    return ClassStats(**eng.stats()["classes"][tc.value])
+
+
+def link_stats(eng: TransferEngine, link: Link) -> LinkStats:
+    return LinkStats(**eng.stats()["links"][link.value])
+
+
+def req(link: Link, src, dst, **kw) -> TransferRequest:
+    return TransferRequest(link, kw.pop("traffic", TrafficClass.EXPERT), src, dst, **kw)

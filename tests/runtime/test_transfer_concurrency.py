@@ -1,0 +1,212 @@
+"""TransferEngine on the CPU twin under concurrency: many threads, delayed completions, idle jobs, latches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runtime.device import Device, HostEvent
+from runtime.errors import ConfigError, TransferError
+from runtime.nvme import DirectFile
+from runtime.transfer import (
+    ClassStats,
+    Link,
+    LinkStats,
+    Priority,
+    TrafficClass,
+    TransferEngine,
+    TransferRequest,
+)
+from tests.conftest import host_copy, start_thread, wait_until
+from tests.runtime.conftest import CHUNK, MiB, T, link_stats, req
+
+
+# ---- concurrency ------------------------------------------------------------------------------------
+def test_four_threads_two_hundred_random_transfers_each(cpu, tmp_path, retire_thread):
+    slot = 64 << 10
+    num_threads, per_thread = 4, 200
+    eng = TransferEngine(cpu, chunk_bytes=CHUNK, disk_workers=2, retire_thread=retire_thread)
+    f = DirectFile(tmp_path / "c.tpnvme", num_threads * per_thread * slot)
+    totals = {lk: [0] * num_threads for lk in Link}
+    gates: list[HostEvent] = []  # set in `finally`, so a failed write cannot leave a read parked forever
+
+    def worker(tid: int) -> None:
+        r = random.Random(tid)
+        gen = torch.Generator().manual_seed(100 + tid)
+        checks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        handles = []
+        for i in range(per_thread):
+            link = r.choice(list(Link))
+            big = r.random() < 0.03 and link in (Link.H2D, Link.D2H)
+            n = r.randrange(CHUNK + 1, 2 * CHUNK + 7) if big else r.randrange(1, 16) * 4096
+            data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+            prio = r.choice(list(Priority))
+            tc = r.choice(list(TrafficClass))
+            if link in (Link.H2D, Link.D2H):
+                dst = torch.empty(n, dtype=torch.uint8)
+                handles.append(eng.submit(TransferRequest(link, tc, data, dst, prio)))
+                checks.append((dst, data))
+                totals[link][tid] += n
+            else:  # write a fresh region, then read it back ordered by an event the write's on_done sets
+                region = f.region((tid * per_thread + i) * slot, n)
+                written = HostEvent()
+                gates.append(written)
+                src = host_copy(cpu, data)
+                handles.append(eng.submit(TransferRequest(Link.H2DISK, tc, src, region, prio,
+                                                          on_done=lambda _h, ev=written: ev.set())))
+                back = cpu.alloc_host(n).tensor
+                handles.append(eng.submit(TransferRequest(Link.DISK2H, tc, region, back, prio, after=written)))
+                checks.append((back, data))
+                totals[Link.H2DISK][tid] += n
+                totals[Link.DISK2H][tid] += n
+        for h in handles:
+            h.wait(T)
+        for got, want in checks:
+            assert torch.equal(got, want)
+
+    try:
+        runs = [start_thread(lambda t=t: worker(t)) for t in range(num_threads)]
+        for th, _ in runs:
+            th.join(60)
+            assert not th.is_alive()
+        errors = [e for _, errs in runs for e in errs]
+        assert not errors, errors[0]
+        stats = eng.stats()
+        for lk in Link:
+            assert stats["links"][lk.value]["bytes"] == sum(totals[lk])
+        cls = [ClassStats(**s) for s in stats["classes"].values()]
+        assert sum(c.failures for c in cls) == 0
+        assert sum(c.bytes for c in cls) == sum(sum(v) for v in totals.values())
+        assert sum(c.transfers for c in cls) == sum(LinkStats(**s).transfers for s in stats["links"].values())
+    finally:
+        for ev in gates:
+            ev.set()
+        eng.close()
+        f.close()
+
+
+def test_after_event_orders_a_disk_read_behind_its_write(engine, gate, cpu, rand, tmp_path):
+    with DirectFile(tmp_path / "o.tpnvme", 4 * MiB) as f:
+        data = rand(3 * MiB)
+        written = gate()
+        back = host_copy(cpu, rand(3 * MiB))
+        h_read = engine.submit(req(Link.DISK2H, f.region(0, 3 * MiB), back, after=written))
+        with pytest.raises(TimeoutError):
+            h_read.wait(0.01)
+        h_write = engine.submit(req(Link.H2DISK, host_copy(cpu, data), f.region(0, 3 * MiB),
+                                    on_done=lambda _h: written.set()))
+        h_write.wait(T)
+        h_read.wait(T)
+        assert torch.equal(back, data)
+
+
+def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.MonkeyPatch, retire_thread: bool) -> None:
+    """A device whose copies finish later (events that complete after a random delay), so chunks really sit
+    in flight: mixed priorities and classes on both memory links, a small in-flight bound, urgent KV chunks
+    bypassing it. Every transfer completes, byte-exact, and nothing deadlocks."""
+    import time as _time
+
+    rng = random.Random(7)
+
+    class LateEvent:
+        def __init__(self, at_s: float) -> None:
+            self.at_s = at_s
+
+        def query(self) -> bool:
+            return _time.monotonic() >= self.at_s
+
+        def synchronize(self) -> None:
+            _time.sleep(max(0.0, self.at_s - _time.monotonic()))
+
+    class LateDevice(Device):
+        def __init__(self) -> None:
+            super().__init__("cpu")
+
+        @property
+        def is_cuda(self) -> bool:  # type: ignore[override]
+            return True
+
+        def new_stream(self, priority: int = 0):
+            return object()
+
+        def bind_thread(self, stream=None) -> None:
+            pass
+
+        def stream_wait(self, ev, stream=None) -> None:
+            pass
+
+        def copy(self, dst, src, stream=None, stream_is_current=False):
+            dst.copy_(src)
+            return LateEvent(_time.monotonic() + rng.random() * 0.002)
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)
+    dev = LateDevice()
+    eng = TransferEngine(dev, chunk_bytes=CHUNK, max_inflight_bytes=4 * CHUNK, urgent_stream=True,
+                         retire_thread=retire_thread)
+    # CPU tensors stand in for both sides
+    monkeypatch.setattr(eng, "_validate", lambda r, _checked=None: [(0, 0, r.src.numel())])
+    ran: list[int] = []
+    try:
+        jobs = []
+        for i in range(120):
+            n = rng.choice([4096, 3 * MiB, 9 * MiB])
+            src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+            dst = torch.empty_like(src)
+            h = eng.submit(TransferRequest(rng.choice([Link.H2D, Link.D2H]), rng.choice(list(TrafficClass)), src,
+                                           dst, rng.choice(list(Priority))))
+            jobs.append((h, src, dst))
+            if i % 3 == 0:  # host work for the workers' waits, among the copies
+                eng.submit_idle(rng.choice([Link.H2D, Link.D2H]), lambda i=i: ran.append(i), rng.choice(list(Priority)))
+        for h, src, dst in jobs:
+            h.wait(T)
+            assert h.error is None and torch.equal(src, dst)
+    finally:
+        eng.close()
+    assert sum(link_stats(eng, lk).transfers for lk in (Link.H2D, Link.D2H)) == 120
+    assert sorted(ran) == list(range(0, 120, 3))  # every idle job ran once, all before close() returned
+
+
+def test_idle_jobs_run_in_priority_order_are_counted_and_refused_after_close(cpu, rand, retire_thread):
+    eng = TransferEngine(cpu, chunk_bytes=CHUNK, retire_thread=retire_thread)
+    gate = HostEvent()
+    src, dst = rand(4096), rand(4096)
+    eng.submit(req(Link.H2D, src, dst, after=gate))  # holds the worker while the jobs are queued
+    ran: list[str] = []
+    boom = RuntimeError("job failed (injected)")
+
+    def failing() -> None:
+        ran.append("failing")
+        raise boom
+
+    eng.submit_idle(Link.H2D, lambda: ran.append("low"), Priority.LOW)
+    eng.submit_idle(Link.H2D, failing, Priority.NORMAL)
+    eng.submit_idle(Link.H2D, lambda: ran.append("urgent"), Priority.URGENT)
+    eng.submit_idle(Link.H2D, lambda: ran.append("high, late"), Priority.HIGH, deadline_s=2.0)
+    eng.submit_idle(Link.H2D, lambda: ran.append("high, soon"), Priority.HIGH, deadline_s=1.0)
+    with pytest.raises(ConfigError, match="not a memory link"):
+        eng.submit_idle(Link.DISK2H, lambda: None)
+    gate.set()
+    wait_until(lambda: len(ran) == 5, T)
+    assert ran == ["urgent", "high, soon", "high, late", "failing", "low"] and torch.equal(src, dst)
+    ls = link_stats(eng, Link.H2D)
+    assert ls.idle_jobs == 5 and ls.idle_job_errors == 1 and eng.last_idle_error is boom
+    eng.close()
+    with pytest.raises(TransferError, match="closed"):
+        eng.submit_idle(Link.H2D, lambda: None)
+
+
+def test_latch_is_one_shot_and_wakes_every_waiter() -> None:
+    from runtime.future import Latch
+
+    latch = Latch()
+    assert not latch.is_set() and latch.wait(0.01) is False
+    woke: list[int] = []
+    threads = [start_thread(lambda i=i: woke.append(i) if latch.wait(T) else None) for i in range(4)]
+    latch.set()
+    latch.set()  # a second set does nothing
+    for t, errors in threads:
+        t.join(T)
+        assert not errors
+    assert sorted(woke) == [0, 1, 2, 3] and latch.is_set() and latch.wait(0) and latch.wait()

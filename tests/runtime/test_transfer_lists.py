@@ -1,0 +1,207 @@
+"""TransferEngine on the CPU twin: malformed requests, lists (`submit_many`), byte ranges and segments (a prefetch
+list as one transfer, a callback per segment, failures confined to the segments they hit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.device import HostEvent
+from runtime.errors import ConfigError, TransferError
+from runtime.nvme import DirectFile
+from runtime.transfer import (
+    ClassStats,
+    Link,
+    LinkStats,
+    TrafficClass,
+    TransferEngine,
+    TransferRequest,
+)
+from tests.conftest import wait_until
+from tests.runtime.conftest import CHUNK, T, class_stats, link_stats, req
+
+
+# ---- malformed requests ------------------------------------------------------------------------------
+def _malformed(a: torch.Tensor, f: DirectFile) -> list[TransferRequest]:
+    meta = torch.empty(8192, dtype=torch.uint8, device="meta")
+    return [
+        req(Link.H2D, a, torch.empty(8191, dtype=torch.uint8)),  # size mismatch
+        req(Link.DISK2H, f.region(0, 4096), a),  # size mismatch, file side
+        req(Link.H2D, a[:0], a[:0]),  # zero bytes
+        req(Link.H2D, f.region(0, 8192), a),  # file where host memory belongs
+        req(Link.DISK2H, a, f.region(0, 8192)),  # link direction reversed
+        req(Link.H2DISK, a, torch.empty_like(a)),  # tensor where the file belongs
+        req(Link.D2H, meta, a),  # wrong device
+        req(Link.H2D, a, meta),
+        req(Link.H2D, a.view(64, 128).t(), torch.empty_like(a)),  # non-contiguous src
+        req(Link.D2H, a[:4096], torch.empty(8192, dtype=torch.uint8)[::2]),  # non-contiguous dst
+    ]
+
+
+def test_malformed_requests_raise_and_queue_nothing(cpu, rand, tmp_path):
+    eng = TransferEngine(cpu)
+    with DirectFile(tmp_path / "m.tpnvme", 8192) as f:
+        for r in _malformed(rand(8192), f):
+            with pytest.raises(ConfigError):
+                eng.submit(r)
+            assert all(eng.pending_chunks(lk) == 0 for lk in Link)
+        eng.close()  # would drain and count anything that had been queued
+    assert all(ClassStats(**s) == ClassStats() for s in eng.stats()["classes"].values())
+    assert all(LinkStats(**s) == LinkStats() for s in eng.stats()["links"].values())
+
+
+def test_submit_many_queues_a_list_in_order_and_refuses_a_bad_list_whole(engine, gate, rand):
+    """A prefetch list in one call: copies exact, issued in list order at equal priority; a list with one
+    malformed request, or requests on two links, queues none of them."""
+    hold = gate()
+    blocker = rand(4096)
+    h0 = engine.submit(req(Link.H2D, blocker, torch.empty_like(blocker), after=hold))
+    wait_until(lambda: h0.start_s is not None, T, "worker held")
+    done: list[int] = []
+    srcs = [rand(4096 * (i + 1)) for i in range(5)]
+    dsts = [torch.empty_like(s) for s in srcs]
+    handles = engine.submit_many([req(Link.H2D, s, d, on_done=lambda _h, i=i: done.append(i))
+                                  for i, (s, d) in enumerate(zip(srcs, dsts, strict=True))])
+    good = req(Link.H2D, rand(4096), torch.empty(4096, dtype=torch.uint8))
+    for bad, match in (([good, req(Link.H2D, rand(4096), torch.empty(8, dtype=torch.uint8))], "src has 4096"),
+                       ([good, req(Link.D2H, rand(4096), torch.empty(4096, dtype=torch.uint8))], "one link")):
+        with pytest.raises(ConfigError, match=match):
+            engine.submit_many(bad)
+        assert engine.pending_chunks(Link.H2D) == 5
+    assert engine.submit_many([]) == []
+    hold.set()
+    for h in handles:
+        h.wait(T)
+    assert done == [0, 1, 2, 3, 4]
+    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts, strict=True))
+
+
+@pytest.mark.parametrize("link", [Link.H2D, Link.D2H])
+def test_byte_ranges_copy_exactly_into_place_and_bad_ranges_are_refused(engine, rand, link):
+    """num_bytes with offsets moves a range of one buffer into a range of another (chunked when large); every
+    byte outside the destination range is untouched. Ranges that do not fit, or offsets without num_bytes,
+    are refused before anything is queued."""
+    src, dst = rand(5 * CHUNK + 777), rand(6 * CHUNK)
+    before = dst.clone()
+    n, s_off, d_off = 4 * CHUNK + 123, 333, CHUNK + 4096
+    h = engine.submit(req(link, src, dst, num_bytes=n, src_offset_bytes=s_off, dst_offset_bytes=d_off))
+    assert h.wait(T).ok and h.num_bytes == n
+    assert torch.equal(dst[d_off : d_off + n], src[s_off : s_off + n])
+    assert torch.equal(dst[:d_off], before[:d_off]) and torch.equal(dst[d_off + n :], before[d_off + n :])
+    for kw, match in ((dict(num_bytes=n, src_offset_bytes=CHUNK + 800), "src bytes"),
+                      (dict(num_bytes=n, dst_offset_bytes=-1), "dst bytes"),
+                      (dict(num_bytes=0), "num_bytes > 0"), (dict(src_offset_bytes=4), "offsets need num_bytes")):
+        with pytest.raises(ConfigError, match=match):
+            engine.submit(req(link, src, dst, **kw))
+        assert engine.pending_chunks(link) == 0
+
+
+@pytest.mark.parametrize("link", [Link.H2D, Link.D2H])
+def test_segments_move_a_list_as_one_transfer_with_a_callback_each(engine, rand, link):
+    """A list of (src, dst, bytes) segments, some chunked: each lands exactly, nothing else in dst changes, and
+    each segment reports issued, then done, exactly once, in list order, before the transfer's on_done."""
+    src, dst = rand(9 * CHUNK), rand(10 * CHUNK)
+    before = dst.clone()
+    segs = [(5 * CHUNK, 0, 3 * CHUNK + 5), (0, 4 * CHUNK, 4097), (4096, 6 * CHUNK, 2 * CHUNK)]
+    log: list[tuple[str, int]] = []
+    h = engine.submit(req(link, src, dst, segments=segs, on_segment_issued=lambda i, ev: log.append(("issued", i)),
+                          on_segment_done=lambda i, err: log.append(("done", i) if err is None else ("failed", i)),
+                          on_done=lambda h: log.append(("all", -1))))
+    assert h.wait(T).ok and h.num_bytes == sum(n for *_x, n in segs)
+    mask = torch.ones_like(dst, dtype=torch.bool)
+    for s_off, d_off, n in segs:
+        assert torch.equal(dst[d_off : d_off + n], src[s_off : s_off + n])
+        mask[d_off : d_off + n] = False
+    assert torch.equal(dst[mask], before[mask])
+    assert [e for e in log if e[0] == "done"] == [("done", 0), ("done", 1), ("done", 2)] and log[-1] == ("all", -1)
+    assert [e for e in log if e[0] == "issued"] == [("issued", 0), ("issued", 1), ("issued", 2)]
+    for i in range(3):
+        assert log.index(("issued", i)) < log.index(("done", i))
+    assert class_stats(engine, TrafficClass.EXPERT).transfers == 1 and link_stats(engine, link).chunks == 3 + 1 + 2
+
+
+def test_a_failing_segment_hook_fails_that_segment_only(engine, rand):
+    """before_segment raising for segment 1: its bytes never move and it reports the error; segments 0 and 2
+    land; wait() raises naming the segment; the class counts one failed transfer and only the moved bytes."""
+    src, dst = rand(3 * CHUNK), rand(3 * CHUNK)
+    before = dst.clone()
+    segs = [(0, 0, CHUNK), (CHUNK, CHUNK, CHUNK), (2 * CHUNK, 2 * CHUNK, CHUNK)]
+    boom = RuntimeError("map failed (injected)")
+    hooked: list[int] = []
+    done: dict[int, BaseException | None] = {}
+
+    def hook(i: int) -> None:
+        hooked.append(i)
+        if i == 1:
+            raise boom
+
+    h = engine.submit(req(Link.H2D, src, dst, segments=segs, before_segment=hook,
+                          on_segment_done=lambda i, err: done.__setitem__(i, err)))
+    with pytest.raises(TransferError, match=r"segments \[1\] failed; segment 1: map failed") as ei:
+        h.wait(T)
+    assert ei.value.__cause__ is boom and not h.ok and h.error is None and h.segment_errors == {1: boom}
+    assert hooked == [0, 1, 2] and done == {0: None, 1: boom, 2: None}
+    assert torch.equal(dst[CHUNK : 2 * CHUNK], before[CHUNK : 2 * CHUNK])
+    assert torch.equal(dst[:CHUNK], src[:CHUNK]) and torch.equal(dst[2 * CHUNK :], src[2 * CHUNK :])
+    cs = class_stats(engine, TrafficClass.EXPERT)
+    assert cs.failures == 1 and cs.bytes == 2 * CHUNK and link_stats(engine, Link.H2D).bytes == 2 * CHUNK
+
+
+def test_a_failing_first_segment_keeps_the_transfers_after_and_before_issue(engine, rand):
+    """Regression (review): a failing hook on segment 0 used the transfer's "first chunk" turn, so `after` and
+    `before_issue` were skipped for every other segment, which then read src before `after`'s work ended."""
+    src, dst = rand(2 * CHUNK), rand(2 * CHUNK)
+    before = dst.clone()
+    after, prologue = HostEvent(), []
+
+    def hook(i: int) -> None:
+        if i == 0:
+            raise RuntimeError("map failed (injected)")
+
+    h = engine.submit(req(Link.H2D, src, dst, segments=[(0, 0, CHUNK), (CHUNK, CHUNK, CHUNK)], after=after,
+                          before_issue=lambda: prologue.append(1), before_segment=hook))
+    with pytest.raises(TimeoutError):
+        h.wait(0.2)
+    assert torch.equal(dst, before)  # nothing moved before `after`
+    after.set()
+    with pytest.raises(TransferError, match=r"segments \[0\] failed"):
+        h.wait(T)
+    assert prologue == [1] and torch.equal(dst[CHUNK:], src[CHUNK:]) and torch.equal(dst[:CHUNK], before[:CHUNK])
+
+
+def test_a_failed_copy_fails_only_the_segments_it_did_not_move(engine, rand, monkeypatch: pytest.MonkeyPatch):
+    """Regression (review): a copy failing in segment 1 made segment 0, already moved, report that error too
+    (and its loaded expert was then evicted). Segment 1 reports it, segment 2 (skipped) too; 0 is fine."""
+    src, dst = rand(3 * CHUNK), rand(3 * CHUNK)
+    dev, calls, boom = engine.device, [], RuntimeError("copy failed (injected)")
+    real = dev.copy_range
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise boom
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dev, "copy_range", flaky)
+    done: dict[int, BaseException | None] = {}
+    h = engine.submit(req(Link.H2D, src, dst, segments=[(i * CHUNK, i * CHUNK, CHUNK) for i in range(3)],
+                          on_segment_done=lambda i, err: done.__setitem__(i, err)))
+    with pytest.raises(TransferError, match="copy failed"):
+        h.wait(T)
+    assert done == {0: None, 1: boom, 2: boom} and torch.equal(dst[:CHUNK], src[:CHUNK])
+
+
+def test_bad_segments_are_refused_and_queue_nothing(engine, cpu, rand, tmp_path):
+    src, dst = rand(4 * CHUNK), rand(4 * CHUNK)
+    for kw, match in ((dict(segments=[]), "segments is empty"),
+                      (dict(segments=[(0, 0, 10)], num_bytes=10), "segments replace num_bytes"),
+                      (dict(segments=[(0, 0, 10), (0, 4 * CHUNK - 5, 10)]), "segment 1: src bytes"),
+                      (dict(segments=[(0, 0, 0)]), "segment 0: .*num_bytes > 0")):
+        with pytest.raises(ConfigError, match=match):
+            engine.submit(req(Link.H2D, src, dst, **kw))
+        assert engine.pending_chunks(Link.H2D) == 0
+    with DirectFile(tmp_path / "d.tpnvme", 4 * CHUNK) as f:
+        with pytest.raises(ConfigError, match="only ordered on memory links"):
+            engine.submit(req(Link.DISK2H, f.region(0, 4 * CHUNK), cpu.alloc_host(4 * CHUNK).tensor,
+                              segments=[(0, 0, 4096)], before_segment=lambda i: None))
+        assert engine.pending_chunks(Link.DISK2H) == 0
