@@ -9,8 +9,9 @@ view, the caller moves the bytes, and `complete_load(ok, event)` publishes them.
 
 With `slot_window=True` every physical slot is also mapped, for the pool's lifetime, at its own address in
 one extra range (the slot window). `prepare_load(..., via_window=True)` then returns the slot's window view:
-the copy can start at once and the expert's range is mapped (`map_reserved`) beside it on another thread;
-both must be done before `complete_load(ok=True)`. Kernels only ever read through expert ranges.
+the copy can start at once and the expert's range is mapped (`map_reserved`) beside it (the loader does it in
+the copy link worker's waits); both must be done before `complete_load(ok=True)`. Kernels only ever read through
+expert ranges.
 
 Invariants (each has a test in tests/runtime/test_slots.py):
   I1 stable address: `layer_tensor(l).data_ptr()` never changes between construction and close.
@@ -265,8 +266,8 @@ class ExpertSlotPool:
             if ok:
                 en.state, en.load_event = ExpertState.RESIDENT, event or completed_event()
                 self._num_resident[layer] += 1
-                if event is not None:
-                    self._unsettled.append(event)
+                if event is not None:  # kept while still copying (wait_published); done ones dropped here too
+                    self._unsettled = [ev for ev in (*self._unsettled, event) if not ev.query()]
                 return
             self._release_locked(layer, expert, en)
 

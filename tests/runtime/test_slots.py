@@ -527,3 +527,21 @@ def test_all_resident_layers_wait_for_loads_published_while_copying(env, monkeyp
         pool.prepare_load(0, e)
         pool.complete_load(0, e, True)
     assert experts.all_resident(0) and waited == [True]
+
+
+def test_only_loads_still_copying_are_kept_for_wait_published(env, pool) -> None:
+    """Regression (review): every published load's event was kept until a wait_published call, which a pool that
+    never has a whole layer resident never makes: one entry per load, for good. Done copies are not kept, and
+    those that finish are dropped at the next publish."""
+    for e in range(2):
+        pool.prepare_load(0, e)
+        pool.complete_load(0, e, True, event=HostEvent(done=True))  # published once its copy was done
+    assert pool._unsettled == []
+    copying = env.event()
+    pool.prepare_load(0, 2)
+    pool.complete_load(0, 2, True, event=copying)
+    assert pool._unsettled == [copying]
+    copying.set()
+    pool.prepare_load(0, 3)
+    pool.complete_load(0, 3, True, event=HostEvent(done=True))
+    assert pool._unsettled == []
