@@ -119,6 +119,9 @@ def check_exact(
     expert_map_in: Annotated[str, typer.Option(
         help="Second run: who maps a loading expert: 'link' (the link worker, in its waits beside a copy "
              "through the slot window; the default) or 'worker' (the link worker, before the copy).")] = "link",
+    expert_poison: Annotated[bool, typer.Option(
+        help="Second run: absent experts' ranges read as NaN poison instead of unmapped (a stray read "
+             "faults).")] = False,
 ) -> None:
     """Same prompts twice: all resident + KV on GPU, then F resident + KV spilled to CPU/NVMe; compare bits."""
     from runtime.engine.config import load_hf_config
@@ -135,7 +138,8 @@ def check_exact(
             raise typer.BadParameter(f"{expert_map_in!r}; expected one of {', '.join(map(repr, MAP_IN))}",
                                      param_hint="--expert-map-in")
         r = run_exact_check(spec, resident_frac, device.value, num_prompts=prompts, new_tokens=new_tokens,
-                            seed=seed, workdir=workdir, expert_map_in=expert_map_in)  # type: ignore[arg-type]
+                            seed=seed, workdir=workdir, expert_map_in=expert_map_in,  # type: ignore[arg-type]
+                            expert_poison=expert_poison)
     except ConfigError as exc:
         _io.err.print(f"error: {exc}")
         raise typer.Exit(2) from None

@@ -16,7 +16,7 @@ fi
 step() { local t=$1 log=$2; shift 2; local s=$SECONDS
   timeout "$t" "$@" > "$out/$log" 2>&1; local rc=$?
   echo "== $log rc=$rc $((SECONDS - s))s: $(tail -n 1 "$out/$log")"; }
-step 180 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime  # no pydantic needed
+step 180 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime  # the wheels above: agent taps import pydantic
 step 180 check_slots.log python3 -m api.cli check slots --remaps "$remaps" --seed 1 --device cuda
 step 480 check_tiers.log python3 -m api.cli check tiers --moves "$moves" --seed 1 --device cuda --jobs "$jobs"
 step 300 bench.log python3 -m api.cli bench substrate --device cuda --out-dir "$out"

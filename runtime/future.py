@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Sequence
 
 
 class Latch:
@@ -72,3 +73,14 @@ class OpFuture:
             raise TimeoutError(f"{self.what}: not done within {timeout_s} s")
         if self.error is not None:
             raise self.error
+
+
+def wait_all(futures: Sequence[OpFuture], timeout_s: float | None = None) -> None:
+    """Wait for every future, then raise the first error in list order. Waits for the last one first: a prefetch
+    list's loads complete in list order, so the caller wakes once instead of once per future (each wake-up takes
+    the GIL from the link worker while its copies run). `timeout_s` bounds each wait."""
+    for f in reversed(futures):
+        if not f._done.wait(timeout_s):
+            raise TimeoutError(f"{f.what}: not done within {timeout_s} s")
+    for f in futures:
+        f.wait()

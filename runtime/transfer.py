@@ -3,11 +3,11 @@
 Four links, one queue each: host->device, device->host, disk->host, host->disk. A request names its
 traffic class (expert or kv), a priority and an optional deadline; queues pop by (priority, deadline,
 arrival). A transfer of at least 2 x chunk_bytes is cut into even chunks of chunk_bytes (>= 2 MiB) to
-2 x chunk_bytes, so an urgent small transfer waits behind at most the chunks already in flight, never
-behind a whole 1 GiB stream. On a GPU each memory link owns a CUDA stream and keeps issued at most
-`max_inflight_bytes` (always at least two chunks) and `max_inflight_chunks`, so many small KV copies
-pipeline deeply while an urgent one never waits behind more than ~16 MiB; on the CPU twin a worker
-thread does the copy. Disk links are
+2 x chunk_bytes, each cut by its link's worker as it reaches it (submitting a list costs O(1) per segment), so
+an urgent small transfer waits behind at most the chunks already in flight, never behind a whole 1 GiB stream.
+On a GPU each memory link owns a CUDA stream and keeps issued at most `max_inflight_bytes` (always at least two
+chunks) and `max_inflight_chunks`, so many small KV copies pipeline deeply while an urgent one never waits
+behind more than ~16 MiB; on the CPU twin a worker thread does the copy. Disk links are
 worker threads doing aligned O_DIRECT I/O.
 
 Memory-link copies go by address (`Device.copy_range`: one cuMemcpyAsync on a GPU). A memory link's finished
@@ -36,7 +36,7 @@ import torch
 from runtime.device import Device
 from runtime.errors import ConfigError, TransferError
 from runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
-from runtime.transfer_handle import TransferHandle, _Chunk, _chunk_spans, _nbytes
+from runtime.transfer_handle import TransferHandle, _Chunk, _nbytes, _num_chunks, _Queued
 from runtime.transfer_types import (
     Buffer,
     ClassStats,
@@ -177,29 +177,22 @@ class TransferEngine(_LinkWorkers):
                                   "links (disk links run parallel workers)")
             all_segs.append(self._validate(req, checked))
         now = self.clock()
-        handles, chunks = [], []
+        handles, queued = [], []
+        cb = self.chunk_bytes
         for req, segs in zip(reqs, all_segs, strict=True):
-            prio = int(req.priority)
-            deadline = float("inf") if req.deadline_s is None else req.deadline_s
-            seg_chunks: list[int] = []
-            h_chunks: list[tuple[int, int, int, int, int, bool, bool]] = []
-            for s, (src_off, dst_off, n) in enumerate(segs):
-                spans = _chunk_spans(n, self.chunk_bytes)
-                last = len(spans) - 1
-                seg_chunks.append(len(spans))
-                h_chunks.extend((prio, s, src_off + off, dst_off + off, length, j == 0, j == last)
-                                for j, (off, length) in enumerate(spans))
-            h = TransferHandle(req, sum(n for _s, _d, n in segs), len(h_chunks), now,
+            seg_chunks = [_num_chunks(n, cb) for _s, _d, n in segs]
+            num_chunks = sum(seg_chunks)
+            h = TransferHandle(req, sum(n for _s, _d, n in segs), num_chunks, now,
                                seg_chunks if req.segments is not None else None)
             handles.append(h)
-            chunks.extend((h, deadline, c) for c in h_chunks)
+            queued.append((h, segs, num_chunks, int(req.priority),
+                           float("inf") if req.deadline_s is None else req.deadline_s))
         q = self._queues[link]
         with q.cv:
             if self._closing:  # re-checked under the queue lock: a worker may be exiting on an empty queue
                 raise TransferError("transfer engine is closed")
-            for h, deadline, (prio, seg, src_off, dst_off, length, first, last) in chunks:
-                heapq.heappush(q.heap, _Chunk((prio, deadline, next(self._seq)), h, seg, src_off, dst_off, length,
-                                              first, last))
+            for h, segs, num_chunks, prio, deadline in queued:
+                heapq.heappush(q.heap, _Queued((prio, deadline, next(self._seq)), h, segs, cb, num_chunks))
             q.cv.notify_all()  # disk links have several workers: a multi-chunk transfer should wake them all
         return handles
 
@@ -229,8 +222,9 @@ class TransferEngine(_LinkWorkers):
             }
 
     def pending_chunks(self, link: Link) -> int:
+        """Chunks queued on `link` and not yet taken by a worker."""
         with self._queues[link].cv:
-            return len(self._queues[link].heap)
+            return sum(e.left for e in self._queues[link].heap)
 
     def close(self) -> None:
         """Finish everything queued, then stop the workers; later submits (also from callbacks) are refused."""

@@ -4,7 +4,7 @@ transfer is cut into chunks. Used by `runtime.transfer`'s engine and its link wo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from runtime.device import Event, byte_range
 from runtime.errors import TransferError
@@ -68,23 +68,67 @@ class TransferHandle:
         return None if self.end_s is None else self.end_s - self.submit_s
 
 
-@dataclass(order=True, slots=True)
+@dataclass(slots=True)
 class _Chunk:
-    """A queue entry: `length_bytes` from `src_offset_bytes` of the request's src to `dst_offset_bytes` of its dst
-    (absolute), the chunk of segment `seg` that comes `first` and/or `last` in it."""
+    """One copy a worker issues: `length_bytes` from `src_offset_bytes` of the request's src to `dst_offset_bytes`
+    of its dst (absolute), the chunk of segment `seg` that comes `first` and/or `last` in it; `key` is its
+    transfer's queue key (priority, deadline, arrival)."""
 
     key: tuple[int, float, int]
-    handle: TransferHandle = field(compare=False)
-    seg: int = field(compare=False)
-    src_offset_bytes: int = field(compare=False)
-    dst_offset_bytes: int = field(compare=False)
-    length_bytes: int = field(compare=False)
-    first: bool = field(compare=False)
-    last: bool = field(compare=False)
+    handle: TransferHandle
+    seg: int
+    src_offset_bytes: int
+    dst_offset_bytes: int
+    length_bytes: int
+    first: bool
+    last: bool
+
+
+class _Queued:
+    """A submitted transfer in its link's queue, ordered by `key`. Its chunks are cut one at a time as a worker
+    reaches them (`head` is the next one), so submitting a prefetch list of many segments costs O(1) per segment
+    and the link starts copying sooner. Chunks of one transfer leave in order, back to back at equal key."""
+
+    __slots__ = ("chunk_bytes", "handle", "head", "key", "left", "seg", "segs", "span", "spans")
+
+    def __init__(self, key: tuple[int, float, int], handle: TransferHandle, segs: list[tuple[int, int, int]],
+                 chunk_bytes: int | None, num_chunks: int) -> None:
+        self.key, self.handle, self.segs, self.chunk_bytes = key, handle, segs, chunk_bytes
+        self.left = num_chunks  # chunks not yet taken, head included
+        self.seg, self.span = 0, 0
+        self.spans = _chunk_spans(segs[0][2], chunk_bytes)
+        self.head = self._cut()
+
+    def __lt__(self, other: _Queued) -> bool:
+        return self.key < other.key
+
+    def _cut(self) -> _Chunk:
+        src, dst, _n = self.segs[self.seg]
+        off, length = self.spans[self.span]
+        return _Chunk(self.key, self.handle, self.seg, src + off, dst + off, length, self.span == 0,
+                      self.span == len(self.spans) - 1)
+
+    def take(self) -> _Chunk:
+        """The head chunk; the next one becomes the head (check `left` before taking: 0 means none is left)."""
+        ch = self.head
+        self.left -= 1
+        if self.left:
+            if self.span + 1 < len(self.spans):
+                self.span += 1
+            else:
+                self.seg, self.span = self.seg + 1, 0
+                self.spans = _chunk_spans(self.segs[self.seg][2], self.chunk_bytes)
+            self.head = self._cut()
+        return ch
 
 
 def _nbytes(buf: Buffer) -> int:
     return buf.length_bytes if isinstance(buf, FileRegion) else buf.numel() * buf.element_size()
+
+
+def _num_chunks(n: int, chunk_bytes: int | None) -> int:
+    """How many chunks `_chunk_spans` cuts n bytes into (O(1): submission counts them without cutting)."""
+    return 1 if chunk_bytes is None or n < 2 * chunk_bytes else n // chunk_bytes
 
 
 def _chunk_spans(n: int, chunk_bytes: int | None) -> list[tuple[int, int]]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.device import Device, Event
-from runtime.transfer_handle import TransferHandle, _Chunk, _slice
+from runtime.transfer_handle import TransferHandle, _Chunk, _Queued, _slice
 from runtime.transfer_types import ClassStats, Link, LinkStats, Priority, TrafficClass
 
 URGENT_POLL_S = 100e-6  # with an urgent stream: how often a worker waiting on bulk copies looks at them
@@ -29,7 +29,7 @@ class _SegmentFailed(Exception):
 
 class _LinkQueue:
     def __init__(self) -> None:
-        self.heap: list[_Chunk] = []
+        self.heap: list[_Queued] = []  # transfers; each gives its chunks one at a time (`_Queued.take`)
         self.idle: list[tuple[int, float, int, Callable[[], None]]] = []  # (priority, deadline, seq, job)
         self.cv = threading.Condition()
 
@@ -234,14 +234,17 @@ class _LinkWorkers:
                 # Always two in flight: the next request's before_issue hook (a slot remap, ~60 µs) then runs
                 # while the link is still busy with the previous one.
                 if q.heap and (
-                    self._bypasses(link, q.heap[0])
+                    self._bypasses(link, q.heap[0].head)
                     or len(inflight) < 2
                     or (
                         len(inflight) < self.max_inflight_chunks
-                        and inflight_bytes + q.heap[0].length_bytes <= self.max_inflight_bytes
+                        and inflight_bytes + q.heap[0].head.length_bytes <= self.max_inflight_bytes
                     )
                 ):
-                    ch = heapq.heappop(q.heap)
+                    top = q.heap[0]
+                    ch = top.take()
+                    if not top.left:
+                        heapq.heappop(q.heap)
                 elif not q.heap and not inflight and not urgent and not q.idle:
                     if link in self._retire_queues:
                         self._retire_queues[link].put(None)  # the retire thread ends after what is queued
@@ -254,7 +257,7 @@ class _LinkWorkers:
                     # Never block on a bulk copy here: an urgent KV chunk submitted meanwhile (submit notifies
                     # the queue) is issued at once instead of after the oldest bulk chunk.
                     with q.cv:
-                        if not (q.heap and self._bypasses(link, q.heap[0])):
+                        if not (q.heap and self._bypasses(link, q.heap[0].head)):
                             q.cv.wait(URGENT_POLL_S)
                     continue
                 done_ch, ev = (urgent or inflight).popleft()  # an urgent copy is short: wait for it first

@@ -203,16 +203,27 @@ class ExpertSlotPool:
         if via_window and self._window is None:
             raise ConfigError("prepare_loads(via_window=True) needs a pool made with slot_window=True")
         with self._lock:
-            entries = [self._entry(layer, e) for e in experts]
+            row = self._entries[layer] if 0 <= layer < self.layout.num_layers else None
+            num_experts = self.layout.num_experts
+            for e in experts:  # validate all first: a refusal reserves nothing
+                if row is None or not 0 <= e < num_experts:
+                    self._entry(layer, e)  # raises the precise out-of-range error
+                if row[e].state is not ExpertState.ABSENT:
+                    raise BusyError(f"prepare_loads: expert ({layer}, {e}) is {row[e].state.value}")
             if len(set(experts)) != len(experts):
                 raise ConfigError(f"prepare_loads: layer {layer} experts {experts} repeat an expert")
-            for e, en in zip(experts, entries, strict=True):
-                if en.state is not ExpertState.ABSENT:
-                    raise BusyError(f"prepare_loads: expert ({layer}, {e}) is {en.state.value}")
             if len(experts) > len(self._free):
                 raise CapacityError(f"prepare_loads: {len(experts)} experts need slots, {len(self._free)} of "
                                     f"{self.num_slots} are free; unmap experts first")
-            slots = [self._bind_free_slot_locked(layer, e, en, False) for e, en in zip(experts, entries, strict=True)]
+            if row is None:  # no experts asked (a bad layer raised above)
+                return []
+            free, owner, loading = self._free, self._slot_owner, ExpertState.LOADING
+            slots = [free.pop() for _ in experts]
+            for e, slot in zip(experts, slots, strict=True):  # _bind_free_slot_locked, inlined for long lists
+                owner[slot] = (layer, e)
+                en = row[e]
+                en.state, en.slot, en.readers, en.mapped = loading, slot, [], False
+            self.remaps += len(experts)
         stride = self.layout.stride_bytes
         if via_window:
             assert self._window is not None

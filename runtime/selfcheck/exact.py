@@ -54,7 +54,8 @@ def auto_block_tokens(spec: ModelSpec, at_least: int = 16) -> int:
 def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", num_prompts: int = 3,
                     max_prompt_len: int = 40, new_tokens: int = 8, seed: int = 0,
                     workdir: str | Path | None = None, decode_kernel: bool | None = None,
-                    decode_graphs: bool | None = None, expert_map_in: MapIn = "link") -> ExactResult:
+                    decode_graphs: bool | None = None, expert_map_in: MapIn = "link",
+                    expert_poison: bool = False) -> ExactResult:
     rng = random.Random(seed)
     prompts = [[rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, max_prompt_len))]
                for _ in range(num_prompts)]
@@ -69,7 +70,7 @@ def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", 
                                  kv_gpu_blocks=per_seq * num_prompts, kv_cpu_blocks=max(1, per_seq * num_prompts // 2),
                                  kv_nvme_blocks=per_seq * num_prompts, spill_kv_every_step=True, seed=seed,
                                  decode_kernel=decode_kernel, decode_graphs=decode_graphs, workdir=wd / "tight",
-                                 expert_map_in=expert_map_in)
+                                 expert_map_in=expert_map_in, expert_poison=expert_poison)
         runs = []
         for cfg in (full_cfg, tight_cfg):
             eng = ReferenceEngine(spec, dev, cfg)

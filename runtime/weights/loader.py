@@ -123,8 +123,8 @@ class ExpertLoadHandler:
                 raise ConfigError("load: the expert loader is closed")
             dsts = self.pool.prepare_loads(layer, experts, via_window=windowed)
             self._inflight += len(experts)
-        loads = [_Load(layer, e, OpFuture(f"load of expert ({layer}, {e}) from {store.value}"), 1 + windowed)
-                 for e in experts]
+        src, parts = store.value, 1 + windowed
+        loads = [_Load(layer, e, OpFuture(f"load of expert ({layer}, {e}) from {src}"), parts) for e in experts]
         return loads, dsts[0][0], [off for _t, off in dsts]
 
     def _abandon(self, loads: list[_Load]) -> None:
@@ -206,7 +206,7 @@ class ExpertLoadHandler:
             return []
         pinned, n = self.pinned, self.pool.layout.expert_bytes
         loads, dst, dst_offs = self._begin(layer, experts, StoreKind.PINNED)
-        segments = [(pinned.offset(layer, e), off, n) for e, off in zip(experts, dst_offs, strict=True)]
+        segments = [(src_off, off, n) for src_off, off in zip(pinned.offsets(layer, experts), dst_offs, strict=True)]
         try:
             self.engine.submit(self._h2d_request(loads, pinned.buffer, dst, segments, priority, deadline_s))
         except Exception:  # refused before any byte moved: give every slot back

@@ -82,6 +82,15 @@ class PinnedExpertStore:
     def offset(self, layer: int, expert: int) -> int:
         return self.records.offset(layer, expert)
 
+    def offsets(self, layer: int, experts: list[int]) -> list[int]:
+        """`offset` of each of a layer's experts (a prefetch list: the range is checked once per expert, cheaply)."""
+        rec = self.records
+        if experts and not (0 <= layer < rec.num_layers and all(0 <= e < rec.num_experts for e in experts)):
+            for e in experts:
+                rec.index(layer, e)  # raises for the first one out of range
+        base = layer * rec.num_experts
+        return [(base + e) * rec.record_bytes for e in experts]
+
     def expert(self, layer: int, expert: int) -> torch.Tensor:
         """Host view of the expert's bytes [format.num_bytes]."""
         off = self.records.offset(layer, expert)

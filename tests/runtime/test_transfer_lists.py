@@ -205,3 +205,26 @@ def test_bad_segments_are_refused_and_queue_nothing(engine, cpu, rand, tmp_path)
             engine.submit(req(Link.DISK2H, f.region(0, 4 * CHUNK), cpu.alloc_host(4 * CHUNK).tensor,
                               segments=[(0, 0, 4096)], before_segment=lambda i: None))
         assert engine.pending_chunks(Link.DISK2H) == 0
+
+
+def test_a_queued_transfer_cuts_its_segments_into_the_chunks_chunk_spans_gives_in_order() -> None:
+    """Submission only counts chunks (`_num_chunks`); the worker cuts them one at a time (`_Queued.take`): the
+    same chunks, offsets and first/last flags as cutting every segment up front."""
+    from runtime.transfer_handle import _chunk_spans, _num_chunks, _Queued
+
+    mib = 1 << 20
+    for cb in (None, 2 * mib, 8 * mib):
+        for n in (1, 4096, 2 * mib - 1, 2 * mib, 4 * mib - 4096, 4 * mib, 9 * mib, 16 * mib, 16 * mib + 7,
+                  1 << 30):
+            assert _num_chunks(n, cb) == len(_chunk_spans(n, cb)), (n, cb)
+    segs = [(0, 100, 9 * mib), (1 << 30, 0, 2 * mib), (5, 7, 40 * mib + 4096), (3, 3, 17 * mib)]
+    cb = 8 * mib
+    want = [(s, src + off, dst + off, length, j == 0, j == len(spans) - 1)
+            for s, (src, dst, n) in enumerate(segs) for spans in [_chunk_spans(n, cb)]
+            for j, (off, length) in enumerate(spans)]
+    q = _Queued((0, float("inf"), 0), None, segs, cb, len(want))  # type: ignore[arg-type]
+    got = []
+    while q.left:
+        ch = q.take()
+        got.append((ch.seg, ch.src_offset_bytes, ch.dst_offset_bytes, ch.length_bytes, ch.first, ch.last))
+    assert got == want

@@ -110,6 +110,10 @@ def test_nvme_store_reopens_from_its_index_and_matches_pinned(tmp_path: Path, de
             nvme.verify(layer, e, buf.tensor)
             assert checksum(buf.tensor[: MIXED.num_bytes]) == pinned.checksum(layer, e)
     assert nvme.format == MIXED
+    assert pinned.offsets(1, [3, 0]) == [pinned.offset(1, 3), pinned.offset(1, 0)] and pinned.offsets(0, []) == []
+    for layer, experts in ((1, [0, 4]), (2, [0]), (0, [-1])):
+        with pytest.raises(ConfigError, match="out of range"):
+            pinned.offsets(layer, experts)
     with pytest.raises(ConfigError, match="index"):
         NvmeExpertStore(tmp_path / "missing.bin")
     nvme.close()
@@ -119,8 +123,7 @@ def test_nvme_store_reopens_from_its_index_and_matches_pinned(tmp_path: Path, de
 @pytest.fixture(params=["worker", "link", "worker/issued", "link/issued"])
 def map_in(request: pytest.FixtureRequest) -> str:
     """Where a load's slot is mapped (by the link's worker before the copy, or beside it in the worker's waits)
-    and, after a
-    slash, when it is published (default: once its copy is done; "issued": once the copy is issued)."""
+    and, after a slash, when it is published (default: once its copy is done; "issued": once the copy is issued)."""
     return request.param
 
 
@@ -322,10 +325,12 @@ def test_load_many_is_byte_exact_and_reserves_all_or_nothing(tmp_path: Path, dev
     before = engine.stats()
     for experts, err, match in (([1, 1], ConfigError, "repeat"), ([1, 0], BusyError, r"\(1, 0\) is resident"),
                                 ([1, 2], CapacityError, "2 experts need slots, 1 of 4"),
-                                ([1, 9], ConfigError, "out of range")):
+                                ([1, 9], ConfigError, "out of range"), ([1, -1], ConfigError, "out of range")):
         with pytest.raises(err, match=match):
             loader.load_many(1, experts)
         assert pool.state(1, 1) is ExpertState.ABSENT and pool.num_free_slots == 1
+    with pytest.raises(ConfigError, match=r"expert \(7, 1\) out of range"):
+        loader.load_many(7, [1])
     assert engine.stats() == before and loader.stats()["loads_ok"] == 3
     assert loader.load_many(0, []) == []
     pool.check_invariants()
