@@ -59,6 +59,25 @@ def timed(dev: Device, fn: Callable[[], Any], reps: int, warmup: int = 2,
     return statistics.median(times)
 
 
+def timed_in_turn(dev: Device, jobs: list[tuple[Callable[[], Any], Callable[[], Any] | None]], reps: int,
+                  warmup: int = 2) -> list[float]:
+    """Median wall seconds of each (fn, setup) job, the jobs timed one after another within every repetition
+    (setup() untimed before its fn, the device synchronized around each): a slow spell of the machine then hits
+    a measurement and its baseline alike, which is what a ratio between them needs."""
+    times: list[list[float]] = [[] for _ in jobs]
+    for rep in range(warmup + reps):
+        for (fn, setup), out in zip(jobs, times, strict=True):
+            if setup is not None:
+                setup()
+            dev.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            dev.synchronize()
+            if rep >= warmup:
+                out.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def raw_copy_gbps(dev: Device, num_bytes: int, reps: int, to_device: bool = True, count: int = 1) -> float:
     """Plain pinned copies on one stream, `count` of `num_bytes` back to back (the baseline)."""
     host = dev.alloc_host(num_bytes * count)
@@ -95,12 +114,18 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertSto
     every future is done and the device is synchronized (with publish="issued" a future is done once its copy
     is issued, so the synchronize is what waits for the bytes; the raw copies end the same way).
     Not timed: unmapping the previous round's experts (eviction happens off this path).
+    Raw: the same experts' bytes from the same pinned store into a plain device buffer, one copy each on one
+    stream, timed in turn with the lists (each repetition times a list, then the raw copies).
     Also reported, per pipelined load: where the host->device worker (and its retire thread) spent their time.
     """
     fmt = store.format
-    pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, fmt.num_bytes, batch, poison_unmapped=poison_unmapped,
+    n = fmt.num_bytes
+    pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, n, batch, poison_unmapped=poison_unmapped,
                           slot_window=map_in != "worker")
     loader = ExpertLoadHandler(pool, engine, pinned=store, map_in=map_in, publish=publish)
+    srcs = [store.buffer[off : off + n] for off in store.offsets(0, list(range(batch)))]  # [n] each
+    dsts = dev.alloc(n * batch).view(batch, n)  # [batch, n]
+    stream = dev.new_stream()
 
     def evict_all() -> None:
         for e in pool.resident_experts(0):
@@ -110,19 +135,22 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertSto
         wait_all(loader.load_many(0, list(range(batch))) if submit == "list" else
                  [loader.load(0, e, StoreKind.PINNED) for e in range(batch)])
 
+    def raw_all() -> None:
+        for i, src in enumerate(srcs):
+            dev.copy(dsts[i], src, stream)
+
     def load_one() -> None:
         loader.load(0, 0, StoreKind.PINNED).wait()
 
     before = engine.stats()["links"]["h2d"]
     # 20 lists after 5 warm-up lists: the median rides out a lease's hiccups and a cold start's first remaps
-    batch_s = timed(dev, load_all, reps * 2, warmup=5, setup=evict_all)
+    batch_s, raw_s = timed_in_turn(dev, [(load_all, evict_all), (raw_all, None)], reps * 2, warmup=5)
     after, num_loads = engine.stats()["links"]["h2d"], (reps * 2 + 5) * batch  # warm-ups included
     worker_us = {k.removesuffix("_s"): (after[k] - before[k]) / num_loads * 1e6 for k in WORKER_PHASES}
     one_s = timed(dev, load_one, reps * 2, setup=evict_all)
-    raw = raw_copy_gbps(dev, fmt.num_bytes, reps * 2, count=batch)
     loader.close()
     pool.close()
-    n = fmt.num_bytes
+    raw = n * batch / raw_s / 1e9
     return {"expert_bytes": n, "batch": batch, "pipelined_gbps": n * batch / batch_s / 1e9,
             "single_gbps": n / one_s / 1e9, "single_ms": one_s * 1e3, "raw_gbps": raw,
             "pipelined_ratio": n * batch / batch_s / 1e9 / raw, "map_in": map_in, "submit": submit, "publish": publish,

@@ -55,10 +55,10 @@ class EngineConfig:
     # Absent experts' ranges (runtime/memory/slots.py I5): unmapped (False), so a stray read faults with an illegal
     # address and a load maps with two driver calls; or mapped to a read-only NaN poison page (True), so a stray
     # read shows NaN, at one more driver call (~30 µs while copies run) per load and per eviction. Loads of
-    # 16 x 9 MiB on the H200 (run 27, 5 rounds in one process): 0.86-0.95 of raw unmapped, 0.73-0.94 poisoned.
+    # 16 x 9 MiB on the H200 (run 28, 6 rounds in one process): 0.89-0.95 of raw unmapped, 0.68-0.94 poisoned.
     expert_poison: bool = False
     # The transfer engine accounts finished copies (and publishes loads) on each memory link's worker (False) or on
-    # a retire thread beside it (True), which contends with the worker for the GIL.
+    # a retire thread beside it (True), which contends with the worker for the GIL: 0.84-0.93 in the same rounds.
     transfer_retire_thread: bool = False
     block_tokens: int = 16
     kv_gpu_blocks: int = 256
