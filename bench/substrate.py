@@ -39,26 +39,6 @@ from runtime.weights.stores import PinnedExpertStore
 MiB = 1 << 20
 
 
-def timed(dev: Device, fn: Callable[[], Any], reps: int, warmup: int = 2,
-           setup: Callable[[], Any] | None = None) -> float:
-    """Median wall seconds of fn() with the device synchronized around each call; setup() runs untimed."""
-    for _ in range(warmup):
-        if setup is not None:
-            setup()
-        fn()
-    dev.synchronize()
-    times = []
-    for _ in range(reps):
-        if setup is not None:
-            setup()
-            dev.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        dev.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def timed_in_turn(dev: Device, jobs: list[tuple[Callable[[], Any], Callable[[], Any] | None]], reps: int,
                   warmup: int = 2) -> list[float]:
     """Median wall seconds of each (fn, setup) job, the jobs timed one after another within every repetition
@@ -76,6 +56,12 @@ def timed_in_turn(dev: Device, jobs: list[tuple[Callable[[], Any], Callable[[], 
             if rep >= warmup:
                 out.append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]
+
+
+def timed(dev: Device, fn: Callable[[], Any], reps: int, warmup: int = 2,
+          setup: Callable[[], Any] | None = None) -> float:
+    """Median wall seconds of fn() with the device synchronized around each call; setup() runs untimed."""
+    return timed_in_turn(dev, [(fn, setup)], reps, warmup)[0]
 
 
 def raw_copy_gbps(dev: Device, num_bytes: int, reps: int, to_device: bool = True, count: int = 1) -> float:
