@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from runtime.device import Device, HostEvent
-from runtime.future import OpFuture
+from runtime.engine.engine import EngineConfig
+from runtime.future import OpFuture, wait_all
 from runtime.memory.backend import make_backend
 from runtime.memory.slots import ExpertSlotPool
 from runtime.transfer import Link, TrafficClass, TransferEngine, TransferRequest
@@ -71,12 +72,14 @@ def _gpu_call_costs(dev: Device, num_bytes: int, n: int) -> dict[str, float]:
 
 @contextmanager
 def _gated_loader(dev: Device, store: PinnedExpertStore, batch: int) -> Iterator[Callable[[Submit], None]]:
-    """A one-layer pool of `batch` slots and a loader over `store`. Yields `gated(submit)`: it runs
-    `submit(loader)` (which returns the load futures) while the link's worker is held back by a gate, so only
-    submission runs, then lets the worker go, waits for the loads and evicts them."""
-    pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, store.format.num_bytes, batch)
-    engine = TransferEngine(dev)
-    loader = ExpertLoadHandler(pool, engine, pinned=store)
+    """A one-layer pool of `batch` slots and a loader over `store`, set up as the reference engine sets them up.
+    Yields `gated(submit)`: it runs `submit(loader)` (which returns the load futures) while the link's worker is
+    held back by a gate, so only submission runs, then lets the worker go, waits for the loads and evicts them."""
+    cfg = EngineConfig()
+    pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, store.format.num_bytes, batch,
+                          poison_unmapped=cfg.expert_poison, slot_window=cfg.expert_map_in != "worker")
+    engine = TransferEngine(dev, retire_thread=cfg.transfer_retire_thread)
+    loader = ExpertLoadHandler(pool, engine, pinned=store, map_in=cfg.expert_map_in, publish=cfg.expert_publish)
     gate_src, gate_dst = torch.zeros(4096, dtype=torch.uint8), dev.alloc(4096)
 
     def gated(submit: Submit) -> None:
@@ -86,8 +89,7 @@ def _gated_loader(dev: Device, store: PinnedExpertStore, batch: int) -> Iterator
             futs = submit(loader)
         finally:
             gate.set()
-        for f in futs:
-            f.wait(60)
+        wait_all(futs, 60)
         for e in pool.resident_experts(0):
             pool.unmap(0, e)
 

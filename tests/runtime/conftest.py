@@ -1,5 +1,6 @@
 """Fixtures and helpers of the transfer engine's tests (test_transfer*.py): a CPU engine with 2 MiB chunks, with
-finished chunks retired inline or on the retire thread, and gates that hold a link's worker."""
+finished chunks retired inline or on the retire thread, and gates that hold a link's worker; and the mixed-dtype
+expert format of the store and loader tests."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -15,10 +16,16 @@ from runtime.transfer import (
     TransferEngine,
     TransferRequest,
 )
+from runtime.weights.format import ExpertFormat
 
 MiB = 1 << 20
 CHUNK = 2 * MiB
 T = 10.0  # bound on every wait: a hang fails the test instead of freezing the suite
+# An expert of every dtype a store must move byte-exactly: bf16, fp8, packed fp4 bytes, fp32 scales.
+MIXED = ExpertFormat.from_shapes(
+    [("w_bf16", (24, 40), "bfloat16"), ("w_fp8", (40, 24), "float8_e4m3fn"), ("w_fp4_packed", (24, 20), "uint8"),
+     ("scale", (3,), "float32")]
+)
 
 
 @pytest.fixture(params=[False, True], ids=["inline-retire", "retire-thread"])
