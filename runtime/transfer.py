@@ -29,6 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from operator import index
 from typing import Any
 
 import torch
@@ -135,7 +136,11 @@ class TransferEngine(_LinkWorkers):
                 raise ConfigError(f"{req.link.value} transfer: segments replace num_bytes and the byte offsets")
             if not req.segments:
                 raise ConfigError(f"{req.link.value} transfer: segments is empty")
-            segs = req.segments
+            try:  # a copy: the worker cuts chunks from it later, whatever the caller does with its list meanwhile
+                segs = [(index(s), index(d), index(n)) for s, d, n in req.segments]
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{req.link.value} transfer: segments must be (src_offset, dst_offset, num_bytes) "
+                                  f"integer triples: {exc}") from None
         elif req.num_bytes is None:
             if req.src_offset_bytes or req.dst_offset_bytes:
                 raise ConfigError(f"{req.link.value} transfer: byte offsets need num_bytes")

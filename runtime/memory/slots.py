@@ -205,18 +205,19 @@ class ExpertSlotPool:
         with self._lock:
             row = self._entries[layer] if 0 <= layer < self.layout.num_layers else None
             num_experts = self.layout.num_experts
-            for e in experts:  # validate all first: a refusal reserves nothing
+            for e in experts:  # validate all first (range, repeats, then state): a refusal reserves nothing
                 if row is None or not 0 <= e < num_experts:
                     self._entry(layer, e)  # raises the precise out-of-range error
-                if row[e].state is not ExpertState.ABSENT:
-                    raise BusyError(f"prepare_loads: expert ({layer}, {e}) is {row[e].state.value}")
+            if row is None:  # no experts asked (a bad layer raised above)
+                return []
             if len(set(experts)) != len(experts):
                 raise ConfigError(f"prepare_loads: layer {layer} experts {experts} repeat an expert")
+            for e in experts:
+                if row[e].state is not ExpertState.ABSENT:
+                    raise BusyError(f"prepare_loads: expert ({layer}, {e}) is {row[e].state.value}")
             if len(experts) > len(self._free):
                 raise CapacityError(f"prepare_loads: {len(experts)} experts need slots, {len(self._free)} of "
                                     f"{self.num_slots} are free; unmap experts first")
-            if row is None:  # no experts asked (a bad layer raised above)
-                return []
             free, owner, loading = self._free, self._slot_owner, ExpertState.LOADING
             slots = [free.pop() for _ in experts]
             for e, slot in zip(experts, slots, strict=True):  # _bind_free_slot_locked, inlined for long lists

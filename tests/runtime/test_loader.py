@@ -235,7 +235,8 @@ def test_load_many_is_byte_exact_and_reserves_all_or_nothing(tmp_path: Path, dev
     for e in (5, 0, 3):
         assert checksum(pool.expert_tensor(1, e)) == pinned.checksum(1, e)
     before = engine.stats()
-    for experts, err, match in (([1, 1], ConfigError, "repeat"), ([1, 0], BusyError, r"\(1, 0\) is resident"),
+    for experts, err, match in (([1, 1], ConfigError, "repeat"), ([0, 0], ConfigError, "repeat"),
+                                ([1, 0], BusyError, r"\(1, 0\) is resident"),
                                 ([1, 2], CapacityError, "2 experts need slots, 1 of 4"),
                                 ([1, 9], ConfigError, "out of range"), ([1, -1], ConfigError, "out of range")):
         with pytest.raises(err, match=match):

@@ -196,7 +196,9 @@ def test_bad_segments_are_refused_and_queue_nothing(engine, cpu, rand, tmp_path)
     for kw, match in ((dict(segments=[]), "segments is empty"),
                       (dict(segments=[(0, 0, 10)], num_bytes=10), "segments replace num_bytes"),
                       (dict(segments=[(0, 0, 10), (0, 4 * CHUNK - 5, 10)]), "segment 1: src bytes"),
-                      (dict(segments=[(0, 0, 0)]), "segment 0: .*num_bytes > 0")):
+                      (dict(segments=[(0, 0, 0)]), "segment 0: .*num_bytes > 0"),
+                      (dict(segments=[(0, 0, 10.0)]), "integer triples"),
+                      (dict(segments=[(0, 10)]), "integer triples")):
         with pytest.raises(ConfigError, match=match):
             engine.submit(req(Link.H2D, src, dst, **kw))
         assert engine.pending_chunks(Link.H2D) == 0
@@ -228,3 +230,25 @@ def test_a_queued_transfer_cuts_its_segments_into_the_chunks_chunk_spans_gives_i
         ch = q.take()
         got.append((ch.seg, ch.src_offset_bytes, ch.dst_offset_bytes, ch.length_bytes, ch.first, ch.last))
     assert got == want
+
+
+def test_a_queued_list_moves_the_segments_it_was_submitted_with(engine, gate, rand) -> None:
+    """The engine keeps its own copy of a list's segments (numpy integers taken as ints): a caller that reuses or
+    edits its list while the transfer waits in the queue changes nothing that moves."""
+    import numpy as np
+
+    hold = gate()
+    blocker = rand(4096)
+    h0 = engine.submit(req(Link.H2D, blocker, torch.empty_like(blocker), after=hold))
+    wait_until(lambda: h0.start_s is not None, T, "worker held")
+    src, dst = rand(3 * CHUNK), rand(3 * CHUNK)
+    before = dst.clone()
+    segs = [(0, 0, 4096), (np.int64(4096), np.int32(CHUNK), np.int64(CHUNK + 5))]
+    h = engine.submit(req(Link.H2D, src, dst, segments=segs))
+    segs[1] = (0, 2 * CHUNK, 4096)  # edited after submit: must not matter
+    segs.pop(0)
+    hold.set()
+    assert h.wait(T).ok and h.num_bytes == CHUNK + 4101 and type(h.num_bytes) is int
+    assert torch.equal(dst[:4096], src[:4096]) and torch.equal(dst[CHUNK : 2 * CHUNK + 5], src[4096 : CHUNK + 4101])
+    assert torch.equal(dst[4096:CHUNK], before[4096:CHUNK])
+    assert torch.equal(dst[2 * CHUNK + 5 :], before[2 * CHUNK + 5 :])
