@@ -274,13 +274,14 @@ _DEFAULT = LoadConfig(8 * MiB, 16 * MiB)
 _POISON = replace(_DEFAULT, poison_unmapped=True)  # absent experts read as NaN: one more driver call per load
 _RETIRE = replace(_DEFAULT, retire_thread=True)
 _BEFORE = replace(_DEFAULT, map_in="worker")  # each range mapped before its copy (the default until run 19)
+_OTHER_PUBLISH = replace(_DEFAULT, publish="done" if _DEFAULT.publish == "issued" else "issued")
 _DEEP = replace(_DEFAULT, max_inflight_bytes=64 * MiB, urgent_stream=True)
 LOAD_CONFIG_SETS: dict[str, list[LoadConfig]] = {
     "default": [_DEFAULT],
     "urgent-stream": [_DEFAULT, _DEEP],
-    "map-in": [_DEFAULT, replace(_DEFAULT, publish="issued"), _BEFORE, replace(_BEFORE, publish="issued")],
+    "map-in": [_DEFAULT, _OTHER_PUBLISH, _BEFORE, replace(_BEFORE, publish=_OTHER_PUBLISH.publish)],
     "submit": [_DEFAULT, _POISON, _RETIRE, replace(_POISON, retire_thread=True), replace(_DEFAULT, submit="each")],
-    "all": [_DEFAULT, _POISON, _RETIRE, _BEFORE, replace(_DEFAULT, publish="issued"), _DEEP],
+    "all": [_DEFAULT, _POISON, _RETIRE, _BEFORE, _OTHER_PUBLISH, _DEEP],
 }
 
 

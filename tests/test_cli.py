@@ -49,7 +49,7 @@ def test_bench_substrate_quick_writes_json_markdown_and_plot(tmp_path: Path) -> 
     res = json.loads((tmp_path / "substrate_cpu.json").read_text())
     assert res["expert_loads"] and res["urgent_kv"] and set(res["links"]) == {"h2d", "d2h", "h2disk", "disk2h"}
     assert all(v["ratio"] > 0 for v in res["links"].values())
-    assert {(e["map_in"], e["publish"]) for e in res["expert_loads"]} == {("link", "done"), ("worker", "done")}
+    assert {(e["map_in"], e["publish"]) for e in res["expert_loads"]} == {("link", "issued"), ("worker", "issued")}
     assert all(e["worker_us_per_load"]["issue"] > 0 for e in res["expert_loads"])
     assert "| link | engine GB/s" in (tmp_path / "substrate_cpu.md").read_text()
     assert (tmp_path / "substrate_cpu.png").read_bytes()[:4] == b"\x89PNG"

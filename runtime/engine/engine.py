@@ -47,11 +47,12 @@ class EngineConfig:
     expert_store: StoreKind = StoreKind.PINNED
     # Who maps a loading expert's range and when it is published (runtime/weights/loader.py): by default the copy
     # goes through the slot window at once, the link worker maps the range in its waits, and the expert is
-    # published once its copy is done. 9 MiB lists on the H200 (runs 20-23): 0.88-0.96 of raw pinned H2D,
-    # against 0.85-0.94 mapping before each copy; publishing once issued ("issued") gave 0.75-0.97: it puts the
-    # publishing on the link worker, which on a slow lease then falls behind the copies.
+    # published once its copy is issued, with the copy's event (readers order their stream on it: wait_ready,
+    # wait_published), so no host wake-up waits for the bytes. With finished copies accounted on the worker both
+    # modes publish there; 16 x 9 MiB lists on the H200 then read 0.944 / 0.959 published once issued against
+    # 0.857 / 0.940 once done (runs 30, 31; see bench/results/substrate_h200.md).
     expert_map_in: MapIn = "link"
-    expert_publish: Publish = "done"
+    expert_publish: Publish = "issued"
     # Absent experts' ranges (runtime/memory/slots.py I5): unmapped (False), so a stray read faults with an illegal
     # address and a load maps with two driver calls; or mapped to a read-only NaN poison page (True), so a stray
     # read shows NaN, at one more driver call (~30 µs while copies run) per load and per eviction. Loads of

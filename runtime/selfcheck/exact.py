@@ -22,7 +22,7 @@ from runtime.engine.kv_cache import block_shape
 from runtime.nvme import DIRECT_ALIGN_BYTES
 from runtime.selfcheck.common import workdir_for
 from runtime.weights.format import dtype_from_name
-from runtime.weights.loader import MapIn, StoreKind
+from runtime.weights.loader import MapIn, Publish, StoreKind
 
 
 @dataclass
@@ -55,7 +55,7 @@ def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", 
                     max_prompt_len: int = 40, new_tokens: int = 8, seed: int = 0,
                     workdir: str | Path | None = None, decode_kernel: bool | None = None,
                     decode_graphs: bool | None = None, expert_map_in: MapIn = "link",
-                    expert_poison: bool = False) -> ExactResult:
+                    expert_poison: bool = False, expert_publish: Publish = "issued") -> ExactResult:
     rng = random.Random(seed)
     prompts = [[rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, max_prompt_len))]
                for _ in range(num_prompts)]
@@ -70,7 +70,8 @@ def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", 
                                  kv_gpu_blocks=per_seq * num_prompts, kv_cpu_blocks=max(1, per_seq * num_prompts // 2),
                                  kv_nvme_blocks=per_seq * num_prompts, spill_kv_every_step=True, seed=seed,
                                  decode_kernel=decode_kernel, decode_graphs=decode_graphs, workdir=wd / "tight",
-                                 expert_map_in=expert_map_in, expert_poison=expert_poison)
+                                 expert_map_in=expert_map_in, expert_poison=expert_poison,
+                                 expert_publish=expert_publish)
         runs = []
         for cfg in (full_cfg, tight_cfg):
             eng = ReferenceEngine(spec, dev, cfg)

@@ -21,12 +21,15 @@ def tiny():
     return preset("tiny")
 
 
-@pytest.mark.parametrize(("map_in", "poison"), [("link", False), ("worker", False), ("link", True)])
+@pytest.mark.parametrize(("map_in", "poison", "publish"), [("link", False, "issued"), ("worker", False, "issued"),
+                                                            ("link", True, "issued"), ("link", False, "done")])
 def test_exact_with_a_quarter_of_experts_and_kv_spilled_every_step(tiny, tmp_path: Path, map_in: str,
-                                                                    poison: bool) -> None:
+                                                                    poison: bool, publish: str) -> None:
     """With the default (copies through the slot window, ranges mapped beside them by the link worker, absent
-    experts unmapped), with every range mapped before its copy, and with absent experts poisoned."""
-    r = run_exact_check(tiny, 0.25, workdir=tmp_path, expert_map_in=map_in, expert_poison=poison)
+    experts unmapped, loads published once issued), with every range mapped before its copy, with absent experts
+    poisoned, and with loads published once done."""
+    r = run_exact_check(tiny, 0.25, workdir=tmp_path, expert_map_in=map_in, expert_poison=poison,
+                        expert_publish=publish)  # type: ignore[arg-type]
     assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True"
     assert r.expert_misses_tight > r.expert_misses_full  # experts really moved
     assert r.kv_fetches > 0 and r.kv_spills > 0  # KV really left the GPU and came back

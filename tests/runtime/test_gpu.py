@@ -149,13 +149,14 @@ def test_engine_links_on_cuda_are_exact_and_urgent_overtakes(dev: Device, tmp_pa
     back.close()
 
 
-@pytest.mark.parametrize(("map_in", "poison"), [("link", False), ("worker", False), ("link", True)])
-def test_engine_exact_on_cuda_with_the_paged_kernel(tmp_path: Path, map_in: str, poison: bool) -> None:
+@pytest.mark.parametrize(("map_in", "poison", "publish"), [("link", False, "issued"), ("worker", False, "issued"),
+                                                            ("link", True, "issued"), ("link", False, "done")])
+def test_engine_exact_on_cuda_with_the_paged_kernel(tmp_path: Path, map_in: str, poison: bool, publish: str) -> None:
     from runtime.engine.presets import preset
     from runtime.selfcheck.exact import run_exact_check
 
     r = run_exact_check(preset("tiny"), 0.25, device="cuda", workdir=tmp_path, decode_kernel=True,
-                        expert_map_in=map_in, expert_poison=poison)
+                        expert_map_in=map_in, expert_poison=poison, expert_publish=publish)  # type: ignore[arg-type]
     assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True"
     assert r.kv_fetches > 0 and r.expert_misses_tight > r.expert_misses_full
 
