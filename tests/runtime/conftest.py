@@ -1,13 +1,20 @@
-"""Fixtures and helpers of the transfer engine's tests (test_transfer*.py): a CPU engine with 2 MiB chunks, with
-finished chunks retired inline or on the retire thread, and gates that hold a link's worker; and the mixed-dtype
-expert format of the store and loader tests."""
+"""Fixtures and helpers of the runtime's tests: for the transfer engine (test_transfer*.py) a CPU engine with 2 MiB
+chunks, with finished chunks retired inline or on the retire thread, and gates that hold a link's worker; the
+mixed-dtype expert format of the store and loader tests; and for the slot pool (test_slots*.py) pools on the memfd
+twin with the helpers that check a refusal changed nothing."""
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 from runtime.device import Device, HostEvent
+from runtime.memory.backend import LiveCounts
+from runtime.memory.host import HostBackend
+from runtime.memory.slots import POISON_BYTE, ExpertSlotPool, ExpertState
+from runtime.nvme import align_up
 from runtime.transfer import (
     ClassStats,
     Link,
@@ -65,3 +72,68 @@ def link_stats(eng: TransferEngine, link: Link) -> LinkStats:
 
 def req(link: Link, src, dst, **kw) -> TransferRequest:
     return TransferRequest(link, kw.pop("traffic", TrafficClass.EXPERT), src, dst, **kw)
+
+
+# ---- slot pool (test_slots*.py) ---------------------------------------------------------------------
+L, E, EB, S = 2, 6, 5000, 4  # layers, experts per layer, expert bytes (not a page multiple), slots
+STRIDE = align_up(EB, mmap.PAGESIZE)
+ALL = [(layer, e) for layer in range(L) for e in range(E)]
+ABSENT, LOADING, RESIDENT, EVICTING = (ExpertState.ABSENT, ExpertState.LOADING, ExpertState.RESIDENT,
+                                       ExpertState.EVICTING)
+
+
+class Env:
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.pools: list[ExpertSlotPool] = []
+        self.events: list[HostEvent] = []
+
+    def pool(self, **kw) -> ExpertSlotPool:
+        self.pools.append(ExpertSlotPool(HostBackend(), self.device, L, E, EB, S, **kw))
+        return self.pools[-1]
+
+    def event(self) -> HostEvent:
+        self.events.append(HostEvent())
+        return self.events[-1]
+
+
+@pytest.fixture
+def env(cpu):
+    en = Env(cpu)
+    yield en
+    for ev in en.events:  # unblock anything a failed test left waiting, then close
+        ev.set()
+    for p in en.pools:
+        p.close()
+        assert p.backend.live() == LiveCounts(0, 0, 0)
+
+
+@pytest.fixture
+def pool(env) -> ExpertSlotPool:
+    return env.pool()
+
+
+def load(pool: ExpertSlotPool, layer: int, e: int, data: torch.Tensor, event=None) -> None:
+    pool.prepare_load(layer, e).copy_(data)
+    pool.complete_load(layer, e, True, event)
+
+
+def snapshot(pool: ExpertSlotPool) -> tuple:
+    return (tuple((pool.state(*k), pool.slot_of(*k), pool.is_pinned(*k)) for k in ALL), pool.num_free_slots,
+            pool.remaps)
+
+
+def refused(pool: ExpertSlotPool, exc: type[BaseException], call) -> None:
+    before = snapshot(pool)
+    with pytest.raises(exc):
+        call()
+    assert snapshot(pool) == before, f"refused call changed state ({exc.__name__})"
+    pool.check_invariants()
+
+
+def stride_view(pool: ExpertSlotPool, layer: int, e: int) -> torch.Tensor:
+    return pool.layer_tensor(layer)[e * STRIDE : (e + 1) * STRIDE]  # [STRIDE], read without the checked API
+
+
+def is_poison(t: torch.Tensor) -> bool:
+    return bool((t == POISON_BYTE).all())
