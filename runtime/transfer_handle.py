@@ -135,9 +135,9 @@ def _chunk_spans(n: int, chunk_bytes: int | None) -> list[tuple[int, int]]:
     """(offset, length) of each chunk: k = n // chunk_bytes even chunks of whole pages, each in
     [chunk_bytes, 2 * chunk_bytes); the sub-page remainder goes to the last. A 9 MiB expert at 4 MiB is
     2 x 4.5 MiB, never 4 + 4 + 1. Fewer than 2 * chunk_bytes moves whole."""
-    if chunk_bytes is None or n < 2 * chunk_bytes:
+    k = _num_chunks(n, chunk_bytes)
+    if k == 1:
         return [(0, n)]
-    k = n // chunk_bytes
     pages, tail = divmod(n, DIRECT_ALIGN_BYTES)
     spans, off = [], 0
     for i in range(k):

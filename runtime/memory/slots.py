@@ -218,13 +218,7 @@ class ExpertSlotPool:
             if len(experts) > len(self._free):
                 raise CapacityError(f"prepare_loads: {len(experts)} experts need slots, {len(self._free)} of "
                                     f"{self.num_slots} are free; unmap experts first")
-            free, owner, loading = self._free, self._slot_owner, ExpertState.LOADING
-            slots = [free.pop() for _ in experts]
-            for e, slot in zip(experts, slots, strict=True):  # _bind_free_slot_locked, inlined for long lists
-                owner[slot] = (layer, e)
-                en = row[e]
-                en.state, en.slot, en.readers, en.mapped = loading, slot, [], False
-            self.remaps += len(experts)
+            slots = [self._bind_free_slot_locked(layer, e, row[e], False) for e in experts]
         stride = self.layout.stride_bytes
         if via_window:
             assert self._window is not None

@@ -43,6 +43,14 @@ class _Records:
     def offset(self, layer: int, expert: int) -> int:
         return self.index(layer, expert) * self.record_bytes
 
+    def offsets(self, layer: int, experts: list[int]) -> list[int]:
+        """`offset` of each of a layer's experts (a prefetch list: the range is checked once per expert, cheaply)."""
+        if experts and not (0 <= layer < self.num_layers and all(0 <= e < self.num_experts for e in experts)):
+            for e in experts:
+                self.index(layer, e)  # raises for the first one out of range
+        base = layer * self.num_experts
+        return [(base + e) * self.record_bytes for e in experts]
+
     def verify(self, layer: int, expert: int, data: torch.Tensor, where: str) -> None:
         want = self.checksums[self.index(layer, expert)]
         got = checksum(data[: self.format.num_bytes])
@@ -83,13 +91,7 @@ class PinnedExpertStore:
         return self.records.offset(layer, expert)
 
     def offsets(self, layer: int, experts: list[int]) -> list[int]:
-        """`offset` of each of a layer's experts (a prefetch list: the range is checked once per expert, cheaply)."""
-        rec = self.records
-        if experts and not (0 <= layer < rec.num_layers and all(0 <= e < rec.num_experts for e in experts)):
-            for e in experts:
-                rec.index(layer, e)  # raises for the first one out of range
-        base = layer * rec.num_experts
-        return [(base + e) * rec.record_bytes for e in experts]
+        return self.records.offsets(layer, experts)
 
     def expert(self, layer: int, expert: int) -> torch.Tensor:
         """Host view of the expert's bytes [format.num_bytes]."""
