@@ -17,11 +17,17 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from api import cli_eval_kv, cli_eval_predictors, cli_plan, cli_sim
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="tierplan: one HBM budget for experts and KV.")
 check_app = typer.Typer(no_args_is_help=True, help="Self-checks of the execution substrate.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; results go to bench/results/.")
 app.add_typer(check_app, name="check")
 app.add_typer(bench_app, name="bench")
+eval_app = typer.Typer(no_args_is_help=True, help="Offline evaluation of the controller's demand models on traces.")
+plan_app = typer.Typer(no_args_is_help=True, help="The controller's split optimizer.")
+app.add_typer(eval_app, name="eval")
+app.add_typer(plan_app, name="plan")
 
 class _Consoles:
     """stdout/stderr consoles, made on first use (nothing is built at import)."""
@@ -212,6 +218,13 @@ def demo(
 
     if not run_demo(_io.out, workdir, requests):
         raise typer.Exit(1)
+
+
+# Controller commands live in their own modules (one concept each, typer only at import); each adds itself here.
+cli_eval_predictors.register(eval_app)
+cli_eval_kv.register(eval_app)
+cli_plan.register(plan_app)
+cli_sim.register(app)
 
 
 def main() -> None:
