@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from controller.eval.expert_cache import cache_capacity, layer_streams, replay, step_unions
-        from controller.eval.policies import policy_factories
+        from controller.eval.policies import ReplayInputs, policy_factories
         from controller.routing_npz import RoutingTraceError, load_routing_npz
 
         if not 0.0 < cache_frac <= 1.0:
@@ -46,8 +46,9 @@ def register(app: typer.Typer) -> None:
         except RoutingTraceError as exc:
             raise _fail(str(exc)) from None
         unions = step_unions(routing, batch)
-        streams = layer_streams(unions, routing.num_layers)
-        results = {name: replay(routing, make(streams), cache_frac, batch, unions)
+        inputs = ReplayInputs(unions, layer_streams(unions, routing.num_layers), routing.num_layers,
+                              routing.num_experts, batch)
+        results = {name: replay(routing, make(inputs), cache_frac, batch, unions)
                    for name, make in policy_factories().items()}
         best_hit = results["belady"].hit_rate
         out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)

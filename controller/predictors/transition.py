@@ -146,6 +146,9 @@ class CompactTransition:
             self._table[layer, i, j] = p
             self._has[layer, i] = True
 
+    def marginal(self, layer: int) -> np.ndarray:
+        return self._marg[layer].copy()
+
     def predict(self, layer: int, src_ids: np.ndarray) -> np.ndarray:
         """[E] scores for layer + 1: mean over src of its row (missing rows: the marginal of layer + 1)."""
         src = np.asarray(src_ids, np.int64)
@@ -155,3 +158,21 @@ class CompactTransition:
             return self._marg[nxt].copy()
         rows = np.where(self._has[layer, src][:, None], self._table[layer, src], self._marg[nxt])
         return rows.mean(axis=0)
+
+
+def compact_score_stream(unions: list[list[np.ndarray]], num_layers: int, num_experts: int, chunk_steps: int = 16,
+                         top_m: int = 8) -> np.ndarray:
+    """[S, L, E] what an agent holding the last chunk's snapshot (top-m rows) predicts one layer ahead at every
+    position of a recorded stream; layer 0 gets the marginal (no same-token source). Causal by construction."""
+    table = TransitionTable(num_layers, num_experts, top_m=top_m)
+    out = np.zeros((len(unions), num_layers, num_experts))
+    for a in range(0, len(unions), chunk_steps):
+        agent = CompactTransition(table.snapshot())
+        for s in range(a, min(a + chunk_steps, len(unions))):
+            out[s, 0] = agent.marginal(0)
+            for layer in range(1, num_layers):
+                out[s, layer] = agent.predict(layer - 1, unions[s][layer - 1])
+        for s in range(a, min(a + chunk_steps, len(unions))):
+            for layer in range(num_layers):
+                table.observe(s, layer, unions[s][layer])
+    return out
