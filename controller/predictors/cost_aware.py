@@ -72,7 +72,8 @@ class CostAwarePolicy:
         keep[union] = _SERVING
         self._keep[layer] = keep
         if self._curves is not None:
-            self._curves.observe_step(layer, union, batch=1)  # one of this policy's steps, whatever its batch
+            # One of this policy's steps, whatever its batch.
+            self._curves.observe_step(layer, union, batch=1, distinct=True)
             self._loads *= 1.0 - self._budget_decay
             self._demands *= 1.0 - self._budget_decay
             self._demands += union.size

@@ -75,7 +75,7 @@ class LearnedDemandPredictor:
     """DemandPredictor: `observe` the stream, `scores(step, layer)` for the next position (see module doc)."""
 
     def __init__(self, backend: Backend | str = Backend.LOGISTIC, chunk_steps: int = 16, min_rows: int = 4000,
-                 refit_growth: float = 0.3, max_rows: int = 120_000, seed: int = 0) -> None:
+                 refit_growth: float = 0.5, max_rows: int = 60_000, seed: int = 0) -> None:
         self.backend = Backend(backend)
         self.name = f"learned-{self.backend.value}"
         self.chunk_steps, self.min_rows, self.refit_growth = chunk_steps, min_rows, refit_growth
@@ -125,11 +125,14 @@ class LearnedDemandPredictor:
         self._enter(step)
         return self.model.predict(self.signals.features(step, layer))
 
-    def score_stream(self, unions: Sequence[Sequence[np.ndarray]], num_layers: int, num_experts: int
-                     ) -> np.ndarray:
-        """[S, L, E] the online scores of every position of a recorded stream (resets this predictor)."""
+    def score_stream(self, unions: Sequence[Sequence[np.ndarray]], num_layers: int, num_experts: int,
+                     features: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """[S, L, E] the online scores of every position of a recorded stream (resets this predictor).
+        `features`: feature_stream's output for the same unions and chunk_steps, when already computed."""
         self.reset(num_layers, num_experts)
-        feats, labels = feature_stream(unions, num_layers, num_experts, self.chunk_steps)  # [S, L, E, F], [S, L, E]
+        if features is None:
+            features = feature_stream(unions, num_layers, num_experts, self.chunk_steps)
+        feats, labels = features  # [S, L, E, F], [S, L, E]
         out = np.empty(labels.shape)
         for a in range(0, labels.shape[0], self.chunk_steps):
             b = min(a + self.chunk_steps, labels.shape[0])
