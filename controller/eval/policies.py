@@ -69,7 +69,10 @@ def _learned(name: str, backend: Backend, load_ratio: float = LOAD_RATIO) -> Pol
 
 def _xlayer(r: ReplayInputs) -> ExpertCachePolicy:
     stream = compact_score_stream(r.unions, r.num_layers, r.num_experts, r.chunk_steps)
-    return CostAwarePolicy("tierplan-xlayer", RecordedScores("tierplan-xlayer", stream), load_ratio=LOAD_RATIO)
+    # Row means of a top-m table are not calibrated like the learned blend: a lower confidence floor, the same
+    # load guard.
+    return CostAwarePolicy("tierplan-xlayer", RecordedScores("tierplan-xlayer", stream), min_prob=0.1,
+                           load_ratio=LOAD_RATIO)
 
 
 def policy_factories(with_lgbm: bool = False) -> dict[str, PolicyFactory]:

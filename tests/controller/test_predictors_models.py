@@ -193,3 +193,19 @@ def test_compact_score_stream_predicts_the_mapping() -> None:
     stream = compact_score_stream(step_unions(trace, 1), 2, 8, chunk_steps=16, top_m=2)
     truth = np.array([trace.row(t, 1)[0] for t in range(200, 400)])
     assert (stream[200:, 1].argmax(axis=1) == truth).mean() > 0.8
+
+
+def test_compact_score_stream_equals_the_agent_evaluator_position_by_position() -> None:
+    trace = random_trace(9, num_tokens=90, num_layers=3, skew=0.5)
+    unions = step_unions(trace, 1)
+    stream = compact_score_stream(unions, 3, 8, chunk_steps=10, top_m=3)
+    table = TransitionTable(3, 8, top_m=3)
+    for a in range(0, 90, 10):
+        agent = CompactTransition(table.snapshot())
+        for s in range(a, a + 10):
+            assert np.allclose(stream[s, 0], agent.marginal(0))
+            for layer in range(1, 3):
+                assert np.allclose(stream[s, layer], agent.predict(layer - 1, unions[s][layer - 1]))
+        for s in range(a, a + 10):
+            for layer in range(3):
+                table.observe(s, layer, unions[s][layer])
