@@ -5,7 +5,8 @@ Runs in the controller's evaluation, and is the rule the agent applies with the 
   previous layer of the current step has routed, the demand predictor's probability p for this very step plus
   `future_weight` x its EWMA demand rate (half-life `half_life_steps` steps: use beyond this step); while a step's
   union is served its members are untouchable and the others are worth only their future use. The victim is the
-  lowest keep value (recency breaks ties).
+  lowest keep value (recency breaks ties); when a union outgrows the cache (large batches), members already
+  used in the step go first, the least useful of them.
 - Prefetch (timing: after (s, l) has routed, for the next execution position): candidates in decreasing p, each
   admitted only if p >= the confidence threshold and p >= the keep value of the victim it displaces +
   `margin` (cost-aware admission: a load is spent only where it should win more than it risks), at most the
@@ -27,7 +28,7 @@ import numpy as np
 from controller.predictors.base import DemandPredictor
 from controller.predictors.miss_ratio import MissRatioCurves
 
-_SERVING = 1e9  # keep value of an expert demanded in the step being served
+_SERVING = 1e9  # keep value offset of an expert demanded in the step being served (x2 until it has been used)
 _THRESHOLD_CEIL = 0.98
 
 
@@ -69,7 +70,7 @@ class CostAwarePolicy:
         demanded[union] = 1.0
         self._freq[layer] += self._decay * (demanded - self._freq[layer])
         keep = self._future(layer)
-        keep[union] = _SERVING
+        keep[union] += 2.0 * _SERVING
         self._keep[layer] = keep
         if self._curves is not None:
             # One of this policy's steps, whatever its batch.
@@ -83,6 +84,9 @@ class CostAwarePolicy:
     def touch(self, layer: int, expert: int, hit: bool) -> None:
         self._clock += 1.0
         self._last_used[layer, expert] = self._clock
+        if self._keep[layer, expert] >= 2.0 * _SERVING:
+            # Used for this step: it may now make room for a member still to come, the least useful first.
+            self._keep[layer, expert] -= _SERVING
         if not hit:
             self._loads += 1.0
 
