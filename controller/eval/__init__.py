@@ -1,0 +1,1 @@
+"""Offline evaluations of the controller's demand models on traces (run by `tierplan eval ...`)."""

@@ -1,0 +1,1 @@
+"""Demand models of the controller: one predictor per file, trained online (pure Python, no torch)."""
