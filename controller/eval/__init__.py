@@ -1,1 +1,1 @@
-"""Offline evaluations of the controller's demand models on traces (run by `tierplan eval ...`)."""
+"""Offline evaluation of the controller's demand models on recorded traces (pure Python + numpy; never torch)."""

@@ -1,1 +1,1 @@
-"""Demand models of the controller: one predictor per file, trained online (pure Python, no torch)."""
+"""Demand models and expert-cache policies (controller process). Pure Python + numpy/sklearn/lightgbm; never torch."""
