@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from controller.predictors.kv_features import NUM_RAW, BlockFeaturizer, Raw, next_gap_s
+from controller.predictors.kv_features import Raw, block_events, next_gap_s
 from controller.predictors.kv_reuse import KVReusePredictor, ScorerKind, make_scorer
 from controller.requests_jsonl import RequestTrace
 
@@ -33,16 +33,6 @@ DEFAULT_SCORERS = (*(k.value for k in ScorerKind), ONLINE)
 
 class EvalError(ValueError):
     """The evaluation cannot be run on this input; the message says what is missing."""
-
-
-@dataclass(frozen=True)
-class KVBlockEvents:
-    """All block events of a trace, in time order. Arrays are [E]; raw is [E, NUM_RAW]."""
-
-    times_s: np.ndarray  # since the first request
-    blocks: np.ndarray  # int64 prefix hash ids
-    request: np.ndarray  # int64 index of the request in the trace
-    raw: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -59,24 +49,6 @@ class KVReuseReport:
     kvbm_freq2_precision: float
     kvbm_freq2_recall: float
     notes: tuple[str, ...] = field(default=())  # scorers left out, and why
-
-
-def block_events(trace: RequestTrace, progress: Callable[[int], None] | None = None) -> KVBlockEvents:
-    """Featurize every block of every request of `trace` online, in time order."""
-    featurizer = BlockFeaturizer()
-    arrival_s = (trace.arrival_ms - trace.arrival_ms[0]) / 1000.0  # [R]
-    rows: list[np.ndarray] = []
-    for r, ids in enumerate(trace.hash_ids):
-        rows.append(featurizer.observe(float(arrival_s[r]), ids, int(trace.input_length[r])))
-        if progress is not None and (r + 1) % 1000 == 0:
-            progress(1000)
-    if progress is not None:
-        progress(trace.num_requests % 1000)
-    depth = np.fromiter((len(h) for h in trace.hash_ids), dtype=np.int64, count=trace.num_requests)  # [R]
-    request = np.repeat(np.arange(trace.num_requests), depth)  # [E]
-    blocks = np.fromiter((h for ids in trace.hash_ids for h in ids), dtype=np.int64, count=int(depth.sum()))
-    raw = np.concatenate(rows) if rows else np.empty((0, NUM_RAW))
-    return KVBlockEvents(times_s=arrival_s[request], blocks=blocks, request=request, raw=raw)
 
 
 def _online_scores(trace: RequestTrace, horizon_s: float, test_requests: np.ndarray,

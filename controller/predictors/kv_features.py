@@ -4,17 +4,21 @@ An *event* is one prefix block of one arriving request: block `h` at position `j
 at time `t`. `BlockFeaturizer.observe` returns the raw features of a request's events as they were known just
 before it arrived (counts, last-seen times, the running reuse rate), then folds the request into its state, so
 features never look ahead. `model_matrix` turns raw features into what the learned models read; `next_gap_s`
-gives, offline, the time from each event to the same block's next access (the label's source).
+gives, offline, the time from each event to the same block's next access (the label's source), and
+`block_events` featurizes a whole trace.
 
 Pure numpy and Python: must never import torch, runtime or agent, and keeps no state outside its objects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
+
+from controller.requests_jsonl import RequestTrace
 
 _CAP_S = 1e5  # recency beyond ~a day is "never seen" for the models (log scale saturates)
 
@@ -147,6 +151,34 @@ class BlockFeaturizer:
         stale = [h for h, t in self._last_s.items() if now_s - t > self._forget_after_s]
         for h in stale:
             del self._last_s[h], self._count[h]
+
+
+@dataclass(frozen=True)
+class KVBlockEvents:
+    """All block events of a trace, in time order. Arrays are [E]; raw is [E, NUM_RAW]."""
+
+    times_s: np.ndarray  # since the first request
+    blocks: np.ndarray  # int64 prefix hash ids
+    request: np.ndarray  # int64 index of the request in the trace
+    raw: np.ndarray
+
+
+def block_events(trace: RequestTrace, progress: Callable[[int], None] | None = None) -> KVBlockEvents:
+    """Featurize every block of every request of `trace` online, in time order (`progress` gets requests done)."""
+    featurizer = BlockFeaturizer()
+    arrival_s = (trace.arrival_ms - trace.arrival_ms[0]) / 1000.0  # [R]
+    rows: list[np.ndarray] = []
+    for r, ids in enumerate(trace.hash_ids):
+        rows.append(featurizer.observe(float(arrival_s[r]), ids, int(trace.input_length[r])))
+        if progress is not None and (r + 1) % 1000 == 0:
+            progress(1000)
+    if progress is not None:
+        progress(trace.num_requests % 1000)
+    depth = np.fromiter((len(h) for h in trace.hash_ids), dtype=np.int64, count=trace.num_requests)  # [R]
+    request = np.repeat(np.arange(trace.num_requests), depth)  # [E]
+    blocks = np.fromiter((h for ids in trace.hash_ids for h in ids), dtype=np.int64, count=int(depth.sum()))
+    raw = np.concatenate(rows) if rows else np.empty((0, NUM_RAW))
+    return KVBlockEvents(times_s=arrival_s[request], blocks=blocks, request=request, raw=raw)
 
 
 def next_gap_s(blocks: np.ndarray, times_s: np.ndarray) -> np.ndarray:

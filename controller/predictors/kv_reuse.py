@@ -9,8 +9,9 @@ known only later (reused when the block is seen again within the horizon, not wh
 and the model is refitted in chunks on the most recent resolved events. `reuse_scores(now_s)` gives the
 `Forecast.kv_reuse_scores` map (prefix hash as text -> probability).
 
-Local interface: the common predictor protocol (controller/predictors/base.py) did not exist when this was
-written; `ReuseScorer` below is the small interface these share (fit / score / name).
+Interface: controller/predictors/base.py's `DemandPredictor` is per-layer expert demand (observe step, layer,
+experts); KV reuse sees requests' prefix blocks instead, so `ReuseScorer` below is the small interface these
+scorers share (name / fit / score), and `KVReusePredictor` is named and versioned as base.py asks.
 Pure numpy + scikit-learn + LightGBM: must never import torch, runtime or agent, nor touch disk or network.
 """
 
@@ -149,6 +150,8 @@ class KVReusePredictor:
     soon as `min_fit_events` have resolved with both labels present).
     """
 
+    version = SCHEMA_VERSION
+
     def __init__(self, horizon_s: float, kind: ScorerKind | str = ScorerKind.LOGISTIC, *,
                  refit_every_events: int = 50_000, window_events: int = 200_000, min_fit_events: int = 1_000,
                  forget_after_s: float = 86_400.0) -> None:
@@ -163,6 +166,7 @@ class KVReusePredictor:
                              f"{min_fit_events}, {window_events}, {refit_every_events}")
         self.horizon_s = float(horizon_s)
         self.kind = kind
+        self.name = f"kv_reuse_{kind.value}"
         self._refit_every = refit_every_events
         self._min_fit = min_fit_events
         self._forget_after_s = max(forget_after_s, self.horizon_s)
