@@ -52,7 +52,7 @@ class KVReuseReport:
 
 
 def _online_scores(trace: RequestTrace, horizon_s: float, test_requests: np.ndarray,
-                   progress: Callable[[int], None] | None) -> tuple[np.ndarray | None, int]:
+                   progress: Callable[[int], None] | None) -> tuple[np.ndarray | None, KVReusePredictor]:
     """Probabilities the online predictor gave each block of the test requests when they arrived."""
     predictor = KVReusePredictor(horizon_s)
     arrival_s = (trace.arrival_ms - trace.arrival_ms[0]) / 1000.0
@@ -63,13 +63,13 @@ def _online_scores(trace: RequestTrace, horizon_s: float, test_requests: np.ndar
         probs = predictor.observe(float(arrival_s[r]), ids, int(trace.input_length[r]))
         if is_test[r] and ids:
             if probs is None:
-                return None, predictor.num_fits
+                return None, predictor
             scores.append(probs)
         if progress is not None and (r + 1) % 1000 == 0:
             progress(1000)
     if progress is not None:
         progress(trace.num_requests % 1000)
-    return (np.concatenate(scores) if scores else np.empty(0)), predictor.num_fits
+    return (np.concatenate(scores) if scores else np.empty(0)), predictor
 
 
 def evaluate_kv_reuse(trace: RequestTrace, horizon_s: float, scorers: Sequence[str] = DEFAULT_SCORERS,
@@ -104,14 +104,15 @@ def evaluate_kv_reuse(trace: RequestTrace, horizon_s: float, scorers: Sequence[s
     for name in scorers:
         if name == ONLINE:
             test_requests = np.unique(ev.request[test])
-            probs, num_fits = _online_scores(trace, horizon_s, test_requests, progress)
+            probs, predictor = _online_scores(trace, horizon_s, test_requests, progress)
             if probs is None:
                 notes.append(f"{ONLINE}: left out, its model was not fitted before the test half began")
                 continue
             # The predictor scored every block of the test requests; keep the test events among them.
             in_test_requests = np.isin(ev.request, test_requests)
             auc[name] = float(roc_auc_score(y_test, probs[test[in_test_requests]]))
-            notes.append(f"{ONLINE}: refitted {num_fits} times in time order")
+            outcomes = ", ".join(f"{k.value} {v}" for k, v in predictor.refit_outcomes.items())
+            notes.append(f"{ONLINE}: {predictor.num_fits} fits in time order ({outcomes})")
             continue
         scorer = make_scorer(name)
         scorer.fit(ev.raw[train], reused[train])

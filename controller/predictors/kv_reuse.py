@@ -28,7 +28,15 @@ from controller.predictors.kv_features import NUM_RAW, BlockFeaturizer, Raw, mod
 from controller.validation import MAX_ITEMS
 
 SCHEMA_VERSION = 1
+_HOLDOUT_FRAC = 0.2  # of the window: the newest resolved events a refit candidate is judged on
 _SWEEP_EVERY_REQUESTS = 10_000  # how often blocks idle past forget_after_s are dropped (bounded memory)
+
+
+class RefitOutcome(StrEnum):
+    FIRST = "first"  # no model yet: the first fit is used as is
+    PROMOTED = "promoted"  # the candidate ranked the newest events at least as well as the incumbent
+    KEPT = "kept"  # the incumbent ranked them better; the candidate is dropped
+    UNJUDGED = "unjudged"  # the newest events all had one label, so no comparison: the incumbent stays
 
 
 class ScorerKind(StrEnum):
@@ -146,8 +154,10 @@ class KVReusePredictor:
     current model's reuse probabilities for that request's blocks (None until the first fit), then books the
     request's blocks as pending events. An event is labelled reused when its block is seen again within
     `horizon_s`, and not reused once `horizon_s` passes without that. Resolved events go into a window of the
-    last `window_events`; the model is refitted every `refit_every_events` resolved events (the first fit as
-    soon as `min_fit_events` have resolved with both labels present).
+    last `window_events`; a candidate is refitted every `refit_every_events` resolved events (the first fit as
+    soon as `min_fit_events` have resolved with both labels present) and runs in shadow: it replaces the
+    model in use only if its AUC on the newest resolved events, which it did not learn from, is at least the
+    incumbent's (`refit_outcomes` counts each outcome).
     """
 
     version = SCHEMA_VERSION
@@ -183,6 +193,7 @@ class KVReusePredictor:
         self._now_s = -np.inf
         self._num_requests = 0
         self.num_fits = 0
+        self.refit_outcomes: dict[RefitOutcome, int] = dict.fromkeys(RefitOutcome, 0)
 
     @property
     def is_fitted(self) -> bool:
@@ -257,11 +268,34 @@ class KVReusePredictor:
         due = self._num_since_fit >= self._refit_every or (self._scorer is None and num >= self._min_fit)
         if not due:
             return
-        reused = self._window_reused[:num]
+        order = np.arange(num) if self._num_resolved <= num else (np.arange(num) + self._num_resolved) % num
+        if self._scorer is None:
+            train, holdout = order, order[:0]
+        else:
+            # Shadow test: the candidate learns without the newest events (all resolved after the incumbent
+            # was fitted), and replaces the incumbent only if it ranks those at least as well.
+            num_holdout = max(1, min(int(_HOLDOUT_FRAC * num), self._num_since_fit))
+            train, holdout = order[:-num_holdout], order[-num_holdout:]
+        reused = self._window_reused[train]
         if reused.all() or not reused.any():
             return
-        scorer = make_scorer(self.kind)
-        scorer.fit(self._window_raw[:num], reused)
-        self._scorer = scorer
+        candidate = make_scorer(self.kind)
+        candidate.fit(self._window_raw[train], reused)
         self._num_since_fit = 0
         self.num_fits += 1
+        outcome = self._judge(candidate, holdout)
+        self.refit_outcomes[outcome] += 1
+        if outcome in (RefitOutcome.FIRST, RefitOutcome.PROMOTED):
+            self._scorer = candidate
+
+    def _judge(self, candidate: ReuseScorer, holdout: np.ndarray) -> RefitOutcome:
+        from sklearn.metrics import roc_auc_score
+
+        if self._scorer is None:
+            return RefitOutcome.FIRST
+        y = self._window_reused[holdout]
+        if y.all() or not y.any():
+            return RefitOutcome.UNJUDGED
+        raw = self._window_raw[holdout]
+        better = roc_auc_score(y, candidate.score(raw)) >= roc_auc_score(y, self._scorer.score(raw))
+        return RefitOutcome.PROMOTED if better else RefitOutcome.KEPT

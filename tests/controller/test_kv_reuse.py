@@ -10,7 +10,13 @@ import pytest
 
 from controller.eval.kv_reuse import DEFAULT_SCORERS, EvalError, evaluate_kv_reuse
 from controller.predictors.kv_features import BlockFeaturizer, Raw, model_matrix, next_gap_s
-from controller.predictors.kv_reuse import KVReusePredictor, NotFittedError, make_scorer
+from controller.predictors.kv_reuse import (
+    KVReusePredictor,
+    LogisticScorer,
+    NotFittedError,
+    RefitOutcome,
+    make_scorer,
+)
 from controller.protocol import Forecast
 from controller.requests_jsonl import load_request_trace
 from tests.controller.kv_traces import planted_trace_rows, write_trace
@@ -110,3 +116,36 @@ def test_an_evaluation_that_cannot_be_run_says_why(horizon_s: float, scorers: tu
                                                   expected: str) -> None:
     with pytest.raises(EvalError, match=expected):
         evaluate_kv_reuse(load_request_trace(SAMPLE), horizon_s, scorers)
+
+
+class _SignedScorer(LogisticScorer):
+    """A real logistic model (good on the planted trace), or the same one ranking backwards (bad)."""
+
+    def __init__(self, sign: float) -> None:
+        super().__init__()
+        self.sign = sign
+
+    def score(self, raw: np.ndarray) -> np.ndarray:
+        probs = super().score(raw)
+        return probs if self.sign > 0 else 1.0 - probs
+
+
+@pytest.mark.parametrize(("signs", "expected_kept"), [((1.0, -1.0), True), ((-1.0, 1.0), False)])
+def test_a_refit_replaces_the_model_only_when_it_ranks_the_newest_events_better(
+        monkeypatch: pytest.MonkeyPatch, signs: tuple[float, float], expected_kept: bool) -> None:
+    made: list[_SignedScorer] = []
+
+    def make(kind: str) -> _SignedScorer:
+        made.append(_SignedScorer(signs[0] if not made else signs[1]))
+        return made[-1]
+
+    monkeypatch.setattr("controller.predictors.kv_reuse.make_scorer", make)
+    p = KVReusePredictor(horizon_s=60.0, min_fit_events=500, refit_every_events=2_000)
+    for row in planted_trace_rows(seed=3, duration_s=900.0):
+        p.observe(row["timestamp"] / 1000.0, row["hash_ids"], row["input_length"])
+    outcomes = p.refit_outcomes
+    assert outcomes[RefitOutcome.FIRST] == 1 and p.num_fits == len(made) >= 3
+    if expected_kept:  # the good first model is never replaced by the bad candidates
+        assert outcomes[RefitOutcome.KEPT] == p.num_fits - 1 and p._scorer is made[0]
+    else:  # the bad first model is replaced by the first good candidate, then good ones replace each other
+        assert outcomes[RefitOutcome.PROMOTED] == p.num_fits - 1 and p._scorer is made[-1]
