@@ -173,7 +173,8 @@ def load_request_trace(path: str | Path, limit: int | None = None) -> RequestTra
         try:
             row = json.loads(line, parse_constant=_refuse_constant)
         except json.JSONDecodeError as exc:
-            raise TraceError(f"{at}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            raise TraceError(f"{at}: not valid JSON ({exc.msg} at column {exc.colno}); a Mooncake trace has one "
+                             "JSON object per line") from None
         except ValueError as exc:  # NaN / Infinity, which Python's json would otherwise accept
             raise TraceError(f"{at}: not valid JSON ({exc})") from None
         ts_ms, input_len, output_len, ids = _check_row(row, at, prev_ms)
