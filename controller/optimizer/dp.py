@@ -42,46 +42,68 @@ class _NodeLimit(Exception):
     pass
 
 
-def _group_step(prev: np.ndarray, units: np.ndarray, weight: np.ndarray, n: int) -> np.ndarray:
+@dataclass(frozen=True)
+class _Layout:
+    """A group's options grouped by (possibly rounded) unit count, for building its dense weight vector."""
+
+    units: np.ndarray  # [J] int64, per option
+    order: np.ndarray  # [J] options sorted by units
+    starts: np.ndarray  # [U] first sorted position of each distinct unit count
+    distinct: np.ndarray  # [U] int64, the distinct unit counts, ascending
+
+    @classmethod
+    def of(cls, units: np.ndarray) -> _Layout:
+        order = np.argsort(units, kind="stable")
+        sorted_units = units[order]
+        starts = np.flatnonzero(np.concatenate([[True], sorted_units[1:] != sorted_units[:-1]]))
+        return cls(units, order, starts, sorted_units[starts])
+
+
+def _group_step(prev: np.ndarray, lay: _Layout, weight: np.ndarray, n: int) -> np.ndarray:
     """new[c] = min_j weight_j + prev[min(c - units_j, len(prev) - 1)] over units_j <= c, for c < n."""
     m = prev.size
     ext = prev if n <= m else np.concatenate([prev, np.full(n - m, prev[-1])])  # capacity beyond need: flat
-    umin, umax = int(units.min()), int(units.max())
-    span = umax - umin + 1
+    best = np.minimum.reduceat(weight[lay.order], lay.starts)  # [U] cheapest option per unit count
+    keep = best < np.minimum.accumulate(np.concatenate([[np.inf], best[:-1]]))  # more units, no cheaper: drop
+    units, best = lay.distinct[keep], best[keep]
     new = np.full(n, np.inf)
+    umin = int(units[0])
     if umin >= n:
         return new
-    if span <= 4 * units.size:  # dense (an MoE layer's 0..E slots): one sliding-window min
+    span = int(units[-1]) - umin + 1
+    if (n - umin) * span <= 65_536:  # small: one sliding-window min beats many slice operations
         dense = np.full(span, np.inf)
-        np.minimum.at(dense, units - umin, weight)
+        dense[units - umin] = best
         padded = np.concatenate([np.full(span - 1, np.inf), ext[: n - umin]])
-        windows = sliding_window_view(padded, span)  # [n - umin, span]
-        new[umin:] = (windows + dense[::-1]).min(axis=1)
+        new[umin:] = (sliding_window_view(padded, span) + dense[::-1]).min(axis=1)
         return new
-    for u, w in zip(units.tolist(), weight.tolist(), strict=True):
+    tmp = np.empty(n)
+    for u, w in zip(units.tolist(), best.tolist(), strict=True):
         if u < n:
-            np.minimum(new[u:], ext[: n - u] + w, out=new[u:])
+            np.add(ext[: n - u], w, out=tmp[: n - u])
+            np.minimum(new[u:], tmp[: n - u], out=new[u:])
     return new
 
 
-def _tables(arrs: list[GroupArrays], units: list[np.ndarray], lam: float, capacity: int) -> list[np.ndarray]:
+def _tables(arrs: list[GroupArrays], lays: list[_Layout], lam: float, capacity: int) -> list[np.ndarray]:
     """Backward tables: T[g][c] = min Lagrangian weight of groups g.. with <= c units (flat past len - 1)."""
     tables: list[np.ndarray] = [np.zeros(1)]
     need = 0
-    for a, u in zip(reversed(arrs), reversed(units), strict=True):
-        need += int(u.max())
+    for a, lay in zip(reversed(arrs), reversed(lays), strict=True):
+        need += int(lay.distinct[-1])
         weight = a.cost_ms + lam * a.link_bytes if lam else a.cost_ms
-        tables.append(_group_step(tables[-1], u, weight, min(capacity, need) + 1))
+        tables.append(_group_step(tables[-1], lay, weight, min(capacity, need) + 1))
     tables.reverse()
     return tables
 
 
-def _backtrack(arrs: list[GroupArrays], units: list[np.ndarray], tables: list[np.ndarray], lam: float,
+def _backtrack(arrs: list[GroupArrays], lays: list[_Layout], tables: list[np.ndarray], lam: float,
                capacity: int) -> tuple[int, ...] | None:
     if not math.isfinite(tables[0][min(capacity, tables[0].size - 1)]):
         return None
     choice, c = [], capacity
-    for g, (a, u) in enumerate(zip(arrs, units, strict=True)):
+    for g, (a, lay) in enumerate(zip(arrs, lays, strict=True)):
+        u = lay.units
         prev = tables[g + 1]
         weight = a.cost_ms + lam * a.link_bytes if lam else a.cost_ms
         rem = c - u
@@ -89,6 +111,29 @@ def _backtrack(arrs: list[GroupArrays], units: list[np.ndarray], tables: list[np
         j = int(np.argmin(vals))
         choice.append(j)
         c -= int(u[j])
+    return tuple(choice)
+
+
+def _halves(arrs: list[GroupArrays], lays: list[_Layout], lam: float, capacity: int) -> tuple[int, ...] | None:
+    """Meet in the middle: two halves, each built small-groups-first (their tables stay short until late), joined
+    at the best split of capacity between them. Same optimum as one pass, far fewer table cells."""
+    if len(arrs) < 2:
+        return _backtrack(arrs, lays, _tables(arrs, lays, lam, capacity), lam, capacity)
+    by_need = sorted(range(len(arrs)), key=lambda g: int(lays[g].distinct[-1]), reverse=True)
+    halves = [by_need[0::2], by_need[1::2]]  # _tables adds a list's groups last-first: smallest first
+    tables = [_tables([arrs[g] for g in h], [lays[g] for g in h], lam, capacity) for h in halves]
+    c1 = np.arange(capacity + 1)
+    t0, t1 = tables[0][0], tables[1][0]
+    joined = t0[np.minimum(c1, t0.size - 1)] + t1[np.minimum(capacity - c1, t1.size - 1)]
+    split = int(np.argmin(joined))
+    if not math.isfinite(joined[split]):
+        return None
+    choice = [0] * len(arrs)
+    for h, tab, cap in zip(halves, tables, (split, capacity - split), strict=True):
+        part = _backtrack([arrs[g] for g in h], [lays[g] for g in h], tab, lam, cap)
+        assert part is not None
+        for g, j in zip(h, part, strict=True):
+            choice[g] = j
     return tuple(choice)
 
 
@@ -109,15 +154,15 @@ def _evaluate(arrs: list[GroupArrays], choice: tuple[int, ...]) -> tuple[float, 
 def _price_link(arrs: list[GroupArrays], capacity: int, budget: float) -> tuple[float, list[_Eval], int]:
     """Secant search for the dual price of the link budget on a coarse copy; returns (lam, feasible, passes)."""
     q = max(1, math.ceil(capacity / COARSE_STATES))
-    units = [-(-a.units // q) for a in arrs]
+    lays = [_Layout.of(-(-a.units // q)) for a in arrs]
     cap = capacity // q
     passes = 0
 
     def at(lam: float) -> _Eval | None:
         nonlocal passes
         passes += 1
-        tables = _tables(arrs, units, lam, cap)
-        choice = _backtrack(arrs, units, tables, lam, cap)
+        tables = _tables(arrs, lays, lam, cap)
+        choice = _backtrack(arrs, lays, tables, lam, cap)
         if choice is None:
             return None
         return _Eval(lam, choice, *_evaluate(arrs, choice))
@@ -155,14 +200,23 @@ def _price_link(arrs: list[GroupArrays], capacity: int, budget: float) -> tuple[
     return lam, [hi], passes
 
 
+def _link_floor(arrs: list[GroupArrays], capacity: int) -> tuple[list[np.ndarray], int]:
+    """Lower bounds on the link bytes groups g.. must stream within c units: T[g][c // q] (a relaxation: units
+    rounded DOWN to q, so every fine choice that fits c units fits c // q coarse ones)."""
+    q = max(1, math.ceil(capacity / COARSE_STATES))
+    lays = [_Layout.of(a.units // q) for a in arrs]
+    link_only = [GroupArrays(a.units, a.link_bytes, np.zeros_like(a.link_bytes)) for a in arrs]
+    return _tables(link_only, lays, 0.0, capacity // q), q
+
+
 class _Search:
     """Depth-first branch and bound over groups, children in bound order, bounded by the Lagrangian tables."""
 
     def __init__(self, arrs: list[GroupArrays], tables: list[np.ndarray], lam: float, budget: float,
-                 best: tuple[int, ...] | None, best_cost: float) -> None:
+                 best: tuple[int, ...] | None, best_cost: float, link_floor: tuple[list[np.ndarray], int]) -> None:
         self.arrs, self.tables, self.lam, self.budget = arrs, tables, lam, budget
         self.best, self.ub = best, best_cost
-        self.min_link_after = np.concatenate([np.cumsum([a.link_bytes.min() for a in arrs][::-1])[::-1], [0.0]])
+        self.link_floor, self.q = link_floor
         self.nodes = 0
         self.path: list[int] = []
 
@@ -179,7 +233,8 @@ class _Search:
         a = self.arrs[g]
         rem = c - a.units
         new_link = link + a.link_bytes
-        ok = (rem >= 0) & (new_link + self.min_link_after[g + 1] <= self.budget)
+        after = self.link_floor[g + 1]
+        ok = (rem >= 0) & (new_link + after[np.clip(rem // self.q, 0, after.size - 1)] <= self.budget)
         if g == len(self.arrs) - 1:
             total = np.where(ok, cost + a.cost_ms, np.inf)
             j = int(np.argmin(total))
@@ -202,34 +257,41 @@ def solve_dp(problem: SplitProblem) -> SplitSolution:
     t0 = time.perf_counter()
     problem.check_feasible()
     arrs = group_arrays(problem)
-    units = [a.units for a in arrs]
+    lays = [_Layout.of(a.units) for a in arrs]
     capacity = problem.capacity_units
     budget = problem.link_budget_bytes_per_step
     stats: dict[str, float] = {}
     if budget is None:
-        tables = _tables(arrs, units, 0.0, capacity)
-        choice = _backtrack(arrs, units, tables, 0.0, capacity)
+        choice = _halves(arrs, lays, 0.0, capacity)
         assert choice is not None  # check_feasible guarantees a capacity-feasible choice
         return make_solution(problem, choice, "dp", _ms(t0), "one DP pass (no link budget)", {"passes": 1})
-
+    choice = _halves(arrs, lays, 0.0, capacity)
+    assert choice is not None
+    if _evaluate(arrs, choice)[1] <= budget:  # the optimum without the link budget streams within it: optimal
+        return make_solution(problem, choice, "dp", _ms(t0), "one DP pass (link budget not binding)", {"passes": 1})
     lam, feasible, passes = _price_link(arrs, capacity, float(budget))
-    tables = _tables(arrs, units, lam, capacity)
-    stats.update(lam_ms_per_byte=lam, coarse_passes=passes, passes=1)
+    stats.update(lam_ms_per_byte=lam, coarse_passes=passes, passes=2)
+    link_floor = _link_floor(arrs, capacity)
+    least_link = float(link_floor[0][0][min(capacity // link_floor[1], link_floor[0][0].size - 1)])
+    if least_link > budget:
+        raise InfeasibleError(f"link budget {budget} bytes/step is below the {least_link:.0f} bytes/step that must "
+                              f"stream even with all {capacity} units of HBM spent on cutting link traffic")
+    tables = _tables(arrs, lays, lam, capacity)
     lower = float(tables[0][min(capacity, tables[0].size - 1)]) - lam * budget
     candidates = [e.choice for e in feasible]
-    choice = _backtrack(arrs, units, tables, lam, capacity)
+    choice = _backtrack(arrs, lays, tables, lam, capacity)
     if choice is not None:
         candidates.append(choice)
     best, best_cost = None, math.inf
     for cand in candidates:
         cost, link = _evaluate(arrs, cand)
-        if link <= budget and sum(int(u[j]) for u, j in zip(units, cand, strict=True)) <= capacity and \
+        if link <= budget and sum(int(y.units[j]) for y, j in zip(lays, cand, strict=True)) <= capacity and \
                 cost < best_cost:
             best, best_cost = cand, cost
     if best is not None and best_cost - lower <= REL_TOL * max(1.0, abs(best_cost)):
         detail = f"Lagrangian optimum at lam={lam:.3g} ms/byte (no duality gap)"
         return make_solution(problem, best, "dp", _ms(t0), detail, stats)
-    search = _Search(arrs, tables, lam, float(budget), best, best_cost)
+    search = _Search(arrs, tables, lam, float(budget), best, best_cost, link_floor)
     try:
         search.run(capacity)
     except _NodeLimit:

@@ -22,6 +22,7 @@ Objective: minimise the sum of effective costs s.t. sum(units) <= capacity_units
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -51,6 +52,15 @@ class Option:
 
 
 @dataclass(frozen=True)
+class GroupArrays:
+    """One group's options as arrays (what the vectorised solvers work on)."""
+
+    units: np.ndarray  # [J] int64
+    cost_ms: np.ndarray  # [J] float64, migration included
+    link_bytes: np.ndarray  # [J] float64 (exact for integers below 2**53)
+
+
+@dataclass(frozen=True)
 class Group:
     name: str
     options: tuple[Option, ...]
@@ -71,6 +81,17 @@ class Group:
                 raise ProblemError(f"{where}: link_bytes={opt.link_bytes!r}, expected an int >= 0")
         if self.current is not None and not 0 <= self.current < len(self.options):
             raise ProblemError(f"group {self.name!r}: current={self.current} outside 0..{len(self.options) - 1}")
+
+    @functools.cached_property
+    def arrays(self) -> GroupArrays:
+        """The options as arrays, migration not included (built once; solvers must not write to them)."""
+        n = len(self.options)
+        units = np.fromiter((o.units for o in self.options), dtype=np.int64, count=n)
+        cost = np.fromiter((o.cost_ms for o in self.options), dtype=np.float64, count=n)
+        link = np.fromiter((o.link_bytes for o in self.options), dtype=np.float64, count=n)
+        for a in (units, cost, link):
+            a.flags.writeable = False
+        return GroupArrays(units, cost, link)
 
 
 @dataclass(frozen=True)
@@ -132,15 +153,6 @@ class SplitSolution:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class GroupArrays:
-    """One group's options as arrays (what the vectorised solvers work on)."""
-
-    units: np.ndarray  # [J] int64
-    cost_ms: np.ndarray  # [J] float64, migration included
-    link_bytes: np.ndarray  # [J] float64 (exact for integers below 2**53)
-
-
 def migration_ms(problem: SplitProblem, group: Group, option: Option) -> float:
     if group.current is None or problem.migration_ms_per_unit == 0.0:
         return 0.0
@@ -150,12 +162,11 @@ def migration_ms(problem: SplitProblem, group: Group, option: Option) -> float:
 def group_arrays(problem: SplitProblem) -> list[GroupArrays]:
     out = []
     for g in problem.groups:
-        units = np.fromiter((o.units for o in g.options), dtype=np.int64, count=len(g.options))
-        cost = np.fromiter((o.cost_ms for o in g.options), dtype=np.float64, count=len(g.options))
+        a = g.arrays
         if g.current is not None and problem.migration_ms_per_unit:
-            cost = cost + problem.migration_ms_per_unit * np.abs(units - units[g.current])
-        link = np.fromiter((o.link_bytes for o in g.options), dtype=np.float64, count=len(g.options))
-        out.append(GroupArrays(units, cost, link))
+            cost = a.cost_ms + problem.migration_ms_per_unit * np.abs(a.units - a.units[g.current])
+            a = GroupArrays(a.units, cost, a.link_bytes)
+        out.append(a)
     return out
 
 
