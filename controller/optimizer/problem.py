@@ -201,8 +201,11 @@ def violations(problem: SplitProblem, choice: tuple[int, ...]) -> list[str]:
     return out
 
 
-def binding_constraints(problem: SplitProblem, choice: tuple[int, ...]) -> tuple[Constraint, ...]:
-    """A constraint binds when some group could lower its cost by a single move that only it forbids."""
+def binding_constraints(problem: SplitProblem, choice: tuple[int, ...],
+                        link_binds: bool | None = None) -> tuple[Constraint, ...]:
+    """Constraints that bind: capacity when some group could lower its cost by a single move that only the
+    capacity forbids; the link budget when the solver priced it above zero (`link_binds`), else by the same
+    single-move rule."""
     _, units, link = evaluate(problem, choice)
     free_units = problem.capacity_units - units
     budget = problem.link_budget_bytes_per_step
@@ -216,6 +219,8 @@ def binding_constraints(problem: SplitProblem, choice: tuple[int, ...]) -> tuple
         dl = arr.link_bytes[better] - arr.link_bytes[j]
         cap |= bool(((du > free_units) & (dl <= free_link)).any())
         lnk |= bool(((dl > free_link) & (du <= free_units)).any())
+    if link_binds is not None:
+        lnk = link_binds and budget is not None
     return tuple(c for c, on in ((Constraint.CAPACITY, cap), (Constraint.LINK, lnk)) if on)
 
 
@@ -234,8 +239,10 @@ def capacity_units_of(hbm_budget_bytes: int, dense_bytes: int, workspace_bytes: 
 
 
 def make_solution(problem: SplitProblem, choice: tuple[int, ...], solver: str, solve_ms: float,
-                  detail: str = "", stats: dict[str, float] | None = None) -> SplitSolution:
+                  detail: str = "", stats: dict[str, float] | None = None,
+                  link_binds: bool | None = None) -> SplitSolution:
     objective, units, link = evaluate(problem, choice)
     return SplitSolution(choice=tuple(int(j) for j in choice), objective_ms=objective, solver=solver,
                          solve_ms=solve_ms, units_used=units, link_bytes_used=link,
-                         binding=binding_constraints(problem, choice), detail=detail, stats=dict(stats or {}))
+                         binding=binding_constraints(problem, choice, link_binds), detail=detail,
+                         stats=dict(stats or {}))
