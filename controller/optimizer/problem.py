@@ -38,6 +38,11 @@ class InfeasibleError(ValueError):
     """A well-formed problem with no split that satisfies every constraint; says which constraint and why."""
 
 
+class GroupKind(StrEnum):
+    EXPERTS = "experts"  # one MoE layer: options are resident slot counts
+    KV = "kv"  # KV cache: options are GPU block counts
+
+
 class Constraint(StrEnum):
     CAPACITY = "capacity"
     LINK = "link"
@@ -65,6 +70,7 @@ class Group:
     name: str
     options: tuple[Option, ...]
     current: int | None = None  # index into options of today's placement (migration cost, hysteresis)
+    kind: GroupKind = GroupKind.EXPERTS
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.optimizer.problem import Group, Option, SplitProblem, capacity_units_of, units_for_bytes
+from controller.optimizer.problem import Group, GroupKind, Option, SplitProblem, capacity_units_of, units_for_bytes
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -97,4 +97,4 @@ def _kv_group(shape: BenchShape) -> Group:
         options.append(Option(units=units_for_bytes(blocks * block_bytes, shape.record_bytes),
                               cost_ms=float(lost_ms + fetch_bytes / (shape.link_gb_per_s * 1e6)),
                               link_bytes=fetch_bytes, label=f"{blocks} KV blocks"))
-    return Group("kv", tuple(options))
+    return Group("kv", tuple(options), kind=GroupKind.KV)
