@@ -61,7 +61,8 @@ def top_factors(problem: SplitProblem, solution: SplitSolution, max_factors: int
     cliffs = [(g, c) for g, c in cliffs if c]
     if cliffs:
         g, c = cliffs[0]
-        out.append(f"{len(cliffs)} more layer(s) get past a cliff in their curve (e.g. {g.name}{c.replace(';', ':', 1)})")
+        example = f"{g.name}{c.replace(';', ':', 1)}"
+        out.append(f"{len(cliffs)} more layer(s) get past a cliff in their curve (e.g. {example})")
     for _, g, j in kv:
         out.append(f"{g.name} keeps {_label(g, j)} ({g.options[j].cost_ms:.3g} ms/step lost to what it cannot hold)")
     budget = problem.link_budget_bytes_per_step
