@@ -38,6 +38,7 @@ FLOOR_STATES = 1 << 30  # capacity states of the table that bounds link bytes in
 REL_TOL = 1e-9  # optimality tolerance (relative): well inside the 1e-6 the solvers must agree to
 NODE_LIMIT = 20_000
 PRICE_PASSES = 4  # DP passes at link prices bracketing the budget (cheapest split that fits wins)
+TARGET_GAP = 0.005  # default: stop pricing once a split that fits is proven within 0.5% of optimal
 PRICE_STEP = 1.25
 
 
@@ -104,11 +105,13 @@ class _Search:
             self.path.pop()
 
 
-def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_LIMIT) -> SplitSolution:
+def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_LIMIT,
+             target_gap: float = TARGET_GAP) -> SplitSolution:
     """The optimum of `problem` (module docstring); raises InfeasibleError with the cause.
 
-    When the link budget binds with a duality gap, `exact=False` returns the cheapest split that fits found by
-    raising the price (feasible; its proven distance from optimal in `stats["gap_ms"]` and `detail`), and
+    When the link budget binds with a duality gap, `exact=False` returns the cheapest split that fits among a few
+    DP passes at prices around the dual's peak, stopping once one is within `target_gap` (relative) of the
+    Lagrangian bound (feasible; its proven distance from optimal in `stats["gap_ms"]` and `detail`);
     `exact=True` closes the gap: the search, then the MILP past `max_nodes`."""
     t0 = time.perf_counter()
     problem.check_feasible()
@@ -123,8 +126,10 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
                              link_binds=False)
     lam = link_price(arrs, capacity, float(budget))
     stats: dict[str, float] = {"lam_ms_per_byte": lam, "passes": 0}
-    best_lam, lower, incumbent = lam, -math.inf, None
-    lo, hi, price = 0.0, math.inf, lam  # prices known to stream too much / known to fit
+    best_lam, lower, incumbent, inc_price = lam, -math.inf, None, lam
+    lo: tuple[float, _Eval] | None = None  # the dearest price seen whose split streams too much
+    hi: tuple[float, _Eval] | None = None  # the cheapest price seen whose split fits
+    price = lam
     for _ in range(PRICE_PASSES):
         found = halves(arrs, lays, price, capacity)
         assert found is not None
@@ -133,16 +138,23 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
         if found[1] - price * budget > lower:
             best_lam, lower = price, found[1] - price * budget
         if e.link_bytes <= budget:
-            hi = price
+            hi = (price, e) if hi is None or price < hi[0] else hi
             if incumbent is None or e.cost_ms < incumbent.cost_ms:
-                incumbent = e
-            if price == 0.0 or incumbent.cost_ms - lower <= REL_TOL * max(1.0, abs(incumbent.cost_ms)):
-                break
+                incumbent, inc_price = e, price
         else:
-            lo = price
-        # Bisect (geometrically) between a price that streams too much and one that fits; grow until one fits.
-        price = math.sqrt(lo * hi) if math.isfinite(hi) and lo > 0 else (
-            price * PRICE_STEP if price > 0 else _first_price(arrs)) if not math.isfinite(hi) else hi / PRICE_STEP
+            lo = (price, e) if lo is None or price > lo[0] else lo
+        if incumbent is not None and incumbent.cost_ms - lower <= (REL_TOL if exact else target_gap) * max(
+                1.0, abs(incumbent.cost_ms)):
+            break
+        if lo is not None and hi is not None:  # where the two splits' Lagrangian lines cross: the dual's peak
+            nxt = (hi[1].cost_ms - lo[1].cost_ms) / max(lo[1].link_bytes - hi[1].link_bytes, 1e-12)
+            if not lo[0] < nxt < hi[0] or nxt == price:
+                break
+            price = nxt
+        elif hi is None:
+            price = price * PRICE_STEP if price > 0 else _first_price(arrs)
+        else:
+            price = hi[0] / PRICE_STEP
     stats["lower_bound_ms"] = lower
     if incumbent is not None and incumbent.cost_ms - lower <= REL_TOL * max(1.0, abs(incumbent.cost_ms)):
         how = "link budget not binding" if best_lam == 0.0 else f"Lagrangian optimum at lam={best_lam:.3g} ms/byte"
@@ -151,7 +163,7 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
     if incumbent is not None and not exact:
         gap = incumbent.cost_ms - lower
         stats["gap_ms"] = gap
-        detail = (f"DP at link price {price:.3g} ms/byte, within {gap:.3g} ms "
+        detail = (f"DP at link price {inc_price:.3g} ms/byte, within {gap:.3g} ms "
                   f"({100 * gap / max(abs(incumbent.cost_ms), 1e-12):.2g}%) of optimal (Lagrangian bound)")
         return make_solution(problem, incumbent.choice, "dp", _ms(t0), detail, stats, link_binds=True)
     return _close_gap(problem, arrs, lays, best_lam, lower, incumbent, max_nodes, stats, t0)
