@@ -2,17 +2,18 @@
 
 Runs inside the controller process; pure numpy. Never imports torch, runtime or agent; never mutates the problem.
 
-How it is exact with two constraints (HBM units and the per-step link budget):
-- The DP (`tables.py`) runs over capacity only, vectorised over 0..C; the link budget enters as a Lagrangian
-  price: option weight = cost_ms + lam * link_bytes.
-- The price comes from a secant search on the dual over a coarse copy whose units are rounded UP to q (so its
-  answers are feasible in the real problem too). Price 0 with an answer that streams within budget: one fine
-  pass at price 0 is optimal (the link budget does not bind).
-- Otherwise the fine tables are built once at that price and the duality gap is closed by a depth-first branch
-  and bound whose bound at every node is (cost so far) + (fine table of the remaining groups) - lam * (link
-  budget left): valid for any lam >= 0, so the search is exact whatever the price. Link feasibility is pruned
-  with a relaxed table (units rounded DOWN, every real completion fits it). A node limit hands the rest to the
-  MILP, recorded in the solution's `detail` and `stats`, never silent.
+How it handles two constraints (HBM units, exact; the per-step link budget, priced):
+- The DP (`tables.py`) runs over capacity only, vectorised over 0..C (two halves met in the middle); the link
+  budget enters as a Lagrangian price: option weight = cost_ms + lam * link_bytes.
+- The price starts at the LP relaxation's dual (`pricing.py`). Price 0 with a split that streams within the
+  budget: optimal, one pass (the link does not bind). Otherwise a few passes at prices around the dual's peak
+  (raise until a split fits, then where the two bracketing splits' Lagrangian lines cross). Every pass gives a
+  valid lower bound, value(lam) - lam * budget, for any lam >= 0; the cheapest split that fits is the answer.
+- Verification: bound = answer (within 1e-9 relative) means proven optimal. Otherwise, by default, the answer
+  carries its proven gap (`stats["gap_ms"]`, `detail`) once it is within `target_gap`; with `exact=True` the gap
+  is closed by a depth-first branch and bound on fine tables at the best price (bound at a node: cost so far +
+  table of the remaining groups - lam * link budget left; link feasibility pruned exactly with a link-only
+  table), and past `max_nodes` the MILP finishes it (solver "dp+milp", recorded, never silent).
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ from controller.optimizer.problem import (
 )
 from controller.optimizer.tables import Layout, at_capacity, halves, tables_of
 
-FLOOR_STATES = 1 << 30  # capacity states of the table that bounds link bytes in the search (exact when >= C)
 REL_TOL = 1e-9  # optimality tolerance (relative): well inside the 1e-6 the solvers must agree to
-NODE_LIMIT = 20_000
+NODE_LIMIT = 2_000  # search nodes before the MILP takes over (the search only pays off on small problems)
 PRICE_PASSES = 4  # DP passes at link prices bracketing the budget (cheapest split that fits wins)
 TARGET_GAP = 0.005  # default: stop pricing once a split that fits is proven within 0.5% of optimal
 PRICE_STEP = 1.25
@@ -62,15 +62,13 @@ def _evaluate(arrs: list[GroupArrays], choice: tuple[int, ...]) -> _Eval:
 class _Search:
     """Depth-first branch and bound over groups (in table order), children in bound order."""
 
-    def __init__(self, arrs: list[GroupArrays], tables: list[np.ndarray], lam: float, budget: float,
-                 incumbent: _Eval | None, capacity: int, max_nodes: int) -> None:
+    def __init__(self, arrs: list[GroupArrays], lays: list[Layout], tables: list[np.ndarray], lam: float,
+                 budget: float, incumbent: _Eval | None, capacity: int, max_nodes: int) -> None:
         self.arrs, self.tables, self.lam, self.budget = arrs, tables, lam, budget
         self.best = incumbent.choice if incumbent else None
         self.ub = incumbent.cost_ms if incumbent else math.inf
-        self.q = max(1, math.ceil(capacity / FLOOR_STATES))
-        relaxed = [Layout.of(a.units // self.q) for a in arrs]
         link_only = [GroupArrays(a.units, a.link_bytes, a.link_bytes) for a in arrs]
-        self.link_floor = tables_of(link_only, relaxed, 0.0, capacity // self.q)
+        self.least_link = tables_of(link_only, lays, 0.0, capacity)  # least link bytes of groups g.. in c units
         self.nodes, self.max_nodes = 0, max_nodes
         self.path: list[int] = []
 
@@ -87,8 +85,7 @@ class _Search:
         a = self.arrs[g]
         rem = c - a.units
         new_link = link + a.link_bytes
-        ok = (rem >= 0) & (new_link + at_capacity(self.link_floor[g + 1], np.maximum(rem, 0) // self.q)
-                           <= self.budget)
+        ok = (rem >= 0) & (new_link + at_capacity(self.least_link[g + 1], np.maximum(rem, 0)) <= self.budget)
         if g == len(self.arrs) - 1:
             total = np.where(ok, cost + a.cost_ms, np.inf)
             j = int(np.argmin(total))
@@ -184,7 +181,7 @@ def _close_gap(problem: SplitProblem, arrs: list[GroupArrays], lays: list[Layout
     tables = tables_of(p_arrs, p_lays, lam, capacity)
     start = None if incumbent is None else _Eval(tuple(incumbent.choice[g] for g in perm), incumbent.cost_ms,
                                                  incumbent.link_bytes)
-    search = _Search(p_arrs, tables, lam, budget, start, capacity, max_nodes)
+    search = _Search(p_arrs, p_lays, tables, lam, budget, start, capacity, max_nodes)
     try:
         search.run(capacity)
     except _NodeLimit:
