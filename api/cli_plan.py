@@ -40,6 +40,8 @@ def bench(
     hbm_gib: Annotated[float, typer.Option(min=0.0, help="HBM budget for the model on this GPU, GiB.")] = 40.0,
     batch: Annotated[int, typer.Option(min=1, help="Predicted batch (sets each step's expert union and KV).")] = 16,
     link_budget_gb: Annotated[float, typer.Option(min=0.0, help="Link budget, GB per step; 0 = none.")] = 4.0,
+    baselines: Annotated[int, typer.Option(min=0, help="Problems on which to compare the plan with the greedy "
+                                                        "and FluxMoE baselines (not timed); 0 = none.")] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="Last stdout line: {p50_ms, p99_ms, solver}.")] = False,
 ) -> None:
     """Time the split solve on a Qwen3-30B-A3B-sized problem (48 x 128 experts of 9 MiB, KV options, link budget)."""
@@ -52,6 +54,7 @@ def bench(
     shape = BenchShape(num_layers=layers, num_experts=experts, hbm_budget_bytes=int(hbm_gib * GIB), batch=batch,
                        link_budget_bytes=int(link_budget_gb * 1e9) or None)
     times_ms, cpu_ms, objectives, binding, gaps, infeasible = [], [], [], 0, [], 0
+    solved: dict[int, float] = {}  # seed -> objective, for the baseline comparison
     try:
         solve(bench_problem(shape, seed), solver.value)  # warm-up (imports, caches); not timed
     except InfeasibleError:
@@ -76,6 +79,7 @@ def bench(
             times_ms.append(sol.solve_ms)
             cpu_ms.append((time.process_time() - cpu0) * 1e3)
             objectives.append(sol.objective_ms)
+            solved[seed + i] = sol.objective_ms
             binding += any(c.value == "link" for c in sol.binding)
             gaps.append(100 * sol.stats.get("gap_ms", 0.0) / max(sol.objective_ms, 1e-12))
             advance(1)
@@ -85,6 +89,8 @@ def bench(
         raise typer.Exit(2)
     p50, p99 = (float(np.percentile(times_ms, q)) for q in (50, 99))
     _print_table(_io.out, shape, solver.value, (times_ms, cpu_ms), objectives, binding, gaps, infeasible, problem)
+    if baselines:
+        _print_baselines(_io.out, shape, dict(list(solved.items())[:baselines]), solver.value)
     if as_json:
         _io.out.print(json.dumps({"p50_ms": round(p50, 3), "p99_ms": round(p99, 3), "solver": solver.value}))
 
@@ -114,3 +120,29 @@ def _print_table(console: Console, shape: BenchShape, solver: str, times: tuple[
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+
+
+def _print_baselines(console: Console, shape: BenchShape, solved: dict[int, float], solver: str) -> None:
+    """Each baseline's expected stall as a multiple of the plan's, on the same problems (geometric mean)."""
+    import numpy as np
+
+    from controller.optimizer import InfeasibleError
+    from controller.optimizer.greedy import fluxmoe_split, solve_greedy
+    from controller.optimizer.synthetic import bench_problem
+
+    compute_ms = shape.num_layers * shape.layer_compute_ms
+    rules = {
+        "equal-marginal greedy (WiSP-style)": solve_greedy,
+        "FluxMoE rho rule": lambda p: fluxmoe_split(p, compute_ms, shape.link_gb_per_s * 1e6),
+    }
+    for name, rule in rules.items():
+        ratios, over = [], 0
+        for seed, objective in solved.items():
+            try:
+                # 1 µs/step added to both sides: a problem both solve with no stall counts as a tie
+                ratios.append((rule(bench_problem(shape, seed)).objective_ms + 1e-3) / (objective + 1e-3))
+            except InfeasibleError:
+                over += 1
+        mean = f"{float(np.exp(np.mean(np.log(ratios)))):.2f}x the stall of {solver}" if ratios else "no answer"
+        console.print(f"{name}: {mean} on {len(ratios)} of {len(solved)} problems"
+                      + (f" ({over} ended over a budget)" if over else ""))
