@@ -166,6 +166,17 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
     return _close_gap(problem, arrs, lays, best_lam, lower, incumbent, max_nodes, stats, t0)
 
 
+def least_link_bytes(problem: SplitProblem) -> int:
+    """The fewest link bytes per step any split within the HBM capacity streams (exact; one DP pass): the floor
+    below which a link budget makes the problem infeasible. Raises InfeasibleError if no split fits the capacity."""
+    SplitProblem(problem.groups, problem.capacity_units, problem.unit_bytes).check_feasible()
+    arrs = group_arrays(problem)
+    link_only = [GroupArrays(a.units, a.link_bytes, a.link_bytes) for a in arrs]
+    found = halves(link_only, [Layout.of(a.units) for a in arrs], 0.0, problem.capacity_units)
+    assert found is not None
+    return int(round(_evaluate(arrs, found[0]).link_bytes))
+
+
 def _first_price(arrs: list[GroupArrays]) -> float:
     cost_span = max(float(a.cost_ms.max() - a.cost_ms.min()) for a in arrs) + 1e-12
     return cost_span / (max(float(a.link_bytes.max()) for a in arrs) + 1.0)
