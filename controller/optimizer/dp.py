@@ -174,7 +174,7 @@ def least_link_bytes(problem: SplitProblem) -> int:
     link_only = [GroupArrays(a.units, a.link_bytes, a.link_bytes) for a in arrs]
     found = halves(link_only, [Layout.of(a.units) for a in arrs], 0.0, problem.capacity_units)
     assert found is not None
-    return int(round(_evaluate(arrs, found[0]).link_bytes))
+    return round(_evaluate(arrs, found[0]).link_bytes)
 
 
 def _first_price(arrs: list[GroupArrays]) -> float:
