@@ -113,7 +113,7 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
     t0 = time.perf_counter()
     problem.check_feasible()
     arrs = group_arrays(problem)
-    lays = [Layout.of(a.units) for a in arrs]
+    lays = [Layout.of_group(g) for g in problem.groups]
     capacity = problem.capacity_units
     budget = problem.link_budget_bytes_per_step
     if budget is None:
@@ -172,7 +172,7 @@ def least_link_bytes(problem: SplitProblem) -> int:
     SplitProblem(problem.groups, problem.capacity_units, problem.unit_bytes).check_feasible()
     arrs = group_arrays(problem)
     link_only = [GroupArrays(a.units, a.link_bytes, a.link_bytes) for a in arrs]
-    found = halves(link_only, [Layout.of(a.units) for a in arrs], 0.0, problem.capacity_units)
+    found = halves(link_only, [Layout.of_group(g) for g in problem.groups], 0.0, problem.capacity_units)
     assert found is not None
     return round(_evaluate(arrs, found[0]).link_bytes)
 
