@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from controller.optimizer.exchange import improve_by_exchange
 from controller.optimizer.pricing import link_price
 from controller.optimizer.problem import (
     GroupArrays,
@@ -153,6 +154,12 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
         else:
             price = hi[0] / PRICE_STEP
     stats["lower_bound_ms"] = lower
+    if incumbent is not None and incumbent.cost_ms - lower > REL_TOL * max(1.0, abs(incumbent.cost_ms)):
+        better, moves = improve_by_exchange(arrs, incumbent.choice, capacity, float(budget))
+        e = _evaluate(arrs, better)
+        if moves and e.link_bytes <= budget and e.cost_ms < incumbent.cost_ms:
+            incumbent = e
+            stats["exchange_moves"] = moves
     if incumbent is not None and incumbent.cost_ms - lower <= REL_TOL * max(1.0, abs(incumbent.cost_ms)):
         how = "link budget not binding" if best_lam == 0.0 else f"Lagrangian optimum at lam={best_lam:.3g} ms/byte"
         return make_solution(problem, incumbent.choice, "dp", _ms(t0), f"DP, {how} (no gap)", stats,
@@ -160,7 +167,8 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
     if incumbent is not None and not exact:
         gap = incumbent.cost_ms - lower
         stats["gap_ms"] = gap
-        detail = (f"DP at link price {inc_price:.3g} ms/byte, within {gap:.3g} ms "
+        polish = f" + {stats['exchange_moves']:.0f} slot exchanges" if "exchange_moves" in stats else ""
+        detail = (f"DP at link price {inc_price:.3g} ms/byte{polish}, within {gap:.3g} ms "
                   f"({100 * gap / max(abs(incumbent.cost_ms), 1e-12):.2g}%) of optimal (Lagrangian bound)")
         return make_solution(problem, incumbent.choice, "dp", _ms(t0), detail, stats, link_binds=True)
     return _close_gap(problem, arrs, lays, best_lam, lower, incumbent, max_nodes, stats, t0)
