@@ -11,6 +11,7 @@ traces) or draws plots (api/sim_report.py does).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -131,7 +132,8 @@ class Simulator:
             moves["disk_read" if where.pop(s.req.request_id, "cpu") == "nvme" else "fetch"] += n
         return {k: v * bb for k, v in moves.items()} | {f"{k}_count": v for k, v in moves.items()}
 
-    def run(self, requests: list[SimRequest]) -> SimReport:
+    def run(self, requests: list[SimRequest], on_finished: Callable[[int], None] | None = None) -> SimReport:
+        """Replay `requests` to the end (or `max_steps`); `on_finished(n)` hears of n more finished requests."""
         cfg = self.cfg
         sched = SimScheduler(cfg.kv_gpu_blocks, self.shape.block_tokens, cfg.max_batch, cfg.max_prefill_tokens)
         for r in requests:
@@ -169,8 +171,11 @@ class Simulator:
             b = self.cost.step_time_ms(load)
             clock += b.total_ms / 1e3
             done_at = (len(steps) + 1) * cfg.virtual_step_s + offset if cfg.virtual_step_s else clock + offset
+            num_done = len(sched.finished)
             for s in run:
                 sched.complete(s, done_at)
+            if on_finished is not None and len(sched.finished) > num_done:
+                on_finished(len(sched.finished) - num_done)
             steps.append(StepRecord(
                 len(steps), now, len(batch.prefills), len(batch.decodes), len(rows), load.context_tokens,
                 sum(load.active_experts), sum(out.hits), sum(out.misses), sum(out.prefetches),
