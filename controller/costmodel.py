@@ -214,7 +214,8 @@ class CostModel:
             miss_ms = self.transfer_ms(Link.H2D, misses[j] * eb, misses[j])
             if miss_ms:  # urgent: ahead of everything still queued, which moves back by as much
                 busy += miss_ms
-                done = {i: (d + miss_ms if d > routed else d) for i, d in done.items()}
+                if link_end > routed:  # else nothing is queued (arrivals only grow along the queue)
+                    done = {i: (d + miss_ms if d > routed else d) for i, d in done.items()}
                 link_end = link_end + miss_ms if link_end > routed else routed + miss_ms
             ready = max(routed + miss_ms, done.get(j, 0.0))
             stall = max(0.0, ready - routed)

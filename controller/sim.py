@@ -157,11 +157,15 @@ class Simulator:
                 offset += nxt - now
                 continue
             run: list[SimSeq] = batch.prefills + batch.decodes
-            rows = [(s.req.request_id, p) for s in run for p in range(s.num_computed, s.num_tokens)]
-            ids = self.trace.rows(rows)  # [N, M, k]
-            unions = [np.unique(ids[:, m, :]) for m in range(ids.shape[1])]
+            rows = self.trace.span_row_index([(s.req.request_id, s.num_computed, s.num_tokens - s.num_computed)
+                                              for s in run])  # [N]
+            num_rows = rows.size
+            ids = self.trace.ids[np.unique(rows)]  # [U, M, k]: a long prefill repeats trace rows
+            used = np.zeros((ids.shape[1], self.shape.num_experts), dtype=bool)  # [M, E]
+            used[np.arange(ids.shape[1])[None, :, None], ids] = True
+            unions = [np.flatnonzero(row) for row in used]
             out = self.policy.on_step(unions)
-            load = StepLoad(batch_tokens=len(rows), context_tokens=sum(s.num_tokens for s in run),
+            load = StepLoad(batch_tokens=num_rows, context_tokens=sum(s.num_tokens for s in run),
                             active_experts=tuple(len(u) for u in unions), miss_count=out.misses,
                             prefetch_count=out.prefetches, kv_fetch_bytes=kv["fetch"],
                             kv_fetch_count=kv["fetch_count"], kv_disk_read_bytes=kv["disk_read"],
@@ -177,7 +181,7 @@ class Simulator:
             if on_finished is not None and len(sched.finished) > num_done:
                 on_finished(len(sched.finished) - num_done)
             steps.append(StepRecord(
-                len(steps), now, len(batch.prefills), len(batch.decodes), len(rows), load.context_tokens,
+                len(steps), now, len(batch.prefills), len(batch.decodes), num_rows, load.context_tokens,
                 sum(load.active_experts), sum(out.hits), sum(out.misses), sum(out.prefetches),
                 kv["fetch_count"] + kv["disk_read_count"], kv["spill_count"], b.total_ms, b.compute_ms,
                 b.stall_ms[StallCause.EXPERT_MISS], b.stall_ms[StallCause.KV_MISS], b.stall_ms[StallCause.BOTH]))

@@ -91,12 +91,17 @@ class LayerCache:
             hits.append(len(resident))
             misses.append(len(absent))
             want = set(experts)
+            # Victims in eviction order, ranked once per layer and step: the step's own experts are never
+            # candidates, so loading one never changes the ranking of the rest.
+            cands = [k for k in lru if k not in want]
+            if self.frequency:
+                cands.sort(key=count.__getitem__)  # stable: ties stay least recently used first
+            victims = iter(cands)
             for e in absent:  # loaded for this step; kept only if a slot can be had without evicting the step's own
                 if len(lru) >= self.slots:
-                    cands = [k for k in lru if k not in want]
-                    if not cands:
+                    victim = next(victims, None)
+                    if victim is None:
                         continue
-                    victim = min(cands, key=count.__getitem__) if self.frequency else cands[0]
                     del lru[victim]
                 if self.slots:
                     lru[e] = None
