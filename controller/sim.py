@@ -12,7 +12,7 @@ traces) or draws plots (api/sim_report.py does).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -91,7 +91,10 @@ class SimReport:
                 "preemptions": int(sum(r["preemptions"] for r in self.requests))}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"summary": self.summary(), "config": self.config, "steps": [asdict(s) for s in self.steps]}
+        """Summary, inputs and the steps as columns (one list per StepRecord field; ms to 1 µs)."""
+        names = [f.name for f in fields(StepRecord)]
+        cols = {n: [round(v, 3) if isinstance(v := getattr(s, n), float) else v for s in self.steps] for n in names}
+        return {"summary": self.summary(), "config": self.config, "steps": cols}
 
 
 def expert_slots_for(shape: ModelShape, hbm_bytes: int, kv_gpu_blocks: int, workspace_bytes: int = 0) -> int:
