@@ -3,17 +3,19 @@
 Runs in the user's shell. Heavy modules are imported inside the command. Bad input prints `error: ...` on
 stderr and exits 2 (no traceback); nothing is written then.
 
-Example (bench/results/sim_examples.md has the output): Qwen3-235B-A22B on one H200 over PCIe Gen5, with the
-links measured on our H200 (bench/results/substrate_h200.md: engine H2D 53.4 GB/s, disk->host 1.99, host->disk
-2.97; ~8 us per load from 9 MiB lists at 0.959 of raw) and our engine's per-layer decode compute there
-(bench/results/engine_h200.md run 15: Qwen3-30B-A3B 9.07 ms/step at B=1, 25.4 at B=64 over 48 layers):
+Example (bench/results/sim_examples.md has the output and where every number comes from): Qwen3-235B-A22B on
+one H200 over PCIe Gen5, links as measured on our H200 (bench/results/substrate_h200.md: engine H2D 53.4 GB/s,
+disk->host 1.99, host->disk 2.97; ~8 us per load) and our engine's per-layer decode compute there as the
+compute prior (bench/results/engine_h200.md run 15; the defaults of --layer-compute-ms / --layer-ms-per-token):
 
-    tierplan sim --routing data/routing/flame_moe_290m_sample.npz \\
-        --requests data/requests/mooncake_conversation_sample.jsonl --limit 200 --max-prompt-len 2048 \\
-        --max-output-len 256 --preset qwen3-235b-a22b --link-gbps 53.4 --hbm-gb 141 --kv-gb 16 \\
-        --layer-compute-ms 0.19 --layer-ms-per-token 0.0054 --max-batch 32 --out bench/results/sim/h200_pcie
+    tierplan sim --routing data/routing/flame_moe_290m_sample.npz \
+        --requests data/requests/mooncake_conversation_sample.jsonl --limit 100 --preset qwen3-235b-a22b \
+        --kv-gb 24 --policy lru-layer --link-gbps 53.4 --hbm-gb 141 \
+        --out bench/results/sim/qwen3-235b-a22b-h200_pcie5 --json
+    ... steps=5954 requests=100 tokens_out=36758 tokens/s=4.2 hit_rate=0.422
+    ... decode p50=1427.96 ms; time split: compute 12.2%, expert stall 87.8%
 
-and on a GH200 (450 GB/s NVLink-C2C): the same with `--link-gbps 450 --hbm-gb 96`.
+and on a GH200 (450 GB/s NVLink-C2C, 96 GB HBM) the same with `--link-gbps 450 --hbm-gb 96`: decode p50 293 ms.
 """
 
 from __future__ import annotations
