@@ -58,6 +58,13 @@ def _requests(spec: str, limit: int | None, time_scale: float, max_prompt: int |
     return reqs
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
+        raise ValueError(f"--plan {str(path)!r}: cannot read it ({type(e).__name__})") from None
+
+
 def register(app: typer.Typer) -> None:
     """Add this module's command(s) to `app` (called from api.cli.main)."""
 
@@ -81,7 +88,10 @@ def register(app: typer.Typer) -> None:
                                       ] = 0.0054,
         resident_frac: Annotated[float | None, typer.Option(
             min=0.0, max=1.0, help="Expert slots as a fraction of all experts (instead of what HBM leaves).")] = None,
-        policy: Annotated[str, typer.Option(help="Expert cache: lru (one pool), lru-layer, lfu-layer.")] = "lru",
+        policy: Annotated[str, typer.Option(
+            help="Expert cache: lru (one pool), lru-layer, lfu-layer, or plan (with --plan).")] = "lru",
+        plan: Annotated[Path | None, typer.Option(
+            help="A controller Plan (JSON) to replay: its per-layer expert bytes and pins (--policy plan).")] = None,
         max_batch: Annotated[int, typer.Option(min=1, help="Continuous batching: most sequences per step.")] = 32,
         limit: Annotated[int | None, typer.Option(min=1, help="First N requests of the trace.")] = None,
         time_scale: Annotated[float, typer.Option(min=1e-9, help="Multiply arrival times by this.")] = 1.0,
@@ -98,15 +108,18 @@ def register(app: typer.Typer) -> None:
         from controller import sim_traces
         from controller.costmodel import ComputeParams, CostModel, HardwareSpec
         from controller.model_shape import ShapeError, builtin_shape, shape_from_config
-        from controller.protocol import Link
+        from controller.protocol import Link, Plan, ProtocolError, parse
         from controller.sim import SimConfig, Simulator, expert_slots_for
-        from controller.sim_policy import POLICY_NAMES, make_policy
+        from controller.sim_policy import POLICY_NAMES, PlanPolicy, make_policy
 
         if (preset is None) == (config is None):
             raise _fail("give exactly one of --preset NAME or --config config.json" if preset is None else
                         f"--preset {preset!r} and --config {str(config)!r} both given; give one")
-        if policy not in POLICY_NAMES:
-            raise _fail(f"--policy {policy!r}: expected one of {', '.join(POLICY_NAMES)}")
+        if policy not in (*POLICY_NAMES, "plan"):
+            raise _fail(f"--policy {policy!r}: expected one of {', '.join((*POLICY_NAMES, 'plan'))}")
+        if (policy == "plan") != (plan is not None):
+            raise _fail("--policy plan needs --plan PLAN.json" if plan is None else
+                        f"--plan {str(plan)!r} is replayed only with --policy plan, got --policy {policy!r}")
         try:
             shape = builtin_shape(preset) if preset is not None else shape_from_config(config)  # type: ignore[arg-type]
             trace = sim_traces.load_routing(routing, shape.num_moe_layers, shape.top_k, shape.num_experts)
@@ -125,11 +138,21 @@ def register(app: typer.Typer) -> None:
                                   attn_ms_per_ctx_token=layers_ms,
                                   moe_ms_per_active_expert=shape.expert_bytes / hw.hbm_bytes_per_s * 1e3)
             cost = CostModel(shape, hw, prior)
-            simulator = Simulator(shape, cost, trace, make_policy(policy, slots, shape.num_moe_layers),
+            if plan is not None:
+                applied = parse(Plan, _read_text(plan))
+                planned = sum(applied.expert_bytes_per_layer) // shape.expert_bytes
+                if planned > slots:
+                    raise ValueError(f"--plan {str(plan)!r}: its expert bytes hold {planned} experts, the HBM left "
+                                     f"by dense weights, KV and workspace holds {slots}")
+                slots = planned
+                cache = PlanPolicy(applied, shape.moe_layers, shape.expert_bytes)
+            else:
+                cache = make_policy(policy, slots, shape.num_moe_layers)
+            simulator = Simulator(shape, cost, trace, cache,
                                   SimConfig(kv_gpu_blocks=kv_blocks, max_batch=max_batch, max_steps=max_steps), slots)
             with _progress("sim", len(reqs)) as tick:
                 report = simulator.run(reqs, on_finished=tick)
-        except (ShapeError, sim_traces.TraceError, ValueError, RuntimeError) as e:
+        except (ShapeError, sim_traces.TraceError, ProtocolError, ValueError, RuntimeError) as e:
             raise _fail(str(e)) from None
         inputs = {"model": shape.name, "hardware": hw.name, "routing": str(routing), "requests": requests,
                   "num_requests": len(reqs), "kv_gpu_blocks": kv_blocks, "expert_slots": slots,

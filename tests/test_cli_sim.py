@@ -76,3 +76,26 @@ def test_a_bad_routing_file_is_refused(tmp_path: Path) -> None:
     bad.write_bytes(b"not an npz")
     r = runner.invoke(app, ["sim", "--routing", str(bad), "--requests", MOONCAKE, "--preset", "tiny"])
     assert r.exit_code == 2 and "routing trace" in r.output and "Traceback" not in r.output
+
+
+def test_a_controller_plan_is_replayed_and_a_bad_one_refused(tmp_path: Path) -> None:
+    from controller.model_shape import builtin_shape
+    from controller.protocol import ExpertKey, Plan, Tier, to_json
+
+    shape = builtin_shape("tiny")
+    plan = Plan(plan_id="p", version=1, base_version=0, created_s=0.0, hbm_budget_bytes=1 << 20,
+                expert_bytes_per_layer=(4 * shape.expert_bytes, 4 * shape.expert_bytes),
+                kv_blocks_per_tier={Tier.GPU: 6}, pinned_experts=(ExpertKey(layer=0, expert=1),), reason="test")
+    (tmp_path / "plan.json").write_text(to_json(plan))
+    args = ["--requests", MOONCAKE, "--limit", "10", "--max-prompt-len", "48", "--max-output-len", "16",
+            "--preset", "tiny", "--hbm-gb", "1", "--kv-gb", "0.001", "--workspace-gb", "0",
+            "--out", str(tmp_path / "o"), "--json"]
+    r = _sim(*args, "--policy", "plan", "--plan", str(tmp_path / "plan.json"))
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output.strip().splitlines()[-1])
+    assert s["policy"] == "plan" and s["num_slots"] == 8 and 0 < s["expert_hit_rate"] < 1
+    (tmp_path / "bad.json").write_text(to_json(plan).replace('"version":1', '"version":0'))
+    r = _sim(*args, "--policy", "plan", "--plan", str(tmp_path / "bad.json"))
+    assert r.exit_code == 2 and "version" in r.output and "Traceback" not in r.output
+    r = _sim(*args, "--plan", str(tmp_path / "plan.json"))
+    assert r.exit_code == 2 and "only with --policy plan" in r.output
