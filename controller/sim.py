@@ -58,6 +58,9 @@ class StepRecord:
 
 @dataclass
 class SimReport:
+    """Steps and finished requests. Throughput is over the priced step times; request latencies (TTFT, TPOT)
+    are on the scheduling clock, so under `virtual_step_s` they are in step-clock time."""
+
     steps: list[StepRecord]
     requests: list[dict[str, float]]
     policy: str
