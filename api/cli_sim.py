@@ -16,6 +16,8 @@ compute prior (bench/results/engine_h200.md run 15; the defaults of --layer-comp
     ... decode p50=1427.96 ms; time split: compute 12.2%, expert stall 87.8%
 
 and on a GH200 (450 GB/s NVLink-C2C, 96 GB HBM) the same with `--link-gbps 450 --hbm-gb 96`: decode p50 293 ms.
+With `--calibrate telemetry.jsonl` (the agent's Telemetry windows, one JSON per line) the cost model is fitted
+to a real run first, the hardware and compute options serving only as its prior.
 """
 
 from __future__ import annotations
@@ -58,11 +60,29 @@ def _requests(spec: str, limit: int | None, time_scale: float, max_prompt: int |
     return reqs
 
 
-def _read_text(path: Path) -> str:
+def _read_text(path: Path, option: str) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
-        raise ValueError(f"--plan {str(path)!r}: cannot read it ({type(e).__name__})") from None
+        raise ValueError(f"{option} {str(path)!r}: cannot read it ({type(e).__name__})") from None
+
+
+def _calibrate(cost: Any, path: Path) -> int:
+    """Fold every Telemetry line of `path` into the cost model, in order; -> windows read."""
+    from controller.protocol import ProtocolError, Telemetry, parse
+
+    num = 0
+    for n, line in enumerate(_read_text(path, "--calibrate").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            cost.calibrate(parse(Telemetry, line))
+        except ProtocolError as e:
+            raise ValueError(f"--calibrate {str(path)!r} line {n}: {e}") from None
+        num += 1
+    if not num:
+        raise ValueError(f"--calibrate {str(path)!r}: no telemetry windows")
+    return num
 
 
 def register(app: typer.Typer) -> None:
@@ -98,6 +118,9 @@ def register(app: typer.Typer) -> None:
         max_prompt_len: Annotated[int | None, typer.Option(min=1, help="Scale prompts so the longest fits.")] = None,
         max_output_len: Annotated[int | None, typer.Option(min=1, help="Scale outputs so the longest fits.")] = None,
         max_steps: Annotated[int | None, typer.Option(min=1, help="Stop after N steps.")] = None,
+        calibrate: Annotated[Path | None, typer.Option(
+            help="Telemetry windows (JSON lines, controller.protocol.Telemetry) to calibrate the cost model "
+                 "from, in order; the hardware and compute options are then only its prior.")] = None,
         seed: Annotated[int, typer.Option(help="Seed of synthetic requests.")] = 0,
         out: Annotated[Path, typer.Option(help="Folder for sim.json and sim.png.")] = Path("bench/results/sim"),
         json_out: Annotated[bool, typer.Option("--json", help="End with one JSON line: the summary.")] = False,
@@ -138,8 +161,9 @@ def register(app: typer.Typer) -> None:
                                   attn_ms_per_ctx_token=layers_ms,
                                   moe_ms_per_active_expert=shape.expert_bytes / hw.hbm_bytes_per_s * 1e3)
             cost = CostModel(shape, hw, prior)
+            num_windows = _calibrate(cost, calibrate) if calibrate is not None else 0
             if plan is not None:
-                applied = parse(Plan, _read_text(plan))
+                applied = parse(Plan, _read_text(plan, "--plan"))
                 planned = sum(applied.expert_bytes_per_layer) // shape.expert_bytes
                 if planned > slots:
                     raise ValueError(f"--plan {str(plan)!r}: its expert bytes hold {planned} experts, the HBM left "
@@ -158,12 +182,18 @@ def register(app: typer.Typer) -> None:
                   "num_requests": len(reqs), "kv_gpu_blocks": kv_blocks, "expert_slots": slots,
                   "resident_frac": slots / total, "link_gbps": link_gbps, "overhead_us": overhead_us,
                   "hbm_gb": hbm_gb, "layer_compute_ms": layer_compute_ms, "layer_ms_per_token": layer_ms_per_token,
-                  "policy": policy, "max_batch": max_batch}
+                  "policy": policy, "max_batch": max_batch, "calibration_windows": num_windows,
+                  "compute_params": vars(cost.compute), "h2d_overhead_us": cost.overhead_s(Link.H2D) * 1e6,
+                  "h2d_gbps_fitted": cost.link_bytes_per_s(Link.H2D) / 1e9}
         json_path, png_path = write_sim_report(out, report, inputs)
         s = report.summary()
         say = _io.out.print
         say(f"model={shape.name} experts={total} x {shape.expert_bytes / 2**20:.1f} MiB slots={slots} "
             f"({slots / total:.1%}) kv_blocks={kv_blocks} policy={policy} hardware='{hw.name}'")
+        if num_windows:
+            gbps = cost.link_bytes_per_s(Link.H2D) / 1e9
+            say(f"calibrated from {num_windows} telemetry windows: h2d {gbps:.2f} GB/s + "
+                f"{cost.overhead_s(Link.H2D) * 1e6:.1f} us/load; compute {vars(cost.compute)}")
         say(f"steps={s['steps']} requests={s['requests']} tokens_out={s['tokens_out']} "
             f"tokens/s={s['tokens_per_s']:.1f} hit_rate={s['expert_hit_rate']:.3f}")
         say(f"step ms mean={s['step_ms_mean']:.2f} p50={s['step_ms_p50']:.2f} p99={s['step_ms_p99']:.2f}; "

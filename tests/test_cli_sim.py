@@ -99,3 +99,23 @@ def test_a_controller_plan_is_replayed_and_a_bad_one_refused(tmp_path: Path) -> 
     assert r.exit_code == 2 and "version" in r.output and "Traceback" not in r.output
     r = _sim(*args, "--plan", str(tmp_path / "plan.json"))
     assert r.exit_code == 2 and "only with --policy plan" in r.output
+
+
+def test_calibration_from_recorded_telemetry_changes_the_prediction(tmp_path: Path) -> None:
+    from controller.protocol import to_json
+    from tests.controller.test_costmodel_calibrate import _window
+
+    # The agent's windows of a machine whose steps take ~20 ms: the default prior (0.19 ms a layer) is far off.
+    windows = [_window(i, 5 + i % 3, 8, 0, 0, 20.0, 0.0, gpu_blocks=3 + i % 3) for i in range(30)]
+    (tmp_path / "tel.jsonl").write_text("\n".join(to_json(w) for w in windows) + "\n")
+    args = ["--requests", "synthetic:6,1e9,8,4", "--preset", "tiny", "--hbm-gb", "1", "--kv-gb", "0.001",
+            "--workspace-gb", "0", "--json"]
+    plain = _sim(*args, "--out", str(tmp_path / "a"))
+    fitted = _sim(*args, "--calibrate", str(tmp_path / "tel.jsonl"), "--out", str(tmp_path / "b"))
+    assert plain.exit_code == 0 and fitted.exit_code == 0, plain.output + fitted.output
+    assert "calibrated from 30 telemetry windows" in fitted.output
+    p, f = (json.loads(x.output.strip().splitlines()[-1]) for x in (plain, fitted))
+    assert p["decode_step_ms_p50"] < 2.0 and f["decode_step_ms_p50"] == pytest.approx(20.0, rel=0.1)
+    (tmp_path / "bad.jsonl").write_text('{"schema_version": 1}\n')
+    r = _sim(*args, "--calibrate", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "c"))
+    assert r.exit_code == 2 and "line 1" in r.output and "Traceback" not in r.output
