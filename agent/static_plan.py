@@ -3,7 +3,8 @@
 Agent code; runs where the demo or a test builds it (no process boundary: it only fills a `controller.protocol.Plan`).
 From a warm-up window of real routing it pins, per MoE layer, the experts activated most often, caps
 each layer at an even share of the expert slots (pins leave at least one of them free), ranks the coldest
-experts first for eviction, and keeps the KV capacity per tier as configured. The reason string says all of that, so the choice is visible.
+experts first for eviction, and keeps the KV capacity per tier as configured. The reason string says all
+of that, so the choice is visible.
 It must never apply anything (the enforcer does) or learn online (that is the controller's job).
 """
 
