@@ -25,6 +25,7 @@ from runtime.engine.experts import OnDemandExperts
 from runtime.engine.graphs import DecodeGraphs
 from runtime.engine.kv_cache import PagedKVCache
 from runtime.engine.model import MoEModel
+from runtime.engine.sizing import check_fits
 from runtime.engine.weights import expert_format, synthetic_dense_weights
 from runtime.errors import ConfigError
 from runtime.kv import Tier
@@ -112,6 +113,7 @@ class GenerationResult:
 class ReferenceEngine:
     def __init__(self, spec: ModelSpec, device: Device, cfg: EngineConfig) -> None:
         self.spec, self.device, self.cfg = spec, device, cfg
+        check_fits(spec, device, cfg)  # refuse, naming each part, what would not fit before allocating any of it
         self._tmp = None if cfg.workdir else tempfile.TemporaryDirectory(prefix="tierplan-engine-")
         wd = Path(cfg.workdir or self._tmp.name)  # type: ignore[union-attr]
         wd.mkdir(parents=True, exist_ok=True)
