@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
@@ -28,6 +29,40 @@ from runtime.kv.stores import KVTierStores
 from runtime.transfer import Buffer, Link, Priority, TrafficClass, TransferEngine, TransferHandle, TransferRequest
 
 PAIRS = tuple(f"{a.value}->{b.value}" for a in Tier for b in Tier if a is not b)
+
+
+class _End(Enum):
+    """Where a hop reads or writes: the move's source block, its destination block, or its staging buffer."""
+
+    SRC = "src"
+    DST = "dst"
+    STAGE = "stage"
+
+
+@dataclass(frozen=True)
+class HopSpec:
+    """One copy of a move: its link, its ends, whether it waits for the caller's device work (it touches the
+    GPU) and whether the bytes it lands are on the host (then checksummed, or verified)."""
+
+    link: Link
+    src: _End
+    dst: _End
+    after: bool = False
+    lands_on_host: bool = False
+
+
+# One hop plan per (source tier, destination tier). GPU <-> NVMe has no direct link: two hops through a
+# page-aligned host staging buffer (O_DIRECT needs aligned host memory; the GPU tier is not host memory).
+HOP_PLANS: dict[tuple[Tier, Tier], tuple[HopSpec, ...]] = {
+    (Tier.GPU, Tier.CPU): (HopSpec(Link.D2H, _End.SRC, _End.DST, after=True, lands_on_host=True),),
+    (Tier.CPU, Tier.GPU): (HopSpec(Link.H2D, _End.SRC, _End.DST, after=True),),
+    (Tier.CPU, Tier.NVME): (HopSpec(Link.H2DISK, _End.SRC, _End.DST),),
+    (Tier.NVME, Tier.CPU): (HopSpec(Link.DISK2H, _End.SRC, _End.DST, lands_on_host=True),),
+    (Tier.GPU, Tier.NVME): (HopSpec(Link.D2H, _End.SRC, _End.STAGE, after=True, lands_on_host=True),
+                            HopSpec(Link.H2DISK, _End.STAGE, _End.DST)),
+    (Tier.NVME, Tier.GPU): (HopSpec(Link.DISK2H, _End.SRC, _End.STAGE, lands_on_host=True),
+                            HopSpec(Link.H2D, _End.STAGE, _End.DST, after=True)),
+}
 
 
 class KVMoveFuture(OpFuture):
@@ -206,35 +241,26 @@ class KVTransferHandler:
         self.manager.set_checksum(block_id, None)
 
     # ---- asynchronous moves -------------------------------------------------------------------------
+    def _endpoint(self, end: _End, job: _MoveJob) -> Buffer:
+        """A hop's source or destination: the move's source or destination block (memory, or a file region on
+        NVMe), or the move's staging buffer (taken on first use)."""
+        if end is _End.STAGE:
+            if job.staging is None:
+                job.staging = self._take_staging(f"move of KV block {job.move.block_id}")
+            return job.staging.tensor  # [B]
+        spec = job.move.src if end is _End.SRC else job.move.dst
+        return self.stores.region(spec) if spec.tier is Tier.NVME else self.stores.memory(spec)
+
     def _plan(self, job: _MoveJob) -> None:
-        src, dst = job.move.src, job.move.dst
-        mem, region = self.stores.memory, self.stores.region
         # Order every device-side copy after the work already queued on the caller's stream: a copy out of
         # the GPU after the kernels that wrote the block, a copy into it after the kernels that still read
         # the (freed, now reused) index.
+        src, dst = job.move.src, job.move.dst
         after = self.stores.device.record_event() if Tier.GPU in (src.tier, dst.tier) else None
-        pair = (src.tier, dst.tier)
-        if pair == (Tier.GPU, Tier.CPU):
-            job.hops = [_Hop(Link.D2H, mem(src), mem(dst), after, lands_on_host=mem(dst))]
-        elif pair == (Tier.CPU, Tier.GPU):
-            job.hops = [_Hop(Link.H2D, mem(src), mem(dst), after)]
-        elif pair == (Tier.CPU, Tier.NVME):
-            job.hops = [_Hop(Link.H2DISK, mem(src), region(dst))]
-        elif pair == (Tier.NVME, Tier.CPU):
-            job.hops = [_Hop(Link.DISK2H, region(src), mem(dst), lands_on_host=mem(dst))]
-        else:
-            job.staging = self._take_staging(f"move of KV block {job.move.block_id}")
-            stage = job.staging.tensor  # [B]
-            if pair == (Tier.GPU, Tier.NVME):
-                job.hops = [
-                    _Hop(Link.D2H, mem(src), stage, after, lands_on_host=stage),
-                    _Hop(Link.H2DISK, stage, region(dst)),
-                ]
-            else:  # NVMe -> GPU
-                job.hops = [
-                    _Hop(Link.DISK2H, region(src), stage, lands_on_host=stage),
-                    _Hop(Link.H2D, stage, mem(dst), after),
-                ]
+        for hop in HOP_PLANS[(src.tier, dst.tier)]:
+            hop_dst = self._endpoint(hop.dst, job)
+            job.hops.append(_Hop(hop.link, self._endpoint(hop.src, job), hop_dst, after if hop.after else None,
+                                 hop_dst if hop.lands_on_host else None))  # type: ignore[arg-type]
 
     def move(
         self, block_id: int, dst: Tier, priority: Priority = Priority.NORMAL, deadline_s: float | None = None
