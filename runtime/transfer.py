@@ -52,7 +52,7 @@ from runtime.transfer_worker import _LinkQueue, _LinkWorkers
 __all__ = ["Buffer", "Link", "Priority", "TrafficClass", "TransferEngine", "TransferHandle", "TransferRequest"]
 
 MIN_CHUNK_BYTES = 2 << 20
-DEFAULT_CHUNK_BYTES = 8 << 20  # measured on the H200: 9-24 MiB expert loads pipeline best at 8 MiB
+DEFAULT_CHUNK_BYTES = 8 << 20  # expert loads of 9-24 MiB pipeline best at this size (bench/results/design_notes.md)
 DEFAULT_INFLIGHT_BYTES = 16 << 20  # ~0.3 ms of PCIe Gen5: the most an urgent transfer waits behind
 
 
@@ -99,8 +99,8 @@ class TransferEngine(_LinkWorkers):
         self._closing = False
         self.last_idle_error: BaseException | None = None
         # retire_thread: a memory link's finished chunks are accounted (and their on_done run) on a second thread,
-        # in order, which runs while the worker waits in GIL-free driver calls (slot remaps, copies). On the H200
-        # it raised 9 MiB loads from 0.73-0.84 to 0.82-0.85 of raw (engine run 14); False keeps it on the worker.
+        # in order, which runs while the worker waits in GIL-free driver calls (slot remaps, copies); False keeps it
+        # on the worker, where it does not contend for the GIL (figures: bench/results/design_notes.md).
         self._retire_queues: dict[Link, queue.SimpleQueue[tuple[_Chunk, BaseException | None] | None]] = {}
         self._threads: list[threading.Thread] = []
         for lk in Link:

@@ -55,8 +55,9 @@ class ReferenceAdapter:
     def _warm_up(self, top_k: int, device: object) -> None:
         """At attach, before any step: close one window over a dummy route per MoE layer (the tap's fold, top
         pairs and host copy) and build its Telemetry, then discard it all. First uses are slow (lazy CUDA kernel
-        loads, first validations): on the H200 the first window of a decode run cost ~120 ms at B=1 (run 13),
-        which would otherwise land on a serving step. Leaves the tap, the counters and the window sequence as new."""
+        loads, first validations): the first window of a decode run cost as much as many decode steps (figures:
+        bench/results/design_notes.md), which would otherwise land on a serving step. Leaves the tap, the
+        counters and the window sequence as new."""
         k = max(1, top_k)
         ids = torch.arange(k, device=device).expand(len(self.tap.moe_layers), 1, k)  # [L, 1, k]
         self.tap.add_all(ids, torch.full(ids.shape, 1.0 / k, device=device))

@@ -9,9 +9,9 @@ Where the expert's range is mapped (`map_in`):
   "worker": by the host->device link's worker right before the copy, which then writes through the range.
   "link": the copy writes through the slot's window (a pool made with `slot_window=True`) and starts at once;
     the link's worker maps the expert's range beside it, as an idle job (`TransferEngine.submit_idle`) in the
-    waits for its copies, in (priority, deadline, arrival) order. Measured on the H200, a remap costs ~75-160 µs
-    while copies run, close to a 9 MiB copy's ~175 µs: before the copy it left the link idle between copies,
-    and on a thread of its own (tried in runs 10-20) it waited on the GIL.
+    waits for its copies, in (priority, deadline, arrival) order. A remap costs about as much host time as a
+    9 MiB copy keeps the link busy: before the copy it left the link idle between copies, and on a thread of
+    its own it waited on the GIL (figures: bench/results/design_notes.md).
 When a load is published (`publish`):
   "done": once its copy is done (and its range mapped): then any reader may use it.
   "issued": once its copy is issued (and its range mapped), with the copy's event: readers order their stream
