@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from agent.adapters.reference import ReferenceAdapter
 from agent.local_policy import ScanRule
@@ -39,13 +40,13 @@ def agent(tmp_path: Path) -> Iterator[Agent]:
     a.close()
 
 
-def _replay(workdir: Path, plan_for: object | None) -> tuple[dict[int, list[int]], list[str]]:
+def _replay(workdir: Path, plan_for: object | None, device: str = "cpu") -> tuple[dict[int, list[int]], list[str]]:
     """The demo's job (tiny MoE, Mooncake requests, FLAME-MoE routing); returns outputs and budget breaches."""
     spec = preset("tiny")
     bt = auto_block_tokens(spec)
     reqs = scale_requests(load_mooncake(DATA / "requests/mooncake_conversation_sample.jsonl", limit=12,
                                         time_scale=0.01), 48, 16, 12, block_tokens=16)
-    eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(
+    eng = ReferenceEngine(spec, Device(device), EngineConfig(
         block_tokens=bt, resident_frac=0.5, kv_gpu_blocks=KV["gpu"], kv_cpu_blocks=KV["cpu"],
         kv_nvme_blocks=KV["nvme"], workdir=workdir))
     breaches: list[str] = []
@@ -108,6 +109,16 @@ def test_a_tight_plan_holds_over_a_whole_replay_and_changes_no_output(tmp_path: 
     got, breaches = _replay(tmp_path / "tight", _tight_plan)
     assert breaches == []
     assert got == want  # placement moves bytes, never changes them
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_tight_plan_holds_on_cuda_too(tmp_path: Path) -> None:
+    """The same replay on the GPU: CUDA graphs, real slot remaps and device KV; the same budgets and bits."""
+    want, _ = _replay(tmp_path / "free", None, "cuda")
+    got, breaches = _replay(tmp_path / "tight", _tight_plan, "cuda")
+    assert breaches == []
+    assert got == want
 
 
 def test_the_pool_refuses_a_load_past_a_layer_limit_even_around_the_agent(agent: Agent) -> None:
