@@ -11,8 +11,9 @@ behind more than ~16 MiB; on the CPU twin a worker thread does the copy. Disk li
 worker threads doing aligned O_DIRECT I/O.
 
 Memory-link copies go by address (`Device.copy_range`: one cuMemcpyAsync on a GPU). A memory link's finished
-chunks are accounted, and `on_done` callbacks run, in order on its retire thread (`retire_thread=True`, the
-default) or on its worker. `submit_many` queues a list of one link's transfers with one lock and one wake-up.
+chunks are accounted, and `on_done` callbacks run, in order on its worker (the default, as in the reference
+engine's `EngineConfig.transfer_retire_thread`) or on its retire thread (`retire_thread=True`). `submit_many`
+queues a list of one link's transfers with one lock and one wake-up.
 
 Accounting per traffic class: transfers, bytes, queueing delay (submit -> first chunk issued), latency
 (submit -> done), deadline misses, failures. Accounting per link: bytes and chunks. Nothing is dropped: a
@@ -60,7 +61,7 @@ class TransferEngine:
         disk_workers: int = 2,
         clock: Callable[[], float] = time.monotonic,
         urgent_stream: bool = False,
-        retire_thread: bool = True,
+        retire_thread: bool = False,
     ) -> None:
         if chunk_bytes is not None and (chunk_bytes < MIN_CHUNK_BYTES or chunk_bytes % DIRECT_ALIGN_BYTES):
             raise ConfigError(
