@@ -186,6 +186,7 @@ class Runner:
                 peak[k] = max(peak[k], v)
             if self.on_step is not None:
                 self.on_step(batch, step_s)
+        self.sched.gpu_blocks = sched_blocks  # the scheduler's own budget again: a later plan may allow more
         metrics = []
         for s in sorted(self.sched.finished, key=lambda s: s.seq_id):
             i, n = s.seq_id, len(s.output)
