@@ -82,6 +82,9 @@ class ModelSpec:
     rope_theta: float
     max_position_embeddings: int
     dtype: str = "bfloat16"  # compute/storage dtype of the engine; the config's torch_dtype is not used
+    # Set by the checkpoint loader (runtime/engine/families/) from the config; the defaults change nothing.
+    sliding_window: int = 0  # GQA: a query sees only the last `sliding_window` positions (itself included); 0 = all
+    clip_qkv: float = 0.0  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after projection; 0 = no clamp
 
     def __post_init__(self) -> None:
         where = f"ModelSpec {self.name!r}"
@@ -103,6 +106,10 @@ class ModelSpec:
             if not _is_int(v, or_float=True) or v <= 0:
                 raise ConfigError(f"{where}: field '{f}' must be a number > 0, got {v!r}")
             object.__setattr__(self, f, float(v))
+        if not _is_int(self.sliding_window) or self.sliding_window < 0 or not _is_int(self.clip_qkv, or_float=True) \
+                or not 0 <= self.clip_qkv < float("inf"):
+            raise ConfigError(f"{where}: fields 'sliding_window' (int >= 0) and 'clip_qkv' (finite number >= 0), "
+                              f"got {self.sliding_window!r} and {self.clip_qkv!r}")
         for f in ("norm_topk_prob", "qk_norm"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"{where}: field '{f}' must be a bool, got {getattr(self, f)!r}")
@@ -312,7 +319,7 @@ def _dense_intermediate(r: _Reader, c: dict[str, Any], moe_layers: list[int]) ->
 
 
 def _qwen3_moe(r: _Reader, c: dict[str, Any]) -> dict[str, Any]:
-    ex = _experts(r, "num_experts")
+    ex = _experts(r, "num_experts" if "num_experts" in r.cfg else "num_local_experts")  # transformers 5: the latter
     step = r.get_int("decoder_sparse_step", 1)
     mlp_only = set(r.int_list("mlp_only_layers", c["num_layers"]))
     moe = [i for i in range(c["num_layers"]) if i not in mlp_only and (i + 1) % step == 0]
