@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from api import cli_eval_kv, cli_eval_predictors, cli_plan, cli_sim
+from api import cli_eval_kv, cli_eval_predictors, cli_generate, cli_plan, cli_sim
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="tierplan: one HBM budget for experts and KV.")
 check_app = typer.Typer(no_args_is_help=True, help="Self-checks of the execution substrate.")
@@ -225,6 +225,7 @@ cli_eval_predictors.register(eval_app)
 cli_eval_kv.register(eval_app)
 cli_plan.register(plan_app)
 cli_sim.register(app)
+cli_generate.register(app)
 
 
 def main() -> None:
