@@ -115,6 +115,7 @@ def check_slots(
 def check_exact(
     preset: Annotated[str, typer.Option(help="Model preset (tiny, qwen3-30b-a3b, mixtral-8x7b, ...).")] = "tiny",
     config: Annotated[Path | None, typer.Option(help="A Hugging Face config.json (or its folder) instead.")] = None,
+    model: Annotated[Path | None, typer.Option(help="A local checkpoint folder instead: its real weights.")] = None,
     layers: Annotated[int | None, typer.Option(min=1, help="Keep only the first N layers.")] = None,
     resident_frac: Annotated[float, typer.Option(min=0.0, max=1.0, help="Fraction of experts with a slot.")] = 0.25,
     prompts: Annotated[int, typer.Option(min=1, help="Number of random prompts (3: a padded CUDA-graph bucket).")] = 3,
@@ -138,6 +139,12 @@ def check_exact(
 
     try:
         spec = load_hf_config(config) if config is not None else load_preset(preset)
+        if model is not None:
+            from runtime.engine.pretrained import read_pretrained
+
+            if config is not None or layers is not None:
+                raise ConfigError("--model runs the whole checkpoint: drop --config and --layers")
+            spec = read_pretrained(model).spec
         if layers is not None:
             spec = spec.truncated(layers)
         if expert_map_in not in MAP_IN:
@@ -145,7 +152,7 @@ def check_exact(
                                      param_hint="--expert-map-in")
         r = run_exact_check(spec, resident_frac, device.value, num_prompts=prompts, new_tokens=new_tokens,
                             seed=seed, workdir=workdir, expert_map_in=expert_map_in,  # type: ignore[arg-type]
-                            expert_poison=expert_poison)
+                            expert_poison=expert_poison, model_dir=model)
     except ConfigError as exc:
         _io.err.print(f"error: {exc}")
         raise typer.Exit(2) from None

@@ -7,9 +7,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
-
 from tests.runtime.pretrained.hf_tiny import FAMILIES, build_checkpoint, hf_model
 
 

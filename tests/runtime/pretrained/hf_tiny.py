@@ -64,7 +64,8 @@ def build_checkpoint(family: str, folder: Path, dtype: torch.dtype = torch.float
 def hf_model(folder: Path, dtype: torch.dtype = torch.float32) -> Any:
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    return model.to(dtype).eval()
 
 
 def hf_greedy(model: Any, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:

@@ -21,6 +21,8 @@ from runtime.selfcheck.exact import auto_block_tokens
 from runtime.weights.loader import StoreKind
 from tests.runtime.pretrained.hf_tiny import FAMILIES, hf_greedy, hf_model
 
+pytest.importorskip("transformers")
+
 PROMPTS = [[5, 9, 3, 17, 22, 4, 8, 11, 30, 2], [7, 1, 40], [12, 60, 33, 91, 2, 2, 8, 45, 19, 70, 3, 14, 27]]
 NEW_TOKENS = 8
 
