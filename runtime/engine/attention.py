@@ -140,19 +140,19 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 
-def _linear(x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """x @ w[name_proj]^T, plus w[name_bias] where the checkpoint has one (attention_bias)."""
-    y = x @ w[f"{name}_proj"].t()
-    bias = w.get(f"{name}_bias")
+def linear(x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """x @ w[name]^T, plus w[name + ".bias"] where the checkpoint has one (attention_bias)."""
+    y = x @ w[name].t()
+    bias = w.get(f"{name}.bias")
     return y if bias is None else y + bias
 
 
 def _project_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, spec: ModelSpec,
                  rt: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, nh, nkv, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q = _linear(x, w, "q")  # [N, Hq*D]
-    k = _linear(x, w, "k")  # [N, Hkv*D]
-    v = _linear(x, w, "v")  # [N, Hkv*D]
+    q = linear(x, w, "q_proj")  # [N, Hq*D]
+    k = linear(x, w, "k_proj")  # [N, Hkv*D]
+    v = linear(x, w, "v_proj")  # [N, Hkv*D]
     if spec.qk_norm and not spec.qk_norm_per_head:  # OLMoE normalises the whole projection
         q, k = rms_norm(q, w["q_norm"], spec.rms_norm_eps), rms_norm(k, w["k_norm"], spec.rms_norm_eps)
     if spec.clip_qkv:  # OLMoE clamps after its q/k norm, before RoPE
@@ -208,11 +208,11 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
     if isinstance(observer, QCapture):
         if layer in observer.saved:
             observer.saved[layer].copy_(q)
-        return _linear(out.reshape(n, -1), w, "o")
+        return linear(out.reshape(n, -1), w, "o_proj")
     for i, s in enumerate(segments):
         if s.seq_id >= 0:  # padding rows of a bucket carry negative ids: nothing to observe
             observe(observer, layer, s, q[i], cache)
-    return _linear(out.reshape(n, -1), w, "o")
+    return linear(out.reshape(n, -1), w, "o_proj")
 
 
 def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
@@ -246,7 +246,7 @@ def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
             mask &= torch.arange(ctx, device=x.device)[None, :] > pos[:, None] - spec.sliding_window
         out[rows] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
         observe(observer, layer, s, q[rows][-1], cache, keys)
-    return _linear(out.reshape(n, nh * d), w, "o")
+    return linear(out.reshape(n, nh * d), w, "o_proj")
 
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],

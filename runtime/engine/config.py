@@ -85,6 +85,9 @@ class ModelSpec:
     # Set by the checkpoint loader (runtime/engine/families/) from the config; the defaults change nothing.
     sliding_window: int = 0  # GQA: a query sees only the last `sliding_window` positions (itself included); 0 = all
     clip_qkv: float = 0.0  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after projection; 0 = no clamp
+    rope_scaling: tuple[tuple[str, float], ...] = ()  # MLA yarn: (key, value) pairs of rope_parameters; () = none
+    num_expert_groups: int = 0  # DeepSeek group-limited routing: experts in this many groups (0 = no groups) ...
+    topk_groups: int = 0  # ... and a token's top-k chosen only within its best `topk_groups` groups
 
     def __post_init__(self) -> None:
         where = f"ModelSpec {self.name!r}"
@@ -106,10 +109,7 @@ class ModelSpec:
             if not _is_int(v, or_float=True) or v <= 0:
                 raise ConfigError(f"{where}: field '{f}' must be a number > 0, got {v!r}")
             object.__setattr__(self, f, float(v))
-        if not _is_int(self.sliding_window) or self.sliding_window < 0 or not _is_int(self.clip_qkv, or_float=True) \
-                or not 0 <= self.clip_qkv < float("inf"):
-            raise ConfigError(f"{where}: fields 'sliding_window' (int >= 0) and 'clip_qkv' (finite number >= 0), "
-                              f"got {self.sliding_window!r} and {self.clip_qkv!r}")
+        self._check_checkpoint_fields(where)
         for f in ("norm_topk_prob", "qk_norm"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"{where}: field '{f}' must be a bool, got {getattr(self, f)!r}")
@@ -118,6 +118,19 @@ class ModelSpec:
         except ConfigError as e:
             raise ConfigError(f"{where}: field 'dtype': {e}") from None
         self._check_layout(where)
+
+    def _check_checkpoint_fields(self, where: str) -> None:
+        """The fields only a checkpoint's config sets (runtime/engine/families/)."""
+        if not _is_int(self.sliding_window) or self.sliding_window < 0 or not _is_int(self.clip_qkv, or_float=True) \
+                or not 0 <= self.clip_qkv < float("inf"):
+            raise ConfigError(f"{where}: fields 'sliding_window' (int >= 0) and 'clip_qkv' (finite number >= 0), "
+                              f"got {self.sliding_window!r} and {self.clip_qkv!r}")
+        object.__setattr__(self, "rope_scaling", tuple((str(k), v) for k, v in self.rope_scaling))
+        g, tg = self.num_expert_groups, self.topk_groups
+        if not (_is_int(g) and _is_int(tg)) or (g == 0) != (tg == 0) or (g and (self.num_experts % g or tg > g)):
+            raise ConfigError(f"{where}: fields 'num_expert_groups' ({g!r}) and 'topk_groups' ({tg!r}) must be both 0, "
+                              f"or num_expert_groups must divide num_experts ({self.num_experts}) and topk_groups "
+                              f"be in 1..num_expert_groups")
 
     def _check_layout(self, where: str) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -19,6 +19,7 @@ import torch
 from runtime.device import Device
 from runtime.engine.checkpoint import Checkpoint
 from runtime.engine.config import ModelSpec, load_hf_config
+from runtime.engine.config import _read_json as read_config_json
 from runtime.engine.families import family_for
 from runtime.engine.families.base import Family
 from runtime.engine.weights import DenseWeights, LayerWeights, _attn_shapes, expert_format
@@ -86,10 +87,14 @@ def _expected(model: PretrainedModel) -> dict[str, tuple[str, tuple[int, ...]]]:
     attn = _attn_shapes(spec)
     moe = set(spec.moe_layers)
     for i in range(spec.num_layers):
-        names = fam.layer_names(i, i in moe)
+        p = f"model.layers.{i}."
+        names = fam.layer_names(i, i in moe) | {"input_norm": p + "input_layernorm.weight",
+                                                "post_attn_norm": p + "post_attention_layernorm.weight"}
+        names |= {f"attn.{k}": f"{p}self_attn.{k}.weight" for k in attn}
+        names |= {f"attn.{k}.bias": f"{p}self_attn.{k}.bias" for k in fam.bias_projections}
         want = {"input_norm": (h,), "post_attn_norm": (h,)} | {f"attn.{k}": s for k, s in attn.items()}
         if model.attention_bias:
-            want |= {f"attn.{n}_bias": (attn[f"{n}_proj"][0],) for n in ("q", "k", "v", "o")}
+            want |= {f"attn.{k}.bias": (attn[k][0],) for k in fam.bias_projections if k in attn}
         if i in moe:
             want["router"] = (spec.num_experts, h)
             if spec.num_shared_experts:
@@ -117,11 +122,11 @@ def read_pretrained(folder: str | Path, dtype: str | None = None) -> PretrainedM
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"--model {folder}: not a folder (expected a checkpoint folder with config.json)")
-    source = f"config.json ({folder / 'config.json'})"
-    spec = load_hf_config(folder, name=folder.resolve().name)  # refuses a missing/invalid file and bad shapes
-    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    cfg, source, _ = read_config_json(folder)  # refuses a missing file, bad JSON or encoding
     family = family_for(cfg.get("model_type"), source)
     changes = family.validate(cfg, source)
+    # The shape parser reads the file itself (errors name it), or the family's normalized copy (DeepSeek).
+    spec = load_hf_config(family.normalize(cfg) if family.normalize is not None else folder, name=folder.resolve().name)
     if dtype is not None and dtype not in ENGINE_DTYPES:
         raise ConfigError(f"dtype must be one of {list(ENGINE_DTYPES)}, got {dtype!r}")
     ckpt = Checkpoint(folder)
@@ -142,7 +147,8 @@ def load_dense(model: PretrainedModel, device: torch.device) -> DenseWeights:
     fix = model.family.fix_tensor
     loaded: dict[str, torch.Tensor] = {}
     for ours, (name, shape) in _expected(model).items():
-        t = model.checkpoint.get(name, shape, dt)
+        fp32 = model.family.router_fp32 and ours.endswith(".router")
+        t = model.checkpoint.get(name, shape, torch.float32 if fp32 else dt)
         loaded[ours] = (fix(ours, t, model.spec) if fix is not None else t).contiguous().to(device)
     w = DenseWeights(loaded["embed"], loaded["final_norm"], loaded["lm_head"] if not model.tied else loaded["embed"])
     for i in range(model.spec.num_layers):

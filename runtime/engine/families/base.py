@@ -35,7 +35,7 @@ COMMON_REFUSED = frozenset({"quantization_config", "pretraining_tp"})
 _ROPE_KEYS = frozenset({"rope_type", "rope_theta", "type"})
 
 
-# (layer, is_moe) -> {our name: checkpoint tensor name}; our names: see `pretrained.dense_names`
+# (layer, is_moe) -> {our name: checkpoint tensor name} for "router", "shared.*", "dense.*"
 LayerNames = Callable[[int, bool], dict[str, str]]
 ExpertNames = Callable[[int, int], tuple[str, str, str]]  # (layer, expert) -> gate, up, down tensor names
 ConfigCheck = Callable[[Mapping[str, Any], str], dict[str, Any]]  # -> ModelSpec changes
@@ -52,6 +52,9 @@ class Family:
     layer_names: LayerNames
     expert_names: ExpertNames
     fix_tensor: TensorFix | None = None  # e.g. DeepSeek's interleaved rope rows
+    bias_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # biased if attention_bias
+    router_fp32: bool = False  # the router weight stays float32 and routes float32 rows (transformers' DeepSeek)
+    normalize: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # the config as load_hf_config reads it
     ignorable_tensors: tuple[str, ...] = field(default=("rotary_emb.inv_freq",))  # name suffixes, made from config
 
     @property
@@ -102,21 +105,18 @@ def check_common(cfg: Mapping[str, Any], source: str) -> None:
                               + (f" and unsupported key(s) {extra}" if extra else ""))
 
 
-def gqa_layer_names(prefix_mlp: str, router: str) -> LayerNames:
-    """Names of a Llama-style GQA layer: self_attn.{q,k,v,o}_proj and biases, q/k norms, router or dense MLP
-    (the loader takes those the spec and config ask for)."""
+def mlp_names(moe_prefix: str, router: str, shared: str | None = None) -> LayerNames:
+    """Names of a layer's MLP side: the router (MoE layers, plus shared experts where the family has them) or
+    a dense SwiGLU MLP at `mlp.{gate,up,down}_proj`. Attention and norms are named alike in every family."""
 
     def names(i: int, moe: bool) -> dict[str, str]:
         p = f"model.layers.{i}."
-        out = {"input_norm": p + "input_layernorm.weight", "post_attn_norm": p + "post_attention_layernorm.weight"}
-        for n in ("q", "k", "v", "o"):
-            out[f"attn.{n}_proj"] = f"{p}self_attn.{n}_proj.weight"
-            out[f"attn.{n}_bias"] = f"{p}self_attn.{n}_proj.bias"
-        out |= {"attn.q_norm": p + "self_attn.q_norm.weight", "attn.k_norm": p + "self_attn.k_norm.weight"}
-        if moe:
-            out["router"] = f"{p}{prefix_mlp}.{router}.weight"
-        else:
-            out |= {f"dense.{n}": f"{p}mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+        if not moe:
+            return {f"dense.{n}": f"{p}mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+        out = {"router": f"{p}{moe_prefix}.{router}.weight"}
+        if shared is not None:
+            out |= {f"shared.{n}": f"{p}{moe_prefix}.{shared}.{n}.weight" for n in ("gate_proj", "up_proj",
+                                                                                    "down_proj")}
         return out
 
     return names

@@ -15,7 +15,7 @@ from runtime.engine.families.base import (
     COMMON_INERT,
     COMMON_REFUSED,
     Family,
-    gqa_layer_names,
+    mlp_names,
     sliding_window,
 )
 
@@ -35,6 +35,6 @@ FAMILY = Family(
     inert=COMMON_INERT | {"router_jitter_noise"},
     refused=COMMON_REFUSED,
     check=_check,
-    layer_names=gqa_layer_names("block_sparse_moe", "gate"),
+    layer_names=mlp_names("block_sparse_moe", "gate"),
     expert_names=_experts,
 )

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from runtime.engine.families.base import COMMON_IMPLEMENTED, COMMON_INERT, COMMON_REFUSED, Family, fail, gqa_layer_names
+from runtime.engine.families.base import COMMON_IMPLEMENTED, COMMON_INERT, COMMON_REFUSED, Family, fail, mlp_names
 
 
 def _check(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -34,6 +34,6 @@ FAMILY = Family(
     inert=COMMON_INERT,
     refused=COMMON_REFUSED,
     check=_check,
-    layer_names=gqa_layer_names("mlp", "gate"),
+    layer_names=mlp_names("mlp", "gate"),
     expert_names=_experts,
 )

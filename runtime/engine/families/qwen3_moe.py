@@ -17,7 +17,7 @@ from runtime.engine.families.base import (
     COMMON_REFUSED,
     Family,
     fail,
-    gqa_layer_names,
+    mlp_names,
     sliding_window,
 )
 
@@ -48,6 +48,6 @@ FAMILY = Family(
     inert=COMMON_INERT,
     refused=COMMON_REFUSED,
     check=_check,
-    layer_names=gqa_layer_names("mlp", "gate"),
+    layer_names=mlp_names("mlp", "gate"),
     expert_names=_experts,
 )
