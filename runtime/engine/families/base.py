@@ -72,7 +72,7 @@ class Family:
         if refused:
             raise ConfigError(f"{source}: config key(s) {refused} are not supported for model_type "
                               f"{self.model_type!r} (got {[cfg[k] for k in refused]})")
-        check_common(cfg, source)
+        check_common(cfg, source, rope=self.model_type != "deepseek_v2")  # DeepSeek checks its yarn rope itself
         return self.check(cfg, source)
 
 
@@ -86,12 +86,12 @@ def fail(source: str, key: str, expected: str, got: object) -> ConfigError:
     return ConfigError(f"{source}: field '{key}' must be {expected}, got {got!r}")
 
 
-def check_common(cfg: Mapping[str, Any], source: str) -> None:
-    """hidden_act (SwiGLU's silu only) and rope (the default rotary embedding only)."""
+def check_common(cfg: Mapping[str, Any], source: str, rope: bool = True) -> None:
+    """hidden_act (SwiGLU's silu only) and, if `rope`, the default rotary embedding only."""
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise fail(source, "hidden_act", "'silu' (the only activation the engine implements)", act)
-    for key in ("rope_parameters", "rope_scaling"):
+    for key in ("rope_parameters", "rope_scaling") if rope else ():
         rope = cfg.get(key)
         if rope is None:
             continue

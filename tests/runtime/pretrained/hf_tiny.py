@@ -28,6 +28,18 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
         intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=0.9, attention_bias=True,
         norm_topk_prob=True, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 2e4})),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(  # V2-Lite's attention: no q compression
+        num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16, routed_scaling_factor=1.5, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 2e4})),
+    "deepseek_v2_qlora_yarn_groups": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(  # V2 full / V3 attention
+        num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+        num_experts_per_tok=3, n_shared_experts=2, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, routed_scaling_factor=2.0, attention_bias=True,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})),
 }
 
 
@@ -64,8 +76,10 @@ def build_checkpoint(family: str, folder: Path, dtype: torch.dtype = torch.float
 def hf_model(folder: Path, dtype: torch.dtype = torch.float32) -> Any:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
-    return model.to(dtype).eval()
+    # `dtype=` (transformers >= 4.56; `torch_dtype=` before) keeps what the model keeps in float32 (DeepSeek's router)
+    key = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
+                                                             **{key: dtype}).eval()
 
 
 def hf_greedy(model: Any, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
