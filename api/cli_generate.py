@@ -94,7 +94,7 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="One JSON line per prompt: prompt_ids, output_ids, "
                                                              "text.")] = False,
     ) -> None:
-        """Greedy generation from a local Hugging Face checkpoint (Qwen3-MoE, Mixtral, OLMoE)."""
+        """Greedy generation from a local Hugging Face checkpoint (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2)."""
         try:
             if device not in ("cpu", "cuda"):
                 raise ConfigError(f"--device must be cpu or cuda, got {device!r}")

@@ -54,7 +54,7 @@ def build_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def build_checkpoint(family: str, folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0,
-                     **overrides: Any) -> Path:
+                     max_shard_size: str | None = None, **overrides: Any) -> Path:
     """Save a tiny random `family` model (transformers' save_pretrained) and a tokenizer into `folder`."""
     import transformers
 
@@ -68,7 +68,7 @@ def build_checkpoint(family: str, folder: Path, dtype: torch.dtype = torch.float
                 p.normal_(0.0, 0.1)
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    model.to(dtype).save_pretrained(folder)
+    model.to(dtype).save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     build_tokenizer(folder, cfg.vocab_size)
     return folder
 

@@ -115,3 +115,22 @@ def test_checkpoint_dtype_is_the_default_and_bf16_files_load(checkpoints: dict[s
         assert len(eng.generate([[1, 2, 3]], 2).tokens[0]) == 2
     finally:
         eng.close()
+
+
+def test_sharded_checkpoint_with_index_loads_the_same(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    from tests.runtime.pretrained.hf_tiny import build_checkpoint
+
+    folder = build_checkpoint("olmoe", tmp_path / "sharded", max_shard_size="50KB")
+    assert len(list(folder.glob("*.safetensors"))) > 1 and (folder / "model.safetensors.index.json").is_file()
+    runs = []
+    for f in (checkpoints["olmoe"], folder):
+        eng = ReferenceEngine.from_pretrained(f, Device("cpu"), EngineConfig(block_tokens=32, kv_gpu_blocks=4))
+        try:  # the same bytes: every dense tensor, every expert record in the pinned store
+            dense = [t.clone() for lw in eng.model.w.layers for t in lw.attn.values()] + [eng.model.w.lm_head.clone()]
+            runs.append((dense, eng.pinned.buffer.clone()))  # type: ignore[union-attr]
+        finally:
+            eng.close()
+    assert all(a.equal(b) for a, b in zip(runs[0][0], runs[1][0], strict=True)) and runs[0][1].equal(runs[1][1])
+    (folder / next(folder.glob("*.safetensors")).name).unlink()
+    with pytest.raises(ConfigError, match="names weight file"):
+        read_pretrained(folder)
