@@ -19,6 +19,7 @@ from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
+from runtime.engine.spec_checkpoint import check_checkpoint_fields
 from runtime.errors import ConfigError
 from runtime.weights.format import dtype_from_name
 
@@ -82,12 +83,12 @@ class ModelSpec:
     rope_theta: float
     max_position_embeddings: int
     dtype: str = "bfloat16"  # compute/storage dtype of the engine; the config's torch_dtype is not used
-    # Set by the checkpoint loader (runtime/engine/families/) from the config; the defaults change nothing.
-    sliding_window: int = 0  # GQA: a query sees only the last `sliding_window` positions (itself included); 0 = all
-    clip_qkv: float = 0.0  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after projection; 0 = no clamp
-    rope_scaling: tuple[tuple[str, float], ...] = ()  # MLA yarn: (key, value) pairs of rope_parameters; () = none
-    num_expert_groups: int = 0  # DeepSeek group-limited routing: experts in this many groups (0 = no groups) ...
-    topk_groups: int = 0  # ... and a token's top-k chosen only within its best `topk_groups` groups
+    # Set from a checkpoint's config (runtime/engine/families/, checked in spec_checkpoint.py); defaults: no effect.
+    sliding_window: int = 0  # GQA: a query sees the last `sliding_window` positions (itself included); 0 = all
+    clip_qkv: float = 0.0  # OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv] after projection; 0 = none
+    rope_scaling: tuple[tuple[str, float], ...] = ()  # MLA yarn: (key, value) pairs of rope_parameters
+    num_expert_groups: int = 0  # DeepSeek group-limited routing: experts in G groups, top-k within the best
+    topk_groups: int = 0  # `topk_groups` of them (both 0: no groups)
 
     def __post_init__(self) -> None:
         where = f"ModelSpec {self.name!r}"
@@ -109,7 +110,7 @@ class ModelSpec:
             if not _is_int(v, or_float=True) or v <= 0:
                 raise ConfigError(f"{where}: field '{f}' must be a number > 0, got {v!r}")
             object.__setattr__(self, f, float(v))
-        self._check_checkpoint_fields(where)
+        check_checkpoint_fields(self, where)
         for f in ("norm_topk_prob", "qk_norm"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"{where}: field '{f}' must be a bool, got {getattr(self, f)!r}")
@@ -118,19 +119,6 @@ class ModelSpec:
         except ConfigError as e:
             raise ConfigError(f"{where}: field 'dtype': {e}") from None
         self._check_layout(where)
-
-    def _check_checkpoint_fields(self, where: str) -> None:
-        """The fields only a checkpoint's config sets (runtime/engine/families/)."""
-        if not _is_int(self.sliding_window) or self.sliding_window < 0 or not _is_int(self.clip_qkv, or_float=True) \
-                or not 0 <= self.clip_qkv < float("inf"):
-            raise ConfigError(f"{where}: fields 'sliding_window' (int >= 0) and 'clip_qkv' (finite number >= 0), "
-                              f"got {self.sliding_window!r} and {self.clip_qkv!r}")
-        object.__setattr__(self, "rope_scaling", tuple((str(k), v) for k, v in self.rope_scaling))
-        g, tg = self.num_expert_groups, self.topk_groups
-        if not (_is_int(g) and _is_int(tg)) or (g == 0) != (tg == 0) or (g and (self.num_experts % g or tg > g)):
-            raise ConfigError(f"{where}: fields 'num_expert_groups' ({g!r}) and 'topk_groups' ({tg!r}) must be both 0, "
-                              f"or num_expert_groups must divide num_experts ({self.num_experts}) and topk_groups "
-                              f"be in 1..num_expert_groups")
 
     def _check_layout(self, where: str) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -90,3 +90,10 @@ def hf_greedy(model: Any, prompt: list[int], new_tokens: int) -> tuple[list[int]
         toks = out[0, len(prompt):].tolist()
         logits = model(out[:, :-1]).logits[0, len(prompt) - 1 :].float()
     return toks, logits
+
+
+if __name__ == "__main__":  # python -m tests.runtime.pretrained.hf_tiny DIR: every family's checkpoint under DIR
+    import sys
+
+    for name in FAMILIES:
+        build_checkpoint(name, Path(sys.argv[1]) / name)

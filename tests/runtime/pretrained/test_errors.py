@@ -134,3 +134,16 @@ def test_sharded_checkpoint_with_index_loads_the_same(checkpoints: dict[str, Pat
     (folder / next(folder.glob("*.safetensors")).name).unlink()
     with pytest.raises(ConfigError, match="names weight file"):
         read_pretrained(folder)
+
+
+def test_checkpoint_spec_fields_are_checked_and_round_trip(checkpoints: dict[str, Path]) -> None:
+    from runtime.engine.config import ModelSpec
+
+    spec = read_pretrained(checkpoints["deepseek_v2_qlora_yarn_groups"]).spec
+    assert spec.rope_scaling and (spec.num_expert_groups, spec.topk_groups) == (4, 2) and spec.q_lora_rank == 24
+    assert ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    for bad, named in [({"sliding_window": -1}, "sliding_window"), ({"clip_qkv": float("inf")}, "clip_qkv"),
+                       ({"num_expert_groups": 3}, "num_expert_groups"), ({"rope_scaling": [("factor", "x")]},
+                                                                         "rope_scaling")]:
+        with pytest.raises(ConfigError, match=named):
+            spec.with_(**bad)
