@@ -121,7 +121,7 @@ def read_pretrained(folder: str | Path, dtype: str | None = None) -> PretrainedM
     """Check a checkpoint folder (config, weight files, every tensor's name and shape); nothing allocated."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise ConfigError(f"--model {folder}: not a folder (expected a checkpoint folder with config.json)")
+        raise ConfigError(f"{folder}: not a folder (expected a checkpoint folder with config.json and *.safetensors)")
     cfg, source, _ = read_config_json(folder)  # refuses a missing file, bad JSON or encoding
     family = family_for(cfg.get("model_type"), source)
     changes = family.validate(cfg, source)

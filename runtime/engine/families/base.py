@@ -88,6 +88,9 @@ def fail(source: str, key: str, expected: str, got: object) -> ConfigError:
 
 def check_common(cfg: Mapping[str, Any], source: str, rope: bool = True) -> None:
     """hidden_act (SwiGLU's silu only) and, if `rope`, the default rotary embedding only."""
+    for key in ("attention_bias", "tie_word_embeddings", "use_sliding_window"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise fail(source, key, "true or false", cfg[key])
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise fail(source, "hidden_act", "'silu' (the only activation the engine implements)", act)

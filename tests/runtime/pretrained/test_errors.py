@@ -51,6 +51,10 @@ def copy_of(src: Path, dst: Path, **config_changes: object) -> Path:
     ("mixtral", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ("qwen3_moe", {"max_window_layers": 1}, "max_window_layers"),
     ("olmoe", {"dtype": "float8_e4m3fn"}, "dtype"),
+    ("olmoe", {"attention_bias": "yes"}, "attention_bias"),
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
+    ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob"),
+    ("deepseek_v2", {"mlp_bias": True}, "mlp_bias"),
 ])
 def test_unsupported_config_is_refused_by_name(family: str, changes: dict[str, object], named: str,
                                                 checkpoints: dict[str, Path], tmp_path: Path) -> None:
