@@ -144,7 +144,7 @@ def check_exact(
 
             if config is not None or layers is not None:
                 raise ConfigError("--model runs the whole checkpoint: drop --config and --layers")
-            spec = read_pretrained(model).spec
+            spec = read_pretrained(model).spec  # the engines then load its weights
         if layers is not None:
             spec = spec.truncated(layers)
         if expert_map_in not in MAP_IN:
@@ -152,7 +152,10 @@ def check_exact(
                                      param_hint="--expert-map-in")
         r = run_exact_check(spec, resident_frac, device.value, num_prompts=prompts, new_tokens=new_tokens,
                             seed=seed, workdir=workdir, expert_map_in=expert_map_in,  # type: ignore[arg-type]
-                            expert_poison=expert_poison, model_dir=model)
+                            expert_poison=expert_poison,
+                            # a sliding window: the reference attention path, not the paged kernel or its graphs
+                            decode_kernel=False if spec.sliding_window else None,
+                            decode_graphs=False if spec.sliding_window else None)
     except ConfigError as exc:
         _io.err.print(f"error: {exc}")
         raise typer.Exit(2) from None

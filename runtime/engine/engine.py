@@ -25,7 +25,8 @@ from runtime.engine.experts import OnDemandExperts
 from runtime.engine.graphs import DecodeGraphs
 from runtime.engine.kv_cache import PagedKVCache
 from runtime.engine.model import MoEModel
-from runtime.engine.weights import DenseWeights, expert_format, synthetic_dense_weights
+from runtime.engine.pretrained import checkpoint_weights
+from runtime.engine.weights import expert_format, synthetic_dense_weights
 from runtime.errors import ConfigError
 from runtime.kv import Tier
 from runtime.memory.backend import make_backend
@@ -33,7 +34,7 @@ from runtime.memory.slots import ExpertSlotPool
 from runtime.transfer import TransferEngine
 from runtime.weights.format import dtype_from_name
 from runtime.weights.loader import MAP_IN, PUBLISH, ExpertLoadHandler, MapIn, Publish, StoreKind
-from runtime.weights.sources import ExpertSource, SyntheticExpertSource
+from runtime.weights.sources import SyntheticExpertSource
 from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
 # Decode steps that cannot replay for a reason that depends on placement or routing run eagerly over the
@@ -110,18 +111,15 @@ class GenerationResult:
 
 
 class ReferenceEngine:
-    def __init__(self, spec: ModelSpec, device: Device, cfg: EngineConfig, *, expert_source: ExpertSource | None = None,
-                 dense_weights: DenseWeights | None = None) -> None:
-        """expert_source / dense_weights: a checkpoint's weights (`from_pretrained`); synthetic ones if None."""
-        if expert_source is not None and cfg.experts_on_device:
-            raise ConfigError("EngineConfig.experts_on_device draws synthetic experts; it cannot take expert_source")
+    def __init__(self, spec: ModelSpec, device: Device, cfg: EngineConfig) -> None:
         self.spec, self.device, self.cfg = spec, device, cfg
         self._tmp = None if cfg.workdir else tempfile.TemporaryDirectory(prefix="tierplan-engine-")
         wd = Path(cfg.workdir or self._tmp.name)  # type: ignore[union-attr]
         wd.mkdir(parents=True, exist_ok=True)
         fmt = expert_format(spec)
         n_moe = len(spec.moe_layers)
-        src = expert_source or SyntheticExpertSource(fmt, n_moe, spec.num_experts, seed=cfg.seed)
+        ckpt = checkpoint_weights(spec, device, cfg) if spec.checkpoint else None  # a checkpoint's, or synthetic
+        src = ckpt.experts if ckpt is not None else SyntheticExpertSource(fmt, n_moe, spec.num_experts, seed=cfg.seed)
         self.transfer = TransferEngine(device, retire_thread=cfg.transfer_retire_thread)
         host = not cfg.experts_on_device
         self.pinned = PinnedExpertStore(device, src) if host and cfg.expert_store is StoreKind.PINNED else None
@@ -141,7 +139,7 @@ class ReferenceEngine:
         cap = {Tier.GPU: cfg.kv_gpu_blocks, Tier.CPU: cfg.kv_cpu_blocks, Tier.NVME: cfg.kv_nvme_blocks}
         self.cache = PagedKVCache(spec, device, self.transfer, cfg.block_tokens, cap,
                                   wd / "kv.tpnvme" if cfg.kv_nvme_blocks else None)
-        weights = dense_weights or synthetic_dense_weights(spec, device.torch_device, seed=cfg.seed)
+        weights = ckpt.dense if ckpt is not None else synthetic_dense_weights(spec, device.torch_device, seed=cfg.seed)
         self.model = MoEModel(spec, weights, self.pool, self.experts, self.cache)
         if cfg.decode_kernel is None:
             from runtime.engine.kernels.paged_attention import HAS_TRITON
@@ -162,9 +160,10 @@ class ReferenceEngine:
     def from_pretrained(cls, path: str | Path, device: Device, cfg: EngineConfig,
                         dtype: str | None = None) -> ReferenceEngine:
         """An engine over a local Hugging Face safetensors checkpoint folder (runtime/engine/pretrained.py)."""
-        from runtime.engine.pretrained import load_pretrained
+        from runtime.engine.pretrained import engine_config_for, read_pretrained
 
-        return load_pretrained(path, device, cfg, dtype)
+        spec = read_pretrained(path, dtype).spec
+        return cls(spec, device, engine_config_for(spec, cfg))
 
     def _fill_slots_on_device(self, seed: int) -> None:
         """N(0, 0.02) bf16 bytes for every expert, drawn on the device into its slot (padding included)."""

@@ -130,7 +130,7 @@ def read_pretrained(folder: str | Path, dtype: str | None = None) -> PretrainedM
     if dtype is not None and dtype not in ENGINE_DTYPES:
         raise ConfigError(f"dtype must be one of {list(ENGINE_DTYPES)}, got {dtype!r}")
     ckpt = Checkpoint(folder)
-    spec = spec.with_(dtype=dtype or _config_dtype(cfg, ckpt, source), **changes)
+    spec = spec.with_(dtype=dtype or _config_dtype(cfg, ckpt, source), checkpoint=str(folder.resolve()), **changes)
     model = PretrainedModel(folder, spec, family, cfg, ckpt, _eos_ids(folder, cfg))
     for name, shape in _expected(model).values():
         ckpt.check(name, shape)
@@ -178,16 +178,39 @@ class CheckpointExpertSource:
         self.format.pack(tensors, out)
 
 
+@dataclass
+class CheckpointWeights:
+    """What the engine builds from a checkpoint instead of synthetic weights."""
+
+    dense: DenseWeights
+    experts: CheckpointExpertSource
+
+
+def engine_config_for(spec: ModelSpec, cfg: EngineConfig) -> EngineConfig:
+    """`cfg`, with the paged decode kernel and CUDA graphs off for a sliding window (they attend to everything)."""
+    return replace(cfg, decode_kernel=False, decode_graphs=False) if spec.sliding_window else cfg
+
+
+def checkpoint_weights(spec: ModelSpec, device: Device, cfg: EngineConfig) -> CheckpointWeights:
+    """Dense weights on the device and the expert source of the checkpoint `spec.checkpoint` (ReferenceEngine)."""
+    model = read_pretrained(spec.checkpoint, spec.dtype)
+    if model.spec != spec:
+        diff = sorted(k for k, v in spec.to_dict().items() if model.spec.to_dict()[k] != v)
+        raise ConfigError(f"ModelSpec {spec.name!r} differs from its checkpoint {spec.checkpoint} in field(s) {diff} "
+                          "(a checkpoint runs whole, at its own shapes)")
+    if cfg.experts_on_device:
+        raise ConfigError("EngineConfig.experts_on_device draws synthetic experts; it cannot load a checkpoint")
+    if spec.sliding_window and device.is_cuda and (cfg.decode_kernel is not False or cfg.decode_graphs is not False):
+        raise ConfigError(f"{spec.name}: sliding_window={spec.sliding_window} needs EngineConfig(decode_kernel=False, "
+                          "decode_graphs=False) on CUDA (the paged decode kernel attends to the whole context); "
+                          "from_pretrained and tierplan generate set them")
+    return CheckpointWeights(load_dense(model, device.torch_device), CheckpointExpertSource(model, expert_format(spec)))
+
+
 def load_pretrained(folder: str | Path | PretrainedModel, device: Device, cfg: EngineConfig,
                     dtype: str | None = None) -> ReferenceEngine:
     """A ReferenceEngine running the checkpoint in `folder`; experts streamed into the configured store."""
     from runtime.engine.engine import ReferenceEngine
 
     model = folder if isinstance(folder, PretrainedModel) else read_pretrained(folder, dtype)
-    if cfg.experts_on_device:
-        raise ConfigError("EngineConfig.experts_on_device draws synthetic experts; it cannot load a checkpoint")
-    if model.spec.sliding_window:  # the paged decode kernel (and so the CUDA graphs) attends to the whole context
-        cfg = replace(cfg, decode_kernel=False)
-    dense = load_dense(model, device.torch_device)
-    source = CheckpointExpertSource(model, expert_format(model.spec))
-    return ReferenceEngine(model.spec, device, cfg, expert_source=source, dense_weights=dense)
+    return ReferenceEngine(model.spec, device, engine_config_for(model.spec, cfg))

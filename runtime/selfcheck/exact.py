@@ -55,10 +55,7 @@ def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", 
                     max_prompt_len: int = 40, new_tokens: int = 8, seed: int = 0,
                     workdir: str | Path | None = None, decode_kernel: bool | None = None,
                     decode_graphs: bool | None = None, expert_map_in: MapIn = "link",
-                    expert_poison: bool = False, expert_publish: Publish = "issued",
-                    model_dir: str | Path | None = None) -> ExactResult:
-    """model_dir: a checkpoint folder (`spec` is then its `read_pretrained(model_dir).spec`): its weights, not
-    synthetic ones, in both runs."""
+                    expert_poison: bool = False, expert_publish: Publish = "issued") -> ExactResult:
     rng = random.Random(seed)
     prompts = [[rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, max_prompt_len))]
                for _ in range(num_prompts)]
@@ -77,8 +74,7 @@ def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", 
                                  expert_publish=expert_publish)
         runs = []
         for cfg in (full_cfg, tight_cfg):
-            eng = (ReferenceEngine(spec, dev, cfg) if model_dir is None
-                   else ReferenceEngine.from_pretrained(model_dir, dev, cfg, spec.dtype))
+            eng = ReferenceEngine(spec, dev, cfg)
             try:
                 runs.append(eng.generate(prompts, new_tokens))
             finally:

@@ -151,3 +151,13 @@ def test_checkpoint_spec_fields_are_checked_and_round_trip(checkpoints: dict[str
                                                                          "rope_scaling")]:
         with pytest.raises(ConfigError, match=named):
             spec.with_(**bad)
+
+
+def test_a_spec_changed_from_its_checkpoint_is_refused(checkpoints: dict[str, Path]) -> None:
+    spec = read_pretrained(checkpoints["mixtral"]).spec
+    cfg = EngineConfig(block_tokens=32, kv_gpu_blocks=4)
+    for changed, named in [(spec.truncated(1), "num_layers"), (spec.with_(rms_norm_eps=1e-3), "rms_norm_eps")]:
+        with pytest.raises(ConfigError, match=rf"differs from its checkpoint .*{named!r}"):
+            ReferenceEngine(changed, Device("cpu"), cfg)
+    with pytest.raises(ConfigError, match="experts_on_device"):
+        ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=32, kv_gpu_blocks=4, experts_on_device=True))
