@@ -122,7 +122,13 @@ def read_pretrained(folder: str | Path, dtype: str | None = None) -> PretrainedM
     folder = Path(folder)
     if not folder.is_dir():
         raise ConfigError(f"{folder}: not a folder (expected a checkpoint folder with config.json and *.safetensors)")
-    cfg, source, _ = read_config_json(folder)  # refuses a missing file, bad JSON or encoding
+    try:
+        (folder / "config.json").read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{folder}: no config.json (expected a Hugging Face checkpoint folder)") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{folder / 'config.json'}: not UTF-8 text (byte {e.start})") from None
+    cfg, source, _ = read_config_json(folder)  # refuses bad JSON
     family = family_for(cfg.get("model_type"), source)
     changes = family.validate(cfg, source)
     # The shape parser reads the file itself (errors name it), or the family's normalized copy (DeepSeek).

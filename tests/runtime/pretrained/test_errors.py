@@ -63,6 +63,14 @@ def test_unsupported_config_is_refused_by_name(family: str, changes: dict[str, o
         read_pretrained(folder)
 
 
+def test_folder_without_config_or_with_a_binary_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no config.json"):
+        read_pretrained(tmp_path)
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "\xff"}')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        read_pretrained(tmp_path)
+
+
 def test_folder_without_weights(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     folder = copy_of(checkpoints["mixtral"], tmp_path / "m")
     (folder / "model.safetensors").unlink()
