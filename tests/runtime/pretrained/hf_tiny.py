@@ -48,8 +48,9 @@ def build_tokenizer(folder: Path, vocab_size: int) -> None:
 
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(vocab_size=vocab_size,
-                                                                 special_tokens=["[PAD]", "[UNK]"]))
+    filler = " ".join(f"w{i}" for i in range(vocab_size))  # every model id decodes to a word
+    tok.train_from_iterator([*SENTENCES, filler], trainers.WordLevelTrainer(vocab_size=vocab_size,
+                                                                            special_tokens=["[PAD]", "[UNK]"]))
     tok.save(str(folder / "tokenizer.json"))
 
 

@@ -64,7 +64,7 @@ def test_unsupported_config_is_refused_by_name(family: str, changes: dict[str, o
 
 
 def test_folder_without_config_or_with_a_binary_one(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match=r"no config\.json"):
         read_pretrained(tmp_path)
     (tmp_path / "config.json").write_bytes(b'{"model_type": "\xff"}')
     with pytest.raises(ConfigError, match="not UTF-8"):

@@ -52,6 +52,7 @@ def test_generate_text_prompt_and_eos(checkpoints: dict[str, Path], references: 
     assert r.exit_code == 0, r.output
     line = json.loads(r.stdout)
     assert line["prompt_ids"] == ids and line["output_ids"] == want and line["text"] == tok.decode(want)
+    assert len(line["text"].split()) == len(want)  # every generated id is a word of the tokenizer
     # eos = the third generated token: transformers stops there, and so does generate
     eos_folder = tmp_path / "eos"
     shutil.copytree(folder, eos_folder)
