@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from api import cli_eval_kv, cli_eval_predictors, cli_plan, cli_sim
+from api import cli_eval_kv, cli_eval_predictors, cli_generate, cli_plan, cli_sim
 from api.cli_checks import MAX_SEED, check_device, check_workdir, user_errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="tierplan: one HBM budget for experts and KV.")
@@ -124,6 +124,7 @@ def check_exact(
     preset: Annotated[str | None, typer.Option(
         help="Model preset (tiny, qwen3-30b-a3b, mixtral-8x7b, ...); default tiny.")] = None,
     config: Annotated[Path | None, typer.Option(help="A Hugging Face config.json (or its folder) instead.")] = None,
+    model: Annotated[Path | None, typer.Option(help="A local checkpoint folder instead: its real weights.")] = None,
     layers: Annotated[int | None, typer.Option(min=1, help="Keep only the first N layers.")] = None,
     resident_frac: Annotated[float, typer.Option(min=0.0, max=1.0, help="Fraction of experts with a slot.")] = 0.25,
     prompts: Annotated[int, typer.Option(min=1, help="Number of random prompts (3: a padded CUDA-graph bucket).")] = 3,
@@ -146,11 +147,20 @@ def check_exact(
     from runtime.weights.loader import MAP_IN
 
     check_device(device)
-    if config is not None and preset is not None:
-        raise typer.BadParameter(f"--config {config} and --preset {preset} name two models; expected one of them",
-                                 param_hint="--config / --preset")
+    named = [f"{flag} {value}" for flag, value in (("--preset", preset), ("--config", config), ("--model", model))
+             if value is not None]
+    if len(named) > 1:
+        count = ("two", "three")[len(named) - 2]
+        raise typer.BadParameter(f"{' and '.join(named)} name {count} models; expected one of them",
+                                 param_hint="--preset / --config / --model")
     try:
         spec = load_hf_config(config) if config is not None else load_preset(preset or "tiny")
+        if model is not None:
+            from runtime.engine.pretrained import read_pretrained
+
+            if layers is not None:
+                raise ConfigError("--model runs the whole checkpoint: drop --layers")
+            spec = read_pretrained(model).spec  # the engines then load its weights
         if layers is not None:
             spec = spec.truncated(layers)
         if expert_map_in not in MAP_IN:
@@ -158,7 +168,10 @@ def check_exact(
                                      param_hint="--expert-map-in")
         r = run_exact_check(spec, resident_frac, device.value, num_prompts=prompts, new_tokens=new_tokens,
                             seed=seed, workdir=workdir, expert_map_in=expert_map_in,  # type: ignore[arg-type]
-                            expert_poison=expert_poison)
+                            expert_poison=expert_poison,
+                            # a sliding window: the reference attention path, not the paged kernel or its graphs
+                            decode_kernel=False if spec.sliding_window else None,
+                            decode_graphs=False if spec.sliding_window else None)
     except ConfigError as exc:
         _io.err.print(f"error: {exc}")
         raise typer.Exit(2) from None
@@ -243,6 +256,7 @@ cli_eval_predictors.register(eval_app)
 cli_eval_kv.register(eval_app)
 cli_plan.register(plan_app)
 cli_sim.register(app)
+cli_generate.register(app)
 
 
 def main() -> None:

@@ -140,15 +140,24 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 
+def linear(x: torch.Tensor, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """x @ w[name]^T, plus w[name + ".bias"] where the checkpoint has one (attention_bias)."""
+    y = x @ w[name].t()
+    bias = w.get(f"{name}.bias")
+    return y if bias is None else y + bias
+
+
 def _project_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, spec: ModelSpec,
                  rt: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, nh, nkv, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q = x @ w["q_proj"].t()  # [N, Hq*D]
-    k = x @ w["k_proj"].t()  # [N, Hkv*D]
+    q = linear(x, w, "q_proj")  # [N, Hq*D]
+    k = linear(x, w, "k_proj")  # [N, Hkv*D]
+    v = linear(x, w, "v_proj")  # [N, Hkv*D]
     if spec.qk_norm and not spec.qk_norm_per_head:  # OLMoE normalises the whole projection
         q, k = rms_norm(q, w["q_norm"], spec.rms_norm_eps), rms_norm(k, w["k_norm"], spec.rms_norm_eps)
-    q, k = q.view(n, nh, d), k.view(n, nkv, d)  # [N, Hq, D], [N, Hkv, D]
-    v = (x @ w["v_proj"].t()).view(n, nkv, d)
+    if spec.clip_qkv:  # OLMoE clamps after its q/k norm, before RoPE
+        q, k, v = (t.clamp(-spec.clip_qkv, spec.clip_qkv) for t in (q, k, v))
+    q, k, v = q.view(n, nh, d), k.view(n, nkv, d), v.view(n, nkv, d)  # [N, Hq, D], [N, Hkv, D], [N, Hkv, D]
     if spec.qk_norm and spec.qk_norm_per_head:  # Qwen3 normalises each head
         q, k = rms_norm(q, w["q_norm"], spec.rms_norm_eps), rms_norm(k, w["k_norm"], spec.rms_norm_eps)
     return rope(q, positions, spec.rope_theta, rt), rope(k, positions, spec.rope_theta, rt), v
@@ -199,11 +208,11 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
     if isinstance(observer, QCapture):
         if layer in observer.saved:
             observer.saved[layer].copy_(q)
-        return out.reshape(n, -1) @ w["o_proj"].t()
+        return linear(out.reshape(n, -1), w, "o_proj")
     for i, s in enumerate(segments):
         if s.seq_id >= 0:  # padding rows of a bucket carry negative ids: nothing to observe
             observe(observer, layer, s, q[i], cache)
-    return out.reshape(n, -1) @ w["o_proj"].t()
+    return linear(out.reshape(n, -1), w, "o_proj")
 
 
 def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
@@ -233,9 +242,11 @@ def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
         ks = keys.transpose(0, 1).repeat_interleave(nh // nkv, 0)  # [Hq, C, D]
         vs = vals.transpose(0, 1).repeat_interleave(nh // nkv, 0)
         mask = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]  # [n, C]
+        if spec.sliding_window:
+            mask &= torch.arange(ctx, device=x.device)[None, :] > pos[:, None] - spec.sliding_window
         out[rows] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
         observe(observer, layer, s, q[rows][-1], cache, keys)
-    return out.reshape(n, nh * d) @ w["o_proj"].t()
+    return linear(out.reshape(n, nh * d), w, "o_proj")
 
 
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
@@ -246,7 +257,8 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tens
     decode_kernel: a batch of single-token (decode) segments goes through the Triton paged kernel.
     observer: samples attention mass per KV block (GQA)."""
     if spec.attention is AttentionKind.GQA:
-        if decode_kernel and all(s.num_tokens == 1 for s in segments):
+        # The paged kernel attends to the whole context: a sliding window takes the reference path.
+        if decode_kernel and not spec.sliding_window and all(s.num_tokens == 1 for s in segments):
             return gqa_decode_paged(x, w, positions, segments, cache, layer, spec, observer, meta)
         return gqa_attention(x, w, positions, segments, cache, layer, spec, observer, meta)
     if spec.attention is AttentionKind.MLA:

@@ -20,6 +20,7 @@ from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
+from runtime.engine.spec_checkpoint import check_checkpoint_fields
 from runtime.errors import ConfigError
 from runtime.weights.format import dtype_from_name
 
@@ -81,6 +82,13 @@ class ModelSpec:
     rope_theta: float
     max_position_embeddings: int
     dtype: str = "bfloat16"  # compute/storage dtype of the engine; the config's torch_dtype is not used
+    # Set from a checkpoint's config (runtime/engine/families/, checked in spec_checkpoint.py); defaults: no effect.
+    sliding_window: int = 0  # GQA: a query sees the last `sliding_window` positions (itself included); 0 = all
+    clip_qkv: float = 0.0  # OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv] after projection; 0 = none
+    rope_scaling: tuple[tuple[str, float], ...] = ()  # MLA yarn: (key, value) pairs of rope_parameters
+    num_expert_groups: int = 0  # DeepSeek group-limited routing: experts in G groups, top-k within the best
+    topk_groups: int = 0  # `topk_groups` of them (both 0: no groups)
+    checkpoint: str = ""  # the checkpoint folder the engine loads weights from (pretrained.py); "" = synthetic
 
     def __post_init__(self) -> None:
         where = f"ModelSpec {self.name!r}"
@@ -102,6 +110,7 @@ class ModelSpec:
             if not _is_int(v, or_float=True) or not 0 < v < math.inf:  # NaN fails both comparisons
                 raise ConfigError(f"{where}: field '{f}' must be a finite number > 0, got {v!r}")
             object.__setattr__(self, f, float(v))
+        check_checkpoint_fields(self, where)
         for f in ("norm_topk_prob", "qk_norm"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"{where}: field '{f}' must be a bool, got {getattr(self, f)!r}")
@@ -307,7 +316,7 @@ def _dense_intermediate(r: _Reader, c: dict[str, Any], moe_layers: list[int]) ->
 
 
 def _qwen3_moe(r: _Reader, c: dict[str, Any]) -> dict[str, Any]:
-    ex = _experts(r, "num_experts")
+    ex = _experts(r, "num_experts" if "num_experts" in r.cfg else "num_local_experts")  # transformers 5: the latter
     step = r.get_int("decoder_sparse_step", 1)
     mlp_only = set(r.int_list("mlp_only_layers", c["num_layers"]))
     moe = [i for i in range(c["num_layers"]) if i not in mlp_only and (i + 1) % step == 0]

@@ -25,6 +25,7 @@ from runtime.engine.experts import OnDemandExperts
 from runtime.engine.graphs import DecodeGraphs
 from runtime.engine.kv_cache import PagedKVCache, block_shape
 from runtime.engine.model import MoEModel
+from runtime.engine.pretrained import checkpoint_weights
 from runtime.engine.sizing import check_fits
 from runtime.engine.weights import expert_format, synthetic_dense_weights
 from runtime.errors import ConfigError
@@ -120,7 +121,8 @@ class ReferenceEngine:
         wd.mkdir(parents=True, exist_ok=True)
         fmt = expert_format(spec)
         n_moe = len(spec.moe_layers)
-        src = SyntheticExpertSource(fmt, n_moe, spec.num_experts, seed=cfg.seed)
+        ckpt = checkpoint_weights(spec, device, cfg) if spec.checkpoint else None  # a checkpoint's, or synthetic
+        src = ckpt.experts if ckpt is not None else SyntheticExpertSource(fmt, n_moe, spec.num_experts, seed=cfg.seed)
         self.transfer = TransferEngine(device, retire_thread=cfg.transfer_retire_thread)
         host = not cfg.experts_on_device
         self.pinned = PinnedExpertStore(device, src) if host and cfg.expert_store is StoreKind.PINNED else None
@@ -143,7 +145,7 @@ class ReferenceEngine:
         cap = {Tier.GPU: cfg.kv_gpu_blocks, Tier.CPU: cfg.kv_cpu_blocks, Tier.NVME: cfg.kv_nvme_blocks}
         self.cache = PagedKVCache(spec, device, self.transfer, cfg.block_tokens, cap,
                                   wd / "kv.tpnvme" if cfg.kv_nvme_blocks else None, staging=self.staging)
-        weights = synthetic_dense_weights(spec, device.torch_device, seed=cfg.seed)
+        weights = ckpt.dense if ckpt is not None else synthetic_dense_weights(spec, device.torch_device, seed=cfg.seed)
         self.model = MoEModel(spec, weights, self.pool, self.experts, self.cache)
         if cfg.decode_kernel is None:
             from runtime.engine.kernels.paged_attention import HAS_TRITON
@@ -159,6 +161,15 @@ class ReferenceEngine:
         if self.gc_frozen:
             gc.collect()
             gc.freeze()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: Device, cfg: EngineConfig,
+                        dtype: str | None = None) -> ReferenceEngine:
+        """An engine over a local Hugging Face safetensors checkpoint folder (runtime/engine/pretrained.py)."""
+        from runtime.engine.pretrained import engine_config_for, read_pretrained
+
+        spec = read_pretrained(path, dtype).spec
+        return cls(spec, device, engine_config_for(spec, cfg))
 
     def _fill_slots_on_device(self, seed: int) -> None:
         """N(0, 0.02) bf16 bytes for every expert, drawn on the device into its slot (padding included)."""

@@ -7,13 +7,11 @@ softmax (out = (probs @ c_kv) @ W_UV^T), which is what DeepSeek's decode path do
 small cache pay. This is the torch reference path (CPU, and the correctness oracle on the GPU).
 Never moves blocks between tiers: the engine brings them to the GPU tier before the step.
 
-Deliberate simplifications, both harmless for synthetic weights and both to fix before loading a real
-checkpoint:
-- RoPE uses the engine's rotate-half pairing (dims i and i + P/2). HF DeepSeek-V2 pairs interleaved dims
-  (2i, 2i + 1); a checkpoint loader must permute the rope rows of q_proj (per head) and the last P rows of
-  kv_a_proj_with_mqa to de-interleave them, after which the two are identical.
-- The config's `rope_scaling` (DeepSeek-V2-Lite: yarn, factor 40, mscale_all_dim 0.707) is not carried by
-  `ModelSpec` and is ignored: no yarn frequency correction and no mscale^2 factor on the softmax scale.
+RoPE uses the engine's rotate-half pairing (dims i and i + P/2); HF DeepSeek-V2 pairs interleaved dims
+(2i, 2i + 1), so the checkpoint loader (`families/deepseek_v2.py`) permutes the rope rows of the query
+projection (per head) and the last P rows of kv_a_proj_with_mqa on load, after which the two are identical.
+`rope_scaling` (yarn) changes the rotary frequencies, scales cos/sin by its attention factor and the softmax
+scale by mscale(factor, mscale_all_dim)^2, as transformers does (`rope_yarn.py`).
 
 Letters: N rows of the batch, n rows of one segment, C context tokens of that segment, Hq heads,
 Dn = qk_nope_head_dim, P = qk_rope_head_dim, R = kv_lora_rank, Dv = v_head_dim, H hidden, T block tokens.
@@ -23,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.attention import Segment, rms_norm, rope
+from runtime.engine.attention import Segment, linear, rms_norm, rope
 from runtime.engine.config import AttentionKind, ModelSpec
 from runtime.engine.kv_cache import PagedKVCache
+from runtime.engine.rope_yarn import mla_rope_tables, mla_softmax_scale
 from runtime.errors import ConfigError
 
 
@@ -41,11 +40,16 @@ def mla_project(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Te
     """x [N, H] -> (q_nope [N, Hq, Dn], q_pe [N, Hq, P] roped, latent row [N, R+P] = cat(c_kv, roped k_pe))."""
     n = x.shape[0]
     nh, dn, p, r = spec.num_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank
-    q = (x @ w["q_proj"].t()).view(n, nh, dn + p)  # [N, Hq, Dn+P]
-    q_nope, q_pe = q[..., :dn], rope(q[..., dn:], positions, spec.rope_theta)  # [N, Hq, Dn], [N, Hq, P]
-    kv_a = x @ w["kv_a_proj_with_mqa"].t()  # [N, R+P]
+    if spec.q_lora_rank:  # compressed queries (V2 full, V3): x -> [N, Rq] -> norm -> [N, Hq*(Dn+P)]
+        q = linear(rms_norm(linear(x, w, "q_a_proj"), w["q_a_layernorm"], spec.rms_norm_eps), w, "q_b_proj")
+    else:
+        q = x @ w["q_proj"].t()
+    q = q.view(n, nh, dn + p)  # [N, Hq, Dn+P]
+    tables = mla_rope_tables(positions, spec)  # cos, sin [N, 1, P]
+    q_nope, q_pe = q[..., :dn], rope(q[..., dn:], positions, spec.rope_theta, tables)  # [N, Hq, Dn], [N, Hq, P]
+    kv_a = linear(x, w, "kv_a_proj_with_mqa")  # [N, R+P]
     c_kv = rms_norm(kv_a[:, :r], w["kv_a_layernorm"], spec.rms_norm_eps)  # [N, R]
-    k_pe = rope(kv_a[:, r:].view(n, 1, p), positions, spec.rope_theta).view(n, p)  # [N, P]
+    k_pe = rope(kv_a[:, r:].view(n, 1, p), positions, spec.rope_theta, tables).view(n, p)  # [N, P]
     return q_nope, q_pe, torch.cat([c_kv, k_pe], -1)  # [N, R+P]
 
 
@@ -55,12 +59,9 @@ def mla_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
     if spec.attention is not AttentionKind.MLA:
         raise ConfigError(f"{spec.name}: mla_attention needs attention kind {AttentionKind.MLA.value}, "
                           f"got {spec.attention.value}")
-    if spec.q_lora_rank:
-        raise ConfigError(f"{spec.name}: MLA with q_lora_rank={spec.q_lora_rank} is not supported yet (expected 0)")
     n = x.shape[0]
     nh, dv, r = spec.num_heads, spec.v_head_dim, spec.kv_lora_rank
-    # DeepSeek's softmax scale is q_head_dim^-0.5 over the full nope+rope width (times yarn mscale^2, ignored).
-    softmax_scale = (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** -0.5
+    softmax_scale = mla_softmax_scale(spec)  # over the full nope+rope width, times yarn's mscale^2
     q_nope, q_pe, latent = mla_project(x, w, positions, spec)
     w_uk, w_uv = split_kv_b(w["kv_b_proj"], spec)  # [Hq, Dn, R], [Hq, Dv, R]
     w_uk32, w_uv32 = w_uk.float(), w_uv.float()
@@ -85,4 +86,4 @@ def mla_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
         probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)  # [Hq, n, C] float32
         out_latent = torch.einsum("hnc,cr->nhr", probs, c_kv)  # [n, Hq, R]
         out[rows] = torch.einsum("nhr,hvr->nhv", out_latent, w_uv32).to(x.dtype)  # [n, Hq, Dv]
-    return out.reshape(n, nh * dv) @ w["o_proj"].t()  # [N, H]
+    return linear(out.reshape(n, nh * dv), w, "o_proj")  # [N, H]

@@ -48,7 +48,13 @@ def route(x: torch.Tensor, router: torch.Tensor, spec: ModelSpec,
 
     out: (probs [T, k] float32, ids [T, k] int64) buffers that receive the raw top-k (a CUDA graph's static
     buffers, read by the agent's tap after replay: the tap then costs no kernel inside the graph)."""
-    probs = F.softmax((x @ router.t()).float(), dim=-1)  # [T, E]
+    # A router kept in float32 (DeepSeek's, as transformers keeps it) routes float32 rows.
+    logits = x @ router.t() if router.dtype == x.dtype else x.to(router.dtype) @ router.t()  # [T, E]
+    probs = F.softmax(logits.float(), dim=-1)  # [T, E]
+    if spec.num_expert_groups:
+        from runtime.engine.families.routing import group_limited
+
+        probs = group_limited(probs, spec.num_expert_groups, spec.topk_groups)
     if out is not None:
         w, ids = torch.topk(probs, spec.top_k, dim=-1, out=out)  # [T, k] written in place
     else:

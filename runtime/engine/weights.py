@@ -68,11 +68,12 @@ def _attn_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         elif spec.qk_norm:  # OLMoE: one RMSNorm over the whole q (and k) projection
             s |= {"q_norm": (spec.num_heads * spec.head_dim,), "k_norm": (spec.num_kv_heads * spec.head_dim,)}
         return s
-    if spec.q_lora_rank:
-        raise ConfigError(f"{spec.name}: MLA with q_lora_rank={spec.q_lora_rank} is not supported yet (expected 0)")
     qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    q = {"q_proj": (spec.num_heads * qk, h)} if not spec.q_lora_rank else {  # V2 full / V3: compressed queries
+        "q_a_proj": (spec.q_lora_rank, h), "q_a_layernorm": (spec.q_lora_rank,),
+        "q_b_proj": (spec.num_heads * qk, spec.q_lora_rank)}
     return {
-        "q_proj": (spec.num_heads * qk, h),
+        **q,
         "kv_a_proj_with_mqa": (spec.kv_lora_rank + spec.qk_rope_head_dim, h),
         "kv_a_layernorm": (spec.kv_lora_rank,),
         "kv_b_proj": (spec.num_heads * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank),

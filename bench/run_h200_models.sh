@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Issue 13 on the H200: `check exact --model DIR` (a checkpoint's real weights, experts and KV moved between
+# tiers, compared bit for bit) on every tiny transformers-saved family checkpoint. The device has no
+# transformers: build the checkpoints here first and carry them:
+#   echo /.models/ >> .git/info/exclude
+#   PYTHONPATH=$PWD .venv/bin/python -m tests.runtime.pretrained.hf_tiny .models
+# then, through the device tool with carry [".models"]:  bash bench/run_h200_models.sh "$OUT"
+set -uo pipefail
+out=${1:-bench/results}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TIERPLAN_SCRATCH=${TIERPLAN_SCRATCH:-/tmp}
+for d in .models/*/; do
+  name=$(basename "$d")
+  timeout 120 python3 -m api.cli check exact --model "$d" --device cuda --resident-frac 0.25 \
+    > "$out/exact_model_$name.log" 2>&1
+  echo "== $name rc=$?: $(tail -n 2 "$out/exact_model_$name.log" | tr '\n' ' ')"
+done
