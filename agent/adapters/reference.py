@@ -31,14 +31,13 @@ class ReferenceAdapter:
         spec, pool, cache = engine.spec, engine.pool, engine.cache
         self.engine, self.window_steps, self.clock = engine, window_steps, clock
         self.tap = RouterTap(spec.moe_layers, spec.num_experts, engine.device.torch_device)
-        engine.model.route_tap = self.tap
         self.policy = LocalPolicy(pool, engine.experts)
         budget = hbm_budget_bytes or (pool.num_slots * pool.layout.stride_bytes
                                       + cache.manager.capacity[Tier.GPU] * cache.block_bytes)
         self.enforcer = Enforcer(pool, engine.experts, engine.loader, cache, self.policy, spec.moe_layers, budget,
                                  agent_id=agent_id, rank=rank, clock=clock)
         self.mass_tap = AttentionMassTap(layers=(0,), every_steps=window_steps)
-        engine.model.mass_observer = self.mass_tap
+        engine.set_hooks(route_tap=self.tap, mass_observer=self.mass_tap)
         self.window = TelemetryWindow(agent_id, rank, spec.name, spec.num_layers, spec.num_experts, self.tap, clock,
                                       self.mass_tap)
         self.telemetry: list[Telemetry] = []
