@@ -13,7 +13,7 @@ changing anything else. Never moves experts or KV blocks itself: it asks the pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -178,7 +178,3 @@ class MoEModel:
         h = rms_norm(last_rows, self.w.final_norm, self.spec.rms_norm_eps)
         return (h @ self.w.lm_head.t()).float()  # [S, V]
 
-
-def with_hooks(hooks: ModelHooks, **changes: Any) -> ModelHooks:
-    """A copy of `hooks` with the given fields replaced."""
-    return replace(hooks, **changes)
