@@ -229,11 +229,14 @@ def bench_offload(
     out_dir: Annotated[Path, typer.Option(help="Where to write JSON, Markdown and PNG.")] = Path("bench/results"),
     quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
     device: Dev = DeviceOpt.cuda,
+    models: Annotated[str, typer.Option(help="Comma-separated presets to run (default: all of the sweep's).")] = "",
 ) -> None:
     """Decode with part of the experts resident and forced real routing: step time vs the link floor."""
-    from bench.offload import run_offload_bench
+    from bench.offload import FULL, QUICK, run_offload_bench
 
-    run_offload_bench(out_dir, device.value, quick=quick, console=_io.out)
+    allowed = tuple(name for name, _ in (QUICK if quick else FULL).models)
+    picked = _sections(models, allowed) if models else ()
+    run_offload_bench(out_dir, device.value, quick=quick, console=_io.out, models=picked)
 
 
 @app.command()

@@ -87,7 +87,8 @@ def _counters(eng: ReferenceEngine) -> dict[str, float]:
     e, ex = eng.experts, eng.executors
     loads = eng.loader.stats() if eng.loader is not None else {"bytes": 0}
     return {"hits": e.hits, "misses": e.misses, "prefetch_hits": e.prefetch_hits, "stall_ms": e.stalls_ms,
-            "bytes": loads["bytes"], **{f"steps_{x.value}": ex.steps[x] for x in Executor}}
+            "bytes": loads["bytes"], **{f"steps_{x.value}": ex.steps[x] for x in Executor},
+            **{f"phase_{k}": v for k, v in e.phase_ms.items()}}
 
 
 def _decode(eng: ReferenceEngine, batch: int, sizes: Sizes, seq0: int) -> dict[str, Any]:
@@ -120,6 +121,7 @@ def _decode(eng: ReferenceEngine, batch: int, sizes: Sizes, seq0: int) -> dict[s
             "miss_bytes_per_step": d["bytes"] / n, "misses_per_step": d["misses"] / n,
             "executors": {x.value: int(d[f"steps_{x.value}"]) for x in Executor},
             "reasons": {k.value: v for k, v in eng.executors.reasons.items()},
+            "phase_ms_per_step": {k[6:]: round(v / n, 3) for k, v in d.items() if k.startswith("phase_")},
             "capture_error": eng.graphs.last_capture_error if eng.graphs is not None else None}
 
 
@@ -176,7 +178,8 @@ def run_model(name: str, layers: int, dev: Device, sizes: Sizes, bw_gb_s: float,
                         resident_ms[b] = r["step_ms"]
                     rows.append(r)
                     say(f"{spec.name} F={frac} B={b} {victims} lookahead={lookahead}: {r['step_ms']:.2f} ms/step "
-                        f"hit={r['hit_rate']:.3f} executors={r['executors']} reasons(total)={r['reasons']} "
+                        f"hit={r['hit_rate']:.3f} executors={r['executors']} phases={r['phase_ms_per_step']} "
+                        f"reasons(total)={r['reasons']} "
                         f"capture_error={r['capture_error']}")
                 if frac >= 1.0:  # the same graphs' decode with live routing (forced vs unforced)
                     eng.set_hooks(forced_routes=None)
@@ -200,7 +203,9 @@ def run_model(name: str, layers: int, dev: Device, sizes: Sizes, bw_gb_s: float,
     return rows
 
 
-def run_offload_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None) -> dict:
+def run_offload_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None,
+                      models: tuple[str, ...] = ()) -> dict:
+    """models: only these presets (all of the sizes' models when empty)."""
     dev = Device(device)
     sizes = QUICK if quick else FULL
     say = console.print if console is not None else print
@@ -214,6 +219,8 @@ def run_offload_bench(out_dir: Path, device: str = "cuda", quick: bool = False, 
 
     graphs = None if dev.is_cuda else interpreted()  # the CPU twin's graph executors need Triton's interpreter
     for name, layers in sizes.models:
+        if models and name not in models:
+            continue
         rows += run_model(name, layers, dev, sizes, bw, trace, graphs, say)
     out = {"meta": meta, "rows": rows}
     out_dir.mkdir(parents=True, exist_ok=True)

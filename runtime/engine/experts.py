@@ -69,6 +69,9 @@ class OnDemandExperts:
         self.misses = 0
         self.stalls_ms = 0.0  # wall time ensure() spent making room for and waiting on missing experts
         self.num_stalls = 0
+        # Where ensure's stalls go (host wall ms): evicting victims, submitting the list, waiting for its loads
+        # to publish, ordering the stream after the layer's loads.
+        self.phase_ms = dict.fromkeys(("evict", "submit", "published", "order"), 0.0)
         self.prefetched = 0  # loads started by prefetch (a piecewise step's layer-ahead window)
         self.prefetch_hits = 0  # experts ensure found loading or loaded ahead (counted in hits too)
         self._step_keys: set[Key] = set()  # experts the current forward asked for
@@ -141,20 +144,28 @@ class OnDemandExperts:
             for e in missing:
                 self._lru[(layer, e)] = None
                 self._lru.move_to_end((layer, e))
+        t0 = time.perf_counter()
         self.pool.wait_ready(layer, experts)
+        self.phase_ms["order"] += (time.perf_counter() - t0) * 1e3
 
     def _load_list(self, layer: int, experts: list[int], want: set[int]) -> None:
         """Free a slot for each of `experts` (victims by the plugged order), then load them as one list."""
         if not experts:
             return
+        t0 = time.perf_counter()
         self._evict_for(layer, want, len(experts) - self.pool.num_free_slots)
+        t1 = time.perf_counter()
         loader = self._loader(layer, experts[0])
         if self.store is StoreKind.PINNED:
             futs = loader.load_many(layer, experts)
         else:
             futs = [loader.load(layer, e, self.store) for e in experts]
+        t2 = time.perf_counter()
         for f in futs:
             f.wait()
+        t3 = time.perf_counter()
+        for phase, dt in (("evict", t1 - t0), ("submit", t2 - t1), ("published", t3 - t2)):
+            self.phase_ms[phase] += dt * 1e3
 
     def _evict_for(self, layer: int, want: set[int], num: int) -> None:
         """Evict `num` residents for `layer`'s list: candidates listed and ranked once for the whole list (a
