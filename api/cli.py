@@ -138,12 +138,19 @@ def check_exact(
     expert_poison: Annotated[bool, typer.Option(
         help="Second run: absent experts' ranges read as NaN poison instead of unmapped (a stray read "
              "faults).")] = False,
+    mode: Annotated[str, typer.Option(
+        help="Second run's decode steps with experts missing: 'piecewise' (graphs, misses loaded between "
+             "layers), 'lookahead' (piecewise, two layers prefetched ahead), 'eager', or 'all' (each in turn).")
+    ] = "piecewise",
+    decode_graphs: Annotated[bool | None, typer.Option(
+        help="Decode through the graph executors (default: on a GPU; on a CPU the same static buffers run "
+             "without capture).")] = None,
 ) -> None:
     """Same prompts twice: all resident + KV on GPU, then F resident + KV spilled to CPU/NVMe; compare bits."""
     from runtime.engine.config import load_hf_config
     from runtime.engine.presets import preset as load_preset
     from runtime.errors import ConfigError
-    from runtime.selfcheck.exact import run_exact_check
+    from runtime.selfcheck.exact import MODES, run_exact_checks
     from runtime.weights.loader import MAP_IN
 
     check_device(device)
@@ -166,20 +173,26 @@ def check_exact(
         if expert_map_in not in MAP_IN:
             raise typer.BadParameter(f"{expert_map_in!r}; expected one of {', '.join(map(repr, MAP_IN))}",
                                      param_hint="--expert-map-in")
-        r = run_exact_check(spec, resident_frac, device.value, num_prompts=prompts, new_tokens=new_tokens,
-                            seed=seed, workdir=workdir, expert_map_in=expert_map_in,  # type: ignore[arg-type]
-                            expert_poison=expert_poison,
-                            # a sliding window: the reference attention path, not the paged kernel or its graphs
-                            decode_kernel=False if spec.sliding_window else None,
-                            decode_graphs=False if spec.sliding_window else None)
+        modes = list(MODES) if mode == "all" else [mode]
+        if any(m not in MODES for m in modes):
+            raise typer.BadParameter(f"{mode!r}; expected one of {', '.join(map(repr, [*MODES, 'all']))}",
+                                     param_hint="--mode")
+        window = spec.sliding_window > 0  # the reference attention path: not the paged kernel or graphs
+        results = run_exact_checks(spec, resident_frac, device.value, num_prompts=prompts, new_tokens=new_tokens,
+                                   seed=seed, workdir=workdir, expert_map_in=expert_map_in,  # type: ignore[arg-type]
+                                   expert_poison=expert_poison, modes=modes,
+                                   decode_graphs=False if window else decode_graphs,
+                                   decode_kernel=False if window else (True if decode_graphs else None))
     except ConfigError as exc:
         _io.err.print(f"error: {exc}")
         raise typer.Exit(2) from None
-    _io.out.print(f"model={spec.name} steps={r.steps} expert_misses full={r.expert_misses_full} "
-              f"tight={r.expert_misses_tight} kv_fetches={r.kv_fetches} kv_spills={r.kv_spills} "
-              f"device={device.value} seconds={r.seconds:.1f}")
-    _io.out.print(r.line())
-    if not r.ok:
+    for r in results:
+        _io.out.print(f"model={spec.name} mode={r.mode} steps={r.steps} expert_misses full={r.expert_misses_full} "
+                      f"tight={r.expert_misses_tight} kv_fetches={r.kv_fetches} kv_spills={r.kv_spills} "
+                      f"executors={r.executors} mode_steps={r.mode_steps} device={device.value} "
+                      f"seconds={r.seconds:.1f}")
+        _io.out.print(r.line())
+    if not all(r.ok for r in results):
         raise typer.Exit(1)
 
 
@@ -236,6 +249,21 @@ def bench_engine(
     check_device(device)
     run_engine_bench(out_dir, device.value, quick=quick, console=_io.out, profile=profile, sections=sections,
                      rounds=rounds)
+
+
+@bench_app.command("offload")
+def bench_offload(
+    out_dir: Annotated[Path, typer.Option(help="Where to write JSON, Markdown and PNG.")] = Path("bench/results"),
+    quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
+    device: Dev = DeviceOpt.cuda,
+    models: Annotated[str, typer.Option(help="Comma-separated presets to run (default: all of the sweep's).")] = "",
+) -> None:
+    """Decode with part of the experts resident and forced real routing: step time vs the link floor."""
+    from bench.offload import FULL, QUICK, run_offload_bench
+
+    allowed = tuple(name for name, _ in (QUICK if quick else FULL).models)
+    picked = _sections(models, allowed) if models else ()
+    run_offload_bench(out_dir, device.value, quick=quick, console=_io.out, models=picked)
 
 
 @app.command()

@@ -174,7 +174,8 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
         taps = (eng.model.route_tap, eng.model.mass_observer)
 
         def switch(agent_on: bool) -> None:
-            eng.model.route_tap, eng.model.mass_observer = taps if agent_on else (None, None)
+            tap, mass = taps if agent_on else (None, None)
+            eng.set_hooks(route_tap=tap, mass_observer=mass)
 
         def decode(seqs: list[int], last: list[int], pos: int) -> list[int]:
             """One greedy decode step; the host needs the tokens (as a server does)."""
@@ -250,7 +251,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
             quads.sort()
             out.append({"preset": spec.name, "batch": b, "steps": steps, "graphs": graphs,
                         "window_steps": window_steps, "block_steps": block_steps,
-                        "fallbacks": dict(eng.graphs.fallbacks) if eng.graphs is not None else {},
+                        "fallbacks": eng.executors.as_dict()["reasons"],
                         "tok_s_agent_off": b * n_steps / off_s, "tok_s_agent_on": b * n_steps / on_s,
                         "step_ms_agent_off": off_s / n_steps * 1e3, "agent_overhead": on_s / off_s - 1.0,
                         "rounds": rounds, "quads": len(quads),

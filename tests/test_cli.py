@@ -92,6 +92,20 @@ def test_bench_engine_quick_writes_json_and_markdown(tmp_path: Path) -> None:
     assert all(m["ratio"] > 0 for m in res["moe"]) and "SDPA" in (tmp_path / "engine_cpu.md").read_text()
 
 
+def test_bench_offload_quick_writes_json_markdown_and_plot(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["bench", "offload", "--device", "cpu", "--quick", "--out-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "offload_cpu.json").read_text())
+    rows = res["rows"]
+    resident = [x for x in rows if x["frac"] == 1.0 and x["forced"]]
+    offloaded = [x for x in rows if x["frac"] < 1.0]
+    assert resident and all(x["executors"]["graph"] > 0 == x["executors"]["eager"] + x["executors"]["piecewise"]
+                            for x in resident)  # forced all-resident decode replays the whole graph
+    assert offloaded and all(x["executors"]["piecewise"] > 0 and x["miss_bytes_per_step"] > 0 for x in offloaded)
+    assert any(x["lookahead"] for x in offloaded) and any(not x["forced"] for x in rows)
+    assert "link floor" in (tmp_path / "offload_cpu.md").read_text() and (tmp_path / "offload_cpu.png").exists()
+
+
 def test_bench_engine_attention_runs_on_a_plain_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression: without Triton's interpreter the CPU run called the GPU kernel and died ('0 active drivers');
     it now times the engine's CPU path (gather by block table + SDPA) and says so."""

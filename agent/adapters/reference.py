@@ -31,7 +31,6 @@ class ReferenceAdapter:
         spec, pool, cache = engine.spec, engine.pool, engine.cache
         self.engine, self.window_steps, self.clock = engine, window_steps, clock
         self.tap = RouterTap(spec.moe_layers, spec.num_experts, engine.device.torch_device)
-        engine.model.route_tap = self.tap
         self.policy = LocalPolicy(pool, engine.experts, scan_rule)
         if scan_rule is not ScanRule.LRU:  # the config chose the scan rule: it serves steps before any plan too
             engine.experts.set_chunk_order(self.policy.chunk_order)
@@ -41,7 +40,7 @@ class ReferenceAdapter:
         self.enforcer = Enforcer(pool, engine.experts, engine.loader, cache, self.policy, spec.moe_layers, budget,
                                  agent_id=agent_id, rank=rank, clock=clock)
         self.mass_tap = AttentionMassTap(layers=(0,), every_steps=window_steps)
-        engine.model.mass_observer = self.mass_tap
+        engine.set_hooks(route_tap=self.tap, mass_observer=self.mass_tap)
         self.window = TelemetryWindow(agent_id, rank, spec.name, spec.num_layers, spec.num_experts, self.tap, clock,
                                       self.mass_tap)
         self.telemetry: list[Telemetry] = []

@@ -5,7 +5,10 @@ then decodes all sequences together, greedily. Placement knobs (`EngineConfig`):
 with a slot, where experts are loaded from, the KV capacity per tier, and `spill_kv_every_step`, which
 moves every KV block off the GPU after each step (alternating CPU and NVMe) so the next step must fetch
 them back: the exactness check runs the same prompts with and without these and compares bits.
-It must never decide placement beyond its configuration (the agent does) nor touch the network.
+A step is prepare (KV blocks grown and fetched as one list) -> pick its executor (executor.py: whole-step
+graph, piecewise graphs with each layer's misses loaded between pieces, or eager; the reason an Enum,
+counted in `executors`) -> after_step. Model hooks (taps, forced routes) come in through the constructor or
+`set_hooks`. It must never decide placement beyond its configuration (the agent does) nor touch the network.
 """
 
 from __future__ import annotations
@@ -15,14 +18,18 @@ import math
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Literal, get_args
 
 import torch
 
 from runtime.device import Device
 from runtime.engine.attention import Segment, build_block_table
-from runtime.engine.config import ModelSpec
-from runtime.engine.experts import OnDemandExperts
+from runtime.engine.config import AttentionKind, ModelSpec
+from runtime.engine.executor import PADDED, Executor, ExecutorStats, PieceResidency, Reason, known_routes
+from runtime.engine.experts import OnDemandExperts, ScanVictimOrder
 from runtime.engine.graphs import DecodeGraphs
+from runtime.engine.hooks import ModelHooks, StepRouting
+from runtime.engine.kernels import moe_gemm
 from runtime.engine.kv_cache import PagedKVCache, block_shape
 from runtime.engine.model import MoEModel
 from runtime.engine.pretrained import checkpoint_weights
@@ -39,9 +46,10 @@ from runtime.weights.loader import MAP_IN, PUBLISH, ExpertLoadHandler, MapIn, Pu
 from runtime.weights.sources import SyntheticExpertSource
 from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
-# Decode steps that cannot replay for a reason that depends on placement or routing run eagerly over the
-# bucket's padded rows (the same shapes as the graph): a replayed and an eager step then give the same bits.
-PADDED_EAGER = frozenset({"experts_not_resident", "forced_routes"})
+OffloadExec = Literal["piecewise", "eager"]
+OFFLOAD_EXEC: tuple[str, ...] = get_args(OffloadExec)
+VictimRule = Literal["lru", "scan"]
+VICTIM_RULES: tuple[str, ...] = get_args(VictimRule)
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,15 @@ class EngineConfig:
     # process tracks ~270k) are never rescanned, so a full collection no longer pauses a decode step for
     # ~0.1 s (measured on the CPU box: 127-137 ms, 0 ms once frozen). None = on a GPU. close() unfreezes.
     freeze_gc: bool | None = None
+    # Decode steps with experts missing: piecewise graphs with each MoE layer's misses loaded between its pieces
+    # (the default: graph speed plus the link), or eager over the padded rows (the slow reference).
+    offload_exec: OffloadExec = "piecewise"
+    # Piecewise steps: MoE layers ahead of the current one whose experts start loading while it computes (0: none;
+    # 2: FluxMoE's two-layer window). Forced routes are known ahead; live ones are guessed from the last step.
+    expert_lookahead_layers: int = 0
+    # Eviction order until the agent plugs its policy in: least recently used, or the scan rule (most recently
+    # used first while the last step asked for more experts than there are slots).
+    expert_victims: VictimRule = "lru"
     graph_max_batch: int = 128
     graph_max_blocks: int = 4096  # block-table width of the graphs (longer sequences decode eagerly)
     seed: int = 0
@@ -90,6 +107,14 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.expert_map_in must be one of {MAP_IN}, got {self.expert_map_in!r}")
         if self.expert_publish not in PUBLISH:
             raise ConfigError(f"EngineConfig.expert_publish must be one of {PUBLISH}, got {self.expert_publish!r}")
+        if self.offload_exec not in OFFLOAD_EXEC:
+            raise ConfigError(f"EngineConfig.offload_exec must be one of {OFFLOAD_EXEC}, got {self.offload_exec!r}")
+        if self.expert_victims not in VICTIM_RULES:
+            raise ConfigError(f"EngineConfig.expert_victims must be one of {VICTIM_RULES}, got {self.expert_victims!r}")
+        if isinstance(self.expert_lookahead_layers, bool) or not isinstance(self.expert_lookahead_layers, int) \
+                or self.expert_lookahead_layers < 0:
+            raise ConfigError("EngineConfig.expert_lookahead_layers must be an int >= 0, got "
+                              f"{self.expert_lookahead_layers!r}")
         if not 0.0 < self.resident_frac <= 1.0:
             raise ConfigError(f"EngineConfig.resident_frac must be in (0, 1], got {self.resident_frac}")
         if self.experts_on_device and self.resident_frac < 1.0:
@@ -113,7 +138,11 @@ class GenerationResult:
 
 
 class ReferenceEngine:
-    def __init__(self, spec: ModelSpec, device: Device, cfg: EngineConfig) -> None:
+    def __init__(self, spec: ModelSpec, device: Device, cfg: EngineConfig, hooks: ModelHooks | None = None,
+                 pinned_store: PinnedExpertStore | None = None) -> None:
+        """hooks: the model's taps and forced routes (ModelHooks; replace later with set_hooks). pinned_store: a
+        pinned expert store to borrow instead of building one (benches sharing one store across engines; it
+        must hold this spec's experts; the engine never closes it)."""
         self.spec, self.device, self.cfg = spec, device, cfg
         check_fits(spec, device, cfg)  # refuse, naming each part, what would not fit before allocating any of it
         self._tmp = None if cfg.workdir else tempfile.TemporaryDirectory(prefix="tierplan-engine-")
@@ -125,7 +154,13 @@ class ReferenceEngine:
         src = ckpt.experts if ckpt is not None else SyntheticExpertSource(fmt, n_moe, spec.num_experts, seed=cfg.seed)
         self.transfer = TransferEngine(device, retire_thread=cfg.transfer_retire_thread)
         host = not cfg.experts_on_device
-        self.pinned = PinnedExpertStore(device, src) if host and cfg.expert_store is StoreKind.PINNED else None
+        if pinned_store is not None and (pinned_store.format.num_bytes != fmt.num_bytes
+                                         or pinned_store.records.num_layers != n_moe
+                                         or pinned_store.records.num_experts != spec.num_experts):
+            raise ConfigError("ReferenceEngine: pinned_store does not hold this model's experts")
+        self._borrowed = pinned_store
+        self.pinned = pinned_store or (PinnedExpertStore(device, src) if host and cfg.expert_store is StoreKind.PINNED
+                                       else None)
         self.nvme = (NvmeExpertStore.build(wd / "experts.tpnvme", src, device)
                      if host and cfg.expert_store is StoreKind.NVME else None)
         num_slots = n_moe * spec.num_experts if cfg.resident_frac >= 1.0 else max(
@@ -142,21 +177,26 @@ class ReferenceEngine:
         if not host:
             self._fill_slots_on_device(cfg.seed)
         self.experts = OnDemandExperts(self.pool, self.loader, cfg.expert_store)  # type: ignore[arg-type]
+        if cfg.expert_victims == "scan":
+            self.experts.set_victim_order(ScanVictimOrder(self.experts))
         cap = {Tier.GPU: cfg.kv_gpu_blocks, Tier.CPU: cfg.kv_cpu_blocks, Tier.NVME: cfg.kv_nvme_blocks}
         self.cache = PagedKVCache(spec, device, self.transfer, cfg.block_tokens, cap,
                                   wd / "kv.tpnvme" if cfg.kv_nvme_blocks else None, staging=self.staging)
         weights = ckpt.dense if ckpt is not None else synthetic_dense_weights(spec, device.torch_device, seed=cfg.seed)
-        self.model = MoEModel(spec, weights, self.pool, self.experts, self.cache)
         if cfg.decode_kernel is None:
             from runtime.engine.kernels.paged_attention import HAS_TRITON
 
-            self.model.decode_kernel = device.is_cuda and HAS_TRITON
+            decode_kernel = device.is_cuda and HAS_TRITON
         else:
-            self.model.decode_kernel = cfg.decode_kernel
+            decode_kernel = cfg.decode_kernel
+        self.model = MoEModel(spec, weights, self.pool, self.experts, self.cache,
+                              replace(hooks or ModelHooks(), decode_kernel=decode_kernel))
         use_graphs = device.is_cuda if cfg.decode_graphs is None else cfg.decode_graphs
         self.graphs = DecodeGraphs(self.model, device, cfg.graph_max_batch,
                                    min(cfg.graph_max_blocks, cfg.kv_gpu_blocks), capture=device.is_cuda
                                    ) if use_graphs else None
+        self.residency = PieceResidency(self.model, self.experts, cfg.expert_lookahead_layers)
+        self.executors = ExecutorStats()
         self.gc_frozen = device.is_cuda if cfg.freeze_gc is None else cfg.freeze_gc
         if self.gc_frozen:
             gc.collect()
@@ -181,8 +221,32 @@ class ReferenceEngine:
                 dst.copy_(torch.randn(dst.numel(), generator=gen, device=self.device.torch_device).mul_(0.02))
                 self.pool.complete_load(layer, e, True, self.device.record_event())
 
+    def set_hooks(self, **changes: Any) -> None:
+        """Replace some of the model's hooks (the agent's taps at attach, a trace's forced routes); a new forced
+        table drops the captured graphs (they gather from the old table's address)."""
+        old = self.model.hooks
+        new = replace(old, **changes)
+        if new.forced_routes is not old.forced_routes and self.graphs is not None:
+            self.graphs.reset()
+        self.model.set_hooks(new)
+
     def step(self, seqs: list[int], tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         """One forward: sequence i contributes tokens[i] at positions starts[i]...; returns logits [S, V]."""
+        segs = self._prepare(seqs, tokens, starts)
+        table = self.model.forced_routes
+        trace_rows = table.trace_rows(seqs, starts, [len(t) for t in tokens]) if table is not None else None
+        rows = [self.cache.gpu_indices(s) for s in seqs] if self.graphs is not None else None
+        executor, reason = self._pick(tokens, rows, trace_rows)
+        try:
+            logits = self._run(executor, reason, seqs, tokens, starts, segs, rows, trace_rows)
+        except BaseException:
+            self.pool.record_read_all(self.device.record_event())  # whatever was queued may read slots
+            raise
+        self._after_step(segs, seqs)
+        return logits
+
+    def _prepare(self, seqs: list[int], tokens: list[list[int]], starts: list[int]) -> list[Segment]:
+        """KV blocks for the new tokens, then every block of the step on the GPU (fetched as one list)."""
         segs, row = [], 0
         protect = {b for q in seqs for b in self.cache.blocks_of(q)}  # this step's blocks: never spilled by grow
         for s, toks, p in zip(seqs, tokens, starts, strict=True):
@@ -191,30 +255,67 @@ class ReferenceEngine:
             segs.append(Segment(s, row, len(toks), p))
             row += len(toks)
         self.cache.ensure_on_gpu([b for s in seqs for b in self.cache.blocks_of(s)])
-        rows: list[list[int]] | None = None
-        if self.graphs is not None:
-            rows = [self.cache.gpu_indices(s) for s in seqs]
-            why = self.graphs.why_not(tokens, rows)
-            if why is not None:
-                self.graphs.fallbacks[why] += 1
-            if why is None or why in PADDED_EAGER:
-                try:
-                    logits = self.graphs.run(seqs, tokens, starts, rows, replay=why is None)
-                except BaseException:
-                    self.pool.record_read_all(self.device.record_event())  # whatever was queued may read slots
-                    raise
-                self._after_step(segs, seqs)
-                return logits
+        self.experts.begin_step()
+        return segs
+
+    def _pick(self, tokens: list[list[int]], rows: list[list[int]] | None,
+              trace_rows: list[int] | None) -> tuple[Executor, Reason]:
+        """The executor for this step and why. Shape reasons come first, so whether a step that fits the graph's
+        buffers replays, runs piecewise or runs eagerly over the padded rows never depends on a shape."""
+        g, m = self.graphs, self.model
+        if any(len(t) != 1 for t in tokens):
+            return Executor.EAGER, Reason.PREFILL
+        if g is None:
+            return Executor.EAGER, Reason.NO_GRAPHS
+        if m.spec.attention is not AttentionKind.GQA or not m.decode_kernel:
+            return Executor.EAGER, Reason.NO_PAGED_DECODE_KERNEL
+        if len(tokens) > g.max_batch:
+            return Executor.EAGER, Reason.BATCH_TOO_LARGE
+        if rows is not None and any(len(r) > g.max_blocks for r in rows):
+            return Executor.EAGER, Reason.CONTEXT_TOO_LONG
+        pool = self.pool
+        if all(pool.num_resident(i) == pool.layout.num_experts for i in m.pool_layer.values()):
+            return Executor.GRAPH, Reason.ALL_RESIDENT
+        if self.cfg.offload_exec == "eager":
+            return Executor.EAGER, Reason.OFFLOAD_EAGER
+        if not self.residency.fits(known_routes(m, trace_rows), len(tokens)):
+            return Executor.EAGER, Reason.LAYER_OVER_SLOTS
+        bb_rows = g.bucket(len(tokens)) * max(1, m.spec.top_k)
+        if self.device.is_cuda and not moe_gemm.usable(m.w.embed, bb_rows):
+            return Executor.EAGER, Reason.GEMM_READS_EVERY_EXPERT  # absent experts' ranges are unmapped
+        return Executor.PIECEWISE, Reason.EXPERTS_MISSING
+
+    def _run(self, executor: Executor, reason: Reason, seqs: list[int], tokens: list[list[int]], starts: list[int],
+             segs: list[Segment], rows: list[list[int]] | None, trace_rows: list[int] | None) -> torch.Tensor:
+        g = self.graphs
+        if g is not None and (executor is not Executor.EAGER or reason in PADDED):
+            assert rows is not None
+            bb = g.stage(seqs, tokens, starts, rows, trace_rows)
+            logits = None
+            if executor is Executor.GRAPH:
+                logits = g.replay(seqs, starts, bb)
+            elif executor is Executor.PIECEWISE:
+                res = self.residency
+                res.begin(known_routes(self.model, trace_rows))
+                logits = g.replay_pieces(seqs, starts, bb,
+                                         lambda p: res.before_moe(p, g.step_routes(p, len(seqs))), res.after_moe)
+            if logits is None and executor is not Executor.EAGER:
+                executor, reason = Executor.EAGER, Reason.CAPTURE_FAILED
+            if logits is None:
+                logits = g.run_padded_eager(seqs, starts, bb)
+            self.executors.count(executor, reason)
+            return logits
+        self.executors.count(executor, reason)
         table = build_block_table(segs, self.cache, rows)  # once per step: every layer reads it on the device
         segs = [replace(s, table=table, table_row=i) for i, s in enumerate(segs)]
         dev = self.device.torch_device
         flat = torch.tensor([t for toks in tokens for t in toks], dtype=torch.int64, device=dev)
         pos = torch.tensor([p + j for toks, p in zip(tokens, starts, strict=True) for j in range(len(toks))],
                            dtype=torch.int64, device=dev)
+        routing = StepRouting(trace_rows=torch.tensor(trace_rows, dtype=torch.int64, device=dev), forced=True
+                              ) if trace_rows is not None else None
         with torch.inference_mode():
-            logits = self.model.forward(flat, pos, segs)
-        self._after_step(segs, seqs)
-        return logits
+            return self.model.forward(flat, pos, segs, routing=routing)
 
     def _after_step(self, segs: list[Segment], seqs: list[int]) -> None:
         # All-resident layers and graph replays record no per-expert reads: one fence covers the step (I4).
@@ -255,7 +356,7 @@ class ReferenceEngine:
         self.staging.close()
         self.pool.close()
         for store in (self.pinned, self.nvme):
-            if store is not None:
+            if store is not None and store is not self._borrowed:
                 store.close()
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -1,42 +1,48 @@
-"""CUDA graphs of the decode step (inference process, engine thread).
+"""CUDA graphs of the decode step, whole or piecewise (inference process, engine thread).
 
-A decode step in which every expert is resident and every KV block is on the GPU has no host decision
-inside it, so it is captured once per padded batch size (a bucket) and replayed: one launch instead of
-~35 kernels per layer. Static inputs are tokens [Bb], positions [Bb] and the block table [Bb, M], copied in
+A decode step's shapes are fixed once its batch is padded to a bucket, so it is captured once per bucket and
+replayed. Static inputs (tokens, positions [Bb], block table [Bb, M], the routing rows below) are copied in
 from pinned staging buffers before each replay; padding rows decode token 0 at position 0 into the cache's
-scratch block, which no sequence owns. Every MoE layer's router writes its raw top-k into static buffers
-[L, Bb, k] (the agent's tap reads them after the replay: no tap kernel inside the graph), and the queries
-of the layers the attention-mass observer may sample are saved (one copy per watched layer).
+scratch block, which no sequence owns, and take row 0's route (`row_src`), so they need no expert the real
+rows do not. Every MoE layer's routes are written into static buffers [L, Bb, k] (the agent's tap reads them
+after the replay), and the queries of the layers the attention-mass observer may sample are saved.
 
-On a CPU there is nothing to capture: the same static-buffer step runs eagerly (`capture=False`), which is
-how CI checks the padding, staging and tap logic. Whatever the graph cannot run (a prefill, a missing
-expert, forced routes, MLA, a batch or context beyond the buffers) runs eagerly and the reason is counted
-in `fallbacks`; a decode step that misses an expert or has forced routes runs eagerly over the same padded
-rows (`run(replay=False)`), so whether a step replays never changes its bits.
+Routing inside graphs: the router always runs; a forced-routes table (hooks.py) is gathered through the
+static `trace_rows` buffer and wins where the staged `forced` flag is set, so a forced-routing step replays
+the same graph as a live one.
+
+Two graph kinds per bucket: the whole step (every expert resident: nothing for the host to do mid-step), and
+the step cut at the MoE layers into `model.num_pieces` pieces (piece p = MoE layer p-1's experts through MoE
+layer p's routing) replayed one after another, with the caller's residency work for each MoE layer between
+its pieces (`replay_pieces`; as vLLM's piecewise graphs). Whatever neither can run is the engine's to run
+eagerly (executor.py counts why). On a CPU nothing is captured: the same static-buffer pieces run eagerly
+(`capture=False`), which is how CI checks padding, staging, routing and taps.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from runtime.device import Device, Event
 from runtime.engine.attention import QCapture, Segment, observe
-from runtime.engine.config import AttentionKind
-from runtime.engine.model import MoEModel
+from runtime.engine.hooks import StepRouting
+from runtime.engine.model import FwdState, MoEModel
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+_IDS = ("tokens", "positions", "trace_rows", "row_src", "forced")  # rows of the int64 staging buffer
+_Hooks = tuple[Callable[[int], None], Callable[[int], None]]  # residency work before / after MoE layer p
 
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph | None  # None: the CPU twin re-runs the forward on the static buffers
-    logits: torch.Tensor  # [Bb, V] float32, rewritten by every replay
+    graphs: list[torch.cuda.CUDAGraph] | None  # one whole step or one per piece; None: the CPU twin runs eagerly
+    logits: torch.Tensor | None  # [Bb, V] float32, rewritten by every replay (captured)
     saved_q: dict[int, torch.Tensor]  # watched layer -> [Bb, Hq, D]
+    state: FwdState | None = None  # the pieces' tensors (kept alive: later pieces read earlier ones)
 
 
 class DecodeGraphs:
@@ -48,94 +54,56 @@ class DecodeGraphs:
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self.max_batch, self.max_blocks = max_batch, max_blocks
         dev, n, spec = device.torch_device, max_batch, model.spec
-        self.tokens = torch.zeros(n, dtype=torch.int64, device=dev)  # [Bmax]
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)  # [Bmax]
+        self.ids = torch.zeros(len(_IDS), n, dtype=torch.int64, device=dev)  # [5, Bmax] (rows: _IDS)
         self.table = torch.full((n, max_blocks), self.cache.scratch_slot, dtype=torch.int32, device=dev)  # [Bmax, M]
         pin = device.is_cuda
-        self._stage_ids = torch.zeros(2, n, dtype=torch.int64, pin_memory=pin)  # tokens, positions
+        self._stage_ids = torch.zeros(len(_IDS), n, dtype=torch.int64, pin_memory=pin)
         self._stage_table = torch.full((n, max_blocks), self.cache.scratch_slot, dtype=torch.int32, pin_memory=pin)
         self._staged: Event | None = None  # event after the last H2D copy out of the staging buffers
         n_moe = len(spec.moe_layers)
         self.route_probs = torch.zeros(n_moe, n, max(1, spec.top_k), dtype=torch.float32, device=dev)  # [L, B, k]
         self.route_ids = torch.zeros(n_moe, n, max(1, spec.top_k), dtype=torch.int64, device=dev)  # [L, B, k]
-        self._graphs: dict[tuple[int, tuple[int, ...]], _Captured | None] = {}  # None: capture failed
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self.fallbacks: Counter[str] = Counter()  # eager steps by reason
-        self.replays = 0
-        self.padded_eager = 0  # decode steps run eagerly over the bucket's padded rows
+        self._whole: dict[tuple[int, tuple[int, ...]], _Captured | None] = {}  # None: capture failed
+        self._pieces: dict[tuple[int, tuple[int, ...]], _Captured | None] = {}
+        self._pools = (torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()) if capture else (None, None)
+        self.capture_failures = 0
+        self.last_capture_error: str | None = None  # the last capture's error, for reports (counted above)
+
+    def reset(self) -> None:
+        """Forget every captured graph (the hooks changed: a graph bakes in the forced table's address)."""
+        self._whole.clear()
+        self._pieces.clear()
+        if self.capture:  # fresh pools: capturing into a pool whose graphs were just freed trips the allocator
+            self._pools = (torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle())
 
     # ---- eligibility -------------------------------------------------------------------------------
-    def why_not(self, tokens: list[list[int]], tables: list[list[int]] | None) -> str | None:
-        """None when this step can replay a graph, else the reason it runs eagerly (a fallbacks key).
+    def bucket(self, batch: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, batch)]
 
-        Shape reasons come first: a step that fits the buffers and only misses an expert or has forced routes
-        runs eagerly over the padded rows (engine.PADDED_EAGER), so which of those it is never depends on
-        where the experts are."""
-        m = self.model
-        if any(len(t) != 1 for t in tokens):
-            return "prefill"
-        if m.spec.attention is not AttentionKind.GQA or not m.decode_kernel:
-            return "no_paged_decode_kernel"
-        if len(tokens) > self.max_batch:
-            return "batch_too_large"
-        if tables is not None and any(len(t) > self.max_blocks for t in tables):
-            return "context_too_long"
-        if m.forced_routes is not None:
-            return "forced_routes"
-        pool = m.pool
-        if not all(pool.num_resident(i) == pool.layout.num_experts for i in m.pool_layer.values()):
-            return "experts_not_resident"
-        return None
-
-    # ---- capture -----------------------------------------------------------------------------------
-    def _watched(self) -> tuple[int, ...]:
-        obs = self.model.mass_observer
-        return tuple(sorted(obs.layers)) if obs is not None else ()
-
-    def _forward(self, bb: int, saved_q: dict[int, torch.Tensor]) -> torch.Tensor:
-        """The decode forward over the first bb static rows, hooks pointed at the static buffers."""
-        m = self.model
-        segs = self._segments(bb)
-        hooks = m.route_tap, m.mass_observer, m.route_out
-        m.route_out = (self.route_probs[:, :bb], self.route_ids[:, :bb])
-        m.route_tap, m.mass_observer = None, QCapture(saved_q)
-        try:
-            with torch.inference_mode():
-                return m.forward(self.tokens[:bb], self.positions[:bb], segs)
-        finally:
-            m.route_tap, m.mass_observer, m.route_out = hooks
-
-    def _get(self, bb: int, watched: tuple[int, ...]) -> _Captured | None:
-        key = (bb, watched)
-        if key in self._graphs:
-            return self._graphs[key]
-        spec, dev = self.model.spec, self.device.torch_device
-        saved_q = {layer: torch.zeros(bb, spec.num_heads, spec.head_dim, dtype=self.model.w.embed.dtype, device=dev)
-                   for layer in watched}
-        if not self.capture:
-            got = _Captured(None, torch.empty(0), saved_q)
-        else:
-            # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture. Static rows
-            # hold padding meanwhile (scratch block, position 0): nothing a real sequence owns is written.
-            self._pad_rows(0, bb)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(bb, saved_q)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                # thread_local: the transfer engine's threads may sync on their own events meanwhile
-                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                    logits = self._forward(bb, saved_q)
-            except RuntimeError:
-                self.fallbacks["capture_failed"] += 1
-                self._graphs[key] = None  # this bucket decodes eagerly (padded) from now on
-                return None
-            got = _Captured(graph, logits, saved_q)
-        self._graphs[key] = got
-        return got
+    # ---- staging -----------------------------------------------------------------------------------
+    def stage(self, seqs: Sequence[int], tokens: list[list[int]], starts: Sequence[int],
+              tables: list[list[int]], trace_rows: list[int] | None) -> int:
+        """Copy one decode step's inputs into the static buffers; returns its bucket Bb."""
+        b = len(seqs)
+        bb = self.bucket(b)
+        if self._staged is not None:
+            self._staged.synchronize()  # the last copy out of the staging buffers is done
+        ids, tab = self._stage_ids.numpy(), self._stage_table.numpy()
+        ids[:, :bb] = 0
+        ids[0, :b] = [t[0] for t in tokens]
+        ids[1, :b] = starts
+        if trace_rows is not None:
+            ids[2, :b] = trace_rows
+            ids[4, :bb] = 1
+        ids[3, :b] = range(b)  # padding rows keep 0: row 0's route
+        for i, row in enumerate(tables):
+            tab[i, : len(row)] = row
+        tab[b:bb, 0] = self.cache.scratch_slot  # padding rows: the scratch block only
+        nb = self.cache.num_blocks_for(max(starts) + 1)  # table columns any row of this step reads
+        self.ids[:, :bb].copy_(self._stage_ids[:, :bb], non_blocking=True)
+        self.table[:bb, :nb].copy_(self._stage_table[:bb, :nb], non_blocking=True)
+        self._staged = self.device.record_event()
+        return bb
 
     def _segments(self, bb: int, seqs: Sequence[int] = (), starts: Sequence[int] = ()) -> list[Segment]:
         """One decode segment per static row: the real sequences first, then padding rows (negative ids,
@@ -145,56 +113,140 @@ class DecodeGraphs:
                                                                                               strict=True))]
         return real + [Segment(-1 - i, i, 1, 0, table=table, table_row=i) for i in range(len(real), bb)]
 
-    def _pad_rows(self, lo: int, hi: int) -> None:
-        self.tokens[lo:hi].zero_()
-        self.positions[lo:hi].zero_()
-        self.table[lo:hi, 0] = self.cache.scratch_slot
+    def _routing(self, bb: int, graph_rows: bool) -> StepRouting:
+        """Graph rows: router plus table (if any) under the staged flag, padding rows on row 0's route."""
+        has_table = self.model.forced_routes is not None
+        rows = self.ids[2, :bb]
+        if not graph_rows:
+            return StepRouting(trace_rows=rows, forced=has_table and bool(self._stage_ids[4, 0]))
+        return StepRouting(trace_rows=rows if has_table else None,
+                           forced_mask=(self.ids[4, :bb, None] != 0) if has_table else None,
+                           row_src=self.ids[3, :bb], route_out=(self.route_probs[:, :bb], self.route_ids[:, :bb]))
 
-    # ---- replay ------------------------------------------------------------------------------------
-    def run(self, seqs: list[int], tokens: list[list[int]], starts: list[int], tables: list[list[int]],
-            replay: bool = True) -> torch.Tensor:
-        """One decode step over the batch padded to its bucket: logits [B, V] float32, a fresh tensor.
+    # ---- pieces ------------------------------------------------------------------------------------
+    def _piece(self, st: FwdState | None, p: int, bb: int, saved_q: dict[int, torch.Tensor]) -> FwdState:
+        m = self.model
+        with torch.inference_mode():
+            if st is None:
+                st = m.start(self.ids[0, :bb], self.ids[1, :bb], self._segments(bb))
+            if p:
+                m.finish_moe(st, p - 1, static=True)
+            m.front(st, p, self._routing(bb, graph_rows=True), QCapture(saved_q))
+        return st
 
-        replay: why_not(...) was None, so the step replays its graph. Otherwise (an expert missing, forced
-        routes) it runs eagerly over the same padded rows, so that dense layers and attention see the shapes
-        the graph sees: which path a step takes must never change its bits (placement exactness)."""
-        b = len(seqs)
-        bb = self.buckets[bisect.bisect_left(self.buckets, b)]
-        got = self._get(bb, self._watched()) if replay else None
-        if self._staged is not None:
-            self._staged.synchronize()  # the last copy out of the staging buffers is done
-        ids, tab = self._stage_ids.numpy(), self._stage_table.numpy()
-        ids[:, :bb] = 0
-        ids[0, :b] = [t[0] for t in tokens]
-        ids[1, :b] = starts
-        for i, row in enumerate(tables):
-            tab[i, : len(row)] = row
-        tab[b:bb, 0] = self.cache.scratch_slot  # padding rows: the scratch block only
-        nb = self.cache.num_blocks_for(max(starts) + 1)  # table columns any row of this step reads
-        self.tokens[:bb].copy_(self._stage_ids[0, :bb], non_blocking=True)
-        self.positions[:bb].copy_(self._stage_ids[1, :bb], non_blocking=True)
-        self.table[:bb, :nb].copy_(self._stage_table[:bb, :nb], non_blocking=True)
-        self._staged = self.device.record_event()
+    def _all_pieces(self, bb: int, saved_q: dict[int, torch.Tensor], residency: _Hooks | None = None) -> FwdState:
+        st = None
+        for p in range(self.model.num_pieces):
+            if p and residency is not None:
+                residency[0](p - 1)
+            st = self._piece(st, p, bb, saved_q)
+            if p and residency is not None:
+                residency[1](p - 1)
+        assert st is not None
+        return st
+
+    def _get(self, bb: int, watched: tuple[int, ...], piecewise: bool,
+             residency: _Hooks | None = None) -> _Captured | None:
+        book = self._pieces if piecewise else self._whole
+        key = (bb, watched)
+        if key in book:
+            return book[key]
+        spec, dev = self.model.spec, self.device.torch_device
+        saved_q = {layer: torch.zeros(bb, spec.num_heads, spec.head_dim, dtype=self.model.w.embed.dtype, device=dev)
+                   for layer in watched}
+        if not self.capture:
+            book[key] = _Captured(None, None, saved_q)
+            return book[key]
+        # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture. The warm-up runs the
+        # staged step itself (it rewrites the same K/V rows the step writes: idempotent), with its residency work
+        # between pieces, so it reads only experts made resident for it.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._all_pieces(bb, saved_q, residency if piecewise else None)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs: list[torch.cuda.CUDAGraph] = []
+        st: FwdState | None = None
+        try:
+            for p in range(self.model.num_pieces if piecewise else 1):
+                g = torch.cuda.CUDAGraph()
+                # thread_local: the transfer engine's threads may sync on their own events meanwhile
+                with torch.cuda.graph(g, pool=self._pools[piecewise], capture_error_mode="thread_local"):
+                    st = self._piece(st, p, bb, saved_q) if piecewise else self._all_pieces(bb, saved_q)
+                graphs.append(g)
+        except RuntimeError as exc:
+            self.capture_failures += 1
+            self.last_capture_error = f"{type(exc).__name__}: {exc}"[:500]
+            book[key] = None  # this bucket decodes eagerly (padded) from now on
+            return None
+        assert st is not None
+        book[key] = _Captured(graphs, st.logits, saved_q, st)
+        return book[key]
+
+    def _watched(self) -> tuple[int, ...]:
+        obs = self.model.mass_observer
+        return tuple(sorted(obs.layers)) if obs is not None else ()
+
+    # ---- running a staged step ---------------------------------------------------------------------
+    def replay(self, seqs: list[int], starts: list[int], bb: int) -> torch.Tensor | None:
+        """The whole-step graph over the staged rows: logits [B, V] (a fresh tensor), None if capture failed."""
+        got = self._get(bb, self._watched(), piecewise=False)
         if got is None:
-            self.padded_eager += 1
-            segs = self._segments(bb, seqs, starts)
-            with torch.inference_mode():
-                return self.model.forward(self.tokens[:bb], self.positions[:bb], segs, live_rows=b)[:b]
+            return None
         self.model.pool.wait_published()  # the graph reads every expert: loads published once issued (I3)
-        if got.graph is not None:
-            got.graph.replay()
-            logits = got.logits[:b].clone()
+        if got.graphs is not None:
+            got.graphs[0].replay()
+            assert got.logits is not None
+            logits = got.logits[: len(seqs)].clone()
         else:
-            logits = self._forward(bb, got.saved_q)[:b]
-        self.replays += 1
-        self._after_replay(seqs, starts, b, got)
+            st = self._all_pieces(bb, got.saved_q)
+            assert st.logits is not None
+            logits = st.logits[: len(seqs)]
+        self._after_replay(seqs, starts, got)
         return logits
 
-    def _after_replay(self, seqs: list[int], starts: list[int], b: int, got: _Captured) -> None:
+    def replay_pieces(self, seqs: list[int], starts: list[int], bb: int, before_moe: Callable[[int], None],
+                      after_moe: Callable[[int], None]) -> torch.Tensor | None:
+        """The piecewise graphs over the staged rows; before_moe(p) runs on the host before the piece that
+        computes MoE layer p's experts (make them resident, order the stream), after_moe(p) once it is queued.
+        None if capture failed (nothing was replayed)."""
+        got = self._get(bb, self._watched(), piecewise=True, residency=(before_moe, after_moe))
+        if got is None:
+            return None
+        st = None
+        for p in range(self.model.num_pieces):
+            if p:
+                before_moe(p - 1)
+            if got.graphs is not None:
+                got.graphs[p].replay()
+            else:
+                st = self._piece(st, p, bb, got.saved_q)
+            if p:
+                after_moe(p - 1)
+        logits_all = got.logits if got.graphs is not None else (st.logits if st is not None else None)
+        assert logits_all is not None
+        logits = logits_all[: len(seqs)].clone() if got.graphs is not None else logits_all[: len(seqs)]
+        self._after_replay(seqs, starts, got)
+        return logits
+
+    def step_routes(self, p: int, b: int) -> torch.Tensor:
+        """MoE layer p's routes for the b real rows of the piece just queued [b, k] (a device tensor)."""
+        return self.route_ids[p, :b]
+
+    def run_padded_eager(self, seqs: list[int], starts: list[int], bb: int) -> torch.Tensor:
+        """The staged step eagerly over the padded rows (the shapes the graph sees: which path a step takes never
+        changes its bits); routed experts are asked of the provider for the real rows only."""
+        segs = self._segments(bb, seqs, starts)
+        with torch.inference_mode():
+            return self.model.forward(self.ids[0, :bb], self.ids[1, :bb], segs, live_rows=len(seqs),
+                                      routing=self._routing(bb, graph_rows=False))[: len(seqs)]
+
+    def _after_replay(self, seqs: list[int], starts: list[int], got: _Captured) -> None:
         """Hand the static router and query buffers to the agent's taps (outside the graph). A tap without
-        `add_all` is called per layer with views of the static buffers (raw top-k probabilities, rewritten by
-        the next replay): it must copy what it keeps."""
-        m = self.model
+        `add_all` is called per layer with views of the static buffers (the routes used, rewritten by the next
+        replay): it must copy what it keeps."""
+        m, b = self.model, len(seqs)
         tap = m.route_tap
         if tap is not None:
             add_all = getattr(tap, "add_all", None)
@@ -205,7 +257,7 @@ class DecodeGraphs:
                     tap(layer, self.route_ids[i, :b], self.route_probs[i, :b])
         obs = m.mass_observer
         if obs is not None and got.saved_q:
-            segs = self._segments(len(seqs), seqs, starts)
+            segs = self._segments(b, seqs, starts)
             for layer, q in got.saved_q.items():
                 for i, sg in enumerate(segs):
                     observe(obs, layer, sg, q[i], self.cache)

@@ -4,7 +4,9 @@ One block holds every layer's K and V for `block_tokens` tokens (GQA: [L, 2, T, 
 compressed latent [L, T, R + P]), so one block id names one unit of placement. Kernels only read blocks on
 the GPU tier: before a step, `ensure_on_gpu` brings the batch's blocks back (spilling idle blocks GPU -> CPU
 -> NVMe to make room). Moving bytes is the KV handler's job; which blocks to spill is a policy passed in
-(`victim_order`), never decided here beyond "not in use by this step".
+(`victim_order`, which the agent plugs in with `set_victim_order`; by default the oldest block first), never
+decided here beyond "not in use by this step". A step's missing blocks are fetched as one list: room made for
+all of them, every move issued, then waited for together.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ from runtime.transfer import TransferEngine
 from runtime.weights.format import dtype_from_name
 
 SPILL_ORDER = (Tier.GPU, Tier.CPU, Tier.NVME)
+BlockOrder = Callable[[list[int]], list[int]]  # candidate blocks -> the same blocks, first to spill first
+
+
+def oldest_first(blocks: list[int]) -> list[int]:
+    """The default ranking: blocks in the manager's order (allocation order)."""
+    return blocks
 
 
 def block_shape(spec: ModelSpec, block_tokens: int) -> tuple[int, ...]:
@@ -63,6 +71,11 @@ class PagedKVCache:
         self.gpu_hits = 0  # blocks a step needed that were already on the GPU
         self.misses_by_tier = {Tier.CPU: 0, Tier.NVME: 0}  # blocks fetched back, by where they were
         self.fetch_s = 0.0  # time steps spent waiting for fetched blocks (the KV-miss stall)
+        self.victim_order: BlockOrder = oldest_first
+
+    def set_victim_order(self, fn: BlockOrder | None) -> None:
+        """Plug a spill ranking in (the agent's policy); None restores oldest-first."""
+        self.victim_order = fn or oldest_first
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -74,25 +87,38 @@ class PagedKVCache:
     def tier_usage(self) -> dict[str, int]:
         return {t.value: self.manager.num_used(t) for t in Tier}
 
-    def _make_room(self, tier: Tier, protect: set[int], victim_order: Callable[[list[int]], list[int]]) -> None:
-        """Free one slot on `tier` by pushing an unprotected block one tier down (recursively)."""
-        if self.manager.num_free(tier) > 0:
+    def _make_room(self, tier: Tier, protect: set[int], victim_order: BlockOrder | None = None, n: int = 1) -> None:
+        """Free `n` slots on `tier` by pushing unprotected blocks one tier down (recursively), moved together."""
+        short = n - self.manager.num_free(tier)
+        if short <= 0:
             return
         nxt = SPILL_ORDER.index(tier) + 1
         if nxt >= len(SPILL_ORDER):
             raise CapacityError(f"KV tiers full: no room on {tier.value} and no tier below it")
         down = SPILL_ORDER[nxt]
         here = [b for b in self.manager.blocks() if b not in protect and self.manager.location(b).tier is tier]
-        if not here:
+        if len(here) < short:
             raise CapacityError(f"KV tier {tier.value} is full of blocks this step needs ({len(protect)} protected)")
-        self._make_room(down, protect, victim_order)
-        victim = victim_order(here)[0]
-        self.handler.move(victim, down).wait()
-        self.spills += 1
+        self._make_room(down, protect, victim_order, short)
+        victims = (victim_order or self.victim_order)(here)[:short]
+        self._move_all(victims, down)
+        self.spills += len(victims)
+
+    def _move_all(self, blocks: list[int], dst: Tier) -> None:
+        """Issue every move, then wait for all (the first error re-raised once all have ended)."""
+        futs = [self.handler.move(b, dst) for b in blocks]
+        first: BaseException | None = None
+        for f in futs:
+            try:
+                f.wait()
+            except BaseException as exc:  # the block stayed where it was (the handler's contract)
+                first = first or exc
+        if first is not None:
+            raise first
 
     # ---- what the engine calls --------------------------------------------------------------------
     def grow(self, seq_id: int, num_tokens: int, protect: Iterable[int] = (),
-             victim_order: Callable[[list[int]], list[int]] = lambda bs: bs) -> None:
+             victim_order: BlockOrder | None = None) -> None:
         """Give the sequence enough blocks for `num_tokens` tokens; new blocks are allocated on the GPU."""
         table = self.tables.setdefault(seq_id, [])
         keep = set(protect) | set(table)
@@ -102,30 +128,31 @@ class PagedKVCache:
             table.append(b)
             keep.add(b)
 
-    def ensure_on_gpu(self, block_ids: Iterable[int],
-                      victim_order: Callable[[list[int]], list[int]] = lambda bs: bs) -> None:
-        """Bring every listed block to the GPU tier (kernels read only there)."""
+    def ensure_on_gpu(self, block_ids: Iterable[int], victim_order: BlockOrder | None = None) -> None:
+        """Bring every listed block to the GPU tier (kernels read only there), the missing ones as one list."""
         need = list(block_ids)
         protect = set(need)
-        t0, fetched = time.perf_counter(), 0
+        t0 = time.perf_counter()
+        missing = []
         for b in need:
             tier = self.manager.location(b).tier
             if tier is Tier.GPU:
                 self.gpu_hits += 1
-                continue
-            self.misses_by_tier[tier] += 1
-            self._make_room(Tier.GPU, protect, victim_order)
-            self.handler.move(b, Tier.GPU).wait()
-            fetched += 1
-        self.fetches += fetched
-        if fetched:
-            self.fetch_s += time.perf_counter() - t0
+            else:
+                self.misses_by_tier[tier] += 1
+                missing.append(b)
+        if not missing:
+            return
+        self._make_room(Tier.GPU, protect, victim_order, len(missing))
+        self._move_all(missing, Tier.GPU)
+        self.fetches += len(missing)
+        self.fetch_s += time.perf_counter() - t0
 
     def spill(self, block_ids: Iterable[int], tier: Tier) -> None:
         """Move blocks down to `tier` now (a plan's or a test's decision)."""
         for b in block_ids:
             if self.manager.location(b).tier is not tier:
-                self._make_room(tier, set(), lambda bs: bs)
+                self._make_room(tier, set())
                 self.handler.move(b, tier).wait()
                 self.spills += 1
 

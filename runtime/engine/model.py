@@ -3,86 +3,178 @@
 Rows of the batch are grouped in `Segment`s (one per sequence: a prefill chunk or one decode token).
 Each layer: RMSNorm -> attention over the paged KV cache -> RMSNorm -> MoE (routed experts from the
 slot pool + shared experts) or a dense MLP. Logits are returned for the last row of each segment.
-`forced_routes` replaces the router's choice (real routing traces drive synthetic weights) without
+
+A forward is cut into pieces at the MoE layers: piece p runs everything from MoE layer p-1's experts up to
+MoE layer p's routing (piece 0 starts at the embedding, the last piece ends with the LM head), so a caller may
+make experts resident between pieces (piecewise CUDA graphs, graphs.py). `forward` runs them all eagerly,
+asking the provider for each layer's experts. Forced routes (hooks.py) replace the router's choice without
 changing anything else. Never moves experts or KV blocks itself: it asks the provider and the cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from runtime.engine.attention import MassObserver, Segment, attention, rms_norm, step_meta
 from runtime.engine.config import ModelSpec
+from runtime.engine.hooks import ForcedRoutes, ModelHooks, RouteTap, StepRouting
 from runtime.engine.kv_cache import PagedKVCache
 from runtime.engine.moe import ExpertProvider, ExpertViews, mlp, moe_forward, route
 from runtime.engine.weights import DenseWeights, expert_format
 from runtime.memory.slots import ExpertSlotPool
 
-# (model layer, token rows [N]) -> (ids [N, k] int64, weights [N, k] float32) or None to use the router
-ForcedRoutes = Callable[[int, int], tuple[torch.Tensor, torch.Tensor] | None]
-RouteTap = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, ids [N, k], weights [N, k])
+
+@dataclass
+class FwdState:
+    """The working tensors of one forward between pieces (in a piecewise graph, static graph tensors)."""
+
+    positions: torch.Tensor  # [N]
+    segments: list[Segment]
+    meta: Any  # StepMeta, shared by every layer
+    x: torch.Tensor  # [N, H] residual stream
+    h: torch.Tensor | None = None  # [N, H] the pending MoE layer's normed input
+    ids: torch.Tensor | None = None  # [n, k] its routes (n real rows, or N with graph rows)
+    wts: torch.Tensor | None = None  # [n, k]
+    logits: torch.Tensor | None = None  # [S, V] float32 after the last piece
 
 
 class MoEModel:
     def __init__(self, spec: ModelSpec, weights: DenseWeights, pool: ExpertSlotPool, provider: ExpertProvider,
-                 cache: PagedKVCache) -> None:
+                 cache: PagedKVCache, hooks: ModelHooks | None = None) -> None:
         self.spec, self.w, self.pool, self.provider, self.cache = spec, weights, pool, provider, cache
         self.pool_layer = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        self.moe_layers = sorted(self.pool_layer)
         fmt = expert_format(spec)
         self.views = {layer: ExpertViews(pool, fmt, i) for layer, i in self.pool_layer.items()}
-        self.forced_routes: ForcedRoutes | None = None
-        self.decode_kernel = False  # decode batches through the Triton paged kernel (the engine turns it on)
-        self.mass_observer: MassObserver | None = None  # the agent's sampled attention-mass tap
-        self.route_tap: RouteTap | None = None
-        # CUDA-graph mode: (probs, ids) [L_moe, N, k] buffers that every MoE layer's router writes its raw
-        # top-k into (instead of calling route_tap per layer); the graph runner hands them to the tap.
-        self.route_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._hooks = hooks or ModelHooks()
+
+    # ---- hooks (read-only from outside: ReferenceEngine.set_hooks replaces them) --------------------------
+    @property
+    def hooks(self) -> ModelHooks:
+        return self._hooks
+
+    def set_hooks(self, hooks: ModelHooks) -> None:
+        self._hooks = hooks
+
+    @property
+    def route_tap(self) -> RouteTap | None:
+        return self._hooks.route_tap
+
+    @property
+    def mass_observer(self) -> MassObserver | None:
+        return self._hooks.mass_observer
+
+    @property
+    def forced_routes(self) -> ForcedRoutes | None:
+        return self._hooks.forced_routes
+
+    @property
+    def decode_kernel(self) -> bool:
+        return self._hooks.decode_kernel
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.moe_layers) + 1
+
+    # ---- pieces ---------------------------------------------------------------------------------------
+    def start(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> FwdState:
+        decode = self.decode_kernel and all(s.num_tokens == 1 for s in segments)
+        meta = step_meta(positions, segments, self.cache, self.spec, decode)  # shared by every layer
+        return FwdState(positions, segments, meta, self.w.embed[tokens])  # x [N, H]
+
+    def front(self, st: FwdState, p: int, routing: StepRouting, observer: MassObserver | None,
+              live_rows: int | None = None) -> None:
+        """Piece p after its MoE: the layers up to MoE layer p's routing (or, for the last piece, to the head)."""
+        spec, last = self.spec, p == len(self.moe_layers)
+        lo = 0 if p == 0 else self.moe_layers[p - 1] + 1
+        hi = spec.num_layers if last else self.moe_layers[p]
+        for i in range(lo, hi + (0 if last else 1)):
+            lw = self.w.layers[i]
+            x = st.x
+            h = rms_norm(x, lw.input_norm, spec.rms_norm_eps)
+            x = x + attention(h, lw.attn, st.positions, st.segments, self.cache, i, spec, self.decode_kernel,
+                              observer, st.meta)
+            h = rms_norm(x, lw.post_attn_norm, spec.rms_norm_eps)
+            if lw.router is None:
+                assert lw.dense is not None
+                st.x = x + mlp(h, lw.dense)
+                continue
+            st.x, st.h = x, h
+            n = h.shape[0] if live_rows is None else live_rows
+            st.ids, st.wts = self._route(h, i, routing, n)
+            if routing.route_out is None and self.route_tap is not None:
+                self.route_tap(i, st.ids, st.wts)
+        if last:
+            st.logits = self._head(st.x, st.segments)
+
+    def finish_moe(self, st: FwdState, p: int, static: bool = False) -> None:
+        """MoE layer p's routed experts (asked of the provider, unless `static`: the caller made the routed
+        experts resident and ordered, and one grouped GEMM pair over the layer's range reads only those) plus
+        its shared experts, added to the residual."""
+        i = self.moe_layers[p]
+        h, ids, wts = st.h, st.ids, st.wts
+        assert h is not None and ids is not None and wts is not None
+        n = ids.shape[0]
+        out = moe_forward(h[:n], ids, wts, self.views[i], self.pool_layer[i], self.provider,
+                          kernel_rows=h.shape[0] * ids.shape[1], static=static)
+        if n < h.shape[0]:
+            out = torch.cat([out, out.new_zeros(h.shape[0] - n, out.shape[1])])  # padding rows: no experts
+        lw = self.w.layers[i]
+        if lw.shared is not None:
+            out = out + mlp(h, lw.shared)
+        st.x = st.x + out
+        st.h = st.ids = st.wts = None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-                live_rows: int | None = None) -> torch.Tensor:
+                live_rows: int | None = None, routing: StepRouting | None = None) -> torch.Tensor:
         """tokens, positions [N] -> logits [S, V] (float32) for the last row of each of the S segments.
 
         live_rows: only the first `live_rows` rows are real (a decode batch padded to a CUDA-graph bucket and
         run eagerly): dense layers see all N rows, as the graph does, while routed experts are fetched and
         computed for the real rows only (each row's expert output is independent of the others)."""
-        spec = self.spec
-        x = self.w.embed[tokens]  # [N, H]
-        decode = self.decode_kernel and all(s.num_tokens == 1 for s in segments)
-        meta = step_meta(positions, segments, self.cache, spec, decode)  # shared by every layer
-        for i, lw in enumerate(self.w.layers):
-            h = rms_norm(x, lw.input_norm, spec.rms_norm_eps)
-            x = x + attention(h, lw.attn, positions, segments, self.cache, i, spec, self.decode_kernel,
-                              self.mass_observer, meta)
-            h = rms_norm(x, lw.post_attn_norm, spec.rms_norm_eps)
-            if lw.router is None:
-                assert lw.dense is not None
-                x = x + mlp(h, lw.dense)
-                continue
-            n = h.shape[0] if live_rows is None else live_rows
-            forced = self.forced_routes(i, n) if self.forced_routes is not None else None
-            if forced is not None:
-                ids, wts = forced
-            elif self.route_out is not None:
-                m = self.pool_layer[i]
-                ids, wts = route(h, lw.router, spec, out=(self.route_out[0][m], self.route_out[1][m]))
-            else:
-                ids, wts = route(h, lw.router, spec)
-            ids, wts = ids[:n], wts[:n]
-            if self.route_tap is not None and self.route_out is None:
-                self.route_tap(i, ids, wts)
-            out = moe_forward(h[:n], ids, wts, self.views[i], self.pool_layer[i], self.provider,
-                              kernel_rows=h.shape[0] * ids.shape[1])
-            if n < h.shape[0]:
-                out = torch.cat([out, out.new_zeros(h.shape[0] - n, out.shape[1])])  # padding rows: no experts
-            if lw.shared is not None:
-                out = out + mlp(h, lw.shared)
-            x = x + out
+        routing = routing or StepRouting()
+        st = self.start(tokens, positions, segments)
+        for p in range(self.num_pieces):
+            if p:
+                self.finish_moe(st, p - 1)
+            self.front(st, p, routing, self.mass_observer, live_rows)
+        assert st.logits is not None
+        return st.logits
+
+    # ---- helpers --------------------------------------------------------------------------------------
+    def _route(self, h: torch.Tensor, layer: int, r: StepRouting, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [n, k] int64, weights [n, k] float32 for MoE `layer` (see StepRouting)."""
+        lw, m, table = self.w.layers[layer], self.pool_layer[layer], self.forced_routes
+        if r.forced and r.forced_mask is None:
+            assert table is not None and r.trace_rows is not None, "forced routes need a table and trace rows"
+            rows = r.trace_rows[:n]
+            return table.ids[rows, m], table.weights[rows, m]
+        assert lw.router is not None
+        if r.route_out is None:
+            ids, wts = route(h, lw.router, self.spec)
+            return ids[:n], wts[:n]
+        probs_out, ids_out = r.route_out[0][m], r.route_out[1][m]  # [N, k]
+        ids, wts = route(h, lw.router, self.spec, out=(probs_out, ids_out))
+        if r.forced_mask is not None:
+            assert table is not None and r.trace_rows is not None
+            f_ids, f_w = table.ids[r.trace_rows, m], table.weights[r.trace_rows, m]  # [N, k]
+            ids = torch.where(r.forced_mask, f_ids, ids)
+            wts = torch.where(r.forced_mask, f_w, wts)
+            probs_out.copy_(torch.where(r.forced_mask, f_w, probs_out))  # the tap sees the routes used
+            ids_out.copy_(ids)
+        if r.row_src is not None:
+            ids, wts = ids[r.row_src], wts[r.row_src]
+        return ids[:n], wts[:n]
+
+    def _head(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         if all(s.num_tokens == 1 and s.row_start == r for r, s in enumerate(segments)) and len(segments) == len(x):
             last_rows = x  # decode: every row is a segment's last (no host-made index: CUDA-graph safe)
         else:
             last = torch.tensor([s.row_start + s.num_tokens - 1 for s in segments], device=x.device)
             last_rows = x[last]
-        h = rms_norm(last_rows, self.w.final_norm, spec.rms_norm_eps)
+        h = rms_norm(last_rows, self.w.final_norm, self.spec.rms_norm_eps)
         return (h @ self.w.lm_head.t()).float()  # [S, V]
+

@@ -109,11 +109,13 @@ def _expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, int
 
 
 def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views: ExpertViews, layer: int,
-                provider: ExpertProvider, kernel_rows: int | None = None) -> torch.Tensor:
+                provider: ExpertProvider, kernel_rows: int | None = None, static: bool = False) -> torch.Tensor:
     """x [T, H], ids/weights [T, k] -> [T, H] (routed experts only).
 
     kernel_rows: the routed rows the GEMM kernel is chosen for (default T*k); a padded batch passes its padded
-    count, so it picks the kernel its CUDA-graph twin picks."""
+    count, so it picks the kernel its CUDA-graph twin picks. static: the caller already made every routed expert
+    resident and ordered the stream after its load (a piecewise graph): one grouped GEMM pair over the layer's
+    range, which reads only experts with rows (no host sync, no provider call)."""
     t, k = ids.shape
     e = views.gate_up.shape[0]
     flat = ids.reshape(-1)  # [T*k]
@@ -122,7 +124,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
     counts_t = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
     xs = x[order // k]  # [T*k, H]
     tri = moe_gemm.usable(x, t * k if kernel_rows is None else kernel_rows)
-    if (HAS_GROUPED_MM or tri) and provider.all_resident(layer):
+    if (HAS_GROUPED_MM or tri) and (static or provider.all_resident(layer)):
         # Every expert has a slot: one grouped GEMM pair over all experts, offsets on the device, no host sync
         # (CUDA-graph friendly). Per-expert rows are the same as in the chunked path below.
         offs = torch.cumsum(counts_t, 0).to(torch.int32)  # [E]

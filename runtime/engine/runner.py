@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from runtime.engine.config import ModelSpec
 from runtime.engine.engine import ReferenceEngine
 from runtime.engine.routing_trace import RoutingTrace
 from runtime.engine.scheduler import Batch, PreemptMode, Scheduler, Sequence
@@ -25,29 +27,25 @@ from runtime.kv import Tier
 
 
 class ForcedRouter:
-    """Feeds a real routing trace to the model. Token `pos` of sequence `seq` reads trace token
-    (seq * 997 + pos) % T: a sequence walks the trace in order (real temporal locality) and a token's route
-    never depends on what else shares its batch, or when it ran."""
+    """Feeds a real routing trace to the model (implements `runtime.engine.hooks.ForcedRoutes`). Token `pos` of
+    sequence `seq` reads trace token (seq * 997 + pos) % T: a sequence walks the trace in order (real temporal
+    locality) and a token's route never depends on what else shares its batch, or when it ran. The fitted
+    table lives on the device (graphs gather from it) with a host copy (the engine knows a step's experts)."""
 
-    def __init__(self, trace: RoutingTrace, engine: ReferenceEngine, horizon_tokens: int = 4096) -> None:
-        spec = engine.spec
+    def __init__(self, trace: RoutingTrace, engine: ReferenceEngine | None = None, horizon_tokens: int = 4096, *,
+                 spec: ModelSpec | None = None, device: torch.device | None = None) -> None:
+        if engine is not None:
+            spec, device = engine.spec, engine.device.torch_device
+        if spec is None or device is None:
+            raise ConfigError("ForcedRouter needs an engine, or spec= and device=")
         ids, w = trace.routes(horizon_tokens, len(spec.moe_layers), spec.top_k, spec.num_experts)  # [T, L, k]
-        dev = engine.device.torch_device
-        self.ids = torch.from_numpy(np.ascontiguousarray(ids)).to(dev)
-        self.weights = torch.from_numpy(np.ascontiguousarray(w)).to(dev)
-        self.pool_layer = engine.model.pool_layer
-        self._rows: torch.Tensor | None = None
+        self.ids_host = np.ascontiguousarray(ids)
+        self.ids = torch.from_numpy(self.ids_host).to(device)
+        self.weights = torch.from_numpy(np.ascontiguousarray(w)).to(device)
 
-    def begin(self, rows: list[tuple[int, int]]) -> None:
-        """The (sequence id, position) of every row of the coming forward, in batch order."""
+    def trace_rows(self, seqs: Seq[int], starts: Seq[int], num_tokens: Seq[int]) -> list[int]:
         t = self.ids.shape[0]
-        self._rows = torch.tensor([(s * 997 + p) % t for s, p in rows], dtype=torch.int64,
-                                  device=self.ids.device)  # [N]
-
-    def __call__(self, layer: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self._rows is not None and self._rows.numel() == num_rows, "begin() was not called for this forward"
-        m = self.pool_layer[layer]
-        return self.ids[self._rows, m], self.weights[self._rows, m]
+        return [(s * 997 + p + j) % t for s, p, n in zip(seqs, starts, num_tokens, strict=True) for j in range(n)]
 
 
 @dataclass
@@ -120,7 +118,7 @@ class Runner:
         self.engine, self.sched, self.router, self.clock, self.on_step = engine, scheduler, router, clock, on_step
         self.virtual_step_s = virtual_step_s
         if router is not None:
-            engine.model.forced_routes = router
+            engine.set_hooks(forced_routes=router)
 
     def run(self, requests: list[Request], block_tokens_for_prefixes: int = 16) -> RunReport:
         spec, cache = self.engine.spec, self.engine.cache
@@ -165,9 +163,6 @@ class Runner:
                 continue
             run = batch.prefills + batch.decodes
             toks = [s.tokens[s.num_computed :] for s in run]
-            if self.router is not None:
-                self.router.begin([(s.seq_id, s.num_computed + j) for s, t in zip(run, toks, strict=True)
-                                   for j in range(len(t))])
             for s in batch.prefills:
                 admitted.setdefault(s.seq_id, wall())
             start = self.clock()

@@ -7,6 +7,9 @@ fetched back before the next. Compares every step's logits and the generated tok
 loosen the comparison: any difference, however small, fails. Nor can it pass by accident: it also fails,
 saying why, unless the second run really missed experts (more than the first run's cold loads), spilled
 KV blocks and fetched them back (e.g. `resident_frac=1.0` offloads no expert: nothing was compared).
+`mode` picks how the second run executes decode steps with experts missing (runtime/engine/executor.py):
+piecewise graphs, piecewise with the layer-ahead window, or eager; the check fails when no decode step ran
+on that executor (the mode was not exercised).
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.device import Device
 from runtime.engine.config import ModelSpec
 from runtime.engine.engine import EngineConfig, ReferenceEngine
+from runtime.engine.executor import Executor, Reason
 from runtime.engine.kv_cache import block_shape
 from runtime.nvme import DIRECT_ALIGN_BYTES
 from runtime.selfcheck.common import workdir_for
@@ -37,6 +42,9 @@ class ExactResult:
     kv_fetches: int
     kv_spills: int
     seconds: float
+    mode: str = "piecewise"
+    executors: dict[str, int] | None = None  # the second run's steps by executor
+    mode_steps: int | None = None  # of which on the mode's executor (None: not asked)
 
     @property
     def problems(self) -> list[str]:
@@ -51,6 +59,8 @@ class ExactResult:
         if not self.kv_spills or not self.kv_fetches:
             out.append(f"no KV round trip: {self.kv_spills} blocks spilled, {self.kv_fetches} fetched back "
                        "(expected both > 0: at least 2 generated tokens)")
+        if self.mode_steps == 0:
+            out.append(f"mode {self.mode!r} was not exercised: no decode step ran on its executor")
         return out
 
     @property
@@ -60,6 +70,11 @@ class ExactResult:
     def line(self) -> str:
         verdict = "ok" if self.ok else "FAILED: " + "; ".join(self.problems)
         return f"exact: max_abs_diff={self.max_abs_diff} tokens_equal={self.tokens_equal} {verdict}"
+
+
+# mode -> (offload_exec, lookahead layers, the reason its decode steps must run for)
+MODES = {"piecewise": ("piecewise", 0, Reason.EXPERTS_MISSING), "lookahead": ("piecewise", 2, Reason.EXPERTS_MISSING),
+         "eager": ("eager", 0, Reason.OFFLOAD_EAGER)}
 
 
 def auto_block_tokens(spec: ModelSpec, at_least: int = 16) -> int:
@@ -73,33 +88,56 @@ def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", 
                     max_prompt_len: int = 40, new_tokens: int = 8, seed: int = 0,
                     workdir: str | Path | None = None, decode_kernel: bool | None = None,
                     decode_graphs: bool | None = None, expert_map_in: MapIn = "link",
-                    expert_poison: bool = False, expert_publish: Publish = "issued") -> ExactResult:
+                    expert_poison: bool = False, expert_publish: Publish = "issued",
+                    mode: str = "piecewise") -> ExactResult:
+    return run_exact_checks(spec, resident_frac, device, num_prompts, max_prompt_len, new_tokens, seed, workdir,
+                            decode_kernel, decode_graphs, expert_map_in, expert_poison, expert_publish, (mode,))[0]
+
+
+def run_exact_checks(spec: ModelSpec, resident_frac: float, device: str = "cpu", num_prompts: int = 3,
+                     max_prompt_len: int = 40, new_tokens: int = 8, seed: int = 0,
+                     workdir: str | Path | None = None, decode_kernel: bool | None = None,
+                     decode_graphs: bool | None = None, expert_map_in: MapIn = "link",
+                     expert_poison: bool = False, expert_publish: Publish = "issued",
+                     modes: Sequence[str] = ("piecewise",)) -> list[ExactResult]:
+    """One all-resident run, then one tight run per mode, each compared with it."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, max_prompt_len))]
                for _ in range(num_prompts)]
     bt = auto_block_tokens(spec)
     per_seq = -(-(max_prompt_len + new_tokens) // bt)
     dev = Device(device)
-    t0 = time.perf_counter()
+    graphs_on = dev.is_cuda if decode_graphs is None else decode_graphs
+    out = []
     with workdir_for(workdir) as wd:
+        t0 = time.perf_counter()
         full_cfg = EngineConfig(block_tokens=bt, kv_gpu_blocks=per_seq * num_prompts, seed=seed,
                                 decode_kernel=decode_kernel, decode_graphs=decode_graphs, workdir=wd / "full")
-        tight_cfg = EngineConfig(resident_frac=resident_frac, expert_store=StoreKind.NVME, block_tokens=bt,
-                                 kv_gpu_blocks=per_seq * num_prompts, kv_cpu_blocks=max(1, per_seq * num_prompts // 2),
-                                 kv_nvme_blocks=per_seq * num_prompts, spill_kv_every_step=True, seed=seed,
-                                 decode_kernel=decode_kernel, decode_graphs=decode_graphs, workdir=wd / "tight",
-                                 expert_map_in=expert_map_in, expert_poison=expert_poison,
-                                 expert_publish=expert_publish)
-        runs = []
-        for cfg in (full_cfg, tight_cfg):
-            eng = ReferenceEngine(spec, dev, cfg)
+        eng = ReferenceEngine(spec, dev, full_cfg)
+        try:
+            a = eng.generate(prompts, new_tokens)
+        finally:
+            eng.close()
+        full_s = time.perf_counter() - t0
+        for mode in modes:
+            t0 = time.perf_counter()
+            tight_cfg = EngineConfig(
+                resident_frac=resident_frac, expert_store=StoreKind.NVME, block_tokens=bt,
+                kv_gpu_blocks=per_seq * num_prompts, kv_cpu_blocks=max(1, per_seq * num_prompts // 2),
+                kv_nvme_blocks=per_seq * num_prompts, spill_kv_every_step=True, seed=seed,
+                decode_kernel=decode_kernel, decode_graphs=decode_graphs, workdir=wd / f"tight-{mode}",
+                expert_map_in=expert_map_in, expert_poison=expert_poison, expert_publish=expert_publish,
+                offload_exec=MODES[mode][0], expert_lookahead_layers=MODES[mode][1])  # type: ignore[arg-type]
+            eng = ReferenceEngine(spec, dev, tight_cfg)
             try:
-                runs.append(eng.generate(prompts, new_tokens))
+                b = eng.generate(prompts, new_tokens)
+                steps, reasons = eng.executors.steps, eng.executors.reasons
             finally:
                 eng.close()
-    a, b = runs
-    return ExactResult(
-        max_abs_diff=float((a.logits - b.logits).abs().max()), tokens_equal=a.tokens == b.tokens,
-        steps=a.logits.shape[0], expert_misses_full=a.expert_misses, expert_misses_tight=b.expert_misses,
-        kv_fetches=b.kv_fetches, kv_spills=b.kv_spills, seconds=time.perf_counter() - t0,
-    )
+            out.append(ExactResult(
+                max_abs_diff=float((a.logits - b.logits).abs().max()), tokens_equal=a.tokens == b.tokens,
+                steps=a.logits.shape[0], expert_misses_full=a.expert_misses, expert_misses_tight=b.expert_misses,
+                kv_fetches=b.kv_fetches, kv_spills=b.kv_spills, seconds=full_s + time.perf_counter() - t0,
+                mode=mode, executors={e.value: steps[e] for e in Executor},
+                mode_steps=reasons[MODES[mode][2]] if graphs_on and resident_frac < 1.0 else None))
+    return out

@@ -40,9 +40,9 @@ def hottest(agent: Agent, num_tokens: int = 4) -> dict[int, list[int]]:
     def tap(layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
         counts[layer].update(ids.reshape(-1).tolist())
 
-    agent.engine.model.route_tap = tap
+    agent.engine.set_hooks(route_tap=tap)
     agent.engine.generate(PROMPTS, num_tokens)
-    agent.engine.model.route_tap = None
+    agent.engine.set_hooks(route_tap=None)
     return {layer: [e for e, _ in c.most_common()] for layer, c in counts.items()}
 
 

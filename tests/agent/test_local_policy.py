@@ -131,7 +131,7 @@ def test_a_failed_prefetch_is_counted_and_gives_its_slot_back(tmp_path: Path) ->
 
 def test_expert_miss_stalls_are_timed(agent: Agent) -> None:
     res = agent.engine.generate(PROMPTS, 3)
-    assert agent.engine.experts.num_stalls == res.expert_misses > 0
+    assert 0 < agent.engine.experts.num_stalls <= res.expert_misses  # one stall per layer list of misses
     assert agent.engine.experts.stalls_ms > 0.0
 
 

@@ -188,7 +188,9 @@ def test_cuda_graph_decode_matches_eager_decode(tmp_path: Path, batch: int) -> N
         eng = ReferenceEngine(spec, Device("cuda"), cfg)
         out[graphs] = eng.generate(prompts, 6)
         if graphs:
-            assert eng.graphs is not None and eng.graphs.replays == 5 and eng.graphs.fallbacks == {"prefill": 1}
+            from runtime.engine.executor import Reason
+
+            assert eng.executors.reasons == {Reason.PREFILL: 1, Reason.ALL_RESIDENT: 5}
         eng.close()
     assert out[False].tokens == out[True].tokens
     if batch == 4:  # a full bucket runs the very same kernels: the same bits
@@ -265,3 +267,21 @@ def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, v
     pool.check_invariants()
     pool.close()
     pinned.close()
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "lookahead", "eager"])
+def test_engine_exact_on_cuda_in_each_execution_mode(tmp_path: Path, mode: str) -> None:
+    """Piecewise graphs (misses loaded between layers), with the layer-ahead window, and padded eager: the same
+    bits as all resident, and the mode really ran."""
+    from runtime.engine.presets import preset
+    from runtime.selfcheck.exact import run_exact_check
+
+    r = run_exact_check(preset("tiny"), 0.5, "cuda", workdir=tmp_path, mode=mode)
+    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True" and r.mode_steps and r.ok
+
+
+def test_forced_routes_replay_the_graph_on_cuda(tmp_path: Path) -> None:
+    from runtime.engine.presets import preset
+    from tests.runtime.test_offload_exec import forced_graph_vs_eager
+
+    forced_graph_vs_eager(preset("tiny"), "cuda", tmp_path)

@@ -10,6 +10,7 @@ import torch
 from agent.taps import AttentionMassTap, RouterTap
 from runtime.device import Device
 from runtime.engine.engine import EngineConfig, ReferenceEngine
+from runtime.engine.executor import Executor, Reason
 from runtime.engine.presets import preset
 from runtime.errors import ConfigError
 from runtime.selfcheck.exact import auto_block_tokens
@@ -36,8 +37,8 @@ def test_graph_steps_match_eager_steps(tiny, tmp_path: Path, batch: int) -> None
     eager.close()
     graphed = _engine(tiny, tmp_path, "graphs", decode_graphs=True)
     b = graphed.generate(prompts, 6)
-    assert graphed.graphs is not None and graphed.graphs.replays == 5  # every decode step after the prefill
-    assert graphed.graphs.fallbacks == {"prefill": 1}
+    # every decode step after the prefill replays
+    assert graphed.executors.reasons == {Reason.PREFILL: 1, Reason.ALL_RESIDENT: 5}
     # padding rows wrote only the scratch block: no real sequence's KV changed
     assert a.tokens == b.tokens
     if batch == 4:
@@ -49,18 +50,30 @@ def test_graph_steps_match_eager_steps(tiny, tmp_path: Path, batch: int) -> None
 
 def test_graph_path_falls_back_and_counts_why(tiny, tmp_path: Path) -> None:
     eng = _engine(tiny, tmp_path, "a", decode_graphs=True, resident_frac=0.25)
+    eng.generate(PROMPTS[:3], 3)  # 3 rows x top-2 may need 6 experts of a layer: more than the 4 slots
+    assert eng.executors.reasons == {Reason.PREFILL: 1, Reason.LAYER_OVER_SLOTS: 2}
+    eng.close()
+    eng = _engine(tiny, tmp_path, "a2", decode_graphs=True, resident_frac=0.25)
+    eng.generate(PROMPTS[:2], 3)  # 2 rows x top-2 fit: piecewise
+    assert eng.executors.reasons == {Reason.PREFILL: 1, Reason.EXPERTS_MISSING: 2}
+    assert eng.executors.steps[Executor.PIECEWISE] == 2
+    eng.close()
+    eng = _engine(tiny, tmp_path, "a3", decode_graphs=True, resident_frac=0.25, offload_exec="eager")
     eng.generate(PROMPTS[:2], 3)
-    assert eng.graphs is not None and eng.graphs.replays == 0
-    assert eng.graphs.fallbacks["experts_not_resident"] >= 1  # some decode step met a missing expert
+    assert eng.executors.reasons == {Reason.PREFILL: 1, Reason.OFFLOAD_EAGER: 2}
     eng.close()
     eng = _engine(tiny, tmp_path, "b", decode_graphs=True, graph_max_batch=2)
     eng.generate(PROMPTS[:3], 3)
-    assert eng.graphs is not None and eng.graphs.fallbacks["batch_too_large"] == 2
+    assert eng.executors.reasons[Reason.BATCH_TOO_LARGE] == 2
     eng.close()
     eng = _engine(tiny, tmp_path, "c", decode_graphs=True, decode_kernel=False)
     eng.generate(PROMPTS[:1], 2)
-    assert eng.graphs is not None and eng.graphs.fallbacks["no_paged_decode_kernel"] == 1
+    assert eng.executors.reasons[Reason.NO_PAGED_DECODE_KERNEL] == 1
     eng.close()
+    with pytest.raises(ConfigError, match="offload_exec"):
+        EngineConfig(offload_exec="zero-copy")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="expert_lookahead_layers"):
+        EngineConfig(expert_lookahead_layers=-1)
     with pytest.raises(ConfigError, match="graph_max_batch"):
         EngineConfig(graph_max_batch=0)
 
@@ -72,7 +85,7 @@ def test_taps_see_the_same_routes_and_mass_on_both_paths(tiny, tmp_path: Path) -
         tap = RouterTap(tiny.moe_layers, tiny.num_experts, torch.device("cpu"))
         mass = AttentionMassTap(layers=(0, 1), every_steps=1)
         mass.begin_step(0)
-        eng.model.route_tap, eng.model.mass_observer = tap, mass
+        eng.set_hooks(route_tap=tap, mass_observer=mass)
         eng.generate(PROMPTS[:3], 4)
         got[graphs] = (tap.drain(), mass.drain())
         eng.close()
@@ -115,14 +128,14 @@ def test_placement_keeps_bits_when_steps_replay_or_not(tiny, tmp_path: Path, pro
 
 
 def test_a_padded_eager_step_fetches_experts_only_for_real_rows(tiny, tmp_path: Path) -> None:
-    eng = _engine(tiny, tmp_path, "p", decode_graphs=True, resident_frac=0.25)
+    eng = _engine(tiny, tmp_path, "p", decode_graphs=True, resident_frac=0.25, offload_exec="eager")
     seen: list[int] = []
     real = eng.experts.ensure
     eng.experts.ensure = lambda layer, experts: seen.append(len(experts)) or real(layer, experts)  # type: ignore[method-assign]
     tap = RouterTap(tiny.moe_layers, tiny.num_experts, torch.device("cpu"))
-    eng.model.route_tap = tap
+    eng.set_hooks(route_tap=tap)
     eng.generate(PROMPTS[:3], 3)
-    assert eng.graphs is not None and eng.graphs.padded_eager == 2 and eng.graphs.replays == 0 and seen
+    assert eng.executors.reasons[Reason.OFFLOAD_EAGER] == 2 and eng.executors.steps[Executor.GRAPH] == 0 and seen
     # the tap saw 3 real rows per decode step (plus the prefill rows), never the padding row
     assert [s.num_tokens for s in tap.drain()] == [sum(len(p) for p in PROMPTS[:3]) + 2 * 3] * len(tiny.moe_layers)
     eng.close()
@@ -133,21 +146,21 @@ def test_steps_that_do_not_fit_the_buffers_never_take_the_padded_path(tiny, tmp_
     with a too-large batch, decode plainly (no crash, and the path does not depend on placement)."""
     eng = _engine(tiny, tmp_path, "long", decode_graphs=True, resident_frac=0.25, graph_max_blocks=1)
     eng.generate(PROMPTS[:3], 3)  # prompt 3 has 20 tokens: more than one block
-    assert eng.graphs is not None and eng.graphs.fallbacks["context_too_long"] == 2
+    assert eng.executors.reasons[Reason.CONTEXT_TOO_LONG] == 2
     eng.close()
     eng = _engine(tiny, tmp_path, "wide", decode_graphs=True, graph_max_batch=2)
-    rows: list[int] = []
-
-    def forced(layer: int, n: int):
-        rows.append(n)
-        ids = torch.arange(tiny.top_k).repeat(n, 1)
-        return ids, torch.full((n, tiny.top_k), 1.0 / tiny.top_k)
-
-    eng.model.forced_routes = forced
+    eng.set_hooks(forced_routes=_trace_router(tiny))
     eng.generate(PROMPTS[:3], 3)
-    assert eng.graphs is not None and eng.graphs.fallbacks["batch_too_large"] == 2
-    assert eng.graphs.fallbacks["forced_routes"] == 0 and eng.graphs.padded_eager == 0 and set(rows) >= {3}
+    assert eng.executors.reasons == {Reason.PREFILL: 1, Reason.BATCH_TOO_LARGE: 2}
     eng.close()
+
+
+def _trace_router(spec):
+    from runtime.engine.routing_trace import RoutingTrace
+    from runtime.engine.runner import ForcedRouter
+
+    trace = RoutingTrace.load(Path(__file__).resolve().parents[2] / "data/routing/flame_moe_290m_sample.npz")
+    return ForcedRouter(trace, spec=spec, device=torch.device("cpu"), horizon_tokens=256)
 
 
 def replay_vs_padded_eager(spec, device: str, tmp_path: Path, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,10 +178,14 @@ def replay_vs_padded_eager(spec, device: str, tmp_path: Path, batch: int) -> tup
             eng.cache.grow(s, p + 1)
         rows = [eng.cache.gpu_indices(s) for s in seqs]
         toks = [[t] for t in last]
-        assert eng.graphs is not None and eng.graphs.why_not(toks, rows) is None
-        a = eng.graphs.run(seqs, toks, starts, rows, replay=True)
-        b = eng.graphs.run(seqs, toks, starts, rows, replay=False)
-        return a.cpu(), b.cpu()
+        g = eng.graphs
+        assert g is not None and eng._pick(toks, rows, None) == (Executor.GRAPH, Reason.ALL_RESIDENT)
+        bb = g.stage(seqs, toks, starts, rows, None)
+        a = g.replay(seqs, starts, bb)
+        assert a is not None
+        a = a.cpu()
+        b = g.run_padded_eager(seqs, starts, g.stage(seqs, toks, starts, rows, None)).cpu()
+        return a, b
     finally:
         eng.close()
 

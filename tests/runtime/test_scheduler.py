@@ -145,10 +145,9 @@ def test_forced_routes_depend_on_sequence_and_position_only(tmp_path: Path) -> N
     eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=auto_block_tokens(spec), workdir=tmp_path))
     try:
         router = ForcedRouter(RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz"), eng)
-        router.begin([(3, 5), (1, 0), (1, 1)])
-        a_ids, a_w = router(0, 3)
-        router.begin([(1, 1), (7, 2), (3, 5)])
-        b_ids, b_w = router(0, 3)
+        a = router.trace_rows([3, 1], [5, 0], [1, 2])  # rows (3, 5), (1, 0), (1, 1)
+        b = router.trace_rows([1, 7, 3], [1, 2, 5], [1, 1, 1])  # rows (1, 1), (7, 2), (3, 5)
+        a_ids, a_w, b_ids, b_w = router.ids[a, 0], router.weights[a, 0], router.ids[b, 0], router.weights[b, 0]
     finally:
         eng.close()
     assert torch.equal(a_ids[0], b_ids[2]) and torch.equal(a_ids[2], b_ids[0]) and torch.equal(a_w[0], b_w[2])

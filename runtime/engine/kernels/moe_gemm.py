@@ -26,7 +26,9 @@ if HAS_TRITON:
     @triton.jit
     def _grouped_gemm_kernel(x_ptr, w_ptr, offs_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             DOT_F32: tl.constexpr):
+                             DOT_F32: tl.constexpr, W_ADDR: tl.constexpr):
+        if W_ADDR:  # w_ptr is the weights' address as an int64 (its first expert may be unmapped)
+            w_ptr = w_ptr.to(tl.pointer_type(x_ptr.dtype.element_ty))
         e = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < N
@@ -74,7 +76,13 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    if w.dtype != x.dtype:
+        raise ValueError(f"grouped_gemm: weights are {w.dtype}, rows {x.dtype} (expected the same)")
+    # On a GPU the weights go in by address: Triton checks that a tensor argument's first byte is mapped, and a
+    # layer's range may have its first experts absent (unmapped) while only routed experts are read.
+    addr = w.is_cuda and not interpreted()
     _grouped_gemm_kernel[(e, triton.cdiv(n, BLOCK_N))](
-        x, w, bounds, out, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_F32=interpreted(), num_warps=4, num_stages=4)
+        x, w.data_ptr() if addr else w, bounds, out, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_F32=interpreted(), W_ADDR=addr, num_warps=4,
+        num_stages=4)
     return out

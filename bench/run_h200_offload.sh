@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The H200 run for issue 12 (offload_h200.md), sent through the device tool from the repo root:
+#   bash bench/run_h200_offload.sh "$OUT" [steps]
+# steps: comma-separated subset of pytest,exact,offload (all by default). Carry .whl (pydantic wheels: see
+# bench/run_h200_engine.sh); they are installed into /tmp/site when present.
+set -uo pipefail
+out=${1:-bench/results}
+steps=${2:-pytest,exact,offload}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TIERPLAN_SCRATCH=${TIERPLAN_SCRATCH:-/tmp}
+step() { local t=$1 log=$2; shift 2; local s=$SECONDS
+  timeout "$t" "$@" > "$out/$log" 2>&1; local rc=$?
+  echo "== $log rc=$rc $((SECONDS - s))s: $(tail -n 1 "$out/$log")"; }
+want() { [[ ",$steps," == *",$1,"* ]]; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv \
+  > "$out/machine.log" 2>&1; python3 -c 'import torch; print(torch.__version__)' >> "$out/machine.log" 2>&1
+want pytest && step 240 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests
+want exact && step 200 exact_qwen3_2L.log python3 -m api.cli check exact --preset qwen3-30b-a3b --layers 2 \
+  --resident-frac 0.25 --device cuda --mode all
+want exact && step 240 exact_mixtral_2L.log python3 -m api.cli check exact --preset mixtral-8x7b --layers 2 \
+  --resident-frac 0.5 --device cuda --mode all
+want offload && step 420 bench_offload.log python3 -m api.cli bench offload --device cuda --out-dir "$out"
+grep -h "exact:\|mode=" "$out"/exact_*.log 2>/dev/null | cut -c1-200
+[ -f "$out/offload_cuda.md" ] && cut -c1-220 "$out/offload_cuda.md"
+exit 0

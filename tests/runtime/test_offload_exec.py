@@ -1,0 +1,157 @@
+"""Executors for offloaded decode through the CPU twin: forced routes inside graphs, piecewise steps whose
+layer misses load as one list (and the layer-ahead window), the scan rule, and KV fetches as one list."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.device import Device
+from runtime.engine.engine import EngineConfig, ReferenceEngine
+from runtime.engine.executor import Executor, Reason
+from runtime.engine.experts import OnDemandExperts, ScanVictimOrder
+from runtime.engine.hooks import ModelHooks
+from runtime.engine.presets import preset
+from runtime.engine.routing_trace import RoutingTrace
+from runtime.engine.runner import ForcedRouter
+from runtime.selfcheck.exact import auto_block_tokens, run_exact_check
+
+TRACE = Path(__file__).resolve().parents[2] / "data/routing/flame_moe_290m_sample.npz"
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [5] * 20, [11, 12]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return preset("tiny")
+
+
+def _router(spec, device: str = "cpu") -> ForcedRouter:
+    return ForcedRouter(RoutingTrace.load(TRACE), spec=spec, device=torch.device(device), horizon_tokens=512)
+
+
+def _engine(spec, tmp_path: Path, name: str, device: str = "cpu", hooks: ModelHooks | None = None,
+            **kw) -> ReferenceEngine:
+    kw.setdefault("decode_kernel", True)
+    cfg = EngineConfig(block_tokens=auto_block_tokens(spec), workdir=tmp_path / name, **kw)
+    return ReferenceEngine(spec, Device(device), cfg, hooks=hooks)
+
+
+def forced_graph_vs_eager(spec, device: str, tmp_path: Path) -> None:
+    """Forced routes: every decode step replays the whole graph (none falls back) with the bits of eager."""
+    out = {}
+    for graphs in (False, True):
+        eng = _engine(spec, tmp_path, f"f{graphs}", device, hooks=ModelHooks(forced_routes=_router(spec, device)),
+                      decode_graphs=graphs, experts_on_device=True)
+        out[graphs] = eng.generate(PROMPTS, 5)
+        if graphs:
+            assert eng.executors.reasons == {Reason.PREFILL: 1, Reason.ALL_RESIDENT: 4}
+        eng.close()
+    assert out[False].tokens == out[True].tokens
+    assert torch.equal(out[False].logits, out[True].logits)
+
+
+def test_forced_routes_replay_the_graph_with_eager_bits(tiny, tmp_path: Path) -> None:
+    forced_graph_vs_eager(tiny, "cpu", tmp_path)
+
+
+def test_forced_routes_are_the_ones_used_and_tapped(tiny, tmp_path: Path) -> None:
+    """The graph's tap buffers hold the trace's routes, not the router's."""
+    router = _router(tiny)
+    eng = _engine(tiny, tmp_path, "t", hooks=ModelHooks(forced_routes=router), decode_graphs=True,
+                  experts_on_device=True)
+    eng.generate(PROMPTS[:2], 2)
+    g = eng.graphs
+    assert g is not None
+    rows = router.trace_rows([0, 1], [len(PROMPTS[0]), len(PROMPTS[1])], [1, 1])
+    for m in range(len(tiny.moe_layers)):
+        assert torch.equal(g.route_ids[m, :2], router.ids[rows, m])
+    eng.close()
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "lookahead", "eager"])
+def test_each_execution_mode_keeps_the_bits_and_really_runs(tiny, tmp_path: Path, mode: str) -> None:
+    r = run_exact_check(tiny, 0.5, workdir=tmp_path, num_prompts=2, new_tokens=4, decode_kernel=True,
+                        decode_graphs=True, mode=mode)
+    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True"
+    assert r.mode_steps == 3 and r.ok and r.expert_misses_tight > r.expert_misses_full
+
+
+def test_exact_check_fails_when_its_mode_never_ran(tiny, tmp_path: Path) -> None:
+    """3 prompts x top-2 can need 6 experts of a layer; 4 slots cannot hold them: no step runs piecewise."""
+    r = run_exact_check(tiny, 0.25, workdir=tmp_path, num_prompts=3, new_tokens=2, decode_kernel=True,
+                        decode_graphs=True, mode="piecewise")
+    assert r.max_abs_diff == 0.0 and r.mode_steps == 0 and not r.ok
+
+
+def test_a_layers_misses_load_as_one_list_and_the_window_prefetches(tiny, tmp_path: Path) -> None:
+    for lookahead in (0, 1):
+        eng = _engine(tiny, tmp_path, f"l{lookahead}", hooks=ModelHooks(forced_routes=_router(tiny)),
+                      decode_graphs=True, resident_frac=0.5, expert_lookahead_layers=lookahead)
+        assert eng.loader is not None
+        calls: list[tuple[str, int, int]] = []
+        real_many, real_one = eng.loader.load_many, eng.loader.load
+
+        def many(layer, experts, *a, _r=real_many, _c=calls, **k):
+            _c.append(("many", layer, len(experts)))
+            return _r(layer, experts, *a, **k)
+
+        def one(layer, expert, *a, _r=real_one, _c=calls, **k):
+            _c.append(("one", layer, 1))
+            return _r(layer, expert, *a, **k)
+
+        eng.loader.load_many, eng.loader.load = many, one  # type: ignore[method-assign]
+        eng.generate(PROMPTS[:2], 4)
+        assert eng.executors.steps[Executor.PIECEWISE] == 3
+        assert calls and all(kind == "many" for kind, _, _ in calls)
+        if lookahead:
+            assert eng.experts.prefetched > 0 and eng.experts.prefetch_hits > 0
+        else:
+            assert eng.experts.prefetched == 0
+        eng.close()
+
+
+def test_scan_rule_keeps_a_subset_where_lru_hits_nothing(tiny, tmp_path: Path) -> None:
+    """Mixtral's B=16, F=0.5 geometry scaled down: four groups of 2 experts, each needed whole, in a cycle through
+    4 slots (half the union). LRU evicts every expert just before its next use; the scan rule keeps a subset."""
+    rates = {}
+    for rule in ("lru", "scan"):
+        eng = _engine(tiny, tmp_path, rule, resident_frac=0.25, decode_graphs=False)
+        ex: OnDemandExperts = eng.experts
+        if rule == "scan":
+            ex.set_victim_order(ScanVictimOrder(ex))
+        for _ in range(8):
+            ex.begin_step()
+            for layer, group in ((0, [0, 1]), (0, [2, 3]), (1, [0, 1]), (1, [2, 3])):
+                ex.ensure(layer, group)
+                ex.done_reading(layer, group)
+        rates[rule] = ex.hit_rate
+        eng.close()
+    assert rates["lru"] == 0.0 and rates["scan"] > 0.15, rates
+
+
+def test_kv_fetches_a_steps_blocks_as_one_list_by_the_plugged_order(tiny, tmp_path: Path) -> None:
+    eng = _engine(tiny, tmp_path, "kv", decode_graphs=False, kv_gpu_blocks=4, kv_cpu_blocks=8)
+    c = eng.cache
+    for s in range(2):
+        c.grow(s, 2 * c.block_tokens)
+    c.spill(c.blocks_of(0) + c.blocks_of(1), eng.cache.manager.location(0).tier.__class__("cpu"))
+    ranked: list[list[int]] = []
+    c.set_victim_order(lambda bs: ranked.append(list(bs)) or bs[::-1])
+    events: list[str] = []
+    real = c.handler.move
+
+    def move(b, dst, *a, **k):
+        events.append("issue")
+        fut = real(b, dst, *a, **k)
+        wait = fut.wait
+        fut.wait = lambda *x, **y: (events.append("wait"), wait(*x, **y))[1]  # type: ignore[method-assign]
+        return fut
+
+    c.handler.move = move  # type: ignore[method-assign]
+    c.ensure_on_gpu(c.blocks_of(0) + c.blocks_of(1))
+    assert events == ["issue"] * 4 + ["wait"] * 4
+    c.grow(2, c.block_tokens, protect=set(c.blocks_of(0)))  # the GPU is full: the plugged order picks the victim
+    assert ranked and c.manager.location(c.blocks_of(1)[-1]).tier.value == "cpu"
+    eng.close()
