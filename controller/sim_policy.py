@@ -55,16 +55,22 @@ class GlobalLRU:
             for lo in range(0, len(experts), self.num_slots):
                 chunk = experts[lo:lo + self.num_slots]
                 want = {(layer, e) for e in chunk}
+                # As the engine's ensure: hits are touched first, then the misses load as one list (victims
+                # ranked once, never one the chunk wants) and become the most recent, in list order.
+                missing = []
                 for key in ((layer, e) for e in chunk):
                     if key in self._lru:
                         h += 1
+                        self._lru.move_to_end(key)
                     else:
-                        m += 1
-                        if len(self._lru) >= self.num_slots:
-                            victim = next(k for k in self._lru if k not in want)
-                            del self._lru[victim]
+                        missing.append(key)
+                m += len(missing)
+                excess = len(self._lru) + len(missing) - self.num_slots
+                if excess > 0:
+                    for victim in [k for k in self._lru if k not in want][:excess]:
+                        del self._lru[victim]
+                for key in missing:
                     self._lru[key] = None
-                    self._lru.move_to_end(key)
             hits.append(h)
             misses.append(m)
         return CacheOutcome(tuple(hits), tuple(misses))

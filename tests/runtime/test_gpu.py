@@ -277,7 +277,7 @@ def test_engine_exact_on_cuda_in_each_execution_mode(tmp_path: Path, mode: str) 
     from runtime.selfcheck.exact import run_exact_check
 
     r = run_exact_check(preset("tiny"), 0.5, "cuda", workdir=tmp_path, mode=mode)
-    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True" and r.mode_steps and r.ok
+    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok" and r.mode_steps and r.ok
 
 
 def test_forced_routes_replay_the_graph_on_cuda(tmp_path: Path) -> None:

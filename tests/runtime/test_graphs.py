@@ -119,12 +119,14 @@ def test_router_tap_add_all_equals_per_layer_calls(tiny) -> None:
 
 @pytest.mark.parametrize("prompts", [3, 5])  # padded buckets (4 and 8): replayed and eager steps must agree
 def test_placement_keeps_bits_when_steps_replay_or_not(tiny, tmp_path: Path, prompts: int) -> None:
-    """All experts resident (steps replay) vs a quarter resident (steps run eagerly over the padded rows)."""
+    """All experts resident (steps replay) vs a quarter resident (steps run eagerly over the padded rows: the
+    live routes of 3 or 5 rows may need more experts than the slots, so the piecewise mode is not exercised and
+    only the bits are compared here; test_offload_exec.py checks each mode)."""
     from runtime.selfcheck.exact import run_exact_check
 
     r = run_exact_check(tiny, 0.25, workdir=tmp_path, num_prompts=prompts, new_tokens=5, decode_kernel=True,
                         decode_graphs=True)
-    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok"
+    assert r.max_abs_diff == 0.0 and r.tokens_equal and r.expert_misses_tight > r.expert_misses_full, r.line()
 
 
 def test_a_padded_eager_step_fetches_experts_only_for_real_rows(tiny, tmp_path: Path) -> None:

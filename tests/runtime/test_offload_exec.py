@@ -74,7 +74,7 @@ def test_forced_routes_are_the_ones_used_and_tapped(tiny, tmp_path: Path) -> Non
 def test_each_execution_mode_keeps_the_bits_and_really_runs(tiny, tmp_path: Path, mode: str) -> None:
     r = run_exact_check(tiny, 0.5, workdir=tmp_path, num_prompts=2, new_tokens=4, decode_kernel=True,
                         decode_graphs=True, mode=mode)
-    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True"
+    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok"
     assert r.mode_steps == 3 and r.ok and r.expert_misses_tight > r.expert_misses_full
 
 

@@ -91,6 +91,6 @@ def test_generate_refuses_a_truncated_checkpoint_without_traceback(checkpoints: 
 def test_check_exact_on_a_checkpoint(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     r = runner.invoke(app, ["check", "exact", "--model", str(checkpoints["mixtral"]), "--workdir", str(tmp_path)])
     assert r.exit_code == 0, r.output
-    assert r.output.strip().splitlines()[-1] == "exact: max_abs_diff=0.0 tokens_equal=True"
+    assert r.output.strip().splitlines()[-1] == "exact: max_abs_diff=0.0 tokens_equal=True ok"
     r = runner.invoke(app, ["check", "exact", "--model", str(checkpoints["mixtral"]), "--layers", "1"])
     assert r.exit_code == 2 and "--model runs the whole checkpoint" in r.output
