@@ -7,11 +7,14 @@
 # then, through the device tool with carry [".models"]:  bash bench/run_h200_models.sh "$OUT"
 set -uo pipefail
 out=${1:-bench/results}
+# eager: a tiny checkpoint's 3 live-routed prompts can need more experts than F=0.25 leaves slots, which
+# the piecewise executor refuses (check exact then says its mode was not exercised)
+mode=${2:-eager}
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TIERPLAN_SCRATCH=${TIERPLAN_SCRATCH:-/tmp}
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 TIERPLAN_SCRATCH=${TIERPLAN_SCRATCH:-/tmp}
 for d in .models/*/; do
   name=$(basename "$d")
-  timeout 120 python3 -m api.cli check exact --model "$d" --device cuda --resident-frac 0.25 \
+  timeout 120 python3 -m api.cli check exact --model "$d" --device cuda --resident-frac 0.25 --mode "$mode" \
     > "$out/exact_model_$name.log" 2>&1
   echo "== $name rc=$?: $(tail -n 2 "$out/exact_model_$name.log" | tr '\n' ' ')"
 done

@@ -157,7 +157,9 @@ def test_engine_exact_on_cuda_with_the_paged_kernel(tmp_path: Path, map_in: str,
 
     r = run_exact_check(preset("tiny"), 0.25, device="cuda", workdir=tmp_path, decode_kernel=True,
                         expert_map_in=map_in, expert_poison=poison, expert_publish=publish)  # type: ignore[arg-type]
-    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok"
+    # the bits and a real offload; which executor ran is not this test's point (3 live-routed rows may need more
+    # experts than the slots: eager), test_offload_exec checks each mode
+    assert r.max_abs_diff == 0.0 and r.tokens_equal, r.line()
     assert r.kv_fetches > 0 and r.expert_misses_tight > r.expert_misses_full
 
 
