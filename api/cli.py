@@ -133,8 +133,9 @@ def check_exact(
     device: Dev = DeviceOpt.cpu,
     workdir: Workdir = None,
     expert_map_in: Annotated[str, typer.Option(
-        help="Second run: who maps a loading expert: 'link' (the link worker, in its waits beside a copy "
-             "through the slot window; the default) or 'worker' (the link worker, before the copy).")] = "link",
+        help="Second run: when the link worker maps a loading expert's range: 'beside_copy' (in its waits "
+             "beside the copy through the slot window; the default) or 'before_copy' (before issuing the "
+             "copy).")] = "beside_copy",
     expert_poison: Annotated[bool, typer.Option(
         help="Second run: absent experts' ranges read as NaN poison instead of unmapped (a stray read "
              "faults).")] = False,
@@ -151,7 +152,7 @@ def check_exact(
     from runtime.engine.presets import preset as load_preset
     from runtime.errors import ConfigError
     from runtime.selfcheck.exact import MODES, run_exact_checks
-    from runtime.weights.loader import MAP_IN
+    from runtime.weights.loader import map_in_error
 
     check_device(device)
     named = [f"{flag} {value}" for flag, value in (("--preset", preset), ("--config", config), ("--model", model))
@@ -170,9 +171,8 @@ def check_exact(
             spec = read_pretrained(model).spec  # the engines then load its weights
         if layers is not None:
             spec = spec.truncated(layers)
-        if expert_map_in not in MAP_IN:
-            raise typer.BadParameter(f"{expert_map_in!r}; expected one of {', '.join(map(repr, MAP_IN))}",
-                                     param_hint="--expert-map-in")
+        if (why := map_in_error("", expert_map_in)) is not None:
+            raise typer.BadParameter(why, param_hint="--expert-map-in")
         modes = list(MODES) if mode == "all" else [mode]
         if any(m not in MODES for m in modes):
             raise typer.BadParameter(f"{mode!r}; expected one of {', '.join(map(repr, [*MODES, 'all']))}",

@@ -91,8 +91,8 @@ def pinned_experts(dev: Device, hidden: int, inter: int, batch: int) -> PinnedEx
 
 
 def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertStore, batch: int,
-                     reps: int, poison_unmapped: bool = True, map_in: MapIn = "link",
-                     submit: str = "list", publish: Publish = "done") -> dict[str, Any]:
+                     reps: int, poison_unmapped: bool = False, map_in: MapIn = "beside_copy",
+                     submit: str = "list", publish: Publish = "issued") -> dict[str, Any]:
     """Pinned store -> slots: `batch` loads in flight at once (a prefetch list: one `load_many` call, or with
     submit="each" one `load` per expert), then a single load.
 
@@ -107,7 +107,7 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertSto
     fmt = store.format
     n = fmt.num_bytes
     pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, n, batch, poison_unmapped=poison_unmapped,
-                          slot_window=map_in != "worker")
+                          slot_window=map_in == "beside_copy")
     loader = ExpertLoadHandler(pool, engine, pinned=store, map_in=map_in, publish=publish)
     srcs = [store.buffer[off : off + n] for off in store.offsets(0, list(range(batch)))]  # [n] each
     dsts = dev.alloc(n * batch).view(batch, n)  # [batch, n]
@@ -264,7 +264,7 @@ class LoadConfig:
     max_inflight_bytes: int
     poison_unmapped: bool = _ENGINE.expert_poison  # False: absent experts are unmapped (a read faults)
     urgent_stream: bool = False  # urgent KV copies on their own stream, so the bulk bound can be deep
-    map_in: MapIn = _ENGINE.expert_map_in  # who maps a slot: the link's worker beside the copy, or before it
+    map_in: MapIn = _ENGINE.expert_map_in  # when the link worker maps a slot: beside the copy, or before it
     submit: str = "list"  # a prefetch list as one load_many call ("list") or one load() per expert ("each")
     retire_thread: bool = _ENGINE.transfer_retire_thread  # finished copies accounted on a retire thread
     publish: Publish = _ENGINE.expert_publish  # a load is published once its copy is done, or once issued
@@ -273,7 +273,7 @@ class LoadConfig:
 _DEFAULT = LoadConfig(8 * MiB, 16 * MiB)
 _POISON = replace(_DEFAULT, poison_unmapped=True)  # absent experts read as NaN: one more driver call per load
 _RETIRE = replace(_DEFAULT, retire_thread=True)
-_BEFORE = replace(_DEFAULT, map_in="worker")  # each range mapped before its copy (the earlier default)
+_BEFORE = replace(_DEFAULT, map_in="before_copy")  # each range mapped before its copy (the earlier default)
 _OTHER_PUBLISH = replace(_DEFAULT, publish="done" if _DEFAULT.publish == "issued" else "issued")
 _DEEP = replace(_DEFAULT, max_inflight_bytes=64 * MiB, urgent_stream=True)
 LOAD_CONFIG_SETS: dict[str, list[LoadConfig]] = {

@@ -74,9 +74,14 @@ def write_substrate_report(out_dir: Path, res: dict, device: str) -> None:
         _plot(stem.with_suffix(".png"), res)
 
 
+# Stored results name the map-in mode by its current name or, in files written before the rename, its old one.
+_MAP_IN_LABELS = {"before_copy": "before the copy", "beside_copy": "beside the copy",
+                  "worker": "before the copy", "link": "beside the copy"}
+
+
 def _maps_in(e: dict) -> str:
-    m = e.get("map_in", "worker")
-    return {"worker": "before the copy", "link": "beside the copy"}.get(m, m)
+    m = e.get("map_in", "before_copy")
+    return _MAP_IN_LABELS.get(m, m)
 
 
 def _phases(e: dict) -> str:
@@ -86,7 +91,7 @@ def _phases(e: dict) -> str:
 
 def _mapper_us(e: dict) -> str:
     w = e.get("worker_us_per_load")
-    return "" if w is None or e.get("map_in", "worker") != "link" else f"{w.get('idle', 0.0):.0f}"
+    return "" if w is None or _maps_in(e) != "beside the copy" else f"{w.get('idle', 0.0):.0f}"
 
 
 def _chunk_label(chunk_bytes: int, urgent_stream: bool = False) -> str:

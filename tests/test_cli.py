@@ -39,7 +39,9 @@ def test_bad_arguments_are_refused_with_a_reason() -> None:
     r = runner.invoke(app, ["bench", "engine", "--only", "moe,bogus"])
     assert r.exit_code == 2 and "bogus" in r.output
     r = runner.invoke(app, ["check", "exact", "--expert-map-in", "gpu"])
-    assert r.exit_code == 2 and "'gpu'" in r.output and "'link'" in r.output
+    assert r.exit_code == 2 and "'gpu'" in r.output and "'beside_copy'" in r.output
+    r = runner.invoke(app, ["check", "exact", "--expert-map-in", "link"])  # the old name: refused, never aliased
+    assert r.exit_code == 2 and "old name" in r.output and "use 'beside_copy'" in r.output
     r = runner.invoke(app, ["bench", "substrate", "--load-configs", "fastest"])
     assert r.exit_code == 2 and "'fastest'" in r.output and "'map-in'" in r.output
 
@@ -50,7 +52,8 @@ def test_bench_substrate_quick_writes_json_markdown_and_plot(tmp_path: Path) -> 
     res = json.loads((tmp_path / "substrate_cpu.json").read_text())
     assert res["expert_loads"] and res["urgent_kv"] and set(res["links"]) == {"h2d", "d2h", "h2disk", "disk2h"}
     assert all(v["ratio"] > 0 for v in res["links"].values())
-    assert {(e["map_in"], e["publish"]) for e in res["expert_loads"]} == {("link", "issued"), ("worker", "issued")}
+    assert {(e["map_in"], e["publish"]) for e in res["expert_loads"]} == {("beside_copy", "issued"),
+                                                                        ("before_copy", "issued")}
     assert all(e["worker_us_per_load"]["issue"] > 0 for e in res["expert_loads"])
     assert "| link | engine GB/s" in (tmp_path / "substrate_cpu.md").read_text()
     assert (tmp_path / "substrate_cpu.png").read_bytes()[:4] == b"\x89PNG"

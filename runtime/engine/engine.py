@@ -42,7 +42,7 @@ from runtime.memory.slots import ExpertSlotPool
 from runtime.staging import StagingPool
 from runtime.transfer import TransferEngine
 from runtime.weights.format import dtype_from_name
-from runtime.weights.loader import MAP_IN, PUBLISH, ExpertLoadHandler, MapIn, Publish, StoreKind
+from runtime.weights.loader import PUBLISH, ExpertLoadHandler, MapIn, Publish, StoreKind, map_in_error
 from runtime.weights.sources import SyntheticExpertSource
 from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
@@ -56,21 +56,20 @@ VICTIM_RULES: tuple[str, ...] = get_args(VictimRule)
 class EngineConfig:
     resident_frac: float = 1.0
     expert_store: StoreKind = StoreKind.PINNED
-    # Who maps a loading expert's range and when it is published (runtime/weights/loader.py): by default the copy
-    # goes through the slot window at once, the link worker maps the range in its waits, and the expert is
-    # published once its copy is issued, with the copy's event (readers order their stream on it: wait_ready,
-    # wait_published), so no host wake-up waits for the bytes. With finished copies accounted on the worker both
-    # modes publish there; 16 x 9 MiB lists on the H200 then read 0.944 / 0.959 published once issued against
-    # 0.857 / 0.940 once done (runs 30, 31; see bench/results/substrate_h200.md).
-    expert_map_in: MapIn = "link"
+    # When the link worker maps a loading expert's range and when it is published (runtime/weights/loader.py): by
+    # default the copy goes through the slot window at once, the worker maps the range in its waits beside it
+    # ("beside_copy"), and the expert is published once its copy is issued, with the copy's event (readers order
+    # their stream on it: wait_ready, wait_published), so no host wake-up waits for the bytes. These were the
+    # faster pair on the H200 (figures: bench/results/design_notes.md, "Expert map-in and publish defaults").
+    expert_map_in: MapIn = "beside_copy"
     expert_publish: Publish = "issued"
     # Absent experts' ranges (runtime/memory/slots.py I5): unmapped (False), so a stray read faults with an illegal
     # address and a load maps with two driver calls; or mapped to a read-only NaN poison page (True), so a stray
-    # read shows NaN, at one more driver call (~30 µs while copies run) per load and per eviction. Loads of
-    # 16 x 9 MiB on the H200 (run 28, 6 rounds in one process): 0.89-0.95 of raw unmapped, 0.68-0.94 poisoned.
+    # read shows NaN, at one more driver call per load and per eviction, which costs link throughput
+    # (bench/results/design_notes.md, "Poisoned absent experts and the retire thread").
     expert_poison: bool = False
     # The transfer engine accounts finished copies (and publishes loads) on each memory link's worker (False) or on
-    # a retire thread beside it (True), which contends with the worker for the GIL: 0.84-0.93 in the same rounds.
+    # a retire thread beside it (True), which contends with the worker for the GIL (same notes section).
     transfer_retire_thread: bool = False
     block_tokens: int = 16
     kv_gpu_blocks: int = 256
@@ -85,8 +84,8 @@ class EngineConfig:
     # True on a CPU runs the same static-buffer step without capture (how CI checks it).
     decode_graphs: bool | None = None
     # gc.collect() + gc.freeze() once the engine is built: the objects made at load time (a 48-layer model
-    # process tracks ~270k) are never rescanned, so a full collection no longer pauses a decode step for
-    # ~0.1 s (measured on the CPU box: 127-137 ms, 0 ms once frozen). None = on a GPU. close() unfreezes.
+    # process tracks ~270k) are never rescanned, so a full collection no longer pauses a decode step
+    # (bench/results/design_notes.md, "Frozen GC after load"). None = on a GPU. close() unfreezes.
     freeze_gc: bool | None = None
     # Decode steps with experts missing: piecewise graphs with each MoE layer's misses loaded between its pieces
     # (the default: graph speed plus the link), or eager over the padded rows (the slow reference).
@@ -103,8 +102,8 @@ class EngineConfig:
     workdir: Path | None = None
 
     def __post_init__(self) -> None:
-        if self.expert_map_in not in MAP_IN:
-            raise ConfigError(f"EngineConfig.expert_map_in must be one of {MAP_IN}, got {self.expert_map_in!r}")
+        if (why := map_in_error("EngineConfig.expert_map_in", self.expert_map_in)) is not None:
+            raise ConfigError(why)
         if self.expert_publish not in PUBLISH:
             raise ConfigError(f"EngineConfig.expert_publish must be one of {PUBLISH}, got {self.expert_publish!r}")
         if self.offload_exec not in OFFLOAD_EXEC:
@@ -167,7 +166,7 @@ class ReferenceEngine:
             1, math.ceil(cfg.resident_frac * n_moe * spec.num_experts))
         self.pool = ExpertSlotPool(make_backend(device), device, n_moe, spec.num_experts, fmt.num_bytes, num_slots,
                                    poison_unmapped=cfg.expert_poison,
-                                   slot_window=host and cfg.expert_map_in != "worker")
+                                   slot_window=host and cfg.expert_map_in == "beside_copy")
         # One staging pool serves the loader's NVMe reads and the KV handler's hops: buffers fit either.
         block_bytes = math.prod(block_shape(spec, cfg.block_tokens)) * dtype_from_name(spec.dtype).itemsize
         self.staging = StagingPool(device, max(block_bytes, self.nvme.records.record_bytes if self.nvme else 0), 8)

@@ -3,7 +3,8 @@
 A reserved range is an anonymous PROT_NONE mapping; mapping a chunk replaces part of it with MAP_FIXED |
 MAP_SHARED of the chunk's memfd, unmapping puts PROT_NONE back. This is real virtual memory, so the CPU
 tests exercise the same property the GPU relies on: the address is stable and the bytes follow the chunk.
-Touching an unmapped page faults (SIGSEGV); the pool therefore maps a read-only poison chunk there.
+Touching an unmapped page faults (SIGSEGV): a pool made with `poison_unmapped=True` maps a read-only poison
+chunk there instead.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ class ExpertSlotPool:
     """See the module docstring for the contract and invariants."""
 
     def __init__(self, backend: SlotBackend, device: Device, num_layers: int, num_experts: int, expert_bytes: int,
-                 num_slots: int, poison_unmapped: bool = True, scrub_on_unmap: bool = False,
+                 num_slots: int, poison_unmapped: bool = False, scrub_on_unmap: bool = False,
                  slot_window: bool = False) -> None:
         self.layout = ExpertLayout(num_layers, num_experts, expert_bytes, backend.granularity_bytes)
         if not num_slots > 0:

@@ -87,7 +87,7 @@ def auto_block_tokens(spec: ModelSpec, at_least: int = 16) -> int:
 def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", num_prompts: int = 3,
                     max_prompt_len: int = 40, new_tokens: int = 8, seed: int = 0,
                     workdir: str | Path | None = None, decode_kernel: bool | None = None,
-                    decode_graphs: bool | None = None, expert_map_in: MapIn = "link",
+                    decode_graphs: bool | None = None, expert_map_in: MapIn = "beside_copy",
                     expert_poison: bool = False, expert_publish: Publish = "issued",
                     mode: str = "piecewise") -> ExactResult:
     return run_exact_checks(spec, resident_frac, device, num_prompts, max_prompt_len, new_tokens, seed, workdir,
@@ -97,7 +97,7 @@ def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", 
 def run_exact_checks(spec: ModelSpec, resident_frac: float, device: str = "cpu", num_prompts: int = 3,
                      max_prompt_len: int = 40, new_tokens: int = 8, seed: int = 0,
                      workdir: str | Path | None = None, decode_kernel: bool | None = None,
-                     decode_graphs: bool | None = None, expert_map_in: MapIn = "link",
+                     decode_graphs: bool | None = None, expert_map_in: MapIn = "beside_copy",
                      expert_poison: bool = False, expert_publish: Publish = "issued",
                      modes: Sequence[str] = ("piecewise",)) -> list[ExactResult]:
     """One all-resident run, then one tight run per mode, each compared with it."""

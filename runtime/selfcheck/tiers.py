@@ -74,10 +74,11 @@ def run_tier_check(moves: int, seed: int, device: str = "cpu", workdir: str | Pa
         mgr = KVBlockManager(cap)
         kv = KVTransferHandler(mgr, stores, engine)
         fx = build_experts(dev, wd, layers, experts, 64, 96, seed)
-        pool = ExpertSlotPool(make_backend(dev), dev, layers, experts, fx.format.num_bytes, slots, slot_window=True)
+        pool = ExpertSlotPool(make_backend(dev), dev, layers, experts, fx.format.num_bytes, slots,
+                              poison_unmapped=True, slot_window=True)
         # Copies through the slot window, ranges mapped beside them (the engine's default), published once issued:
         # the stricter mode for readers (they must wait on the copy's event), so the check covers it.
-        loader = ExpertLoadHandler(pool, engine, fx.pinned, fx.nvme, map_in="link", publish="issued")
+        loader = ExpertLoadHandler(pool, engine, fx.pinned, fx.nvme, map_in="beside_copy", publish="issued")
         truth: dict[int, torch.Tensor] = {}
         tainted_blocks: set[int] = set()
         tainted_experts: set[tuple[int, int]] = set()

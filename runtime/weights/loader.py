@@ -5,13 +5,13 @@ buffer, checksum verified there, then host->device. The slot is bound first (`pr
 refusal (no free slot, expert busy) raises before any byte moves; any later failure gives the slot back
 (`complete_load(ok=False)`), is counted, and re-raises from `wait()`. Never picks what to load.
 
-Where the expert's range is mapped (`map_in`):
-  "worker": by the host->device link's worker right before the copy, which then writes through the range.
-  "link": the copy writes through the slot's window (a pool made with `slot_window=True`) and starts at once;
-    the link's worker maps the expert's range beside it, as an idle job (`TransferEngine.submit_idle`) in the
-    waits for its copies, in (priority, deadline, arrival) order. A remap costs about as much host time as a
-    9 MiB copy keeps the link busy: before the copy it left the link idle between copies, and on a thread of
-    its own it waited on the GIL (figures: bench/results/design_notes.md).
+When the host->device link's worker maps the expert's range (`map_in`):
+  "beside_copy" (the default): the copy writes through the slot's window (a pool made with `slot_window=True`)
+    and starts at once; the worker maps the expert's range beside it, as an idle job
+    (`TransferEngine.submit_idle`) in its waits for the copies, in (priority, deadline, arrival) order. A remap
+    costs host time comparable to a copy's link time, so mapping before the copy leaves the link idle between
+    copies, and a thread of its own would contend for the GIL (bench/results/design_notes.md).
+  "before_copy": the worker maps the range right before issuing the copy, which then writes through the range.
 When a load is published (`publish`):
   "done": once its copy is done (and its range mapped): then any reader may use it.
   "issued": once its copy is issued (and its range mapped), with the copy's event: readers order their stream
@@ -37,15 +37,28 @@ class StoreKind(Enum):
     NVME = "nvme"
 
 
-MapIn = Literal["worker", "link"]
+MapIn = Literal["beside_copy", "before_copy"]
 MAP_IN: tuple[str, ...] = get_args(MapIn)  # the values, for checks and messages
+_OLD_MAP_IN = {"link": "beside_copy", "worker": "before_copy"}  # old names: refused, naming the new ones
 Publish = Literal["done", "issued"]
 PUBLISH: tuple[str, ...] = get_args(Publish)
 
 
+def map_in_error(where: str, value: object) -> str | None:
+    """Why `value` is not a `map_in` (None when it is one); `where` names the setting in the message (may be ""). The old
+    names get a message naming their new ones, so a user's config fails loudly instead of meaning something."""
+    if value in MAP_IN:
+        return None
+    expected, head = " or ".join(map(repr, MAP_IN)), f"{where} " if where else ""
+    if isinstance(value, str) and value in _OLD_MAP_IN:
+        return (f"{head}{value!r} is an old name, no longer accepted: use {_OLD_MAP_IN[value]!r} "
+                f"(expected {expected})")
+    return f"{head}must be one of {expected}, got {value!r}"
+
+
 class _Load:
     """One expert load in flight (inference process). Before it is published the copy must be done (publish
-    "done") or issued (publish "issued": its event orders readers), and with map_in="link" the map too; a failure
+    "done") or issued (publish "issued": its event orders readers), and with map_in="beside_copy" the map too; a failure
     gives the slot back only once the copy no longer writes it. Concluded (published or refused) once, then
     settled (staging freed, no longer in flight) once its copy has ended."""
 
@@ -74,17 +87,18 @@ class ExpertLoadHandler:
         pinned: PinnedExpertStore | None = None,
         nvme: NvmeExpertStore | None = None,
         num_staging: int = 4,
-        map_in: MapIn = "worker",
-        publish: Publish = "done",
+        map_in: MapIn = "beside_copy",
+        publish: Publish = "issued",
         staging: StagingPool | None = None,
     ) -> None:
-        if map_in not in MAP_IN:
-            raise ConfigError(f"ExpertLoadHandler.map_in must be one of {MAP_IN}, got {map_in!r}")
+        if (why := map_in_error("ExpertLoadHandler.map_in", map_in)) is not None:
+            raise ConfigError(why)
         if publish not in PUBLISH:
             raise ConfigError(f"ExpertLoadHandler.publish must be 'done' or 'issued', got {publish!r}")
-        if map_in != "worker" and not pool.slot_window:
+        if map_in == "beside_copy" and not pool.slot_window:
             raise ConfigError(f"ExpertLoadHandler(map_in={map_in!r}) needs a pool made with slot_window=True "
-                              "(copies go through the slot window while the range is mapped beside them)")
+                              "(copies go through the slot window while the range is mapped beside them); "
+                              "map_in='before_copy' needs none")
         if pinned is None and nvme is None:
             raise ConfigError("ExpertLoadHandler needs a pinned store, an NVMe store, or both")
         for store in (pinned, nvme):
@@ -123,7 +137,7 @@ class ExpertLoadHandler:
     def _begin(self, layer: int, experts: list[int], store: StoreKind) -> tuple[list[_Load], Any, list[int]]:
         """Reserve slots for all of `experts` or none (refusals raise, nothing moves); the loads, the range the
         copies write (the layer's range or the slot window) and each one's byte offset in it."""
-        windowed = self.map_in != "worker"
+        windowed = self.map_in == "beside_copy"
         with self._cv:
             if self._closed:
                 raise ConfigError("load: the expert loader is closed")
@@ -143,11 +157,11 @@ class ExpertLoadHandler:
 
     def _h2d_request(self, loads: list[_Load], src: Any, dst: Any, segments: list[tuple[int, int, int]],
                      priority: Priority, deadline_s: float | None) -> TransferRequest:
-        """One host->device transfer whose segment i fills loads[i] (with map_in="worker", maps it first)."""
+        """One host->device transfer whose segment i fills loads[i] (with map_in="before_copy", maps it first)."""
         pool = self.pool
         return TransferRequest(
             Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s, segments=segments,
-            before_segment=None if self.map_in != "worker" else
+            before_segment=None if self.map_in != "before_copy" else
             (lambda i: pool.map_reserved(loads[i].layer, loads[i].expert)),
             on_segment_issued=lambda i, ev: self._step(loads[i], copy_issued=True, event=ev),
             on_segment_done=lambda i, error: self._step(loads[i], copy_end=True, error=error))
@@ -205,7 +219,7 @@ class ExpertLoadHandler:
         """Load several experts of one layer from the pinned store (a prefetch list), one future each, copied in
         list order. Slots are reserved for all or, if any expert is refused, for none (nothing moves); the copies
         go to the link as one transfer of one segment per expert, so submitting costs a few µs per expert and the
-        link's worker starts at once; with map_in="link", one map job at a time walks the list beside the copies."""
+        link's worker starts at once; with map_in="beside_copy", one map job at a time walks the list beside the copies."""
         if self.pinned is None:
             raise ConfigError("load_many: no pinned store configured")
         if not experts:
@@ -301,10 +315,10 @@ class ExpertLoadHandler:
             self._cv.notify_all()
 
     def _start_maps(self, loads: list[_Load], priority: Priority, deadline_s: float | None, i: int = 0) -> None:
-        """map_in="link": map the expert ranges beside their copies, as idle jobs of the host->device worker: one
+        """map_in="beside_copy": map the expert ranges beside their copies, as idle jobs of the host->device worker: one
         job maps loads[i]'s range and queues the next, so a list costs one queued job at a time and a more urgent
         list's maps still go first."""
-        if self.map_in == "worker":
+        if self.map_in == "before_copy":
             return
 
         def job() -> None:

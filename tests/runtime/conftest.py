@@ -89,6 +89,8 @@ class Env:
         self.events: list[HostEvent] = []
 
     def pool(self, **kw) -> ExpertSlotPool:
+        # The invariant tests read absent ranges, which fault on the CPU twin unless poisoned: poison unless told.
+        kw.setdefault("poison_unmapped", True)
         self.pools.append(ExpertSlotPool(HostBackend(), self.device, L, E, EB, S, **kw))
         return self.pools[-1]
 

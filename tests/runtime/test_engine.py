@@ -21,8 +21,10 @@ def tiny():
     return preset("tiny")
 
 
-@pytest.mark.parametrize(("map_in", "poison", "publish"), [("link", False, "issued"), ("worker", False, "issued"),
-                                                            ("link", True, "issued"), ("link", False, "done")])
+@pytest.mark.parametrize(("map_in", "poison", "publish"), [("beside_copy", False, "issued"),
+                                                            ("before_copy", False, "issued"),
+                                                            ("beside_copy", True, "issued"),
+                                                            ("beside_copy", False, "done")])
 def test_exact_with_a_quarter_of_experts_and_kv_spilled_every_step(tiny, tmp_path: Path, map_in: str,
                                                                     poison: bool, publish: str) -> None:
     """With the default (copies through the slot window, ranges mapped beside them by the link worker, absent
@@ -72,8 +74,11 @@ def test_bad_input_is_refused_with_the_field_named(tiny, tmp_path: Path) -> None
         EngineConfig(resident_frac=0.0)
     with pytest.raises(ConfigError, match="spill_kv_every_step"):
         EngineConfig(spill_kv_every_step=True)
-    with pytest.raises(ConfigError, match=r"expert_map_in must be one of \('worker', 'link'\), got 'gpu'"):
+    with pytest.raises(ConfigError, match=r"expert_map_in must be one of 'beside_copy' or 'before_copy', got 'gpu'"):
         EngineConfig(expert_map_in="gpu")  # type: ignore[arg-type]
+    for old, new in (("link", "beside_copy"), ("worker", "before_copy")):  # renamed, refused: never an alias
+        with pytest.raises(ConfigError, match=rf"expert_map_in '{old}' is an old name, no longer accepted: use '{new}'"):
+            EngineConfig(expert_map_in=old)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="multiple of 4096"):
         ReferenceEngine(tiny, Device("cpu"), EngineConfig(block_tokens=3, workdir=tmp_path / "x"))
     eng = ReferenceEngine(tiny, Device("cpu"), EngineConfig(block_tokens=auto_block_tokens(tiny),

@@ -65,7 +65,7 @@ def test_vmm_driver_errors_are_cuda_errors(vmm) -> None:
 
 
 def test_pool_on_cuda_poisons_absent_experts_and_loads_exactly(dev: Device, vmm) -> None:
-    pool = ExpertSlotPool(vmm, dev, 2, 8, 3 << 20, 3, scrub_on_unmap=True)
+    pool = ExpertSlotPool(vmm, dev, 2, 8, 3 << 20, 3, poison_unmapped=True, scrub_on_unmap=True)
     absent = pool.layer_tensor(1)[: 3 << 20].view(torch.bfloat16)
     assert torch.isnan(absent).all()
     with pytest.raises(NotResidentError):
@@ -86,7 +86,7 @@ def test_pool_on_cuda_poisons_absent_experts_and_loads_exactly(dev: Device, vmm)
 def test_cuda_graph_replay_reads_the_expert_mapped_now(dev: Device, vmm) -> None:
     """Graphs captured over the stable range follow remaps: capture once, replay while experts move."""
     n = 1 << 20
-    pool = ExpertSlotPool(vmm, dev, 1, 2, n, 1)
+    pool = ExpertSlotPool(vmm, dev, 1, 2, n, 1, poison_unmapped=True)
     a, b = _rand(n, 3), _rand(n, 4)
     for e, d in ((0, a),):
         dst = pool.prepare_load(0, e)
@@ -149,8 +149,10 @@ def test_engine_links_on_cuda_are_exact_and_urgent_overtakes(dev: Device, tmp_pa
     back.close()
 
 
-@pytest.mark.parametrize(("map_in", "poison", "publish"), [("link", False, "issued"), ("worker", False, "issued"),
-                                                            ("link", True, "issued"), ("link", False, "done")])
+@pytest.mark.parametrize(("map_in", "poison", "publish"), [("beside_copy", False, "issued"),
+                                                            ("before_copy", False, "issued"),
+                                                            ("beside_copy", True, "issued"),
+                                                            ("beside_copy", False, "done")])
 def test_engine_exact_on_cuda_with_the_paged_kernel(tmp_path: Path, map_in: str, poison: bool, publish: str) -> None:
     from runtime.engine.presets import preset
     from runtime.selfcheck.exact import run_exact_check
@@ -229,7 +231,7 @@ def test_replayed_and_padded_eager_steps_are_bit_identical_on_cuda(tmp_path: Pat
 
 
 @pytest.mark.parametrize("retire_thread", [False, True])
-@pytest.mark.parametrize("map_in", ["worker", "link", "worker/issued", "link/issued"])
+@pytest.mark.parametrize("map_in", ["before_copy", "beside_copy", "before_copy/issued", "beside_copy/issued"])
 def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, vmm, map_in: str,
                                                                   retire_thread: bool) -> None:
     """Rounds of a whole-layer prefetch list (one load each, or one load_many), evicted in between, with a KV
@@ -244,7 +246,8 @@ def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, v
 
     fmt = ExpertFormat.swiglu(512, 768)  # 2.25 MiB, a slot of two 2 MiB pages
     pinned = PinnedExpertStore(dev, SyntheticExpertSource(fmt, 2, 12, seed=5))
-    pool = ExpertSlotPool(vmm, dev, 2, 12, fmt.num_bytes, 12, slot_window=map_in != "worker")
+    pool = ExpertSlotPool(vmm, dev, 2, 12, fmt.num_bytes, 12, poison_unmapped=True,
+                          slot_window=map_in == "beside_copy")
     kv_src, kv_dst = _rand(24 << 20, 9).pin_memory(), torch.empty(24 << 20, dtype=torch.uint8, device="cuda")
     with TransferEngine(dev, max_inflight_bytes=64 << 20, urgent_stream=True, retire_thread=retire_thread) as eng:
         loader = ExpertLoadHandler(pool, eng, pinned=pinned, map_in=map_in, publish=publish or "done")

@@ -32,20 +32,20 @@ def engine(dev: Device):
     e.close()
 
 
-@pytest.fixture(params=["worker", "link", "worker/issued", "link/issued"])
+@pytest.fixture(params=["before_copy", "beside_copy", "before_copy/issued", "beside_copy/issued"])
 def map_in(request: pytest.FixtureRequest) -> str:
     """Where a load's slot is mapped (by the link's worker before the copy, or beside it in the worker's waits)
     and, after a slash, when it is published (default: once its copy is done; "issued": once the copy is issued)."""
     return request.param
 
 
-def _rig(tmp_path: Path, dev: Device, engine: TransferEngine, num_slots: int = 3, map_in: str = "worker"):
+def _rig(tmp_path: Path, dev: Device, engine: TransferEngine, num_slots: int = 3, map_in: str = "before_copy"):
     where, _, publish = map_in.partition("/")
     src = SyntheticExpertSource(MIXED, 2, 6, seed=2)
     pinned = PinnedExpertStore(dev, src)
     nvme = NvmeExpertStore.build(tmp_path / "e.bin", src, dev)
     pool = ExpertSlotPool(HostBackend(), dev, 2, 6, MIXED.num_bytes, num_slots, scrub_on_unmap=True,
-                          slot_window=where != "worker")
+                          slot_window=where == "beside_copy")
     return pinned, nvme, pool, ExpertLoadHandler(pool, engine, pinned, nvme, num_staging=2, map_in=where,
                                                  publish=publish or "done")
 
@@ -81,11 +81,16 @@ def test_loader_detects_flipped_nvme_bytes_and_gives_the_slot_back(tmp_path: Pat
 
 def test_loader_rejects_an_unknown_map_in_and_a_windowed_map_without_a_slot_window(tmp_path: Path, dev: Device,
                                                                              engine) -> None:
-    with pytest.raises(ConfigError, match=r"map_in must be one of \('worker', 'link'\), got 'gpu'"):
+    with pytest.raises(ConfigError, match=r"map_in must be one of 'beside_copy' or 'before_copy', got 'gpu'"):
         _rig(tmp_path, dev, engine, map_in="gpu")
+    for old, new in (("link", "beside_copy"), ("worker", "before_copy")):  # renamed, refused: never an alias
+        with pytest.raises(ConfigError, match=rf"map_in '{old}' is an old name, no longer accepted: use '{new}'"):
+            _rig(tmp_path, dev, engine, map_in=old)
     pinned, _nvme, pool, _loader = _rig(tmp_path, dev, engine)
     with pytest.raises(ConfigError, match="slot_window=True"):
-        ExpertLoadHandler(pool, engine, pinned, map_in="link")
+        ExpertLoadHandler(pool, engine, pinned, map_in="beside_copy")
+    with pytest.raises(ConfigError, match="slot_window=True"):
+        ExpertLoadHandler(pool, engine, pinned)  # beside_copy is the default
     with pytest.raises(ConfigError, match="slot_window=True"):
         pool.prepare_load(0, 0, map_now=False, via_window=True)
     assert pool.num_free_slots == 3  # refused: nothing reserved
@@ -102,9 +107,10 @@ def test_loader_refusals_move_nothing(tmp_path: Path, dev: Device, engine, map_i
         loader.load(0, 1)
     assert engine.stats() == before and pool.num_free_slots == 0
     with pytest.raises(ConfigError, match="no nvme store"):
-        ExpertLoadHandler(pool, engine, pinned=pinned).load(0, 1, StoreKind.NVME)
+        ExpertLoadHandler(pool, engine, pinned=pinned, map_in=loader.map_in).load(0, 1, StoreKind.NVME)
     with pytest.raises(ConfigError, match="expert_bytes"):
-        ExpertLoadHandler(ExpertSlotPool(HostBackend(), dev, 1, 1, 4096, 1), engine, pinned=pinned)
+        ExpertLoadHandler(ExpertSlotPool(HostBackend(), dev, 1, 1, 4096, 1), engine, pinned=pinned,
+                          map_in="before_copy")
     pool.close()
 
 
@@ -280,7 +286,7 @@ def test_issued_publish_gives_a_failed_map_back_only_after_its_copy(tmp_path: Pa
     from runtime.future import OpFuture
     from runtime.weights.loader import _Load
 
-    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in="link/issued")
+    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in="beside_copy/issued")
     pool.prepare_loads(0, [1], via_window=True)
     loader._inflight += 1
     ld = _Load(0, 1, OpFuture("load of expert (0, 1)"), parts=2)
@@ -303,7 +309,7 @@ def test_a_copy_failing_after_an_issued_publish_is_counted_and_the_expert_evicte
     from runtime.future import OpFuture
     from runtime.weights.loader import _Load
 
-    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in="link/issued")
+    _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in="beside_copy/issued")
     pool.prepare_loads(0, [2], via_window=True)
     loader._inflight += 1
     ld = _Load(0, 2, OpFuture("load of expert (0, 2)"), parts=2)
@@ -321,4 +327,4 @@ def test_a_copy_failing_after_an_issued_publish_is_counted_and_the_expert_evicte
 
 def test_loader_rejects_an_unknown_publish(tmp_path: Path, dev: Device, engine) -> None:
     with pytest.raises(ConfigError, match="publish must be 'done' or 'issued', got 'early'"):
-        _rig(tmp_path, dev, engine, map_in="worker/early")
+        _rig(tmp_path, dev, engine, map_in="before_copy/early")

@@ -271,7 +271,7 @@ def test_I6_capacity_and_failed_loads_recycle_slots(pool, rand):
 
 
 def test_I6_close_releases_every_backend_object(cpu, rand):
-    pool = ExpertSlotPool(HostBackend(), cpu, L, E, EB, S)
+    pool = ExpertSlotPool(HostBackend(), cpu, L, E, EB, S, poison_unmapped=True)
     load(pool, 0, 0, rand(EB))
     pool.pin(0, 0)
     load(pool, 1, 1, rand(EB))

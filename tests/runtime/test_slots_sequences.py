@@ -176,7 +176,7 @@ def test_all_resident_layers_wait_for_loads_published_while_copying(env, monkeyp
     """The MoE fast path for a layer whose experts all hold slots names no expert: it must still wait."""
     from runtime.engine.experts import OnDemandExperts
 
-    pool = ExpertSlotPool(HostBackend(), env.device, 1, 2, EB, 2)
+    pool = ExpertSlotPool(HostBackend(), env.device, 1, 2, EB, 2, poison_unmapped=True)
     env.pools.append(pool)
     waited: list[bool] = []
     monkeypatch.setattr(pool, "wait_published", lambda stream=None: waited.append(True))
