@@ -2,7 +2,7 @@
 
 The engine thread only takes the snapshot (`RouterTap.snapshot`: one packed host copy, kept as numpy arrays);
 the outbox thread turns it into `LayerStats`. Two ways, same result (tests compare them field by field):
-  * `layer_stats(trusted=False)`: every row through pydantic validation (~90 µs a layer on the CPU box);
+  * `layer_stats(trusted=False)`: every row through pydantic validation (the slower way: bench/results/design_notes.md);
   * `layer_stats(trusted=True)`: the invariants LayerStats checks are checked on the arrays at once (counts
     >= 0, pairs a < b and unique, sizes within the protocol's limits, finite non-negative entropy); a window
     that breaks one raises ValueError naming the layer and field, as validation would, and nothing is sent.

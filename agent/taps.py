@@ -274,8 +274,8 @@ class WindowDraft:
 
     def build(self, between_layers: Callable[[], None] | None = None) -> Telemetry:
         """The Telemetry of this window (any thread). The per-layer parts are checked on the arrays at once
-        and built without re-validation (`RouterCounts.layer_stats(trusted=True)`: 2.2 ms for 48 layers on
-        the CPU box against 4.5 ms validated); the message around them is validated. `between_layers` runs
+        and built without re-validation (`RouterCounts.layer_stats(trusted=True)`: about half the host time of
+        validating them, bench/results/design_notes.md); the message around them is validated. `between_layers` runs
         after each layer (the outbox yields the GIL there)."""
         layers = self.router.layer_stats(trusted=True, between_layers=between_layers)
         blocks, hits, misses = self.kv

@@ -6,7 +6,7 @@ stderr and exits 2 (no traceback); nothing is written then.
 Example (bench/results/sim_examples.md has the output and where every number comes from): Qwen3-235B-A22B on
 one H200 over PCIe Gen5, links as measured on our H200 (bench/results/substrate_h200.md: engine H2D 53.4 GB/s,
 disk->host 1.99, host->disk 2.97; ~8 us per load) and our engine's per-layer decode compute there as the
-compute prior (bench/results/engine_h200.md run 15; the defaults of --layer-compute-ms / --layer-ms-per-token):
+compute prior (bench/results/engine_h200.md; the defaults of --layer-compute-ms / --layer-ms-per-token):
 
     tierplan sim --routing data/routing/flame_moe_290m_sample.npz \
         --requests data/requests/mooncake_conversation_sample.jsonl --limit 100 --preset qwen3-235b-a22b \

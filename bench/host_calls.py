@@ -1,9 +1,10 @@
 """Host time per call of what an expert load issues (the `calls` section of `tierplan bench substrate`).
 
-A 9 MiB load keeps the link busy ~175 µs on the H200; when the host needs longer per load, the link waits. This
-times, on the calling thread, each host-side piece a load is made of, so the load path can be put together
-from measured parts: the copy through torch vs the driver call, an event record and query, and the Python
-that submitting a prefetch list costs per expert (the link's worker held back, so only submission is timed).
+A 9 MiB load keeps a PCIe Gen5 link busy only a couple of hundred µs (9 MiB / link bandwidth); when the host
+needs longer per load, the link waits. This times, on the calling thread, each host-side piece a load is made
+of, so the load path can be put together from measured parts: the copy through torch vs the driver call, an
+event record and query, and the Python that submitting a prefetch list costs per expert (the link's worker held
+back, so only submission is timed).
 Runs in the inference process; GPU rows only on CUDA.
 """
 

@@ -209,8 +209,9 @@ class OnDemandExperts:
 
     def _evict_for(self, layer: int, want: set[int], num: int, same_layer: bool = False) -> None:
         """Evict `num` residents for `layer`'s list: candidates listed and ranked once for the whole list (a
-        per-victim ranking walks every resident each time: ~0.5 ms per 10 MiB expert on the H200), outside `soon`
-        first; what that cannot cover goes through `_make_room` one at a time (it waits for loads in flight).
+        per-victim ranking walks every resident each time, host time comparable to a small expert's copy:
+        bench/results/design_notes.md), outside `soon` first; what that cannot cover goes through `_make_room`
+        one at a time (it waits for loads in flight).
         same_layer: only `layer`'s own residents (the layer is at its limit)."""
         if num <= 0:
             return

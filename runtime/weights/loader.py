@@ -45,8 +45,9 @@ PUBLISH: tuple[str, ...] = get_args(Publish)
 
 
 def map_in_error(where: str, value: object) -> str | None:
-    """Why `value` is not a `map_in` (None when it is one); `where` names the setting in the message (may be ""). The old
-    names get a message naming their new ones, so a user's config fails loudly instead of meaning something."""
+    """Why `value` is not a `map_in` (None when it is one); `where` names the setting in the message (may be "").
+    The old names get a message naming their new ones, so a user's config fails loudly instead of meaning
+    something else."""
     if value in MAP_IN:
         return None
     expected, head = " or ".join(map(repr, MAP_IN)), f"{where} " if where else ""
@@ -219,7 +220,8 @@ class ExpertLoadHandler:
         """Load several experts of one layer from the pinned store (a prefetch list), one future each, copied in
         list order. Slots are reserved for all or, if any expert is refused, for none (nothing moves); the copies
         go to the link as one transfer of one segment per expert, so submitting costs a few µs per expert and the
-        link's worker starts at once; with map_in="beside_copy", one map job at a time walks the list beside the copies."""
+        link's worker starts at once; with map_in="beside_copy", one map job at a time walks the list beside the
+        copies."""
         if self.pinned is None:
             raise ConfigError("load_many: no pinned store configured")
         if not experts:

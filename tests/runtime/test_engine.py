@@ -77,7 +77,8 @@ def test_bad_input_is_refused_with_the_field_named(tiny, tmp_path: Path) -> None
     with pytest.raises(ConfigError, match=r"expert_map_in must be one of 'beside_copy' or 'before_copy', got 'gpu'"):
         EngineConfig(expert_map_in="gpu")  # type: ignore[arg-type]
     for old, new in (("link", "beside_copy"), ("worker", "before_copy")):  # renamed, refused: never an alias
-        with pytest.raises(ConfigError, match=rf"expert_map_in '{old}' is an old name, no longer accepted: use '{new}'"):
+        with pytest.raises(ConfigError, match=rf"expert_map_in '{old}' is an old name, no longer accepted: "
+                           rf"use '{new}'"):
             EngineConfig(expert_map_in=old)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="multiple of 4096"):
         ReferenceEngine(tiny, Device("cpu"), EngineConfig(block_tokens=3, workdir=tmp_path / "x"))
@@ -93,6 +94,26 @@ def test_bad_input_is_refused_with_the_field_named(tiny, tmp_path: Path) -> None
         assert eng.generate([[1, 2]], 1).tokens  # still usable after the refusals
     finally:
         eng.close()
+
+
+def test_the_layers_below_the_engine_default_to_its_config() -> None:
+    """A pool, loader or transfer engine built by hand behaves as the engine's own: one default per knob."""
+    import inspect
+
+    from runtime.memory.slots import ExpertSlotPool
+    from runtime.transfer import TransferEngine
+    from runtime.transfer_worker import LinkWorker
+    from runtime.weights.loader import ExpertLoadHandler
+
+    def default(cls: type, name: str) -> object:
+        return inspect.signature(cls.__init__).parameters[name].default
+
+    cfg = EngineConfig()
+    assert default(ExpertSlotPool, "poison_unmapped") is cfg.expert_poison
+    assert default(ExpertLoadHandler, "map_in") == cfg.expert_map_in == "beside_copy"
+    assert default(ExpertLoadHandler, "publish") == cfg.expert_publish
+    assert default(TransferEngine, "retire_thread") is default(LinkWorker, "retire_thread") \
+        is cfg.transfer_retire_thread
 
 
 def test_experts_generated_on_the_device_need_no_store_and_never_load(tiny, tmp_path: Path) -> None:
