@@ -1,8 +1,8 @@
-"""DeepSeek's group-limited routing (inference process, every MoE layer's router when the config asks).
+"""DeepSeek routers (inference process, every MoE layer's router when the config asks): V2 groups, V3 noaux_tc.
 
 V2 ("group_limited_greedy"): experts sit in `num_groups` equal groups; a token keeps only the experts of its
 `topk_groups` best groups (a group scores its best expert), and its top-k is then taken among those, as
-transformers' `DeepseekV2TopkRouter` does it. V3 ("noaux_tc", `noaux_tc`): sigmoid scores; the choice (groups
+transformers' `DeepseekV2TopkRouter` does it. V3 (`noaux_tc`): sigmoid scores; the choice (groups
 scored by the sum of their two best, then the top-k) is made on the scores plus the per-expert
 `e_score_correction_bias`, while the weights are the unbiased scores of the chosen experts, as transformers'
 `DeepseekV3TopkRouter`. Pure tensor math: no host sync, CUDA-graph safe; decides nothing else.
