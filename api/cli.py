@@ -252,18 +252,25 @@ def bench_engine(
 
 
 @bench_app.command("offload")
+@_errors
 def bench_offload(
     out_dir: Annotated[Path, typer.Option(help="Where to write JSON, Markdown and PNG.")] = Path("bench/results"),
     quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
     device: Dev = DeviceOpt.cuda,
     models: Annotated[str, typer.Option(help="Comma-separated presets to run (default: all of the sweep's).")] = "",
+    model: Annotated[Path | None, typer.Option(help="A local checkpoint folder instead: run it whole, its real "
+                                                    "weights.")] = None,
 ) -> None:
     """Decode with part of the experts resident and forced real routing: step time vs the link floor."""
     from bench.offload import FULL, QUICK, run_offload_bench
 
+    if model is not None and models:
+        raise typer.BadParameter(f"--models {models} and --model {model} name two sets of models; expected one",
+                                 param_hint="--models / --model")
+    check_device(device)
     allowed = tuple(name for name, _ in (QUICK if quick else FULL).models)
     picked = _sections(models, allowed) if models else ()
-    run_offload_bench(out_dir, device.value, quick=quick, console=_io.out, models=picked)
+    run_offload_bench(out_dir, device.value, quick=quick, console=_io.out, models=picked, model_dir=model)
 
 
 @app.command()

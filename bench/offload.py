@@ -7,14 +7,16 @@ model), every step returning its tokens to the host. Per point: tok/s, step ms, 
 ms, miss bytes and the link floor (miss bytes / pinned host->device bandwidth measured in this process), the
 all-resident graph step ms of the same (model, B) with forced routing, and the steps per executor. Extra rows:
 unforced all-resident graph decode (forced vs live routing), the layer-ahead window at B=64, and the scan rule
-vs LRU at Mixtral B=16 F=0.5. Writes offload_<device>.json/.md/.png; bars are ratios within this run. It must
-never assert on a time or hard-code a figure.
+vs LRU at Mixtral B=16 F=0.5. Writes offload_<device>.json/.md/.png; `--model DIR` runs one local checkpoint
+whole instead (its real weights, experts streamed once into the pinned store) into offload_<device>_<name>.*.
+Bars are ratios within this run. It must never assert on a time or hard-code a figure.
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +31,11 @@ from runtime.engine.executor import Executor
 from runtime.engine.experts import ScanVictimOrder, lru_victim_order
 from runtime.engine.hooks import ModelHooks
 from runtime.engine.presets import preset
+from runtime.engine.pretrained import CheckpointExpertSource, PretrainedModel, engine_config_for, read_pretrained
 from runtime.engine.routing_trace import RoutingTrace
 from runtime.engine.runner import ForcedRouter
 from runtime.engine.weights import expert_format
+from runtime.errors import ConfigError
 from runtime.selfcheck.exact import auto_block_tokens
 from runtime.weights.format import ExpertFormat, dtype_from_name
 from runtime.weights.stores import PinnedExpertStore
@@ -51,6 +55,11 @@ class Sizes:
 
 FULL = Sizes((("qwen3-30b-a3b", 8), ("mixtral-8x7b", 4)), (1.0, 0.5, 0.25), (1, 16, 64), 16, 4, 16)
 QUICK = Sizes((("tiny", 2),), (1.0, 0.5), (1, 2), 4, 1, 2)
+
+
+def _safe(name: str) -> str:
+    """A file-name-safe form of a model name (a checkpoint folder's)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
 def link_gb_s(dev: Device, num_bytes: int, reps: int = 5) -> float:
@@ -131,6 +140,7 @@ def _engine(spec: Any, dev: Device, frac: float, sizes: Sizes, router: ForcedRou
     per_seq = -(-(sizes.prompt_tokens + sizes.warm_steps + sizes.steps + 2) // bt)
     cfg = EngineConfig(resident_frac=frac, block_tokens=bt, kv_gpu_blocks=per_seq * max(sizes.batches) + 1,
                        decode_graphs=graphs, decode_kernel=True if graphs else None)
+    cfg = engine_config_for(spec, cfg)  # a checkpoint's sliding window: no paged kernel, no graphs
     return ReferenceEngine(spec, dev, cfg, hooks=ModelHooks(forced_routes=router), pinned_store=store)
 
 
@@ -145,15 +155,17 @@ def _preload(eng: ReferenceEngine) -> None:
 
 
 def run_model(name: str, layers: int, dev: Device, sizes: Sizes, bw_gb_s: float, trace: RoutingTrace,
-              graphs: bool | None, say: Any) -> list[dict[str, Any]]:
-    spec = preset(name).truncated(layers)
+              graphs: bool | None, say: Any, model: PretrainedModel | None = None) -> list[dict[str, Any]]:
+    """model: a checked checkpoint run whole (name and layers are then unused), else the preset `name`."""
+    spec = model.spec if model is not None else preset(name).truncated(layers)
     router = ForcedRouter(trace, spec=spec, device=dev.torch_device)
     rows: list[dict[str, Any]] = []
     resident_ms: dict[int, float] = {}
     seq0 = 0
     t0 = time.perf_counter()
-    store = PinnedExpertStore(dev, DeviceRandomSource(expert_format(spec), len(spec.moe_layers), spec.num_experts,
-                                                      dev.torch_device))
+    src = (CheckpointExpertSource(model, expert_format(spec)) if model is not None else
+           DeviceRandomSource(expert_format(spec), len(spec.moe_layers), spec.num_experts, dev.torch_device))
+    store = PinnedExpertStore(dev, src)
     say(f"{spec.name}: pinned store of {store.records.total_bytes / 2**30:.1f} GiB in "
         f"{time.perf_counter() - t0:.1f} s")
     for frac in sizes.fracs:
@@ -204,8 +216,11 @@ def run_model(name: str, layers: int, dev: Device, sizes: Sizes, bw_gb_s: float,
 
 
 def run_offload_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None,
-                      models: tuple[str, ...] = ()) -> dict:
-    """models: only these presets (all of the sizes' models when empty)."""
+                      models: tuple[str, ...] = (), model_dir: Path | None = None) -> dict:
+    """models: only these presets (all of the sizes' models when empty); model_dir: one checkpoint instead."""
+    if model_dir is not None and models:
+        raise ConfigError(f"models {list(models)} and model_dir {str(model_dir)!r} both given; expected one")
+    checkpoint = read_pretrained(model_dir) if model_dir is not None else None  # refused before any work
     dev = Device(device)
     sizes = QUICK if quick else FULL
     say = console.print if console is not None else print
@@ -218,12 +233,17 @@ def run_offload_bench(out_dir: Path, device: str = "cuda", quick: bool = False, 
     from runtime.engine.kernels.paged_attention import interpreted
 
     graphs = None if dev.is_cuda else interpreted()  # the CPU twin's graph executors need Triton's interpreter
-    for name, layers in sizes.models:
+    for name, layers in sizes.models if checkpoint is None else ():
         if models and name not in models:
             continue
         rows += run_model(name, layers, dev, sizes, bw, trace, graphs, say)
+    if checkpoint is not None:
+        meta["model_dir"] = str(checkpoint.folder.resolve())
+        rows += run_model(checkpoint.spec.name, checkpoint.spec.num_layers, dev, sizes, bw, trace, graphs, say,
+                          model=checkpoint)
     out = {"meta": meta, "rows": rows}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"offload_{dev.torch_device.type}.json").write_text(json.dumps(out, indent=1))
-    write_report(out, out_dir / f"offload_{dev.torch_device.type}")
+    stem = f"offload_{dev.torch_device.type}" + ("" if checkpoint is None else f"_{_safe(checkpoint.spec.name)}")
+    (out_dir / f"{stem}.json").write_text(json.dumps(out, indent=1))
+    write_report(out, out_dir / stem)
     return out

@@ -88,6 +88,7 @@ class ModelSpec:
     rope_scaling: tuple[tuple[str, float], ...] = ()  # MLA yarn: (key, value) pairs of rope_parameters
     num_expert_groups: int = 0  # DeepSeek group-limited routing: experts in G groups, top-k within the best
     topk_groups: int = 0  # `topk_groups` of them (both 0: no groups)
+    router_scoring: str = "softmax"  # "softmax" or "sigmoid" (DeepSeek-V3: biased choice, groups by top-2 sum)
     checkpoint: str = ""  # the checkpoint folder the engine loads weights from (pretrained.py); "" = synthetic
 
     def __post_init__(self) -> None:

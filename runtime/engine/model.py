@@ -154,10 +154,10 @@ class MoEModel:
             return table.ids[rows, m], table.weights[rows, m]
         assert lw.router is not None
         if r.route_out is None:
-            ids, wts = route(h, lw.router, self.spec)
+            ids, wts = route(h, lw.router, self.spec, bias=lw.router_bias)
             return ids[:n], wts[:n]
         probs_out, ids_out = r.route_out[0][m], r.route_out[1][m]  # [N, k]
-        ids, wts = route(h, lw.router, self.spec, out=(probs_out, ids_out))
+        ids, wts = route(h, lw.router, self.spec, out=(probs_out, ids_out), bias=lw.router_bias)
         if r.forced_mask is not None:
             assert table is not None and r.trace_rows is not None
             f_ids, f_w = table.ids[r.trace_rows, m], table.weights[r.trace_rows, m]  # [N, k]

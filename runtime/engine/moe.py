@@ -43,13 +43,22 @@ class ExpertProvider(Protocol):
 
 
 def route(x: torch.Tensor, router: torch.Tensor, spec: ModelSpec,
-          out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          out: tuple[torch.Tensor, torch.Tensor] | None = None,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts per token: ids [T, k] int64 and weights [T, k] float32.
 
     out: (probs [T, k] float32, ids [T, k] int64) buffers that receive the raw top-k (a CUDA graph's static
-    buffers, read by the agent's tap after replay: the tap then costs no kernel inside the graph)."""
+    buffers, read by the agent's tap after replay: the tap then costs no kernel inside the graph).
+    bias: [E] float32, DeepSeek-V3's e_score_correction_bias (sigmoid scoring only; None = zeros)."""
     # A router kept in float32 (DeepSeek's, as transformers keeps it) routes float32 rows.
     logits = x @ router.t() if router.dtype == x.dtype else x.to(router.dtype) @ router.t()  # [T, E]
+    if spec.router_scoring == "sigmoid":
+        from runtime.engine.families.routing import noaux_tc
+
+        w, ids = noaux_tc(logits.float(), bias, spec.top_k, spec.num_expert_groups, spec.topk_groups, out)
+        if spec.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)  # transformers' V3 guards the sum the same way
+        return ids, w * spec.routed_scaling_factor
     probs = F.softmax(logits.float(), dim=-1)  # [T, E]
     if spec.num_expert_groups:
         from runtime.engine.families.routing import group_limited

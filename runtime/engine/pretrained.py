@@ -97,6 +97,9 @@ def _expected(model: PretrainedModel) -> dict[str, tuple[str, tuple[int, ...]]]:
             want |= {f"attn.{k}.bias": (attn[k][0],) for k in fam.bias_projections if k in attn}
         if i in moe:
             want["router"] = (spec.num_experts, h)
+            if fam.router_bias:
+                names["router_bias"] = names["router"].removesuffix(".weight") + ".e_score_correction_bias"
+                want["router_bias"] = (spec.num_experts,)
             if spec.num_shared_experts:
                 s = spec.shared_intermediate
                 want |= {"shared.gate_proj": (s, h), "shared.up_proj": (s, h), "shared.down_proj": (h, s)}
@@ -143,6 +146,11 @@ def read_pretrained(folder: str | Path, dtype: str | None = None) -> PretrainedM
     if model.tied and "lm_head.weight" in ckpt:
         ckpt.mark_used("lm_head.weight")  # transformers ties it to the embedding whatever the file holds
     _check_experts(model, expert_format(spec))
+    if family.skipped_layers is not None:  # transformers does not build them either (greedy decoding skips MTP)
+        n = spec.num_layers
+        extra = tuple(f"model.layers.{i}." for i in range(n, n + family.skipped_layers(cfg)))
+        for name in [m for m in ckpt.names if m.startswith(extra)] if extra else ():
+            ckpt.mark_used(name)
     ckpt.check_all_used(family.ignorable_tensors)
     return model
 
@@ -150,10 +158,11 @@ def read_pretrained(folder: str | Path, dtype: str | None = None) -> PretrainedM
 def load_dense(model: PretrainedModel, device: torch.device) -> DenseWeights:
     """The dense weights on `device` in the spec's dtype (one tensor read at a time)."""
     dt = dtype_from_name(model.spec.dtype)
-    fix = model.family.fix_tensor
+    fam = model.family
+    fix = fam.fix_tensor if fam.fix_when is None or fam.fix_when(model.config) else None
     loaded: dict[str, torch.Tensor] = {}
     for ours, (name, shape) in _expected(model).items():
-        fp32 = model.family.router_fp32 and ours.endswith(".router")
+        fp32 = model.family.router_fp32 and ours.endswith((".router", ".router_bias"))
         t = model.checkpoint.get(name, shape, torch.float32 if fp32 else dt)
         loaded[ours] = (fix(ours, t, model.spec) if fix is not None else t).contiguous().to(device)
     w = DenseWeights(loaded["embed"], loaded["final_norm"], loaded["lm_head"] if not model.tied else loaded["embed"])
@@ -165,7 +174,8 @@ def load_dense(model: PretrainedModel, device: torch.device) -> DenseWeights:
             return d or None
 
         w.layers.append(LayerWeights(loaded[p + "input_norm"], loaded[p + "post_attn_norm"], part("attn") or {},
-                                     loaded.get(p + "router"), part("shared"), part("dense")))
+                                     loaded.get(p + "router"), part("shared"), part("dense"),
+                                     loaded.get(p + "router_bias")))
     return w
 
 

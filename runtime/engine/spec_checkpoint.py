@@ -1,6 +1,6 @@
 """Validation of the `ModelSpec` fields only a checkpoint's config sets (inference process, spec construction).
 
-sliding_window, clip_qkv, rope_scaling (yarn) and the routing groups: set by the family adapters
+sliding_window, clip_qkv, rope_scaling (yarn), the routing groups and the router's scoring: set by the family adapters
 (runtime/engine/families/); their defaults change nothing. Kept apart from config.py so that file stays small.
 Pure checks: never reads anything.
 """
@@ -11,6 +11,9 @@ import math
 from typing import Any
 
 from runtime.errors import ConfigError
+
+# softmax: top-k of the softmax; sigmoid: DeepSeek-V3's noaux_tc (routing.py)
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
 def _int(v: object) -> bool:
@@ -33,3 +36,8 @@ def check_checkpoint_fields(spec: Any, where: str) -> None:
         raise ConfigError(f"{where}: fields 'num_expert_groups' ({g!r}) and 'topk_groups' ({tg!r}) must be both 0, "
                           f"or num_expert_groups must divide num_experts ({spec.num_experts}) and topk_groups "
                           f"be in 1..num_expert_groups")
+    if spec.router_scoring not in ROUTER_SCORINGS:
+        raise ConfigError(f"{where}: field 'router_scoring' must be one of {list(ROUTER_SCORINGS)}, "
+                          f"got {spec.router_scoring!r}")
+    if spec.router_scoring == "sigmoid" and not g:
+        raise ConfigError(f"{where}: router_scoring 'sigmoid' (DeepSeek-V3) needs num_expert_groups >= 1")

@@ -31,6 +31,7 @@ class LayerWeights:
     router: torch.Tensor | None = None  # [E, H] on MoE layers
     shared: dict[str, torch.Tensor] | None = None  # gate/up [S, H], down [H, S]
     dense: dict[str, torch.Tensor] | None = None  # gate/up [D, H], down [H, D] on dense layers
+    router_bias: torch.Tensor | None = None  # [E] float32: DeepSeek-V3's e_score_correction_bias (None = zeros)
 
 
 @dataclass

@@ -189,6 +189,11 @@ def test_model_spec_validates_every_construction() -> None:
         s.with_(family="llama")
     with pytest.raises(ConfigError, match=re.escape("field 'head_dim' must equal qk_nope_head_dim + qk_rope_head_dim")):
         preset("deepseek-v2-lite").with_(head_dim=128)
+    with pytest.raises(ConfigError, match="field 'router_scoring' must be one of"):
+        s.with_(router_scoring="tanh")
+    with pytest.raises(ConfigError, match=r"router_scoring 'sigmoid' .* needs num_expert_groups"):
+        s.with_(router_scoring="sigmoid")
+    assert s.with_(router_scoring="sigmoid", num_expert_groups=2, topk_groups=1).router_scoring == "sigmoid"
     assert s.with_(dtype="float32").expert_bytes == 2 * s.expert_bytes
 
 

@@ -10,7 +10,7 @@ import importlib
 from runtime.engine.families.base import Family
 from runtime.errors import ConfigError
 
-SUPPORTED = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v2")
+SUPPORTED = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3")
 
 
 def family_for(model_type: object, source: str) -> Family:

@@ -52,6 +52,9 @@ class Family:
     layer_names: LayerNames
     expert_names: ExpertNames
     fix_tensor: TensorFix | None = None  # e.g. DeepSeek's interleaved rope rows
+    fix_when: Callable[[Mapping[str, Any]], bool] | None = None  # config -> apply fix_tensor (None: always)
+    router_bias: bool = False  # MoE routers carry `{router}.e_score_correction_bias` [E] (DeepSeek-V3)
+    skipped_layers: Callable[[Mapping[str, Any]], int] | None = None  # config -> extra trailing layers (MTP) not run
     bias_projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")  # biased if attention_bias
     router_fp32: bool = False  # the router weight stays float32 and routes float32 rows (transformers' DeepSeek)
     normalize: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # the config as load_hf_config reads it
@@ -72,7 +75,7 @@ class Family:
         if refused:
             raise ConfigError(f"{source}: config key(s) {refused} are not supported for model_type "
                               f"{self.model_type!r} (got {[cfg[k] for k in refused]})")
-        check_common(cfg, source, rope=self.model_type != "deepseek_v2")  # DeepSeek checks its yarn rope itself
+        check_common(cfg, source, rope=not self.model_type.startswith("deepseek"))  # DeepSeek checks its own yarn
         return self.check(cfg, source)
 
 

@@ -1,7 +1,8 @@
 """Tiny random Hugging Face checkpoints saved by transformers, for the checkpoint-loading tests.
 
 Every family gets non-default values for the fields that change inference (attention bias, sliding window,
-clip_qkv, tied embeddings, norm_topk_prob, a dense layer, rope theta, eps), random biases and norm weights
+clip_qkv, tied embeddings, norm_topk_prob, a dense layer, rope theta, eps), random biases, norm weights and
+DeepSeek-V3 score-correction biases
 (transformers initialises them to 0 and 1, which would hide a missing bias or norm), and a tiny WordLevel
 tokenizer (tokenizer.json). Built in a temporary folder at test time: no hub, no network.
 """
@@ -40,6 +41,18 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         topk_method="group_limited_greedy", n_group=4, topk_group=2,
         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "original_max_position_embeddings": 32,
                          "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(  # noaux_tc: sigmoid, biased choice, groups
+        num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16,
+        num_experts_per_tok=3, n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, routed_scaling_factor=2.5, attention_bias=True,
+        n_group=4, topk_group=2, norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8})),
+    "deepseek_v3_plain_rope": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(  # rotate-half rope rows, no renorm
+        num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16, routed_scaling_factor=1.5, n_group=2, topk_group=1,
+        norm_topk_prob=False, rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 2e4})),
 }
 
 
@@ -69,6 +82,9 @@ def build_checkpoint(family: str, folder: Path, dtype: torch.dtype = torch.float
                 p.normal_(0.0, 0.1)
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek-V3's e_score_correction_bias: 0 would hide a missing one
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.to(dtype).save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     build_tokenizer(folder, cfg.vocab_size)
     return folder

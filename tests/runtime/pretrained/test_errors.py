@@ -55,6 +55,11 @@ def copy_of(src: Path, dst: Path, **config_changes: object) -> Path:
     ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
     ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob"),
     ("deepseek_v2", {"mlp_bias": True}, "mlp_bias"),
+    ("deepseek_v3", {"topk_method": "greedy"}, "topk_method"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
+    ("deepseek_v3", {"n_group": 16}, "n_group"),
+    ("deepseek_v3", {"rope_interleave": "yes"}, "rope_interleave"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
 ])
 def test_unsupported_config_is_refused_by_name(family: str, changes: dict[str, object], named: str,
                                                 checkpoints: dict[str, Path], tmp_path: Path) -> None:
@@ -169,3 +174,21 @@ def test_a_spec_changed_from_its_checkpoint_is_refused(checkpoints: dict[str, Pa
             ReferenceEngine(changed, Device("cpu"), cfg)
     with pytest.raises(ConfigError, match="experts_on_device"):
         ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=32, kv_gpu_blocks=4, experts_on_device=True))
+
+
+def test_deepseek_v3_own_config_keys_and_mtp_layers_load(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """DeepSeek's own V3 config.json keys (at the values transformers assumes) are accepted, and the
+    multi-token-prediction layer's tensors after the last layer are skipped as transformers skips them."""
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_of(checkpoints["deepseek_v3"], tmp_path / "v3", topk_method="noaux_tc", scoring_func="sigmoid",
+                     moe_layer_freq=1, ep_size=1, aux_loss_alpha=0.001, seq_aux=True, num_nextn_predict_layers=1)
+    tensors = load_file(folder / "model.safetensors")
+    n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    mtp = {f"model.layers.{n}.eh_proj.weight": tensors["model.embed_tokens.weight"][:4].clone()}
+    save_file(tensors | mtp, folder / "model.safetensors", metadata={"format": "pt"})
+    assert read_pretrained(folder).spec.router_scoring == "sigmoid"
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ConfigError, match=f"model.layers.{n}.eh_proj.weight"):  # no MTP layer declared: not dropped
+        read_pretrained(folder)
