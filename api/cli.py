@@ -148,7 +148,7 @@ def check_exact(
              "without capture).")] = None,
 ) -> None:
     """Same prompts twice: all resident + KV on GPU, then F resident + KV spilled to CPU/NVMe; compare bits."""
-    from runtime.engine.config import load_hf_config
+    from runtime.engine.hf_config import load_hf_config
     from runtime.engine.presets import preset as load_preset
     from runtime.errors import ConfigError
     from runtime.selfcheck.exact import MODES, run_exact_checks

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.engine.config import ModelSpec, load_hf_config
+from runtime.engine.config import ModelSpec
+from runtime.engine.hf_config import load_hf_config
 from runtime.errors import ConfigError
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -18,10 +18,11 @@ import torch
 
 from runtime.device import Device
 from runtime.engine.checkpoint import Checkpoint
-from runtime.engine.config import ModelSpec, load_hf_config
-from runtime.engine.config import _read_json as read_config_json
+from runtime.engine.config import ModelSpec
 from runtime.engine.families import family_for
 from runtime.engine.families.base import Family
+from runtime.engine.hf_config import load_hf_config
+from runtime.engine.hf_config import read_json as read_config_json
 from runtime.engine.weights import DenseWeights, LayerWeights, _attn_shapes, expert_format
 from runtime.errors import ConfigError
 from runtime.weights.format import ExpertFormat, dtype_from_name

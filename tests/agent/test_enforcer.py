@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from controller.protocol import AckStatus, Plan, RejectReason, Tier
-from runtime.engine.config import load_hf_config
+from runtime.engine.hf_config import load_hf_config
 from runtime.engine.presets import PRESETS
 from runtime.errors import CapacityError
 from runtime.kv import Tier as KVTier

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from runtime.engine.config import AttentionKind, ModelFamily, ModelSpec, load_hf_config
+from runtime.engine.config import AttentionKind, ModelFamily, ModelSpec
+from runtime.engine.hf_config import load_hf_config
 from runtime.engine.presets import PRESETS, preset, preset_names
 from runtime.errors import ConfigError
 
