@@ -15,6 +15,17 @@ from typing import Annotated, Any, Literal, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
+from controller.protocol_predictor import (  # noqa: F401 - re-exported: the agent imports only this module
+    MAX_TOP_M,
+    LayerTransitions,
+    LocalPredictor,
+    PredictorKind,
+    Successor,
+    TransitionPair,
+    TransitionRow,
+    check_predictor,
+    check_transitions,
+)
 from controller.validation import (  # noqa: F401 - parse, to_json, ProtocolError are this module's API too
     MAX_EXPERTS,
     MAX_FALLBACK_NAMES,
@@ -39,6 +50,12 @@ from controller.validation import (  # noqa: F401 - parse, to_json, ProtocolErro
     parse,
     to_json,
 )
+
+# Version 2 (Telemetry, Plan) adds the local predictor: a plan may carry a transition table and a prefetch
+# byte budget per step, telemetry the cross-layer counts it is trained from. Version 1 is still accepted: a
+# version-1 message is exactly a version-2 one without those fields (a sidecar's cached plan, or an agent
+# not yet upgraded, keeps working), so a version-1 message that carries them is refused.
+SchemaVersion = Literal[1, 2]
 
 
 class Tier(StrEnum):
@@ -197,7 +214,7 @@ class StepTimings(ProtocolModel):
 
 
 class Telemetry(ProtocolModel):
-    schema_version: Literal[1] = 1
+    schema_version: SchemaVersion = 2
     agent_id: Id
     rank: Count
     window_seq: Count
@@ -215,9 +232,13 @@ class Telemetry(ProtocolModel):
     expert_misses: Count
     applied_plan_version: Count  # 0 until the first plan is applied
     fallbacks: dict[Id, Count] = Field(default_factory=dict, max_length=MAX_FALLBACK_NAMES)
+    transitions: tuple[LayerTransitions, ...] = Field(default=(), max_length=MAX_LAYERS)  # v2: cross-layer pairs
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
+        if self.schema_version == 1 and self.transitions:
+            raise _invalid("transitions", "needs schema_version 2 (version 1 telemetry carries no transitions)")
+        check_transitions(self.transitions, self.num_layers, self.num_experts)
         if self.window_end_s < self.window_start_s:
             raise _invalid("window_end_s", f"{self.window_end_s} is before window_start_s={self.window_start_s}")
         _check_layer_rows(self.layers, "activation_counts", self.num_layers, self.num_experts)
@@ -271,7 +292,7 @@ class PrefetchItem(ProtocolModel):
 
 
 class Plan(ProtocolModel):
-    schema_version: Literal[1] = 1
+    schema_version: SchemaVersion = 2
     plan_id: Id
     version: Version
     base_version: Count  # the applied version this plan was built on; the agent rejects it as STALE otherwise
@@ -284,9 +305,18 @@ class Plan(ProtocolModel):
     prefetch: tuple[PrefetchItem, ...] = Field(default=(), max_length=MAX_ITEMS)
     link_shares: dict[Link, Probability] = Field(default_factory=dict)
     reason: Text
+    # v2: the predictor the agent evaluates one MoE layer ahead, and the bytes it may prefetch per engine step
+    local_predictor: LocalPredictor | None = None
+    prefetch_budget_bytes_per_step: Count = 0
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
+        if self.schema_version == 1:
+            for name in ("local_predictor", "prefetch_budget_bytes_per_step"):
+                if getattr(self, name):
+                    raise _invalid(name, "needs schema_version 2 (a version-1 plan carries no local predictor)")
+        if self.local_predictor is not None:
+            check_predictor(self.local_predictor, len(self.expert_bytes_per_layer))
         if self.version <= self.base_version:
             raise _invalid("version", f"{self.version} must be greater than base_version={self.base_version}")
         expert_bytes = sum(self.expert_bytes_per_layer)
