@@ -1,0 +1,53 @@
+"""Online Bayesian linear regression: the cost model's parameters learned from telemetry windows.
+
+Runs in the controller process (and in `tierplan sim`). Pure numpy. The prior mean is the constants a user
+gives (a hardware sheet, a bench result); the prior strength says how many observations they are worth.
+Each window adds one weighted observation; old evidence decays by `forgetting` per update so the fit
+follows a drifting machine (thermal limits, a neighbour on the PCIe switch). Features that a telemetry
+window cannot tell apart (collinear, or always zero) stay at their prior: the posterior only moves along
+directions the data spans. It must never touch I/O or keep global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class OnlineLinear:
+    """y ≈ theta · x with a Gaussian prior N(prior_mean, (prior_strength * diag(scale^-2))^-1)."""
+
+    def __init__(self, prior_mean: Sequence[float], prior_scale: Sequence[float], prior_strength: float = 1.0,
+                 forgetting: float = 1.0) -> None:
+        mean = np.asarray(prior_mean, dtype=np.float64)  # [P]
+        scale = np.asarray(prior_scale, dtype=np.float64)  # [P]
+        if mean.shape != scale.shape or mean.ndim != 1:
+            raise ValueError(f"OnlineLinear: prior_mean and prior_scale must be 1-D of one length, got {mean.shape} "
+                             f"and {scale.shape}")
+        if not (scale > 0).all() or prior_strength <= 0 or not 0 < forgetting <= 1:
+            raise ValueError("OnlineLinear: prior_scale and prior_strength must be > 0, forgetting in (0, 1]")
+        self._prior_prec = np.diag(prior_strength / scale**2)  # [P, P]
+        self._prior_mean = mean
+        self._prec = self._prior_prec.copy()  # [P, P] posterior precision
+        self._rhs = self._prior_prec @ mean  # [P] precision-weighted mean
+        self.forgetting = forgetting
+        self.num_updates = 0
+
+    @property
+    def theta(self) -> np.ndarray:
+        return np.linalg.solve(self._prec, self._rhs)  # [P]
+
+    def update(self, x: Sequence[float], y: float, weight: float = 1.0) -> None:
+        """Add one observation (weight = how many samples it summarises, e.g. the window's steps)."""
+        xv = np.asarray(x, dtype=np.float64)  # [P]
+        if xv.shape != self._rhs.shape or not np.isfinite(xv).all() or not np.isfinite(y) or weight <= 0:
+            return
+        # Forget toward the prior, not toward zero: a long quiet spell leaves the constants, not nothing.
+        f = self.forgetting
+        self._prec = f * self._prec + (1 - f) * self._prior_prec + weight * np.outer(xv, xv)
+        self._rhs = f * self._rhs + (1 - f) * (self._prior_prec @ self._prior_mean) + weight * y * xv
+        self.num_updates += 1
+
+    def predict(self, x: Sequence[float]) -> float:
+        return float(np.dot(self.theta, np.asarray(x, dtype=np.float64)))

@@ -1,0 +1,1 @@
+"""Offline evaluation of the controller's demand models on recorded traces (pure Python + numpy; never torch)."""

@@ -1,0 +1,230 @@
+"""The HBM split as a multiple-choice knapsack (MCKP): the problem every solver in this package solves.
+
+Runs inside the controller process; pure Python + numpy. It never imports torch, runtime or agent, and it
+never decides anything: it describes a split problem, checks it, and evaluates a choice.
+
+Model (separable, documented once here):
+- One `Group` per decision: one per MoE layer (options = resident slot counts 0..E) and one or more KV groups
+  (options = GPU block counts). Each group takes exactly one `Option`.
+- `Option.units` is HBM in units of `SplitProblem.unit_bytes` (e.g. one expert slot stride). KV options are
+  rounded UP to whole units (`units_for_bytes`), so a chosen split never exceeds the real budget.
+- `Option.cost_ms` is the expected stall/step time the choice contributes (lower is better). Only sums of
+  costs matter, so any constant offset per group is harmless.
+- `Option.link_bytes` is what the choice makes stream over the host link per step (the non-resident part of a
+  layer's union; KV fetches/spills). With `link_budget_bytes_per_step` set, the sum over groups must not
+  exceed it.
+- Migration: moving a group from its `current` option to another costs
+  `migration_ms_per_unit * |units - current units|` added to that option's cost (amortised per step by the
+  caller: ms to move one unit divided by the steps the plan is expected to hold). Separable, so every solver
+  sees it as part of the option cost (`effective_costs`).
+Objective: minimise the sum of effective costs s.t. sum(units) <= capacity_units and sum(link) <= link budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+
+class ProblemError(ValueError):
+    """A malformed problem: says what is wrong and where."""
+
+
+class InfeasibleError(ValueError):
+    """A well-formed problem with no split that satisfies every constraint; says which constraint and why."""
+
+
+class Constraint(StrEnum):
+    CAPACITY = "capacity"
+    LINK = "link"
+
+
+@dataclass(frozen=True)
+class Option:
+    units: int
+    cost_ms: float
+    link_bytes: int = 0
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    options: tuple[Option, ...]
+    current: int | None = None  # index into options of today's placement (migration cost, hysteresis)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ProblemError("group name must be non-empty")
+        if not self.options:
+            raise ProblemError(f"group {self.name!r}: has no options (expected at least one)")
+        for i, opt in enumerate(self.options):
+            where = f"group {self.name!r} option {i}"
+            if not isinstance(opt.units, int | np.integer) or opt.units < 0:
+                raise ProblemError(f"{where}: units={opt.units!r}, expected an int >= 0")
+            if not math.isfinite(opt.cost_ms):
+                raise ProblemError(f"{where}: cost_ms={opt.cost_ms!r}, expected a finite number")
+            if not isinstance(opt.link_bytes, int | np.integer) or opt.link_bytes < 0:
+                raise ProblemError(f"{where}: link_bytes={opt.link_bytes!r}, expected an int >= 0")
+        if self.current is not None and not 0 <= self.current < len(self.options):
+            raise ProblemError(f"group {self.name!r}: current={self.current} outside 0..{len(self.options) - 1}")
+
+
+@dataclass(frozen=True)
+class SplitProblem:
+    groups: tuple[Group, ...]
+    capacity_units: int
+    unit_bytes: int
+    link_budget_bytes_per_step: int | None = None
+    migration_ms_per_unit: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ProblemError("problem has no groups (expected one per MoE layer plus the KV group(s))")
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ProblemError(f"group names repeat: {dup}")
+        if self.capacity_units < 0:
+            raise ProblemError(f"capacity_units={self.capacity_units}, expected >= 0 "
+                               "(HBM budget minus dense weights and activation workspace, in units)")
+        if self.unit_bytes <= 0:
+            raise ProblemError(f"unit_bytes={self.unit_bytes}, expected > 0")
+        if self.link_budget_bytes_per_step is not None and self.link_budget_bytes_per_step < 0:
+            raise ProblemError(f"link_budget_bytes_per_step={self.link_budget_bytes_per_step}, expected >= 0")
+        if not math.isfinite(self.migration_ms_per_unit) or self.migration_ms_per_unit < 0:
+            raise ProblemError(f"migration_ms_per_unit={self.migration_ms_per_unit!r}, expected finite >= 0")
+
+    @property
+    def num_options(self) -> int:
+        return sum(len(g.options) for g in self.groups)
+
+    def check_feasible(self) -> None:
+        """Raise InfeasibleError naming the cause when no choice can satisfy a constraint on its own."""
+        min_units = sum(min(o.units for o in g.options) for g in self.groups)
+        if min_units > self.capacity_units:
+            worst = max(self.groups, key=lambda g: min(o.units for o in g.options))
+            raise InfeasibleError(
+                f"capacity {self.capacity_units} units ({self.capacity_units * self.unit_bytes} bytes) is below "
+                f"the {min_units} units the smallest options need (largest minimum: group {worst.name!r})")
+        budget = self.link_budget_bytes_per_step
+        if budget is not None:
+            min_link = sum(min(o.link_bytes for o in g.options) for g in self.groups)
+            if min_link > budget:
+                raise InfeasibleError(
+                    f"link budget {budget} bytes/step is below the {min_link} bytes/step that must stream even "
+                    "with every group at its least-streaming option")
+
+
+@dataclass(frozen=True)
+class SplitSolution:
+    choice: tuple[int, ...]  # option index per group, in problem order
+    objective_ms: float  # sum of effective costs (migration included)
+    solver: str
+    solve_ms: float
+    units_used: int
+    link_bytes_used: int
+    binding: tuple[Constraint, ...]
+    detail: str = ""  # how optimality was established (e.g. "lagrangian gap closed by search, 12 nodes")
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GroupArrays:
+    """One group's options as arrays (what the vectorised solvers work on)."""
+
+    units: np.ndarray  # [J] int64
+    cost_ms: np.ndarray  # [J] float64, migration included
+    link_bytes: np.ndarray  # [J] float64 (exact for integers below 2**53)
+
+
+def migration_ms(problem: SplitProblem, group: Group, option: Option) -> float:
+    if group.current is None or problem.migration_ms_per_unit == 0.0:
+        return 0.0
+    return problem.migration_ms_per_unit * abs(option.units - group.options[group.current].units)
+
+
+def group_arrays(problem: SplitProblem) -> list[GroupArrays]:
+    out = []
+    for g in problem.groups:
+        units = np.fromiter((o.units for o in g.options), dtype=np.int64, count=len(g.options))
+        cost = np.fromiter((o.cost_ms for o in g.options), dtype=np.float64, count=len(g.options))
+        if g.current is not None and problem.migration_ms_per_unit:
+            cost = cost + problem.migration_ms_per_unit * np.abs(units - units[g.current])
+        link = np.fromiter((o.link_bytes for o in g.options), dtype=np.float64, count=len(g.options))
+        out.append(GroupArrays(units, cost, link))
+    return out
+
+
+def effective_costs(problem: SplitProblem) -> list[np.ndarray]:
+    return [a.cost_ms for a in group_arrays(problem)]
+
+
+def evaluate(problem: SplitProblem, choice: tuple[int, ...]) -> tuple[float, int, int]:
+    """(objective_ms, units_used, link_bytes_used) of a choice; checks the choice's shape, not feasibility."""
+    if len(choice) != len(problem.groups):
+        raise ProblemError(f"choice has {len(choice)} entries for {len(problem.groups)} groups")
+    objective, units, link = 0.0, 0, 0
+    for g, j in zip(problem.groups, choice, strict=True):
+        if not 0 <= j < len(g.options):
+            raise ProblemError(f"choice {j} outside group {g.name!r}'s 0..{len(g.options) - 1}")
+        opt = g.options[j]
+        objective += opt.cost_ms + migration_ms(problem, g, opt)
+        units += opt.units
+        link += opt.link_bytes
+    return objective, units, link
+
+
+def violations(problem: SplitProblem, choice: tuple[int, ...]) -> list[str]:
+    """Constraints the choice breaks, in words; empty when feasible."""
+    _, units, link = evaluate(problem, choice)
+    out = []
+    if units > problem.capacity_units:
+        out.append(f"uses {units} units of {problem.capacity_units}")
+    budget = problem.link_budget_bytes_per_step
+    if budget is not None and link > budget:
+        out.append(f"streams {link} bytes/step of a {budget} budget")
+    return out
+
+
+def binding_constraints(problem: SplitProblem, choice: tuple[int, ...]) -> tuple[Constraint, ...]:
+    """A constraint binds when some group could lower its cost by a single move that only it forbids."""
+    _, units, link = evaluate(problem, choice)
+    free_units = problem.capacity_units - units
+    budget = problem.link_budget_bytes_per_step
+    free_link = math.inf if budget is None else budget - link
+    cap = lnk = False
+    for arr, j in zip(group_arrays(problem), choice, strict=True):
+        better = arr.cost_ms < arr.cost_ms[j] - 1e-12 * max(1.0, abs(arr.cost_ms[j]))
+        if not better.any():
+            continue
+        du = arr.units[better] - arr.units[j]
+        dl = arr.link_bytes[better] - arr.link_bytes[j]
+        cap |= bool(((du > free_units) & (dl <= free_link)).any())
+        lnk |= bool(((dl > free_link) & (du <= free_units)).any())
+    return tuple(c for c, on in ((Constraint.CAPACITY, cap), (Constraint.LINK, lnk)) if on)
+
+
+def units_for_bytes(num_bytes: int, unit_bytes: int) -> int:
+    """HBM bytes as units, rounded UP so a choice in units never exceeds the byte budget."""
+    return -(-num_bytes // unit_bytes)
+
+
+def capacity_units_of(hbm_budget_bytes: int, dense_bytes: int, workspace_bytes: int, unit_bytes: int) -> int:
+    """Units left for experts and KV: budget - dense weights - activation workspace, rounded DOWN."""
+    free = hbm_budget_bytes - dense_bytes - workspace_bytes
+    if free < 0:
+        raise InfeasibleError(f"HBM budget {hbm_budget_bytes} bytes is below dense weights {dense_bytes} + "
+                              f"activation workspace {workspace_bytes} bytes")
+    return free // unit_bytes
+
+
+def make_solution(problem: SplitProblem, choice: tuple[int, ...], solver: str, solve_ms: float,
+                  detail: str = "", stats: dict[str, float] | None = None) -> SplitSolution:
+    objective, units, link = evaluate(problem, choice)
+    return SplitSolution(choice=tuple(int(j) for j in choice), objective_ms=objective, solver=solver,
+                         solve_ms=solve_ms, units_used=units, link_bytes_used=link,
+                         binding=binding_constraints(problem, choice), detail=detail, stats=dict(stats or {}))

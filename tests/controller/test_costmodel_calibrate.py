@@ -1,0 +1,61 @@
+"""The cost model learns its compute and link parameters online from telemetry windows, from a wrong prior."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from controller.costmodel import ComputeParams, CostModel, HardwareSpec, StepLoad
+from controller.model_shape import ModelShape
+from controller.protocol import KVStats, LayerStats, Link, Stall, StallCause, StepTimings, Telemetry, Tier
+
+SHAPE = ModelShape(name="t", num_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2, expert_bytes=12288,
+                   dense_bytes=1 << 20, kv_bytes_per_token=256, block_tokens=16)
+
+
+def _window(seq: int, tokens_per_step: int, num_steps: int, misses: int, kv_loads: int, step_mean_ms: float,
+            stall_ms: float) -> Telemetry:
+    layers = tuple(LayerStats(layer=i, activation_counts=(tokens_per_step * num_steps,) + (0,) * 7,
+                              router_entropy_mean=0.5, num_tokens=tokens_per_step * num_steps) for i in range(2))
+    kv = KVStats(blocks_per_tier={Tier.GPU: 4}, hits_per_tier={Tier.GPU: 10},
+                 misses_per_tier={Tier.GPU: 0, Tier.CPU: kv_loads, Tier.NVME: 0})
+    stalls = (Stall(cause=StallCause.EXPERT_MISS, count=num_steps, total_ms=stall_ms),) if stall_ms else ()
+    return Telemetry(agent_id="a", rank=0, window_seq=seq, window_start_s=float(seq), window_end_s=seq + 1.0,
+                     model="t", num_layers=2, num_experts=8, layers=layers, kv=kv, stalls=stalls,
+                     step_timings_ms=StepTimings(num_steps=num_steps, mean=step_mean_ms, p50=step_mean_ms,
+                                                 p99=step_mean_ms),
+                     expert_hits=0, expert_misses=misses, applied_plan_version=0)
+
+
+def test_fit_converges_from_a_wrong_prior_to_the_machine_that_made_the_telemetry() -> None:
+    rng = np.random.default_rng(0)
+    hw_prior = HardwareSpec({lk: 1e9 for lk in Link}, 1e-5, 1 << 30)  # 10x too fast a link, 20x too cheap a load
+    model = CostModel(SHAPE, hw_prior, ComputeParams(dense_ms=0.1, moe_ms=0.1), forgetting=1.0)
+    true_step = lambda t: 1.2 + 0.15 * t  # noqa: E731 - ms of compute per step at t tokens
+    true_load_ms = lambda n, b: n * 0.2 + b / 1e8 * 1e3  # noqa: E731 - 0.2 ms per load, 100 MB/s
+    errors = []
+    for seq in range(60):
+        t, steps = int(rng.integers(1, 16)), 8
+        misses, kv = int(rng.integers(0, 20)), int(rng.integers(0, 3))
+        stall = true_load_ms(misses + kv, misses * SHAPE.expert_bytes + kv * SHAPE.kv_bytes_per_block)
+        mean = true_step(t) + stall / steps
+        noisy = mean * float(rng.normal(1.0, 0.02))
+        model.calibrate(_window(seq, t, steps, misses, kv, noisy, stall))
+        probe = model.compute_ms(8) + model.transfer_ms(Link.H2D, 10 * SHAPE.expert_bytes, 10)
+        errors.append(abs(probe - (true_step(8) + true_load_ms(10, 10 * SHAPE.expert_bytes))))
+    truth = true_step(8) + true_load_ms(10, 10 * SHAPE.expert_bytes)
+    assert errors[0] > 0.3 * truth  # the prior alone is far off
+    assert errors[-1] < 0.03 * truth  # the fit has converged
+    assert np.mean(errors[-10:]) < np.mean(errors[:10]) / 5
+    assert model.overhead_s(Link.H2D) + SHAPE.expert_bytes / model.link_bytes_per_s(Link.H2D) == pytest.approx(
+        0.2e-3 + SHAPE.expert_bytes / 1e8, rel=0.05)
+    # The calibrated model prices a step the way the machine did.
+    b = model.step_time_ms(StepLoad(batch_tokens=4, miss_count=(3, 2)))
+    assert b.total_ms == pytest.approx(true_step(4) + true_load_ms(5, 5 * SHAPE.expert_bytes), rel=0.05)
+
+
+def test_a_window_without_steps_changes_nothing() -> None:
+    model = CostModel(SHAPE, HardwareSpec({lk: 1e9 for lk in Link}, 1e-5, 1 << 30), ComputeParams(dense_ms=0.1))
+    before = (model.compute, model.link_bytes_per_s(Link.H2D))
+    model.calibrate(_window(0, 0, 0, 0, 0, 0.0, 0.0))
+    assert (model.compute, model.link_bytes_per_s(Link.H2D)) == before
