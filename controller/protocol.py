@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from controller.protocol_predictor import (  # noqa: F401 - re-exported: the agent imports only this module
     MAX_TOP_M,
+    MAX_UNION_STEPS,
     LayerTransitions,
+    LayerUnions,
     LocalPredictor,
     PredictorKind,
     Successor,
@@ -25,6 +27,7 @@ from controller.protocol_predictor import (  # noqa: F401 - re-exported: the age
     TransitionRow,
     check_predictor,
     check_transitions,
+    check_unions,
 )
 from controller.validation import (  # noqa: F401 - parse, to_json, ProtocolError are this module's API too
     MAX_EXPERTS,
@@ -233,12 +236,16 @@ class Telemetry(ProtocolModel):
     applied_plan_version: Count  # 0 until the first plan is applied
     fallbacks: dict[Id, Count] = Field(default_factory=dict, max_length=MAX_FALLBACK_NAMES)
     transitions: tuple[LayerTransitions, ...] = Field(default=(), max_length=MAX_LAYERS)  # v2: cross-layer pairs
+    step_unions: tuple[LayerUnions, ...] = Field(default=(), max_length=MAX_LAYERS)  # v2: experts needed per step
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        if self.schema_version == 1 and self.transitions:
-            raise _invalid("transitions", "needs schema_version 2 (version 1 telemetry carries no transitions)")
+        if self.schema_version == 1:
+            for name in ("transitions", "step_unions"):
+                if getattr(self, name):
+                    raise _invalid(name, f"needs schema_version 2 (version 1 telemetry carries no {name})")
         check_transitions(self.transitions, self.num_layers, self.num_experts)
+        check_unions(self.step_unions, self.num_layers, self.num_experts)
         if self.window_end_s < self.window_start_s:
             raise _invalid("window_end_s", f"{self.window_end_s} is before window_start_s={self.window_start_s}")
         _check_layer_rows(self.layers, "activation_counts", self.num_layers, self.num_experts)

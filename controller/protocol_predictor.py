@@ -29,6 +29,7 @@ from controller.validation import (
 )
 
 MAX_TOP_M = 64  # successors kept per source expert: a table row is meant to be small
+MAX_UNION_STEPS = 1024  # steps per window whose per-layer expert unions are reported
 
 
 class _Part(BaseModel):
@@ -73,6 +74,25 @@ class LayerTransitions(_Part):
         return self
 
 
+class LayerUnions(_Part):
+    """The distinct experts MoE layer `layer` needed in each of (a sample of) the window's steps, in step order,
+    with each step's token count: what the controller's miss-ratio curves at batch B are estimated from."""
+
+    layer: LayerIndex
+    batch_tokens: tuple[Count, ...] = Field(max_length=MAX_UNION_STEPS)
+    unions: tuple[tuple[ExpertIndex, ...], ...] = Field(max_length=MAX_UNION_STEPS)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if len(self.unions) != len(self.batch_tokens):
+            raise _invalid("unions", f"has {len(self.unions)} steps, batch_tokens has {len(self.batch_tokens)}")
+        for i, union in enumerate(self.unions):
+            rep = _first_repeat(union)
+            if rep is not None:
+                raise _invalid(f"unions.{i}.{rep[1]}", f"expert {union[rep[1]]} repeats unions.{i}.{rep[0]}")
+        return self
+
+
 def check_transitions(rows: Sequence[LayerTransitions], num_layers: int, num_experts: int) -> None:
     """Telemetry-level checks: layers in range and unique, experts in range (raises a protocol invariant)."""
     for i, row in enumerate(rows):
@@ -87,6 +107,20 @@ def check_transitions(rows: Sequence[LayerTransitions], num_layers: int, num_exp
     rep = _first_repeat([r.layer for r in rows])
     if rep is not None:
         raise _invalid(f"transitions.{rep[1]}.layer", f"{rows[rep[1]].layer} repeats transitions.{rep[0]}.layer")
+
+
+def check_unions(rows: Sequence[LayerUnions], num_layers: int, num_experts: int) -> None:
+    for i, row in enumerate(rows):
+        if row.layer >= num_layers:
+            raise _invalid(f"step_unions.{i}.layer", f"{row.layer} is out of range for num_layers={num_layers}")
+        for k, union in enumerate(row.unions):
+            for j, e in enumerate(union):
+                if e >= num_experts:
+                    raise _invalid(f"step_unions.{i}.unions.{k}.{j}",
+                                   f"expert {e} is out of range for num_experts={num_experts}")
+    rep = _first_repeat([r.layer for r in rows])
+    if rep is not None:
+        raise _invalid(f"step_unions.{rep[1]}.layer", f"{rows[rep[1]].layer} repeats step_unions.{rep[0]}.layer")
 
 
 # ---- Plan v2: the predictor the agent runs ----
