@@ -28,6 +28,7 @@ from controller.protocol_predictor import (  # noqa: F401 - re-exported: the age
     check_predictor,
     check_transitions,
     check_unions,
+    check_v2_only,
 )
 from controller.validation import (  # noqa: F401 - parse, to_json, ProtocolError are this module's API too
     MAX_EXPERTS,
@@ -237,13 +238,11 @@ class Telemetry(ProtocolModel):
     fallbacks: dict[Id, Count] = Field(default_factory=dict, max_length=MAX_FALLBACK_NAMES)
     transitions: tuple[LayerTransitions, ...] = Field(default=(), max_length=MAX_LAYERS)  # v2: cross-layer pairs
     step_unions: tuple[LayerUnions, ...] = Field(default=(), max_length=MAX_LAYERS)  # v2: experts needed per step
+    queued_kv_blocks: Count = 0  # v2: KV blocks the requests waiting for admission (or swapped out) would need
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        if self.schema_version == 1:
-            for name in ("transitions", "step_unions"):
-                if getattr(self, name):
-                    raise _invalid(name, f"needs schema_version 2 (version 1 telemetry carries no {name})")
+        check_v2_only(self, ("transitions", "step_unions", "queued_kv_blocks"), "telemetry")
         check_transitions(self.transitions, self.num_layers, self.num_experts)
         check_unions(self.step_unions, self.num_layers, self.num_experts)
         if self.window_end_s < self.window_start_s:
@@ -318,10 +317,7 @@ class Plan(ProtocolModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        if self.schema_version == 1:
-            for name in ("local_predictor", "prefetch_budget_bytes_per_step"):
-                if getattr(self, name):
-                    raise _invalid(name, "needs schema_version 2 (a version-1 plan carries no local predictor)")
+        check_v2_only(self, ("local_predictor", "prefetch_budget_bytes_per_step"), "plan")
         if self.local_predictor is not None:
             check_predictor(self.local_predictor, len(self.expert_bytes_per_layer))
         if self.version <= self.base_version:

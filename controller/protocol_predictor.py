@@ -93,6 +93,14 @@ class LayerUnions(_Part):
         return self
 
 
+def check_v2_only(msg: BaseModel, names: Sequence[str], kind: str) -> None:
+    """A version-1 message must leave every version-2 field at its default (empty, 0 or None)."""
+    if getattr(msg, "schema_version", 2) == 1:
+        for name in names:
+            if getattr(msg, name):
+                raise _invalid(name, f"needs schema_version 2 (a version-1 {kind} carries no {name})")
+
+
 def check_transitions(rows: Sequence[LayerTransitions], num_layers: int, num_experts: int) -> None:
     """Telemetry-level checks: layers in range and unique, experts in range (raises a protocol invariant)."""
     for i, row in enumerate(rows):
