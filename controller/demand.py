@@ -64,6 +64,7 @@ class DemandModel:
         self.kv_live_now = 0.0
         self.kv_queued_now = 0.0
         self.kv_gpu: float = 0.0
+        self.kv_swapped: float = 0.0
         self.kv_gpu_limit: int | None = None  # the GPU KV blocks the applied plan allows (saturation test)
         self.num_windows = 0
         self.table_version = 0
@@ -112,6 +113,7 @@ class DemandModel:
         self.kv_live_now = float(sum(blocks.values())) + self.kv_queued_now
         self.kv_live = self._smooth(self.kv_live, self.kv_live_now)
         self.kv_gpu = float(blocks.get(Tier.GPU, 0))
+        self.kv_swapped = float(blocks.get(Tier.CPU, 0) + blocks.get(Tier.NVME, 0))
         self.num_windows += 1
 
     # ---- reading -----------------------------------------------------------------------------------------
@@ -140,9 +142,10 @@ class DemandModel:
         hot = tuple(tuple(int(e) for e in np.argsort(-self.freq[m], kind="stable"))
                     for m in range(len(self.moe_layers)))
         limit = self.kv_gpu_limit
-        saturated = limit is not None and self.kv_gpu >= limit > 0
+        # Full, with sequences swapped out: the share is what limits the batch.
+        saturated = limit is not None and self.kv_gpu >= limit > 0 and self.kv_swapped > 0
         # Demand (held + queued) rises at once (the last window) and falls smoothly. Without a queue report, a
-        # full share hides the queue behind it: then demand is priced as a multiple of the share.
+        # saturated share hides the queue behind it: then demand is priced as a multiple of the share.
         live = max(self.kv_live or 0.0, self.kv_live_now)
         if saturated and limit is not None and not self.kv_queued_now:
             live = max(live, KV_SATURATED_GROWTH * limit)

@@ -55,7 +55,7 @@ class ControllerConfig:
     kv_cpu_blocks: int
     kv_nvme_blocks: int
     solver: Solver = Solver.DP
-    hysteresis: float = 0.10  # a new split must cut the predicted cost by this share of the current one
+    hysteresis: float = 0.10  # a new split must save this share of max(current cost, step compute) per step
     horizon_steps: int = 64  # steps a plan is expected to hold (migration is amortised over them)
     top_m: int = 4  # successors per source expert in the local table
     min_prob: float = 0.05  # successors below this are left out of the table
@@ -146,9 +146,10 @@ class Controller:
         cur_choice = None if cur is None else self._choice_of(val, cur)
         cur_ms = None if cur_choice is None else evaluate(val.problem, cur_choice)[0]
         reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand)
-        if cur is not None and (new == cur or (cur_ms is not None
-                                               and cur_ms - sol.objective_ms <= cfg.hysteresis * max(cur_ms, 1e-9))):
-            held = "kept" if new == cur else f"held (saves under {cfg.hysteresis:.0%})"
+        # A change must save a share of the current cost and of the step itself: near-zero costs move with noise.
+        margin_ms = cfg.hysteresis * max(cur_ms or 0.0, val.step_ms)
+        if cur is not None and (new == cur or (cur_ms is not None and cur_ms - sol.objective_ms <= margin_ms)):
+            held = "kept" if new == cur else f"held (saves under {margin_ms:.2f} ms/step)"
             now.history.append(Decision(Outcome.HELD, now.plan.version if now.plan else 0, fc.num_windows,
                                         fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"{held}: {reason}"))
             return None
