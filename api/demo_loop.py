@@ -35,6 +35,7 @@ class LoopResult:
     stats: dict[str, Any]
     budget_bytes: int
     plan_totals: list[int]  # each issued plan's expert + GPU KV bytes
+    phase_at_window: dict[int, str]  # windows closed so far -> the phase of the newest running request
 
 
 def phased_requests() -> tuple[list[Any], dict[int, str]]:
@@ -83,7 +84,8 @@ def run_loop_job(workdir: Path, with_controller: bool) -> LoopResult:
     from runtime.engine.scheduler import PreemptMode, Scheduler
 
     spec = preset("tiny")
-    reqs, _ = phased_requests()
+    reqs, phase_of = phased_requests()
+    phase_at_window: dict[int, str] = {}
     kv_floor = max(-(-(r.prompt_len + r.output_len) // BLOCK_TOKENS) for r in reqs) + 1
     unit = 4096
     budget = BUDGET_UNITS * unit
@@ -118,6 +120,9 @@ def run_loop_job(workdir: Path, with_controller: bool) -> LoopResult:
             def hook(batch: Any, step_s: float) -> None:
                 clock["t"] = max([clock["t"] + VIRTUAL_STEP_S, *(s.arrival_s for s in batch.prefills)])
                 loop.on_step(batch, step_s)
+                if loop.adapter.steps % WINDOW_STEPS == 0:
+                    newest = max(s.seq_id for s in batch.prefills + batch.decodes)
+                    phase_at_window[loop.adapter.steps // WINDOW_STEPS] = phase_of[newest]
         else:
             hook = None  # type: ignore[assignment]
         report = Runner(eng, sched, ForcedRouter(trace, eng), on_step=hook, virtual_step_s=VIRTUAL_STEP_S).run(reqs)
@@ -128,6 +133,7 @@ def run_loop_job(workdir: Path, with_controller: bool) -> LoopResult:
         totals = ([sum(p.expert_bytes_per_layer) + p.kv_blocks_per_tier["gpu"] * unit for p in loop.plans]
                   if loop is not None else [static_slots * stride_units * unit + kv_floor * unit])
         return LoopResult("controller" if with_controller else "static split", report.summary(),
-                          {s.seq_id: s.output for s in sched.finished}, history, stats, budget, totals)
+                          {s.seq_id: s.output for s in sched.finished}, history, stats, budget, totals,
+                          phase_at_window)
     finally:
         eng.close()
