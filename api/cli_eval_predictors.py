@@ -50,11 +50,11 @@ def register(app: typer.Typer) -> None:
         results = {name: replay(routing, make(streams), cache_frac, batch, unions)
                    for name, make in policy_factories().items()}
         best_hit = results["belady"].hit_rate
-        out = Console(highlight=False, soft_wrap=True)
+        out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
         table = Table(title=f"{trace.name}: {routing.num_tokens} tokens, {routing.num_layers} layers, "
                             f"top-{routing.top_k} of {routing.num_experts}, cache "
                             f"{cache_capacity(cache_frac, routing.num_experts)}/layer, batch {batch}")
-        for col in ("policy", "hit rate", "loads/demand", "gap to belady", "prefetch loads", "prefetch waste"):
+        for col in ("policy", "hit rate", "loads/demand", "gap to belady", "prefetches", "wasted"):
             table.add_column(col, justify="left" if col == "policy" else "right")
         for name, r in results.items():
             table.add_row(name, f"{r.hit_rate:.3f}", f"{r.loads_per_demand:.3f}", f"{best_hit - r.hit_rate:+.3f}",

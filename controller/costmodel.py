@@ -138,18 +138,23 @@ class CostModel:
         # A prior is believed to within 10x (a coefficient given as 0 to within 1 ms): data soon outweigh it,
         # while what telemetry cannot see (e.g. attention per context token) stays where the user put it.
         scale = [max(10 * abs(v), 1.0) for v in prior.as_tuple()]
-        self._compute_fit = OnlineLinear(prior.as_tuple(), scale, prior_strength, forgetting)
+        self._compute_fit = OnlineLinear(prior.as_tuple(), scale, prior_strength, forgetting, robust=True)
         self._link_fit: dict[Link, OnlineLinear] = {}
         for lk in Link:  # theta = (ms per transfer, ms per byte)
             mean = (hardware.transfer_overhead_s * 1e3, 1e3 / hardware.link_bytes_per_s[lk])
             scale = [max(10 * mean[0], 0.1), 10 * mean[1]]
-            self._link_fit[lk] = OnlineLinear(mean, scale, prior_strength, forgetting)
+            self._link_fit[lk] = OnlineLinear(mean, scale, prior_strength, forgetting, robust=True)
         self._refresh()
 
     def _refresh(self) -> None:
-        theta = [max(0.0, float(v)) for v in self._compute_fit.theta]  # a cost is never negative
-        self.compute = ComputeParams(*theta)
-        self._link_theta = {lk: tuple(max(0.0, float(v)) for v in f.theta) for lk, f in self._link_fit.items()}
+        # A cost is never negative, and a link is never believed 10x faster than its rating: telemetry of
+        # equal-sized loads cannot split a load's time into per-record and per-byte parts.
+        self.compute = ComputeParams(*(float(v) for v in self._compute_fit.theta_at_least([0.0] * 7)))
+        self._link_theta = {}
+        for lk, f in self._link_fit.items():
+            floor = 1e3 / self.hardware.link_bytes_per_s[lk] / 10
+            ovh, per_byte = f.theta_at_least([0.0, floor])
+            self._link_theta[lk] = (float(ovh), float(per_byte))
 
     # ---- parameters ---------------------------------------------------------------------------------
     def link_bytes_per_s(self, link: Link) -> float:
@@ -257,12 +262,19 @@ class CostModel:
         stream = self.transfer_ms(Link.H2D, num_streamed * eb, num_streamed)
         return max(0.0, stream - window) + self.transfer_ms(Link.H2D, num_missed * eb, num_missed)
 
+    def _active_per_step(self, counts: tuple[int, ...], tokens_per_step: float, num_steps: int) -> float:
+        """Distinct experts one step of the window routed to in a layer: exact for a one-step window, else the
+        uniform expectation, capped by the experts the window saw at all."""
+        seen = sum(1 for c in counts if c)
+        return float(seen) if num_steps == 1 else min(float(seen), self.expected_active(tokens_per_step))
+
     # ---- online calibration -------------------------------------------------------------------------
     def calibrate(self, telemetry: Telemetry) -> None:
         """Fold one telemetry window in. Compute: the mean step less its stalls, against the tokens per step
-        (the window's MoE layers' token counts); context is not in telemetry, so attention per context token
-        keeps its prior. Host->device link: the stall time against the demand loads (expert misses and KV
-        blocks fetched from CPU/NVMe) and their bytes."""
+        (the window's MoE layers' token counts) and the distinct experts per step (exact in one-step windows);
+        context is not in telemetry, so attention per context token keeps its prior. Host->device link: the
+        stall time against the demand loads (expert misses and KV blocks fetched from CPU/NVMe) and their
+        bytes. Both fits are robust (a step a neighbour preempted counts less) and forget slowly."""
         n = telemetry.step_timings_ms.num_steps
         if n == 0:
             return
@@ -270,7 +282,8 @@ class CostModel:
         tokens = sum(layers) / len(layers) / n if layers else 0.0
         stall_total = sum(s.total_ms for s in telemetry.stalls)
         compute_per_step = telemetry.step_timings_ms.mean - stall_total / n
-        active = self.shape.num_moe_layers * self.expected_active(tokens)
+        active = sum(self._active_per_step(row.activation_counts, tokens, n) for row in telemetry.layers)
+        active *= self.shape.num_moe_layers / len(layers) if layers else 0.0
         self._compute_fit.update(self._features(tokens, 0.0, active), compute_per_step, weight=n)
         kv_loads = sum(v for tier, v in telemetry.kv.misses_per_tier.items() if tier.value != "gpu")
         loads = telemetry.expert_misses + kv_loads

@@ -14,12 +14,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+_ROBUST_AFTER = 5  # observations before residuals are trusted to say what an outlier is
+_HUBER_K = 2.0  # residuals beyond this many typical residuals are down-weighted
+
 
 class OnlineLinear:
     """y ≈ theta · x with a Gaussian prior N(prior_mean, (prior_strength * diag(scale^-2))^-1)."""
 
     def __init__(self, prior_mean: Sequence[float], prior_scale: Sequence[float], prior_strength: float = 1.0,
-                 forgetting: float = 1.0) -> None:
+                 forgetting: float = 1.0, robust: bool = False) -> None:
         mean = np.asarray(prior_mean, dtype=np.float64)  # [P]
         scale = np.asarray(prior_scale, dtype=np.float64)  # [P]
         if mean.shape != scale.shape or mean.ndim != 1:
@@ -31,18 +34,48 @@ class OnlineLinear:
         self._prior_mean = mean
         self._prec = self._prior_prec.copy()  # [P, P] posterior precision
         self._rhs = self._prior_prec @ mean  # [P] precision-weighted mean
-        self.forgetting = forgetting
+        self.forgetting, self.robust = forgetting, robust
         self.num_updates = 0
+        self._res_scale = 0.0
 
     @property
     def theta(self) -> np.ndarray:
         return np.linalg.solve(self._prec, self._rhs)  # [P]
 
+    def theta_at_least(self, lower: Sequence[float]) -> np.ndarray:
+        """The posterior mode subject to theta >= lower (active set: a coordinate below its bound is held
+        there and the others move as the posterior's correlations say)."""
+        prec, mean = self._prec, self.theta
+        low = np.asarray(lower, dtype=np.float64)  # [P]
+        held = np.zeros(mean.shape, dtype=bool)
+        theta = mean.copy()
+        for _ in range(mean.size):
+            below = (theta < low - 1e-15) & ~held
+            if not below.any():
+                break
+            held |= below
+            free = ~held
+            theta = np.where(held, low, mean)
+            if free.any():  # conditional mode of the free coordinates given the held ones
+                shift = np.linalg.solve(prec[np.ix_(free, free)], prec[np.ix_(free, held)] @ (low[held] - mean[held]))
+                theta[free] = mean[free] - shift
+        return np.maximum(theta, low)
+
     def update(self, x: Sequence[float], y: float, weight: float = 1.0) -> None:
-        """Add one observation (weight = how many samples it summarises, e.g. the window's steps)."""
+        """Add one observation (weight = how many samples it summarises, e.g. the window's steps). With
+        `robust`, an observation far from the current fit (a step a neighbour's process preempted) counts
+        less: Huber weights against a running scale of the residuals."""
         xv = np.asarray(x, dtype=np.float64)  # [P]
         if xv.shape != self._rhs.shape or not np.isfinite(xv).all() or not np.isfinite(y) or weight <= 0:
             return
+        if self.robust:
+            residual = abs(y - float(np.dot(self.theta, xv)))
+            if self.num_updates >= _ROBUST_AFTER and self._res_scale > 0:
+                cut = _HUBER_K * self._res_scale
+                weight *= 1.0 if residual <= cut else cut / residual
+            # The scale follows the typical residual (a slow EWMA, clipped so one outlier cannot blow it up).
+            capped = residual if self._res_scale == 0 else min(residual, 3 * self._res_scale)
+            self._res_scale = capped if self.num_updates == 0 else 0.9 * self._res_scale + 0.1 * capped
         # Forget toward the prior, not toward zero: a long quiet spell leaves the constants, not nothing.
         f = self.forgetting
         self._prec = f * self._prec + (1 - f) * self._prior_prec + weight * np.outer(xv, xv)

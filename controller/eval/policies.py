@@ -14,6 +14,7 @@ from controller.predictors.base import ExpertCachePolicy
 from controller.predictors.belady import BeladyPolicy
 from controller.predictors.caches import EWMALFUPolicy, LFRUPolicy, LFUPolicy, LRUPolicy
 from controller.predictors.cost_aware import CostAwarePolicy
+from controller.predictors.learned import LearnedDemandPredictor
 from controller.predictors.transition import TransitionTable
 
 PolicyFactory = Callable[[list[np.ndarray]], ExpertCachePolicy]
@@ -29,4 +30,6 @@ def policy_factories() -> dict[str, PolicyFactory]:
         "belady": BeladyPolicy,
         "tierplan-freq": lambda streams: CostAwarePolicy("tierplan-freq", None),
         "tierplan-xlayer": lambda streams: CostAwarePolicy("tierplan-xlayer", TransitionTable(1, 1)),
+        "tierplan-learned": lambda streams: CostAwarePolicy("tierplan-learned", LearnedDemandPredictor()),
+        "tierplan-lgbm": lambda streams: CostAwarePolicy("tierplan-lgbm", LearnedDemandPredictor("lightgbm")),
     }

@@ -3,16 +3,16 @@
 Runs inside the controller process; pure numpy. Never imports torch, runtime or agent; never mutates the problem.
 
 How it is exact with two constraints (HBM units and the per-step link budget):
-- The DP runs over capacity only (vectorised over 0..C, one table per group, kept for backtracking); the
-  link budget enters as a Lagrangian price: option weight = cost_ms + lam * link_bytes.
-- lam = 0 first in spirit: without a link budget, or when the lam that a cheap coarse DP finds is 0 and the
-  answer streams within budget, one pass is optimal (the Lagrangian bound equals the answer).
-- Otherwise lam comes from a secant search on the dual over a coarse copy (units rounded up to q, so its
-  answers are feasible in the fine problem too), the fine tables are built once at that lam, and the
-  duality gap is closed by a depth-first branch and bound whose bound at every node is
-  (cost so far) + (fine Lagrangian table of the remaining groups) - lam * (link budget left): any lam >= 0
-  gives a valid bound, so the search is exact whatever lam is. A node limit hands the rest to the MILP
-  (recorded in the solution's `detail` and `stats`, never silent).
+- The DP (`tables.py`) runs over capacity only, vectorised over 0..C; the link budget enters as a Lagrangian
+  price: option weight = cost_ms + lam * link_bytes.
+- The price comes from a secant search on the dual over a coarse copy whose units are rounded UP to q (so its
+  answers are feasible in the real problem too). Price 0 with an answer that streams within budget: one fine
+  pass at price 0 is optimal (the link budget does not bind).
+- Otherwise the fine tables are built once at that price and the duality gap is closed by a depth-first branch
+  and bound whose bound at every node is (cost so far) + (fine table of the remaining groups) - lam * (link
+  budget left): valid for any lam >= 0, so the search is exact whatever the price. Link feasibility is pruned
+  with a relaxed table (units rounded DOWN, every real completion fits it). A node limit hands the rest to the
+  MILP, recorded in the solution's `detail` and `stats`, never silent.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
+from controller.optimizer.pricing import link_price
 from controller.optimizer.problem import (
     GroupArrays,
     InfeasibleError,
@@ -32,138 +32,45 @@ from controller.optimizer.problem import (
     group_arrays,
     make_solution,
 )
+from controller.optimizer.tables import Layout, at_capacity, halves, tables_of
 
-COARSE_STATES = 384  # capacity states of the coarse copy that prices the link budget
+FLOOR_STATES = 1 << 30  # capacity states of the table that bounds link bytes in the search (exact when >= C)
 REL_TOL = 1e-9  # optimality tolerance (relative): well inside the 1e-6 the solvers must agree to
 NODE_LIMIT = 20_000
+PRICE_PASSES = 4  # DP passes at link prices bracketing the budget (cheapest split that fits wins)
+PRICE_STEP = 1.25
 
 
 class _NodeLimit(Exception):
     pass
 
 
-def _group_step(prev: np.ndarray, units: np.ndarray, weight: np.ndarray, n: int) -> np.ndarray:
-    """new[c] = min_j weight_j + prev[min(c - units_j, len(prev) - 1)] over units_j <= c, for c < n."""
-    m = prev.size
-    ext = prev if n <= m else np.concatenate([prev, np.full(n - m, prev[-1])])  # capacity beyond need: flat
-    umin, umax = int(units.min()), int(units.max())
-    span = umax - umin + 1
-    new = np.full(n, np.inf)
-    if umin >= n:
-        return new
-    if span <= 4 * units.size:  # dense (an MoE layer's 0..E slots): one sliding-window min
-        dense = np.full(span, np.inf)
-        np.minimum.at(dense, units - umin, weight)
-        padded = np.concatenate([np.full(span - 1, np.inf), ext[: n - umin]])
-        windows = sliding_window_view(padded, span)  # [n - umin, span]
-        new[umin:] = (windows + dense[::-1]).min(axis=1)
-        return new
-    for u, w in zip(units.tolist(), weight.tolist(), strict=True):
-        if u < n:
-            np.minimum(new[u:], ext[: n - u] + w, out=new[u:])
-    return new
-
-
-def _tables(arrs: list[GroupArrays], units: list[np.ndarray], lam: float, capacity: int) -> list[np.ndarray]:
-    """Backward tables: T[g][c] = min Lagrangian weight of groups g.. with <= c units (flat past len - 1)."""
-    tables: list[np.ndarray] = [np.zeros(1)]
-    need = 0
-    for a, u in zip(reversed(arrs), reversed(units), strict=True):
-        need += int(u.max())
-        weight = a.cost_ms + lam * a.link_bytes if lam else a.cost_ms
-        tables.append(_group_step(tables[-1], u, weight, min(capacity, need) + 1))
-    tables.reverse()
-    return tables
-
-
-def _backtrack(arrs: list[GroupArrays], units: list[np.ndarray], tables: list[np.ndarray], lam: float,
-               capacity: int) -> tuple[int, ...] | None:
-    if not math.isfinite(tables[0][min(capacity, tables[0].size - 1)]):
-        return None
-    choice, c = [], capacity
-    for g, (a, u) in enumerate(zip(arrs, units, strict=True)):
-        prev = tables[g + 1]
-        weight = a.cost_ms + lam * a.link_bytes if lam else a.cost_ms
-        rem = c - u
-        vals = np.where(rem >= 0, weight + prev[np.clip(rem, 0, prev.size - 1)], np.inf)
-        j = int(np.argmin(vals))
-        choice.append(j)
-        c -= int(u[j])
-    return tuple(choice)
-
-
 @dataclass
 class _Eval:
-    lam: float
     choice: tuple[int, ...]
     cost_ms: float
     link_bytes: float
 
 
-def _evaluate(arrs: list[GroupArrays], choice: tuple[int, ...]) -> tuple[float, float]:
+def _evaluate(arrs: list[GroupArrays], choice: tuple[int, ...]) -> _Eval:
     cost = sum(float(a.cost_ms[j]) for a, j in zip(arrs, choice, strict=True))
     link = sum(float(a.link_bytes[j]) for a, j in zip(arrs, choice, strict=True))
-    return cost, link
-
-
-def _price_link(arrs: list[GroupArrays], capacity: int, budget: float) -> tuple[float, list[_Eval], int]:
-    """Secant search for the dual price of the link budget on a coarse copy; returns (lam, feasible, passes)."""
-    q = max(1, math.ceil(capacity / COARSE_STATES))
-    units = [-(-a.units // q) for a in arrs]
-    cap = capacity // q
-    passes = 0
-
-    def at(lam: float) -> _Eval | None:
-        nonlocal passes
-        passes += 1
-        tables = _tables(arrs, units, lam, cap)
-        choice = _backtrack(arrs, units, tables, lam, cap)
-        if choice is None:
-            return None
-        return _Eval(lam, choice, *_evaluate(arrs, choice))
-
-    lo = at(0.0)
-    if lo is None:  # rounding up made the coarse copy infeasible: price the link at 0 and let the search work
-        return 0.0, [], passes
-    if lo.link_bytes <= budget:
-        return 0.0, [lo], passes
-    spread = sum(float(a.cost_ms.max() - a.cost_ms.min()) for a in arrs) + 1e-12
-    lam = spread / max(lo.link_bytes - budget, 1.0)
-    hi = None
-    for _ in range(64):
-        e = at(lam)
-        if e is not None and e.link_bytes <= budget:
-            hi = e
-            break
-        if e is not None:
-            lo = e
-        lam *= 4.0
-    if hi is None:
-        return lam, [], passes
-    for _ in range(24):
-        lam = (hi.cost_ms - lo.cost_ms) / (lo.link_bytes - hi.link_bytes)
-        line = lo.cost_ms + lam * lo.link_bytes
-        e = at(lam)
-        if e is None:
-            break
-        if e.cost_ms + lam * e.link_bytes >= line - REL_TOL * max(1.0, abs(line)):
-            break  # no choice beats both ends at this price: lam maximises the coarse dual
-        if e.link_bytes <= budget:
-            hi = e
-        else:
-            lo = e
-    return lam, [hi], passes
+    return _Eval(choice, cost, link)
 
 
 class _Search:
-    """Depth-first branch and bound over groups, children in bound order, bounded by the Lagrangian tables."""
+    """Depth-first branch and bound over groups (in table order), children in bound order."""
 
     def __init__(self, arrs: list[GroupArrays], tables: list[np.ndarray], lam: float, budget: float,
-                 best: tuple[int, ...] | None, best_cost: float) -> None:
+                 incumbent: _Eval | None, capacity: int, max_nodes: int) -> None:
         self.arrs, self.tables, self.lam, self.budget = arrs, tables, lam, budget
-        self.best, self.ub = best, best_cost
-        self.min_link_after = np.concatenate([np.cumsum([a.link_bytes.min() for a in arrs][::-1])[::-1], [0.0]])
-        self.nodes = 0
+        self.best = incumbent.choice if incumbent else None
+        self.ub = incumbent.cost_ms if incumbent else math.inf
+        self.q = max(1, math.ceil(capacity / FLOOR_STATES))
+        relaxed = [Layout.of(a.units // self.q) for a in arrs]
+        link_only = [GroupArrays(a.units, a.link_bytes, a.link_bytes) for a in arrs]
+        self.link_floor = tables_of(link_only, relaxed, 0.0, capacity // self.q)
+        self.nodes, self.max_nodes = 0, max_nodes
         self.path: list[int] = []
 
     def _cut(self) -> float:
@@ -174,21 +81,21 @@ class _Search:
 
     def _node(self, g: int, c: int, link: float, cost: float) -> None:
         self.nodes += 1
-        if self.nodes > NODE_LIMIT:
+        if self.nodes > self.max_nodes:
             raise _NodeLimit
         a = self.arrs[g]
         rem = c - a.units
         new_link = link + a.link_bytes
-        ok = (rem >= 0) & (new_link + self.min_link_after[g + 1] <= self.budget)
+        ok = (rem >= 0) & (new_link + at_capacity(self.link_floor[g + 1], np.maximum(rem, 0) // self.q)
+                           <= self.budget)
         if g == len(self.arrs) - 1:
             total = np.where(ok, cost + a.cost_ms, np.inf)
             j = int(np.argmin(total))
             if total[j] < self._cut():
                 self.ub, self.best = float(total[j]), (*self.path, j)
             return
-        prev = self.tables[g + 1]
-        bound = cost + a.cost_ms + prev[np.clip(rem, 0, prev.size - 1)] - self.lam * (self.budget - new_link)
-        bound = np.where(ok, bound, np.inf)
+        bound = cost + a.cost_ms + at_capacity(self.tables[g + 1], np.maximum(rem, 0))
+        bound = np.where(ok, bound - self.lam * (self.budget - new_link), np.inf)
         for j in np.argsort(bound, kind="stable").tolist():
             if not bound[j] < self._cut():
                 break
@@ -197,55 +104,98 @@ class _Search:
             self.path.pop()
 
 
-def solve_dp(problem: SplitProblem) -> SplitSolution:
-    """The exact optimum of `problem` (see the module docstring); raises InfeasibleError with the cause."""
+def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_LIMIT) -> SplitSolution:
+    """The optimum of `problem` (module docstring); raises InfeasibleError with the cause.
+
+    When the link budget binds with a duality gap, `exact=False` returns the cheapest split that fits found by
+    raising the price (feasible; its proven distance from optimal in `stats["gap_ms"]` and `detail`), and
+    `exact=True` closes the gap: the search, then the MILP past `max_nodes`."""
     t0 = time.perf_counter()
     problem.check_feasible()
     arrs = group_arrays(problem)
-    units = [a.units for a in arrs]
+    lays = [Layout.of(a.units) for a in arrs]
     capacity = problem.capacity_units
     budget = problem.link_budget_bytes_per_step
-    stats: dict[str, float] = {}
     if budget is None:
-        tables = _tables(arrs, units, 0.0, capacity)
-        choice = _backtrack(arrs, units, tables, 0.0, capacity)
-        assert choice is not None  # check_feasible guarantees a capacity-feasible choice
-        return make_solution(problem, choice, "dp", _ms(t0), "one DP pass (no link budget)", {"passes": 1})
+        found = halves(arrs, lays, 0.0, capacity)
+        assert found is not None  # check_feasible guarantees a capacity-feasible choice
+        return make_solution(problem, found[0], "dp", _ms(t0), "one DP pass (no link budget)", {"passes": 1},
+                             link_binds=False)
+    lam = link_price(arrs, capacity, float(budget))
+    stats: dict[str, float] = {"lam_ms_per_byte": lam, "passes": 0}
+    best_lam, lower, incumbent = lam, -math.inf, None
+    lo, hi, price = 0.0, math.inf, lam  # prices known to stream too much / known to fit
+    for _ in range(PRICE_PASSES):
+        found = halves(arrs, lays, price, capacity)
+        assert found is not None
+        stats["passes"] += 1
+        e = _evaluate(arrs, found[0])
+        if found[1] - price * budget > lower:
+            best_lam, lower = price, found[1] - price * budget
+        if e.link_bytes <= budget:
+            hi = price
+            if incumbent is None or e.cost_ms < incumbent.cost_ms:
+                incumbent = e
+            if price == 0.0 or incumbent.cost_ms - lower <= REL_TOL * max(1.0, abs(incumbent.cost_ms)):
+                break
+        else:
+            lo = price
+        # Bisect (geometrically) between a price that streams too much and one that fits; grow until one fits.
+        price = math.sqrt(lo * hi) if math.isfinite(hi) and lo > 0 else (
+            price * PRICE_STEP if price > 0 else _first_price(arrs)) if not math.isfinite(hi) else hi / PRICE_STEP
+    stats["lower_bound_ms"] = lower
+    if incumbent is not None and incumbent.cost_ms - lower <= REL_TOL * max(1.0, abs(incumbent.cost_ms)):
+        how = "link budget not binding" if best_lam == 0.0 else f"Lagrangian optimum at lam={best_lam:.3g} ms/byte"
+        return make_solution(problem, incumbent.choice, "dp", _ms(t0), f"DP, {how} (no gap)", stats,
+                             link_binds=best_lam > 0.0)
+    if incumbent is not None and not exact:
+        gap = incumbent.cost_ms - lower
+        stats["gap_ms"] = gap
+        detail = (f"DP at link price {price:.3g} ms/byte, within {gap:.3g} ms "
+                  f"({100 * gap / max(abs(incumbent.cost_ms), 1e-12):.2g}%) of optimal (Lagrangian bound)")
+        return make_solution(problem, incumbent.choice, "dp", _ms(t0), detail, stats, link_binds=True)
+    return _close_gap(problem, arrs, lays, best_lam, lower, incumbent, max_nodes, stats, t0)
 
-    lam, feasible, passes = _price_link(arrs, capacity, float(budget))
-    tables = _tables(arrs, units, lam, capacity)
-    stats.update(lam_ms_per_byte=lam, coarse_passes=passes, passes=1)
-    lower = float(tables[0][min(capacity, tables[0].size - 1)]) - lam * budget
-    candidates = [e.choice for e in feasible]
-    choice = _backtrack(arrs, units, tables, lam, capacity)
-    if choice is not None:
-        candidates.append(choice)
-    best, best_cost = None, math.inf
-    for cand in candidates:
-        cost, link = _evaluate(arrs, cand)
-        if link <= budget and sum(int(u[j]) for u, j in zip(units, cand, strict=True)) <= capacity and \
-                cost < best_cost:
-            best, best_cost = cand, cost
-    if best is not None and best_cost - lower <= REL_TOL * max(1.0, abs(best_cost)):
-        detail = f"Lagrangian optimum at lam={lam:.3g} ms/byte (no duality gap)"
-        return make_solution(problem, best, "dp", _ms(t0), detail, stats)
-    search = _Search(arrs, tables, lam, float(budget), best, best_cost)
+
+def _first_price(arrs: list[GroupArrays]) -> float:
+    cost_span = max(float(a.cost_ms.max() - a.cost_ms.min()) for a in arrs) + 1e-12
+    return cost_span / (max(float(a.link_bytes.max()) for a in arrs) + 1.0)
+
+
+def _close_gap(problem: SplitProblem, arrs: list[GroupArrays], lays: list[Layout], lam: float, lower: float,
+               incumbent: _Eval | None, max_nodes: int, stats: dict[str, float], t0: float) -> SplitSolution:
+    """Exact: branch and bound on fine tables at `lam`, the MILP past `max_nodes`."""
+    capacity, budget = problem.capacity_units, float(problem.link_budget_bytes_per_step or 0)
+    # Table order: most units first, so the tables (built last-first) stay short for longest.
+    perm = sorted(range(len(arrs)), key=lambda g: int(lays[g].distinct[-1]), reverse=True)
+    p_arrs, p_lays = [arrs[g] for g in perm], [lays[g] for g in perm]
+    tables = tables_of(p_arrs, p_lays, lam, capacity)
+    start = None if incumbent is None else _Eval(tuple(incumbent.choice[g] for g in perm), incumbent.cost_ms,
+                                                 incumbent.link_bytes)
+    search = _Search(p_arrs, tables, lam, budget, start, capacity, max_nodes)
     try:
         search.run(capacity)
     except _NodeLimit:
         from controller.optimizer.milp import solve_milp
 
-        sol = solve_milp(problem)
         stats.update(search_nodes=search.nodes, fallback_milp=1)
-        detail = f"search passed {NODE_LIMIT} nodes; MILP finished it"
-        return make_solution(problem, sol.choice, "dp+milp", _ms(t0), detail, stats)
+        sol = solve_milp(problem)
+        detail = f"search passed {max_nodes} nodes; the MILP finished it"
+        return make_solution(problem, sol.choice, "dp+milp", _ms(t0), detail, stats, link_binds=True)
     stats["search_nodes"] = search.nodes
     if search.best is None:
-        raise InfeasibleError("no split fits both the HBM capacity and the link budget: every choice that fits "
-                              f"{capacity} units streams more than {budget} bytes/step")
-    gap = search.ub - lower
-    detail = f"Lagrangian bound at lam={lam:.3g} ms/byte, gap {gap:.3g} ms closed by search ({search.nodes} nodes)"
-    return make_solution(problem, search.best, "dp", _ms(t0), detail, stats)
+        raise InfeasibleError(f"no split fits both the HBM capacity ({capacity} units) and the link budget "
+                              f"({budget:.0f} bytes/step): every split that fits the capacity streams more")
+    detail = (f"DP, Lagrangian bound at lam={lam:.3g} ms/byte, gap {search.ub - lower:.3g} ms closed by search "
+              f"({search.nodes} nodes)")
+    return make_solution(problem, _unpermute(perm, search.best), "dp", _ms(t0), detail, stats, link_binds=True)
+
+
+def _unpermute(perm: list[int], choice: tuple[int, ...]) -> tuple[int, ...]:
+    out = [0] * len(perm)
+    for g, j in zip(perm, choice, strict=True):
+        out[g] = j
+    return tuple(out)
 
 
 def _ms(t0: float) -> float:

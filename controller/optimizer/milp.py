@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from controller.optimizer.pricing import link_price
 from controller.optimizer.problem import InfeasibleError, SplitProblem, SplitSolution, group_arrays, make_solution
 
 
@@ -46,4 +47,7 @@ def solve_milp(problem: SplitProblem, time_limit_s: float = 60.0) -> SplitSoluti
         raise RuntimeError(f"HiGHS returned {prob.status} for the split MILP")
     values = np.asarray(x.value)
     choice = tuple(int(np.argmax(values[offsets[g]:offsets[g + 1]])) for g in range(len(arrs)))
-    return make_solution(problem, choice, "milp", (time.perf_counter() - t0) * 1e3, "HiGHS MILP, zero gap")
+    binds = None if problem.link_budget_bytes_per_step is None else \
+        link_price(arrs, problem.capacity_units, float(problem.link_budget_bytes_per_step)) > 0.0
+    return make_solution(problem, choice, "milp", (time.perf_counter() - t0) * 1e3, "HiGHS MILP, zero gap",
+                         link_binds=binds)

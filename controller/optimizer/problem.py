@@ -22,6 +22,7 @@ Objective: minimise the sum of effective costs s.t. sum(units) <= capacity_units
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -51,6 +52,15 @@ class Option:
 
 
 @dataclass(frozen=True)
+class GroupArrays:
+    """One group's options as arrays (what the vectorised solvers work on)."""
+
+    units: np.ndarray  # [J] int64
+    cost_ms: np.ndarray  # [J] float64, migration included
+    link_bytes: np.ndarray  # [J] float64 (exact for integers below 2**53)
+
+
+@dataclass(frozen=True)
 class Group:
     name: str
     options: tuple[Option, ...]
@@ -71,6 +81,17 @@ class Group:
                 raise ProblemError(f"{where}: link_bytes={opt.link_bytes!r}, expected an int >= 0")
         if self.current is not None and not 0 <= self.current < len(self.options):
             raise ProblemError(f"group {self.name!r}: current={self.current} outside 0..{len(self.options) - 1}")
+
+    @functools.cached_property
+    def arrays(self) -> GroupArrays:
+        """The options as arrays, migration not included (built once; solvers must not write to them)."""
+        n = len(self.options)
+        units = np.fromiter((o.units for o in self.options), dtype=np.int64, count=n)
+        cost = np.fromiter((o.cost_ms for o in self.options), dtype=np.float64, count=n)
+        link = np.fromiter((o.link_bytes for o in self.options), dtype=np.float64, count=n)
+        for a in (units, cost, link):
+            a.flags.writeable = False
+        return GroupArrays(units, cost, link)
 
 
 @dataclass(frozen=True)
@@ -132,15 +153,6 @@ class SplitSolution:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class GroupArrays:
-    """One group's options as arrays (what the vectorised solvers work on)."""
-
-    units: np.ndarray  # [J] int64
-    cost_ms: np.ndarray  # [J] float64, migration included
-    link_bytes: np.ndarray  # [J] float64 (exact for integers below 2**53)
-
-
 def migration_ms(problem: SplitProblem, group: Group, option: Option) -> float:
     if group.current is None or problem.migration_ms_per_unit == 0.0:
         return 0.0
@@ -150,12 +162,11 @@ def migration_ms(problem: SplitProblem, group: Group, option: Option) -> float:
 def group_arrays(problem: SplitProblem) -> list[GroupArrays]:
     out = []
     for g in problem.groups:
-        units = np.fromiter((o.units for o in g.options), dtype=np.int64, count=len(g.options))
-        cost = np.fromiter((o.cost_ms for o in g.options), dtype=np.float64, count=len(g.options))
+        a = g.arrays
         if g.current is not None and problem.migration_ms_per_unit:
-            cost = cost + problem.migration_ms_per_unit * np.abs(units - units[g.current])
-        link = np.fromiter((o.link_bytes for o in g.options), dtype=np.float64, count=len(g.options))
-        out.append(GroupArrays(units, cost, link))
+            cost = a.cost_ms + problem.migration_ms_per_unit * np.abs(a.units - a.units[g.current])
+            a = GroupArrays(a.units, cost, a.link_bytes)
+        out.append(a)
     return out
 
 
@@ -190,8 +201,11 @@ def violations(problem: SplitProblem, choice: tuple[int, ...]) -> list[str]:
     return out
 
 
-def binding_constraints(problem: SplitProblem, choice: tuple[int, ...]) -> tuple[Constraint, ...]:
-    """A constraint binds when some group could lower its cost by a single move that only it forbids."""
+def binding_constraints(problem: SplitProblem, choice: tuple[int, ...],
+                        link_binds: bool | None = None) -> tuple[Constraint, ...]:
+    """Constraints that bind: capacity when some group could lower its cost by a single move that only the
+    capacity forbids; the link budget when the solver priced it above zero (`link_binds`), else by the same
+    single-move rule."""
     _, units, link = evaluate(problem, choice)
     free_units = problem.capacity_units - units
     budget = problem.link_budget_bytes_per_step
@@ -205,6 +219,8 @@ def binding_constraints(problem: SplitProblem, choice: tuple[int, ...]) -> tuple
         dl = arr.link_bytes[better] - arr.link_bytes[j]
         cap |= bool(((du > free_units) & (dl <= free_link)).any())
         lnk |= bool(((dl > free_link) & (du <= free_units)).any())
+    if link_binds is not None:
+        lnk = link_binds and budget is not None
     return tuple(c for c, on in ((Constraint.CAPACITY, cap), (Constraint.LINK, lnk)) if on)
 
 
@@ -223,8 +239,10 @@ def capacity_units_of(hbm_budget_bytes: int, dense_bytes: int, workspace_bytes: 
 
 
 def make_solution(problem: SplitProblem, choice: tuple[int, ...], solver: str, solve_ms: float,
-                  detail: str = "", stats: dict[str, float] | None = None) -> SplitSolution:
+                  detail: str = "", stats: dict[str, float] | None = None,
+                  link_binds: bool | None = None) -> SplitSolution:
     objective, units, link = evaluate(problem, choice)
     return SplitSolution(choice=tuple(int(j) for j in choice), objective_ms=objective, solver=solver,
                          solve_ms=solve_ms, units_used=units, link_bytes_used=link,
-                         binding=binding_constraints(problem, choice), detail=detail, stats=dict(stats or {}))
+                         binding=binding_constraints(problem, choice, link_binds), detail=detail,
+                         stats=dict(stats or {}))

@@ -15,7 +15,7 @@ SHAPE = ModelShape(name="t", num_layers=2, moe_layers=(0, 1), num_experts=8, top
 
 def _window(seq: int, tokens_per_step: int, num_steps: int, misses: int, kv_loads: int, step_mean_ms: float,
             stall_ms: float) -> Telemetry:
-    layers = tuple(LayerStats(layer=i, activation_counts=(tokens_per_step * num_steps,) + (0,) * 7,
+    layers = tuple(LayerStats(layer=i, activation_counts=(2 * tokens_per_step * num_steps // 8,) * 8,
                               router_entropy_mean=0.5, num_tokens=tokens_per_step * num_steps) for i in range(2))
     kv = KVStats(blocks_per_tier={Tier.GPU: 4}, hits_per_tier={Tier.GPU: 10},
                  misses_per_tier={Tier.GPU: 0, Tier.CPU: kv_loads, Tier.NVME: 0})

@@ -1,0 +1,130 @@
+"""Expert-cache policies the simulator replays: given one step's per-layer unions of routed experts, which
+ones had to be loaded on demand (misses) and which were streamed ahead (prefetches).
+
+Runs in `tierplan sim`. Pure Python + numpy. A policy is anything with `name` and
+`on_step(unions) -> CacheOutcome` (`ExpertCachePolicy`), so the predictors' policies and the loop's plans can
+be replayed by wrapping them (`CallablePolicy`). Built in: `lru` (one slot pool shared by all layers, least
+recently used first, never an expert the layer is using: the reference engine's OnDemandExperts),
+`lru-layer` and `lfu-layer` (a fixed number of slots per layer). Policies never see the future.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CacheOutcome:
+    hits: tuple[int, ...]  # per MoE layer
+    misses: tuple[int, ...]  # per MoE layer: loaded on demand when the layer found them absent
+    prefetches: tuple[int, ...] = ()  # per MoE layer: loaded ahead of the layer (used or not)
+
+
+class ExpertCachePolicy(Protocol):
+    name: str
+
+    def on_step(self, unions: Sequence[np.ndarray]) -> CacheOutcome: ...
+
+
+class GlobalLRU:
+    """One pool of `num_slots` for all layers; a layer needing more experts than slots runs them in chunks
+    of `num_slots`, as the engine does."""
+
+    name = "lru"
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"GlobalLRU: num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._lru: OrderedDict[tuple[int, int], None] = OrderedDict()
+
+    def on_step(self, unions: Sequence[np.ndarray]) -> CacheOutcome:
+        hits, misses = [], []
+        for layer, union in enumerate(unions):
+            h = m = 0
+            experts = union.tolist()
+            for lo in range(0, len(experts), self.num_slots):
+                chunk = experts[lo:lo + self.num_slots]
+                want = {(layer, e) for e in chunk}
+                for key in ((layer, e) for e in chunk):
+                    if key in self._lru:
+                        h += 1
+                    else:
+                        m += 1
+                        if len(self._lru) >= self.num_slots:
+                            victim = next(k for k in self._lru if k not in want)
+                            del self._lru[victim]
+                    self._lru[key] = None
+                    self._lru.move_to_end(key)
+            hits.append(h)
+            misses.append(m)
+        return CacheOutcome(tuple(hits), tuple(misses))
+
+
+class LayerCache:
+    """`slots_per_layer` slots in each layer, evicting least recently (`lru-layer`) or least frequently
+    (`lfu-layer`, ties by recency) used."""
+
+    def __init__(self, slots_per_layer: int, num_layers: int, frequency: bool = False) -> None:
+        if slots_per_layer < 0:
+            raise ValueError(f"LayerCache: slots_per_layer must be >= 0, got {slots_per_layer}")
+        self.slots, self.frequency = slots_per_layer, frequency
+        self.name = "lfu-layer" if frequency else "lru-layer"
+        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_layers)]
+        self._count: list[dict[int, int]] = [{} for _ in range(num_layers)]
+
+    def on_step(self, unions: Sequence[np.ndarray]) -> CacheOutcome:
+        hits, misses = [], []
+        for layer, union in enumerate(unions):
+            lru, count = self._lru[layer], self._count[layer]
+            experts = union.tolist()
+            for e in experts:
+                count[e] = count.get(e, 0) + 1
+            resident = [e for e in experts if e in lru]
+            absent = [e for e in experts if e not in lru]
+            hits.append(len(resident))
+            misses.append(len(absent))
+            want = set(experts)
+            for e in absent:  # loaded for this step; kept only if a slot can be had without evicting the step's own
+                if len(lru) >= self.slots:
+                    cands = [k for k in lru if k not in want]
+                    if not cands:
+                        continue
+                    victim = min(cands, key=count.__getitem__) if self.frequency else cands[0]
+                    del lru[victim]
+                if self.slots:
+                    lru[e] = None
+            for e in experts:
+                if e in lru:
+                    lru.move_to_end(e)
+        return CacheOutcome(tuple(hits), tuple(misses))
+
+
+class CallablePolicy:
+    """Wrap `fn(unions) -> (misses, prefetches)` (per-layer sequences) as a policy."""
+
+    def __init__(self, name: str, fn: Callable[[Sequence[np.ndarray]], tuple[Sequence[int], Sequence[int]]]) -> None:
+        self.name, self._fn = name, fn
+
+    def on_step(self, unions: Sequence[np.ndarray]) -> CacheOutcome:
+        misses, prefetches = self._fn(unions)
+        hits = tuple(max(0, len(u) - int(m)) for u, m in zip(unions, misses, strict=True))
+        return CacheOutcome(hits, tuple(int(m) for m in misses), tuple(int(p) for p in prefetches))
+
+
+POLICY_NAMES = ("lru", "lru-layer", "lfu-layer")
+
+
+def make_policy(name: str, num_slots: int, num_moe_layers: int) -> ExpertCachePolicy:
+    """A built-in policy over `num_slots` expert slots in all (per-layer policies split them evenly)."""
+    if name == "lru":
+        return GlobalLRU(num_slots)
+    if name in ("lru-layer", "lfu-layer"):
+        return LayerCache(math.floor(num_slots / num_moe_layers), num_moe_layers, frequency=name == "lfu-layer")
+    raise ValueError(f"unknown policy {name!r}; expected one of {list(POLICY_NAMES)}")
