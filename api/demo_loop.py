@@ -92,6 +92,7 @@ def run_loop_job(workdir: Path, with_controller: bool) -> LoopResult:
     n_experts = len(spec.moe_layers) * spec.num_experts
     stride_units = 3  # 12 KiB expert records
     static_slots = min(n_experts, (BUDGET_UNITS - kv_floor) // stride_units)
+    static_kv = BUDGET_UNITS - static_slots * stride_units  # the rest of the budget (4 KiB blocks)
     eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(
         block_tokens=BLOCK_TOKENS, resident_frac=1.0 if with_controller else static_slots / n_experts,
         kv_gpu_blocks=KV_GPU_CAPACITY, kv_cpu_blocks=KV_CPU_BLOCKS, kv_nvme_blocks=KV_NVME_BLOCKS, workdir=workdir))
@@ -100,7 +101,8 @@ def run_loop_job(workdir: Path, with_controller: bool) -> LoopResult:
             raise RuntimeError(f"demo sizes changed: stride {eng.pool.layout.stride_bytes}, block "
                                f"{eng.cache.block_bytes} bytes")
         trace = RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz")
-        sched = Scheduler(kv_floor, BLOCK_TOKENS, max_batch=MAX_BATCH, preempt=PreemptMode.SWAP)
+        sched = Scheduler(kv_floor if with_controller else static_kv, BLOCK_TOKENS, max_batch=MAX_BATCH,
+                          preempt=PreemptMode.SWAP)
         ctl, loop = None, None
         if with_controller:
             ctl = _controller(eng, budget, kv_floor)
@@ -129,9 +131,9 @@ def run_loop_job(workdir: Path, with_controller: bool) -> LoopResult:
         if loop is not None:
             loop.finish()
         history = ctl.history if ctl is not None else []
-        stats = loop.stats() if loop is not None else {"static_slots": static_slots, "kv_blocks": kv_floor}
+        stats = loop.stats() if loop is not None else {"static_slots": static_slots, "kv_blocks": static_kv}
         totals = ([sum(p.expert_bytes_per_layer) + p.kv_blocks_per_tier["gpu"] * unit for p in loop.plans]
-                  if loop is not None else [static_slots * stride_units * unit + kv_floor * unit])
+                  if loop is not None else [(static_slots * stride_units + static_kv) * unit])
         return LoopResult("controller" if with_controller else "static split", report.summary(),
                           {s.seq_id: s.output for s in sched.finished}, history, stats, budget, totals,
                           phase_at_window)
