@@ -56,7 +56,7 @@ def plan_history(result: Any) -> tuple[Table, list[str]]:
 
 
 def run_demo(console: Console, workdir: str | Path | None = None, num_requests: int = 48) -> bool:
-    """`num_requests` is kept for the command's option; the phased workload fixes its own request count."""
+    """`num_requests` (at least 3) scales the three phases' request counts alike."""
     import torch
 
     from api.demo_loop import run_loop_job
@@ -76,7 +76,7 @@ def run_demo(console: Console, workdir: str | Path | None = None, num_requests: 
             t = run_tier_check(1000, 0, "cpu", wd / "tiers", inject_every=200)
             x = run_exact_check(preset("tiny"), 0.25, workdir=wd / "exact")
             say(f"substrate: {s.line()}; {t.line()} (injected={t.injected}); {x.line()}")
-            jobs = [run_loop_job(wd / "static", False), run_loop_job(wd / "ctl", True)]
+            jobs = [run_loop_job(wd / "static", False, num_requests), run_loop_job(wd / "ctl", True, num_requests)]
     finally:
         torch.set_num_threads(threads)
     static, ctl = jobs

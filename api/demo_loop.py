@@ -22,8 +22,9 @@ BUDGET_UNITS = 64  # the split's HBM budget, in 4 KiB units: 16 expert slots (3 
 WINDOW_STEPS = 4
 VIRTUAL_STEP_S = 0.005
 # (label, requests, max prompt tokens, max output tokens, start_s, seconds between arrivals)
-PHASES = (("light", 6, 32, 12, 0.0, 0.04), ("batch grows", 20, 32, 12, 1.0, 0.001),
-          ("context grows", 8, 128, 12, 2.0, 0.005))
+PHASES = (("light", 8, 32, 12, 0.0, 0.04), ("batch grows", 28, 32, 12, 1.0, 0.001),
+          ("context grows", 12, 128, 12, 2.0, 0.005))  # 48 requests; `num_requests` scales every phase
+NUM_REQUESTS = sum(p[1] for p in PHASES)
 
 
 @dataclass
@@ -38,13 +39,17 @@ class LoopResult:
     phase_at_window: dict[int, str]  # windows closed so far -> the phase of the newest running request
 
 
-def phased_requests() -> tuple[list[Any], dict[int, str]]:
-    """The three phases as one request list (ids renumbered) and each request's phase label."""
+def phased_requests(num_requests: int = NUM_REQUESTS) -> tuple[list[Any], dict[int, str]]:
+    """The three phases as one request list (ids renumbered) and each request's phase label; `num_requests`
+    (at least 3) scales every phase's count alike."""
     from runtime.engine.workloads import load_mooncake, scale_requests
 
-    base = load_mooncake(DATA / "requests/mooncake_conversation_sample.jsonl", limit=200)
+    if num_requests < len(PHASES):
+        raise ValueError(f"the phased demo needs at least {len(PHASES)} requests (one per phase), got {num_requests}")
+    base = load_mooncake(DATA / "requests/mooncake_conversation_sample.jsonl", limit=400)
     out, phase_of, used = [], {}, 0
-    for label, n, max_prompt, max_out, start_s, gap_s in PHASES:
+    for label, full, max_prompt, max_out, start_s, gap_s in PHASES:
+        n = max(1, round(full * num_requests / NUM_REQUESTS))
         picked = scale_requests(base[used:used + n], max_prompt, max_out, block_tokens=BLOCK_TOKENS)
         used += n
         for j, r in enumerate(picked):
@@ -74,7 +79,7 @@ def _controller(engine: Any, budget_bytes: int, kv_floor: int) -> Any:
     return Controller(cfg)
 
 
-def run_loop_job(workdir: Path, with_controller: bool) -> LoopResult:
+def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_REQUESTS) -> LoopResult:
     from agent.closed_loop import InProcessLoop
     from runtime.device import Device
     from runtime.engine.engine import EngineConfig, ReferenceEngine
@@ -84,7 +89,7 @@ def run_loop_job(workdir: Path, with_controller: bool) -> LoopResult:
     from runtime.engine.scheduler import PreemptMode, Scheduler
 
     spec = preset("tiny")
-    reqs, phase_of = phased_requests()
+    reqs, phase_of = phased_requests(num_requests)
     phase_at_window: dict[int, str] = {}
     kv_floor = max(-(-(r.prompt_len + r.output_len) // BLOCK_TOKENS) for r in reqs) + 1
     unit = 4096
