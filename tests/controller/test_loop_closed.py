@@ -46,5 +46,6 @@ def test_the_split_follows_the_phases(runs: tuple[LoopResult, LoopResult]) -> No
     slots = [sum(d.split.slots) for d in issued]
     peak = kv.index(max(kv))
     assert kv[0] < max(kv) <= KV_GPU_CAPACITY and slots[peak] < max(slots)  # KV took HBM from experts
-    assert any(ctl.phase_at_window.get(d.window) == "context grows" for d in issued[peak:peak + 1])
+    # Which plan peaks depends on the calibrated costs (measured step times), but never in the light phase.
+    assert ctl.phase_at_window.get(issued[peak].window) in ("batch grows", "context grows")
     assert all(d.reason for d in ctl.history)
