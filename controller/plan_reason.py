@@ -72,8 +72,12 @@ def explain(cur: Split | None, new: Split, prev_fc: DemandForecast | None, fc: D
                 continue
             gain = sum((_cost(val, m, cur.slots[m]) or 0.0) - (_cost(val, m, new.slots[m]) or 0.0) for m in layers)
             delta = sum(abs(new.slots[m] - cur.slots[m]) for m in layers)
-            effect = f"saves {gain:.2f} ms/step of expert loads" if gain >= 0 else \
-                f"costs {-gain:.2f} ms/step of expert loads"
+            if abs(gain) < 0.005:
+                effect = "no predicted cost" if verb == "fewer" else "no predicted gain"
+            elif gain > 0:
+                effect = f"saves {gain:.2f} ms/step of expert loads"
+            else:
+                effect = f"costs {-gain:.2f} ms/step of expert loads"
             factors.append((abs(gain), f"{delta} {verb} expert slots over {len(layers)} layer(s) ({effect})"))
     factors.sort(key=lambda f: -f[0])
     parts += [text for _, text in factors[:TOP_FACTORS]]
