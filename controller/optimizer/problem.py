@@ -38,6 +38,11 @@ class InfeasibleError(ValueError):
     """A well-formed problem with no split that satisfies every constraint; says which constraint and why."""
 
 
+class GroupKind(StrEnum):
+    EXPERTS = "experts"  # one MoE layer: options are resident slot counts
+    KV = "kv"  # KV cache: options are GPU block counts
+
+
 class Constraint(StrEnum):
     CAPACITY = "capacity"
     LINK = "link"
@@ -65,6 +70,7 @@ class Group:
     name: str
     options: tuple[Option, ...]
     current: int | None = None  # index into options of today's placement (migration cost, hysteresis)
+    kind: GroupKind = GroupKind.EXPERTS
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -73,14 +79,35 @@ class Group:
             raise ProblemError(f"group {self.name!r}: has no options (expected at least one)")
         for i, opt in enumerate(self.options):
             where = f"group {self.name!r} option {i}"
-            if not isinstance(opt.units, int | np.integer) or opt.units < 0:
+            if isinstance(opt.units, bool) or not isinstance(opt.units, int | np.integer) or opt.units < 0:
                 raise ProblemError(f"{where}: units={opt.units!r}, expected an int >= 0")
-            if not math.isfinite(opt.cost_ms):
+            if isinstance(opt.cost_ms, bool) or not isinstance(opt.cost_ms, int | float | np.number) or \
+                    not math.isfinite(opt.cost_ms):
                 raise ProblemError(f"{where}: cost_ms={opt.cost_ms!r}, expected a finite number")
-            if not isinstance(opt.link_bytes, int | np.integer) or opt.link_bytes < 0:
+            if isinstance(opt.link_bytes, bool) or not isinstance(opt.link_bytes, int | np.integer) or \
+                    opt.link_bytes < 0:
                 raise ProblemError(f"{where}: link_bytes={opt.link_bytes!r}, expected an int >= 0")
         if self.current is not None and not 0 <= self.current < len(self.options):
             raise ProblemError(f"group {self.name!r}: current={self.current} outside 0..{len(self.options) - 1}")
+
+    @classmethod
+    def from_arrays(cls, name: str, units: np.ndarray, cost_ms: np.ndarray, link_bytes: np.ndarray | None = None,
+                    labels: list[str] | None = None, current: int | None = None,
+                    kind: GroupKind = GroupKind.EXPERTS) -> Group:
+        """A group from per-option arrays (how the loop builds one from a curve); same checks as the options."""
+        units, cost_ms = np.asarray(units), np.asarray(cost_ms, dtype=np.float64)
+        link = np.zeros(units.shape, dtype=np.int64) if link_bytes is None else np.asarray(link_bytes)
+        if not units.shape == cost_ms.shape == link.shape or units.ndim != 1:
+            raise ProblemError(f"group {name!r}: units {units.shape}, cost_ms {cost_ms.shape} and link_bytes "
+                               f"{link.shape} must be 1-d of one length")
+        if labels is not None and len(labels) != units.size:
+            raise ProblemError(f"group {name!r}: {len(labels)} labels for {units.size} options")
+        names = labels or [""] * units.size
+        options = tuple(Option(int(u), float(c), int(v), lab)
+                        for u, c, v, lab in zip(units.tolist(), cost_ms.tolist(), link.tolist(), names, strict=True))
+        group = cls(name, options, current, kind)
+        group.arrays  # noqa: B018 - builds the cache now, at construction, not inside a timed solve
+        return group
 
     @functools.cached_property
     def arrays(self) -> GroupArrays:
@@ -125,15 +152,15 @@ class SplitProblem:
 
     def check_feasible(self) -> None:
         """Raise InfeasibleError naming the cause when no choice can satisfy a constraint on its own."""
-        min_units = sum(min(o.units for o in g.options) for g in self.groups)
+        min_units = sum(int(g.arrays.units.min()) for g in self.groups)
         if min_units > self.capacity_units:
-            worst = max(self.groups, key=lambda g: min(o.units for o in g.options))
+            worst = max(self.groups, key=lambda g: int(g.arrays.units.min()))
             raise InfeasibleError(
                 f"capacity {self.capacity_units} units ({self.capacity_units * self.unit_bytes} bytes) is below "
                 f"the {min_units} units the smallest options need (largest minimum: group {worst.name!r})")
         budget = self.link_budget_bytes_per_step
         if budget is not None:
-            min_link = sum(min(o.link_bytes for o in g.options) for g in self.groups)
+            min_link = sum(int(g.arrays.link_bytes.min()) for g in self.groups)
             if min_link > budget:
                 raise InfeasibleError(
                     f"link budget {budget} bytes/step is below the {min_link} bytes/step that must stream even "

@@ -58,13 +58,25 @@ def group_step(prev: np.ndarray, lay: Layout, weight: np.ndarray, n: int) -> np.
     tail[:m] = prev[:m]
     tail[m:] = prev[-1]
     shifted = sliding_window_view(padded, width)  # [umax - umin + 1, width]
-    rows = umax - units
     acc = new[umin:]
     least = np.empty(width)
-    for i in range(0, rows.size, _ROWS_PER_CHUNK):  # chunks small enough to stay in cache
-        block = shifted[rows[i:i + _ROWS_PER_CHUNK]]  # [R, width] gathered copy
-        block += best[i:i + _ROWS_PER_CHUNK, None]
-        np.minimum.reduce(block, axis=0, out=least)
+    span = umax - umin + 1
+    if span <= 2 * units.size:  # dense (an MoE layer's 0..E slots): row slices are views, no gathering
+        row_weight = np.full(span, np.inf)
+        row_weight[umax - units] = best  # holes (dominated counts) stay inf
+        block = np.empty((min(_ROWS_PER_CHUNK, span), width))
+        for r0 in range(0, span, _ROWS_PER_CHUNK):
+            r1 = min(span, r0 + _ROWS_PER_CHUNK)
+            part = block[: r1 - r0]
+            np.add(shifted[r0:r1], row_weight[r0:r1, None], out=part)
+            np.minimum.reduce(part, axis=0, out=least)
+            np.minimum(acc, least, out=acc)
+        return new
+    rows = umax - units  # sparse (KV block counts in steps): gather the few rows there are
+    for i in range(0, rows.size, _ROWS_PER_CHUNK):
+        part = shifted[rows[i:i + _ROWS_PER_CHUNK]]  # [R, width] gathered copy
+        part += best[i:i + _ROWS_PER_CHUNK, None]
+        np.minimum.reduce(part, axis=0, out=least)
         np.minimum(acc, least, out=acc)
     return new
 

@@ -1,0 +1,84 @@
+"""The exact DP against the HiGHS MILP, and both against the budgets; the greedy baseline's known failure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from controller.optimizer import InfeasibleError, SplitProblem, evaluate, solve, violations
+from controller.optimizer.dp import solve_dp
+from controller.optimizer.greedy import fluxmoe_split
+from controller.optimizer.synthetic import BenchShape, bench_problem
+from tests.controller.optimizer_cases import cliff_problem, random_problem
+
+
+def _optimum(problem: SplitProblem, solver: str, **kw: bool) -> float | None:
+    try:
+        sol = solve_dp(problem, **kw) if solver == "dp" else solve(problem, solver)
+    except InfeasibleError:
+        return None
+    assert not violations(problem, sol.choice), (solver, violations(problem, sol.choice))
+    assert evaluate(problem, sol.choice)[0] == pytest.approx(sol.objective_ms)
+    if solver == "dp":
+        assert sol.solver == "dp", sol.detail  # proven by the DP itself, not handed to the MILP
+    return sol.objective_ms
+
+
+def test_dp_and_milp_agree_on_random_instances() -> None:
+    rng = np.random.default_rng(11)
+    solved = 0
+    for i in range(250):
+        problem = random_problem(rng)
+        dp, milp = _optimum(problem, "dp", exact=True), _optimum(problem, "milp")
+        assert (dp is None) == (milp is None), f"instance {i}: dp={dp} milp={milp}"
+        if dp is not None:
+            solved += 1
+            assert dp == pytest.approx(milp, rel=1e-6, abs=1e-9), f"instance {i}"
+    assert solved >= 200
+
+
+def test_default_dp_certifies_its_gap_when_the_link_binds() -> None:
+    """Without exact=True a binding link budget may leave a gap; the bound it reports must hold."""
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        problem = random_problem(rng)
+        try:
+            sol = solve_dp(problem)
+        except InfeasibleError:
+            continue
+        best = solve(problem, "milp").objective_ms
+        assert not violations(problem, sol.choice)
+        assert sol.objective_ms >= best - 1e-9
+        assert sol.objective_ms - sol.stats.get("gap_ms", 0.0) <= best + 1e-6 * max(1.0, abs(best))
+
+
+def test_model_sized_plan_fits_its_budgets() -> None:
+    problem = bench_problem(BenchShape(num_layers=6, num_experts=16, link_budget_bytes=None), seed=3)
+    sol = solve(problem)
+    assert sol.units_used <= problem.capacity_units
+    assert sol.objective_ms == pytest.approx(solve(problem, "milp").objective_ms, rel=1e-6)
+    tight = bench_problem(BenchShape(num_layers=6, num_experts=16, link_budget_bytes=int(0.9 * sol.link_bytes_used)),
+                          seed=3)
+    exact = solve_dp(tight, exact=True)
+    assert exact.link_bytes_used <= tight.link_budget_bytes_per_step
+    assert exact.objective_ms == pytest.approx(solve(tight, "milp").objective_ms, rel=1e-6)
+
+
+def test_greedy_is_measurably_suboptimal_on_a_cliff() -> None:
+    problem = cliff_problem()
+    best = solve(problem, "dp")
+    greedy = solve(problem, "greedy")
+    assert best.choice == (2, 8)  # layer 1 gets past its cliff
+    assert greedy.objective_ms >= best.objective_ms * 1.5  # 25 vs 10 ms/step
+    assert solve(problem, "milp").objective_ms == pytest.approx(best.objective_ms)
+
+
+def test_fluxmoe_moves_memory_to_experts_when_loads_dominate() -> None:
+    problem = bench_problem(BenchShape(num_layers=4, num_experts=16, link_budget_bytes=None), seed=1)
+    starved = fluxmoe_split(problem, compute_ms_per_step=0.01, link_bytes_per_ms=1e6)  # rho << 0.9
+    relaxed = fluxmoe_split(problem, compute_ms_per_step=1e6, link_bytes_per_ms=1e6)  # rho >> 1.0
+    kv = len(problem.groups) - 1
+    assert problem.groups[kv].options[starved.choice[kv]].units <= problem.groups[kv].options[relaxed.choice[kv]].units
+    for sol in (starved, relaxed):
+        assert not violations(problem, sol.choice)
+    assert solve(problem).objective_ms <= min(starved.objective_ms, relaxed.objective_ms) + 1e-9
