@@ -23,7 +23,7 @@ WINDOW_STEPS = 4
 VIRTUAL_STEP_S = 0.005
 # (label, requests, max prompt tokens, max output tokens, start_s, seconds between arrivals)
 PHASES = (("light", 8, 32, 12, 0.0, 0.04), ("batch grows", 28, 32, 12, 1.0, 0.001),
-          ("context grows", 12, 128, 12, 2.0, 0.005))  # 48 requests; `num_requests` scales every phase
+          ("context grows", 12, 224, 12, 2.0, 0.005))  # 48 requests; `num_requests` scales every phase
 NUM_REQUESTS = sum(p[1] for p in PHASES)
 
 
@@ -117,8 +117,11 @@ def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_R
 
             clock = {"t": 0.0}  # the runner's step clock, as far as the hook can see it (arrivals admitted)
 
-            def queued_blocks() -> int:  # what the scheduler's arrived, waiting requests and swapped ones need
-                waiting = [s for s in sched.waiting if s.arrival_s <= clock["t"]]
+            def queued_blocks() -> int:
+                """KV blocks of the swapped-out requests and of the arrived waiting ones the batch limit would
+                admit next (what a larger GPU KV share would let run now)."""
+                room = max(0, MAX_BATCH - len(sched.running) - len(sched.swapped))
+                waiting = [s for s in sched.waiting if s.arrival_s <= clock["t"]][:room]
                 return sum(-(-(len(s.tokens) + 1) // BLOCK_TOKENS) for s in [*waiting, *sched.swapped])
 
             loop = InProcessLoop(eng, ctl, window_steps=WINDOW_STEPS, on_applied=follow, hbm_budget_bytes=budget,

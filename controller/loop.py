@@ -18,8 +18,7 @@ from enum import StrEnum
 from controller.costmodel import CostModel, HardwareSpec
 from controller.demand import DemandForecast, DemandModel
 from controller.model_shape import ModelShape
-from controller.optimizer.dp import solve_dp
-from controller.optimizer.milp import solve_milp
+from controller.optimizer import Action, HysteresisPolicy, SplitHysteresis, solve
 from controller.optimizer.problem import SplitSolution, evaluate
 from controller.plan_reason import Split, explain
 from controller.protocol import (
@@ -36,7 +35,7 @@ from controller.state import AgentRecord, ControllerState, ModelInfo
 from controller.valuation import SplitSpace, Valuation, build_problem
 
 
-class Solver(StrEnum):
+class Solver(StrEnum):  # the optimizer's exact solvers (its greedy is a baseline, not offered here)
     DP = "dp"
     MILP = "milp"
 
@@ -55,7 +54,8 @@ class ControllerConfig:
     kv_cpu_blocks: int
     kv_nvme_blocks: int
     solver: Solver = Solver.DP
-    hysteresis: float = 0.10  # a new split must save this share of max(current cost, step compute) per step
+    hysteresis: float = 0.10  # a new split must save this share of the current cost, and of the step compute
+    cooldown_windows: int = 0  # windows after a change during which the split is kept
     horizon_steps: int = 64  # steps a plan is expected to hold (migration is amortised over them)
     top_m: int = 4  # successors per source expert in the local table
     min_prob: float = 0.05  # successors below this are left out of the table
@@ -95,6 +95,8 @@ class Controller:
         self.cost = CostModel(shape, config.hardware)
         self.demand = DemandModel(shape.moe_layers, shape.num_experts, shape.top_k)
         self._now = _Current()
+        self.hysteresis = SplitHysteresis(HysteresisPolicy(rel_margin=config.hysteresis,
+                                                           cooldown_windows=config.cooldown_windows))
         self._fresh = False
         self._created_s = 0.0
 
@@ -127,7 +129,7 @@ class Controller:
         return Split(slots, plan.kv_blocks_per_tier.get(Tier.GPU, 0))
 
     def _solve(self, val: Valuation) -> SplitSolution:
-        return solve_milp(val.problem) if self.config.solver is Solver.MILP else solve_dp(val.problem)
+        return solve(val.problem, self.config.solver.value)
 
     def step_next(self) -> Plan | None:
         """The next plan, or None: nothing new was observed, the last plan is not applied yet, or the current
@@ -142,22 +144,30 @@ class Controller:
         val = build_problem(fc, self.cost, cfg.space, cur.slots if cur else None, cur.kv_blocks if cur else None,
                             cfg.horizon_steps, kv_demand)
         sol = self._solve(val)
-        new = Split(tuple(val.slot_counts[m][j] for m, j in enumerate(sol.choice[:-1])), val.kv_blocks[sol.choice[-1]])
         cur_choice = None if cur is None else self._choice_of(val, cur)
         cur_ms = None if cur_choice is None else evaluate(val.problem, cur_choice)[0]
-        reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand)
-        # A change must save a share of the current cost and of the step itself: near-zero costs move with noise.
-        margin_ms = cfg.hysteresis * max(cur_ms or 0.0, val.step_ms)
-        if cur is not None and (new == cur or (cur_ms is not None and cur_ms - sol.objective_ms <= margin_ms)):
-            held = "kept" if new == cur else f"held (saves under {margin_ms:.2f} ms/step)"
+        decision = self.hysteresis.decide(val.problem, cur_choice, sol, fc.num_windows)
+        # Besides the optimizer's relative margin, a change must save a share of the step itself: near-zero
+        # costs move with noise, and any relative gain of nothing is large.
+        floor_ms = cfg.hysteresis * val.step_ms
+        keep = decision.action is Action.KEEP or (cur_ms is not None and decision.gain_ms <= floor_ms)
+        choice = cur_choice if keep and cur_choice is not None else decision.choice
+        new = Split(tuple(val.slot_counts[m][j] for m, j in enumerate(choice[:-1])), val.kv_blocks[choice[-1]])
+        if keep and cur is not None:
+            why = decision.reason if decision.action is Action.KEEP else \
+                f"saves {decision.gain_ms:.3g} ms/step, under {floor_ms:.3g} ms ({cfg.hysteresis:.0%} of the step)"
+            reason = explain(cur, cur, now.forecast, fc, val, sol, cur_ms, kv_demand)
             now.history.append(Decision(Outcome.HELD, now.plan.version if now.plan else 0, fc.num_windows,
-                                        fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"{held}: {reason}"))
+                                        fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"kept ({why}): {reason}"))
             return None
+        reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand)
+        if cur is not None:
+            reason += f"; {decision.reason}"
         plan = self._plan(new, fc, sol, reason, val)
         self.state.record_issued(plan)
         now.forecast = fc
         now.history.append(Decision(Outcome.ISSUED, plan.version, fc.num_windows, fc.batch_tokens, kv_demand, new,
-                                    sol.objective_ms, reason))
+                                    evaluate(val.problem, choice)[0], reason))
         return plan
 
     def _choice_of(self, val: Valuation, split: Split) -> tuple[int, ...] | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from controller.costmodel import CostModel
 from controller.demand import DemandForecast
-from controller.optimizer.problem import Group, Option, SplitProblem, capacity_units_of, units_for_bytes
+from controller.optimizer.problem import Group, GroupKind, Option, SplitProblem, capacity_units_of, units_for_bytes
 from controller.protocol import Link
 
 MAX_DEFERRED = 0.9  # a KV share that defers more than this of the sequences is priced as if it deferred this
@@ -91,12 +91,12 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
             options.append(Option(units=units_for_bytes(s * space.slot_bytes, unit), cost_ms=stall,
                                   link_bytes=round(misses * space.slot_bytes), label=f"{s} slots"))
         cur = counts.index(current_slots[m]) if current_slots is not None and current_slots[m] in counts else None
-        groups.append(Group(f"layer {m}", tuple(options), cur))
+        groups.append(Group(f"MoE layer {m}", tuple(options), cur, GroupKind.EXPERTS))
         slot_counts.append(tuple(counts))
     grid = _kv_grid(space)
     kv_opts = tuple(Option(units=units_for_bytes(g * space.kv_block_bytes, unit),
                            cost_ms=kv_cost_ms(kv_demand_blocks, g, step_ms), label=f"{g} KV blocks") for g in grid)
-    groups.append(Group("kv", kv_opts, grid.index(current_kv) if current_kv in grid else None))
+    groups.append(Group("GPU KV", kv_opts, grid.index(current_kv) if current_kv in grid else None, GroupKind.KV))
     capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
     link_budget = int(space.link_share * cost.link_bytes_per_s(Link.H2D) * max(step_ms, 1e-3) / 1e3)
     # The link caps what a plan streams, but never below the least any split must stream (then it only ranks).
