@@ -10,6 +10,7 @@ import torch
 
 from agent.local_predictor import LayerAheadPredictor
 from controller.protocol import LocalPredictor, Plan, Successor, Telemetry, TransitionRow
+from runtime.memory.slots import ExpertState
 from tests.agent import Agent, build_agent, make_plan
 
 
@@ -46,8 +47,9 @@ def test_prefetches_the_next_layers_likely_experts_within_the_budget(agent: Agen
     assert not any(pool.is_resident(1, e) for e in (4, 5, 6, 7))
     pred.on_route(0, _ids((0, 1)))
     assert pred.counts["issued"] == 2 and pred.counts["skipped_budget"] == 1  # 5 and 6 fit, 7 does not
-    agent.engine.experts.ensure(1, [5])  # waits for the prefetched load
-    assert pool.is_resident(1, 5) and pool.is_resident(1, 6) and not pool.is_resident(1, 4)  # 0.2 < min_score
+    agent.engine.experts.ensure(1, [5, 6])  # waits for the two prefetched loads
+    assert pool.is_resident(1, 5) and pool.is_resident(1, 6)
+    assert pool.state(1, 4) is ExpertState.ABSENT and pool.state(1, 7) is ExpertState.ABSENT  # 0.2 < min_score
     pred.on_route(1, _ids((5, 2)))
     assert pred.counts["useful"] == 1 and pred.counts["wasted"] == 1  # 5 was needed, 6 was not
     pred.end_step()
