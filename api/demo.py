@@ -104,7 +104,9 @@ def run_demo(console: Console, workdir: str | Path | None = None, num_requests: 
     say(f"split moved with the workload: {moved} (GPU KV blocks per plan: {kv})")
     same = static.outputs == ctl.outputs
     say(f"outputs identical with and without the controller: {same}")
-    ok = (s.stale_reads == 0 and t.ok and x.ok and same and within and moved and st["rejected"] == 0
+    # Whether the split moves depends on the costs measured on this machine (a loaded box can make every expert
+    # load so dear that keeping experts wins): shown, not required. The tests check it with fixed costs.
+    ok = (s.stale_reads == 0 and t.ok and x.ok and same and within and st["rejected"] == 0
           and all(j.summary["tokens_out"] > 0 for j in jobs))
     say(f"demo: ok ({sum(int(j.summary['tokens_out']) for j in jobs)} tokens generated)" if ok else "demo: FAILED")
     return ok

@@ -22,7 +22,7 @@ BUDGET_UNITS = 64  # the split's HBM budget, in 4 KiB units: 16 expert slots (3 
 WINDOW_STEPS = 4
 VIRTUAL_STEP_S = 0.005
 # (label, requests, max prompt tokens, max output tokens, start_s, seconds between arrivals)
-PHASES = (("light", 8, 32, 12, 0.0, 0.04), ("batch grows", 28, 32, 12, 1.0, 0.001),
+PHASES = (("light", 8, 32, 12, 0.0, 0.04), ("batch grows", 28, 32, 32, 1.0, 0.001),
           ("context grows", 12, 224, 12, 2.0, 0.005))  # 48 requests; `num_requests` scales every phase
 NUM_REQUESTS = sum(p[1] for p in PHASES)
 
@@ -59,8 +59,8 @@ def phased_requests(num_requests: int = NUM_REQUESTS) -> tuple[list[Any], dict[i
     return out, phase_of
 
 
-def _controller(engine: Any, budget_bytes: int, kv_floor: int) -> Any:
-    from controller.costmodel import HardwareSpec
+def _controller(engine: Any, budget_bytes: int, kv_floor: int, calibrate: bool) -> Any:
+    from controller.costmodel import ComputeParams, HardwareSpec
     from controller.loop import Controller, ControllerConfig
     from controller.model_shape import builtin_shape
     from controller.protocol import Link
@@ -74,12 +74,19 @@ def _controller(engine: Any, budget_bytes: int, kv_floor: int) -> Any:
                        slot_bytes=engine.pool.layout.stride_bytes, kv_block_bytes=engine.cache.block_bytes,
                        kv_gpu_blocks_max=KV_GPU_CAPACITY, kv_gpu_blocks_min=kv_floor,
                        min_slots_per_layer=engine.spec.top_k, prefetch_recall=0.3)
+    # The tiny model's step on this box, roughly (a few ms): the prior the windows then correct.
+    compute = ComputeParams(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01,
+                            moe_ms_per_token=0.01, moe_ms_per_active_expert=0.05)
     cfg = ControllerConfig(shape=shape, hardware=hw, space=space, kv_cpu_blocks=KV_CPU_BLOCKS,
-                           kv_nvme_blocks=KV_NVME_BLOCKS, horizon_steps=4 * WINDOW_STEPS)
+                           kv_nvme_blocks=KV_NVME_BLOCKS, horizon_steps=4 * WINDOW_STEPS, compute=compute,
+                           calibrate=calibrate)
     return Controller(cfg)
 
 
-def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_REQUESTS) -> LoopResult:
+def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_REQUESTS,
+                 calibrate: bool = True) -> LoopResult:
+    """One run. `calibrate=False` keeps the cost model at its priors: no wall-clock time enters a decision,
+    so the plans are the same on every machine (what the tests use)."""
     from agent.closed_loop import InProcessLoop
     from runtime.device import Device
     from runtime.engine.engine import EngineConfig, ReferenceEngine
@@ -110,7 +117,7 @@ def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_R
                           preempt=PreemptMode.SWAP)
         ctl, loop = None, None
         if with_controller:
-            ctl = _controller(eng, budget, kv_floor)
+            ctl = _controller(eng, budget, kv_floor, calibrate)
 
             def follow(plan: Any) -> None:  # admission follows the plan's GPU KV share
                 sched.gpu_blocks = min(KV_GPU_CAPACITY, plan.kv_blocks_per_tier["gpu"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from controller.costmodel import CostModel, HardwareSpec
+from controller.costmodel import ComputeParams, CostModel, HardwareSpec
 from controller.demand import DemandForecast, DemandModel
 from controller.model_shape import ModelShape
 from controller.optimizer import Action, HysteresisPolicy, SplitHysteresis, solve
@@ -61,6 +61,8 @@ class ControllerConfig:
     min_prob: float = 0.05  # successors below this are left out of the table
     min_score: float = 0.5  # the agent prefetches experts scored at least this
     pin_frac: float = 0.5  # share of a layer's slots pinned to its hottest experts (against LRU scans)
+    compute: ComputeParams | None = None  # the cost model's compute prior (None: from the hardware sheet)
+    calibrate: bool = True  # fit the cost model to each window; False keeps the priors (deterministic plans)
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ class Controller:
         shape = config.shape
         self.config, self.agent_id = config, agent_id
         self.state = ControllerState(ModelInfo(shape.name, shape.num_layers, shape.num_experts, shape.moe_layers))
-        self.cost = CostModel(shape, config.hardware)
+        self.cost = CostModel(shape, config.hardware, compute=config.compute)
         self.demand = DemandModel(shape.moe_layers, shape.num_experts, shape.top_k)
         self._now = _Current()
         self.hysteresis = SplitHysteresis(HysteresisPolicy(rel_margin=config.hysteresis,
@@ -108,7 +110,8 @@ class Controller:
     def sync_from(self, telemetry: Telemetry) -> AgentRecord:
         """Mirror one window (TelemetryRejected, changing nothing, if it does not fit), calibrate, learn."""
         rec = self.state.sync_from(telemetry)
-        self.cost.calibrate(telemetry)
+        if self.config.calibrate:
+            self.cost.calibrate(telemetry)
         self.demand.observe(telemetry)
         self._created_s = max(self._created_s, telemetry.window_end_s)
         self._fresh = True

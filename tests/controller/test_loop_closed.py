@@ -20,7 +20,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoopResult,
     torch.set_num_threads(1)  # a tiny model: more threads only contend
     try:
         d = tmp_path_factory.mktemp("loop")
-        yield run_loop_job(Path(d) / "static", False), run_loop_job(Path(d) / "ctl", True)
+        # Priors only: no measured time enters a decision, so the same plans on any machine.
+        yield run_loop_job(Path(d) / "static", False), run_loop_job(Path(d) / "ctl", True, calibrate=False)
     finally:
         torch.set_num_threads(threads)
 
@@ -46,6 +47,5 @@ def test_the_split_follows_the_phases(runs: tuple[LoopResult, LoopResult]) -> No
     slots = [sum(d.split.slots) for d in issued]
     peak = kv.index(max(kv))
     assert kv[0] < max(kv) <= KV_GPU_CAPACITY and slots[peak] < max(slots)  # KV took HBM from experts
-    # Which plan peaks depends on the calibrated costs (measured step times), but never in the light phase.
-    assert ctl.phase_at_window.get(issued[peak].window) in ("batch grows", "context grows")
+    assert ctl.phase_at_window.get(issued[peak].window) == "context grows"
     assert all(d.reason for d in ctl.history)
