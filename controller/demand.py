@@ -132,7 +132,8 @@ class DemandModel:
         misses, unions, measured = [], [], True
         for m in range(len(self.moe_layers)):
             if self.curves.num_steps(m, bucket) >= MIN_CURVE_STEPS:
-                curve = self.curves.expected_misses_per_step(m, bucket)
+                curve = self.curves.expected_misses_per_step(m, bucket).copy()
+                curve[-1] = 0.0  # every expert resident: nothing is ever evicted, so no miss once loaded
                 unions.append(self.curves.mean_union_size(m, bucket))
             else:
                 curve, union = self._frequency_curve(m, batch)

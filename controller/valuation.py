@@ -98,10 +98,13 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
                            cost_ms=kv_cost_ms(kv_demand_blocks, g, step_ms), label=f"{g} KV blocks") for g in grid)
     groups.append(Group("GPU KV", kv_opts, grid.index(current_kv) if current_kv in grid else None, GroupKind.KV))
     capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
-    link_budget = int(space.link_share * cost.link_bytes_per_s(Link.H2D) * max(step_ms, 1e-3) / 1e3)
+    bytes_per_s = cost.link_bytes_per_s(Link.H2D)  # inf when the fit finds no per-byte cost: no link budget
+    link_budget = (int(space.link_share * bytes_per_s * max(step_ms, 1e-3) / 1e3) if math.isfinite(bytes_per_s)
+                   else None)
     # The link caps what a plan streams, but never below the least any split must stream (then it only ranks).
     floor = sum(min(o.link_bytes for o in g.options) for g in groups)
     move_ms_per_unit = cost.transfer_ms(Link.H2D, unit, unit / space.slot_bytes) / max(1, horizon_steps)
-    problem = SplitProblem(tuple(groups), capacity, unit, link_budget_bytes_per_step=max(link_budget, floor),
+    problem = SplitProblem(tuple(groups), capacity, unit,
+                           link_budget_bytes_per_step=None if link_budget is None else max(link_budget, floor),
                            migration_ms_per_unit=move_ms_per_unit)
     return Valuation(problem, tuple(slot_counts), tuple(grid), step_ms)
