@@ -73,7 +73,7 @@ def _controller(engine: Any, budget_bytes: int, kv_floor: int, calibrate: bool) 
     space = SplitSpace(hbm_budget_bytes=budget_bytes, dense_bytes=0, workspace_bytes=0,
                        slot_bytes=engine.pool.layout.stride_bytes, kv_block_bytes=engine.cache.block_bytes,
                        kv_gpu_blocks_max=KV_GPU_CAPACITY, kv_gpu_blocks_min=kv_floor,
-                       min_slots_per_layer=engine.spec.top_k, prefetch_recall=0.3)
+                       min_slots_per_layer=engine.spec.top_k, kv_block_tokens=BLOCK_TOKENS, prefetch_recall=0.3)
     # The tiny model's step on this box, roughly (a few ms): the prior the windows then correct.
     compute = ComputeParams(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01,
                             moe_ms_per_token=0.01, moe_ms_per_active_expert=0.05)

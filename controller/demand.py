@@ -14,6 +14,7 @@ Shape letters: M MoE layers, E experts per layer.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,13 +44,16 @@ class DemandForecast:
     kv_saturated: bool  # the GPU KV share was full: demand may be higher than seen
     hot_order: tuple[tuple[int, ...], ...]  # [M] experts by activation frequency, hottest first
     num_windows: int
+    reuse_per_step: float = 0.0  # prefix blocks reused per step (telemetry's reuse events)
+    reuse_ages_s: tuple[float, ...] = ()  # recent reuse ages, ascending (how long since each block was touched)
+    touch_blocks_per_s: float = 0.0  # KV blocks touched per second (new and reused): LRU's clock
 
 
 class DemandModel:
     """See the module docstring. `moe_layers` are model layer indices; arrays are indexed by MoE position."""
 
     def __init__(self, moe_layers: tuple[int, ...], num_experts: int, top_k: int, decay: float = 0.05,
-                 ewma: float = 0.5, prior: float = 1.0) -> None:
+                 ewma: float = 0.5, prior: float = 1.0, block_tokens: int = 16, max_reuse_ages: int = 4096) -> None:
         self.moe_layers, self.num_experts, self.top_k = tuple(moe_layers), num_experts, top_k
         self.index = {layer: m for m, layer in enumerate(self.moe_layers)}
         self.ewma, self.prior, self.decay = ewma, prior, decay
@@ -68,6 +72,10 @@ class DemandModel:
         self.kv_gpu_limit: int | None = None  # the GPU KV blocks the applied plan allows (saturation test)
         self.num_windows = 0
         self.table_version = 0
+        self.block_tokens = block_tokens
+        self.reuse_ages: deque[float] = deque(maxlen=max_reuse_ages)
+        self.reuse_per_step: float | None = None
+        self.touch_blocks_per_s: float | None = None
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else self.ewma * new + (1 - self.ewma) * old
@@ -114,7 +122,19 @@ class DemandModel:
         self.kv_live = self._smooth(self.kv_live, self.kv_live_now)
         self.kv_gpu = float(blocks.get(Tier.GPU, 0))
         self.kv_swapped = float(blocks.get(Tier.CPU, 0) + blocks.get(Tier.NVME, 0))
+        self._observe_reuse(tel, n)
         self.num_windows += 1
+
+    def _observe_reuse(self, tel: Telemetry, num_steps: int) -> None:
+        """Prefix reuse: how often blocks come back and after how long, against how fast blocks are touched."""
+        events = tel.kv.reuse_events
+        self.reuse_ages.extend(e.age_s for e in events)
+        span_s = tel.window_end_s - tel.window_start_s
+        if num_steps:
+            self.reuse_per_step = self._smooth(self.reuse_per_step, len(events) / num_steps)
+        if span_s > 0 and tel.layers:
+            new_blocks = max(r.num_tokens for r in tel.layers) / self.block_tokens
+            self.touch_blocks_per_s = self._smooth(self.touch_blocks_per_s, (new_blocks + len(events)) / span_s)
 
     # ---- reading -----------------------------------------------------------------------------------------
     def _frequency_curve(self, m: int, batch: float) -> tuple[np.ndarray, float]:
@@ -152,7 +172,8 @@ class DemandModel:
             live = max(live, KV_SATURATED_GROWTH * limit)
         source = f"measured LRU curves at B~{bucket}" if measured else "activation frequencies"
         return DemandForecast(batch, tuple(misses), tuple(unions), source, live, self.kv_gpu, saturated, hot,
-                              self.num_windows)
+                              self.num_windows, self.reuse_per_step or 0.0, tuple(sorted(self.reuse_ages)),
+                              self.touch_blocks_per_s or 0.0)
 
     def transition_rows(self, top_m: int, min_prob: float) -> list[TransitionRow]:
         """The plan's table: for every source seen, its top-m successors at the next MoE layer."""

@@ -95,7 +95,7 @@ class Controller:
         self.config, self.agent_id = config, agent_id
         self.state = ControllerState(ModelInfo(shape.name, shape.num_layers, shape.num_experts, shape.moe_layers))
         self.cost = CostModel(shape, config.hardware, compute=config.compute)
-        self.demand = DemandModel(shape.moe_layers, shape.num_experts, shape.top_k)
+        self.demand = DemandModel(shape.moe_layers, shape.num_experts, shape.top_k, block_tokens=shape.block_tokens)
         self._now = _Current()
         self.hysteresis = SplitHysteresis(HysteresisPolicy(rel_margin=config.hysteresis,
                                                            cooldown_windows=config.cooldown_windows))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from controller.demand import DemandForecast
 from controller.optimizer.problem import Constraint, SplitSolution
-from controller.valuation import Valuation
+from controller.valuation import Valuation, prefix_hit_share
 
 TOP_FACTORS = 3
 
@@ -50,6 +50,9 @@ def _workload(prev: DemandForecast | None, fc: DemandForecast, kv_demand: float)
 def explain(cur: Split | None, new: Split, prev_fc: DemandForecast | None, fc: DemandForecast, val: Valuation,
             sol: SplitSolution, cur_ms: float | None, kv_demand: float) -> str:
     parts = [_workload(prev_fc, fc, kv_demand)]
+    if fc.reuse_per_step > 0:
+        parts.append(f"prefix reuse {fc.reuse_per_step:.1f} blocks/step, "
+                     f"{prefix_hit_share(fc, new.kv_blocks):.0%} of it kept on the GPU")
     factors: list[tuple[float, str]] = []
     if cur is None:
         parts.append(f"first split: {new.describe()}")

@@ -4,7 +4,8 @@ Runs in the controller process. One group per MoE layer (resident slot counts; e
 its misses cost at the predicted batch: demand loads in full, plus the part of the prefetched share that does
 not fit behind the previous layer's compute, `CostModel.layer_stall_ms`) and one KV group (GPU block counts;
 each valued by the sequences it cannot hold: a step that must defer a fraction f of its sequences costs
-f / (1 - f) of a step per step served, the throughput it loses). Capacity is the HBM budget less the dense
+f / (1 - f) of a step per step served, the throughput it loses; plus the prefix reuses it loses, each a
+block of prefill recomputed, under LRU's characteristic time). Capacity is the HBM budget less the dense
 weights and the activation workspace; the link budget is a share of what the host->device link moves in one
 predicted step; moving from the current placement costs the bytes to load, amortised over the plan's horizon.
 Pure arithmetic: it decides nothing (the solver does) and never imports torch, runtime or agent.
@@ -12,6 +13,7 @@ Pure arithmetic: it decides nothing (the solver does) and never imports torch, r
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -35,6 +37,7 @@ class SplitSpace:
     kv_gpu_blocks_max: int  # the GPU KV tier's capacity
     kv_gpu_blocks_min: int  # below this one sequence can no longer run
     min_slots_per_layer: int = 1
+    kv_block_tokens: int = 16
     kv_options: int = 64  # at most this many KV block counts are offered (evenly spaced)
     link_share: float = 0.8  # of the host->device link in one step, the most a plan may stream
     prefetch_recall: float = 0.0  # share of a layer's misses the local predictor streams ahead
@@ -73,6 +76,16 @@ def kv_cost_ms(live_blocks: float, gpu_blocks: int, step_ms: float) -> float:
     return step_ms * deferred / (1.0 - deferred)
 
 
+def prefix_hit_share(forecast: DemandForecast, gpu_blocks: int) -> float:
+    """Share of the prefix reuses an LRU GPU share of `gpu_blocks` keeps: a block reused after `age` hits while
+    fewer than `gpu_blocks` others were touched since (characteristic time gpu_blocks / touch rate)."""
+    ages = forecast.reuse_ages_s
+    if not ages or forecast.touch_blocks_per_s <= 0:
+        return 0.0
+    horizon_s = gpu_blocks / forecast.touch_blocks_per_s
+    return bisect.bisect_right(ages, horizon_s) / len(ages)
+
+
 def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
                   current_slots: tuple[int, ...] | None, current_kv: int | None, horizon_steps: int,
                   kv_demand_blocks: float) -> Valuation:
@@ -94,8 +107,13 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
         groups.append(Group(f"MoE layer {m}", tuple(options), cur, GroupKind.EXPERTS))
         slot_counts.append(tuple(counts))
     grid = _kv_grid(space)
+    # A prefix reuse the share loses is recomputed: one block of prefill per lost reuse.
+    block_tokens = space.kv_block_tokens
+    recompute_ms = max(0.0, cost.compute_ms(batch + block_tokens) - step_ms)
+    best_hits = prefix_hit_share(forecast, grid[-1])
     kv_opts = tuple(Option(units=units_for_bytes(g * space.kv_block_bytes, unit),
-                           cost_ms=kv_cost_ms(kv_demand_blocks, g, step_ms), label=f"{g} KV blocks") for g in grid)
+                           cost_ms=kv_cost_ms(kv_demand_blocks, g, step_ms) + forecast.reuse_per_step * recompute_ms
+                           * (best_hits - prefix_hit_share(forecast, g)), label=f"{g} KV blocks") for g in grid)
     groups.append(Group("GPU KV", kv_opts, grid.index(current_kv) if current_kv in grid else None, GroupKind.KV))
     capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
     bytes_per_s = cost.link_bytes_per_s(Link.H2D)  # inf when the fit finds no per-byte cost: no link budget

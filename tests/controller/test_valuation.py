@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from controller.optimizer.problem import GroupKind
-from controller.valuation import build_problem, kv_cost_ms
+from controller.protocol import ReuseEvent
+from controller.valuation import build_problem, kv_cost_ms, prefix_hit_share
 from tests.controller.loop_fixtures import BUDGET_BYTES, KV_MAX, KV_MIN, Windows, make_controller
 
 
@@ -55,3 +56,18 @@ def test_migration_is_priced_per_unit_over_the_horizon() -> None:
     val, fc = _valuation(30.0)
     assert val.problem.migration_ms_per_unit > 0
     assert np.isfinite(val.step_ms) and val.step_ms > 0 and fc.batch_tokens == pytest.approx(8.0)
+
+
+def test_prefix_reuse_makes_a_larger_kv_share_worth_more() -> None:
+    ctl, win = make_controller(), Windows()
+    events = [{"prefix_hash": f"p{i}", "age_s": 0.001 * (i + 1), "tier": "cpu"} for i in range(40)]
+    for _ in range(3):  # no sequence needs more KV (demand 0): only the reuses value it
+        tel = win.next(batch=8, kv_live=0)
+        ctl.sync_from(tel.model_copy(update={"kv": tel.kv.model_copy(update={"reuse_events": tuple(
+            ReuseEvent(**e) for e in events)})}))
+    fc = ctl.demand.forecast()
+    assert fc.reuse_per_step == pytest.approx(10.0) and fc.touch_blocks_per_s > 0
+    assert 0.0 < prefix_hit_share(fc, KV_MIN) < prefix_hit_share(fc, KV_MAX) <= 1.0
+    val = build_problem(fc, ctl.cost, ctl.config.space, None, None, 32, 0.0)
+    costs = [o.cost_ms for o in val.problem.groups[-1].options]
+    assert costs[0] > costs[-1] == 0.0 and all(a >= b for a, b in itertools.pairwise(costs))
