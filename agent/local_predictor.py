@@ -45,6 +45,7 @@ class LayerAheadPredictor:
         self.table: dict[int, np.ndarray] = {}  # src model layer -> [E, E] P(dst at next layer | src)
         self.min_score, self.budget_bytes, self.version = 1.0, 0, 0
         self.counts = dict.fromkeys(COUNTERS, 0)
+        self._reported = dict.fromkeys(COUNTERS, 0)  # counts at the last window (telemetry carries the deltas)
         self._spent_bytes = 0
         self._prev: tuple[int, list[list[int]]] | None = None  # (layer, per-row experts) of this step
         self._issued_for: dict[int, set[int]] = {}  # model layer -> experts prefetched for it this step
@@ -145,7 +146,10 @@ class LayerAheadPredictor:
                   for layer in self.moe_layers] if self._batch else []
         self._pairs, self._pair_tokens = {}, {}
         self._unions, self._batch = {layer: [] for layer in self.moe_layers}, []
-        return {"transitions": transitions, "step_unions": unions}
+        counts = {k: self.counts[k] - self._reported[k] for k in COUNTERS}
+        self._reported = dict(self.counts)
+        return {"transitions": transitions, "step_unions": unions,
+                "local_prefetch": {"table_version": self.version, **counts}}
 
     def stats(self) -> dict[str, int]:
         return {**self.counts, "table_version": self.version, "budget_bytes_per_step": self.budget_bytes}

@@ -25,6 +25,7 @@ from controller.protocol import Successor, Telemetry, Tier, TransitionRow
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 KV_SATURATED_GROWTH = 2.0  # a full GPU KV share hides the queue behind it: price demand as twice the share
 MIN_CURVE_STEPS = 8.0  # decayed steps a batch bucket needs before its measured curve is trusted
+MIN_RECALL_LOADS = 20.0  # decayed loads (prefetched + on demand) before the measured recall replaces the prior
 
 
 def batch_bucket(tokens: float) -> int:
@@ -47,6 +48,7 @@ class DemandForecast:
     reuse_per_step: float = 0.0  # prefix blocks reused per step (telemetry's reuse events)
     reuse_ages_s: tuple[float, ...] = ()  # recent reuse ages, ascending (how long since each block was touched)
     touch_blocks_per_s: float = 0.0  # KV blocks touched per second (new and reused): LRU's clock
+    prefetch_recall: float | None = None  # measured share of needed loads the local predictor brought ahead
 
 
 class DemandModel:
@@ -76,6 +78,8 @@ class DemandModel:
         self.reuse_ages: deque[float] = deque(maxlen=max_reuse_ages)
         self.reuse_per_step: float | None = None
         self.touch_blocks_per_s: float | None = None
+        self.prefetch_useful = 0.0  # decayed, over windows that ran a table
+        self.prefetch_missed = 0.0
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else self.ewma * new + (1 - self.ewma) * old
@@ -123,6 +127,10 @@ class DemandModel:
         self.kv_gpu = float(blocks.get(Tier.GPU, 0))
         self.kv_swapped = float(blocks.get(Tier.CPU, 0) + blocks.get(Tier.NVME, 0))
         self._observe_reuse(tel, n)
+        pf = tel.local_prefetch
+        if pf is not None and pf.table_version > 0:
+            self.prefetch_useful = keep * self.prefetch_useful + pf.useful
+            self.prefetch_missed = keep * self.prefetch_missed + tel.expert_misses
         self.num_windows += 1
 
     def _observe_reuse(self, tel: Telemetry, num_steps: int) -> None:
@@ -173,7 +181,11 @@ class DemandModel:
         source = f"measured LRU curves at B~{bucket}" if measured else "activation frequencies"
         return DemandForecast(batch, tuple(misses), tuple(unions), source, live, self.kv_gpu, saturated, hot,
                               self.num_windows, self.reuse_per_step or 0.0, tuple(sorted(self.reuse_ages)),
-                              self.touch_blocks_per_s or 0.0)
+                              self.touch_blocks_per_s or 0.0, self._recall())
+
+    def _recall(self) -> float | None:
+        loads = self.prefetch_useful + self.prefetch_missed
+        return self.prefetch_useful / loads if loads >= MIN_RECALL_LOADS else None
 
     def transition_rows(self, top_m: int, min_prob: float) -> list[TransitionRow]:
         """The plan's table: for every source seen, its top-m successors at the next MoE layer."""

@@ -22,6 +22,7 @@ from controller.protocol_predictor import (  # noqa: F401 - re-exported: the age
     LayerUnions,
     LocalPredictor,
     PredictorKind,
+    PrefetchCounts,
     Successor,
     TransitionPair,
     TransitionRow,
@@ -239,10 +240,11 @@ class Telemetry(ProtocolModel):
     transitions: tuple[LayerTransitions, ...] = Field(default=(), max_length=MAX_LAYERS)  # v2: cross-layer pairs
     step_unions: tuple[LayerUnions, ...] = Field(default=(), max_length=MAX_LAYERS)  # v2: experts needed per step
     queued_kv_blocks: Count = 0  # v2: KV blocks the requests waiting for admission (or swapped out) would need
+    local_prefetch: PrefetchCounts | None = None  # v2: what the plan's local predictor did this window
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        check_v2_only(self, ("transitions", "step_unions", "queued_kv_blocks"), "telemetry")
+        check_v2_only(self, ("transitions", "step_unions", "queued_kv_blocks", "local_prefetch"), "telemetry")
         check_transitions(self.transitions, self.num_layers, self.num_experts)
         check_unions(self.step_unions, self.num_layers, self.num_experts)
         if self.window_end_s < self.window_start_s:

@@ -131,6 +131,19 @@ def check_unions(rows: Sequence[LayerUnions], num_layers: int, num_experts: int)
         raise _invalid(f"step_unions.{rep[1]}.layer", f"{rows[rep[1]].layer} repeats step_unions.{rep[0]}.layer")
 
 
+class PrefetchCounts(_Part):
+    """What the agent's layer-ahead predictor did in the window (counts since the previous window)."""
+
+    table_version: Count  # the LocalPredictor.version it ran (0: none installed)
+    issued: Count
+    useful: Count  # prefetched experts the next layer then needed in the same step
+    wasted: Count  # prefetched experts it did not
+    skipped_resident: Count
+    skipped_budget: Count  # left out: the plan's bytes per step were spent
+    skipped_no_slot: Count
+    failed: Count
+
+
 # ---- Plan v2: the predictor the agent runs ----
 class PredictorKind(StrEnum):
     TRANSITION_TABLE = "transition_table"

@@ -40,7 +40,7 @@ class SplitSpace:
     kv_block_tokens: int = 16
     kv_options: int = 64  # at most this many KV block counts are offered (evenly spaced)
     link_share: float = 0.8  # of the host->device link in one step, the most a plan may stream
-    prefetch_recall: float = 0.0  # share of a layer's misses the local predictor streams ahead
+    prefetch_recall: float = 0.0  # prior share of a layer's misses the local predictor streams ahead (until measured)
 
     @property
     def unit_bytes(self) -> int:
@@ -94,7 +94,7 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     step_ms = cost.compute_ms(batch)
     num_experts = len(forecast.misses_per_step[0]) - 1
     groups, slot_counts = [], []
-    r = space.prefetch_recall
+    r = space.prefetch_recall if forecast.prefetch_recall is None else forecast.prefetch_recall
     for m, curve in enumerate(forecast.misses_per_step):
         counts = list(range(min(space.min_slots_per_layer, num_experts), num_experts + 1))
         options = []

@@ -70,7 +70,9 @@ def test_no_table_no_prefetch_but_observation_goes_on(agent: Agent) -> None:
     assert dict(((s, d), c) for s, d, c in trans["pairs"])[(0, 4)] == 1
     assert {(s, d) for s, d, _ in trans["pairs"]} == {(0, 4), (0, 5), (1, 4), (1, 5), (2, 4), (2, 6), (3, 4), (3, 6)}
     assert fields["step_unions"][1] == {"layer": 1, "batch_tokens": [2], "unions": [[4, 5, 6]]}
-    assert pred.window_fields() == {"transitions": [], "step_unions": []}  # reset after reporting
+    assert fields["local_prefetch"]["issued"] == 0 and fields["local_prefetch"]["table_version"] == 0
+    again = pred.window_fields()  # reset after reporting
+    assert again["transitions"] == [] and again["step_unions"] == [] and again["local_prefetch"]["useful"] == 0
 
 
 def test_window_fields_make_a_valid_telemetry_v2(agent: Agent) -> None:
@@ -85,3 +87,4 @@ def test_window_fields_make_a_valid_telemetry_v2(agent: Agent) -> None:
             "expert_misses": 0, "applied_plan_version": 0}
     tel = Telemetry(**base, **pred.window_fields())
     assert tel.transitions[0].pairs and tel.step_unions[0].unions == ((0, 1),)
+    assert tel.local_prefetch is not None and tel.local_prefetch.issued == 0

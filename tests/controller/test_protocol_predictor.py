@@ -23,7 +23,9 @@ def plan_v2() -> dict[str, Any]:
 def telemetry_v2() -> dict[str, Any]:
     return {**telemetry_data(), "transitions": [{"layer": 0, "next_layer": 2, "num_tokens": 8,
                                                  "pairs": [[0, 1, 4], {"src": 3, "dst": 1, "count": 2}]}],
-            "step_unions": [{"layer": 0, "batch_tokens": [2, 1], "unions": [[0, 3, 1], [2]]}], "queued_kv_blocks": 5}
+            "step_unions": [{"layer": 0, "batch_tokens": [2, 1], "unions": [[0, 3, 1], [2]]}], "queued_kv_blocks": 5,
+            "local_prefetch": {"table_version": 3, "issued": 4, "useful": 3, "wasted": 1, "skipped_resident": 0,
+                               "skipped_budget": 2, "skipped_no_slot": 0, "failed": 0}}
 
 
 def test_plan_with_a_predictor_round_trips() -> None:
@@ -73,6 +75,9 @@ CASES = [
     (Telemetry, lambda d: d.update(schema_version=1, transitions=[]), "step_unions: needs schema_version 2"),
     (Telemetry, lambda d: d.update(schema_version=1, transitions=[], step_unions=[], queued_kv_blocks=3),
      "queued_kv_blocks: needs schema_version 2"),
+    (Telemetry, lambda d: d.update(schema_version=1, transitions=[], step_unions=[], queued_kv_blocks=0),
+     "local_prefetch: needs schema_version 2"),
+    (Telemetry, _set("local_prefetch.useful", -1), "local_prefetch.useful: Input should be greater than or equal"),
     (Telemetry, _set("step_unions.0.unions.1", [2, 2]), "step_unions.0.unions.1.1: expert 2 repeats unions.1.0"),
     (Telemetry, _set("step_unions.0.unions.1", [4]), "step_unions.0.unions.1.0: expert 4 is out of range"),
     (Telemetry, _set("step_unions.0.batch_tokens", [2]), "step_unions.0.unions: has 2 steps, batch_tokens has 1"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from controller.optimizer.problem import GroupKind
-from controller.protocol import ReuseEvent
+from controller.protocol import PrefetchCounts, ReuseEvent
 from controller.valuation import build_problem, kv_cost_ms, prefix_hit_share
 from tests.controller.loop_fixtures import BUDGET_BYTES, KV_MAX, KV_MIN, Windows, make_controller
 
@@ -71,3 +72,18 @@ def test_prefix_reuse_makes_a_larger_kv_share_worth_more() -> None:
     val = build_problem(fc, ctl.cost, ctl.config.space, None, None, 32, 0.0)
     costs = [o.cost_ms for o in val.problem.groups[-1].options]
     assert costs[0] > costs[-1] == 0.0 and all(a >= b for a, b in itertools.pairwise(costs))
+
+
+def test_measured_prefetch_recall_replaces_the_prior() -> None:
+    ctl, win = make_controller(), Windows()
+    counts = {"table_version": 2, "issued": 12, "useful": 9, "wasted": 3, "skipped_resident": 0,
+              "skipped_budget": 0, "skipped_no_slot": 0, "failed": 0}
+    for _ in range(4):
+        tel = win.next(batch=8, kv_live=4)  # 2 expert misses per window on demand
+        ctl.sync_from(tel.model_copy(update={"local_prefetch": PrefetchCounts(**counts)}))
+    fc = ctl.demand.forecast()
+    assert fc.prefetch_recall is not None and 0.8 < fc.prefetch_recall < 0.83  # 9 useful of 9 + 2 per window
+    streamed = build_problem(fc, ctl.cost, ctl.config.space, None, None, 32, 0.0).problem.groups[0].options[0]
+    prior = build_problem(dataclasses.replace(fc, prefetch_recall=None), ctl.cost, ctl.config.space, None, None,
+                          32, 0.0).problem.groups[0].options[0]
+    assert streamed.cost_ms < prior.cost_ms  # more of the misses hide behind the previous layer
