@@ -43,6 +43,7 @@ class InProcessLoop:
         self._pending: Plan | None = None
         self.telemetry: list[Telemetry] = []
         self.refused: list[str] = []  # telemetry the source refused (its messages)
+        self.planner_errors: list[str] = []  # windows the source could not plan from (e.g. an infeasible budget)
         self.plans: list[Plan] = []
         self.acks: list[PlanAck] = []
         self.trimmed = 0
@@ -59,7 +60,11 @@ class InProcessLoop:
         except ValueError as exc:  # TelemetryRejected and ProtocolError are ValueErrors: counted, kept
             self.refused.append(str(exc))
             return
-        plan = self.source.step_next()
+        try:
+            plan = self.source.step_next()
+        except ValueError as exc:  # the source's refusal to plan (InfeasibleError, ProblemError): counted, kept
+            self.planner_errors.append(str(exc))
+            return
         if plan is not None:
             with self._lock:
                 self._pending = plan
@@ -106,5 +111,6 @@ class InProcessLoop:
         applied = sum(a.status is AckStatus.APPLIED for a in self.acks)
         return {"windows": len(self.telemetry), "plans": len(self.plans), "applied": applied,
                 "rejected": len(self.acks) - applied, "telemetry_refused": len(self.refused),
+                "planner_errors": len(self.planner_errors),
                 "trimmed": self.trimmed, "peak_over_budget_bytes": self.peak_over_budget_bytes,
                 "prefetch": pred}
