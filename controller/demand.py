@@ -13,6 +13,7 @@ Shape letters: M MoE layers, E experts per layer.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ class DemandModel:
     """See the module docstring. `moe_layers` are model layer indices; arrays are indexed by MoE position."""
 
     def __init__(self, moe_layers: tuple[int, ...], num_experts: int, top_k: int, decay: float = 0.05,
-                 ewma: float = 0.5, prior: float = 1.0, block_tokens: int = 16, max_reuse_ages: int = 4096) -> None:
+                 ewma: float = 0.5, prior: float = 1.0, block_tokens: int = 16, max_reuse_ages: int = 4096,
+                 max_union_steps: int = 4) -> None:
         self.moe_layers, self.num_experts, self.top_k = tuple(moe_layers), num_experts, top_k
         self.index = {layer: m for m, layer in enumerate(self.moe_layers)}
         self.ewma, self.prior, self.decay = ewma, prior, decay
@@ -74,7 +76,7 @@ class DemandModel:
         self.kv_gpu_limit: int | None = None  # the GPU KV blocks the applied plan allows (saturation test)
         self.num_windows = 0
         self.table_version = 0
-        self.block_tokens = block_tokens
+        self.block_tokens, self.max_union_steps = block_tokens, max_union_steps
         self.reuse_ages: deque[float] = deque(maxlen=max_reuse_ages)
         self.reuse_per_step: float | None = None
         self.touch_blocks_per_s: float | None = None
@@ -98,7 +100,10 @@ class DemandModel:
             m = self.index.get(u.layer)
             if m is None:
                 continue
-            for b, union in zip(u.batch_tokens, u.unions, strict=True):
+            # The newest steps only: the stack pass costs ~0.5 ms a step and layer in Python (48 layers x 8 steps
+            # would take ~200 ms a window), and the curves are decayed averages anyway.
+            steps = list(zip(u.batch_tokens, u.unions, strict=True))[-self.max_union_steps:]
+            for b, union in steps:
                 if b > 0:
                     self.curves.observe_step(m, np.asarray(union, np.int64), batch_bucket(b))
             batches = list(u.batch_tokens)
@@ -115,8 +120,10 @@ class DemandModel:
                 m = self.index.get(t.layer)
                 if m is None or self.index.get(t.next_layer) != m + 1:
                     continue
-                for p in t.pairs:
-                    self.pairs[m, p.src, p.dst] += p.count
+                if t.pairs:
+                    flat = np.fromiter(itertools.chain.from_iterable(t.pairs), np.int64, 3 * len(t.pairs))
+                    src, dst, count = flat.reshape(-1, 3).T  # [3, P]
+                    np.add.at(self.pairs[m], (src, dst), count)
                 if t.layer in counts:
                     self.src[m] += counts[t.layer]
             self.table_version += 1

@@ -17,6 +17,8 @@ import bisect
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from controller.costmodel import CostModel
 from controller.demand import DemandForecast
 from controller.optimizer.problem import Group, GroupKind, Option, SplitProblem, capacity_units_of, units_for_bytes
@@ -42,9 +44,14 @@ class SplitSpace:
     link_share: float = 0.8  # of the host->device link in one step, the most a plan may stream
     prefetch_recall: float = 0.0  # prior share of a layer's misses the local predictor streams ahead (until measured)
 
+    max_units: int = 4096  # capacity states of the knapsack: the unit grows when the budget is large
+
     @property
     def unit_bytes(self) -> int:
-        return math.gcd(self.slot_bytes, self.kv_block_bytes)
+        """gcd(slot, KV block), coarsened so the capacity is at most `max_units` (options round UP to units,
+        so a coarse unit only leaves bytes unused, never overspends)."""
+        unit = math.gcd(self.slot_bytes, self.kv_block_bytes)
+        return max(unit, -(-self.capacity_bytes // self.max_units))
 
     @property
     def capacity_bytes(self) -> int:
@@ -76,6 +83,15 @@ def kv_cost_ms(live_blocks: float, gpu_blocks: int, step_ms: float) -> float:
     return step_ms * deferred / (1.0 - deferred)
 
 
+def layer_stall_ms(cost: CostModel, num_missed: np.ndarray, num_streamed: np.ndarray, batch_tokens: float,
+                   step_ms: float) -> np.ndarray:
+    """`CostModel.layer_stall_ms` over arrays of options (one compute estimate for all of them): demand loads
+    in full, plus the streamed part that does not fit behind one layer's compute."""
+    window_ms = step_ms / cost.shape.num_layers
+    one_ms = cost.transfer_ms(Link.H2D, cost.shape.expert_bytes, 1)  # linear in records and bytes
+    return np.maximum(0.0, num_streamed * one_ms - window_ms) + num_missed * one_ms
+
+
 def prefix_hit_share(forecast: DemandForecast, gpu_blocks: int) -> float:
     """Share of the prefix reuses an LRU GPU share of `gpu_blocks` keeps: a block reused after `age` hits while
     fewer than `gpu_blocks` others were touched since (characteristic time gpu_blocks / touch rate)."""
@@ -95,17 +111,17 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     num_experts = len(forecast.misses_per_step[0]) - 1
     groups, slot_counts = [], []
     r = space.prefetch_recall if forecast.prefetch_recall is None else forecast.prefetch_recall
+    counts = np.arange(min(space.min_slots_per_layer, num_experts), num_experts + 1)  # [J] slot counts
+    units = np.array([units_for_bytes(int(s) * space.slot_bytes, unit) for s in counts])  # [J]
+    labels = [f"{s} slots" for s in counts]
     for m, curve in enumerate(forecast.misses_per_step):
-        counts = list(range(min(space.min_slots_per_layer, num_experts), num_experts + 1))
-        options = []
-        for s in counts:
-            misses = curve[s]
-            stall = cost.layer_stall_ms((1 - r) * misses, r * misses, batch_tokens=batch, window_layers=1.0)
-            options.append(Option(units=units_for_bytes(s * space.slot_bytes, unit), cost_ms=stall,
-                                  link_bytes=round(misses * space.slot_bytes), label=f"{s} slots"))
-        cur = counts.index(current_slots[m]) if current_slots is not None and current_slots[m] in counts else None
-        groups.append(Group(f"MoE layer {m}", tuple(options), cur, GroupKind.EXPERTS))
-        slot_counts.append(tuple(counts))
+        misses = np.asarray(curve)[counts]  # [J] loads per step
+        stall = layer_stall_ms(cost, (1 - r) * misses, r * misses, batch, step_ms)  # [J]
+        cur = (int(np.flatnonzero(counts == current_slots[m])[0])
+               if current_slots is not None and current_slots[m] in counts else None)
+        groups.append(Group.from_arrays(f"MoE layer {m}", units, stall, np.rint(misses * space.slot_bytes).astype(
+            np.int64), labels, cur, GroupKind.EXPERTS))
+        slot_counts.append(tuple(int(s) for s in counts))
     grid = _kv_grid(space)
     # A prefix reuse the share loses is recomputed: one block of prefill per lost reuse.
     block_tokens = space.kv_block_tokens

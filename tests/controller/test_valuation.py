@@ -11,7 +11,7 @@ import pytest
 
 from controller.optimizer.problem import GroupKind
 from controller.protocol import PrefetchCounts, ReuseEvent
-from controller.valuation import build_problem, kv_cost_ms, prefix_hit_share
+from controller.valuation import build_problem, kv_cost_ms, layer_stall_ms, prefix_hit_share
 from tests.controller.loop_fixtures import BUDGET_BYTES, KV_MAX, KV_MIN, Windows, make_controller
 
 
@@ -87,3 +87,13 @@ def test_measured_prefetch_recall_replaces_the_prior() -> None:
     prior = build_problem(dataclasses.replace(fc, prefetch_recall=None), ctl.cost, ctl.config.space, None, None,
                           32, 0.0).problem.groups[0].options[0]
     assert streamed.cost_ms < prior.cost_ms  # more of the misses hide behind the previous layer
+
+
+def test_vectorised_layer_stall_is_the_cost_models() -> None:
+    ctl = make_controller()
+    cost, batch = ctl.cost, 8.0
+    missed, streamed = np.array([0.0, 1.0, 3.5]), np.array([0.0, 2.0, 0.5])
+    ours = layer_stall_ms(cost, missed, streamed, batch, cost.compute_ms(batch))
+    theirs = [cost.layer_stall_ms(a, b, batch_tokens=batch, window_layers=1.0) for a, b in zip(missed, streamed,
+                                                                                                strict=True)]
+    assert ours == pytest.approx(theirs)
