@@ -113,7 +113,8 @@ def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_R
             raise RuntimeError(f"demo sizes changed: stride {eng.pool.layout.stride_bytes}, block "
                                f"{eng.cache.block_bytes} bytes")
         trace = RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz")
-        sched = Scheduler(kv_floor if with_controller else static_kv, BLOCK_TOKENS, max_batch=MAX_BATCH,
+        # With the controller the scheduler may use the whole GPU tier; each applied plan's KV share bounds it.
+        sched = Scheduler(KV_GPU_CAPACITY if with_controller else static_kv, BLOCK_TOKENS, max_batch=MAX_BATCH,
                           preempt=PreemptMode.SWAP)
         ctl, loop = None, None
         if with_controller:
