@@ -28,13 +28,14 @@ def register(app: typer.Typer) -> None:
         cache_frac: Annotated[float, typer.Option(help="Resident experts per layer, as a fraction in (0, 1].")],
         batch: Annotated[int, typer.Option(help="Tokens per step (their union per layer is demanded).")] = 1,
         as_json: Annotated[bool, typer.Option("--json", help="Last stdout line: one JSON object per policy.")] = False,
+        with_lgbm: Annotated[bool, typer.Option("--with-lgbm", help="Also the LightGBM blend (slower).")] = False,
     ) -> None:
         """Replay lru, lfu, lfru, belady (clairvoyant, no prefetch) and the tierplan policies; score the 2nd half."""
         from rich.console import Console
         from rich.table import Table
 
         from controller.eval.expert_cache import cache_capacity, layer_streams, replay, step_unions
-        from controller.eval.policies import policy_factories
+        from controller.eval.policies import ReplayInputs, policy_factories
         from controller.routing_npz import RoutingTraceError, load_routing_npz
 
         if not 0.0 < cache_frac <= 1.0:
@@ -46,9 +47,10 @@ def register(app: typer.Typer) -> None:
         except RoutingTraceError as exc:
             raise _fail(str(exc)) from None
         unions = step_unions(routing, batch)
-        streams = layer_streams(unions, routing.num_layers)
-        results = {name: replay(routing, make(streams), cache_frac, batch, unions)
-                   for name, make in policy_factories().items()}
+        inputs = ReplayInputs(unions, layer_streams(unions, routing.num_layers), routing.num_layers,
+                              routing.num_experts, batch)
+        results = {name: replay(routing, make(inputs), cache_frac, batch, unions)
+                   for name, make in policy_factories(with_lgbm).items()}
         best_hit = results["belady"].hit_rate
         out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
         table = Table(title=f"{trace.name}: {routing.num_tokens} tokens, {routing.num_layers} layers, "

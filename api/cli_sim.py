@@ -3,17 +3,21 @@
 Runs in the user's shell. Heavy modules are imported inside the command. Bad input prints `error: ...` on
 stderr and exits 2 (no traceback); nothing is written then.
 
-Example (bench/results/sim_examples.md has the output): Qwen3-235B-A22B on one H200 over PCIe Gen5, with the
-links measured on our H200 (bench/results/substrate_h200.md: engine H2D 53.4 GB/s, disk->host 1.99, host->disk
-2.97; ~8 us per load from 9 MiB lists at 0.959 of raw) and our engine's per-layer decode compute there
-(bench/results/engine_h200.md run 15: Qwen3-30B-A3B 9.07 ms/step at B=1, 25.4 at B=64 over 48 layers):
+Example (bench/results/sim_examples.md has the output and where every number comes from): Qwen3-235B-A22B on
+one H200 over PCIe Gen5, links as measured on our H200 (bench/results/substrate_h200.md: engine H2D 53.4 GB/s,
+disk->host 1.99, host->disk 2.97; ~8 us per load) and our engine's per-layer decode compute there as the
+compute prior (bench/results/engine_h200.md run 15; the defaults of --layer-compute-ms / --layer-ms-per-token):
 
-    tierplan sim --routing data/routing/flame_moe_290m_sample.npz \\
-        --requests data/requests/mooncake_conversation_sample.jsonl --limit 200 --max-prompt-len 2048 \\
-        --max-output-len 256 --preset qwen3-235b-a22b --link-gbps 53.4 --hbm-gb 141 --kv-gb 16 \\
-        --layer-compute-ms 0.19 --layer-ms-per-token 0.0054 --max-batch 32 --out bench/results/sim/h200_pcie
+    tierplan sim --routing data/routing/flame_moe_290m_sample.npz \
+        --requests data/requests/mooncake_conversation_sample.jsonl --limit 100 --preset qwen3-235b-a22b \
+        --kv-gb 24 --policy lru-layer --link-gbps 53.4 --hbm-gb 141 \
+        --out bench/results/sim/qwen3-235b-a22b-h200_pcie5 --json
+    ... steps=5954 requests=100 tokens_out=36758 tokens/s=4.2 hit_rate=0.422
+    ... decode p50=1427.96 ms; time split: compute 12.2%, expert stall 87.8%
 
-and on a GH200 (450 GB/s NVLink-C2C): the same with `--link-gbps 450 --hbm-gb 96`.
+and on a GH200 (450 GB/s NVLink-C2C, 96 GB HBM) the same with `--link-gbps 450 --hbm-gb 96`: decode p50 293 ms.
+With `--calibrate telemetry.jsonl` (the agent's Telemetry windows, one JSON per line) the cost model is fitted
+to a real run first, the hardware and compute options serving only as its prior.
 """
 
 from __future__ import annotations
@@ -56,6 +60,31 @@ def _requests(spec: str, limit: int | None, time_scale: float, max_prompt: int |
     return reqs
 
 
+def _read_text(path: Path, option: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as e:
+        raise ValueError(f"{option} {str(path)!r}: cannot read it ({type(e).__name__})") from None
+
+
+def _calibrate(cost: Any, path: Path) -> int:
+    """Fold every Telemetry line of `path` into the cost model, in order; -> windows read."""
+    from controller.protocol import ProtocolError, Telemetry, parse
+
+    num = 0
+    for n, line in enumerate(_read_text(path, "--calibrate").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            cost.calibrate(parse(Telemetry, line))
+        except ProtocolError as e:
+            raise ValueError(f"--calibrate {str(path)!r} line {n}: {e}") from None
+        num += 1
+    if not num:
+        raise ValueError(f"--calibrate {str(path)!r}: no telemetry windows")
+    return num
+
+
 def register(app: typer.Typer) -> None:
     """Add this module's command(s) to `app` (called from api.cli.main)."""
 
@@ -79,13 +108,19 @@ def register(app: typer.Typer) -> None:
                                       ] = 0.0054,
         resident_frac: Annotated[float | None, typer.Option(
             min=0.0, max=1.0, help="Expert slots as a fraction of all experts (instead of what HBM leaves).")] = None,
-        policy: Annotated[str, typer.Option(help="Expert cache: lru (one pool), lru-layer, lfu-layer.")] = "lru",
+        policy: Annotated[str, typer.Option(
+            help="Expert cache: lru (one pool), lru-layer, lfu-layer, or plan (with --plan).")] = "lru",
+        plan: Annotated[Path | None, typer.Option(
+            help="A controller Plan (JSON) to replay: its per-layer expert bytes and pins (--policy plan).")] = None,
         max_batch: Annotated[int, typer.Option(min=1, help="Continuous batching: most sequences per step.")] = 32,
         limit: Annotated[int | None, typer.Option(min=1, help="First N requests of the trace.")] = None,
         time_scale: Annotated[float, typer.Option(min=1e-9, help="Multiply arrival times by this.")] = 1.0,
         max_prompt_len: Annotated[int | None, typer.Option(min=1, help="Scale prompts so the longest fits.")] = None,
         max_output_len: Annotated[int | None, typer.Option(min=1, help="Scale outputs so the longest fits.")] = None,
         max_steps: Annotated[int | None, typer.Option(min=1, help="Stop after N steps.")] = None,
+        calibrate: Annotated[Path | None, typer.Option(
+            help="Telemetry windows (JSON lines, controller.protocol.Telemetry) to calibrate the cost model "
+                 "from, in order; the hardware and compute options are then only its prior.")] = None,
         seed: Annotated[int, typer.Option(help="Seed of synthetic requests.")] = 0,
         out: Annotated[Path, typer.Option(help="Folder for sim.json and sim.png.")] = Path("bench/results/sim"),
         json_out: Annotated[bool, typer.Option("--json", help="End with one JSON line: the summary.")] = False,
@@ -96,15 +131,18 @@ def register(app: typer.Typer) -> None:
         from controller import sim_traces
         from controller.costmodel import ComputeParams, CostModel, HardwareSpec
         from controller.model_shape import ShapeError, builtin_shape, shape_from_config
-        from controller.protocol import Link
+        from controller.protocol import Link, Plan, ProtocolError, parse
         from controller.sim import SimConfig, Simulator, expert_slots_for
-        from controller.sim_policy import POLICY_NAMES, make_policy
+        from controller.sim_policy import POLICY_NAMES, PlanPolicy, make_policy
 
         if (preset is None) == (config is None):
             raise _fail("give exactly one of --preset NAME or --config config.json" if preset is None else
                         f"--preset {preset!r} and --config {str(config)!r} both given; give one")
-        if policy not in POLICY_NAMES:
-            raise _fail(f"--policy {policy!r}: expected one of {', '.join(POLICY_NAMES)}")
+        if policy not in (*POLICY_NAMES, "plan"):
+            raise _fail(f"--policy {policy!r}: expected one of {', '.join((*POLICY_NAMES, 'plan'))}")
+        if (policy == "plan") != (plan is not None):
+            raise _fail("--policy plan needs --plan PLAN.json" if plan is None else
+                        f"--plan {str(plan)!r} is replayed only with --policy plan, got --policy {policy!r}")
         try:
             shape = builtin_shape(preset) if preset is not None else shape_from_config(config)  # type: ignore[arg-type]
             trace = sim_traces.load_routing(routing, shape.num_moe_layers, shape.top_k, shape.num_experts)
@@ -123,22 +161,39 @@ def register(app: typer.Typer) -> None:
                                   attn_ms_per_ctx_token=layers_ms,
                                   moe_ms_per_active_expert=shape.expert_bytes / hw.hbm_bytes_per_s * 1e3)
             cost = CostModel(shape, hw, prior)
-            simulator = Simulator(shape, cost, trace, make_policy(policy, slots, shape.num_moe_layers),
+            num_windows = _calibrate(cost, calibrate) if calibrate is not None else 0
+            if plan is not None:
+                applied = parse(Plan, _read_text(plan, "--plan"))
+                planned = sum(applied.expert_bytes_per_layer) // shape.expert_bytes
+                if planned > slots:
+                    raise ValueError(f"--plan {str(plan)!r}: its expert bytes hold {planned} experts, the HBM left "
+                                     f"by dense weights, KV and workspace holds {slots}")
+                slots = planned
+                cache = PlanPolicy(applied, shape.moe_layers, shape.expert_bytes)
+            else:
+                cache = make_policy(policy, slots, shape.num_moe_layers)
+            simulator = Simulator(shape, cost, trace, cache,
                                   SimConfig(kv_gpu_blocks=kv_blocks, max_batch=max_batch, max_steps=max_steps), slots)
             with _progress("sim", len(reqs)) as tick:
                 report = simulator.run(reqs, on_finished=tick)
-        except (ShapeError, sim_traces.TraceError, ValueError, RuntimeError) as e:
+        except (ShapeError, sim_traces.TraceError, ProtocolError, ValueError, RuntimeError) as e:
             raise _fail(str(e)) from None
         inputs = {"model": shape.name, "hardware": hw.name, "routing": str(routing), "requests": requests,
                   "num_requests": len(reqs), "kv_gpu_blocks": kv_blocks, "expert_slots": slots,
                   "resident_frac": slots / total, "link_gbps": link_gbps, "overhead_us": overhead_us,
                   "hbm_gb": hbm_gb, "layer_compute_ms": layer_compute_ms, "layer_ms_per_token": layer_ms_per_token,
-                  "policy": policy, "max_batch": max_batch}
+                  "policy": policy, "max_batch": max_batch, "calibration_windows": num_windows,
+                  "compute_params": vars(cost.compute), "h2d_overhead_us": cost.overhead_s(Link.H2D) * 1e6,
+                  "h2d_gbps_fitted": cost.link_bytes_per_s(Link.H2D) / 1e9}
         json_path, png_path = write_sim_report(out, report, inputs)
         s = report.summary()
         say = _io.out.print
         say(f"model={shape.name} experts={total} x {shape.expert_bytes / 2**20:.1f} MiB slots={slots} "
             f"({slots / total:.1%}) kv_blocks={kv_blocks} policy={policy} hardware='{hw.name}'")
+        if num_windows:
+            gbps = cost.link_bytes_per_s(Link.H2D) / 1e9
+            say(f"calibrated from {num_windows} telemetry windows: h2d {gbps:.2f} GB/s + "
+                f"{cost.overhead_s(Link.H2D) * 1e6:.1f} us/load; compute {vars(cost.compute)}")
         say(f"steps={s['steps']} requests={s['requests']} tokens_out={s['tokens_out']} "
             f"tokens/s={s['tokens_per_s']:.1f} hit_rate={s['expert_hit_rate']:.3f}")
         say(f"step ms mean={s['step_ms_mean']:.2f} p50={s['step_ms_p50']:.2f} p99={s['step_ms_p99']:.2f}; "

@@ -19,7 +19,7 @@ def write_sim_report(out_dir: Path, report: SimReport, inputs: dict[str, Any]) -
     data = report.to_dict()
     data["inputs"] = inputs
     json_path, png_path = out_dir / "sim.json", out_dir / "sim.png"
-    json_path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    json_path.write_text(json.dumps(data, separators=(",", ":")) + "\n", encoding="utf-8")
     _plot(png_path, report, inputs)
     return json_path, png_path
 

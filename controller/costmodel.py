@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields
 
 from controller.costmodel_fit import OnlineLinear
 from controller.model_shape import ModelShape
-from controller.protocol import Link, StallCause, Telemetry
+from controller.protocol import Link, StallCause, Telemetry, Tier
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,8 @@ class CostModel:
     def compute_ms(self, batch_tokens: float, context_tokens: float = 0.0) -> float:
         """Step compute with no stall (active experts estimated from the batch)."""
         active = self.shape.num_moe_layers * self.expected_active(batch_tokens)
-        return self._compute_fit.predict(self._features(batch_tokens, context_tokens, active))
+        x = self._features(batch_tokens, context_tokens, active)
+        return float(sum(a * b for a, b in zip(x, self.compute.as_tuple(), strict=True)))
 
     # ---- the step -----------------------------------------------------------------------------------
     def _timeline(self, load: StepLoad, active: tuple[float, ...], misses: tuple[int, ...],
@@ -214,7 +215,8 @@ class CostModel:
             miss_ms = self.transfer_ms(Link.H2D, misses[j] * eb, misses[j])
             if miss_ms:  # urgent: ahead of everything still queued, which moves back by as much
                 busy += miss_ms
-                done = {i: (d + miss_ms if d > routed else d) for i, d in done.items()}
+                if link_end > routed:  # else nothing is queued (arrivals only grow along the queue)
+                    done = {i: (d + miss_ms if d > routed else d) for i, d in done.items()}
                 link_end = link_end + miss_ms if link_end > routed else routed + miss_ms
             ready = max(routed + miss_ms, done.get(j, 0.0))
             stall = max(0.0, ready - routed)
@@ -271,8 +273,9 @@ class CostModel:
     # ---- online calibration -------------------------------------------------------------------------
     def calibrate(self, telemetry: Telemetry) -> None:
         """Fold one telemetry window in. Compute: the mean step less its stalls, against the tokens per step
-        (the window's MoE layers' token counts) and the distinct experts per step (exact in one-step windows);
-        context is not in telemetry, so attention per context token keeps its prior. Host->device link: the
+        (the window's MoE layers' token counts), the distinct experts per step (exact in one-step windows) and
+        the context attention reads (the GPU KV blocks at the window's end, exact in one-step windows up to
+        block rounding). Host->device link: the
         stall time against the demand loads (expert misses and KV blocks fetched from CPU/NVMe) and their
         bytes. Both fits are robust (a step a neighbour preempted counts less) and forget slowly."""
         n = telemetry.step_timings_ms.num_steps
@@ -284,7 +287,10 @@ class CostModel:
         compute_per_step = telemetry.step_timings_ms.mean - stall_total / n
         active = sum(self._active_per_step(row.activation_counts, tokens, n) for row in telemetry.layers)
         active *= self.shape.num_moe_layers / len(layers) if layers else 0.0
-        self._compute_fit.update(self._features(tokens, 0.0, active), compute_per_step, weight=n)
+        # What attention reads: the KV blocks held on the GPU when the window closed (a one-step window's
+        # sequences, rounded up to whole blocks).
+        ctx = telemetry.kv.blocks_per_tier.get(Tier.GPU, 0) * self.shape.block_tokens
+        self._compute_fit.update(self._features(tokens, ctx, active), compute_per_step, weight=n)
         kv_loads = sum(v for tier, v in telemetry.kv.misses_per_tier.items() if tier.value != "gpu")
         loads = telemetry.expert_misses + kv_loads
         if loads:

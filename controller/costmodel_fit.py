@@ -10,12 +10,14 @@ directions the data spans. It must never touch I/O or keep global state.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 _ROBUST_AFTER = 5  # observations before residuals are trusted to say what an outlier is
-_HUBER_K = 2.0  # residuals beyond this many typical residuals are down-weighted
+_HUBER_K = 1.5  # residuals beyond this many median absolute residuals are down-weighted
+_SCALE_RATE = 0.1  # log-step of the residual scale per observation
 
 
 class OnlineLinear:
@@ -73,9 +75,12 @@ class OnlineLinear:
             if self.num_updates >= _ROBUST_AFTER and self._res_scale > 0:
                 cut = _HUBER_K * self._res_scale
                 weight *= 1.0 if residual <= cut else cut / residual
-            # The scale follows the typical residual (a slow EWMA, clipped so one outlier cannot blow it up).
-            capped = residual if self._res_scale == 0 else min(residual, 3 * self._res_scale)
-            self._res_scale = capped if self.num_updates == 0 else 0.9 * self._res_scale + 0.1 * capped
+            # The scale tracks the median absolute residual (a stochastic-approximation quantile: up when a
+            # residual is above it, down when below), which a heavy tail of preempted steps cannot inflate.
+            if self._res_scale == 0:
+                self._res_scale = residual
+            else:
+                self._res_scale *= math.exp(_SCALE_RATE if residual > self._res_scale else -_SCALE_RATE)
         # Forget toward the prior, not toward zero: a long quiet spell leaves the constants, not nothing.
         f = self.forgetting
         self._prec = f * self._prec + (1 - f) * self._prior_prec + weight * np.outer(xv, xv)

@@ -4,6 +4,7 @@ Runs in the controller process (the loop values the optimizer's KV options from 
 Pure numpy; must never import torch, runtime or agent, touch the network, or keep state between objects.
 
 API
+    trace = load_request_trace(path)  or  trace_from_rows(rows)   (controller/requests_jsonl.py)
     model = KVDemandModel(trace, decode_step_s, block_tokens=16, prefill_tokens_per_s=None, sample_s=0.5)
     win = model.window(start_s, end_s)   # seconds since the trace's first arrival, [start_s, end_s)
     wins = model.windows(window_s)       # consecutive windows covering the whole trace

@@ -8,6 +8,7 @@ import; this one is stricter: unknown fields, more hash ids than the prompt's bl
 and an id repeated within one prompt are refused too.
 
 Every non-blank line is read unless `limit` stops early; `RequestTrace.complete` says whether all were.
+`trace_from_rows` builds the same trace from rows in memory (e.g. requests a replay already loaded).
 A bad file raises `TraceError` naming the file, line, field, what was expected and what was found, and
 nothing half-read is returned. It must never import runtime, decide anything, or keep state between calls.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +123,28 @@ def _check_row(row: Any, at: str, prev_ms: float | None) -> tuple[float, int, in
     return float(ts_ms), lengths[0], lengths[1], tuple(hash_ids)
 
 
+def trace_from_rows(rows: Iterable[Mapping[str, Any]], source: str = "rows") -> RequestTrace:
+    """The same trace from rows already in memory (dicts with the four fields, in time order), checked by
+    the same rules; errors name `source` and the row's index. For callers that hold requests, not a file."""
+    arrival_ms: list[float] = []
+    lengths: list[tuple[int, int]] = []
+    hash_ids: list[tuple[int, ...]] = []
+    prev_ms: float | None = None
+    for i, row in enumerate(rows):
+        ts_ms, input_len, output_len, ids = _check_row(dict(row) if isinstance(row, Mapping) else row,
+                                                       f"request trace {source} row {i}", prev_ms)
+        prev_ms = ts_ms
+        arrival_ms.append(ts_ms)
+        lengths.append((input_len, output_len))
+        hash_ids.append(ids)
+    if not hash_ids:
+        raise TraceError(f"request trace {source}: no requests (no rows)")
+    lens = np.asarray(lengths, dtype=np.int64)  # [R, 2]
+    return RequestTrace(path=Path(source), arrival_ms=np.asarray(arrival_ms, dtype=np.float64),
+                        input_length=lens[:, 0], output_length=lens[:, 1], hash_ids=tuple(hash_ids),
+                        num_lines=len(hash_ids), num_lines_read=len(hash_ids), num_blank_lines=0)
+
+
 def load_request_trace(path: str | Path, limit: int | None = None) -> RequestTrace:
     """Read a Mooncake jsonl trace; `limit` stops after that many requests (None: read every line)."""
     if limit is not None and (not _is_int(limit) or limit < 1):
@@ -149,7 +173,8 @@ def load_request_trace(path: str | Path, limit: int | None = None) -> RequestTra
         try:
             row = json.loads(line, parse_constant=_refuse_constant)
         except json.JSONDecodeError as exc:
-            raise TraceError(f"{at}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            raise TraceError(f"{at}: not valid JSON ({exc.msg} at column {exc.colno}); a Mooncake trace has one "
+                             "JSON object per line") from None
         except ValueError as exc:  # NaN / Infinity, which Python's json would otherwise accept
             raise TraceError(f"{at}: not valid JSON ({exc})") from None
         ts_ms, input_len, output_len, ids = _check_row(row, at, prev_ms)

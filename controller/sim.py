@@ -12,7 +12,7 @@ traces) or draws plots (api/sim_report.py does).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,9 @@ class StepRecord:
 
 @dataclass
 class SimReport:
+    """Steps and finished requests. Throughput is over the priced step times; request latencies (TTFT, TPOT)
+    are on the scheduling clock, so under `virtual_step_s` they are in step-clock time."""
+
     steps: list[StepRecord]
     requests: list[dict[str, float]]
     policy: str
@@ -91,7 +94,10 @@ class SimReport:
                 "preemptions": int(sum(r["preemptions"] for r in self.requests))}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"summary": self.summary(), "config": self.config, "steps": [asdict(s) for s in self.steps]}
+        """Summary, inputs and the steps as columns (one list per StepRecord field; ms to 1 µs)."""
+        names = [f.name for f in fields(StepRecord)]
+        cols = {n: [round(v, 3) if isinstance(v := getattr(s, n), float) else v for s in self.steps] for n in names}
+        return {"summary": self.summary(), "config": self.config, "steps": cols}
 
 
 def expert_slots_for(shape: ModelShape, hbm_bytes: int, kv_gpu_blocks: int, workspace_bytes: int = 0) -> int:
@@ -157,11 +163,15 @@ class Simulator:
                 offset += nxt - now
                 continue
             run: list[SimSeq] = batch.prefills + batch.decodes
-            rows = [(s.req.request_id, p) for s in run for p in range(s.num_computed, s.num_tokens)]
-            ids = self.trace.rows(rows)  # [N, M, k]
-            unions = [np.unique(ids[:, m, :]) for m in range(ids.shape[1])]
+            rows = self.trace.span_row_index([(s.req.request_id, s.num_computed, s.num_tokens - s.num_computed)
+                                              for s in run])  # [N]
+            num_rows = rows.size
+            ids = self.trace.ids[np.unique(rows)]  # [U, M, k]: a long prefill repeats trace rows
+            used = np.zeros((ids.shape[1], self.shape.num_experts), dtype=bool)  # [M, E]
+            used[np.arange(ids.shape[1])[None, :, None], ids] = True
+            unions = [np.flatnonzero(row) for row in used]
             out = self.policy.on_step(unions)
-            load = StepLoad(batch_tokens=len(rows), context_tokens=sum(s.num_tokens for s in run),
+            load = StepLoad(batch_tokens=num_rows, context_tokens=sum(s.num_tokens for s in run),
                             active_experts=tuple(len(u) for u in unions), miss_count=out.misses,
                             prefetch_count=out.prefetches, kv_fetch_bytes=kv["fetch"],
                             kv_fetch_count=kv["fetch_count"], kv_disk_read_bytes=kv["disk_read"],
@@ -177,7 +187,7 @@ class Simulator:
             if on_finished is not None and len(sched.finished) > num_done:
                 on_finished(len(sched.finished) - num_done)
             steps.append(StepRecord(
-                len(steps), now, len(batch.prefills), len(batch.decodes), len(rows), load.context_tokens,
+                len(steps), now, len(batch.prefills), len(batch.decodes), num_rows, load.context_tokens,
                 sum(load.active_experts), sum(out.hits), sum(out.misses), sum(out.prefetches),
                 kv["fetch_count"] + kv["disk_read_count"], kv["spill_count"], b.total_ms, b.compute_ms,
                 b.stall_ms[StallCause.EXPERT_MISS], b.stall_ms[StallCause.KV_MISS], b.stall_ms[StallCause.BOTH]))

@@ -3,9 +3,10 @@ ones had to be loaded on demand (misses) and which were streamed ahead (prefetch
 
 Runs in `tierplan sim`. Pure Python + numpy. A policy is anything with `name` and
 `on_step(unions) -> CacheOutcome` (`ExpertCachePolicy`), so the predictors' policies and the loop's plans can
-be replayed by wrapping them (`CallablePolicy`). Built in: `lru` (one slot pool shared by all layers, least
-recently used first, never an expert the layer is using: the reference engine's OnDemandExperts),
-`lru-layer` and `lfu-layer` (a fixed number of slots per layer). Policies never see the future.
+be replayed by wrapping them (`CallablePolicy`); a controller `Plan` replays through `PlanPolicy`. Built in:
+`lru` (one slot pool shared by all layers, least recently used first, never an expert the layer is using:
+the reference engine's OnDemandExperts), `lru-layer` and `lfu-layer` (a fixed number of slots per layer).
+Policies never see the future.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from controller.protocol import Plan
 
 
 @dataclass(frozen=True)
@@ -91,12 +94,17 @@ class LayerCache:
             hits.append(len(resident))
             misses.append(len(absent))
             want = set(experts)
+            # Victims in eviction order, ranked once per layer and step: the step's own experts are never
+            # candidates, so loading one never changes the ranking of the rest.
+            cands = [k for k in lru if k not in want]
+            if self.frequency:
+                cands.sort(key=count.__getitem__)  # stable: ties stay least recently used first
+            victims = iter(cands)
             for e in absent:  # loaded for this step; kept only if a slot can be had without evicting the step's own
                 if len(lru) >= self.slots:
-                    cands = [k for k in lru if k not in want]
-                    if not cands:
+                    victim = next(victims, None)
+                    if victim is None:
                         continue
-                    victim = min(cands, key=count.__getitem__) if self.frequency else cands[0]
                     del lru[victim]
                 if self.slots:
                     lru[e] = None
@@ -116,6 +124,39 @@ class CallablePolicy:
         misses, prefetches = self._fn(unions)
         hits = tuple(max(0, len(u) - int(m)) for u, m in zip(unions, misses, strict=True))
         return CacheOutcome(hits, tuple(int(m) for m in misses), tuple(int(p) for p in prefetches))
+
+
+class PlanPolicy:
+    """Replays a controller `Plan` as the agent would hold it between plans: each MoE layer keeps
+    `expert_bytes_per_layer / expert_bytes` slots, its pinned experts always resident (they take slots of
+    that layer), the other slots least recently used."""
+
+    name = "plan"
+
+    def __init__(self, plan: Plan, moe_layers: Sequence[int], expert_bytes: int) -> None:
+        caps = plan.expert_bytes_per_layer
+        if len(caps) < max(moe_layers) + 1:
+            raise ValueError(f"PlanPolicy: plan {plan.plan_id!r} covers {len(caps)} layers, the model's MoE layers "
+                             f"go up to {max(moe_layers)}")
+        index = {layer: j for j, layer in enumerate(moe_layers)}
+        self._pinned: list[set[int]] = [set() for _ in moe_layers]
+        for key in plan.pinned_experts:
+            if key.layer not in index:
+                raise ValueError(f"PlanPolicy: plan {plan.plan_id!r} pins expert {key.expert} of layer {key.layer}, "
+                                 "which is not a MoE layer")
+            self._pinned[index[key.layer]].add(key.expert)
+        self._free = [LayerCache(max(0, caps[layer] // expert_bytes - len(self._pinned[j])), 1)
+                      for j, layer in enumerate(moe_layers)]
+
+    def on_step(self, unions: Sequence[np.ndarray]) -> CacheOutcome:
+        hits, misses = [], []
+        for j, union in enumerate(unions):
+            pinned = [e for e in union.tolist() if e in self._pinned[j]]
+            rest = np.array([e for e in union.tolist() if e not in self._pinned[j]], dtype=np.int64)
+            out = self._free[j].on_step([rest])
+            hits.append(len(pinned) + out.hits[0])
+            misses.append(out.misses[0])
+        return CacheOutcome(tuple(hits), tuple(misses))
 
 
 POLICY_NAMES = ("lru", "lru-layer", "lfu-layer")

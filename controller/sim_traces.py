@@ -56,9 +56,18 @@ class RoutingTrace:
 
     def rows(self, seq_pos: list[tuple[int, int]]) -> np.ndarray:
         """Fitted ids [N, M, k] of the tokens at these (sequence, position) pairs."""
-        h, t = ROUTER_HORIZON_TOKENS, self.num_tokens
-        idx = np.fromiter(((s * ROW_STRIDE + p) % h % t for s, p in seq_pos), np.int64, len(seq_pos))
-        return self.ids[idx]
+        pairs = np.asarray(seq_pos, dtype=np.int64).reshape(-1, 2)  # [N, 2]
+        return self.ids[(pairs[:, 0] * ROW_STRIDE + pairs[:, 1]) % ROUTER_HORIZON_TOKENS % self.num_tokens]
+
+    def span_row_index(self, spans: list[tuple[int, int, int]]) -> np.ndarray:
+        """Trace rows [N] of every token of (sequence, first position, num tokens) spans, in order."""
+        if not spans:
+            return np.zeros(0, np.int64)
+        sp = np.asarray(spans, dtype=np.int64)  # [S, 3]
+        seq = np.repeat(sp[:, 0], sp[:, 2])  # [N]
+        first = np.repeat(sp[:, 1] - np.cumsum(sp[:, 2]) + sp[:, 2], sp[:, 2])  # [N]: span start minus its offset
+        pos = first + np.arange(seq.size)  # [N]
+        return (seq * ROW_STRIDE + pos) % ROUTER_HORIZON_TOKENS % self.num_tokens
 
 
 def load_routing(path: str | Path, num_moe_layers: int, top_k: int, num_experts: int) -> RoutingTrace:

@@ -28,7 +28,7 @@ def test_a_large_model_on_an_h200_writes_json_and_png(tmp_path: Path) -> None:
     summary = json.loads(r.output.strip().splitlines()[-1])
     assert summary["requests"] == 20 and summary["tokens_out"] > 0 and 0 <= summary["expert_hit_rate"] <= 1
     data = json.loads((tmp_path / "sim.json").read_text())
-    assert data["summary"] == summary and len(data["steps"]) == summary["steps"]
+    assert data["summary"] == summary and len(data["steps"]["total_ms"]) == summary["steps"]
     assert data["inputs"]["model"] == "qwen3-235b-a22b" and 0 < data["inputs"]["resident_frac"] < 1
     assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -76,3 +76,46 @@ def test_a_bad_routing_file_is_refused(tmp_path: Path) -> None:
     bad.write_bytes(b"not an npz")
     r = runner.invoke(app, ["sim", "--routing", str(bad), "--requests", MOONCAKE, "--preset", "tiny"])
     assert r.exit_code == 2 and "routing trace" in r.output and "Traceback" not in r.output
+
+
+def test_a_controller_plan_is_replayed_and_a_bad_one_refused(tmp_path: Path) -> None:
+    from controller.model_shape import builtin_shape
+    from controller.protocol import ExpertKey, Plan, Tier, to_json
+
+    shape = builtin_shape("tiny")
+    plan = Plan(plan_id="p", version=1, base_version=0, created_s=0.0, hbm_budget_bytes=1 << 20,
+                expert_bytes_per_layer=(4 * shape.expert_bytes, 4 * shape.expert_bytes),
+                kv_blocks_per_tier={Tier.GPU: 6}, pinned_experts=(ExpertKey(layer=0, expert=1),), reason="test")
+    (tmp_path / "plan.json").write_text(to_json(plan))
+    args = ["--requests", MOONCAKE, "--limit", "10", "--max-prompt-len", "48", "--max-output-len", "16",
+            "--preset", "tiny", "--hbm-gb", "1", "--kv-gb", "0.001", "--workspace-gb", "0",
+            "--out", str(tmp_path / "o"), "--json"]
+    r = _sim(*args, "--policy", "plan", "--plan", str(tmp_path / "plan.json"))
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output.strip().splitlines()[-1])
+    assert s["policy"] == "plan" and s["num_slots"] == 8 and 0 < s["expert_hit_rate"] < 1
+    (tmp_path / "bad.json").write_text(to_json(plan).replace('"version":1', '"version":0'))
+    r = _sim(*args, "--policy", "plan", "--plan", str(tmp_path / "bad.json"))
+    assert r.exit_code == 2 and "version" in r.output and "Traceback" not in r.output
+    r = _sim(*args, "--plan", str(tmp_path / "plan.json"))
+    assert r.exit_code == 2 and "only with --policy plan" in r.output
+
+
+def test_calibration_from_recorded_telemetry_changes_the_prediction(tmp_path: Path) -> None:
+    from controller.protocol import to_json
+    from tests.controller.test_costmodel_calibrate import _window
+
+    # The agent's windows of a machine whose steps take ~20 ms: the default prior (0.19 ms a layer) is far off.
+    windows = [_window(i, 5 + i % 3, 8, 0, 0, 20.0, 0.0, gpu_blocks=3 + i % 3) for i in range(30)]
+    (tmp_path / "tel.jsonl").write_text("\n".join(to_json(w) for w in windows) + "\n")
+    args = ["--requests", "synthetic:6,1e9,8,4", "--preset", "tiny", "--hbm-gb", "1", "--kv-gb", "0.001",
+            "--workspace-gb", "0", "--json"]
+    plain = _sim(*args, "--out", str(tmp_path / "a"))
+    fitted = _sim(*args, "--calibrate", str(tmp_path / "tel.jsonl"), "--out", str(tmp_path / "b"))
+    assert plain.exit_code == 0 and fitted.exit_code == 0, plain.output + fitted.output
+    assert "calibrated from 30 telemetry windows" in fitted.output
+    p, f = (json.loads(x.output.strip().splitlines()[-1]) for x in (plain, fitted))
+    assert p["decode_step_ms_p50"] < 2.0 and f["decode_step_ms_p50"] == pytest.approx(20.0, rel=0.1)
+    (tmp_path / "bad.jsonl").write_text('{"schema_version": 1}\n')
+    r = _sim(*args, "--calibrate", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "c"))
+    assert r.exit_code == 2 and "line 1" in r.output and "Traceback" not in r.output

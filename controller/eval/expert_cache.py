@@ -83,15 +83,16 @@ def layer_streams(unions: Sequence[Sequence[np.ndarray]], num_layers: int) -> li
 
 
 def replay(trace: RoutingNpz, policy: ExpertCachePolicy, cache_frac: float, batch: int = 1,
-           unions: list[list[np.ndarray]] | None = None) -> CacheReplayResult:
-    """Run `policy` over `trace` (see module docstring); `unions` may be passed to share step_unions' work."""
+           unions: list[list[np.ndarray]] | None = None, first_scored: int | None = None) -> CacheReplayResult:
+    """Run `policy` over `trace` (see module docstring); `unions` may be passed to share step_unions' work.
+    `first_scored` (default num_steps // 2) is the first step counted in the metrics."""
     capacity = cache_capacity(cache_frac, trace.num_experts)
     if unions is None:
         unions = step_unions(trace, batch)
     num_layers, num_experts = trace.num_layers, trace.num_experts
     num_steps = len(unions)
     budget = min(capacity, trace.top_k * batch)
-    first_scored = num_steps // 2
+    first_scored = num_steps // 2 if first_scored is None else first_scored
     policy.reset(num_layers, num_experts, capacity, trace.top_k)
     resident = np.zeros((num_layers, num_experts), bool)  # [L, E]
     pending = np.zeros((num_layers, num_experts), bool)  # [L, E] prefetched, not yet demanded

@@ -33,6 +33,13 @@ class Solver(StrEnum):
     GREEDY = "greedy"
 
 
+def least_link_bytes(problem: SplitProblem) -> int:
+    """The fewest link bytes per step any split within the capacity streams (see dp.least_link_bytes)."""
+    from controller.optimizer.dp import least_link_bytes as _least
+
+    return _least(problem)
+
+
 def solve(problem: SplitProblem, solver: Solver | str = Solver.DP, exact: bool = False) -> SplitSolution:
     """Solve `problem` with `solver`; raises InfeasibleError (with the cause) or ProblemError (bad solver name).
 
@@ -57,5 +64,5 @@ def solve(problem: SplitProblem, solver: Solver | str = Solver.DP, exact: bool =
 __all__ = [
     "Action", "Constraint", "Group", "GroupKind", "HysteresisDecision", "HysteresisPolicy", "InfeasibleError",
     "Option", "ProblemError", "Solver", "SplitHysteresis", "SplitProblem", "SplitSolution", "capacity_units_of",
-    "evaluate", "reason", "solve", "top_factors", "units_for_bytes", "violations",
+    "evaluate", "least_link_bytes", "reason", "solve", "top_factors", "units_for_bytes", "violations",
 ]

@@ -2,17 +2,18 @@
 
 Runs inside the controller process; pure numpy. Never imports torch, runtime or agent; never mutates the problem.
 
-How it is exact with two constraints (HBM units and the per-step link budget):
-- The DP (`tables.py`) runs over capacity only, vectorised over 0..C; the link budget enters as a Lagrangian
-  price: option weight = cost_ms + lam * link_bytes.
-- The price comes from a secant search on the dual over a coarse copy whose units are rounded UP to q (so its
-  answers are feasible in the real problem too). Price 0 with an answer that streams within budget: one fine
-  pass at price 0 is optimal (the link budget does not bind).
-- Otherwise the fine tables are built once at that price and the duality gap is closed by a depth-first branch
-  and bound whose bound at every node is (cost so far) + (fine table of the remaining groups) - lam * (link
-  budget left): valid for any lam >= 0, so the search is exact whatever the price. Link feasibility is pruned
-  with a relaxed table (units rounded DOWN, every real completion fits it). A node limit hands the rest to the
-  MILP, recorded in the solution's `detail` and `stats`, never silent.
+How it handles two constraints (HBM units, exact; the per-step link budget, priced):
+- The DP (`tables.py`) runs over capacity only, vectorised over 0..C (two halves met in the middle); the link
+  budget enters as a Lagrangian price: option weight = cost_ms + lam * link_bytes.
+- The price starts at the LP relaxation's dual (`pricing.py`). Price 0 with a split that streams within the
+  budget: optimal, one pass (the link does not bind). Otherwise a few passes at prices around the dual's peak
+  (raise until a split fits, then where the two bracketing splits' Lagrangian lines cross). Every pass gives a
+  valid lower bound, value(lam) - lam * budget, for any lam >= 0; the cheapest split that fits is the answer.
+- Verification: bound = answer (within 1e-9 relative) means proven optimal. Otherwise, by default, the answer
+  carries its proven gap (`stats["gap_ms"]`, `detail`) once it is within `target_gap`; with `exact=True` the gap
+  is closed by a depth-first branch and bound on fine tables at the best price (bound at a node: cost so far +
+  table of the remaining groups - lam * link budget left; link feasibility pruned exactly with a link-only
+  table), and past `max_nodes` the MILP finishes it (solver "dp+milp", recorded, never silent).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from controller.optimizer.exchange import improve_by_exchange
 from controller.optimizer.pricing import link_price
 from controller.optimizer.problem import (
     GroupArrays,
@@ -34,10 +36,10 @@ from controller.optimizer.problem import (
 )
 from controller.optimizer.tables import Layout, at_capacity, halves, tables_of
 
-FLOOR_STATES = 1 << 30  # capacity states of the table that bounds link bytes in the search (exact when >= C)
 REL_TOL = 1e-9  # optimality tolerance (relative): well inside the 1e-6 the solvers must agree to
-NODE_LIMIT = 20_000
+NODE_LIMIT = 2_000  # search nodes before the MILP takes over (the search only pays off on small problems)
 PRICE_PASSES = 4  # DP passes at link prices bracketing the budget (cheapest split that fits wins)
+TARGET_GAP = 0.005  # default: stop pricing once a split that fits is proven within 0.5% of optimal
 PRICE_STEP = 1.25
 
 
@@ -61,15 +63,13 @@ def _evaluate(arrs: list[GroupArrays], choice: tuple[int, ...]) -> _Eval:
 class _Search:
     """Depth-first branch and bound over groups (in table order), children in bound order."""
 
-    def __init__(self, arrs: list[GroupArrays], tables: list[np.ndarray], lam: float, budget: float,
-                 incumbent: _Eval | None, capacity: int, max_nodes: int) -> None:
+    def __init__(self, arrs: list[GroupArrays], lays: list[Layout], tables: list[np.ndarray], lam: float,
+                 budget: float, incumbent: _Eval | None, capacity: int, max_nodes: int) -> None:
         self.arrs, self.tables, self.lam, self.budget = arrs, tables, lam, budget
         self.best = incumbent.choice if incumbent else None
         self.ub = incumbent.cost_ms if incumbent else math.inf
-        self.q = max(1, math.ceil(capacity / FLOOR_STATES))
-        relaxed = [Layout.of(a.units // self.q) for a in arrs]
         link_only = [GroupArrays(a.units, a.link_bytes, a.link_bytes) for a in arrs]
-        self.link_floor = tables_of(link_only, relaxed, 0.0, capacity // self.q)
+        self.least_link = tables_of(link_only, lays, 0.0, capacity)  # least link bytes of groups g.. in c units
         self.nodes, self.max_nodes = 0, max_nodes
         self.path: list[int] = []
 
@@ -86,8 +86,7 @@ class _Search:
         a = self.arrs[g]
         rem = c - a.units
         new_link = link + a.link_bytes
-        ok = (rem >= 0) & (new_link + at_capacity(self.link_floor[g + 1], np.maximum(rem, 0) // self.q)
-                           <= self.budget)
+        ok = (rem >= 0) & (new_link + at_capacity(self.least_link[g + 1], np.maximum(rem, 0)) <= self.budget)
         if g == len(self.arrs) - 1:
             total = np.where(ok, cost + a.cost_ms, np.inf)
             j = int(np.argmin(total))
@@ -104,16 +103,18 @@ class _Search:
             self.path.pop()
 
 
-def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_LIMIT) -> SplitSolution:
+def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_LIMIT,
+             target_gap: float = TARGET_GAP) -> SplitSolution:
     """The optimum of `problem` (module docstring); raises InfeasibleError with the cause.
 
-    When the link budget binds with a duality gap, `exact=False` returns the cheapest split that fits found by
-    raising the price (feasible; its proven distance from optimal in `stats["gap_ms"]` and `detail`), and
+    When the link budget binds with a duality gap, `exact=False` returns the cheapest split that fits among a few
+    DP passes at prices around the dual's peak, stopping once one is within `target_gap` (relative) of the
+    Lagrangian bound (feasible; its proven distance from optimal in `stats["gap_ms"]` and `detail`);
     `exact=True` closes the gap: the search, then the MILP past `max_nodes`."""
     t0 = time.perf_counter()
     problem.check_feasible()
     arrs = group_arrays(problem)
-    lays = [Layout.of(a.units) for a in arrs]
+    lays = [Layout.of_group(g) for g in problem.groups]
     capacity = problem.capacity_units
     budget = problem.link_budget_bytes_per_step
     if budget is None:
@@ -123,8 +124,10 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
                              link_binds=False)
     lam = link_price(arrs, capacity, float(budget))
     stats: dict[str, float] = {"lam_ms_per_byte": lam, "passes": 0}
-    best_lam, lower, incumbent = lam, -math.inf, None
-    lo, hi, price = 0.0, math.inf, lam  # prices known to stream too much / known to fit
+    best_lam, lower, incumbent, inc_price = lam, -math.inf, None, lam
+    lo: tuple[float, _Eval] | None = None  # the dearest price seen whose split streams too much
+    hi: tuple[float, _Eval] | None = None  # the cheapest price seen whose split fits
+    price = lam
     for _ in range(PRICE_PASSES):
         found = halves(arrs, lays, price, capacity)
         assert found is not None
@@ -133,17 +136,30 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
         if found[1] - price * budget > lower:
             best_lam, lower = price, found[1] - price * budget
         if e.link_bytes <= budget:
-            hi = price
+            hi = (price, e) if hi is None or price < hi[0] else hi
             if incumbent is None or e.cost_ms < incumbent.cost_ms:
-                incumbent = e
-            if price == 0.0 or incumbent.cost_ms - lower <= REL_TOL * max(1.0, abs(incumbent.cost_ms)):
-                break
+                incumbent, inc_price = e, price
         else:
-            lo = price
-        # Bisect (geometrically) between a price that streams too much and one that fits; grow until one fits.
-        price = math.sqrt(lo * hi) if math.isfinite(hi) and lo > 0 else (
-            price * PRICE_STEP if price > 0 else _first_price(arrs)) if not math.isfinite(hi) else hi / PRICE_STEP
+            lo = (price, e) if lo is None or price > lo[0] else lo
+        if incumbent is not None and incumbent.cost_ms - lower <= (REL_TOL if exact else target_gap) * max(
+                1.0, abs(incumbent.cost_ms)):
+            break
+        if lo is not None and hi is not None:  # where the two splits' Lagrangian lines cross: the dual's peak
+            nxt = (hi[1].cost_ms - lo[1].cost_ms) / max(lo[1].link_bytes - hi[1].link_bytes, 1e-12)
+            if not lo[0] < nxt < hi[0] or nxt == price:
+                break
+            price = nxt
+        elif hi is None:
+            price = price * PRICE_STEP if price > 0 else _first_price(arrs)
+        else:
+            price = hi[0] / PRICE_STEP
     stats["lower_bound_ms"] = lower
+    if incumbent is not None and incumbent.cost_ms - lower > REL_TOL * max(1.0, abs(incumbent.cost_ms)):
+        better, moves = improve_by_exchange(arrs, incumbent.choice, capacity, float(budget))
+        e = _evaluate(arrs, better)
+        if moves and e.link_bytes <= budget and e.cost_ms < incumbent.cost_ms:
+            incumbent = e
+            stats["exchange_moves"] = moves
     if incumbent is not None and incumbent.cost_ms - lower <= REL_TOL * max(1.0, abs(incumbent.cost_ms)):
         how = "link budget not binding" if best_lam == 0.0 else f"Lagrangian optimum at lam={best_lam:.3g} ms/byte"
         return make_solution(problem, incumbent.choice, "dp", _ms(t0), f"DP, {how} (no gap)", stats,
@@ -151,10 +167,22 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
     if incumbent is not None and not exact:
         gap = incumbent.cost_ms - lower
         stats["gap_ms"] = gap
-        detail = (f"DP at link price {price:.3g} ms/byte, within {gap:.3g} ms "
+        polish = f" + {stats['exchange_moves']:.0f} slot exchanges" if "exchange_moves" in stats else ""
+        detail = (f"DP at link price {inc_price:.3g} ms/byte{polish}, within {gap:.3g} ms "
                   f"({100 * gap / max(abs(incumbent.cost_ms), 1e-12):.2g}%) of optimal (Lagrangian bound)")
         return make_solution(problem, incumbent.choice, "dp", _ms(t0), detail, stats, link_binds=True)
     return _close_gap(problem, arrs, lays, best_lam, lower, incumbent, max_nodes, stats, t0)
+
+
+def least_link_bytes(problem: SplitProblem) -> int:
+    """The fewest link bytes per step any split within the HBM capacity streams (exact; one DP pass): the floor
+    below which a link budget makes the problem infeasible. Raises InfeasibleError if no split fits the capacity."""
+    SplitProblem(problem.groups, problem.capacity_units, problem.unit_bytes).check_feasible()
+    arrs = group_arrays(problem)
+    link_only = [GroupArrays(a.units, a.link_bytes, a.link_bytes) for a in arrs]
+    found = halves(link_only, [Layout.of_group(g) for g in problem.groups], 0.0, problem.capacity_units)
+    assert found is not None
+    return round(_evaluate(arrs, found[0]).link_bytes)
 
 
 def _first_price(arrs: list[GroupArrays]) -> float:
@@ -172,7 +200,7 @@ def _close_gap(problem: SplitProblem, arrs: list[GroupArrays], lays: list[Layout
     tables = tables_of(p_arrs, p_lays, lam, capacity)
     start = None if incumbent is None else _Eval(tuple(incumbent.choice[g] for g in perm), incumbent.cost_ms,
                                                  incumbent.link_bytes)
-    search = _Search(p_arrs, tables, lam, budget, start, capacity, max_nodes)
+    search = _Search(p_arrs, p_lays, tables, lam, budget, start, capacity, max_nodes)
     try:
         search.run(capacity)
     except _NodeLimit:

@@ -110,6 +110,19 @@ class Group:
         return group
 
     @functools.cached_property
+    def by_units(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(order, starts, distinct): options sorted by units (stable), where each unit count starts, and the
+        distinct counts ascending. Built once; the DP groups options of equal size with it."""
+        units = self.arrays.units
+        if units.size == 1 or bool((units[1:] > units[:-1]).all()):  # already sorted and distinct (slot counts)
+            index = np.arange(units.size)
+            return index, index, units
+        order = np.argsort(units, kind="stable")
+        sorted_units = units[order]
+        starts = np.flatnonzero(np.concatenate([[True], sorted_units[1:] != sorted_units[:-1]]))
+        return order, starts, sorted_units[starts]
+
+    @functools.cached_property
     def arrays(self) -> GroupArrays:
         """The options as arrays, migration not included (built once; solvers must not write to them)."""
         n = len(self.options)

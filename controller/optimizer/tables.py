@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided
 
-from controller.optimizer.problem import GroupArrays
+from controller.optimizer.problem import Group, GroupArrays
 
 _ROWS_PER_CHUNK = 16  # option rows reduced per numpy call: small enough to stay in cache
 
@@ -32,11 +32,8 @@ class Layout:
     distinct: np.ndarray  # [U] int64, the distinct unit counts, ascending
 
     @classmethod
-    def of(cls, units: np.ndarray) -> Layout:
-        order = np.argsort(units, kind="stable")
-        sorted_units = units[order]
-        starts = np.flatnonzero(np.concatenate([[True], sorted_units[1:] != sorted_units[:-1]]))
-        return cls(units, order, starts, sorted_units[starts])
+    def of_group(cls, group: Group) -> Layout:
+        return cls(group.arrays.units, *group.by_units)
 
 
 def group_step(prev: np.ndarray, lay: Layout, weight: np.ndarray, n: int) -> np.ndarray:
@@ -57,7 +54,8 @@ def group_step(prev: np.ndarray, lay: Layout, weight: np.ndarray, n: int) -> np.
     m = min(prev.size, width)
     tail[:m] = prev[:m]
     tail[m:] = prev[-1]
-    shifted = sliding_window_view(padded, width)  # [umax - umin + 1, width]
+    step = padded.strides[0]
+    shifted = as_strided(padded, shape=(umax - umin + 1, width), strides=(step, step), writeable=False)
     acc = new[umin:]
     least = np.empty(width)
     span = umax - umin + 1

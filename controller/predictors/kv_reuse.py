@@ -96,27 +96,33 @@ def _check_labels(raw: np.ndarray, reused: np.ndarray) -> None:
 
 
 class LogisticScorer:
-    """Logistic regression on standardised model features (scikit-learn, lbfgs)."""
+    """Logistic regression on standardised model features (scikit-learn, lbfgs). Once fitted, it scores with
+    its folded weights in numpy (`weights`, `bias`: the scaler folded in), which is also what a plan could
+    carry to an agent."""
 
     name = ScorerKind.LOGISTIC.value
 
     def __init__(self, c: float = 1.0) -> None:
         self._c = c
-        self._model = None
+        self.weights: np.ndarray | None = None  # [F] over MODEL_FEATURES, raw (unscaled) units
+        self.bias = 0.0
 
     def fit(self, raw: np.ndarray, reused: np.ndarray) -> None:
         from sklearn.linear_model import LogisticRegression
-        from sklearn.pipeline import make_pipeline
         from sklearn.preprocessing import StandardScaler
 
         _check_labels(raw, reused)
-        model = make_pipeline(StandardScaler(), LogisticRegression(C=self._c, max_iter=1000))
-        self._model = model.fit(model_matrix(raw), reused.astype(bool))
+        x = model_matrix(raw)  # [E, F]
+        scaler = StandardScaler().fit(x)
+        model = LogisticRegression(C=self._c, max_iter=1000).fit(scaler.transform(x), reused.astype(bool))
+        coef = model.coef_[0] / scaler.scale_  # [F]
+        self.weights, self.bias = coef, float(model.intercept_[0] - coef @ scaler.mean_)
 
     def score(self, raw: np.ndarray) -> np.ndarray:
-        if self._model is None:
+        if self.weights is None:
             raise NotFittedError("logistic scorer used before fit")
-        return self._model.predict_proba(model_matrix(raw))[:, 1]
+        z = model_matrix(raw) @ self.weights + self.bias  # [E]
+        return 0.5 * (1.0 + np.tanh(0.5 * z))  # the logistic function, without overflow warnings
 
 
 class LightGBMScorer:
@@ -126,7 +132,7 @@ class LightGBMScorer:
 
     def __init__(self, num_trees: int = 100, num_leaves: int = 15, seed: int = 0) -> None:
         self._params = dict(n_estimators=num_trees, num_leaves=num_leaves, learning_rate=0.05,
-                            min_child_samples=200, random_state=seed, n_jobs=2, verbose=-1)
+                            min_child_samples=200, random_state=seed, n_jobs=1, verbose=-1)
         self._model = None
 
     def fit(self, raw: np.ndarray, reused: np.ndarray) -> None:

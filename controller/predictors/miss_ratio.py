@@ -107,10 +107,13 @@ class MissRatioCurves:
                 parts, n = [], 0
             self._pending[(layer, b)] = (parts, n)
 
-    def observe_step(self, layer: int, union_ids: np.ndarray, batch: int) -> None:
+    def observe_step(self, layer: int, union_ids: np.ndarray, batch: int, distinct: bool = False) -> None:
+        """`distinct`: the caller guarantees no repeated id (skips the dedup)."""
         ids = self._check(layer, union_ids)
-        _, first = np.unique(ids, return_index=True)
-        self._stack(layer, batch).access_step(ids[np.sort(first)], self.decay)
+        if not distinct:
+            _, first = np.unique(ids, return_index=True)
+            ids = ids[np.sort(first)]
+        self._stack(layer, batch).access_step(ids, self.decay)
 
     def hit_rate_curve(self, layer: int, batch: int = 1) -> np.ndarray:
         st = self._stack(layer, batch)

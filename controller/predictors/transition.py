@@ -111,15 +111,28 @@ class TransitionTable:
             return self.predict(layer - 1, prev[1])
         return self.marginal(layer)
 
+    def observe_steps(self, sets: np.ndarray) -> None:
+        """Whole steps at once: `sets` [n, L, E] one-hot demanded sets, in order (same counts as `observe` on each
+        position; decay applies per position there, so this needs decay 0)."""
+        if self.decay:
+            raise ValueError("transition table: observe_steps needs decay 0 (decay ages counts per position)")
+        self._pair += np.einsum("sli,slj->lij", sets[:, :-1], sets[:, 1:])
+        self._src += sets[:, :-1].sum(axis=0)
+        self._marg += sets.sum(axis=0)
+        self._tokens += sets.shape[0]
+        self._dirty = True
+
     def to_rows(self, top_m: int | None = None) -> list[Row]:
         """The top-m entries of every seen row as plain (layer, src, dst, prob) tuples, prob descending."""
         m = self.top_m if top_m is None else top_m
         rows: list[Row] = []
         for layer in range(self.num_layers - 1):
-            probs = self.row_probs(layer)
-            for i in np.flatnonzero(self._src[layer] > 0).tolist():
-                order = np.argsort(-probs[i], kind="stable")[:m]
-                rows.extend((layer, i, int(j), float(probs[i, j])) for j in order.tolist() if probs[i, j] > 0)
+            seen = np.flatnonzero(self._src[layer] > 0)
+            probs = self.row_probs(layer)[seen]  # [R, E]
+            order = np.argsort(-probs, axis=1, kind="stable")[:, :m]  # [R, m]
+            top = np.take_along_axis(probs, order, axis=1)
+            rows.extend((layer, i, j, p) for i, js, ps in zip(seen.tolist(), order.tolist(), top.tolist(), strict=True)
+                        for j, p in zip(js, ps, strict=True) if p > 0)
         return rows
 
     def snapshot(self) -> TransitionSnapshot:
@@ -139,12 +152,25 @@ class CompactTransition:
         self._marg = np.asarray(snapshot.marginals, np.float64).reshape(num_layers, num_experts)  # [L, E]
         self._table = np.zeros((max(num_layers - 1, 0), num_experts, num_experts))  # [L-1, E, E]
         self._has = np.zeros((max(num_layers - 1, 0), num_experts), bool)  # [L-1, E] row present
-        for layer, i, j, p in snapshot.rows:
-            if not (0 <= layer < num_layers - 1 and 0 <= i < num_experts and 0 <= j < num_experts and 0 <= p <= 1):
-                raise ValueError(f"transition row {(layer, i, j, p)} outside {num_layers} layers x {num_experts} "
-                                 "experts or not a probability")
-            self._table[layer, i, j] = p
-            self._has[layer, i] = True
+        if snapshot.rows:
+            rows = np.asarray(snapshot.rows, np.float64)  # [R, 4]
+            idx = rows[:, :3].astype(np.int64)
+            bad = ~((idx[:, 0] >= 0) & (idx[:, 0] < num_layers - 1) & (idx[:, 1:] >= 0).all(1)
+                    & (idx[:, 1:] < num_experts).all(1) & (rows[:, 3] >= 0) & (rows[:, 3] <= 1)
+                    & (rows[:, :3] == idx).all(1))
+            if bad.any():
+                row = snapshot.rows[int(np.argmax(bad))]
+                raise ValueError(f"transition row {row} outside {num_layers} layers x {num_experts} experts or "
+                                 "not a probability")
+            self._table[idx[:, 0], idx[:, 1], idx[:, 2]] = rows[:, 3]
+            self._has[idx[:, 0], idx[:, 1]] = True
+
+    def marginal(self, layer: int) -> np.ndarray:
+        return self._marg[layer].copy()
+
+    def dense_rows(self, layer: int) -> np.ndarray:
+        """[E, E] the row each source expert contributes for layer + 1 (the marginal where no row was sent)."""
+        return np.where(self._has[layer][:, None], self._table[layer], self._marg[layer + 1])
 
     def predict(self, layer: int, src_ids: np.ndarray) -> np.ndarray:
         """[E] scores for layer + 1: mean over src of its row (missing rows: the marginal of layer + 1)."""
@@ -155,3 +181,27 @@ class CompactTransition:
             return self._marg[nxt].copy()
         rows = np.where(self._has[layer, src][:, None], self._table[layer, src], self._marg[nxt])
         return rows.mean(axis=0)
+
+
+def compact_score_stream(unions: list[list[np.ndarray]], num_layers: int, num_experts: int, chunk_steps: int = 16,
+                         top_m: int = 8) -> np.ndarray:
+    """[S, L, E] what an agent holding the last chunk's snapshot (top-m rows) predicts one layer ahead at every
+    position of a recorded stream (CompactTransition.predict, vectorized per chunk); layer 0 gets the marginal
+    (no same-token source). Causal by construction: a chunk is scored before the table sees it."""
+    table = TransitionTable(num_layers, num_experts, top_m=top_m)
+    sets = np.zeros((len(unions), num_layers, num_experts))  # [S, L, E]
+    for s, per_layer in enumerate(unions):
+        for layer, ids in enumerate(per_layer):
+            sets[s, layer, ids] = 1.0
+    sizes = sets.sum(axis=2, keepdims=True)  # [S, L, 1]
+    out = np.zeros(sets.shape)
+    for a in range(0, len(unions), chunk_steps):
+        b = min(a + chunk_steps, len(unions))
+        agent = CompactTransition(table.snapshot())
+        out[a:b, 0] = agent.marginal(0)
+        for layer in range(1, num_layers):
+            src, n = sets[a:b, layer - 1], sizes[a:b, layer - 1]  # [n, E], [n, 1]
+            out[a:b, layer] = np.where(n > 0, src @ agent.dense_rows(layer - 1) / np.maximum(n, 1.0),
+                                       agent.marginal(layer))
+        table.observe_steps(sets[a:b])
+    return out

@@ -104,3 +104,13 @@ def test_bad_load_is_refused_by_name() -> None:
         _model().step_time_ms(StepLoad(batch_tokens=1, miss_count=(1, 2)))
     with pytest.raises(ValueError, match="h2disk"):
         HardwareSpec({Link.H2D: 1e9}, 0.0, 0)
+
+
+def test_layer_valuation_agrees_with_the_step_it_values() -> None:
+    """The optimizer's per-layer stall is what the step model adds when only that layer misses."""
+    m = _model(dense_ms_per_token=0.01)
+    base = m.step_time_ms(StepLoad(batch_tokens=8)).total_ms
+    for j in range(3):
+        misses = tuple(5 if i == j else 0 for i in range(3))
+        added = m.step_time_ms(StepLoad(batch_tokens=8, miss_count=misses)).total_ms - base
+        assert added == pytest.approx(m.layer_stall_ms(num_missed=5, batch_tokens=8))

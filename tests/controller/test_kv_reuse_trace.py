@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.requests_jsonl import TraceError, load_request_trace
+from controller.requests_jsonl import TraceError, load_request_trace, trace_from_rows
 
 SAMPLE = Path(__file__).parents[2] / "data" / "requests" / "mooncake_conversation_sample.jsonl"
 GOOD = '{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]}'
@@ -98,3 +98,18 @@ def test_a_missing_file_and_a_bad_limit_are_refused(tmp_path: Path) -> None:
         load_request_trace(tmp_path / "nope.jsonl")
     with pytest.raises(TraceError, match="limit must be a positive int"):
         load_request_trace(SAMPLE, limit=0)
+
+
+def test_rows_in_memory_give_the_same_trace_and_the_same_refusals() -> None:
+    from_file = load_request_trace(SAMPLE, limit=50)
+    rows = [{"timestamp": float(t), "input_length": int(i), "output_length": int(o), "hash_ids": list(h)}
+            for t, i, o, h in zip(from_file.arrival_ms, from_file.input_length, from_file.output_length,
+                                  from_file.hash_ids, strict=True)]
+    from_rows = trace_from_rows(rows, source="replay")
+    assert from_rows.hash_ids == from_file.hash_ids and list(from_rows.arrival_ms) == list(from_file.arrival_ms)
+    assert from_rows.complete
+    rows[7] = {**rows[7], "input_length": 0}
+    with pytest.raises(TraceError, match=r"replay row 7: field 'input_length' must be a positive int"):
+        trace_from_rows(rows, source="replay")
+    with pytest.raises(TraceError, match="no rows"):
+        trace_from_rows([], source="replay")

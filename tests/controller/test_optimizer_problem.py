@@ -81,3 +81,14 @@ def test_byte_budgets_round_toward_safety() -> None:
     assert capacity_units_of(100, 30, 10, 7) == 8  # capacity rounds DOWN: 60 bytes hold 8 whole units
     with pytest.raises(InfeasibleError, match="dense weights"):
         capacity_units_of(100, 90, 20, 1)
+
+
+def test_least_link_is_the_exact_floor_of_the_link_budget() -> None:
+    from controller.optimizer import least_link_bytes
+
+    g = tuple(Group(f"layer {i}", (Option(0, 2.0, 100), Option(3, 1.0, 0))) for i in range(2))
+    problem = SplitProblem(g, capacity_units=3, unit_bytes=1, link_budget_bytes_per_step=100)
+    assert least_link_bytes(problem) == 100  # only one layer can be made resident
+    assert solve(problem).link_bytes_used == 100
+    with pytest.raises(InfeasibleError):
+        solve(SplitProblem(g, 3, 1, link_budget_bytes_per_step=99))

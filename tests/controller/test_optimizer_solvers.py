@@ -82,3 +82,16 @@ def test_fluxmoe_moves_memory_to_experts_when_loads_dominate() -> None:
     for sol in (starved, relaxed):
         assert not violations(problem, sol.choice)
     assert solve(problem).objective_ms <= min(starved.objective_ms, relaxed.objective_ms) + 1e-9
+
+
+def test_migration_cost_keeps_a_good_enough_placement() -> None:
+    """Moving units costs ms per unit moved (amortised); with a high price, staying put wins."""
+    from controller.optimizer import Group, Option
+
+    layers = (Group("layer 0", tuple(Option(k, 4.0 - k) for k in range(5)), current=1),
+              Group("layer 1", tuple(Option(k, 4.0 - 1.2 * k) for k in range(5)), current=3))
+    cheap = SplitProblem(layers, capacity_units=4, unit_bytes=1, migration_ms_per_unit=0.0)
+    dear = SplitProblem(layers, capacity_units=4, unit_bytes=1, migration_ms_per_unit=5.0)
+    assert solve(cheap).choice == (0, 4)
+    assert solve(dear).choice == (1, 3)
+    assert solve(dear, "milp").choice == (1, 3)

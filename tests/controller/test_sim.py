@@ -10,9 +10,9 @@ import pytest
 
 from controller.costmodel import ComputeParams, CostModel, HardwareSpec
 from controller.model_shape import ModelShape
-from controller.protocol import Link
+from controller.protocol import ExpertKey, Link, Plan, Tier
 from controller.sim import SimConfig, Simulator, expert_slots_for
-from controller.sim_policy import CallablePolicy, GlobalLRU, LayerCache, make_policy
+from controller.sim_policy import CallablePolicy, GlobalLRU, LayerCache, PlanPolicy, make_policy
 from controller.sim_traces import RoutingTrace, SimRequest, TraceError, load_mooncake, load_routing, synthetic_requests
 
 SHAPE = ModelShape(name="s", num_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2, expert_bytes=1 << 20,
@@ -122,3 +122,19 @@ def test_hbm_left_for_experts() -> None:
     assert expert_slots_for(SHAPE, hbm_bytes=1 << 40, kv_gpu_blocks=0) == 16  # never more than all experts
     with pytest.raises(ValueError, match="holds no expert slot"):
         expert_slots_for(SHAPE, hbm_bytes=1 << 20, kv_gpu_blocks=0)
+
+
+def test_a_plan_replays_with_its_per_layer_slots_and_pins() -> None:
+    mb = 1 << 20
+    plan = Plan(plan_id="p1", version=1, base_version=0, created_s=0.0, hbm_budget_bytes=8 * mb,
+                expert_bytes_per_layer=(3 * mb, 1 * mb), kv_blocks_per_tier={Tier.GPU: 4},
+                pinned_experts=(ExpertKey(layer=0, expert=7),), reason="test")
+    pol = PlanPolicy(plan, SHAPE.moe_layers, mb)
+    first = pol.on_step([np.array([1, 2, 7]), np.array([1])])
+    assert first.hits == (1, 0) and first.misses == (2, 1)  # the pinned expert hits from the start
+    again = pol.on_step([np.array([1, 2, 7]), np.array([1])])
+    assert again.hits == (3, 1) and again.misses == (0, 0)
+    bad = plan.model_copy(update={"pinned_experts": (ExpertKey(layer=1, expert=0),)})
+    assert PlanPolicy(bad, SHAPE.moe_layers, mb).on_step([np.array([0]), np.array([0])]).hits == (0, 1)
+    with pytest.raises(ValueError, match="covers 2 layers"):
+        PlanPolicy(plan, (0, 5), mb)

@@ -1,0 +1,82 @@
+"""Miss-ratio curves from stack distances against brute-force LRU simulations, at every cache size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from controller.predictors.miss_ratio import MissRatioCurves
+from tests.controller.test_predictors_caches import brute_force_lru_hits
+
+
+def _tokens(seed: int, num_tokens: int, num_experts: int, top_k: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.full(num_experts, 0.5))
+    return np.stack([rng.choice(num_experts, top_k, replace=False, p=p) for _ in range(num_tokens)])  # [T, K]
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_curve_equals_brute_force_lru_at_every_size(seed: int, batch: int) -> None:
+    num_experts, top_k = 12, 3
+    tokens = _tokens(seed, 240, num_experts, top_k)
+    curves = MissRatioCurves(2, num_experts, batch_sizes=(1, 3, 8))
+    for row in tokens:
+        curves.observe_token(1, row)
+    stream = []
+    for s in range(len(tokens) // batch):
+        flat = tokens[s * batch:(s + 1) * batch].ravel()
+        _, first = np.unique(flat, return_index=True)
+        stream.append(flat[np.sort(first)])
+    stream = np.concatenate(stream)
+    curve = curves.hit_rate_curve(1, batch)
+    assert curve.shape == (num_experts + 1,) and curve[0] == 0.0
+    for slots in range(1, num_experts + 1):
+        assert curve[slots] == pytest.approx(brute_force_lru_hits(stream, slots) / stream.size, abs=1e-12)
+    assert np.all(np.diff(curve) >= 0)
+    per_step = curves.expected_misses_per_step(1, batch)
+    assert curves.num_steps(1, batch) == len(tokens) // batch
+    distinct = np.unique(stream).size
+    assert per_step[num_experts] * curves.num_steps(1, batch) == pytest.approx(distinct)  # cold misses only
+    assert curves.hit_rate_curve(0, batch).sum() == 0.0  # a layer never observed
+
+
+def test_observe_step_matches_observe_token_unions() -> None:
+    tokens = _tokens(3, 64, 8, 2)
+    a = MissRatioCurves(1, 8, batch_sizes=(4,))
+    b = MissRatioCurves(1, 8, batch_sizes=(4,))
+    for row in tokens:
+        a.observe_token(0, row)
+    for s in range(16):
+        b.observe_step(0, tokens[4 * s:4 * s + 4].ravel(), batch=4)
+    assert np.array_equal(a.hit_rate_curve(0, 4), b.hit_rate_curve(0, 4))
+    assert a.mean_union_size(0, 4) == pytest.approx(b.mean_union_size(0, 4))
+
+
+def test_decay_follows_a_workload_change() -> None:
+    curves = MissRatioCurves(1, 8, decay=0.05)
+    for _ in range(200):
+        curves.observe_token(0, np.array([0, 1]))  # a hot pair: hits with 2 slots
+    assert curves.hit_rate_curve(0)[2] > 0.95
+    for t in range(400):
+        curves.observe_token(0, np.array([t % 8]))  # a cyclic scan over 8: LRU misses below 8 slots
+    assert curves.hit_rate_curve(0)[7] < 0.05
+    assert curves.hit_rate_curve(0)[8] > 0.9
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_sizes": (0,)}, "batch_sizes"), ({"decay": 1.0}, "decay"), ({"num_layers": 0}, "num_layers")])
+def test_bad_arguments_are_refused(kwargs: dict, message: str) -> None:
+    args = {"num_layers": 2, "num_experts": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        MissRatioCurves(**args)
+
+
+def test_bad_observations_are_refused() -> None:
+    curves = MissRatioCurves(2, 4)
+    with pytest.raises(ValueError, match="layer 2"):
+        curves.observe_token(2, np.array([0]))
+    with pytest.raises(ValueError, match="expert 4"):
+        curves.observe_token(0, np.array([4]))
+    with pytest.raises(ValueError, match="batch 8 not tracked"):
+        curves.hit_rate_curve(0, 8)
