@@ -107,7 +107,8 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
                   kv_demand_blocks: float) -> Valuation:
     unit = space.unit_bytes
     batch = forecast.batch_tokens
-    step_ms = cost.compute_ms(batch)
+    context_tokens = forecast.kv_gpu_used_blocks * space.kv_block_tokens  # what the step's attention reads
+    step_ms = cost.compute_ms(batch, context_tokens)
     num_experts = len(forecast.misses_per_step[0]) - 1
     groups, slot_counts = [], []
     r = space.prefetch_recall if forecast.prefetch_recall is None else forecast.prefetch_recall
@@ -125,7 +126,7 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     grid = _kv_grid(space)
     # A prefix reuse the share loses is recomputed: one block of prefill per lost reuse.
     block_tokens = space.kv_block_tokens
-    recompute_ms = max(0.0, cost.compute_ms(batch + block_tokens) - step_ms)
+    recompute_ms = max(0.0, cost.compute_ms(batch + block_tokens, context_tokens) - step_ms)
     best_hits = prefix_hit_share(forecast, grid[-1])
     kv_opts = tuple(Option(units=units_for_bytes(g * space.kv_block_bytes, unit),
                            cost_ms=kv_cost_ms(kv_demand_blocks, g, step_ms) + forecast.reuse_per_step * recompute_ms
