@@ -4,7 +4,9 @@ Wires the router tap into the model, builds the local policy and the enforcer ov
 expert provider and KV cache, and observes every step (`on_step`, the runner's hook): stall time by cause,
 the local policy's prefetches, and a Telemetry window every `window_steps` steps: snapshotted on the engine
 thread, built and handed to `sink` (the sidecar's queue, or a list in a test) by the outbox thread. It
-never waits on the network: plans arrive through `apply`.
+never waits on the network: plans arrive through `apply`. With `local_predictor=True` it also runs the
+plan's layer-ahead predictor on the route hook (agent/local_predictor.py) and adds its window counts (and
+`queue_probe`'s queued KV blocks) to each Telemetry (schema v2).
 """
 
 from __future__ import annotations
