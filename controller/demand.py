@@ -194,6 +194,14 @@ class DemandModel:
         loads = self.prefetch_useful + self.prefetch_missed
         return self.prefetch_useful / loads if loads >= MIN_RECALL_LOADS else None
 
+    def need_probs(self, batch: float, horizon_steps: int) -> np.ndarray:
+        """[M, E] P(each expert is needed within the next `horizon_steps` steps of `batch` tokens), tokens drawn
+        independently from the activation frequencies (what `Forecast.layers` carries)."""
+        e = self.num_experts
+        tokens = np.maximum(self.tokens, 1e-12)[:, None]  # [M, 1]
+        p = np.where(self.tokens[:, None] > 0, self.freq / tokens, self.top_k / e)  # [M, E] per token
+        return 1.0 - (1.0 - np.clip(p, 0.0, 1.0)) ** (max(1.0, batch) * horizon_steps)
+
     def transition_rows(self, top_m: int, min_prob: float) -> list[TransitionRow]:
         """The plan's table: for every source seen, its top-m successors at the next MoE layer."""
         rows = []

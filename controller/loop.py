@@ -24,7 +24,9 @@ from controller.plan_reason import Split, explain
 from controller.protocol import (
     AckStatus,
     ExpertKey,
+    Forecast,
     LayerEviction,
+    LayerForecast,
     LocalPredictor,
     Plan,
     PlanAck,
@@ -124,6 +126,16 @@ class Controller:
             self._now.split = self._split_of(plan)
             self._now.plan = plan
             self.demand.kv_gpu_limit = self._now.split.kv_blocks
+
+    def forecast_message(self) -> Forecast:
+        """The demand forecast as the protocol's `Forecast` (per MoE layer, P(expert needed within the plan's
+        horizon)); KV reuse scores stay empty until a reuse predictor is fed request prefixes."""
+        shape, fc = self.config.shape, self.demand.forecast()
+        probs = self.demand.need_probs(fc.batch_tokens, self.config.horizon_steps)
+        return Forecast(model=shape.name, num_layers=shape.num_layers, num_experts=shape.num_experts,
+                        horizon_steps=self.config.horizon_steps, created_s=self._created_s,
+                        layers=tuple(LayerForecast(layer=layer, probs=tuple(float(x) for x in probs[m]))
+                                     for m, layer in enumerate(shape.moe_layers)))
 
     # ---- decide -----------------------------------------------------------------------------------------
     def _split_of(self, plan: Plan) -> Split:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from controller.loop import Outcome, Solver
-from controller.protocol import AckStatus, Plan, Tier, parse, to_json
+from controller.protocol import AckStatus, Forecast, Plan, Tier, parse, to_json
 from controller.state import RejectCode, TelemetryRejected
 from tests.controller.loop_fixtures import (
     BUDGET_BYTES,
@@ -128,3 +128,14 @@ def test_the_table_learns_which_expert_follows_which() -> None:
     for row in rows:
         best = int(np.argmax(probs[row.src]))
         assert probs[row.src, row.next[0].expert] == pytest.approx(probs[row.src, best])
+
+
+def test_the_forecast_message_says_which_experts_the_horizon_needs() -> None:
+    ctl, win = make_controller(), Windows()
+    for _ in range(3):
+        ctl.sync_from(win.next(batch=1, kv_live=2))
+    msg = parse(Forecast, to_json(ctl.forecast_message()))
+    assert [lf.layer for lf in msg.layers] == [0, 1] and msg.horizon_steps == ctl.config.horizon_steps
+    freq = ctl.demand.freq[0]
+    ranked = np.argsort(-np.asarray(msg.layers[0].probs), kind="stable")
+    assert freq[ranked[0]] == freq.max() and all(0.0 <= p <= 1.0 for p in msg.layers[0].probs)
