@@ -62,6 +62,9 @@ def register(app: typer.Typer) -> None:
             table.add_row(name, f"{r.hit_rate:.3f}", f"{r.loads_per_demand:.3f}", f"{best_hit - r.hit_rate:+.3f}",
                           str(r.prefetch_loads), f"{r.prefetch_waste:.2f}" if r.prefetch_loads else "-")
         out.print(table)
+        out.print("belady: clairvoyant eviction, no prefetch. Prefetches for a layer are issued once the previous "
+                  "layer of the same step has routed. router-lookahead (the next layer's router on the current "
+                  "hidden state) is not evaluated: routing traces carry no hidden states.")
         if as_json:
             print(json.dumps({name: {"hit_rate": round(r.hit_rate, 6), "loads_per_demand": round(r.loads_per_demand, 6)}
                               for name, r in results.items()}))

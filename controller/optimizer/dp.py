@@ -38,7 +38,8 @@ from controller.optimizer.tables import Layout, at_capacity, halves, tables_of
 
 REL_TOL = 1e-9  # optimality tolerance (relative): well inside the 1e-6 the solvers must agree to
 NODE_LIMIT = 2_000  # search nodes before the MILP takes over (the search only pays off on small problems)
-PRICE_PASSES = 4  # DP passes at link prices bracketing the budget (cheapest split that fits wins)
+PRICE_PASSES = 2  # DP passes at link prices around the dual's peak (cheapest split that fits wins) ...
+MAX_PASSES = 8  # ... or more, raising the price, until one fits
 TARGET_GAP = 0.005  # default: stop pricing once a split that fits is proven within 0.5% of optimal
 PRICE_STEP = 1.25
 
@@ -128,7 +129,9 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
     lo: tuple[float, _Eval] | None = None  # the dearest price seen whose split streams too much
     hi: tuple[float, _Eval] | None = None  # the cheapest price seen whose split fits
     price = lam
-    for _ in range(PRICE_PASSES):
+    for num in range(MAX_PASSES):
+        if num >= PRICE_PASSES and incumbent is not None:
+            break
         found = halves(arrs, lays, price, capacity)
         assert found is not None
         stats["passes"] += 1
@@ -155,7 +158,7 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
             price = hi[0] / PRICE_STEP
     stats["lower_bound_ms"] = lower
     if incumbent is not None and incumbent.cost_ms - lower > REL_TOL * max(1.0, abs(incumbent.cost_ms)):
-        better, moves = improve_by_exchange(arrs, incumbent.choice, capacity, float(budget))
+        better, moves = improve_by_exchange(arrs, incumbent.choice, capacity, float(budget), best_lam)
         e = _evaluate(arrs, better)
         if moves and e.link_bytes <= budget and e.cost_ms < incumbent.cost_ms:
             incumbent = e

@@ -10,7 +10,9 @@ API (the loop helper's):
 - `MissRatioCurves(num_layers, num_experts, batch_sizes=(1,), decay=0.0)`
 - `observe_token(layer, expert_ids)`: one token's experts at `layer`; for every tracked batch size B the
   token joins the pending union, which is flushed as a step every B tokens of that layer.
-- `observe_step(layer, union_ids, batch)`: a whole step's union at batch `batch` (telemetry already per step).
+- `observe_step(layer, union_ids, batch=1)`: a whole step's union, into the curve of batch `batch` (telemetry
+  already per step; with continuous batching, `tracked_batch(b)` names the tracked size a step of b tokens
+  belongs to).
 - `hit_rate_curve(layer, batch) -> np.ndarray` [E + 1] float64: LRU hit rate with 0..E resident slots
   (non-decreasing, [0] = 0; cold misses miss at every size). Zeros before any observation.
 - `expected_misses_per_step(layer, batch) -> np.ndarray` [E + 1]: mean union size per step x (1 - hit rate):
@@ -107,7 +109,12 @@ class MissRatioCurves:
                 parts, n = [], 0
             self._pending[(layer, b)] = (parts, n)
 
-    def observe_step(self, layer: int, union_ids: np.ndarray, batch: int, distinct: bool = False) -> None:
+    def tracked_batch(self, batch: int) -> int:
+        """The largest tracked batch size <= `batch` (the smallest tracked one below that)."""
+        below = [b for b in self.batch_sizes if b <= batch]
+        return below[-1] if below else self.batch_sizes[0]
+
+    def observe_step(self, layer: int, union_ids: np.ndarray, batch: int = 1, distinct: bool = False) -> None:
         """`distinct`: the caller guarantees no repeated id (skips the dedup)."""
         ids = self._check(layer, union_ids)
         if not distinct:

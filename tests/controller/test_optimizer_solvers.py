@@ -95,3 +95,38 @@ def test_migration_cost_keeps_a_good_enough_placement() -> None:
     assert solve(cheap).choice == (0, 4)
     assert solve(dear).choice == (1, 3)
     assert solve(dear, "milp").choice == (1, 3)
+
+
+def test_exchange_polish_never_breaks_a_budget_or_costs_more() -> None:
+    from dataclasses import replace
+
+    from controller.optimizer.exchange import improve_by_exchange
+    from controller.optimizer.problem import group_arrays
+    from tests.controller.optimizer_cases import small_shape
+
+    improved = 0
+    for seed in range(12):
+        base = bench_problem(small_shape(batch=8), seed)
+        start = solve(base, "greedy")  # a feasible, usually poor split
+        problem = replace(base, link_budget_bytes_per_step=start.link_bytes_used)
+        choice, moves = improve_by_exchange(group_arrays(problem), start.choice, problem.capacity_units,
+                                            float(start.link_bytes_used), lam=1e-8)
+        assert not violations(problem, choice)
+        objective = evaluate(problem, choice)[0]
+        assert objective <= start.objective_ms + 1e-9
+        improved += moves > 0 and objective < start.objective_ms - 1e-9
+    assert improved >= 6
+
+
+def test_exchange_refuses_a_cheaper_swap_that_streams_too_much() -> None:
+    from controller.optimizer import Group, Option
+    from controller.optimizer.exchange import improve_by_exchange
+    from controller.optimizer.problem import group_arrays
+
+    hidden = Group("layer 0", tuple(Option(k, 5.0 if k == 0 else 0.0, 400 - 100 * k) for k in range(5)))
+    exposed = Group("layer 1", tuple(Option(k, 4.0 - k, 0) for k in range(5)))
+    problem = SplitProblem((hidden, exposed), capacity_units=4, unit_bytes=1, link_budget_bytes_per_step=100)
+    choice, _ = improve_by_exchange(group_arrays(problem), (3, 1), 4, 100.0, lam=0.0)
+    assert not violations(problem, choice)
+    assert choice == (3, 1)  # giving layer 1 two of layer 0's slots would save 2 ms but stream 300 bytes
+    assert solve(problem).choice == (3, 1) == solve(problem, "milp").choice

@@ -138,3 +138,19 @@ def test_cache_frac_and_batch_are_checked() -> None:
         replay(trace, LRUPolicy(), 0.0)
     with pytest.raises(ValueError, match="batch"):
         replay(trace, LRUPolicy(), 0.5, batch=0)
+
+
+def test_cost_aware_eviction_order_within_a_step() -> None:
+    policy = CostAwarePolicy("tierplan-freq", None)
+    policy.reset(1, 6, 3, 2)
+    for step in range(20):  # expert 5 is popular, 4 rare
+        policy.begin_layer(step, 0, np.array([5] if step % 4 else [4]))
+        policy.touch(0, 5 if step % 4 else 4, True)
+        policy.prefetch(step + 1, 0, np.zeros(6, bool), 2)
+    policy.begin_layer(20, 0, np.array([1, 0, 2]))
+    policy.touch(0, 1, True)
+    resident = np.zeros(6, bool)
+    resident[[0, 1, 4, 5]] = True
+    assert policy.victim(0, resident) == 4  # outside the union, rarely used
+    resident[[4, 5]] = False
+    assert policy.victim(0, resident) == 1  # already used this step, before 0 which is still to come

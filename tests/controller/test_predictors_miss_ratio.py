@@ -80,3 +80,8 @@ def test_bad_observations_are_refused() -> None:
         curves.observe_token(0, np.array([4]))
     with pytest.raises(ValueError, match="batch 8 not tracked"):
         curves.hit_rate_curve(0, 8)
+
+
+def test_tracked_batch_rounds_down_to_a_tracked_size() -> None:
+    curves = MissRatioCurves(1, 4, batch_sizes=(1, 8, 32))
+    assert [curves.tracked_batch(b) for b in (1, 7, 8, 31, 200)] == [1, 1, 8, 8, 32]
