@@ -1,29 +1,35 @@
 """Plan enforcement: validates a controller `Plan`, applies it through runtime mechanisms, answers `PlanAck`.
 
-Runs in the inference process, on the engine thread between steps. `apply` first checks everything (version,
-shape, layer and expert ids, caps against the slot pool, pins against caps, HBM budget, whether the live KV
-blocks fit the plan's tier counts) and only then changes anything; a refused plan changes no state (beyond
-the refusal counters). Applying: settle in-flight prefetches, unpin what is no longer pinned, install the
-plan's rules into the `LocalPolicy` (which runs them between plans), evict experts over the new caps, load
+Runs in the inference process, on the engine thread between steps. `apply` first checks everything (the
+message itself again, however it was built; version, shape, layer and expert ids, expert bytes as whole
+slots, caps against the slot pool, pins against caps, HBM budget, whether the live KV blocks fit the plan's
+tier counts) and only then changes anything; a refused plan changes no state (beyond the refusal counters).
+Applying: settle in-flight prefetches, unpin what is no longer pinned, install the plan's rules into the
+`LocalPolicy` (which runs them between plans), evict experts over the new caps, set the caps as the slot
+pool's layer limits and the KV tier counts as the block manager's limits (so every later load and every
+cache growth is bounded by them until the next plan: the runtime refuses or spills, never exceeds), load
 and pin newly pinned experts, spill KV blocks down to the plan's tier counts, plug the policy's ranking
-into the expert provider, and start the prefetch list.
+and grouping into the expert provider, check the footprint is within the plan, and start the prefetch list.
 
 Plans speak in model layers: `expert_bytes_per_layer` has one entry per model layer (0 for dense layers,
 which hold no experts) and every layer field names a model layer; the slot pool counts MoE layers only
 (`moe_layers` lists them in order), so layers are translated here.
-A tier missing from `kv_blocks_per_tier` keeps its full capacity. Caps are `bytes // stride_bytes`,
-at most the layer's number of experts. It must never talk to the network, build a plan, or change what a
+A tier missing from `kv_blocks_per_tier` keeps its full capacity. Caps are `bytes / stride_bytes` (a whole
+number of slots, at most the layer's number of experts); a MoE layer's cap must leave at least one slot
+beside its pinned experts (its other experts are computed through it). The GPU tier needs at least one KV
+block (attention reads KV only there). It must never talk to the network, build a plan, or change what a
 kernel computes: placement moves bytes, never changes them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from agent.local_policy import Key, LocalPolicy, PrefetchJob
-from controller.protocol import AckStatus, Footprint, Plan, PlanAck, RejectReason, Tier
+from controller.protocol import AckStatus, Footprint, Plan, PlanAck, ProtocolError, RejectReason, Tier, parse
 from runtime.engine.experts import OnDemandExperts
 from runtime.engine.kv_cache import PagedKVCache
 from runtime.errors import ConfigError
@@ -46,6 +52,7 @@ class _Target:
     """A validated plan in the pool's terms: everything `_enact` needs, nothing left to check."""
 
     caps: dict[int, int]
+    kv_limit: dict[KVTier, int]
     eviction: dict[int, tuple[int, ...]]
     pinned: frozenset[Key]
     prefetch: tuple[PrefetchJob, ...]
@@ -91,12 +98,16 @@ class Enforcer:
         self.num_rejected: dict[RejectReason, int] = dict.fromkeys(RejectReason, 0)
 
     # ---- the one entry point ------------------------------------------------------------------------
-    def apply(self, plan: Plan) -> PlanAck:
+    def apply(self, plan: Plan | Mapping[str, Any]) -> PlanAck:
+        """Apply `plan` (a Plan, or its JSON-shaped mapping) whole, or refuse it whole: always an ack."""
         now_s = self.clock()
         try:
+            plan = self._revalidate(plan)
             target = self._validate(plan, now_s)
         except PlanRefused as refusal:
             return self._refuse(plan, now_s, refusal.code, refusal.text)
+        except Exception as exc:  # a plan built around validation can break a check in unforeseen ways
+            return self._refuse(plan, now_s, RejectReason.MALFORMED, f"invalid plan: {type(exc).__name__}: {exc}")
         try:
             self._enact(target, now_s)
         except Exception as exc:  # a byte move (or the driver) failed midway: say so, keep the old version
@@ -107,11 +118,33 @@ class Enforcer:
         return PlanAck(agent_id=self.agent_id, rank=self.rank, plan_id=plan.plan_id, version=plan.version,
                        status=AckStatus.APPLIED, applied_s=now_s, footprint=self.footprint())
 
-    def _refuse(self, plan: Plan, now_s: float, code: RejectReason, text: str) -> PlanAck:
+    def _refuse(self, plan: object, now_s: float, code: RejectReason, text: str) -> PlanAck:
+        """A REJECTED ack. It echoes the plan's id and version where they are valid; otherwise 'invalid-plan'
+        and the version the agent would accept next (applied_version + 1), the reason naming what was wrong."""
         self.num_rejected[code] += 1
-        return PlanAck(agent_id=self.agent_id, rank=self.rank, plan_id=plan.plan_id, version=plan.version,
+        plan_id = getattr(plan, "plan_id", None) if not isinstance(plan, Mapping) else plan.get("plan_id")
+        version = getattr(plan, "version", None) if not isinstance(plan, Mapping) else plan.get("version")
+        if not (isinstance(plan_id, str) and plan_id and len(plan_id) <= 256 and not any(c.isspace() for c in plan_id)):
+            plan_id = "invalid-plan"
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            version = self.applied_version + 1
+        return PlanAck(agent_id=self.agent_id, rank=self.rank, plan_id=plan_id, version=version,
                        status=AckStatus.REJECTED, reason_code=code, reason=text[:4000], applied_s=now_s,
                        footprint=self.footprint())
+
+    @staticmethod
+    def _revalidate(plan: object) -> Plan:
+        """The plan checked again from its fields: `Plan.model_construct` (or a mutated copy) skips validation."""
+        try:
+            if isinstance(plan, Plan):
+                return Plan.model_validate(plan.model_dump())
+            if isinstance(plan, Mapping | str | bytes):
+                return parse(Plan, plan)
+        except ProtocolError as exc:
+            raise PlanRefused(RejectReason.MALFORMED, str(exc)) from None
+        except Exception as exc:  # fields of the wrong shape can break model_dump itself
+            raise PlanRefused(RejectReason.MALFORMED, f"invalid Plan: {type(exc).__name__}: {exc}") from None
+        raise PlanRefused(RejectReason.MALFORMED, f"expected a Plan, got {type(plan).__name__}")
 
     # ---- validation (reads only) --------------------------------------------------------------------
     def _layer(self, path: str, model_layer: int) -> int:
@@ -151,6 +184,9 @@ class Enforcer:
                 raise PlanRefused(RejectReason.MALFORMED, f"kv_blocks_per_tier.{tier.value}: {count} blocks exceed "
                                   f"the tier's capacity of {capacity[kv_tier]}")
             limit[kv_tier] = count
+        if limit[KVTier.GPU] < 1:
+            raise PlanRefused(RejectReason.MALFORMED, "kv_blocks_per_tier.gpu: 0 blocks, but attention reads KV only "
+                              "on the GPU tier: expected at least 1")
         for i, (_, e) in enumerate(pinned):
             self._expert(f"pinned_experts.{i}.expert", e)
         for i, ev in enumerate(plan.eviction_priority):
@@ -161,12 +197,18 @@ class Enforcer:
         caps = self._check_budget(plan, pinned, limit)
         jobs = tuple(PrefetchJob((layer, it.key.expert), Priority(it.priority), now_s + it.deadline_ms / 1000)
                      for layer, it in prefetch)
-        return _Target(caps, eviction, frozenset(pinned), jobs, tuple(self._plan_kv(limit)))
+        return _Target(caps, limit, eviction, frozenset(pinned), jobs, tuple(self._plan_kv(limit)))
 
     def _check_budget(self, plan: Plan, pinned: list[Key], limit: dict[KVTier, int]) -> dict[int, int]:
         stride, num_slots = self.pool.layout.stride_bytes, self.pool.num_slots
-        caps = {i: min(plan.expert_bytes_per_layer[layer] // stride, self.pool.layout.num_experts)
-                for layer, i in self._pool_layer.items()}
+        num_experts = self.pool.layout.num_experts
+        for layer in self._pool_layer:
+            b = plan.expert_bytes_per_layer[layer]
+            if b % stride or b > num_experts * stride:
+                raise PlanRefused(RejectReason.MALFORMED, f"expert_bytes_per_layer.{layer}: {b} bytes is not a whole "
+                                  f"number of slots of stride_bytes={stride} from 0 to the layer's {num_experts} "
+                                  f"experts (nearest: {b // stride * stride} or {-(-b // stride) * stride})")
+        caps = {i: plan.expert_bytes_per_layer[layer] // stride for layer, i in self._pool_layer.items()}
         if sum(caps.values()) > num_slots:
             raise PlanRefused(RejectReason.OVER_BUDGET, f"expert_bytes_per_layer: caps of {list(caps.values())} "
                               f"experts (bytes // stride_bytes={stride}) sum to {sum(caps.values())}, over the "
@@ -182,6 +224,11 @@ class Enforcer:
                                   f"{self.moe_layers[layer]}, over its cap of {cap} experts (expert_bytes_per_layer."
                                   f"{self.moe_layers[layer]}={plan.expert_bytes_per_layer[self.moe_layers[layer]]}"
                                   f" // stride_bytes={stride})")
+            if cap - num_pinned < 1 and num_pinned < num_experts:
+                raise PlanRefused(RejectReason.OVER_BUDGET, f"expert_bytes_per_layer.{self.moe_layers[layer]}: a cap "
+                                  f"of {cap} experts with {num_pinned} pinned leaves no slot to compute the layer's "
+                                  f"other experts through; expected at least {num_pinned + 1} slots "
+                                  f"({(num_pinned + 1) * stride} bytes)")
         expert_bytes, block_bytes = sum(plan.expert_bytes_per_layer), self.cache.block_bytes
         total = expert_bytes + limit[KVTier.GPU] * block_bytes
         for whose, budget in (("the agent's", self.hbm_budget_bytes), ("the plan's", plan.hbm_budget_bytes)):
@@ -216,6 +263,8 @@ class Enforcer:
         for layer in range(pool.layout.num_layers):
             for k in policy.over_cap_victims(layer):
                 self.experts.evict(*k)
+        pool.limits.set(t.caps)  # from here on no load passes a cap (the pool refuses), until the next plan
+        self.cache.manager.set_limits(t.kv_limit)  # nor any KV growth or move a tier's count
         for k in sorted(t.pinned):
             if not pool.is_resident(*k):
                 if not policy.make_room(k, protect=t.pinned):
@@ -225,12 +274,24 @@ class Enforcer:
         for blocks, tier in t.kv_moves:
             self.cache.spill(blocks, tier)
         self.experts.set_victim_order(policy.victim_order)
+        self.experts.set_chunk_order(policy.chunk_order)
+        self._check_within(t)
         policy.run_prefetch(now_s)
+
+    def _check_within(self, t: _Target) -> None:
+        """After applying: every layer's slots and every tier's blocks within the plan (else the apply failed)."""
+        over = [f"pool layer {layer}: {self.pool.num_bound(layer)} slots > cap {cap}" for layer, cap in t.caps.items()
+                if self.pool.num_bound(layer) > cap]
+        over += [f"kv {tier.value}: {self.cache.manager.num_used(tier)} blocks > {n}" for tier, n in t.kv_limit.items()
+                 if self.cache.manager.num_used(tier) > n]
+        if over:
+            raise RuntimeError(f"footprint over the plan after applying it: {'; '.join(over)}")
 
     # ---- measurement --------------------------------------------------------------------------------
     def footprint(self) -> Footprint:
         stride = self.pool.layout.stride_bytes
-        per_layer = tuple(len(self.pool.resident_experts(self._pool_layer[layer])) * stride
+        # Bound slots (loading ones too), the same count the pool's limits bound: what the layer really holds.
+        per_layer = tuple(self.pool.num_bound(self._pool_layer[layer]) * stride
                           if layer in self._pool_layer else 0 for layer in range(self.cache.spec.num_layers))
         manager = self.cache.manager
         kv = {Tier(t.value): manager.num_used(t) for t in KVTier}

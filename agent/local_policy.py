@@ -10,7 +10,12 @@ the prefetch list. From then on this policy
   - names the experts a new cap pushes out (`over_cap_victims`);
   - runs the prefetch list (`run_prefetch`), most urgent first (priority, then deadline), through the
     expert provider's loader: into a free slot, or in place of a resident the plan does not want (for a
-    layer at its cap, one of the same layer); experts already resident are skipped.
+    layer at its cap, one of the same layer); experts already resident are skipped;
+  - groups a layer's needed experts for the provider (`chunk_order`). With the scan rule (`ScanRule.MRU`),
+    a layer whose step needs more experts than its slots (its cap, else an even share of the pool) is a
+    scan, which defeats LRU (every expert is evicted just before it is needed again): its resident experts
+    go first, as a kept subset, and the rest stream through `stream_slots` slots, the most recently used
+    evicted first, so the kept subset survives from step to step.
 
 Every time it cannot follow the plan it counts the fallback it took, by name (`Fallback`). All calls come
 from the engine thread between steps (the ranking also from inside a step's `ensure`). It must never talk
@@ -43,6 +48,13 @@ class Fallback(StrEnum):
     PREFETCH_FAILED = "prefetch_failed"  # the loader refused it or the load failed
 
 
+class ScanRule(StrEnum):
+    """How a layer whose step needs more experts than its slots is served (the policy's option)."""
+
+    LRU = "lru"  # consecutive groups, victims by the plan's order then least recently used
+    MRU = "mru"  # residents first (kept), the rest streamed through a few slots, most recently used evicted
+
+
 @dataclass(frozen=True)
 class PrefetchJob:
     key: Key  # (pool layer, expert)
@@ -71,10 +83,13 @@ class _Pending:
 class LocalPolicy:
     """See the module docstring."""
 
-    def __init__(self, pool: ExpertSlotPool, experts: OnDemandExperts) -> None:
+    def __init__(self, pool: ExpertSlotPool, experts: OnDemandExperts, scan_rule: ScanRule = ScanRule.LRU,
+                 stream_slots: int = 1) -> None:
         if experts.pool is not pool:
             raise ConfigError("LocalPolicy: experts.pool is not the pool given (the policy must rank that pool)")
         self.pool, self.experts = pool, experts
+        self.set_scan_rule(scan_rule, stream_slots)
+        self._scanning: int | None = None  # the pool layer whose scan is being served (MRU victims)
         self._lock = threading.RLock()
         self._caps: dict[int, int] = {}  # absent layer: no cap
         self._order: dict[int, tuple[int, ...]] = {}
@@ -85,7 +100,15 @@ class LocalPolicy:
         self._pending: list[_Pending] = []
         self.fallbacks: dict[str, int] = dict.fromkeys((f.value for f in Fallback), 0)
         self._counts = dict.fromkeys(("prefetch_started", "prefetch_landed", "prefetch_skipped_resident",
-                                      "evicted_for_room"), 0)
+                                      "evicted_for_room", "scan_layers"), 0)
+
+    def set_scan_rule(self, rule: ScanRule, stream_slots: int = 1) -> None:
+        """Choose the scan rule (config or plan); ConfigError for an unknown rule or stream_slots < 1."""
+        if not isinstance(rule, ScanRule):
+            raise ConfigError(f"scan_rule: expected one of {[r.value for r in ScanRule]}, got {rule!r}")
+        if isinstance(stream_slots, bool) or not isinstance(stream_slots, int) or stream_slots < 1:
+            raise ConfigError(f"stream_slots: expected an int >= 1, got {stream_slots!r}")
+        self.scan_rule, self.stream_slots = rule, stream_slots
 
     # ---- installing a plan ------------------------------------------------------------------------
     def _check_key(self, where: str, layer: int, expert: int) -> None:
@@ -162,9 +185,30 @@ class LocalPolicy:
         return ranked
 
     def victim_order(self, candidates: list[Key]) -> list[Key]:
-        """`OnDemandExperts`' hook: candidates arrive least recently used first; pinned ones are dropped."""
+        """`OnDemandExperts`' hook: candidates arrive least recently used first; pinned ones are dropped.
+        While a scan is served, the most recently used go first (the streamed ones, not the kept subset)."""
         with self._lock:
+            if self._scanning is not None:
+                return self._evictable(candidates)[::-1]
             return self._rank(self._evictable(candidates))
+
+    def chunk_order(self, layer: int, needed: list[int], capacity: int) -> list[list[int]]:
+        """`OnDemandExperts`' grouping hook: consecutive groups of `capacity`, or under the MRU scan rule and
+        more needed than the layer's slots, its residents first and the rest `stream_slots` at a time."""
+        with self._lock:
+            cap = self._caps.get(layer)
+            slots = capacity if cap is not None else min(capacity, max(1, self.pool.num_slots
+                                                                         // self.pool.layout.num_layers))
+            if self.scan_rule is ScanRule.LRU or len(needed) <= slots:
+                self._scanning = None
+                return [needed[i : i + capacity] for i in range(0, len(needed), capacity)]
+            self._scanning = layer
+            self._counts["scan_layers"] += 1
+            kept = [e for e in needed if self.pool.is_resident(layer, e)]
+            rest = [e for e in needed if not self.pool.is_resident(layer, e)]
+            n = min(self.stream_slots, capacity)
+            return ([kept[i : i + capacity] for i in range(0, len(kept), capacity)]
+                    + [rest[i : i + n] for i in range(0, len(rest), n)])
 
     def over_cap_victims(self, layer: int) -> list[Key]:
         """The residents of `layer` beyond its cap, first to evict first (fewer if the rest are pinned)."""

@@ -2,8 +2,9 @@
 
 Agent code; runs where the demo or a test builds it (no process boundary: it only fills a `controller.protocol.Plan`).
 From a warm-up window of real routing it pins, per MoE layer, the experts activated most often, caps
-each layer at an even share of the expert slots, ranks the coldest experts first for eviction, and keeps
-the KV capacity per tier as configured. The reason string says all of that, so the choice is visible.
+each layer at an even share of the expert slots (pins leave at least one of them free), ranks the coldest
+experts first for eviction, and keeps the KV capacity per tier as configured. The reason string says all
+of that, so the choice is visible.
 It must never apply anything (the enforcer does) or learn online (that is the controller's job).
 """
 
@@ -25,7 +26,9 @@ def static_plan(spec: ModelSpec, routes: np.ndarray, num_slots: int, stride_byte
     pinned, evictions = [], []
     for m, layer in enumerate(spec.moe_layers):
         hot = np.argsort(-counts[m], kind="stable")
-        pinned += [ExpertKey(layer=layer, expert=int(e)) for e in hot[: min(pin_per_layer, per_layer)]]
+        # A pin per slot would leave none to compute the layer's other experts through (the enforcer refuses it).
+        num_pins = min(pin_per_layer, per_layer if per_layer >= spec.num_experts else per_layer - 1)
+        pinned += [ExpertKey(layer=layer, expert=int(e)) for e in hot[:num_pins]]
         evictions.append(LayerEviction(layer=layer, order=tuple(int(e) for e in hot[::-1])))  # coldest first
     moe = set(spec.moe_layers)  # one entry per model layer; dense layers hold no experts
     expert_bytes = [per_layer * stride_bytes if layer in moe else 0 for layer in range(spec.num_layers)]

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from api import cli_eval_kv, cli_eval_predictors, cli_plan, cli_sim
+from api.cli_checks import MAX_SEED, check_device, check_workdir, user_errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="tierplan: one HBM budget for experts and KV.")
 check_app = typer.Typer(no_args_is_help=True, help="Self-checks of the execution substrate.")
@@ -58,12 +59,15 @@ def _progress(what: str, total: int) -> Iterator[Callable[[int], None]]:
         yield lambda n: bar.advance(task, n)
 
 
-Seed = Annotated[int, typer.Option(help="Random seed; the same seed replays the same traffic.")]
+Seed = Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Random seed; the same seed replays the same traffic.")]
 Dev = Annotated[DeviceOpt, typer.Option(help="cpu (the twin CI runs) or cuda (one GPU).")]
-Workdir = Annotated[Path | None, typer.Option(help="Folder for the NVMe files (default: a temporary folder).")]
+Workdir = Annotated[Path | None, typer.Option(callback=check_workdir,
+                                              help="Folder for the NVMe files (default: a temporary folder).")]
+_errors = user_errors(lambda: _io.err)
 
 
 @check_app.command("tiers")
+@_errors
 def check_tiers(
     moves: Annotated[int, typer.Option(min=1, help="Number of random moves (KV moves + expert loads).")] = 10_000,
     seed: Seed = 0,
@@ -75,6 +79,7 @@ def check_tiers(
     """Random moves over every tier pair, expert and KV traffic interleaved, checksums verified."""
     from runtime.selfcheck.tiers import run_tier_check, run_tier_check_jobs
 
+    check_device(device)
     if jobs > 1:
         _io.err.print(f"sharding {moves} moves over {jobs} processes (no progress bar)")
         r = run_tier_check_jobs(moves, seed, device.value, workdir, inject_every=inject_every, jobs=jobs)
@@ -91,6 +96,7 @@ def check_tiers(
 
 
 @check_app.command("slots")
+@_errors
 def check_slots(
     remaps: Annotated[int, typer.Option(min=1, help="Number of expert loads into slots.")] = 10_000,
     seed: Seed = 0,
@@ -100,6 +106,7 @@ def check_slots(
     """Random expert remaps with poisoned slots; every read's fingerprint verified."""
     from runtime.selfcheck.slots import run_slot_check
 
+    check_device(device)
     with _progress("slots", remaps) as tick:
         r = run_slot_check(remaps, seed, device.value, workdir, progress=tick)
     _io.out.print(
@@ -112,8 +119,10 @@ def check_slots(
 
 
 @check_app.command("exact")
+@_errors
 def check_exact(
-    preset: Annotated[str, typer.Option(help="Model preset (tiny, qwen3-30b-a3b, mixtral-8x7b, ...).")] = "tiny",
+    preset: Annotated[str | None, typer.Option(
+        help="Model preset (tiny, qwen3-30b-a3b, mixtral-8x7b, ...); default tiny.")] = None,
     config: Annotated[Path | None, typer.Option(help="A Hugging Face config.json (or its folder) instead.")] = None,
     layers: Annotated[int | None, typer.Option(min=1, help="Keep only the first N layers.")] = None,
     resident_frac: Annotated[float, typer.Option(min=0.0, max=1.0, help="Fraction of experts with a slot.")] = 0.25,
@@ -136,8 +145,12 @@ def check_exact(
     from runtime.selfcheck.exact import run_exact_check
     from runtime.weights.loader import MAP_IN
 
+    check_device(device)
+    if config is not None and preset is not None:
+        raise typer.BadParameter(f"--config {config} and --preset {preset} name two models; expected one of them",
+                                 param_hint="--config / --preset")
     try:
-        spec = load_hf_config(config) if config is not None else load_preset(preset)
+        spec = load_hf_config(config) if config is not None else load_preset(preset or "tiny")
         if layers is not None:
             spec = spec.truncated(layers)
         if expert_map_in not in MAP_IN:
@@ -168,6 +181,7 @@ def _sections(only: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @bench_app.command("substrate")
+@_errors
 def bench_substrate(
     out_dir: Annotated[Path, typer.Option(help="Where to write JSON, Markdown and PNG.")] = Path("bench/results"),
     quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
@@ -187,11 +201,13 @@ def bench_substrate(
     if load_configs not in LOAD_CONFIG_SETS:
         raise typer.BadParameter(f"{load_configs!r}; expected one of {', '.join(map(repr, LOAD_CONFIG_SETS))}",
                                  param_hint="--load-configs")
+    check_device(device)
     run_substrate_bench(out_dir, device.value, quick=quick, console=_io.out, sections=sections,
                         load_configs=load_configs)
 
 
 @bench_app.command("engine")
+@_errors
 def bench_engine(
     out_dir: Annotated[Path, typer.Option(help="Where to write JSON and Markdown.")] = Path("bench/results"),
     quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
@@ -204,11 +220,13 @@ def bench_engine(
     from bench.engine import SECTIONS, run_engine_bench
 
     sections = _sections(only, SECTIONS)
+    check_device(device)
     run_engine_bench(out_dir, device.value, quick=quick, console=_io.out, profile=profile, sections=sections,
                      rounds=rounds)
 
 
 @app.command()
+@_errors
 def demo(
     workdir: Workdir = None,
     requests: Annotated[int, typer.Option(

@@ -60,6 +60,9 @@ class _AllResident:
     def all_resident(self, layer: int) -> bool:
         return True
 
+    def chunks(self, layer: int, needed: list[int]) -> list[list[int]]:  # pragma: no cover - never called
+        return [needed]
+
     def ensure(self, layer: int, experts: list[int]) -> None:  # pragma: no cover - never called
         raise AssertionError("all resident")
 

@@ -273,7 +273,7 @@ class LoadConfig:
 _DEFAULT = LoadConfig(8 * MiB, 16 * MiB)
 _POISON = replace(_DEFAULT, poison_unmapped=True)  # absent experts read as NaN: one more driver call per load
 _RETIRE = replace(_DEFAULT, retire_thread=True)
-_BEFORE = replace(_DEFAULT, map_in="worker")  # each range mapped before its copy (the default until run 19)
+_BEFORE = replace(_DEFAULT, map_in="worker")  # each range mapped before its copy (the earlier default)
 _OTHER_PUBLISH = replace(_DEFAULT, publish="done" if _DEFAULT.publish == "issued" else "issued")
 _DEEP = replace(_DEFAULT, max_inflight_bytes=64 * MiB, urgent_stream=True)
 LOAD_CONFIG_SETS: dict[str, list[LoadConfig]] = {

@@ -311,7 +311,7 @@ class Plan(ProtocolModel):
     pinned_experts: tuple[ExpertKey, ...] = Field(default=(), max_length=MAX_ITEMS)
     eviction_priority: tuple[LayerEviction, ...] = Field(default=(), max_length=MAX_LAYERS)
     prefetch: tuple[PrefetchItem, ...] = Field(default=(), max_length=MAX_ITEMS)
-    link_shares: dict[Link, Probability] = Field(default_factory=dict)
+    link_shares: dict[Link, Probability] = Field(default_factory=dict)  # fractions of the plan's transfer budget
     reason: Text
     # v2: the predictor the agent evaluates one MoE layer ahead, and the bytes it may prefetch per engine step
     local_predictor: LocalPredictor | None = None
@@ -324,6 +324,9 @@ class Plan(ProtocolModel):
             check_predictor(self.local_predictor, len(self.expert_bytes_per_layer))
         if self.version <= self.base_version:
             raise _invalid("version", f"{self.version} must be greater than base_version={self.base_version}")
+        if sum(self.link_shares.values()) > 1.0 + 1e-9:  # a little slack: 0.1 + 0.2 + 0.7 is not exactly 1.0
+            detail = f"sum to {sum(self.link_shares.values()):g}; expected at most 1 (shares of one transfer budget)"
+            raise _invalid("link_shares", detail)
         expert_bytes = sum(self.expert_bytes_per_layer)
         if expert_bytes > self.hbm_budget_bytes:
             # KV bytes per block are unknown here, so only the expert share can be checked against the budget.

@@ -84,6 +84,8 @@ def to_json(msg: BaseModel) -> str:
 
 def parse(kind: type[M], data: str | bytes | Mapping[str, Any]) -> M:
     """`data` (JSON text or an already-decoded mapping) as a `kind`, or ProtocolError saying what is wrong."""
+    if not isinstance(data, str | bytes | Mapping):
+        raise ProtocolError(kind.__name__, [f"(message): expected JSON text or a mapping, got {type(data).__name__}"])
     try:
         if isinstance(data, str | bytes):
             return kind.model_validate_json(data)

@@ -176,8 +176,8 @@ class Device:
                    num_bytes: int, stream: Any = None, stream_is_current: bool = False) -> Event:
         """Copy `num_bytes` from byte `src_offset_bytes` of `src` to byte `dst_offset_bytes` of `dst` (both
         contiguous; the caller checked the ranges). On a GPU with cuda-python this is one driver call by address
-        (cuMemcpyAsync: 4.2 µs of host time against 12.4 µs for torch's copy_, H200 host, engine run 14), no
-        tensor views; otherwise byte views and `copy`."""
+        (cuMemcpyAsync, a third of the host time of torch's copy_: bench/results/design_notes.md), no tensor
+        views; otherwise byte views and `copy`."""
         if self._cu is None:
             return self.copy(byte_range(dst, dst_offset_bytes, num_bytes), byte_range(src, src_offset_bytes,
                              num_bytes), stream, stream_is_current)

@@ -11,8 +11,9 @@ behind more than ~16 MiB; on the CPU twin a worker thread does the copy. Disk li
 worker threads doing aligned O_DIRECT I/O.
 
 Memory-link copies go by address (`Device.copy_range`: one cuMemcpyAsync on a GPU). A memory link's finished
-chunks are accounted, and `on_done` callbacks run, in order on its retire thread (`retire_thread=True`, the
-default) or on its worker. `submit_many` queues a list of one link's transfers with one lock and one wake-up.
+chunks are accounted, and `on_done` callbacks run, in order on its worker (the default, as in the reference
+engine's `EngineConfig.transfer_retire_thread`) or on its retire thread (`retire_thread=True`). `submit_many`
+queues a list of one link's transfers with one lock and one wake-up.
 
 Accounting per traffic class: transfers, bytes, queueing delay (submit -> first chunk issued), latency
 (submit -> done), deadline misses, failures. Accounting per link: bytes and chunks. Nothing is dropped: a
@@ -25,8 +26,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import queue
-import threading
 import time
 from collections.abc import Callable
 from operator import index
@@ -37,28 +36,21 @@ import torch
 from runtime.device import Device
 from runtime.errors import ConfigError, TransferError
 from runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
-from runtime.transfer_handle import TransferHandle, _Chunk, _nbytes, _num_chunks, _Queued
-from runtime.transfer_types import (
-    Buffer,
-    ClassStats,
-    Link,
-    LinkStats,
-    Priority,
-    TrafficClass,
-    TransferRequest,
-)
-from runtime.transfer_worker import _LinkQueue, _LinkWorkers
+from runtime.transfer_handle import QueuedTransfer, TransferHandle, nbytes, num_chunks
+from runtime.transfer_types import Buffer, ClassStats, Link, LinkStats, Priority, TrafficClass, TransferRequest
+from runtime.transfer_worker import MEMORY_LINKS, LinkQueue, LinkWorker, TransferStats
 
-__all__ = ["Buffer", "Link", "Priority", "TrafficClass", "TransferEngine", "TransferHandle", "TransferRequest"]
+__all__ = ["Buffer", "ClassStats", "Link", "LinkStats", "Priority", "TrafficClass", "TransferEngine", "TransferHandle",
+           "TransferRequest"]
 
 MIN_CHUNK_BYTES = 2 << 20
-DEFAULT_CHUNK_BYTES = 8 << 20  # measured on the H200: 9-24 MiB expert loads pipeline best at 8 MiB
+DEFAULT_CHUNK_BYTES = 8 << 20  # expert loads of 9-24 MiB pipeline best at this size (bench/results/design_notes.md)
 DEFAULT_INFLIGHT_BYTES = 16 << 20  # ~0.3 ms of PCIe Gen5: the most an urgent transfer waits behind
 
 
-class TransferEngine(_LinkWorkers):
-    """Per-link priority queues with chunking, worker threads, CUDA streams, and per-class accounting; the link
-    workers' loop is in runtime/transfer_worker.py."""
+class TransferEngine:
+    """Per-link priority queues with chunking, one `LinkWorker` per link (runtime/transfer_worker.py: its
+    threads, CUDA streams and in-flight bound), and per-class accounting."""
 
     def __init__(
         self,
@@ -69,7 +61,7 @@ class TransferEngine(_LinkWorkers):
         disk_workers: int = 2,
         clock: Callable[[], float] = time.monotonic,
         urgent_stream: bool = False,
-        retire_thread: bool = True,
+        retire_thread: bool = False,
     ) -> None:
         if chunk_bytes is not None and (chunk_bytes < MIN_CHUNK_BYTES or chunk_bytes % DIRECT_ALIGN_BYTES):
             raise ConfigError(
@@ -84,35 +76,32 @@ class TransferEngine(_LinkWorkers):
         self.max_inflight_chunks = max_inflight_chunks
         self.clock = clock
         self._seq = itertools.count()
-        self._stats_lock = threading.Lock()
-        self._class_stats = {c: ClassStats() for c in TrafficClass}
-        self._link_stats = {lk: LinkStats() for lk in Link}
-        self._queues = {lk: _LinkQueue() for lk in Link}
+        self._stats = TransferStats()
+        self._queues = {lk: LinkQueue() for lk in Link}
         dev = device.torch_device.type  # where each link's src and dst must be
         self._sides = {Link.H2D: ("cpu", dev), Link.D2H: (dev, "cpu"), Link.DISK2H: ("file", "cpu"),
                        Link.H2DISK: ("cpu", "file")}
-        self._streams = {lk: device.new_stream() for lk in (Link.H2D, Link.D2H)}
+        self._closing = False
         # urgent_stream: URGENT KV chunks of the memory links go on their own high-priority stream, outside the
         # in-flight bound, so they never queue behind bulk copies and the bound can be raised for bulk loads.
-        self._urgent_streams = ({lk: device.new_stream(priority=-1) for lk in (Link.H2D, Link.D2H)}
-                                if urgent_stream else {})
-        self._closing = False
-        self.last_idle_error: BaseException | None = None
         # retire_thread: a memory link's finished chunks are accounted (and their on_done run) on a second thread,
-        # in order, which runs while the worker waits in GIL-free driver calls (slot remaps, copies). On the H200
-        # it raised 9 MiB loads from 0.73-0.84 to 0.82-0.85 of raw (engine run 14); False keeps it on the worker.
-        self._retire_queues: dict[Link, queue.SimpleQueue[tuple[_Chunk, BaseException | None] | None]] = {}
-        self._threads: list[threading.Thread] = []
+        # in order, which runs while the worker waits in GIL-free driver calls (slot remaps, copies); False keeps it
+        # on the worker, where it does not contend for the GIL (figures: bench/results/design_notes.md).
+        self._workers: dict[Link, LinkWorker] = {}
         for lk in Link:
-            n = disk_workers if lk in (Link.DISK2H, Link.H2DISK) else 1
-            jobs = [(self._run, (lk,), f"tierplan-{lk.value}-{i}") for i in range(n)]
-            if retire_thread and lk in (Link.H2D, Link.D2H):
-                self._retire_queues[lk] = queue.SimpleQueue()
-                jobs.append((self._retire_loop, (self._retire_queues[lk],), f"tierplan-{lk.value}-retire"))
-            for target, args, name in jobs:
-                t = threading.Thread(target=target, args=args, name=name, daemon=True)
-                t.start()
-                self._threads.append(t)
+            memory = lk in MEMORY_LINKS
+            self._workers[lk] = LinkWorker(
+                lk, self._queues[lk], device, self._stats, clock, max_inflight_bytes, max_inflight_chunks,
+                num_threads=1 if memory else disk_workers, stream=device.new_stream() if memory else None,
+                urgent_stream=device.new_stream(priority=-1) if memory and urgent_stream else None,
+                retire_thread=retire_thread)
+        for worker in self._workers.values():
+            worker.start()
+
+    @property
+    def last_idle_error(self) -> BaseException | None:
+        """The last exception an idle job raised (each is also counted in its link's `idle_job_errors`)."""
+        return self._stats.last_idle_error
 
     # ---- submission -------------------------------------------------------------------------------
     def _validate(self, req: TransferRequest, checked: set[tuple[int, int]] | None = None
@@ -130,7 +119,7 @@ class TransferEngine(_LinkWorkers):
                     raise ConfigError(f"{req.link.value} transfer: {side} tensor must be contiguous")
             if checked is not None:
                 checked.add((id(req.src), id(req.dst)))
-        n_src, n_dst = _nbytes(req.src), _nbytes(req.dst)
+        n_src, n_dst = nbytes(req.src), nbytes(req.dst)
         if req.segments is not None:
             if req.num_bytes is not None or req.src_offset_bytes or req.dst_offset_bytes:
                 raise ConfigError(f"{req.link.value} transfer: segments replace num_bytes and the byte offsets")
@@ -185,19 +174,19 @@ class TransferEngine(_LinkWorkers):
         handles, queued = [], []
         cb = self.chunk_bytes
         for req, segs in zip(reqs, all_segs, strict=True):
-            seg_chunks = [_num_chunks(n, cb) for _s, _d, n in segs]
-            num_chunks = sum(seg_chunks)
-            h = TransferHandle(req, sum(n for _s, _d, n in segs), num_chunks, now,
+            seg_chunks = [num_chunks(n, cb) for _s, _d, n in segs]
+            total_chunks = sum(seg_chunks)
+            h = TransferHandle(req, sum(n for _s, _d, n in segs), total_chunks, now,
                                seg_chunks if req.segments is not None else None)
             handles.append(h)
-            queued.append((h, segs, num_chunks, int(req.priority),
+            queued.append((h, segs, total_chunks, int(req.priority),
                            float("inf") if req.deadline_s is None else req.deadline_s))
         q = self._queues[link]
         with q.cv:
             if self._closing:  # re-checked under the queue lock: a worker may be exiting on an empty queue
                 raise TransferError("transfer engine is closed")
-            for h, segs, num_chunks, prio, deadline in queued:
-                heapq.heappush(q.heap, _Queued((prio, deadline, next(self._seq)), h, segs, cb, num_chunks))
+            for h, segs, n, prio, deadline in queued:
+                heapq.heappush(q.heap, QueuedTransfer((prio, deadline, next(self._seq)), h, segs, cb, n))
             q.cv.notify_all()  # disk links have several workers: a multi-chunk transfer should wake them all
         return handles
 
@@ -208,7 +197,7 @@ class TransferEngine(_LinkWorkers):
         fills the worker's waits instead of delaying copies or contending on another thread. Jobs run in
         (priority, deadline, arrival) order, all before close() returns; one must report its own outcome (an
         exception is counted in the link's `idle_job_errors` and kept in `last_idle_error`)."""
-        if link not in (Link.H2D, Link.D2H):
+        if link not in MEMORY_LINKS:
             raise ConfigError(f"submit_idle: {link.value} is not a memory link (disk links run parallel workers)")
         q = self._queues[link]
         with q.cv:
@@ -220,11 +209,7 @@ class TransferEngine(_LinkWorkers):
 
     # ---- introspection ----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        with self._stats_lock:
-            return {
-                "classes": {c.value: vars(s).copy() for c, s in self._class_stats.items()},
-                "links": {lk.value: vars(s).copy() for lk, s in self._link_stats.items()},
-            }
+        return self._stats.snapshot()
 
     def pending_chunks(self, link: Link) -> int:
         """Chunks queued on `link` and not yet taken by a worker."""
@@ -235,10 +220,10 @@ class TransferEngine(_LinkWorkers):
         """Finish everything queued, then stop the workers; later submits (also from callbacks) are refused."""
         for q in self._queues.values():
             with q.cv:
-                self._closing = True
+                self._closing = q.closing = True
                 q.cv.notify_all()
-        for t in self._threads:
-            t.join()
+        for worker in self._workers.values():
+            worker.join()
 
     def __enter__(self) -> TransferEngine:
         return self

@@ -1,5 +1,6 @@
 """A submitted transfer and its chunks (inference process): `TransferHandle`, the queue entries, and how a
-transfer is cut into chunks. Used by `runtime.transfer`'s engine and its link workers.
+transfer is cut into chunks. Used by `runtime.transfer`'s engine and its link workers, which change a handle
+only through its methods (`start`, `chunk_issued`, `chunk_retired`, `finish`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,49 @@ class TransferHandle:
             raise TimeoutError("transfer not fully issued in time")
         return self._last_event
 
+    # ---- what a link worker calls (with the engine's stats lock held where it says so) ------------------
+    def start(self, now_s: float) -> bool:
+        """The first chunk is being issued: records the start time; True for the first call (stats lock held)."""
+        first = self.start_s is None
+        if first:
+            self.start_s = now_s
+        return first
+
+    def chunk_issued(self, event: Event | None) -> None:
+        """One more chunk issued; the last one's event covers the whole transfer (stats lock held)."""
+        self._unissued -= 1
+        if self._unissued == 0:
+            self._last_event = event
+            self._issued.set()
+
+    def chunk_failed(self, seg: int, failed: BaseException) -> None:
+        """A chunk of segment `seg` failed or was skipped: the transfer fails, and the segment reports it."""
+        if self.error is None:
+            self.error = failed
+        self._seg_failures.setdefault(seg, failed)
+
+    def chunk_retired(self, seg: int) -> tuple[bool, bool]:
+        """One more chunk accounted: (the transfer's last, its segment's last) (stats lock held)."""
+        self._remaining -= 1
+        last = self._remaining == 0
+        if self._seg_left is None:
+            return last, last
+        self._seg_left[seg] -= 1
+        return last, self._seg_left[seg] == 0
+
+    def segment_error(self, seg: int) -> BaseException | None:
+        """What segment `seg` reports when done: a failed chunk's error, else its own hook's."""
+        return self._seg_failures.get(seg) or self.segment_errors.get(seg)
+
+    def finish(self, now_s: float) -> None:
+        """Every chunk is accounted: fully issued, with an end time (before `on_done` runs)."""
+        self.end_s = now_s
+        self._issued.set()
+
+    def settle(self) -> None:
+        """`on_done` ran and the statistics are in: `done()` and `wait()` return from now on."""
+        self._done.set()
+
     @property
     def queue_delay_s(self) -> float | None:
         return None if self.start_s is None else self.start_s - self.submit_s
@@ -69,7 +113,7 @@ class TransferHandle:
 
 
 @dataclass(slots=True)
-class _Chunk:
+class Chunk:
     """One copy a worker issues: `length_bytes` from `src_offset_bytes` of the request's src to `dst_offset_bytes`
     of its dst (absolute), the chunk of segment `seg` that comes `first` and/or `last` in it; `key` is its
     transfer's queue key (priority, deadline, arrival)."""
@@ -84,7 +128,7 @@ class _Chunk:
     last: bool
 
 
-class _Queued:
+class QueuedTransfer:
     """A submitted transfer in its link's queue, ordered by `key`. Its chunks are cut one at a time as a worker
     reaches them (`head` is the next one), so submitting a prefetch list of many segments costs O(1) per segment
     and the link starts copying sooner. Chunks of one transfer leave in order, back to back at equal key."""
@@ -96,19 +140,19 @@ class _Queued:
         self.key, self.handle, self.segs, self.chunk_bytes = key, handle, segs, chunk_bytes
         self.left = num_chunks  # chunks not yet taken, head included
         self.seg, self.span = 0, 0
-        self.spans = _chunk_spans(segs[0][2], chunk_bytes)
+        self.spans = chunk_spans(segs[0][2], chunk_bytes)
         self.head = self._cut()
 
-    def __lt__(self, other: _Queued) -> bool:
+    def __lt__(self, other: QueuedTransfer) -> bool:
         return self.key < other.key
 
-    def _cut(self) -> _Chunk:
+    def _cut(self) -> Chunk:
         src, dst, _n = self.segs[self.seg]
         off, length = self.spans[self.span]
-        return _Chunk(self.key, self.handle, self.seg, src + off, dst + off, length, self.span == 0,
+        return Chunk(self.key, self.handle, self.seg, src + off, dst + off, length, self.span == 0,
                       self.span == len(self.spans) - 1)
 
-    def take(self) -> _Chunk:
+    def take(self) -> Chunk:
         """The head chunk; the next one becomes the head (check `left` before taking: 0 means none is left)."""
         ch = self.head
         self.left -= 1
@@ -117,25 +161,25 @@ class _Queued:
                 self.span += 1
             else:
                 self.seg, self.span = self.seg + 1, 0
-                self.spans = _chunk_spans(self.segs[self.seg][2], self.chunk_bytes)
+                self.spans = chunk_spans(self.segs[self.seg][2], self.chunk_bytes)
             self.head = self._cut()
         return ch
 
 
-def _nbytes(buf: Buffer) -> int:
+def nbytes(buf: Buffer) -> int:
     return buf.length_bytes if isinstance(buf, FileRegion) else buf.numel() * buf.element_size()
 
 
-def _num_chunks(n: int, chunk_bytes: int | None) -> int:
-    """How many chunks `_chunk_spans` cuts n bytes into (O(1): submission counts them without cutting)."""
+def num_chunks(n: int, chunk_bytes: int | None) -> int:
+    """How many chunks `chunk_spans` cuts n bytes into (O(1): submission counts them without cutting)."""
     return 1 if chunk_bytes is None or n < 2 * chunk_bytes else n // chunk_bytes
 
 
-def _chunk_spans(n: int, chunk_bytes: int | None) -> list[tuple[int, int]]:
+def chunk_spans(n: int, chunk_bytes: int | None) -> list[tuple[int, int]]:
     """(offset, length) of each chunk: k = n // chunk_bytes even chunks of whole pages, each in
     [chunk_bytes, 2 * chunk_bytes); the sub-page remainder goes to the last. A 9 MiB expert at 4 MiB is
     2 x 4.5 MiB, never 4 + 4 + 1. Fewer than 2 * chunk_bytes moves whole."""
-    k = _num_chunks(n, chunk_bytes)
+    k = num_chunks(n, chunk_bytes)
     if k == 1:
         return [(0, n)]
     pages, tail = divmod(n, DIRECT_ALIGN_BYTES)
@@ -147,6 +191,10 @@ def _chunk_spans(n: int, chunk_bytes: int | None) -> list[tuple[int, int]]:
     return spans
 
 
-def _slice(buf: Buffer, off: int, n: int) -> Buffer:
+def byte_slice(buf: Buffer, off: int, n: int) -> Buffer:
     """Bytes [off, off + n) of a buffer: a file sub-region, or a byte view (the tensor itself if it is that)."""
     return buf.sub(off, n) if isinstance(buf, FileRegion) else byte_range(buf, off, n)
+
+
+# The names these had while they were private (older imports, e.g. tests/runtime/test_transfer_lists.py).
+_Queued, _chunk_spans, _num_chunks = QueuedTransfer, chunk_spans, num_chunks

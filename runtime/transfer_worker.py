@@ -1,7 +1,9 @@
-"""The link workers of the transfer engine (inference process): each link's worker thread pops chunks, issues
-copies (memory links: CUDA streams, at most `max_inflight_bytes` in flight) or does disk I/O, runs idle jobs in
-its waits, and retires finished chunks, in order, here or on the link's retire thread. `TransferEngine`
-(runtime/transfer.py) owns the queues, the submission side and the statistics; this mixin is its worker half.
+"""The link workers of the transfer engine (inference process): one `LinkWorker` per link pops its chunks,
+issues copies (memory links: CUDA streams, at most `max_inflight_bytes` in flight) or does disk I/O, runs idle
+jobs in its waits, and retires finished chunks, in order, on its thread(s) or on its retire thread.
+`TransferEngine` (runtime/transfer.py) owns the submission side; the two share a `LinkQueue` per link (the
+engine pushes, the worker pops) and one `TransferStats` (the workers write, the engine reads). A worker
+changes a `TransferHandle` only through the handle's methods.
 
 Never decides what to move.
 """
@@ -17,79 +19,115 @@ from collections.abc import Callable
 from typing import Any
 
 from runtime.device import Device, Event
-from runtime.transfer_handle import TransferHandle, _Chunk, _Queued, _slice
+from runtime.transfer_handle import Chunk, QueuedTransfer, TransferHandle, byte_slice
 from runtime.transfer_types import ClassStats, Link, LinkStats, Priority, TrafficClass
 
 URGENT_POLL_S = 100e-6  # with an urgent stream: how often a worker waiting on bulk copies looks at them
+MEMORY_LINKS = (Link.H2D, Link.D2H)
 
 
 class _SegmentFailed(Exception):
     """A segment's before_segment hook raised: that segment fails alone (the error is in h.segment_errors)."""
 
 
-class _LinkQueue:
+class LinkQueue:
+    """One link's queue: transfers by (priority, deadline, arrival), idle jobs, and the closing flag."""
+
     def __init__(self) -> None:
-        self.heap: list[_Queued] = []  # transfers; each gives its chunks one at a time (`_Queued.take`)
+        self.heap: list[QueuedTransfer] = []  # transfers; each gives its chunks one at a time (`take`)
         self.idle: list[tuple[int, float, int, Callable[[], None]]] = []  # (priority, deadline, seq, job)
         self.cv = threading.Condition()
+        self.closing = False  # set under cv by the engine: finish what is queued, then stop
 
 
-class _LinkWorkers:
-    """The worker half of `TransferEngine`: its threads run `_run` (one per memory link, `disk_workers` per disk
-    link) and `_retire_loop`."""
+class TransferStats:
+    """Accounting per traffic class and per link, under one lock; the last idle job error."""
 
-    device: Device
-    clock: Callable[[], float]
-    max_inflight_bytes: int
-    max_inflight_chunks: int
-    last_idle_error: BaseException | None
-    _closing: bool
-    _queues: dict[Link, _LinkQueue]
-    _stats_lock: threading.Lock
-    _class_stats: dict[TrafficClass, ClassStats]
-    _link_stats: dict[Link, LinkStats]
-    _streams: dict[Link, Any]
-    _urgent_streams: dict[Link, Any]
-    _retire_queues: dict[Link, queue.SimpleQueue[tuple[_Chunk, BaseException | None] | None]]
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.classes = {c: ClassStats() for c in TrafficClass}
+        self.links = {lk: LinkStats() for lk in Link}
+        self.last_idle_error: BaseException | None = None
 
-    def _run_idle(self, link: Link, q: _LinkQueue) -> None:
+    def add_time(self, link: Link, phase: str, dt_s: float) -> None:
+        with self.lock:
+            ls = self.links[link]
+            setattr(ls, phase, getattr(ls, phase) + dt_s)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {"classes": {c.value: vars(s).copy() for c, s in self.classes.items()},
+                    "links": {lk.value: vars(s).copy() for lk, s in self.links.items()}}
+
+
+class LinkWorker:
+    """Moves one link's chunks. `start()` runs its thread(s) (`num_threads`: one per memory link, several for a
+    disk link) and, with `retire_thread` on a memory link, the thread that accounts finished chunks in order;
+    `join()` waits for them once the queue is closing and drained."""
+
+    def __init__(self, link: Link, q: LinkQueue, device: Device, stats: TransferStats, clock: Callable[[], float],
+                 max_inflight_bytes: int, max_inflight_chunks: int, num_threads: int = 1, stream: Any = None,
+                 urgent_stream: Any = None, retire_thread: bool = False) -> None:
+        self.link, self.queue, self.device, self.stats, self.clock = link, q, device, stats, clock
+        self.max_inflight_bytes, self.max_inflight_chunks = max_inflight_bytes, max_inflight_chunks
+        self.num_threads, self.stream, self.urgent_stream = num_threads, stream, urgent_stream
+        self._retire_queue: queue.SimpleQueue[tuple[Chunk, BaseException | None] | None] | None = (
+            queue.SimpleQueue() if retire_thread and link in MEMORY_LINKS else None)
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        jobs: list[tuple[Callable[[], None], str]] = [(self._run, f"tierplan-{self.link.value}-{i}")
+                                                      for i in range(self.num_threads)]
+        if self._retire_queue is not None:
+            jobs.append((self._retire_loop, f"tierplan-{self.link.value}-retire"))
+        for target, name in jobs:
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join()
+
+    def _run_idle(self) -> None:
+        link, q = self.link, self.queue
         with q.cv:
             job = heapq.heappop(q.idle)[-1]
         t0 = time.perf_counter()
         try:
             job()
         except Exception as exc:
-            with self._stats_lock:
-                self._link_stats[link].idle_job_errors += 1
-            self.last_idle_error = exc
+            with self.stats.lock:
+                self.stats.links[link].idle_job_errors += 1
+            self.stats.last_idle_error = exc
         finally:
             dt = time.perf_counter() - t0
-            with self._stats_lock:
-                ls = self._link_stats[link]
+            with self.stats.lock:
+                ls = self.stats.links[link]
                 ls.idle_jobs += 1
                 ls.idle_s += dt
 
     # ---- workers ----------------------------------------------------------------------------------
-    def _issue(self, link: Link, ch: _Chunk, first: bool) -> Event | None:
-        req = ch.handle.request
+    def _issue(self, ch: Chunk, first: bool) -> Event | None:
+        link, req = self.link, ch.handle.request
         if first and req.before_issue is not None:
             t0 = time.perf_counter()
             try:
                 req.before_issue()
             finally:
-                self._add_time(link, "hook_s", time.perf_counter() - t0)
+                self.stats.add_time(link, "hook_s", time.perf_counter() - t0)
         if link is Link.H2D or link is Link.D2H:  # by address on a GPU: no views made per chunk
-            urgent = self._bypasses(link, ch)
-            stream = self._urgent_streams[link] if urgent else self._streams[link]
+            urgent = self._bypasses(ch)
+            stream = self.urgent_stream if urgent else self.stream
             if first and req.after is not None:
                 self.device.stream_wait(req.after, stream)
             if ch.first and req.before_segment is not None:  # after the transfer's own prologue, whatever it does
-                self._segment_hook(link, ch)
+                self._segment_hook(ch)
             ev = self.device.copy_range(req.dst, ch.dst_offset_bytes, req.src, ch.src_offset_bytes, ch.length_bytes,
                                         stream, stream_is_current=not urgent)  # _run made the bulk stream current
             return ev if self.device.is_cuda else None
-        src = _slice(req.src, ch.src_offset_bytes, ch.length_bytes)
-        dst = _slice(req.dst, ch.dst_offset_bytes, ch.length_bytes)
+        src = byte_slice(req.src, ch.src_offset_bytes, ch.length_bytes)
+        dst = byte_slice(req.dst, ch.dst_offset_bytes, ch.length_bytes)
         if link in (Link.DISK2H, Link.H2DISK) and req.after is not None:
             req.after.synchronize()  # every chunk: disk workers run in parallel, so "first" proves nothing
         if link is Link.DISK2H:
@@ -98,29 +136,23 @@ class _LinkWorkers:
         dst.file.write_from(dst.offset_bytes, src)  # H2DISK
         return None
 
-    def _bypasses(self, link: Link, ch: _Chunk) -> bool:
+    def _bypasses(self, ch: Chunk) -> bool:
         """An URGENT KV chunk of a memory link with an urgent stream: issued at once, outside the bound (urgent
         expert loads, e.g. a plan's, stay in the bounded bulk queue: they are large)."""
-        return (link in self._urgent_streams and ch.key[0] == int(Priority.URGENT)
+        return (self.urgent_stream is not None and ch.key[0] == int(Priority.URGENT)
                 and ch.handle.request.traffic is TrafficClass.KV)
 
-    def _add_time(self, link: Link, phase: str, dt_s: float) -> None:
-        with self._stats_lock:
-            ls = self._link_stats[link]
-            setattr(ls, phase, getattr(ls, phase) + dt_s)
-
-    def _retire(self, ch: _Chunk, event: Event | None, failed: BaseException | None) -> None:
+    def _retire(self, ch: Chunk, event: Event | None, failed: BaseException | None) -> None:
         """Account a chunk (here, or in order on the link's retire thread); `event` (None if the copy is known
         done) is waited for first, on the worker."""
-        link = ch.handle.request.link
         if event is not None and failed is None:
             t0 = time.perf_counter()
             try:
                 event.synchronize()
             except Exception as exc:  # a CUDA error surfaces here
                 failed = exc
-            self._add_time(link, "blocked_s", time.perf_counter() - t0)
-        rq = self._retire_queues.get(link)
+            self.stats.add_time(self.link, "blocked_s", time.perf_counter() - t0)
+        rq = self._retire_queue
         if rq is not None:
             if failed is not None and ch.handle.error is None:
                 ch.handle.error = failed  # now, on the worker: the transfer's later chunks must not be issued
@@ -128,20 +160,22 @@ class _LinkWorkers:
             return
         self._account_timed(ch, failed)
 
-    def _account_timed(self, ch: _Chunk, failed: BaseException | None) -> None:
+    def _account_timed(self, ch: Chunk, failed: BaseException | None) -> None:
         t0 = time.perf_counter()
         try:
             self._account(ch, failed)
         finally:
-            self._add_time(ch.handle.request.link, "retire_s", time.perf_counter() - t0)
+            self.stats.add_time(self.link, "retire_s", time.perf_counter() - t0)
 
-    def _retire_loop(self, rq: queue.SimpleQueue[tuple[_Chunk, BaseException | None] | None]) -> None:
+    def _retire_loop(self) -> None:
         """A memory link's retire thread: accounts finished chunks in the order its worker handed them over."""
+        rq = self._retire_queue
+        assert rq is not None
         self.device.bind_thread()  # on_done callbacks may make driver calls
         while (item := rq.get()) is not None:
             self._account_timed(*item)
 
-    def _segment_hook(self, link: Link, ch: _Chunk) -> None:
+    def _segment_hook(self, ch: Chunk) -> None:
         """Run the request's before_segment hook for the chunk's segment; _SegmentFailed (error kept in
         h.segment_errors) if it raised."""
         h = ch.handle
@@ -152,28 +186,20 @@ class _LinkWorkers:
             h.segment_errors.setdefault(ch.seg, exc)
             raise _SegmentFailed from exc
         finally:
-            self._add_time(link, "hook_s", time.perf_counter() - t0)
+            self.stats.add_time(self.link, "hook_s", time.perf_counter() - t0)
 
-    def _account(self, ch: _Chunk, failed: BaseException | None) -> None:
+    def _account(self, ch: Chunk, failed: BaseException | None) -> None:
         h = ch.handle
-        if failed is not None and h.error is None:
-            h.error = failed
-        seg_error = h.segment_errors.get(ch.seg) if h.segment_errors else None
         if failed is not None:  # this chunk failed or was skipped: its segment reports it (not those already moved)
-            h._seg_failures.setdefault(ch.seg, failed)
-        with self._stats_lock:
-            ls = self._link_stats[h.request.link]
+            h.chunk_failed(ch.seg, failed)
+        seg_error = h.segment_errors.get(ch.seg) if h.segment_errors else None
+        with self.stats.lock:
+            ls = self.stats.links[self.link]
             ls.chunks += 1
             ls.bytes += ch.length_bytes if failed is None and seg_error is None else 0
-            h._remaining -= 1
-            last = h._remaining == 0
-            if h._seg_left is None:
-                seg_last = last
-            else:
-                h._seg_left[ch.seg] -= 1
-                seg_last = h._seg_left[ch.seg] == 0
+            last, seg_last = h.chunk_retired(ch.seg)
         if seg_last and h.request.on_segment_done is not None:
-            error = h._seg_failures.get(ch.seg) or h.segment_errors.get(ch.seg)
+            error = h.segment_error(ch.seg)
             try:
                 h.request.on_segment_done(ch.seg, error)
             except Exception as exc:
@@ -185,8 +211,7 @@ class _LinkWorkers:
             self._finish(h)
 
     def _finish(self, h: TransferHandle) -> None:
-        h.end_s = self.clock()
-        h._issued.set()
+        h.finish(self.clock())
         if h.request.on_done is not None:
             try:
                 h.request.on_done(h)
@@ -196,9 +221,9 @@ class _LinkWorkers:
                 else:  # keep both: the callback's failure must not vanish behind the transfer's
                     h.error.add_note(f"on_done also failed: {exc!r}")
         req = h.request
-        with self._stats_lock:
-            cs = self._class_stats[req.traffic]
-            ls = self._link_stats[req.link]
+        with self.stats.lock:
+            cs = self.stats.classes[req.traffic]
+            ls = self.stats.links[req.link]
             ls.transfers += 1
             cs.transfers += 1
             if h.error is not None or h.segment_errors:
@@ -218,23 +243,23 @@ class _LinkWorkers:
             cs.latency_s_max = max(cs.latency_s_max, lat)
             if req.deadline_s is not None and h.end_s > req.deadline_s:
                 cs.deadline_misses += 1
-        h._done.set()
+        h.settle()
 
-    def _run(self, link: Link) -> None:
-        self.device.bind_thread(self._streams.get(link))  # hooks' driver calls need the context; bulk copies
-        q = self._queues[link]
-        inflight: deque[tuple[_Chunk, Event]] = deque()
-        urgent: deque[tuple[_Chunk, Event]] = deque()  # on the urgent stream: retired on their own
+    def _run(self) -> None:
+        link, q = self.link, self.queue
+        self.device.bind_thread(self.stream)  # hooks' driver calls need the context; bulk copies
+        inflight: deque[tuple[Chunk, Event]] = deque()
+        urgent: deque[tuple[Chunk, Event]] = deque()  # on the urgent stream: retired on their own
         inflight_bytes = 0
         while True:
-            ch: _Chunk | None = None
+            ch: Chunk | None = None
             with q.cv:
-                while not q.heap and not inflight and not urgent and not q.idle and not self._closing:
+                while not q.heap and not inflight and not urgent and not q.idle and not q.closing:
                     q.cv.wait()
                 # Always two in flight: the next request's before_issue hook (a slot remap, ~60 µs) then runs
                 # while the link is still busy with the previous one.
                 if q.heap and (
-                    self._bypasses(link, q.heap[0].head)
+                    self._bypasses(q.heap[0].head)
                     or len(inflight) < 2
                     or (
                         len(inflight) < self.max_inflight_chunks
@@ -246,22 +271,22 @@ class _LinkWorkers:
                     if not top.left:
                         heapq.heappop(q.heap)
                 elif not q.heap and not inflight and not urgent and not q.idle:
-                    if link in self._retire_queues:
-                        self._retire_queues[link].put(None)  # the retire thread ends after what is queued
+                    if self._retire_queue is not None:
+                        self._retire_queue.put(None)  # the retire thread ends after what is queued
                     return  # closing and drained
             if ch is None:
                 if q.idle and not urgent and (not inflight or not inflight[0][1].query()):
-                    self._run_idle(link, q)  # nothing to issue and the oldest copy still runs: do host work
+                    self._run_idle()  # nothing to issue and the oldest copy still runs: do host work
                     continue
-                if self._urgent_streams and not urgent and not inflight[0][1].query():
+                if self.urgent_stream is not None and not urgent and not inflight[0][1].query():
                     # Never block on a bulk copy here: an urgent KV chunk submitted meanwhile (submit notifies
                     # the queue) is issued at once instead of after the oldest bulk chunk.
                     with q.cv:
-                        if not (q.heap and self._bypasses(link, q.heap[0].head)):
+                        if not (q.heap and self._bypasses(q.heap[0].head)):
                             q.cv.wait(URGENT_POLL_S)
                     continue
                 done_ch, ev = (urgent or inflight).popleft()  # an urgent copy is short: wait for it first
-                if not self._bypasses(link, done_ch):
+                if not self._bypasses(done_ch):
                     inflight_bytes -= done_ch.length_bytes
                 self._retire(done_ch, ev, None)
                 continue
@@ -269,20 +294,18 @@ class _LinkWorkers:
             if h.error is not None or (h.segment_errors and ch.seg in h.segment_errors):
                 self._retire(ch, None, h.error)  # an earlier chunk failed: skip the copy, still account
                 continue
-            with self._stats_lock:
-                first = h.start_s is None
-                if first:
-                    h.start_s = self.clock()
+            with self.stats.lock:
+                first = h.start(self.clock())
             t0 = time.perf_counter()
             req = h.request
             try:
-                ev = self._issue(link, ch, first)
+                ev = self._issue(ch, first)
             except _SegmentFailed:
-                self._add_time(link, "issue_s", time.perf_counter() - t0)
+                self.stats.add_time(link, "issue_s", time.perf_counter() - t0)
                 self._retire(ch, None, None)  # the segment failed alone: its error is in h.segment_errors
                 continue
             except Exception as exc:
-                self._add_time(link, "issue_s", time.perf_counter() - t0)
+                self.stats.add_time(link, "issue_s", time.perf_counter() - t0)
                 self._retire(ch, None, exc)
                 continue
             if ch.last and req.on_segment_issued is not None:
@@ -290,15 +313,12 @@ class _LinkWorkers:
                     req.on_segment_issued(ch.seg, ev)
                 except Exception as exc:  # the bytes still move; the segment reports the error when done
                     h.segment_errors.setdefault(ch.seg, exc)
-            self._add_time(link, "issue_s", time.perf_counter() - t0)  # hooks included; hook_s says how much
-            with self._stats_lock:
-                h._unissued -= 1
-                if h._unissued == 0:
-                    h._last_event = ev
-                    h._issued.set()
+            self.stats.add_time(link, "issue_s", time.perf_counter() - t0)  # hooks included; hook_s says how much
+            with self.stats.lock:
+                h.chunk_issued(ev)
             if ev is None:
                 self._retire(ch, None, None)
-            elif self._bypasses(link, ch):
+            elif self._bypasses(ch):
                 urgent.append((ch, ev))
             else:
                 inflight.append((ch, ev))

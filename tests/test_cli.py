@@ -24,7 +24,8 @@ def test_check_tiers_prints_the_result_line(tmp_path: Path) -> None:
     r = runner.invoke(app, ["check", "tiers", "--moves", "400", "--seed", "3", "--inject-every", "100",
                             "--workdir", str(tmp_path)])
     assert r.exit_code == 0, r.output
-    assert re.fullmatch(r"tiers: moves=400 mismatches=0 corrupt_detected=4", r.output.strip().splitlines()[-1])
+    assert re.fullmatch(r"tiers: moves=400 verified=\d+ mismatches=0 misplaced=0 corrupt_detected=4",
+                        r.output.strip().splitlines()[-1])
     assert "injected=4" in r.output
 
 
@@ -68,7 +69,15 @@ def test_check_exact_prints_the_result_line(tmp_path: Path) -> None:
     r = runner.invoke(app, ["check", "exact", "--preset", "tiny", "--resident-frac", "0.25",
                             "--workdir", str(tmp_path)])
     assert r.exit_code == 0, r.output
-    assert r.output.strip().splitlines()[-1] == "exact: max_abs_diff=0.0 tokens_equal=True"
+    assert r.output.strip().splitlines()[-1] == "exact: max_abs_diff=0.0 tokens_equal=True ok"
+
+
+def test_check_exact_fails_when_nothing_was_offloaded(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["check", "exact", "--preset", "tiny", "--resident-frac", "1.0", "--new-tokens", "2",
+                            "--workdir", str(tmp_path)])
+    assert r.exit_code == 1, r.output
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith("exact: max_abs_diff=0.0 tokens_equal=True FAILED: nothing was offloaded"), last
 
 
 def test_check_exact_unknown_preset_is_a_clear_error() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from agent.enforcer import Enforcer
-from agent.local_policy import LocalPolicy
+from agent.local_policy import LocalPolicy, ScanRule
 from agent.local_predictor import LayerAheadPredictor
 from agent.outbox import Outbox
 from agent.taps import AttentionMassTap, RouterTap, TelemetryWindow, WindowDraft
@@ -31,14 +31,17 @@ from runtime.kv import Tier
 class ReferenceAdapter:
     def __init__(self, engine: ReferenceEngine, agent_id: str = "agent-0", rank: int = 0, window_steps: int = 8,
                  hbm_budget_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 sink: Callable[[Telemetry], None] | None = None, local_predictor: bool = False,
-                 queue_probe: Callable[[], int] | None = None) -> None:
+                 sink: Callable[[Telemetry], None] | None = None, scan_rule: ScanRule = ScanRule.LRU,
+                 local_predictor: bool = False, queue_probe: Callable[[], int] | None = None) -> None:
         spec, pool, cache = engine.spec, engine.pool, engine.cache
         self.engine, self.window_steps, self.clock = engine, window_steps, clock
         self.queue_probe = queue_probe  # KV blocks the scheduler's waiting requests need (telemetry v2)
         self.tap = RouterTap(spec.moe_layers, spec.num_experts, engine.device.torch_device)
         engine.model.route_tap = self.tap
-        self.policy = LocalPolicy(pool, engine.experts)
+        self.policy = LocalPolicy(pool, engine.experts, scan_rule)
+        if scan_rule is not ScanRule.LRU:  # the config chose the scan rule: it serves steps before any plan too
+            engine.experts.set_chunk_order(self.policy.chunk_order)
+            engine.experts.set_victim_order(self.policy.victim_order)
         budget = hbm_budget_bytes or (pool.num_slots * pool.layout.stride_bytes
                                       + cache.manager.capacity[Tier.GPU] * cache.block_bytes)
         self.enforcer = Enforcer(pool, engine.experts, engine.loader, cache, self.policy, spec.moe_layers, budget,
@@ -63,8 +66,9 @@ class ReferenceAdapter:
     def _warm_up(self, top_k: int, device: object) -> None:
         """At attach, before any step: close one window over a dummy route per MoE layer (the tap's fold, top
         pairs and host copy) and build its Telemetry, then discard it all. First uses are slow (lazy CUDA kernel
-        loads, first validations): on the H200 the first window of a decode run cost ~120 ms at B=1 (run 13),
-        which would otherwise land on a serving step. Leaves the tap, the counters and the window sequence as new."""
+        loads, first validations): the first window of a decode run cost as much as many decode steps (figures:
+        bench/results/design_notes.md), which would otherwise land on a serving step. Leaves the tap, the
+        counters and the window sequence as new."""
         k = max(1, top_k)
         ids = torch.arange(k, device=device).expand(len(self.tap.moe_layers), 1, k)  # [L, 1, k]
         self.tap.add_all(ids, torch.full(ids.shape, 1.0 / k, device=device))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -28,9 +29,7 @@ class AttentionKind(Enum):
     MLA = "mla"  # DeepSeek multi-head latent attention, cache of the compressed latent + rope key
 
 
-class ModelFamily(StrEnum):
-    """The `model_type` values we parse; a StrEnum, so `spec.family == "mixtral"` holds."""
-
+class ModelFamily(StrEnum):  # the `model_type` values we parse; a StrEnum, so `spec.family == "mixtral"` holds
     QWEN3_MOE = "qwen3_moe"
     MIXTRAL = "mixtral"
     OLMOE = "olmoe"
@@ -100,8 +99,8 @@ class ModelSpec:
                 raise ConfigError(f"{where}: field '{f}' must be an int >= {low}, got {v!r}")
         for f in _POSITIVE_FLOATS:
             v = getattr(self, f)
-            if not _is_int(v, or_float=True) or v <= 0:
-                raise ConfigError(f"{where}: field '{f}' must be a number > 0, got {v!r}")
+            if not _is_int(v, or_float=True) or not 0 < v < math.inf:  # NaN fails both comparisons
+                raise ConfigError(f"{where}: field '{f}' must be a finite number > 0, got {v!r}")
             object.__setattr__(self, f, float(v))
         for f in ("norm_topk_prob", "qk_norm"):
             if not isinstance(getattr(self, f), bool):
@@ -239,17 +238,14 @@ class _Reader:
         v = self.cfg.get(key)
         if v is None:
             return default
-        if not _is_int(v, or_float=True) or v <= 0:
-            raise self.fail(key, "a number > 0", v)
+        if not _is_int(v, or_float=True) or not 0 < v < math.inf:  # NaN fails both comparisons
+            raise self.fail(key, "a finite number > 0", v)
         return float(v)
 
     def get_bool(self, key: str, default: bool) -> bool:
-        v = self.cfg.get(key)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
+        if (v := self.cfg.get(key)) is not None and not isinstance(v, bool):
             raise self.fail(key, "true or false", v)
-        return v
+        return default if v is None else v
 
     def get_str(self, key: str, default: str) -> str:
         v = self.cfg.get(key, default)
@@ -300,8 +296,7 @@ def _gqa(r: _Reader, c: dict[str, Any]) -> dict[str, Any]:
 
 
 def _experts(r: _Reader, count_key: str) -> dict[str, int]:
-    n = r.get_int(count_key)
-    return dict(num_experts=n, top_k=r.get_int("num_experts_per_tok", maximum=(count_key, n)))
+    return dict(num_experts=(n := r.get_int(count_key)), top_k=r.get_int("num_experts_per_tok", maximum=(count_key, n)))
 
 
 def _dense_intermediate(r: _Reader, c: dict[str, Any], moe_layers: list[int]) -> int:
@@ -369,8 +364,11 @@ def _read_json(path_or_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], str
     source = f"config.json ({path})"
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such file (expected a config.json or a folder holding one)") from None
+    except OSError as e:  # missing or unreadable
+        what = "no such file" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror})"
+        raise ConfigError(f"{source}: {what} (expected a config.json or a folder holding one)") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{source}: byte {e.object[e.start]:#04x} at offset {e.start} is not UTF-8") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{source}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
     if not isinstance(cfg, dict):
@@ -392,6 +390,9 @@ def load_hf_config(path_or_dict: str | os.PathLike[str] | Mapping[str, Any], nam
     family = ModelFamily(model_type)
     c = _common(r, family)
     fields = {**c, **_PARSERS[family](r, c)}
+    if not fields["moe_layers"]:
+        raise ConfigError(f"{source}: no MoE layer among the {c['num_layers']} layers (mlp_only_layers, "
+                          "decoder_sparse_step or first_k_dense_replace make every layer dense): expected at least one")
     try:
         return ModelSpec(name=name or default_name, **fields)
     except ConfigError as e:

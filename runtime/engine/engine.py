@@ -23,13 +23,15 @@ from runtime.engine.attention import Segment, build_block_table
 from runtime.engine.config import ModelSpec
 from runtime.engine.experts import OnDemandExperts
 from runtime.engine.graphs import DecodeGraphs
-from runtime.engine.kv_cache import PagedKVCache
+from runtime.engine.kv_cache import PagedKVCache, block_shape
 from runtime.engine.model import MoEModel
+from runtime.engine.sizing import check_fits
 from runtime.engine.weights import expert_format, synthetic_dense_weights
 from runtime.errors import ConfigError
 from runtime.kv import Tier
 from runtime.memory.backend import make_backend
 from runtime.memory.slots import ExpertSlotPool
+from runtime.staging import StagingPool
 from runtime.transfer import TransferEngine
 from runtime.weights.format import dtype_from_name
 from runtime.weights.loader import MAP_IN, PUBLISH, ExpertLoadHandler, MapIn, Publish, StoreKind
@@ -112,6 +114,7 @@ class GenerationResult:
 class ReferenceEngine:
     def __init__(self, spec: ModelSpec, device: Device, cfg: EngineConfig) -> None:
         self.spec, self.device, self.cfg = spec, device, cfg
+        check_fits(spec, device, cfg)  # refuse, naming each part, what would not fit before allocating any of it
         self._tmp = None if cfg.workdir else tempfile.TemporaryDirectory(prefix="tierplan-engine-")
         wd = Path(cfg.workdir or self._tmp.name)  # type: ignore[union-attr]
         wd.mkdir(parents=True, exist_ok=True)
@@ -128,15 +131,18 @@ class ReferenceEngine:
         self.pool = ExpertSlotPool(make_backend(device), device, n_moe, spec.num_experts, fmt.num_bytes, num_slots,
                                    poison_unmapped=cfg.expert_poison,
                                    slot_window=host and cfg.expert_map_in != "worker")
+        # One staging pool serves the loader's NVMe reads and the KV handler's hops: buffers fit either.
+        block_bytes = math.prod(block_shape(spec, cfg.block_tokens)) * dtype_from_name(spec.dtype).itemsize
+        self.staging = StagingPool(device, max(block_bytes, self.nvme.records.record_bytes if self.nvme else 0), 8)
         self.loader = (ExpertLoadHandler(self.pool, self.transfer, self.pinned, self.nvme, map_in=cfg.expert_map_in,
-                                         publish=cfg.expert_publish)
+                                         publish=cfg.expert_publish, staging=self.staging)
                        if host else None)
         if not host:
             self._fill_slots_on_device(cfg.seed)
         self.experts = OnDemandExperts(self.pool, self.loader, cfg.expert_store)  # type: ignore[arg-type]
         cap = {Tier.GPU: cfg.kv_gpu_blocks, Tier.CPU: cfg.kv_cpu_blocks, Tier.NVME: cfg.kv_nvme_blocks}
         self.cache = PagedKVCache(spec, device, self.transfer, cfg.block_tokens, cap,
-                                  wd / "kv.tpnvme" if cfg.kv_nvme_blocks else None)
+                                  wd / "kv.tpnvme" if cfg.kv_nvme_blocks else None, staging=self.staging)
         weights = synthetic_dense_weights(spec, device.torch_device, seed=cfg.seed)
         self.model = MoEModel(spec, weights, self.pool, self.experts, self.cache)
         if cfg.decode_kernel is None:
@@ -235,6 +241,7 @@ class ReferenceEngine:
             self.loader.close()
         self.cache.close()
         self.transfer.close()
+        self.staging.close()
         self.pool.close()
         for store in (self.pinned, self.nvme):
             if store is not None:

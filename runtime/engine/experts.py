@@ -10,7 +10,11 @@ Loads started ahead of need (`load_async`, e.g. a plan's prefetch) are remembere
 such an expert instead of loading it twice; `evict` keeps the recency books in step with the pool, and
 `pin`/`unpin` keep `capacity` (how many experts one `ensure` may ask for) to the slots pins leave free.
 Experts loaded around this class straight through the loader are still found as eviction candidates (as
-the least recently used). Mechanism only: the ranking is the policy's, never this module's.
+the least recently used). Under a layer limit (the pool's `limits`, which the agent sets from a plan's caps)
+a missing expert takes the place of one of its own layer's, so the layer never holds more slots than its
+limit; `chunks` keeps each group a layer computes at once within `capacity_of(layer)` (a plugged
+`chunk_order`, e.g. the agent's scan rule, may group them otherwise). Mechanism only: the ranking and the
+grouping are the policy's, never this module's.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from runtime.weights.loader import ExpertLoadHandler, StoreKind
 
 Key = tuple[int, int]  # (pool layer, expert)
 VictimOrder = Callable[[list[Key]], list[Key]]
+ChunkOrder = Callable[[int, list[int], int], list[list[int]]]  # (layer, needed ascending, capacity_of) -> groups
 
 
 def lru_victim_order(candidates: list[Key]) -> list[Key]:
@@ -45,6 +50,7 @@ class OnDemandExperts:
         self._lru: OrderedDict[Key, None] = OrderedDict()  # least recently used first
         self._inflight: dict[Key, OpFuture] = {}  # loads started by load_async, not yet seen by ensure
         self.victim_order: VictimOrder = victim_order or lru_victim_order
+        self.chunk_order: ChunkOrder | None = None  # None: consecutive runs of capacity_of(layer)
         self.fast_path_layers = 0  # MoE layers computed without ensure (all resident, no host sync)
         self.hits = 0
         self.misses = 0
@@ -55,6 +61,27 @@ class OnDemandExperts:
     def capacity(self) -> int:
         """Experts one `ensure` may ask for at once: the slots not held by pins (at least one)."""
         return max(1, self.pool.num_slots - self._num_pinned)
+
+    def capacity_of(self, layer: int) -> int:
+        """Experts of `layer` one `ensure` may ask for: `capacity`, and under a layer limit no more than the
+        limit leaves beside the layer's pinned experts (at least one)."""
+        limit = self.pool.limits.get(layer)
+        if limit is None:
+            return self.capacity
+        num_pinned = sum(self.pool.is_pinned(layer, e) for e in self.pool.resident_experts(layer))
+        return max(1, min(self.capacity, limit - num_pinned))
+
+    def chunks(self, layer: int, needed: list[int]) -> list[list[int]]:
+        """Groups of `needed` made resident one after another (`ExpertProvider.chunks`); a plugged chunk order
+        must cover `needed` once, each group within `capacity_of(layer)` (ConfigError otherwise)."""
+        n = self.capacity_of(layer)
+        if self.chunk_order is None:
+            return [needed[i : i + n] for i in range(0, len(needed), n)]
+        groups = self.chunk_order(layer, needed, n)
+        if sorted(e for g in groups for e in g) != sorted(needed) or any(not 0 < len(g) <= n for g in groups):
+            raise ConfigError(f"chunk_order for layer {layer}: {groups} must cover {needed} once, in non-empty "
+                              f"groups of at most capacity_of(layer)={n}")
+        return groups
 
     # ---- policy hook ------------------------------------------------------------------------------
     def _loader(self, layer: int, expert: int) -> ExpertLoadHandler:
@@ -80,6 +107,10 @@ class OnDemandExperts:
     def set_victim_order(self, fn: VictimOrder | None) -> None:
         """Plug a ranking in (the agent's local policy); None restores least-recently-used."""
         self.victim_order = fn or lru_victim_order
+
+    def set_chunk_order(self, fn: ChunkOrder | None) -> None:
+        """Plug a grouping of a layer's needed experts in (the agent's scan rule); None: consecutive runs."""
+        self.chunk_order = fn
 
     # ---- what the engine calls --------------------------------------------------------------------
     def ensure(self, layer: int, experts: list[int]) -> None:
@@ -117,24 +148,32 @@ class OnDemandExperts:
         return self.pool.is_resident(*key)
 
     def _make_room(self, layer: int, expert: int, want: set[int]) -> None:
+        limit = self.pool.limits.get(layer)
+        if limit is not None and self.pool.num_bound(layer) >= limit:  # the layer is at its limit: one of its own
+            self._evict_one(layer, expert, want, same_layer=True)
         if self.pool.num_free_slots > 0:
             return
-        cands = self._candidates(layer, want)
+        self._evict_one(layer, expert, want, same_layer=False)
+
+    def _evict_one(self, layer: int, expert: int, want: set[int], same_layer: bool) -> None:
+        cands = self._candidates(layer, want, same_layer)
         if not cands and self._inflight:  # slots held by loads started ahead: once landed they can be evicted
             for fut in self._inflight.values():
                 with contextlib.suppress(Exception):  # counted by the loader and whoever started it
                     fut.wait()
-            if self.pool.num_free_slots > 0:
+            if not same_layer and self.pool.num_free_slots > 0:
                 return
-            cands = self._candidates(layer, want)
+            cands = self._candidates(layer, want, same_layer)
         ranked = self.victim_order(cands) if cands else []
         if not ranked:
-            raise CapacityError(f"no evictable expert for ({layer}, {expert}): all slots pinned, loading or in use")
+            where = f"layer {layer} is at its limit of {self.pool.limits.get(layer)} slots and" if same_layer else \
+                "all slots are"
+            raise CapacityError(f"no evictable expert for ({layer}, {expert}): {where} pinned, loading or in use")
         self.evict(*ranked[0])
 
-    def _candidates(self, layer: int, want: set[int]) -> list[Key]:
+    def _candidates(self, layer: int, want: set[int], same_layer: bool = False) -> list[Key]:
         return [k for k in self.residents_lru() if not (k[0] == layer and k[1] in want)
-                and not self.pool.is_pinned(*k)]
+                and not self.pool.is_pinned(*k) and (k[0] == layer or not same_layer)]
 
     # ---- what the agent calls ---------------------------------------------------------------------
     def residents_lru(self) -> list[Key]:

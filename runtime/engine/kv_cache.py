@@ -21,6 +21,7 @@ from runtime.engine.config import AttentionKind, ModelSpec
 from runtime.errors import CapacityError, ConfigError
 from runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
 from runtime.nvme import DIRECT_ALIGN_BYTES
+from runtime.staging import StagingPool
 from runtime.transfer import TransferEngine
 from runtime.weights.format import dtype_from_name
 
@@ -37,7 +38,8 @@ class PagedKVCache:
     """Block tables per sequence over `KVTierStores`; see the module docstring."""
 
     def __init__(self, spec: ModelSpec, device: Device, engine: TransferEngine, block_tokens: int,
-                 capacity: dict[Tier, int], nvme_path: str | os.PathLike[str] | None = None) -> None:
+                 capacity: dict[Tier, int], nvme_path: str | os.PathLike[str] | None = None,
+                 staging: StagingPool | None = None) -> None:
         self.spec, self.device, self.block_tokens = spec, device, block_tokens
         self.dtype = dtype_from_name(spec.dtype)
         self.shape = block_shape(spec, block_tokens)
@@ -52,7 +54,7 @@ class PagedKVCache:
         # One scratch GPU block past the capacity: padding rows of a CUDA-graph batch write their K/V there.
         self.stores = KVTierStores(device, self.block_bytes, capacity, nvme_path, gpu_scratch_blocks=1)
         self.manager = KVBlockManager(capacity)
-        self.handler = KVTransferHandler(self.manager, self.stores, engine)
+        self.handler = KVTransferHandler(self.manager, self.stores, engine, staging=staging)  # shared, or its own
         self.scratch_slot = capacity[Tier.GPU]  # GPU index of the scratch block (no sequence ever owns it)
         self.gpu = self.stores.gpu_tensor.view(self.dtype).view(capacity[Tier.GPU] + 1, *self.shape)  # [N+1, *block]
         self.tables: dict[int, list[int]] = {}

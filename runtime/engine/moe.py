@@ -25,6 +25,10 @@ HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 class ExpertProvider(Protocol):
     capacity: int  # how many experts can be resident at once (the pool's slots)
 
+    def chunks(self, layer: int, needed: list[int]) -> list[list[int]]:
+        """The layer's needed experts (ascending ids) in groups that are made resident one after another."""
+        ...
+
     def all_resident(self, layer: int) -> bool:
         """True when every expert of the layer is resident: compute may skip `ensure` (no host sync)."""
         ...
@@ -123,19 +127,33 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
     counts = counts_t.tolist()
     needed = [i for i, n in enumerate(counts) if n]
     y = torch.empty_like(xs)  # [T*k, H]
-    # More experts needed than slots: run consecutive expert ranges one after another. Each expert's GEMM
-    # sees the same rows either way, so the result does not depend on how many slots there are.
-    for lo in range(0, len(needed), max(1, provider.capacity)):
-        chunk = needed[lo : lo + provider.capacity]
+    # More experts needed than slots: the provider groups them (consecutive runs by default, a policy's scan
+    # rule otherwise), one group resident at a time. Each expert's GEMM sees the same rows either way, so the
+    # result does not depend on how many slots there are or how the groups fall.
+    position = {e: i for i, e in enumerate(needed)}
+    for chunk in provider.chunks(layer, needed):
         provider.ensure(layer, chunk)
-        e0, e1 = chunk[0], chunk[-1] + 1
-        r0, r1 = sum(counts[:e0]), sum(counts[:e1])
-        sub_counts = counts[e0:e1]
-        offs = torch.cumsum(counts_t[e0:e1], 0).to(torch.int32)  # [e1-e0]
-        y[r0:r1] = _expert_mlp(xs[r0:r1], views.gate_up[e0:e1], views.down[e0:e1], views.intermediate, offs,
-                               sub_counts, tri)  # [rows, H]
+        for run in _runs(chunk, position):
+            e0, e1 = run[0], run[-1] + 1
+            r0, r1 = sum(counts[:e0]), sum(counts[:e1])
+            sub_counts = counts[e0:e1]
+            offs = torch.cumsum(counts_t[e0:e1], 0).to(torch.int32)  # [e1-e0]
+            y[r0:r1] = _expert_mlp(xs[r0:r1], views.gate_up[e0:e1], views.down[e0:e1], views.intermediate, offs,
+                                   sub_counts, tri)  # [rows, H]
         provider.done_reading(layer, chunk)  # the next chunk may evict these: it must wait for these GEMMs
     return _combine(y, order, weights, t, k, x.dtype)
+
+
+def _runs(chunk: list[int], position: dict[int, int]) -> list[list[int]]:
+    """A chunk split where another chunk's needed expert lies between two of its own: each run's id range
+    [first, last] then holds only its own experts' rows (ids routed to no row read nothing)."""
+    runs: list[list[int]] = []
+    for e in sorted(chunk, key=position.__getitem__):
+        if runs and position[e] == position[runs[-1][-1]] + 1:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    return runs
 
 
 def _combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, t: int, k: int,

@@ -82,6 +82,21 @@ def _validate(arrays: dict[str, np.ndarray], where: str) -> None:
             f"{where}: field 'weights' must be finite and >= 0 or NaN (missing), "
             f"got {float(weights[t, layer, j])} at [{t}, {layer}, {j}]"
         )
+    for name in ("seq_id", "pos"):
+        if arrays[name].size and arrays[name].min() < 0:
+            at = int(np.argmax(arrays[name] < 0))
+            raise ConfigError(f"{where}: field '{name}' must be >= 0, got {int(arrays[name][at])} at [{at}]")
+    ordered = np.sort(ids, axis=-1)  # [T, L, K]
+    repeats = ((np.diff(ordered, axis=-1) == 0) & (ordered[..., 1:] >= 0)).any(-1)  # [T, L]
+    if repeats.any():
+        t, layer = (int(x) for x in np.argwhere(repeats)[0])
+        raise ConfigError(f"{where}: field 'expert_ids' repeats an expert in row [{t}, {layer}]: "
+                          f"{ids[t, layer].tolist()} (expected distinct ids, -1 for missing)")
+    zero = (np.nan_to_num(weights, nan=1.0) == 0).all(-1)  # [T, L]: no weight and none marked missing (NaN)
+    if zero.any():
+        t, layer = (int(x) for x in np.argwhere(zero)[0])
+        raise ConfigError(f"{where}: field 'weights' is all zero in row [{t}, {layer}] (expected a positive "
+                          "weight, or NaN for a missing one)")
     phases = arrays["phase"]
     if not np.isin(phases, [p.value for p in Phase]).all():
         raise ConfigError(
@@ -100,12 +115,9 @@ def _read_meta_num_experts(meta_path: Path, max_id: int) -> int | None:
     if not isinstance(meta, dict) or "num_experts" not in meta:
         return None
     value = meta["num_experts"]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= max_id:
-        raise ConfigError(
-            f"routing trace meta {meta_path}: field 'num_experts' must be an int > max expert id "
-            f"{max_id}, got {value!r}"
-        )
-    return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"routing trace meta {meta_path}: field 'num_experts' must be an int >= 1, got {value!r}")
+    return value  # checked against the ids by RoutingTrace, which says where the first id out of range is
 
 
 def _fit_row(
@@ -164,9 +176,10 @@ class RoutingTrace:
         self.layers = arrays["layers"]  # [L] original layer numbers
         max_id = int(self._expert_ids.max())
         if num_experts is not None and num_experts <= max_id:
-            raise ConfigError(
-                f"routing trace {source}: num_experts must be > max expert id {max_id}, got {num_experts}"
-            )
+            t, layer, j = (int(x) for x in np.argwhere(self._expert_ids == max_id)[0])
+            raise ConfigError(f"routing trace {source}: field 'expert_ids' holds expert {max_id} at [{t}, {layer}, "
+                              f"{j}], but the trace declares num_experts={num_experts} (expected ids 0.."
+                              f"{num_experts - 1}, or -1 for missing)")
         self._num_experts = num_experts if num_experts is not None else max_id + 1
         self.source = source
         self._fitted: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -176,13 +189,20 @@ class RoutingTrace:
         """Read a normalized npz; `num_experts` comes from `<stem>.meta.json` beside it when present."""
         path = Path(path)
         where = f"routing trace {path}"
+        expected = "expected a normalized .npz of expert_ids, weights, seq_id, pos, phase, layers"
         try:
-            with np.load(path, allow_pickle=False) as npz:
+            if path.is_file() and path.stat().st_size == 0:
+                raise ConfigError(f"{where}: the file is empty (0 bytes; {expected})")
+            loaded = np.load(path, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise ConfigError(f"{where}: holds one array ({loaded.dtype} {loaded.shape}, a .npy file), not an npz "
+                                  f"archive ({expected})")
+            with loaded as npz:
                 arrays = {name: npz[name] for name in npz.files}
-        except FileNotFoundError as exc:
-            raise ConfigError(f"{where}: file not found") from exc
-        except (OSError, ValueError, zipfile.BadZipFile) as exc:
-            raise ConfigError(f"{where}: not a readable npz file ({exc})") from exc
+        except FileNotFoundError:
+            raise ConfigError(f"{where}: file not found") from None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+            raise ConfigError(f"{where}: not a readable npz file ({exc}; {expected})") from None
         _validate(arrays, where)
         num_experts = _read_meta_num_experts(path.with_suffix(".meta.json"), int(arrays["expert_ids"].max()))
         return cls(arrays, num_experts, str(path))

@@ -124,6 +124,10 @@ class Runner:
 
     def run(self, requests: list[Request], block_tokens_for_prefixes: int = 16) -> RunReport:
         spec, cache = self.engine.spec, self.engine.cache
+        # The GPU tier's limit (an applied plan's KV blocks) bounds what the batch may hold there, and refuses
+        # a request that could never fit under it (Scheduler.add says so).
+        sched_blocks = self.sched.gpu_blocks
+        self.sched.gpu_blocks = min(sched_blocks, cache.manager.limit(Tier.GPU))
         for r in requests:
             prompt = synthetic_prompt_tokens(r, spec.vocab_size, block_tokens=block_tokens_for_prefixes)
             self.sched.add(Sequence(r.request_id, r.arrival_s, prompt, r.output_len))
@@ -141,6 +145,7 @@ class Runner:
             return (steps * self.virtual_step_s if self.virtual_step_s else wall()) + offset
 
         while not self.sched.idle:
+            self.sched.gpu_blocks = min(sched_blocks, cache.manager.limit(Tier.GPU))
             t_sched = now()
             for s in self.sched.waiting:
                 if s.arrival_s <= t_sched:
@@ -181,6 +186,7 @@ class Runner:
                 peak[k] = max(peak[k], v)
             if self.on_step is not None:
                 self.on_step(batch, step_s)
+        self.sched.gpu_blocks = sched_blocks  # the scheduler's own budget again: a later plan may allow more
         metrics = []
         for s in sorted(self.sched.finished, key=lambda s: s.seq_id):
             i, n = s.seq_id, len(s.output)

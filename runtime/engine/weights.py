@@ -15,7 +15,7 @@ import torch
 
 from runtime.engine.config import AttentionKind, ModelSpec
 from runtime.errors import ConfigError
-from runtime.weights.format import ExpertFormat, dtype_from_name
+from runtime.weights.format import TENSOR_ALIGN_BYTES, ExpertFormat, dtype_from_name
 
 
 def _seeded(name: str, seed: int) -> torch.Generator:
@@ -43,6 +43,14 @@ class DenseWeights:
 
 def expert_format(spec: ModelSpec) -> ExpertFormat:
     """Routed experts as packed records: gate and up [I, H] back to back (one [2I, H] GEMM), down [H, I]."""
+    if not spec.moe_layers:
+        raise ConfigError(f"ModelSpec {spec.name!r}: no MoE layer (moe_layers is empty); the engine needs at least one")
+    gate_bytes = spec.expert_intermediate * spec.hidden_size * spec.dtype_bytes
+    if gate_bytes % TENSOR_ALIGN_BYTES:  # up_proj starts at the next aligned offset: it would not follow gate_proj
+        raise ConfigError(f"ModelSpec {spec.name!r}: hidden_size={spec.hidden_size} x expert_intermediate="
+                          f"{spec.expert_intermediate} x {spec.dtype_bytes} bytes = {gate_bytes} bytes per gate "
+                          f"projection; the expert record packs gate and up back to back, so this must be a "
+                          f"multiple of {TENSOR_ALIGN_BYTES} bytes (e.g. hidden_size a multiple of 128)")
     return ExpertFormat.swiglu(spec.hidden_size, spec.expert_intermediate, spec.dtype)
 
 

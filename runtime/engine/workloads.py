@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta, timezone
 from enum import Enum
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,14 @@ class Request:
     source: str
 
     def __post_init__(self) -> None:
-        if self.request_id < 0 or self.prompt_len < 1 or self.output_len < 1 or self.arrival_s < 0:
+        ints_ok = all(isinstance(v, Integral) and not isinstance(v, bool)
+                      for v in (self.request_id, self.prompt_len, self.output_len))
+        arrival_ok = isinstance(self.arrival_s, Real) and not isinstance(self.arrival_s, bool) and \
+            math.isfinite(self.arrival_s) and self.arrival_s >= 0
+        if not ints_ok or not arrival_ok or self.request_id < 0 or self.prompt_len < 1 or self.output_len < 1:
             raise ConfigError(
-                f"Request needs request_id >= 0, arrival_s >= 0, prompt_len >= 1, output_len >= 1, "
-                f"got {self.request_id}, {self.arrival_s}, {self.prompt_len}, {self.output_len}"
+                f"Request needs request_id >= 0, arrival_s >= 0 (finite), prompt_len >= 1, output_len >= 1 (ints), "
+                f"got {self.request_id!r}, {self.arrival_s!r}, {self.prompt_len!r}, {self.output_len!r}"
             )
         if any(b < 0 for b in self.prefix_block_ids):
             raise ConfigError(f"Request {self.request_id}: prefix_block_ids must be >= 0, got {self.prefix_block_ids}")
@@ -92,7 +97,9 @@ def load_mooncake(path: str | Path, limit: int | None = None, time_scale: float 
     """Mooncake jsonl (timestamp ms, input_length, output_length, hash_ids) -> requests in file order.
 
     `arrival_s` is relative to the first request, multiplied by `time_scale` (0.5 = twice the load).
-    Timestamps must not decrease. Blank lines are skipped; `limit` stops after that many requests.
+    Timestamps must not decrease. Blank lines are skipped; `limit` stops after that many requests: the lines
+    after the limit-th request are not read at all, so a bad line there is not reported. `hash_ids` may name
+    at most the ceil(input_length / 512) blocks the prompt covers.
     """
     _check_limit_and_scale(limit, time_scale)
     path = Path(path)
@@ -127,6 +134,11 @@ def load_mooncake(path: str | Path, limit: int | None = None, time_scale: float 
         hash_ids = row["hash_ids"]
         if not isinstance(hash_ids, list) or not all(_is_int(h) and h >= 0 for h in hash_ids):
             raise ConfigError(f"{at}: field 'hash_ids' must be a list of non-negative ints, got {hash_ids!r}")
+        num_blocks = -(-row["input_length"] // MOONCAKE_BLOCK_TOKENS)
+        if len(hash_ids) > num_blocks:
+            raise ConfigError(f"{at}: field 'hash_ids' names {len(hash_ids)} prefix blocks, but input_length="
+                              f"{row['input_length']} covers {num_blocks} block(s) of {MOONCAKE_BLOCK_TOKENS} tokens "
+                              f"(expected at most {num_blocks} ids)")
         if first_ms is None:
             first_ms = float(ts_ms)
         prev_ms = ts_ms

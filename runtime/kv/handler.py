@@ -19,12 +19,14 @@ from typing import Any
 import torch
 
 from runtime.checksum import checksum
-from runtime.device import AlignedHostBuffer, Event
+from runtime.device import Event
 from runtime.errors import BusyError, ConfigError, CorruptDataError, TransferError
 from runtime.future import OpFuture
+from runtime.kv.hops import HOP_PLANS, End
 from runtime.kv.manager import KVBlockManager
 from runtime.kv.spec import KVBlockSpec, KVMove, Tier
 from runtime.kv.stores import KVTierStores
+from runtime.staging import StagingClosed, StagingLease, StagingPool
 from runtime.transfer import Buffer, Link, Priority, TrafficClass, TransferEngine, TransferHandle, TransferRequest
 
 PAIRS = tuple(f"{a.value}->{b.value}" for a in Tier for b in Tier if a is not b)
@@ -55,15 +57,18 @@ class _MoveJob:
     future: KVMoveFuture
     priority: Priority
     deadline_s: float | None
-    staging: AlignedHostBuffer | None = None
+    staging: StagingLease | None = None
     hops: list[_Hop] = field(default_factory=list)
 
 
 class KVTransferHandler:
-    """Synchronous `write`/`read` of whole blocks and asynchronous `move` between tiers."""
+    """Synchronous `write`/`read` of whole blocks and asynchronous `move` between tiers. Staging buffers come
+    from `staging` when given (a pool shared with the expert loader, closed by its owner), else from a pool
+    of `num_staging` block-sized buffers of its own."""
 
     def __init__(
-        self, manager: KVBlockManager, stores: KVTierStores, engine: TransferEngine, num_staging: int = 8
+        self, manager: KVBlockManager, stores: KVTierStores, engine: TransferEngine, num_staging: int = 8,
+        staging: StagingPool | None = None,
     ) -> None:
         if isinstance(num_staging, bool) or not isinstance(num_staging, int) or num_staging < 1:
             raise ConfigError(f"KVTransferHandler: num_staging must be an int >= 1, got {num_staging!r}")
@@ -81,9 +86,13 @@ class KVTransferHandler:
         self.stores = stores
         self.engine = engine
         self.block_bytes = stores.block_bytes
-        self._staging_all = [stores.device.alloc_host(self.block_bytes) for _ in range(num_staging)]
-        self._staging_free = list(self._staging_all)
-        self._cv = threading.Condition()  # guards staging, _num_inflight, _closed
+        if staging is not None and staging.buffer_bytes < self.block_bytes:
+            raise ConfigError(f"KVTransferHandler: the shared staging buffers hold {staging.buffer_bytes} bytes, a "
+                              f"KV block {self.block_bytes}")
+        self._own_staging = staging is None
+        self._staging = staging or StagingPool(stores.device, self.block_bytes, num_staging)
+        self._staging_out = 0  # buffers taken (or being waited for) and not given back
+        self._cv = threading.Condition()  # guards _staging_out, _num_inflight, _closed
         self._num_inflight = 0
         self._closed = False
         self._staging_closed = False
@@ -94,18 +103,25 @@ class KVTransferHandler:
         self._bytes_by_pair = dict.fromkeys(PAIRS, 0)
 
     # ---- staging ------------------------------------------------------------------------------------
-    def _take_staging(self, what: str) -> AlignedHostBuffer:
+    def _take_staging(self, what: str) -> StagingLease:
         """A free staging buffer; waits for one (moves in flight always give theirs back)."""
         with self._cv:
-            while not self._staging_free and not self._closed:
-                self._cv.wait()
             if self._closed:
                 raise ConfigError(f"{what}: KVTransferHandler is closed")
-            return self._staging_free.pop()
+            self._staging_out += 1  # counted before waiting: close() waits for it either way
+        try:
+            return self._staging.take(self.block_bytes, refuse=lambda: self._closed)
+        except StagingClosed:
+            self._staging_returned()
+            raise ConfigError(f"{what}: KVTransferHandler is closed") from None
 
-    def _give_staging(self, buf: AlignedHostBuffer) -> None:
+    def _give_staging(self, buf: StagingLease) -> None:
+        self._staging.give(buf)
+        self._staging_returned()
+
+    def _staging_returned(self) -> None:
         with self._cv:
-            self._staging_free.append(buf)
+            self._staging_out -= 1
             self._cv.notify_all()
 
     def _check_open(self, what: str) -> None:
@@ -206,35 +222,26 @@ class KVTransferHandler:
         self.manager.set_checksum(block_id, None)
 
     # ---- asynchronous moves -------------------------------------------------------------------------
+    def _endpoint(self, end: End, job: _MoveJob) -> Buffer:
+        """A hop's source or destination: the move's source or destination block (memory, or a file region on
+        NVMe), or the move's staging buffer (taken on first use)."""
+        if end is End.STAGE:
+            if job.staging is None:
+                job.staging = self._take_staging(f"move of KV block {job.move.block_id}")
+            return job.staging.tensor  # [B]
+        spec = job.move.src if end is End.SRC else job.move.dst
+        return self.stores.region(spec) if spec.tier is Tier.NVME else self.stores.memory(spec)
+
     def _plan(self, job: _MoveJob) -> None:
-        src, dst = job.move.src, job.move.dst
-        mem, region = self.stores.memory, self.stores.region
         # Order every device-side copy after the work already queued on the caller's stream: a copy out of
         # the GPU after the kernels that wrote the block, a copy into it after the kernels that still read
         # the (freed, now reused) index.
+        src, dst = job.move.src, job.move.dst
         after = self.stores.device.record_event() if Tier.GPU in (src.tier, dst.tier) else None
-        pair = (src.tier, dst.tier)
-        if pair == (Tier.GPU, Tier.CPU):
-            job.hops = [_Hop(Link.D2H, mem(src), mem(dst), after, lands_on_host=mem(dst))]
-        elif pair == (Tier.CPU, Tier.GPU):
-            job.hops = [_Hop(Link.H2D, mem(src), mem(dst), after)]
-        elif pair == (Tier.CPU, Tier.NVME):
-            job.hops = [_Hop(Link.H2DISK, mem(src), region(dst))]
-        elif pair == (Tier.NVME, Tier.CPU):
-            job.hops = [_Hop(Link.DISK2H, region(src), mem(dst), lands_on_host=mem(dst))]
-        else:
-            job.staging = self._take_staging(f"move of KV block {job.move.block_id}")
-            stage = job.staging.tensor  # [B]
-            if pair == (Tier.GPU, Tier.NVME):
-                job.hops = [
-                    _Hop(Link.D2H, mem(src), stage, after, lands_on_host=stage),
-                    _Hop(Link.H2DISK, stage, region(dst)),
-                ]
-            else:  # NVMe -> GPU
-                job.hops = [
-                    _Hop(Link.DISK2H, region(src), stage, lands_on_host=stage),
-                    _Hop(Link.H2D, stage, mem(dst), after),
-                ]
+        for hop in HOP_PLANS[(src.tier, dst.tier)]:
+            hop_dst = self._endpoint(hop.dst, job)
+            job.hops.append(_Hop(hop.link, self._endpoint(hop.src, job), hop_dst, after if hop.after else None,
+                                 hop_dst if hop.lands_on_host else None))  # type: ignore[arg-type]
 
     def move(
         self, block_id: int, dst: Tier, priority: Priority = Priority.NORMAL, deadline_s: float | None = None
@@ -328,7 +335,7 @@ class KVTransferHandler:
     def stats(self) -> dict[str, Any]:
         """moves_ok, moves_failed, corrupt_detected (reads and moves), bytes_by_pair ("gpu->cpu": bytes)."""
         with self._cv:
-            num_inflight, num_staging_free = self._num_inflight, len(self._staging_free)
+            num_inflight, num_staging_free = self._num_inflight, self._staging.num_free
         with self._stats_lock:
             return {
                 "moves_ok": self._moves_ok,
@@ -347,21 +354,22 @@ class KVTransferHandler:
         end_s = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
             self._closed = True
-            self._cv.notify_all()  # staging waiters wake up and refuse
-            while self._num_inflight or len(self._staging_free) < len(self._staging_all):
+        self._staging.wake()  # staging waiters wake up and refuse
+        with self._cv:
+            while self._num_inflight or self._staging_out:
                 left_s = None if end_s is None else end_s - time.monotonic()
                 if left_s is not None and left_s <= 0:
                     raise BusyError(
                         f"KVTransferHandler.close: {self._num_inflight} move(s) in flight, "
-                        f"{len(self._staging_all) - len(self._staging_free)} staging buffer(s) out "
+                        f"{self._staging_out} staging buffer(s) out "
                         f"after {timeout_s} s"
                     )
                 self._cv.wait(left_s)
             if self._staging_closed:
                 return
             self._staging_closed = True
-        for buf in self._staging_all:
-            buf.close()
+        if self._own_staging:
+            self._staging.close()
 
     def __enter__(self) -> KVTransferHandler:
         return self

@@ -5,6 +5,9 @@ phases: `prepare_move` reserves the destination index and marks the block in fli
 either switches the block to the destination and frees the source index, or frees the destination and
 leaves the block where it was. Readers hold a refcount (`acquire`/`release`); a block that is read or in
 flight can be neither moved nor freed. Every refusal is decided before any state changes.
+`set_limits` bounds the blocks a tier may hold below its capacity (the agent installs a plan's KV blocks
+per tier): allocations and moves into a tier at its limit are refused and `num_free` counts only the room
+under it, so whoever makes room spills instead of growing past it.
 Thread-safe with one lock. Never moves bytes, never decides which block goes where.
 """
 
@@ -53,6 +56,7 @@ class KVBlockManager:
         self._blocks: dict[int, _Block] = {}
         self._next_id = itertools.count()
         self._num_ids = 0  # every id < _num_ids was handed out once; the ones not in _blocks were freed
+        self._limits: dict[Tier, int] = {}  # set_limits: at most this many used indices; absent tier: capacity
 
     # ---- lookups (call with the lock held) ---------------------------------------------------------
     def _was_freed(self, block_id: object) -> bool:
@@ -75,17 +79,45 @@ class KVBlockManager:
         if self._capacity[tier] == 0:
             raise ConfigError(f"{what}: tier {tier.value} has capacity 0 (absent in this manager)")
 
+    def _room_locked(self, tier: Tier) -> int:
+        """Indices a new block or move may take on `tier`: free ones, but none past the tier's limit."""
+        free = len(self._free_indices[tier])
+        limit = self._limits.get(tier)
+        return free if limit is None else max(0, min(free, limit - (self._capacity[tier] - free)))
+
+    def _full(self, tier: Tier) -> str:
+        limit = self._limits.get(tier)
+        if limit is not None and limit < self._capacity[tier]:
+            return f"at its limit of {limit} blocks (set_limits: the applied plan; capacity {self._capacity[tier]})"
+        return f"full ({self._capacity[tier]} of {self._capacity[tier]} indices used or reserved by moves)"
+
+    # ---- limits -------------------------------------------------------------------------------------
+    def set_limits(self, limits: dict[Tier, int] | None) -> None:
+        """Replace the per-tier block limits (None or {} lifts them); ConfigError, changing nothing, for a
+        non-Tier key or a count outside 0..capacity. Moves nothing: blocks over a new limit stay until moved."""
+        new = dict(limits or {})
+        for tier, n in new.items():
+            if not isinstance(tier, Tier):
+                raise ConfigError(f"set_limits: key {tier!r} is not a Tier (expected one of {[t.value for t in Tier]})")
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self._capacity[tier]:
+                raise ConfigError(f"set_limits[{tier.value}]: expected an int in 0..{self._capacity[tier]} "
+                                  f"(the tier's capacity), got {n!r}")
+        with self._lock:
+            self._limits = new
+
+    def limit(self, tier: Tier) -> int:
+        """The most blocks `tier` may hold now: its limit, else its capacity."""
+        with self._lock:
+            return self._limits.get(tier, self._capacity[tier])
+
     # ---- allocation ---------------------------------------------------------------------------------
     def allocate(self, tier: Tier) -> int:
         """A new block id with a reserved index on `tier` (no bytes, no checksum yet)."""
         with self._lock:
             self._check_tier(tier, "allocate")
             free = self._free_indices[tier]
-            if not free:
-                raise CapacityError(
-                    f"allocate: tier {tier.value} is full ({self._capacity[tier]} of {self._capacity[tier]} "
-                    "indices used or reserved by moves)"
-                )
+            if not self._room_locked(tier):
+                raise CapacityError(f"allocate: tier {tier.value} is {self._full(tier)}")
             block_id = next(self._next_id)
             self._num_ids = block_id + 1
             self._blocks[block_id] = _Block(KVBlockSpec(tier, free.pop()))
@@ -161,11 +193,8 @@ class KVBlockManager:
             if dst is blk.spec.tier:
                 raise ConfigError(f"prepare_move: KV block {block_id} is already on {dst.value} ({blk.spec})")
             free = self._free_indices[dst]
-            if not free:
-                raise CapacityError(
-                    f"prepare_move: KV block {block_id} to {dst.value}: tier full "
-                    f"({self._capacity[dst]} indices used or reserved)"
-                )
+            if not self._room_locked(dst):
+                raise CapacityError(f"prepare_move: KV block {block_id} to {dst.value}: tier {self._full(dst)}")
             move = KVMove(block_id, blk.spec, KVBlockSpec(dst, free.pop()))
             blk.move = move
             return move
@@ -193,9 +222,10 @@ class KVBlockManager:
         return dict(self._capacity)
 
     def num_free(self, tier: Tier) -> int:
-        """Indices of `tier` neither holding a block nor reserved by a move (0 for an absent tier)."""
+        """Indices of `tier` neither holding a block nor reserved by a move, and under its limit (0 for an absent
+        tier)."""
         with self._lock:
-            return len(self._free_indices[tier])
+            return self._room_locked(tier)
 
     def num_used(self, tier: Tier) -> int:
         with self._lock:

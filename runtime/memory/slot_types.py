@@ -1,14 +1,17 @@
 """Value types of the expert slot pool (inference process): an expert's state, the layout of experts in a
-layer's range, and the pool's entry per expert. Plain data; `runtime.memory.slots` holds the behaviour.
+layer's range, the pool's entry per expert, and its per-layer slot limits. Plain data; `runtime.memory.slots`
+holds the behaviour. Mechanism only: who sets a limit (the agent, from a plan's caps) is not decided here.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
 from runtime.device import Event
-from runtime.errors import ConfigError
+from runtime.errors import CapacityError, ConfigError
 from runtime.nvme import align_up
 
 
@@ -50,3 +53,37 @@ class _Entry:
     load_event: Event | None = None
     readers: list[Event] | None = None
     mapped: bool = False  # the slot is mapped under the expert's range (LOADING may be reserved only)
+
+
+class LayerLimits:
+    """The most slots each layer may hold (loading, resident or being evicted); a layer not listed has no limit.
+
+    The pool checks every reservation against it (`check`, under the pool's lock); the agent replaces the
+    whole set when a plan applies (`set`), and evicts what a lower limit leaves over on its own."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._lock = threading.Lock()
+        self._limits: dict[int, int] = {}
+
+    def set(self, limits: Mapping[int, int] | None) -> None:
+        """Replace every limit (None or {} lifts them all); ConfigError, changing nothing, for a bad entry."""
+        new = dict(limits or {})
+        for layer, n in new.items():
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+                raise ConfigError(f"layer limits: layer {layer!r} is not one of 0..{self.num_layers - 1}")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ConfigError(f"layer limits: layer {layer}: expected an int >= 0 slots, got {n!r}")
+        with self._lock:
+            self._limits = new
+
+    def get(self, layer: int) -> int | None:
+        with self._lock:
+            return self._limits.get(layer)
+
+    def check(self, layer: int, num_bound: int, num_new: int) -> None:
+        """CapacityError if `num_new` more slots would take `layer` past its limit."""
+        limit = self.get(layer)
+        if limit is not None and num_bound + num_new > limit:
+            raise CapacityError(f"prepare_load: layer {layer} holds {num_bound} slot(s) and its limit is {limit} "
+                                f"(the applied plan's cap); {num_new} more would pass it: evict one of its experts")

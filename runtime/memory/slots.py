@@ -41,7 +41,7 @@ import torch
 from runtime.device import Device, Event, completed_event
 from runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
 from runtime.memory.backend import SlotBackend
-from runtime.memory.slot_types import ExpertLayout, ExpertState, _Entry
+from runtime.memory.slot_types import ExpertLayout, ExpertState, LayerLimits, _Entry
 
 POISON_BYTE = 0xFF  # NaN in bf16, fp16, fp32 and fp8-e4m3: a stale read shows up in any output
 
@@ -49,18 +49,9 @@ POISON_BYTE = 0xFF  # NaN in bf16, fp16, fp32 and fp8-e4m3: a stale read shows u
 class ExpertSlotPool:
     """See the module docstring for the contract and invariants."""
 
-    def __init__(
-        self,
-        backend: SlotBackend,
-        device: Device,
-        num_layers: int,
-        num_experts: int,
-        expert_bytes: int,
-        num_slots: int,
-        poison_unmapped: bool = True,
-        scrub_on_unmap: bool = False,
-        slot_window: bool = False,
-    ) -> None:
+    def __init__(self, backend: SlotBackend, device: Device, num_layers: int, num_experts: int, expert_bytes: int,
+                 num_slots: int, poison_unmapped: bool = True, scrub_on_unmap: bool = False,
+                 slot_window: bool = False) -> None:
         self.layout = ExpertLayout(num_layers, num_experts, expert_bytes, backend.granularity_bytes)
         if not num_slots > 0:
             raise ConfigError(f"num_slots must be > 0, got {num_slots}")
@@ -102,6 +93,8 @@ class ExpertSlotPool:
         self._slot_owner: list[tuple[int, int] | None] = [None] * num_slots
         self._entries = [[_Entry() for _ in range(num_experts)] for _ in range(num_layers)]
         self._num_resident = [0] * num_layers  # RESIDENT or EVICTING experts per layer (O(1) queries)
+        self._num_bound = [0] * num_layers  # experts holding a slot (LOADING too): what a layer limit bounds
+        self.limits = LayerLimits(num_layers)  # the agent sets a plan's caps; every prepare_load(s) checks them
         self.remaps = 0
 
     # ---- queries ----------------------------------------------------------------------------------
@@ -156,6 +149,11 @@ class ExpertSlotPool:
         with self._lock:
             return len(self._free)
 
+    def num_bound(self, layer: int) -> int:
+        """Slots the layer's experts hold: loading, resident or being evicted (its real footprint in slots)."""
+        self._entry(layer, 0)
+        return self._num_bound[layer]
+
     def check_invariants(self) -> None:
         """Raise AssertionError if I2 or I6 does not hold (cheap; tests and self-checks call it)."""
         with self._lock:
@@ -169,6 +167,7 @@ class ExpertSlotPool:
             for l_, row in enumerate(self._entries):
                 n = sum(en.state in (ExpertState.RESIDENT, ExpertState.EVICTING) for en in row)
                 assert self._num_resident[l_] == n, "resident counter disagrees with the entries"
+                assert self._num_bound[l_] == sum(en.slot is not None for en in row), "bound counter disagrees"
 
     # ---- two-phase load -----------------------------------------------------------------------------
     @property
@@ -185,9 +184,8 @@ class ExpertSlotPool:
             if en.state is not ExpertState.ABSENT:
                 raise BusyError(f"prepare_load: expert ({layer}, {expert}) is {en.state.value}")
             if not self._free:
-                raise CapacityError(
-                    f"prepare_load: all {self.num_slots} slots are bound; unmap an expert first"
-                )
+                raise CapacityError(f"prepare_load: all {self.num_slots} slots are bound; unmap an expert first")
+            self.limits.check(layer, self._num_bound[layer], 1)
             slot = self._free[-1]
             if map_now:
                 self._map_locked(layer, expert, slot)
@@ -218,6 +216,7 @@ class ExpertSlotPool:
             if len(experts) > len(self._free):
                 raise CapacityError(f"prepare_loads: {len(experts)} experts need slots, {len(self._free)} of "
                                     f"{self.num_slots} are free; unmap experts first")
+            self.limits.check(layer, self._num_bound[layer], len(experts))
             slots = [self._bind_free_slot_locked(layer, e, row[e], False) for e in experts]
         stride = self.layout.stride_bytes
         if via_window:
@@ -230,6 +229,7 @@ class ExpertSlotPool:
         slot = self._free.pop()
         self._slot_owner[slot] = (layer, expert)
         en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], mapped
+        self._num_bound[layer] += 1
         self.remaps += 1
         return slot
 
@@ -294,6 +294,7 @@ class ExpertSlotPool:
             if self.poison_unmapped:
                 self.backend.map(va, stride, self._poison, read_only=True)
         self._slot_owner[slot] = None
+        self._num_bound[layer] -= 1
         self._free.append(slot)
         en.state, en.slot, en.load_event, en.readers, en.mapped = ExpertState.ABSENT, None, None, None, False
 

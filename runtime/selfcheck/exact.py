@@ -4,7 +4,9 @@ Runs the same prompts twice with the same weights (one process, CPU twin or one 
 expert resident and all KV on the GPU, then with only `resident_frac` of the experts holding a slot
 (loaded on demand from the NVMe store) and every KV block spilled to CPU or NVMe after each step and
 fetched back before the next. Compares every step's logits and the generated tokens. It must never
-loosen the comparison: any difference, however small, fails.
+loosen the comparison: any difference, however small, fails. Nor can it pass by accident: it also fails,
+saying why, unless the second run really missed experts (more than the first run's cold loads), spilled
+KV blocks and fetched them back (e.g. `resident_frac=1.0` offloads no expert: nothing was compared).
 """
 
 from __future__ import annotations
@@ -37,11 +39,27 @@ class ExactResult:
     seconds: float
 
     @property
+    def problems(self) -> list[str]:
+        """Why the check fails: outputs differ, or the runs did not test what they claim (nothing offloaded)."""
+        out = []
+        if self.max_abs_diff != 0.0 or not self.tokens_equal:
+            out.append(f"outputs differ (max_abs_diff={self.max_abs_diff}, tokens_equal={self.tokens_equal})")
+        if self.expert_misses_tight <= self.expert_misses_full:  # the full run's misses are its cold first loads
+            out.append(f"nothing was offloaded: the offloaded run missed {self.expert_misses_tight} experts, no more "
+                       f"than the all-resident run's {self.expert_misses_full} first loads (resident_frac must "
+                       "leave some experts without a slot, i.e. < 1.0)")
+        if not self.kv_spills or not self.kv_fetches:
+            out.append(f"no KV round trip: {self.kv_spills} blocks spilled, {self.kv_fetches} fetched back "
+                       "(expected both > 0: at least 2 generated tokens)")
+        return out
+
+    @property
     def ok(self) -> bool:
-        return self.max_abs_diff == 0.0 and self.tokens_equal
+        return not self.problems
 
     def line(self) -> str:
-        return f"exact: max_abs_diff={self.max_abs_diff} tokens_equal={self.tokens_equal}"
+        verdict = "ok" if self.ok else "FAILED: " + "; ".join(self.problems)
+        return f"exact: max_abs_diff={self.max_abs_diff} tokens_equal={self.tokens_equal} {verdict}"
 
 
 def auto_block_tokens(spec: ModelSpec, at_least: int = 16) -> int:

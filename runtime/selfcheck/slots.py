@@ -52,7 +52,7 @@ def run_slot_check(remaps: int, seed: int, device: str = "cpu", workdir: str | P
                               poison_unmapped=True, scrub_on_unmap=True, slot_window=True)
         engine = TransferEngine(dev)
         # Copies through the slot window, ranges mapped beside them (the engine's default), published once issued:
-        # the stricter mode for readers (they must wait on the copy's event), so the check covers it (run 22).
+        # the stricter mode for readers (they must wait on the copy's event), so the check covers it.
         loader = ExpertLoadHandler(pool, engine, fx.pinned, fx.nvme, map_in="link", publish="issued")
         stream = dev.new_stream()
         poison = torch.full((fx.format.num_bytes,), POISON_BYTE, dtype=torch.uint8)

@@ -6,6 +6,9 @@ flight) or loads an expert from the pinned or NVMe store into the slot pool. Fro
 is flipped in the NVMe file under a KV block or an expert record; the runtime must detect every one
 (the move, load or final sweep fails with CorruptDataError), after which the block is rewritten (as an
 engine would recompute it). A mismatch is any byte that arrives different without being detected.
+It cannot pass by accident: after every move that reports success the block must sit on the destination
+tier in the books (else it is `misplaced`) and its bytes, read back from where the books say, must be the
+ones written (else a mismatch); a move that reports success without moving a byte fails the check.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class TierCheckResult:
     kv_moves: int
     expert_loads: int
     mismatches: int
+    misplaced: int  # moves that reported success with the block not on their destination tier in the books
+    verified: int  # moves and loads whose result was read back and compared after they reported success
     injected: int
     corrupt_detected: int
     unexpected_errors: int
@@ -45,10 +50,12 @@ class TierCheckResult:
 
     @property
     def ok(self) -> bool:
-        return self.mismatches == 0 and self.unexpected_errors == 0 and self.corrupt_detected == self.injected
+        return (self.mismatches == 0 and self.misplaced == 0 and self.unexpected_errors == 0
+                and self.corrupt_detected == self.injected and self.verified > 0)
 
     def line(self) -> str:
-        return f"tiers: moves={self.moves} mismatches={self.mismatches} corrupt_detected={self.corrupt_detected}"
+        return (f"tiers: moves={self.moves} verified={self.verified} mismatches={self.mismatches} "
+                f"misplaced={self.misplaced} corrupt_detected={self.corrupt_detected}")
 
 
 def run_tier_check(moves: int, seed: int, device: str = "cpu", workdir: str | Path | None = None,
@@ -69,12 +76,14 @@ def run_tier_check(moves: int, seed: int, device: str = "cpu", workdir: str | Pa
         fx = build_experts(dev, wd, layers, experts, 64, 96, seed)
         pool = ExpertSlotPool(make_backend(dev), dev, layers, experts, fx.format.num_bytes, slots, slot_window=True)
         # Copies through the slot window, ranges mapped beside them (the engine's default), published once issued:
-        # the stricter mode for readers (they must wait on the copy's event), so the check covers it (run 22).
+        # the stricter mode for readers (they must wait on the copy's event), so the check covers it.
         loader = ExpertLoadHandler(pool, engine, fx.pinned, fx.nvme, map_in="link", publish="issued")
         truth: dict[int, torch.Tensor] = {}
         tainted_blocks: set[int] = set()
         tainted_experts: set[tuple[int, int]] = set()
-        counts = {"mismatches": 0, "injected": 0, "detected": 0, "unexpected": 0, "kv": 0, "expert": 0}
+        counts = {"mismatches": 0, "misplaced": 0, "verified": 0, "injected": 0, "detected": 0, "unexpected": 0,
+                  "kv": 0, "expert": 0}
+        kv_dst: dict[int, Tier] = {}  # destination of each KV move in flight
         inflight: deque[tuple[str, object, OpFuture]] = deque()
         busy: set[object] = set()
 
@@ -100,15 +109,33 @@ def run_tier_check(moves: int, seed: int, device: str = "cpu", workdir: str | Pa
             except Exception:
                 counts["unexpected"] += 1
             else:
+                counts["verified"] += 1
                 if kind == "expert":
                     lay, e = key
                     pool.wait_ready(lay, [e])  # published once issued: the read waits on the copy's event
                     got = pool.expert_tensor(lay, e).cpu()
                     if checksum(got) != fx.pinned.checksum(lay, e):
                         counts["mismatches"] += 1
+                else:
+                    verify_moved(key, kv_dst[key])
+            if kind == "kv":
+                kv_dst.pop(key)  # type: ignore[call-overload]
             busy.discard(key)
             if progress is not None:
                 progress(1)
+
+        def verify_moved(b: int, dst: Tier) -> None:
+            """The books say `dst`, and the bytes there are the block's; else count it and rewrite the block."""
+            if mgr.location(b).tier is not dst:
+                counts["misplaced"] += 1
+                return
+            try:
+                same = torch.equal(kv.read(b), truth[b])
+            except CorruptDataError:  # not tainted (that move would have failed): stale bytes where the books say
+                same = False
+            if not same:
+                counts["mismatches"] += 1
+                kv.write(b, truth[b])  # so later moves of this block are checked against good bytes again
 
         def drain(limit: int) -> None:
             while len(inflight) > limit:
@@ -159,7 +186,8 @@ def run_tier_check(moves: int, seed: int, device: str = "cpu", workdir: str | Pa
                 if dsts:
                     break
             busy.add(b)
-            inflight.append(("kv", b, kv.move(b, rng.choice(dsts))))
+            kv_dst[b] = rng.choice(dsts)
+            inflight.append(("kv", b, kv.move(b, kv_dst[b])))
             counts["kv"] += 1
 
         try:
@@ -207,7 +235,8 @@ def run_tier_check(moves: int, seed: int, device: str = "cpu", workdir: str | Pa
         direct = stores.nvme_file.direct_io if stores.nvme_file is not None else False
     return TierCheckResult(
         moves=counts["kv"] + counts["expert"], kv_moves=counts["kv"], expert_loads=counts["expert"],
-        mismatches=counts["mismatches"], injected=counts["injected"], corrupt_detected=counts["detected"],
+        mismatches=counts["mismatches"], misplaced=counts["misplaced"], verified=counts["verified"],
+        injected=counts["injected"], corrupt_detected=counts["detected"],
         unexpected_errors=counts["unexpected"], seconds=time.perf_counter() - t0, device=device, direct_io=direct,
     )
 
@@ -227,7 +256,8 @@ def run_tier_check_jobs(moves: int, seed: int, device: str = "cpu", workdir: str
         parts = list(ex.map(run_tier_check, shares, [seed + j for j in range(jobs)], [device] * jobs, wds,
                             [inject_every] * jobs))
     total = {k: sum(getattr(p, k) for p in parts) for k in
-             ("moves", "kv_moves", "expert_loads", "mismatches", "injected", "corrupt_detected", "unexpected_errors")}
+             ("moves", "kv_moves", "expert_loads", "mismatches", "misplaced", "verified", "injected",
+              "corrupt_detected", "unexpected_errors")}
     return TierCheckResult(**total, seconds=time.perf_counter() - t0, device=device,
                            direct_io=all(p.direct_io for p in parts))
 

@@ -9,9 +9,9 @@ Where the expert's range is mapped (`map_in`):
   "worker": by the host->device link's worker right before the copy, which then writes through the range.
   "link": the copy writes through the slot's window (a pool made with `slot_window=True`) and starts at once;
     the link's worker maps the expert's range beside it, as an idle job (`TransferEngine.submit_idle`) in the
-    waits for its copies, in (priority, deadline, arrival) order. Measured on the H200, a remap costs ~75-160 µs
-    while copies run, close to a 9 MiB copy's ~175 µs: before the copy it left the link idle between copies,
-    and on a thread of its own (tried in runs 10-20) it waited on the GIL.
+    waits for its copies, in (priority, deadline, arrival) order. A remap costs about as much host time as a
+    9 MiB copy keeps the link busy: before the copy it left the link idle between copies, and on a thread of
+    its own it waited on the GIL (figures: bench/results/design_notes.md).
 When a load is published (`publish`):
   "done": once its copy is done (and its range mapped): then any reader may use it.
   "issued": once its copy is issued (and its range mapped), with the copy's event: readers order their stream
@@ -24,10 +24,10 @@ import threading
 from enum import Enum
 from typing import Any, Literal, get_args
 
-from runtime.device import AlignedHostBuffer
 from runtime.errors import ConfigError, CorruptDataError
 from runtime.future import OpFuture
 from runtime.memory.slots import ExpertSlotPool, ExpertState
+from runtime.staging import StagingLease, StagingPool
 from runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferHandle, TransferRequest
 from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
@@ -54,7 +54,7 @@ class _Load:
 
     def __init__(self, layer: int, expert: int, fut: OpFuture, parts: int) -> None:
         self.layer, self.expert, self.fut = layer, expert, fut
-        self.staging: AlignedHostBuffer | None = None
+        self.staging: StagingLease | None = None
         self.lock = threading.Lock()
         self.parts_left = parts
         self.copy_signaled = False  # the copy's part of parts_left has been counted
@@ -76,6 +76,7 @@ class ExpertLoadHandler:
         num_staging: int = 4,
         map_in: MapIn = "worker",
         publish: Publish = "done",
+        staging: StagingPool | None = None,
     ) -> None:
         if map_in not in MAP_IN:
             raise ConfigError(f"ExpertLoadHandler.map_in must be one of {MAP_IN}, got {map_in!r}")
@@ -92,11 +93,16 @@ class ExpertLoadHandler:
                     f"store expert_bytes {store.format.num_bytes} != pool expert_bytes {pool.layout.expert_bytes}"
                 )
         self.pool, self.engine, self.pinned, self.nvme = pool, engine, pinned, nvme
-        self._staging: list[AlignedHostBuffer] = []
+        # NVMe reads stage through host buffers: from `staging` when given (a pool shared with the KV handler,
+        # closed by its owner), else from `num_staging` record-sized buffers of the loader's own.
+        self._record_bytes = nvme.records.record_bytes if nvme is not None else 0
+        if staging is not None and staging.buffer_bytes < self._record_bytes:
+            raise ConfigError(f"ExpertLoadHandler: the shared staging buffers hold {staging.buffer_bytes} bytes, an "
+                              f"expert record {self._record_bytes}")
+        self._own_staging = staging is None
+        self._staging = staging if staging is not None else (
+            StagingPool(engine.device, self._record_bytes, num_staging) if nvme is not None else None)
         self._cv = threading.Condition()
-        if nvme is not None:
-            self._staging = [engine.device.alloc_host(nvme.records.record_bytes) for _ in range(num_staging)]
-        self._free_staging = list(self._staging)
         self.map_in, self.publish = map_in, publish
         self._inflight = 0  # loads started and not yet settled (close() waits for them)
         self._closed = False
@@ -323,16 +329,13 @@ class ExpertLoadHandler:
         except Exception as exc:  # the copies are under way: these loads complete with this error once they land
             fail(exc)
 
-    def _take_staging(self) -> AlignedHostBuffer:
-        with self._cv:
-            while not self._free_staging:
-                self._cv.wait()
-            return self._free_staging.pop()
+    def _take_staging(self) -> StagingLease:
+        assert self._staging is not None  # there is an NVMe store
+        return self._staging.take(self._record_bytes)
 
-    def _give_staging(self, buf: AlignedHostBuffer) -> None:
-        with self._cv:
-            self._free_staging.append(buf)
-            self._cv.notify()
+    def _give_staging(self, buf: StagingLease) -> None:
+        assert self._staging is not None
+        self._staging.give(buf)
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Refuse new loads, wait for those in flight (the transfer engine must still run, and runs their map
@@ -342,6 +345,6 @@ class ExpertLoadHandler:
             if not self._cv.wait_for(lambda: self._inflight == 0, timeout_s):
                 raise TimeoutError(f"expert loader close: {self._inflight} load(s) still in flight "
                                    f"after {timeout_s} s")
-        for b in self._staging:
-            b.close()
-        self._staging = []
+        if self._own_staging and self._staging is not None:
+            self._staging.close()
+        self._staging = None

@@ -31,10 +31,13 @@ class SyntheticExpertSource:
     """Deterministic random weights: N(0, 0.02) for floats, uniform bytes for integer (packed) dtypes."""
 
     def __init__(self, fmt: ExpertFormat, num_layers: int, num_experts: int, seed: int = 0) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+            raise ConfigError(f"seed: expected an int in 0..2**64-1 (a torch generator seed), got {seed!r}")
         self.format, self.num_layers, self.num_experts, self.seed = fmt, num_layers, num_experts, seed
 
     def fill(self, layer: int, expert: int, out: torch.Tensor) -> None:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + layer) * 1_000_003 + expert)
+        # Folded to 64 bits (the generator's seed range); seeds that fit already draw what they always drew.
+        g = torch.Generator().manual_seed(((self.seed * 1_000_003 + layer) * 1_000_003 + expert) % (1 << 64))
         tensors = {}
         for t in self.format.tensors:
             dt = dtype_from_name(t.dtype)

@@ -13,6 +13,7 @@ import torch
 from controller.protocol import AckStatus, Plan, RejectReason, Tier
 from runtime.engine.config import load_hf_config
 from runtime.engine.presets import PRESETS
+from runtime.errors import CapacityError
 from runtime.kv import Tier as KVTier
 from tests.agent import KV_GPU_BUDGET_BLOCKS, PROMPTS, Agent, build_agent, make_plan, placement
 from tests.conftest import wait_until
@@ -123,6 +124,24 @@ REFUSALS: list[tuple[str, Callable[[Agent], Plan], RejectReason, str]] = [
      RejectReason.OVER_BUDGET, "sum to 9, over the pool's num_slots=8"),
     ("more pins in a layer than its cap", lambda a: make_plan(a, version=2, caps=(1, 4), pinned=[(0, 0), (0, 1)]),
      RejectReason.OVER_BUDGET, "pinned_experts: 2 pinned in model layer 0, over its cap of 1 experts"),
+    ("expert bytes that are not a whole number of slots",
+     lambda a: make_plan(a, version=2, expert_bytes_per_layer=(4 * a.stride_bytes - 1, 4 * a.stride_bytes)),
+     RejectReason.MALFORMED, "expert_bytes_per_layer.0: "),
+    ("expert bytes for more experts than the layer has",
+     lambda a: make_plan(a, version=2, caps=(9, 0), hbm_budget_bytes=a.enforcer.hbm_budget_bytes * 2),
+     RejectReason.MALFORMED, "not a whole number of slots"),
+    ("a cap of no slot at all", lambda a: make_plan(a, version=2, caps=(0, 0)),
+     RejectReason.OVER_BUDGET, "a cap of 0 experts with 0 pinned leaves no slot"),
+    ("a cap its pins fill", lambda a: make_plan(a, version=2, caps=(1, 4), pinned=[(0, 2)]),
+     RejectReason.OVER_BUDGET, "a cap of 1 experts with 1 pinned leaves no slot"),
+    ("no GPU KV block", lambda a: make_plan(a, version=2, kv={Tier.GPU: 0}),
+     RejectReason.MALFORMED, "kv_blocks_per_tier.gpu: 0 blocks"),
+    ("a plan built without validation", lambda a: Plan.model_construct(**{
+        **make_plan(a, version=2).__dict__, "version": -3}),
+     RejectReason.MALFORMED, "version"),
+    ("not a plan at all", lambda a: None, RejectReason.MALFORMED, "expected a Plan, got NoneType"),
+    ("a mapping that is not a plan", lambda a: {"plan_id": "p", "version": 2}, RejectReason.MALFORMED,
+     "invalid Plan: "),
     ("experts plus GPU KV over the agent's HBM budget",
      lambda a: make_plan(a, version=2, kv={Tier.GPU: KV_GPU_BUDGET_BLOCKS + 1},
                          hbm_budget_bytes=a.enforcer.hbm_budget_bytes * 2),
@@ -181,7 +200,10 @@ def test_kv_blocks_are_spilled_down_to_the_plans_tier_counts(agent: Agent) -> No
     assert ack.status is AckStatus.APPLIED, ack.reason
     assert ack.footprint.kv_blocks_per_tier == {Tier.GPU: 2, Tier.CPU: 2, Tier.NVME: 2}
     assert ack.footprint.total_hbm_bytes == sum(ack.footprint.expert_bytes_per_layer) + 2 * cache.block_bytes
-    cache.ensure_on_gpu(cache.blocks_of(1000))  # the blocks still come back when a step needs them
+    cache.ensure_on_gpu(cache.blocks_of(1000)[-2:])  # blocks still come back when a step needs them, within
+    with pytest.raises(CapacityError, match="KV tier gpu is full"):  # the plan's 2 GPU blocks: never past them
+        cache.ensure_on_gpu(cache.blocks_of(1000))
+    assert cache.manager.num_used(KVTier.GPU) == 2
     cache.free(1000)
 
 
@@ -218,8 +240,8 @@ def test_placement_never_changes_bits(tmp_path: Path) -> None:
     plain, planned = build_agent(tmp_path / "plain"), build_agent(tmp_path / "planned")
     try:
         want = plain.engine.generate(PROMPTS, 6)
-        plan = make_plan(planned, caps=(1, 7), pinned=[(0, 3), (1, 0), (1, 1)], eviction={1: [7, 6, 5, 4]},
-                         prefetch=[(1, e, 1.0, e % 4) for e in range(2, 7)], kv={Tier.GPU: 4})
+        plan = make_plan(planned, caps=(2, 6), pinned=[(0, 3), (1, 0), (1, 1)], eviction={1: [7, 6, 5, 4]},
+                         prefetch=[(1, e, 1.0, e % 4) for e in range(2, 6)], kv={Tier.GPU: 4})
         assert planned.enforcer.apply(plan).status is AckStatus.APPLIED
         got = planned.engine.generate(PROMPTS, 6)
         assert torch.equal(got.logits, want.logits) and got.tokens == want.tokens

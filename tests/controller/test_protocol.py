@@ -98,7 +98,7 @@ def plan_data() -> dict[str, Any]:
         "pinned_experts": [{"layer": 0, "expert": 3}, {"layer": 2, "expert": 0}, {"layer": 1, "expert": 1}],
         "eviction_priority": [{"layer": 0, "order": [1, 2, 0, 3]}],
         "prefetch": [{"key": {"layer": 1, "expert": 2}, "deadline_ms": 5.0, "priority": 0}],
-        "link_shares": {"h2d": 0.7, "disk2h": 1.0},
+        "link_shares": {"h2d": 0.7, "disk2h": 0.3},
         "reason": "layer 2 experts hot; KV reuse low",
     }
 
@@ -160,7 +160,7 @@ def test_enum_keys_and_values_parse_to_enums() -> None:
     assert tel.kv.blocks_per_tier[Tier.GPU] == 100
     assert tel.links[0].link is Link.H2D
     plan = parse(Plan, plan_data())
-    assert plan.link_shares[Link.DISK2H] == 1.0
+    assert plan.link_shares[Link.DISK2H] == 0.3
     assert ExpertKey(layer=0, expert=3) in plan.pinned_experts
 
 
@@ -248,6 +248,7 @@ CASES = [
     (Forecast, _set("kv_reuse_scores.ab12cd", -0.1), "kv_reuse_scores.ab12cd: Input should be greater than or equal"),
     (Forecast, _set("layers.0.probs", [0.5]), "layers.0.probs: has 1 entries, expected num_experts=4"),
     (Plan, _set("link_shares.h2d", 1.01), "link_shares.h2d: Input should be less than or equal to 1"),
+    (Plan, _set("link_shares.d2h", 0.5), "link_shares: sum to 1.5; expected at most 1"),
     # plan invariants
     (Plan, _set("version", 3), "version: 3 must be greater than base_version=3"),
     (Plan, _set("base_version", 7), "version: 4 must be greater than base_version=7"),
@@ -304,6 +305,12 @@ def test_error_lists_first_few_problems_without_traceback_noise() -> None:
 def test_malformed_json_is_a_protocol_error() -> None:
     with pytest.raises(ProtocolError, match=r"invalid Plan: \(message\): Invalid JSON"):
         parse(Plan, '{"plan_id": ')
+
+
+@pytest.mark.parametrize("data", [None, 42, ["plan"]], ids=["None", "int", "list"])
+def test_something_that_is_not_a_message_is_a_protocol_error(data: object) -> None:
+    with pytest.raises(ProtocolError, match=r"invalid Plan: \(message\): expected JSON text or a mapping, got "):
+        parse(Plan, data)  # type: ignore[arg-type]
 
 
 def test_direct_construction_refuses_too() -> None:

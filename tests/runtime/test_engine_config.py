@@ -132,7 +132,11 @@ def test_qwen3_sparse_step_and_mlp_only_layers() -> None:
         ("olmoe-1b-7b", {"vocab_size": "50304"}, "field 'vocab_size' must be an int >= 1, got '50304'"),
         ("olmoe-1b-7b", {"num_hidden_layers": 16.0}, "field 'num_hidden_layers' must be an int >= 1, got 16.0"),
         ("olmoe-1b-7b", {"norm_topk_prob": 1}, "field 'norm_topk_prob' must be true or false, got 1"),
-        ("mixtral-8x7b", {"rope_theta": "1e6"}, "field 'rope_theta' must be a number > 0, got '1e6'"),
+        ("mixtral-8x7b", {"rope_theta": "1e6"}, "field 'rope_theta' must be a finite number > 0, got '1e6'"),
+        ("tiny", {"rms_norm_eps": float("nan")}, "field 'rms_norm_eps' must be a finite number > 0, got nan"),
+        ("tiny", {"rope_theta": float("inf")}, "field 'rope_theta' must be a finite number > 0, got inf"),
+        ("tiny", {"mlp_only_layers": [0, 1], "intermediate_size": 128},
+         "no MoE layer among the 2 layers (mlp_only_layers, decoder_sparse_step or first_k_dense_replace make"),
         ("tiny", {"model_type": "llama"}, "field 'model_type' must be one of ['qwen3_moe', 'mixtral', 'olmoe', "
          "'deepseek_v2'], got 'llama'"),
         ("qwen3-30b-a3b", {"num_experts_per_tok": 0},
@@ -150,7 +154,7 @@ def test_qwen3_sparse_step_and_mlp_only_layers() -> None:
         ("tiny", {"mlp_only_layers": [2]}, "field 'mlp_only_layers' must be a list of layer indices in 0..1, got [2]"),
         ("tiny", {"mlp_only_layers": [0], "intermediate_size": ...}, "missing required field 'intermediate_size'"),
         ("tiny", {"rope_parameters": {"rope_theta": -1}, "rope_theta": ...},
-         "field 'rope_parameters.rope_theta' must be a number > 0, got -1"),
+         "field 'rope_parameters.rope_theta' must be a finite number > 0, got -1"),
     ],
 )
 def test_config_errors_name_the_field(name: str, changes: dict[str, Any], message: str) -> None:

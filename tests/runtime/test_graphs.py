@@ -111,7 +111,7 @@ def test_placement_keeps_bits_when_steps_replay_or_not(tiny, tmp_path: Path, pro
 
     r = run_exact_check(tiny, 0.25, workdir=tmp_path, num_prompts=prompts, new_tokens=5, decode_kernel=True,
                         decode_graphs=True)
-    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True"
+    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok"
 
 
 def test_a_padded_eager_step_fetches_experts_only_for_real_rows(tiny, tmp_path: Path) -> None:

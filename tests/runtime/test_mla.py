@@ -178,6 +178,6 @@ def test_shrunk_deepseek_v2_lite_is_exact_across_kv_tiers(tmp_path: Path, monkey
     spec = small_v2_lite()
     assert spec.moe_layers == (1,) and spec.dense_layers == (0,)
     r = run_exact_check(spec, 0.25, workdir=tmp_path)
-    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True"
+    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok"
     assert r.kv_fetches > 0 and r.kv_spills > 0 and r.expert_misses_tight > r.expert_misses_full
     assert used and set(used) == {"mla"}

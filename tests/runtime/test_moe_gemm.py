@@ -61,4 +61,4 @@ def test_engine_exact_through_the_triton_moe(tmp_path: Path, monkeypatch: pytest
     real = moe_gemm.grouped_gemm
     monkeypatch.setattr(moe_gemm, "grouped_gemm", lambda *a: calls.append(1) or real(*a))
     r = run_exact_check(preset("tiny"), 0.25, workdir=tmp_path, new_tokens=4)
-    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True" and calls
+    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok" and calls

@@ -68,4 +68,4 @@ def test_kernel_only_reads_the_context() -> None:
 
 def test_engine_decode_through_the_kernel_is_exact_across_tiers(tmp_path: Path) -> None:
     r = run_exact_check(preset("tiny"), 0.25, workdir=tmp_path, new_tokens=4, decode_kernel=True)
-    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True"
+    assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok"

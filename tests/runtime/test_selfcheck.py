@@ -39,8 +39,9 @@ def test_tier_check_is_clean_and_detects_every_injection(tmp_path: Path) -> None
     r = tiers_check.run_tier_check(1500, seed=5, workdir=tmp_path, inject_every=100)
     assert r.moves == 1500 and r.kv_moves > 0 and r.expert_loads > 0
     assert r.injected == 15 and r.corrupt_detected == r.injected
-    assert r.mismatches == 0 and r.unexpected_errors == 0 and r.ok
-    assert r.line() == f"tiers: moves=1500 mismatches=0 corrupt_detected={r.injected}"
+    assert r.mismatches == 0 and r.misplaced == 0 and r.unexpected_errors == 0 and r.ok
+    assert r.verified >= r.moves - r.injected  # every move and load read back, but the ones that caught a flip
+    assert r.line() == f"tiers: moves=1500 verified={r.verified} mismatches=0 misplaced=0 corrupt_detected={r.injected}"
 
 
 def test_tier_check_reports_corruption_that_slips_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,3 +54,29 @@ def test_tier_check_reports_corruption_that_slips_through(tmp_path: Path, monkey
 def test_tier_check_shards_over_processes(tmp_path: Path) -> None:
     r = tiers_check.run_tier_check_jobs(600, seed=2, workdir=tmp_path, inject_every=100, jobs=2)
     assert r.moves == 600 and r.ok and r.injected == 6
+
+
+def _noop_move(books: bool):
+    """A KV move that reports success without copying a byte (and, books=True, with the books switched)."""
+    from runtime.kv.handler import KVMoveFuture
+
+    def move(self, block_id, dst, priority=None, deadline_s=None):
+        mv = self.manager.prepare_move(block_id, dst)
+        if books:
+            self.manager.complete_move(mv, ok=True)
+        else:
+            self.manager.complete_move(mv, ok=False)
+        fut = KVMoveFuture(mv)
+        fut.set_result(None)
+        return fut
+
+    return move
+
+
+@pytest.mark.parametrize("books", [True, False], ids=["books-switched", "books-unchanged"])
+def test_tier_check_fails_on_a_move_that_reports_success_without_moving(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, books: bool) -> None:
+    monkeypatch.setattr(tiers_check.KVTransferHandler, "move", _noop_move(books))
+    r = tiers_check.run_tier_check(300, seed=7, workdir=tmp_path, inject_every=0)
+    assert not r.ok
+    assert (r.mismatches if books else r.misplaced) > 0

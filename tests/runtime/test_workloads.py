@@ -284,7 +284,8 @@ def test_npz_meta_and_unreadable_files(tmp_path: Path) -> None:
     (tmp_path / "z.meta.json").write_text(json.dumps({"num_experts": 16}))
     assert RoutingTrace.load(path).num_experts == 16
     (tmp_path / "z.meta.json").write_text(json.dumps({"num_experts": 2}))
-    with pytest.raises(ConfigError, match=r"z\.meta\.json: field 'num_experts' must be an int > max expert id 3"):
+    with pytest.raises(ConfigError, match=r"z\.npz: field 'expert_ids' holds expert 3 at \[.*\], but the trace "
+                                          r"declares num_experts=2 \(expected ids 0\.\.1, or -1 for missing\)"):
         RoutingTrace.load(path)
     (tmp_path / "bad.npz").write_bytes(b"not a zip")
     with pytest.raises(ConfigError, match=r"bad\.npz: not a readable npz"):
@@ -301,3 +302,56 @@ def test_bad_route_arguments_refused() -> None:
         trace.routes(4, 0, 2, 2)
     with pytest.raises(ConfigError, match="cache_experts_per_layer"):
         expert_hit_rate_lru(ids, 0)
+
+
+# ---- bad input, as a new user would give it: a clear refusal naming what, where and what was expected -----------
+def test_an_empty_or_npy_routing_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "empty.npz").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"empty\.npz: the file is empty \(0 bytes; expected a normalized \.npz"):
+        RoutingTrace.load(tmp_path / "empty.npz")
+    np.save(tmp_path / "ids.npy", np.zeros((2, 1, 2), np.int16))
+    with pytest.raises(ConfigError, match=r"ids\.npy: holds one array \(int16 \(2, 1, 2\), a \.npy file\), not an npz"):
+        RoutingTrace.load(tmp_path / "ids.npy")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"pos": np.array([0, -4], np.int32)}, r"field 'pos' must be >= 0, got -4 at \[1\]"),
+        ({"seq_id": np.array([-1, 0], np.int32)}, r"field 'seq_id' must be >= 0, got -1 at \[0\]"),
+        ({"expert_ids": np.array([[[0, 1]], [[3, 3]]], np.int16)},
+         r"field 'expert_ids' repeats an expert in row \[1, 0\]: \[3, 3\] \(expected distinct ids"),
+        ({"weights": np.array([[[0.5, 0.5]], [[0.0, 0.0]]], np.float32)},
+         r"field 'weights' is all zero in row \[1, 0\] \(expected a positive weight, or NaN for a missing one\)"),
+    ],
+)
+def test_bad_routing_rows_are_refused(tmp_path: Path, overrides: dict[str, np.ndarray], expected: str) -> None:
+    with pytest.raises(ConfigError, match=r"routing trace .*z\.npz: " + expected):
+        RoutingTrace.load(_save_npz(tmp_path / "z.npz", **overrides))
+
+
+def test_routing_ids_beyond_the_declared_num_experts_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"field 'expert_ids' holds expert 5 at \[0, 0, 1\], but the trace declares "
+                                          r"num_experts=4 \(expected ids 0\.\.3"):
+        RoutingTrace.from_arrays(np.array([[[0, 5]]]), np.array([[[0.5, 0.5]]]), num_experts=4)
+
+
+def test_mooncake_lines_past_the_limit_are_not_read(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "x.jsonl", [MOONCAKE_LINE, MOONCAKE_LINE, "{not json"])
+    assert len(load_mooncake(path, limit=2)) == 2  # as the docstring says: the third line is never read
+    with pytest.raises(ConfigError, match=r"x\.jsonl line 3: not valid JSON"):
+        load_mooncake(path, limit=3)
+
+
+def test_mooncake_hash_ids_beyond_the_prompt_are_refused(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "x.jsonl", [{**MOONCAKE_LINE, "input_length": 600, "hash_ids": [0, 1, 2]}])
+    with pytest.raises(ConfigError, match=r"x\.jsonl line 1: field 'hash_ids' names 3 prefix blocks, but "
+                                          r"input_length=600 covers 2 block\(s\) of 512 tokens \(expected at most 2"):
+        load_mooncake(path)
+
+
+@pytest.mark.parametrize(("arrival_s", "prompt_len"), [(float("nan"), 5), (float("inf"), 5), (0.0, 5.0), (0.0, True)])
+def test_a_request_with_a_nan_arrival_or_a_non_int_length_is_refused(arrival_s: float, prompt_len: object) -> None:
+    with pytest.raises(ConfigError, match=r"Request needs .*arrival_s >= 0 \(finite\).*\(ints\), got 0, "):
+        Request(0, arrival_s, prompt_len, 5, (), "test")  # type: ignore[arg-type]
+    assert Request(0, 0.0, np.int64(5), 5, (), "test").prompt_len == 5  # numpy ints are ints
