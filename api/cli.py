@@ -277,7 +277,9 @@ def bench_offload(
 @_errors
 def demo(
     workdir: Workdir = None,
-    requests: Annotated[int, typer.Option(min=1, max=400, help="Requests replayed from the bundled trace.")] = 48,
+    requests: Annotated[int, typer.Option(
+        min=3, max=400, help="Requests replayed from the bundled trace, in three phases (light, batch grows, "
+                             "context grows).")] = 48,
 ) -> None:
     """The main job on its embedded default (CPU, tiny MoE, bundled real traces); ends with "demo: ok"."""
     from api.demo import run_demo

@@ -15,6 +15,22 @@ from typing import Annotated, Any, Literal, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
+from controller.protocol_predictor import (  # noqa: F401 - re-exported: the agent imports only this module
+    MAX_TOP_M,
+    MAX_UNION_STEPS,
+    LayerTransitions,
+    LayerUnions,
+    LocalPredictor,
+    PredictorKind,
+    PrefetchCounts,
+    Successor,
+    TransitionPair,
+    TransitionRow,
+    check_predictor,
+    check_transitions,
+    check_unions,
+    check_v2_only,
+)
 from controller.validation import (  # noqa: F401 - parse, to_json, ProtocolError are this module's API too
     MAX_EXPERTS,
     MAX_FALLBACK_NAMES,
@@ -39,6 +55,12 @@ from controller.validation import (  # noqa: F401 - parse, to_json, ProtocolErro
     parse,
     to_json,
 )
+
+# Version 2 (Telemetry, Plan) adds the local predictor: a plan may carry a transition table and a prefetch
+# byte budget per step, telemetry the cross-layer counts it is trained from. Version 1 is still accepted: a
+# version-1 message is exactly a version-2 one without those fields (a sidecar's cached plan, or an agent
+# not yet upgraded, keeps working), so a version-1 message that carries them is refused.
+SchemaVersion = Literal[1, 2]
 
 
 class Tier(StrEnum):
@@ -197,7 +219,7 @@ class StepTimings(ProtocolModel):
 
 
 class Telemetry(ProtocolModel):
-    schema_version: Literal[1] = 1
+    schema_version: SchemaVersion = 2
     agent_id: Id
     rank: Count
     window_seq: Count
@@ -215,9 +237,16 @@ class Telemetry(ProtocolModel):
     expert_misses: Count
     applied_plan_version: Count  # 0 until the first plan is applied
     fallbacks: dict[Id, Count] = Field(default_factory=dict, max_length=MAX_FALLBACK_NAMES)
+    transitions: tuple[LayerTransitions, ...] = Field(default=(), max_length=MAX_LAYERS)  # v2: cross-layer pairs
+    step_unions: tuple[LayerUnions, ...] = Field(default=(), max_length=MAX_LAYERS)  # v2: experts needed per step
+    queued_kv_blocks: Count = 0  # v2: KV blocks the requests waiting for admission (or swapped out) would need
+    local_prefetch: PrefetchCounts | None = None  # v2: what the plan's local predictor did this window
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
+        check_v2_only(self, ("transitions", "step_unions", "queued_kv_blocks", "local_prefetch"), "telemetry")
+        check_transitions(self.transitions, self.num_layers, self.num_experts)
+        check_unions(self.step_unions, self.num_layers, self.num_experts)
         if self.window_end_s < self.window_start_s:
             raise _invalid("window_end_s", f"{self.window_end_s} is before window_start_s={self.window_start_s}")
         _check_layer_rows(self.layers, "activation_counts", self.num_layers, self.num_experts)
@@ -271,7 +300,7 @@ class PrefetchItem(ProtocolModel):
 
 
 class Plan(ProtocolModel):
-    schema_version: Literal[1] = 1
+    schema_version: SchemaVersion = 2
     plan_id: Id
     version: Version
     base_version: Count  # the applied version this plan was built on; the agent rejects it as STALE otherwise
@@ -284,9 +313,15 @@ class Plan(ProtocolModel):
     prefetch: tuple[PrefetchItem, ...] = Field(default=(), max_length=MAX_ITEMS)
     link_shares: dict[Link, Probability] = Field(default_factory=dict)  # fractions of the plan's transfer budget
     reason: Text
+    # v2: the predictor the agent evaluates one MoE layer ahead, and the bytes it may prefetch per engine step
+    local_predictor: LocalPredictor | None = None
+    prefetch_budget_bytes_per_step: Count = 0
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
+        check_v2_only(self, ("local_predictor", "prefetch_budget_bytes_per_step"), "plan")
+        if self.local_predictor is not None:
+            check_predictor(self.local_predictor, len(self.expert_bytes_per_layer))
         if self.version <= self.base_version:
             raise _invalid("version", f"{self.version} must be greater than base_version={self.base_version}")
         if sum(self.link_shares.values()) > 1.0 + 1e-9:  # a little slack: 0.1 + 0.2 + 0.7 is not exactly 1.0

@@ -63,8 +63,9 @@ def test_demo_ends_with_demo_ok(tmp_path: Path) -> None:
     r = runner.invoke(app, ["demo", "--workdir", str(tmp_path), "--requests", "16"])
     assert r.exit_code == 0, r.output
     assert r.output.strip().splitlines()[-1].startswith("demo: ok")
-    assert "outputs identical with and without the plan: True" in r.output
-    assert "static plan: plan applied v1" in r.output
+    assert "outputs identical with and without the controller: True" in r.output
+    assert "controller plan history" in r.output and "v1: batch" in r.output  # each plan's reason, in words
+    assert "every plan within it True" in r.output
 
 
 def test_check_exact_prints_the_result_line(tmp_path: Path) -> None:

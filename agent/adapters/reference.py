@@ -4,11 +4,14 @@ Wires the router tap into the model, builds the local policy and the enforcer ov
 expert provider and KV cache, and observes every step (`on_step`, the runner's hook): stall time by cause,
 the local policy's prefetches, and a Telemetry window every `window_steps` steps: snapshotted on the engine
 thread, built and handed to `sink` (the sidecar's queue, or a list in a test) by the outbox thread. It
-never waits on the network: plans arrive through `apply`.
+never waits on the network: plans arrive through `apply`. With `local_predictor=True` it also runs the
+plan's layer-ahead predictor on the route hook (agent/local_predictor.py) and adds its window counts (and
+`queue_probe`'s queued KV blocks) to each Telemetry (schema v2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,9 +20,10 @@ import torch
 
 from agent.enforcer import Enforcer
 from agent.local_policy import LocalPolicy, ScanRule
+from agent.local_predictor import LayerAheadPredictor
 from agent.outbox import Outbox
 from agent.taps import AttentionMassTap, RouterTap, TelemetryWindow, WindowDraft
-from controller.protocol import Plan, PlanAck, Telemetry
+from controller.protocol import AckStatus, Plan, PlanAck, Telemetry
 from runtime.engine.engine import ReferenceEngine
 from runtime.kv import Tier
 
@@ -27,9 +31,11 @@ from runtime.kv import Tier
 class ReferenceAdapter:
     def __init__(self, engine: ReferenceEngine, agent_id: str = "agent-0", rank: int = 0, window_steps: int = 8,
                  hbm_budget_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 sink: Callable[[Telemetry], None] | None = None, scan_rule: ScanRule = ScanRule.LRU) -> None:
+                 sink: Callable[[Telemetry], None] | None = None, scan_rule: ScanRule = ScanRule.LRU,
+                 local_predictor: bool = False, queue_probe: Callable[[], int] | None = None) -> None:
         spec, pool, cache = engine.spec, engine.pool, engine.cache
         self.engine, self.window_steps, self.clock = engine, window_steps, clock
+        self.queue_probe = queue_probe  # KV blocks the scheduler's waiting requests need (telemetry v2)
         self.tap = RouterTap(spec.moe_layers, spec.num_experts, engine.device.torch_device)
         self.policy = LocalPolicy(pool, engine.experts, scan_rule)
         if scan_rule is not ScanRule.LRU:  # the config chose the scan rule: it serves steps before any plan too
@@ -39,6 +45,11 @@ class ReferenceAdapter:
                                       + cache.manager.capacity[Tier.GPU] * cache.block_bytes)
         self.enforcer = Enforcer(pool, engine.experts, engine.loader, cache, self.policy, spec.moe_layers, budget,
                                  agent_id=agent_id, rank=rank, clock=clock)
+        # The plan's layer-ahead predictor reads each MoE layer's routes on the host: only when asked for.
+        self.predictor = (LayerAheadPredictor(spec.moe_layers, spec.num_experts, engine.experts, self.policy,
+                                              pool.layout.stride_bytes) if local_predictor else None)
+        if self.predictor is not None:
+            engine.model.route_tap = self._route
         self.mass_tap = AttentionMassTap(layers=(0,), every_steps=window_steps)
         engine.set_hooks(route_tap=self.tap, mass_observer=self.mass_tap)
         self.window = TelemetryWindow(agent_id, rank, spec.name, spec.num_layers, spec.num_experts, self.tap, clock,
@@ -71,8 +82,15 @@ class ReferenceAdapter:
                 "expert_misses": e.misses, "kv_hits": c.gpu_hits, "kv_misses": dict(c.misses_by_tier),
                 "links": {k: dict(v) for k, v in links.items()}}
 
+    def _route(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        self.tap(layer, ids, weights)
+        self.predictor.on_route(layer, ids)  # type: ignore[union-attr]
+
     def apply(self, plan: Plan) -> PlanAck:
-        return self.enforcer.apply(plan)
+        ack = self.enforcer.apply(plan)
+        if self.predictor is not None and ack.status is AckStatus.APPLIED:
+            self.predictor.install(plan)
+        return ack
 
     def on_step(self, batch: object, step_s: float) -> None:
         stall_ms, kv_s = self.engine.experts.stalls_ms, self.engine.cache.fetch_s
@@ -80,6 +98,8 @@ class ReferenceAdapter:
                                  kv_s - self._last["kv_stall_s"])
         self._last.update(expert_stall_ms=stall_ms, kv_stall_s=kv_s)
         self.policy.run_prefetch(self.clock())
+        if self.predictor is not None:
+            self.predictor.end_step()
         self.steps += 1
         self.mass_tap.begin_step(self.steps)  # decides whether the next step is sampled
         if self.steps % self.window_steps == 0:
@@ -99,6 +119,8 @@ class ReferenceAdapter:
     def _fallbacks(self) -> dict[str, int]:
         """The local policy's fallback counters, plus telemetry windows that failed to build (never silent)."""
         out = dict(self.policy.fallbacks)
+        if self.predictor is not None:  # the layer-ahead prefetches the plan wanted but could not start
+            out |= {f"local_prefetch_{k}": self.predictor.counts[k] for k in ("skipped_no_slot", "failed")}
         if self.outbox.failed:
             out["telemetry_build_failed"] = self.outbox.failed
         return out
@@ -122,4 +144,9 @@ class ReferenceAdapter:
             expert_misses=now["expert_misses"] - last["expert_misses"],
             plan_version=self.enforcer.applied_version, fallbacks=self._fallbacks())
         self._last = now
+        extra = self.predictor.window_fields() if self.predictor is not None else {}
+        if self.queue_probe is not None:
+            extra["queued_kv_blocks"] = int(self.queue_probe())
+        if extra:
+            draft = dataclasses.replace(draft, fields={**draft.fields, **extra})
         return draft

@@ -1,0 +1,116 @@
+"""The closed loop in one process: the reference adapter's telemetry goes to a plan source every window and the
+plan it answers with is applied between steps (inference process, engine thread; the HTTP service comes later).
+
+`InProcessLoop.on_step` is the runner's hook. At each window's end it waits for the window's Telemetry to be
+built and handed to the source (`sync_from`, then `step_next`), applies the plan it returned (if any) through
+the adapter's enforcer, and hands the ack back (`record_ack`). Waiting for the build keeps the loop
+deterministic (the same plans at the same steps on every run); it costs the engine a window build per window,
+acceptable in process, never over a network. Telemetry the source refuses is counted, never dropped silently.
+After an applied plan `on_applied(plan)` runs (the demo's scheduler follows the plan's GPU KV blocks there).
+Between steps, experts over an applied plan's per-layer caps are evicted (`trimmed` counts them): the budget
+a plan sets must hold until the next one, whatever the engine loaded on demand during the step.
+
+The source is any object with `sync_from`, `step_next` and `record_ack` (the controller's `Controller`): the
+agent imports only `controller.protocol`. It must never build a plan itself or touch the network.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from agent.adapters.reference import ReferenceAdapter
+from controller.protocol import AckStatus, Plan, PlanAck, Telemetry
+from runtime.engine.engine import ReferenceEngine
+
+
+class PlanSource(Protocol):
+    def sync_from(self, telemetry: Telemetry) -> Any: ...
+
+    def step_next(self) -> Plan | None: ...
+
+    def record_ack(self, ack: PlanAck) -> None: ...
+
+
+class InProcessLoop:
+    """See the module docstring. `adapter_kwargs` go to `ReferenceAdapter` (budget, clock, agent id...)."""
+
+    def __init__(self, engine: ReferenceEngine, source: PlanSource, window_steps: int = 8,
+                 on_applied: Callable[[Plan], None] | None = None, **adapter_kwargs: Any) -> None:
+        self.source, self.on_applied = source, on_applied
+        self._lock = threading.Lock()
+        self._pending: Plan | None = None
+        self.telemetry: list[Telemetry] = []
+        self.refused: list[str] = []  # telemetry the source refused (its messages)
+        self.planner_errors: list[str] = []  # windows the source could not plan from (e.g. an infeasible budget)
+        self.plans: list[Plan] = []
+        self.acks: list[PlanAck] = []
+        self.trimmed = 0
+        self.peak_over_budget_bytes = 0  # most bytes a between-steps footprint exceeded the applied plan's budget
+        self.adapter = ReferenceAdapter(engine, window_steps=window_steps, sink=self._sink, local_predictor=True,
+                                        **adapter_kwargs)
+        self._applied: Plan | None = None
+
+    def _sink(self, tel: Telemetry) -> None:
+        """Outbox thread: the window goes to the source; a plan it answers with waits for the engine thread."""
+        self.telemetry.append(tel)
+        try:
+            self.source.sync_from(tel)
+        except ValueError as exc:  # TelemetryRejected and ProtocolError are ValueErrors: counted, kept
+            self.refused.append(str(exc))
+            return
+        try:
+            plan = self.source.step_next()
+        except ValueError as exc:  # the source's refusal to plan (InfeasibleError, ProblemError): counted, kept
+            self.planner_errors.append(str(exc))
+            return
+        if plan is not None:
+            with self._lock:
+                self._pending = plan
+
+    def on_step(self, batch: object, step_s: float) -> None:
+        a = self.adapter
+        a.on_step(batch, step_s)
+        if a.steps % a.window_steps == 0:
+            a.outbox.join()  # the window just closed is built and with the source now
+            with self._lock:
+                plan, self._pending = self._pending, None
+            if plan is not None:
+                self._apply(plan)
+        self._trim()
+
+    def _apply(self, plan: Plan) -> None:
+        ack = self.adapter.apply(plan)
+        self.plans.append(plan)
+        self.acks.append(ack)
+        self.source.record_ack(ack)
+        if ack.status is AckStatus.APPLIED:
+            self._applied = plan
+            if self.on_applied is not None:
+                self.on_applied(plan)
+
+    def _trim(self) -> None:
+        if self._applied is None:
+            return
+        policy, experts = self.adapter.policy, self.adapter.engine.experts
+        for layer in range(self.adapter.engine.pool.layout.num_layers):
+            for key in policy.over_cap_victims(layer):
+                experts.evict(*key)
+                self.trimmed += 1
+        total = self.adapter.enforcer.footprint().total_hbm_bytes
+        self.peak_over_budget_bytes = max(self.peak_over_budget_bytes, total - self._applied.hbm_budget_bytes)
+
+    def finish(self) -> None:
+        """After the run: the last partial window goes to the source too, then the outbox stops."""
+        self.adapter.flush()
+        self.adapter.close()
+
+    def stats(self) -> dict[str, Any]:
+        pred = self.adapter.predictor.stats() if self.adapter.predictor is not None else {}
+        applied = sum(a.status is AckStatus.APPLIED for a in self.acks)
+        return {"windows": len(self.telemetry), "plans": len(self.plans), "applied": applied,
+                "rejected": len(self.acks) - applied, "telemetry_refused": len(self.refused),
+                "planner_errors": len(self.planner_errors),
+                "trimmed": self.trimmed, "peak_over_budget_bytes": self.peak_over_budget_bytes,
+                "prefetch": pred}

@@ -1,0 +1,155 @@
+"""The plan's local predictor, run by the agent one MoE layer ahead (inference process, engine thread, mid-step).
+
+Per-token, per-layer prefetch is far below a controller round trip, so the `Plan` carries a small transition
+table (`controller.protocol.LocalPredictor`) and a prefetch byte budget per step. This module sits on the
+router's route hook: when MoE layer l has routed the step's tokens, it scores layer l+1's experts from the
+table (per token, the best successor probability over its experts; over the step, 1 - prod(1 - p)) and
+prefetches those at or above the table's `min_score`, most likely first, through the expert provider's
+loader (`load_async`, room made by the local policy's `make_room`, so the plan's caps and pins hold), while
+layer l computes. It never spends more than the plan's bytes per step, and counts what it issued, skipped (and
+why) and wasted (prefetched for a step whose layer then did not need it).
+
+It also observes: per window, the cross-layer pairs (`LayerTransitions`) the controller trains the table
+from, and each step's per-layer expert unions (`LayerUnions`) for the miss-ratio curves at batch B. Reading
+the routes costs a host copy per MoE layer, so the adapter runs this only when asked (`local_predictor=True`).
+It must never talk to the network, decide a plan, or change what a kernel computes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+
+from agent.local_policy import LocalPolicy
+from controller.protocol import MAX_PAIRS_PER_LAYER, MAX_UNION_STEPS, Plan
+from runtime.engine.experts import OnDemandExperts
+from runtime.errors import RuntimeTierError
+from runtime.memory.slots import ExpertState
+from runtime.transfer import Priority
+
+COUNTERS = ("issued", "useful", "wasted", "skipped_resident", "skipped_budget", "skipped_no_slot", "failed")
+
+
+class LayerAheadPredictor:
+    """See the module docstring. Layers here are model layers; the pool's index is looked up per call."""
+
+    def __init__(self, moe_layers: tuple[int, ...], num_experts: int, experts: OnDemandExperts,
+                 policy: LocalPolicy, stride_bytes: int) -> None:
+        self.moe_layers, self.num_experts = tuple(moe_layers), num_experts
+        self.experts, self.policy, self.stride_bytes = experts, policy, stride_bytes
+        self._pool = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self._next = dict(zip(self.moe_layers, self.moe_layers[1:], strict=False))  # layer -> next MoE layer
+        self.table: dict[int, np.ndarray] = {}  # src model layer -> [E, E] P(dst at next layer | src)
+        self.min_score, self.budget_bytes, self.version = 1.0, 0, 0
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self._reported = dict.fromkeys(COUNTERS, 0)  # counts at the last window (telemetry carries the deltas)
+        self._spent_bytes = 0
+        self._prev: tuple[int, list[list[int]]] | None = None  # (layer, per-row experts) of this step
+        self._issued_for: dict[int, set[int]] = {}  # model layer -> experts prefetched for it this step
+        self._step_unions: dict[int, set[int]] = {}
+        self._step_tokens = 0
+        self._pairs: dict[int, Counter[tuple[int, int]]] = {}
+        self._pair_tokens: dict[int, int] = {}
+        self._unions: dict[int, list[tuple[int, ...]]] = {layer: [] for layer in self.moe_layers}
+        self._batch: list[int] = []
+
+    # ---- plan ------------------------------------------------------------------------------------------
+    def install(self, plan: Plan) -> None:
+        """Take an applied plan's table and budget (a plan without one switches prefetching off)."""
+        pred, table = plan.local_predictor, {}
+        if pred is not None:
+            for row in pred.rows:
+                if row.layer not in self._next:  # a row for the last MoE layer (or a dense one) predicts nothing
+                    continue
+                probs = table.setdefault(row.layer, np.zeros((self.num_experts, self.num_experts)))  # [E, E]
+                for s in row.next:
+                    if row.src < self.num_experts and s.expert < self.num_experts:
+                        probs[row.src, s.expert] = s.prob
+        self.table = table
+        self.min_score = pred.min_score if pred is not None else 1.0
+        self.version = pred.version if pred is not None else 0
+        self.budget_bytes = plan.prefetch_budget_bytes_per_step if pred is not None else 0
+
+    # ---- the route hook --------------------------------------------------------------------------------
+    def on_route(self, layer: int, ids: torch.Tensor) -> None:
+        """MoE layer `layer` routed this step's rows to `ids` [N, k]; observe, then prefetch for the next layer."""
+        rows = ids.tolist()  # the host copy (see the module docstring)
+        union = {e for r in rows for e in r}
+        if layer == self.moe_layers[0]:
+            self._step_tokens = len(rows)
+        self._step_unions[layer] = union
+        prefetched = self._issued_for.pop(layer, set())
+        self.counts["useful"] += len(prefetched & union)
+        self.counts["wasted"] += len(prefetched - union)
+        if self._prev is not None and self._next.get(self._prev[0]) == layer and len(self._prev[1]) == len(rows):
+            pairs = self._pairs.setdefault(self._prev[0], Counter())
+            for src_row, dst_row in zip(self._prev[1], rows, strict=True):
+                pairs.update((s, d) for s in src_row for d in dst_row)
+            self._pair_tokens[self._prev[0]] = self._pair_tokens.get(self._prev[0], 0) + len(rows)
+        self._prev = (layer, rows)
+        nxt = self._next.get(layer)
+        if nxt is not None and layer in self.table and self.budget_bytes > 0:
+            self._prefetch(layer, nxt, rows, union)
+
+    def _prefetch(self, layer: int, nxt: int, rows: list[list[int]], union: set[int]) -> None:
+        probs = self.table[layer]  # [E, E]
+        best = probs[np.asarray(rows, dtype=np.int64)].max(axis=1)  # [N, E] best successor prob per token
+        score = 1.0 - np.prod(1.0 - best, axis=0)  # [E] P(needed by at least one token)
+        m, m_next = self._pool[layer], self._pool[nxt]
+        protect = frozenset({(m, e) for e in union})
+        wanted = [int(e) for e in np.argsort(-score, kind="stable") if score[e] >= self.min_score]
+        protect |= {(m_next, e) for e in wanted}
+        for e in wanted:
+            state = self.experts.pool.state(m_next, e)
+            if state is not ExpertState.ABSENT:
+                self.counts["skipped_resident"] += 1
+                continue
+            if self._spent_bytes + self.stride_bytes > self.budget_bytes:
+                self.counts["skipped_budget"] += 1
+                continue
+            if not self.policy.make_room((m_next, e), protect=protect):
+                self.counts["skipped_no_slot"] += 1
+                continue
+            try:
+                self.experts.load_async(m_next, e, priority=Priority.HIGH)
+            except RuntimeTierError:
+                self.counts["failed"] += 1
+                continue
+            self._spent_bytes += self.stride_bytes
+            self._issued_for.setdefault(nxt, set()).add(e)
+            self.counts["issued"] += 1
+
+    def end_step(self) -> None:
+        """Between steps: close the step's books (a prefetch whose layer never ran this step is wasted)."""
+        for experts in self._issued_for.values():
+            self.counts["wasted"] += len(experts)
+        self._issued_for.clear()
+        if self._step_unions and len(self._batch) < MAX_UNION_STEPS:
+            for layer in self.moe_layers:
+                self._unions[layer].append(tuple(sorted(self._step_unions.get(layer, set()))))
+            self._batch.append(self._step_tokens)
+        self._step_unions, self._prev, self._spent_bytes = {}, None, 0
+
+    # ---- the window --------------------------------------------------------------------------------------
+    def window_fields(self) -> dict[str, Any]:
+        """Telemetry v2 fields of the window so far (plain data, validated when the message is built); resets."""
+        transitions = []
+        for layer, pairs in sorted(self._pairs.items()):
+            top = pairs.most_common(MAX_PAIRS_PER_LAYER)
+            transitions.append({"layer": layer, "next_layer": self._next[layer],
+                                "num_tokens": self._pair_tokens.get(layer, 0),
+                                "pairs": [(s, d, c) for (s, d), c in top]})
+        unions = [{"layer": layer, "batch_tokens": list(self._batch), "unions": [list(u) for u in self._unions[layer]]}
+                  for layer in self.moe_layers] if self._batch else []
+        self._pairs, self._pair_tokens = {}, {}
+        self._unions, self._batch = {layer: [] for layer in self.moe_layers}, []
+        counts = {k: self.counts[k] - self._reported[k] for k in COUNTERS}
+        self._reported = dict(self.counts)
+        return {"transitions": transitions, "step_unions": unions,
+                "local_prefetch": {"table_version": self.version, **counts}}
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counts, "table_version": self.version, "budget_bytes_per_step": self.budget_bytes}

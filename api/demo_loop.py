@@ -1,0 +1,157 @@
+"""The demo's closed loop: a phased workload on the tiny engine, run with a static split and with the controller.
+
+Composition root (the user's process): builds the engine, the in-process controller and the agent loop, and
+replays bundled real Mooncake requests (lengths scaled to the CPU) in three phases: light traffic, then the
+batch grows, then the context grows. Both runs share one HBM budget for expert slots plus GPU KV blocks; the
+static run splits it once (most experts, the KV floor), the controller re-splits it every window. Used by
+api/demo.py and the closed-loop tests; heavy modules are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+BLOCK_TOKENS = 16
+MAX_BATCH = 16
+KV_GPU_CAPACITY, KV_CPU_BLOCKS, KV_NVME_BLOCKS = 64, 128, 128
+BUDGET_UNITS = 64  # the split's HBM budget, in 4 KiB units: 16 expert slots (3 units each) would leave 16 for KV
+WINDOW_STEPS = 4
+VIRTUAL_STEP_S = 0.005
+# (label, requests, max prompt tokens, max output tokens, start_s, seconds between arrivals)
+PHASES = (("light", 8, 32, 12, 0.0, 0.04), ("batch grows", 28, 32, 32, 1.0, 0.001),
+          ("context grows", 12, 224, 12, 2.0, 0.005))  # 48 requests; `num_requests` scales every phase
+NUM_REQUESTS = sum(p[1] for p in PHASES)
+
+
+@dataclass
+class LoopResult:
+    label: str
+    summary: dict[str, float]
+    outputs: dict[int, list[int]]
+    history: list[Any]  # controller Decisions (empty for the static run)
+    stats: dict[str, Any]
+    budget_bytes: int
+    plan_totals: list[int]  # each issued plan's expert + GPU KV bytes
+    phase_at_window: dict[int, str]  # windows closed so far -> the phase of the newest running request
+
+
+def phased_requests(num_requests: int = NUM_REQUESTS) -> tuple[list[Any], dict[int, str]]:
+    """The three phases as one request list (ids renumbered) and each request's phase label; `num_requests`
+    (at least 3) scales every phase's count alike."""
+    from runtime.engine.workloads import load_mooncake, scale_requests
+
+    if num_requests < len(PHASES):
+        raise ValueError(f"the phased demo needs at least {len(PHASES)} requests (one per phase), got {num_requests}")
+    base = load_mooncake(DATA / "requests/mooncake_conversation_sample.jsonl", limit=400)
+    out, phase_of, used = [], {}, 0
+    for label, full, max_prompt, max_out, start_s, gap_s in PHASES:
+        n = max(1, round(full * num_requests / NUM_REQUESTS))
+        picked = scale_requests(base[used:used + n], max_prompt, max_out, block_tokens=BLOCK_TOKENS)
+        used += n
+        for j, r in enumerate(picked):
+            rid = len(out)
+            out.append(dataclasses.replace(r, request_id=rid, arrival_s=start_s + j * gap_s))
+            phase_of[rid] = label
+    return out, phase_of
+
+
+def _controller(engine: Any, budget_bytes: int, kv_floor: int, calibrate: bool) -> Any:
+    from controller.costmodel import ComputeParams, HardwareSpec
+    from controller.loop import Controller, ControllerConfig
+    from controller.model_shape import builtin_shape
+    from controller.protocol import Link
+    from controller.valuation import SplitSpace
+
+    shape = builtin_shape("tiny", block_tokens=BLOCK_TOKENS)
+    # A guess the cost model calibrates away from on the first windows (CPU memcpy, Python per-load cost).
+    hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, 2e9), transfer_overhead_s=2e-4, hbm_bytes=budget_bytes,
+                      name="cpu twin")
+    space = SplitSpace(hbm_budget_bytes=budget_bytes, dense_bytes=0, workspace_bytes=0,
+                       slot_bytes=engine.pool.layout.stride_bytes, kv_block_bytes=engine.cache.block_bytes,
+                       kv_gpu_blocks_max=KV_GPU_CAPACITY, kv_gpu_blocks_min=kv_floor,
+                       min_slots_per_layer=engine.spec.top_k, kv_block_tokens=BLOCK_TOKENS, prefetch_recall=0.3)
+    # The tiny model's step on this box, roughly (a few ms): the prior the windows then correct.
+    compute = ComputeParams(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01,
+                            moe_ms_per_token=0.01, moe_ms_per_active_expert=0.05)
+    cfg = ControllerConfig(shape=shape, hardware=hw, space=space, kv_cpu_blocks=KV_CPU_BLOCKS,
+                           kv_nvme_blocks=KV_NVME_BLOCKS, horizon_steps=4 * WINDOW_STEPS, compute=compute,
+                           calibrate=calibrate)
+    return Controller(cfg)
+
+
+def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_REQUESTS,
+                 calibrate: bool = True) -> LoopResult:
+    """One run. `calibrate=False` keeps the cost model at its priors: no wall-clock time enters a decision,
+    so the plans are the same on every machine (what the tests use)."""
+    from agent.closed_loop import InProcessLoop
+    from runtime.device import Device
+    from runtime.engine.engine import EngineConfig, ReferenceEngine
+    from runtime.engine.presets import preset
+    from runtime.engine.routing_trace import RoutingTrace
+    from runtime.engine.runner import ForcedRouter, Runner
+    from runtime.engine.scheduler import PreemptMode, Scheduler
+
+    spec = preset("tiny")
+    reqs, phase_of = phased_requests(num_requests)
+    phase_at_window: dict[int, str] = {}
+    kv_floor = max(-(-(r.prompt_len + r.output_len) // BLOCK_TOKENS) for r in reqs) + 1
+    unit = 4096
+    budget = BUDGET_UNITS * unit
+    n_experts = len(spec.moe_layers) * spec.num_experts
+    stride_units = 3  # 12 KiB expert records
+    static_slots = min(n_experts, (BUDGET_UNITS - kv_floor) // stride_units)
+    static_kv = BUDGET_UNITS - static_slots * stride_units  # the rest of the budget (4 KiB blocks)
+    eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(
+        block_tokens=BLOCK_TOKENS, resident_frac=1.0 if with_controller else static_slots / n_experts,
+        kv_gpu_blocks=KV_GPU_CAPACITY, kv_cpu_blocks=KV_CPU_BLOCKS, kv_nvme_blocks=KV_NVME_BLOCKS, workdir=workdir))
+    try:
+        if eng.pool.layout.stride_bytes != stride_units * unit or eng.cache.block_bytes != unit:
+            raise RuntimeError(f"demo sizes changed: stride {eng.pool.layout.stride_bytes}, block "
+                               f"{eng.cache.block_bytes} bytes")
+        trace = RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz")
+        # With the controller the scheduler may use the whole GPU tier; each applied plan's KV share bounds it.
+        sched = Scheduler(KV_GPU_CAPACITY if with_controller else static_kv, BLOCK_TOKENS, max_batch=MAX_BATCH,
+                          preempt=PreemptMode.SWAP)
+        ctl, loop = None, None
+        if with_controller:
+            ctl = _controller(eng, budget, kv_floor, calibrate)
+
+            def follow(plan: Any) -> None:  # admission follows the plan's GPU KV share
+                sched.gpu_blocks = min(KV_GPU_CAPACITY, plan.kv_blocks_per_tier["gpu"])
+
+            clock = {"t": 0.0}  # the runner's step clock, as far as the hook can see it (arrivals admitted)
+
+            def queued_blocks() -> int:
+                """KV blocks of the swapped-out requests and of the arrived waiting ones the batch limit would
+                admit next (what a larger GPU KV share would let run now)."""
+                room = max(0, MAX_BATCH - len(sched.running) - len(sched.swapped))
+                waiting = [s for s in sched.waiting if s.arrival_s <= clock["t"]][:room]
+                return sum(-(-(len(s.tokens) + 1) // BLOCK_TOKENS) for s in [*waiting, *sched.swapped])
+
+            loop = InProcessLoop(eng, ctl, window_steps=WINDOW_STEPS, on_applied=follow, hbm_budget_bytes=budget,
+                                 queue_probe=queued_blocks)
+
+            def hook(batch: Any, step_s: float) -> None:
+                clock["t"] = max([clock["t"] + VIRTUAL_STEP_S, *(s.arrival_s for s in batch.prefills)])
+                loop.on_step(batch, step_s)
+                if loop.adapter.steps % WINDOW_STEPS == 0:
+                    newest = max(s.seq_id for s in batch.prefills + batch.decodes)
+                    phase_at_window[loop.adapter.steps // WINDOW_STEPS] = phase_of[newest]
+        else:
+            hook = None  # type: ignore[assignment]
+        report = Runner(eng, sched, ForcedRouter(trace, eng), on_step=hook, virtual_step_s=VIRTUAL_STEP_S).run(reqs)
+        if loop is not None:
+            loop.finish()
+        history = ctl.history if ctl is not None else []
+        stats = loop.stats() if loop is not None else {"static_slots": static_slots, "kv_blocks": static_kv}
+        totals = ([sum(p.expert_bytes_per_layer) + p.kv_blocks_per_tier["gpu"] * unit for p in loop.plans]
+                  if loop is not None else [(static_slots * stride_units + static_kv) * unit])
+        return LoopResult("controller" if with_controller else "static split", report.summary(),
+                          {s.seq_id: s.output for s in sched.finished}, history, stats, budget, totals,
+                          phase_at_window)
+    finally:
+        eng.close()

@@ -1,0 +1,216 @@
+"""The controller's forecast of the next windows: batch, experts needed per step, KV demand, the local table.
+
+Runs in the controller process, fed one accepted telemetry window at a time (`observe`). Built on the demand
+models in controller/predictors: per-layer LRU miss-ratio curves (`MissRatioCurves`, from the step unions the
+agent reports, bucketed by the step's token count) with a frequency fallback where a batch size has too few
+steps yet; and the cross-layer transition table the plan ships to the agent, estimated from the window's pair
+counts with the same back-off as `TransitionTable` (P(j|i) = (n(i,j) + prior q(j)) / (n(i) + prior), q the
+next layer's per-token marginal). `forecast()` returns a frozen `DemandForecast`; nothing here decides.
+Never imports torch, runtime or agent.
+
+Shape letters: M MoE layers, E experts per layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from controller.predictors.miss_ratio import MissRatioCurves
+from controller.protocol import Successor, Telemetry, Tier, TransitionRow
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+KV_SATURATED_GROWTH = 2.0  # a full GPU KV share hides the queue behind it: price demand as twice the share
+MIN_CURVE_STEPS = 8.0  # decayed steps a batch bucket needs before its measured curve is trusted
+MIN_RECALL_LOADS = 20.0  # decayed loads (prefetched + on demand) before the measured recall replaces the prior
+
+
+def batch_bucket(tokens: float) -> int:
+    """The tracked batch size nearest to `tokens` on a log scale."""
+    t = max(1.0, tokens)
+    return min(BATCH_BUCKETS, key=lambda b: abs(math.log(b) - math.log(t)))
+
+
+@dataclass(frozen=True)
+class DemandForecast:
+    batch_tokens: float  # tokens per engine step
+    misses_per_step: tuple[tuple[float, ...], ...]  # [M][E + 1] expected loads per step with 0..E slots
+    union_per_step: tuple[float, ...]  # [M] distinct experts a step needs
+    curve_source: str  # "measured LRU curves at B=..." or "activation frequencies"
+    kv_live_blocks: float  # KV blocks the sequences hold (all tiers) plus those the queued requests need
+    kv_gpu_used_blocks: float
+    kv_saturated: bool  # the GPU KV share was full: demand may be higher than seen
+    hot_order: tuple[tuple[int, ...], ...]  # [M] experts by activation frequency, hottest first
+    num_windows: int
+    reuse_per_step: float = 0.0  # prefix blocks reused per step (telemetry's reuse events)
+    reuse_ages_s: tuple[float, ...] = ()  # recent reuse ages, ascending (how long since each block was touched)
+    touch_blocks_per_s: float = 0.0  # KV blocks touched per second (new and reused): LRU's clock
+    prefetch_recall: float | None = None  # measured share of needed loads the local predictor brought ahead
+
+
+class DemandModel:
+    """See the module docstring. `moe_layers` are model layer indices; arrays are indexed by MoE position."""
+
+    def __init__(self, moe_layers: tuple[int, ...], num_experts: int, top_k: int, decay: float = 0.05,
+                 ewma: float = 0.5, prior: float = 1.0, block_tokens: int = 16, max_reuse_ages: int = 4096,
+                 max_union_steps: int = 4) -> None:
+        self.moe_layers, self.num_experts, self.top_k = tuple(moe_layers), num_experts, top_k
+        self.index = {layer: m for m, layer in enumerate(self.moe_layers)}
+        self.ewma, self.prior, self.decay = ewma, prior, decay
+        m, e = len(self.moe_layers), num_experts
+        self.curves = MissRatioCurves(m, e, BATCH_BUCKETS, decay=decay)
+        self.freq = np.zeros((m, e))  # [M, E] decayed tokens routed to each expert
+        self.tokens = np.zeros(m)  # [M] decayed tokens
+        self.pairs = np.zeros((m, e, e))  # [M, E, E] decayed n(i at m, j at m+1)
+        self.src = np.zeros((m, e))  # [M, E] decayed n(i at m) over windows that reported pairs
+        self.batch_tokens: float | None = None
+        self.kv_live: float | None = None
+        self.kv_live_now = 0.0
+        self.kv_queued_now = 0.0
+        self.kv_gpu: float = 0.0
+        self.kv_swapped: float = 0.0
+        self.kv_gpu_limit: int | None = None  # the GPU KV blocks the applied plan allows (saturation test)
+        self.num_windows = 0
+        self.table_version = 0
+        self.block_tokens, self.max_union_steps = block_tokens, max_union_steps
+        self.reuse_ages: deque[float] = deque(maxlen=max_reuse_ages)
+        self.reuse_per_step: float | None = None
+        self.touch_blocks_per_s: float | None = None
+        self.prefetch_useful = 0.0  # decayed, over windows that ran a table
+        self.prefetch_missed = 0.0
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else self.ewma * new + (1 - self.ewma) * old
+
+    def observe(self, tel: Telemetry) -> None:
+        keep = 1.0 - self.decay
+        self.freq *= keep
+        self.tokens *= keep
+        for row in tel.layers:
+            m = self.index.get(row.layer)
+            if m is not None:
+                self.freq[m] += row.activation_counts
+                self.tokens[m] += row.num_tokens
+        batches: list[int] = []
+        for u in tel.step_unions:
+            m = self.index.get(u.layer)
+            if m is None:
+                continue
+            # The newest steps only: the stack pass costs ~0.5 ms a step and layer in Python (48 layers x 8 steps
+            # would take ~200 ms a window), and the curves are decayed averages anyway.
+            steps = list(zip(u.batch_tokens, u.unions, strict=True))[-self.max_union_steps:]
+            for b, union in steps:
+                if b > 0:
+                    self.curves.observe_step(m, np.asarray(union, np.int64), batch_bucket(b))
+            batches = list(u.batch_tokens)
+        n = tel.step_timings_ms.num_steps
+        if batches:
+            self.batch_tokens = self._smooth(self.batch_tokens, float(np.mean(batches)))
+        elif n and tel.layers:
+            self.batch_tokens = self._smooth(self.batch_tokens, float(np.mean([r.num_tokens for r in tel.layers])) / n)
+        if tel.transitions:
+            self.pairs *= keep
+            self.src *= keep
+            counts = {row.layer: row.activation_counts for row in tel.layers}
+            for t in tel.transitions:
+                m = self.index.get(t.layer)
+                if m is None or self.index.get(t.next_layer) != m + 1:
+                    continue
+                if t.pairs:
+                    flat = np.fromiter(itertools.chain.from_iterable(t.pairs), np.int64, 3 * len(t.pairs))
+                    src, dst, count = flat.reshape(-1, 3).T  # [3, P]
+                    np.add.at(self.pairs[m], (src, dst), count)
+                if t.layer in counts:
+                    self.src[m] += counts[t.layer]
+            self.table_version += 1
+        blocks = tel.kv.blocks_per_tier
+        self.kv_queued_now = float(tel.queued_kv_blocks)
+        self.kv_live_now = float(sum(blocks.values())) + self.kv_queued_now
+        self.kv_live = self._smooth(self.kv_live, self.kv_live_now)
+        self.kv_gpu = float(blocks.get(Tier.GPU, 0))
+        self.kv_swapped = float(blocks.get(Tier.CPU, 0) + blocks.get(Tier.NVME, 0))
+        self._observe_reuse(tel, n)
+        pf = tel.local_prefetch
+        if pf is not None and pf.table_version > 0:
+            self.prefetch_useful = keep * self.prefetch_useful + pf.useful
+            self.prefetch_missed = keep * self.prefetch_missed + tel.expert_misses
+        self.num_windows += 1
+
+    def _observe_reuse(self, tel: Telemetry, num_steps: int) -> None:
+        """Prefix reuse: how often blocks come back and after how long, against how fast blocks are touched."""
+        events = tel.kv.reuse_events
+        self.reuse_ages.extend(e.age_s for e in events)
+        span_s = tel.window_end_s - tel.window_start_s
+        if num_steps:
+            self.reuse_per_step = self._smooth(self.reuse_per_step, len(events) / num_steps)
+        if span_s > 0 and tel.layers:
+            new_blocks = max(r.num_tokens for r in tel.layers) / self.block_tokens
+            self.touch_blocks_per_s = self._smooth(self.touch_blocks_per_s, (new_blocks + len(events)) / span_s)
+
+    # ---- reading -----------------------------------------------------------------------------------------
+    def _frequency_curve(self, m: int, batch: float) -> tuple[np.ndarray, float]:
+        """Expected loads per step with 0..E slots holding the most frequent experts (independent tokens)."""
+        e = self.num_experts
+        p = self.freq[m] / self.tokens[m] if self.tokens[m] else np.full(e, self.top_k / e)  # [E] per token
+        q = 1.0 - (1.0 - np.clip(p, 0.0, 1.0)) ** max(1.0, batch)  # [E] P(needed in a step)
+        q_sorted = np.sort(q)[::-1]
+        tail = np.concatenate([np.cumsum(q_sorted[::-1])[::-1], [0.0]])  # [E + 1] sum of the not-resident
+        return tail, float(q.sum())
+
+    def forecast(self) -> DemandForecast:
+        batch = self.batch_tokens or 1.0
+        bucket = batch_bucket(batch)
+        misses, unions, measured = [], [], True
+        for m in range(len(self.moe_layers)):
+            if self.curves.num_steps(m, bucket) >= MIN_CURVE_STEPS:
+                curve = self.curves.expected_misses_per_step(m, bucket).copy()
+                curve[-1] = 0.0  # every expert resident: nothing is ever evicted, so no miss once loaded
+                unions.append(self.curves.mean_union_size(m, bucket))
+            else:
+                curve, union = self._frequency_curve(m, batch)
+                unions.append(union)
+                measured = False
+            misses.append(tuple(float(x) for x in curve))
+        hot = tuple(tuple(int(e) for e in np.argsort(-self.freq[m], kind="stable"))
+                    for m in range(len(self.moe_layers)))
+        limit = self.kv_gpu_limit
+        # Full, with sequences swapped out: the share is what limits the batch.
+        saturated = limit is not None and self.kv_gpu >= limit > 0 and self.kv_swapped > 0
+        # Demand (held + queued) rises at once (the last window) and falls smoothly. Without a queue report, a
+        # saturated share hides the queue behind it: then demand is priced as a multiple of the share.
+        live = max(self.kv_live or 0.0, self.kv_live_now)
+        if saturated and limit is not None and not self.kv_queued_now:
+            live = max(live, KV_SATURATED_GROWTH * limit)
+        source = f"measured LRU curves at B~{bucket}" if measured else "activation frequencies"
+        return DemandForecast(batch, tuple(misses), tuple(unions), source, live, self.kv_gpu, saturated, hot,
+                              self.num_windows, self.reuse_per_step or 0.0, tuple(sorted(self.reuse_ages)),
+                              self.touch_blocks_per_s or 0.0, self._recall())
+
+    def _recall(self) -> float | None:
+        loads = self.prefetch_useful + self.prefetch_missed
+        return self.prefetch_useful / loads if loads >= MIN_RECALL_LOADS else None
+
+    def need_probs(self, batch: float, horizon_steps: int) -> np.ndarray:
+        """[M, E] P(each expert is needed within the next `horizon_steps` steps of `batch` tokens), tokens drawn
+        independently from the activation frequencies (what `Forecast.layers` carries)."""
+        e = self.num_experts
+        tokens = np.maximum(self.tokens, 1e-12)[:, None]  # [M, 1]
+        p = np.where(self.tokens[:, None] > 0, self.freq / tokens, self.top_k / e)  # [M, E] per token
+        return 1.0 - (1.0 - np.clip(p, 0.0, 1.0)) ** (max(1.0, batch) * horizon_steps)
+
+    def transition_rows(self, top_m: int, min_prob: float) -> list[TransitionRow]:
+        """The plan's table: for every source seen, its top-m successors at the next MoE layer."""
+        rows = []
+        for m in range(len(self.moe_layers) - 1):
+            nxt = self.freq[m + 1] / self.tokens[m + 1] if self.tokens[m + 1] else np.zeros(self.num_experts)
+            for i in np.flatnonzero(self.src[m] > 0).tolist():
+                probs = np.clip((self.pairs[m, i] + self.prior * nxt) / (self.src[m, i] + self.prior), 0.0, 1.0)
+                order = [int(j) for j in np.argsort(-probs, kind="stable")[:top_m] if probs[j] >= min_prob]
+                if order:
+                    rows.append(TransitionRow(layer=self.moe_layers[m], src=i,
+                                              next=tuple(Successor(j, float(probs[j])) for j in order)))
+        return rows

@@ -1,0 +1,221 @@
+"""The controller: mirror what agents report (`sync_from`), then decide the next plan (`step_next`).
+
+Runs in the controller process (in process beside the engine for now; behind the HTTP service later).
+`sync_from(telemetry)` records an accepted window in `ControllerState`, calibrates the cost model on it and
+feeds the demand models; it decides nothing. `step_next()` forecasts, values every option of the split (per
+MoE layer: resident slots; KV: GPU blocks; see valuation.py), solves the knapsack exactly (DP by default,
+the HiGHS MILP on request), holds the current split unless the new one is better by the hysteresis margin,
+and emits a `Plan` with the split, pins and eviction orders from the activation frequencies, the local
+transition table and its prefetch byte budget, and a reason naming the top factors in words.
+It never applies anything (the agent does), never imports torch, runtime or agent, and keeps no globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from controller.costmodel import ComputeParams, CostModel, HardwareSpec
+from controller.demand import DemandForecast, DemandModel
+from controller.model_shape import ModelShape
+from controller.optimizer import Action, HysteresisPolicy, SplitHysteresis, solve
+from controller.optimizer.problem import SplitSolution, evaluate
+from controller.plan_reason import Split, explain
+from controller.protocol import (
+    AckStatus,
+    ExpertKey,
+    Forecast,
+    LayerEviction,
+    LayerForecast,
+    LocalPredictor,
+    Plan,
+    PlanAck,
+    Telemetry,
+    Tier,
+)
+from controller.state import AgentRecord, ControllerState, ModelInfo
+from controller.valuation import SplitSpace, Valuation, build_problem
+
+
+class Solver(StrEnum):  # the optimizer's exact solvers (its greedy is a baseline, not offered here)
+    DP = "dp"
+    MILP = "milp"
+
+
+class Outcome(StrEnum):
+    ISSUED = "issued"
+    HELD = "held"  # the new split was not better by the hysteresis margin
+    WAITING = "waiting"  # no new window, or the last plan is not applied yet
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    shape: ModelShape
+    hardware: HardwareSpec
+    space: SplitSpace
+    kv_cpu_blocks: int
+    kv_nvme_blocks: int
+    solver: Solver = Solver.DP
+    hysteresis: float = 0.10  # a new split must save this share of the current cost, and of the step compute
+    cooldown_windows: int = 0  # windows after a change during which the split is kept
+    horizon_steps: int = 64  # steps a plan is expected to hold (migration is amortised over them)
+    top_m: int = 4  # successors per source expert in the local table
+    min_prob: float = 0.05  # successors below this are left out of the table
+    min_score: float = 0.5  # the agent prefetches experts scored at least this
+    pin_frac: float = 0.5  # share of a layer's slots pinned to its hottest experts (against LRU scans)
+    compute: ComputeParams | None = None  # the cost model's compute prior (None: from the hardware sheet)
+    calibrate: bool = True  # fit the cost model to each window; False keeps the priors (deterministic plans)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One `step_next` that had something to decide: issued or held, and why (the demo's plan history)."""
+
+    outcome: Outcome
+    version: int  # the plan issued, or the one kept
+    window: int  # windows seen so far
+    batch_tokens: float
+    kv_demand_blocks: float
+    split: Split
+    predicted_ms: float  # predicted cost per step of the split (stall + KV deferral)
+    reason: str
+
+
+@dataclass
+class _Current:
+    split: Split | None = None
+    forecast: DemandForecast | None = None
+    plan: Plan | None = None
+    history: list[Decision] = field(default_factory=list)
+
+
+class Controller:
+    """See the module docstring."""
+
+    def __init__(self, config: ControllerConfig, agent_id: str = "controller") -> None:
+        shape = config.shape
+        self.config, self.agent_id = config, agent_id
+        self.state = ControllerState(ModelInfo(shape.name, shape.num_layers, shape.num_experts, shape.moe_layers))
+        self.cost = CostModel(shape, config.hardware, compute=config.compute)
+        self.demand = DemandModel(shape.moe_layers, shape.num_experts, shape.top_k, block_tokens=shape.block_tokens)
+        self._now = _Current()
+        self.hysteresis = SplitHysteresis(HysteresisPolicy(rel_margin=config.hysteresis,
+                                                           cooldown_windows=config.cooldown_windows))
+        self._fresh = False
+        self._created_s = 0.0
+
+    @property
+    def history(self) -> list[Decision]:
+        return list(self._now.history)
+
+    # ---- observe ----------------------------------------------------------------------------------------
+    def sync_from(self, telemetry: Telemetry) -> AgentRecord:
+        """Mirror one window (TelemetryRejected, changing nothing, if it does not fit), calibrate, learn."""
+        rec = self.state.sync_from(telemetry)
+        if self.config.calibrate:
+            self.cost.calibrate(telemetry)
+        self.demand.observe(telemetry)
+        self._created_s = max(self._created_s, telemetry.window_end_s)
+        self._fresh = True
+        return rec
+
+    def record_ack(self, ack: PlanAck) -> None:
+        self.state.record_ack(ack)
+        plan = self.state.plans.get(ack.version)
+        if ack.status is AckStatus.APPLIED and plan is not None:
+            self._now.split = self._split_of(plan)
+            self._now.plan = plan
+            self.demand.kv_gpu_limit = self._now.split.kv_blocks
+
+    def forecast_message(self) -> Forecast:
+        """The demand forecast as the protocol's `Forecast` (per MoE layer, P(expert needed within the plan's
+        horizon)); KV reuse scores stay empty until a reuse predictor is fed request prefixes."""
+        shape, fc = self.config.shape, self.demand.forecast()
+        probs = self.demand.need_probs(fc.batch_tokens, self.config.horizon_steps)
+        return Forecast(model=shape.name, num_layers=shape.num_layers, num_experts=shape.num_experts,
+                        horizon_steps=self.config.horizon_steps, created_s=self._created_s,
+                        layers=tuple(LayerForecast(layer=layer, probs=tuple(float(x) for x in probs[m]))
+                                     for m, layer in enumerate(shape.moe_layers)))
+
+    # ---- decide -----------------------------------------------------------------------------------------
+    def _split_of(self, plan: Plan) -> Split:
+        slots = tuple(plan.expert_bytes_per_layer[layer] // self.config.space.slot_bytes
+                      for layer in self.config.shape.moe_layers)
+        return Split(slots, plan.kv_blocks_per_tier.get(Tier.GPU, 0))
+
+    def _solve(self, val: Valuation) -> SplitSolution:
+        return solve(val.problem, self.config.solver.value)
+
+    def step_next(self) -> Plan | None:
+        """The next plan, or None: nothing new was observed, the last plan is not applied yet, or the current
+        split is within the hysteresis margin of the best (recorded in `history` as HELD)."""
+        if not self._fresh or self.state.issued_version > self.state.applied_version():
+            return None
+        self._fresh = False
+        cfg, now = self.config, self._now
+        fc = self.demand.forecast()
+        kv_demand = fc.kv_live_blocks
+        cur = now.split
+        val = build_problem(fc, self.cost, cfg.space, cur.slots if cur else None, cur.kv_blocks if cur else None,
+                            cfg.horizon_steps, kv_demand)
+        sol = self._solve(val)
+        cur_choice = None if cur is None else self._choice_of(val, cur)
+        cur_ms = None if cur_choice is None else evaluate(val.problem, cur_choice)[0]
+        decision = self.hysteresis.decide(val.problem, cur_choice, sol, fc.num_windows)
+        # Besides the optimizer's relative margin, a change must save a share of the step itself: near-zero
+        # costs move with noise, and any relative gain of nothing is large.
+        floor_ms = cfg.hysteresis * val.step_ms
+        keep = decision.action is Action.KEEP or (cur_ms is not None and decision.gain_ms <= floor_ms)
+        choice = cur_choice if keep and cur_choice is not None else decision.choice
+        new = Split(tuple(val.slot_counts[m][j] for m, j in enumerate(choice[:-1])), val.kv_blocks[choice[-1]])
+        if keep and cur is not None:
+            why = decision.reason if decision.action is Action.KEEP else \
+                f"saves {decision.gain_ms:.3g} ms/step, under {floor_ms:.3g} ms ({cfg.hysteresis:.0%} of the step)"
+            reason = explain(cur, cur, now.forecast, fc, val, sol, cur_ms, kv_demand)
+            now.history.append(Decision(Outcome.HELD, now.plan.version if now.plan else 0, fc.num_windows,
+                                        fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"kept ({why}): {reason}"))
+            return None
+        reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand)
+        if cur is not None:
+            reason += f"; {decision.reason}"
+        plan = self._plan(new, fc, sol, reason, val)
+        self.state.record_issued(plan)
+        now.forecast = fc
+        now.history.append(Decision(Outcome.ISSUED, plan.version, fc.num_windows, fc.batch_tokens, kv_demand, new,
+                                    evaluate(val.problem, choice)[0], reason))
+        return plan
+
+    def _choice_of(self, val: Valuation, split: Split) -> tuple[int, ...] | None:
+        choice = []
+        for m, s in enumerate(split.slots):
+            if s not in val.slot_counts[m]:
+                return None
+            choice.append(val.slot_counts[m].index(s))
+        if split.kv_blocks not in val.kv_blocks:
+            return None
+        return (*choice, val.kv_blocks.index(split.kv_blocks))
+
+    def _plan(self, split: Split, fc: DemandForecast, sol: SplitSolution, reason: str, val: Valuation) -> Plan:
+        cfg, shape, space = self.config, self.config.shape, self.config.space
+        version = self.state.issued_version + 1
+        per_layer = dict(zip(shape.moe_layers, split.slots, strict=True))
+        expert_bytes = tuple(per_layer.get(layer, 0) * space.slot_bytes for layer in range(shape.num_layers))
+        pinned, evictions = [], []
+        for m, layer in enumerate(shape.moe_layers):
+            hot = fc.hot_order[m]
+            num_pin = min(int(cfg.pin_frac * split.slots[m]), max(0, split.slots[m] - shape.top_k))
+            pinned += [ExpertKey(layer=layer, expert=e) for e in hot[:num_pin]]
+            evictions.append(LayerEviction(layer=layer, order=tuple(reversed(hot))))  # coldest first
+        rows = self.demand.transition_rows(cfg.top_m, cfg.min_prob)
+        predictor = (LocalPredictor(version=max(1, self.demand.table_version), top_m=cfg.top_m,
+                                    min_score=cfg.min_score, rows=tuple(rows)) if rows else None)
+        miss_bytes = sum(fc.misses_per_step[m][s] for m, s in enumerate(split.slots)) * space.slot_bytes
+        link_left = max(0, (val.problem.link_budget_bytes_per_step or 0) - sol.link_bytes_used)
+        budget = int(min(link_left, 2 * miss_bytes)) if predictor is not None else 0
+        return Plan(plan_id=f"plan-{version}", version=version, base_version=self.state.applied_version(),
+                    created_s=self._created_s, hbm_budget_bytes=space.capacity_bytes,
+                    expert_bytes_per_layer=expert_bytes,
+                    kv_blocks_per_tier={Tier.GPU: split.kv_blocks, Tier.CPU: cfg.kv_cpu_blocks,
+                                        Tier.NVME: cfg.kv_nvme_blocks},
+                    pinned_experts=tuple(pinned), eviction_priority=tuple(evictions), reason=reason[:4000],
+                    local_predictor=predictor, prefetch_budget_bytes_per_step=budget)

@@ -1,0 +1,145 @@
+"""The split's options and what each is worth: a `DemandForecast` through the `CostModel` into a `SplitProblem`.
+
+Runs in the controller process. One group per MoE layer (resident slot counts; each valued by the stall time
+its misses cost at the predicted batch: demand loads in full, plus the part of the prefetched share that does
+not fit behind the previous layer's compute, `CostModel.layer_stall_ms`) and one KV group (GPU block counts;
+each valued by the sequences it cannot hold: a step that must defer a fraction f of its sequences costs
+f / (1 - f) of a step per step served, the throughput it loses; plus the prefix reuses it loses, each a
+block of prefill recomputed, under LRU's characteristic time). Capacity is the HBM budget less the dense
+weights and the activation workspace; the link budget is a share of what the host->device link moves in one
+predicted step; moving from the current placement costs the bytes to load, amortised over the plan's horizon.
+Pure arithmetic: it decides nothing (the solver does) and never imports torch, runtime or agent.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from controller.costmodel import CostModel
+from controller.demand import DemandForecast
+from controller.optimizer.problem import Group, GroupKind, Option, SplitProblem, capacity_units_of, units_for_bytes
+from controller.protocol import Link
+
+MAX_DEFERRED = 0.9  # a KV share that defers more than this of the sequences is priced as if it deferred this
+
+
+@dataclass(frozen=True)
+class SplitSpace:
+    """What the split is made of, in bytes (all known at the composition root)."""
+
+    hbm_budget_bytes: int  # the whole HBM budget of this rank
+    dense_bytes: int  # always-resident weights
+    workspace_bytes: int  # activations, graphs, allocator slack
+    slot_bytes: int  # one expert slot (the slot pool's stride)
+    kv_block_bytes: int
+    kv_gpu_blocks_max: int  # the GPU KV tier's capacity
+    kv_gpu_blocks_min: int  # below this one sequence can no longer run
+    min_slots_per_layer: int = 1
+    kv_block_tokens: int = 16
+    kv_options: int = 64  # at most this many KV block counts are offered (evenly spaced)
+    link_share: float = 0.8  # of the host->device link in one step, the most a plan may stream
+    prefetch_recall: float = 0.0  # prior share of a layer's misses the local predictor streams ahead (until measured)
+
+    max_units: int = 4096  # capacity states of the knapsack: the unit grows when the budget is large
+
+    @property
+    def unit_bytes(self) -> int:
+        """gcd(slot, KV block), coarsened so the capacity is at most `max_units` (options round UP to units,
+        so a coarse unit only leaves bytes unused, never overspends)."""
+        unit = math.gcd(self.slot_bytes, self.kv_block_bytes)
+        return max(unit, -(-self.capacity_bytes // self.max_units))
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes for expert slots and GPU KV blocks together (what a plan's hbm_budget_bytes promises)."""
+        return self.hbm_budget_bytes - self.dense_bytes - self.workspace_bytes
+
+
+@dataclass(frozen=True)
+class Valuation:
+    problem: SplitProblem
+    slot_counts: tuple[tuple[int, ...], ...]  # [M][options] resident slots of each layer option
+    kv_blocks: tuple[int, ...]  # GPU KV blocks of each KV option
+    step_ms: float  # the step's compute at the predicted batch (no stall)
+
+
+def _kv_grid(space: SplitSpace) -> list[int]:
+    lo, hi = space.kv_gpu_blocks_min, space.kv_gpu_blocks_max
+    if hi - lo + 1 <= space.kv_options:
+        return list(range(lo, hi + 1))
+    step = (hi - lo) / (space.kv_options - 1)
+    return sorted({lo + round(i * step) for i in range(space.kv_options)} | {hi})
+
+
+def kv_cost_ms(live_blocks: float, gpu_blocks: int, step_ms: float) -> float:
+    """Throughput lost per step when `gpu_blocks` cannot hold the `live_blocks` the sequences want."""
+    if live_blocks <= 0 or gpu_blocks >= live_blocks:
+        return 0.0
+    deferred = min(MAX_DEFERRED, (live_blocks - gpu_blocks) / live_blocks)
+    return step_ms * deferred / (1.0 - deferred)
+
+
+def layer_stall_ms(cost: CostModel, num_missed: np.ndarray, num_streamed: np.ndarray, batch_tokens: float,
+                   step_ms: float) -> np.ndarray:
+    """`CostModel.layer_stall_ms` over arrays of options (one compute estimate for all of them): demand loads
+    in full, plus the streamed part that does not fit behind one layer's compute."""
+    window_ms = step_ms / cost.shape.num_layers
+    one_ms = cost.transfer_ms(Link.H2D, cost.shape.expert_bytes, 1)  # linear in records and bytes
+    return np.maximum(0.0, num_streamed * one_ms - window_ms) + num_missed * one_ms
+
+
+def prefix_hit_share(forecast: DemandForecast, gpu_blocks: int) -> float:
+    """Share of the prefix reuses an LRU GPU share of `gpu_blocks` keeps: a block reused after `age` hits while
+    fewer than `gpu_blocks` others were touched since (characteristic time gpu_blocks / touch rate)."""
+    ages = forecast.reuse_ages_s
+    if not ages or forecast.touch_blocks_per_s <= 0:
+        return 0.0
+    horizon_s = gpu_blocks / forecast.touch_blocks_per_s
+    return bisect.bisect_right(ages, horizon_s) / len(ages)
+
+
+def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
+                  current_slots: tuple[int, ...] | None, current_kv: int | None, horizon_steps: int,
+                  kv_demand_blocks: float) -> Valuation:
+    unit = space.unit_bytes
+    batch = forecast.batch_tokens
+    context_tokens = forecast.kv_gpu_used_blocks * space.kv_block_tokens  # what the step's attention reads
+    step_ms = cost.compute_ms(batch, context_tokens)
+    num_experts = len(forecast.misses_per_step[0]) - 1
+    groups, slot_counts = [], []
+    r = space.prefetch_recall if forecast.prefetch_recall is None else forecast.prefetch_recall
+    counts = np.arange(min(space.min_slots_per_layer, num_experts), num_experts + 1)  # [J] slot counts
+    units = np.array([units_for_bytes(int(s) * space.slot_bytes, unit) for s in counts])  # [J]
+    labels = [f"{s} slots" for s in counts]
+    for m, curve in enumerate(forecast.misses_per_step):
+        misses = np.asarray(curve)[counts]  # [J] loads per step
+        stall = layer_stall_ms(cost, (1 - r) * misses, r * misses, batch, step_ms)  # [J]
+        cur = (int(np.flatnonzero(counts == current_slots[m])[0])
+               if current_slots is not None and current_slots[m] in counts else None)
+        groups.append(Group.from_arrays(f"MoE layer {m}", units, stall, np.rint(misses * space.slot_bytes).astype(
+            np.int64), labels, cur, GroupKind.EXPERTS))
+        slot_counts.append(tuple(int(s) for s in counts))
+    grid = _kv_grid(space)
+    # A prefix reuse the share loses is recomputed: one block of prefill per lost reuse.
+    block_tokens = space.kv_block_tokens
+    recompute_ms = max(0.0, cost.compute_ms(batch + block_tokens, context_tokens) - step_ms)
+    best_hits = prefix_hit_share(forecast, grid[-1])
+    kv_opts = tuple(Option(units=units_for_bytes(g * space.kv_block_bytes, unit),
+                           cost_ms=kv_cost_ms(kv_demand_blocks, g, step_ms) + forecast.reuse_per_step * recompute_ms
+                           * (best_hits - prefix_hit_share(forecast, g)), label=f"{g} KV blocks") for g in grid)
+    groups.append(Group("GPU KV", kv_opts, grid.index(current_kv) if current_kv in grid else None, GroupKind.KV))
+    capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
+    bytes_per_s = cost.link_bytes_per_s(Link.H2D)  # inf when the fit finds no per-byte cost: no link budget
+    link_budget = (int(space.link_share * bytes_per_s * max(step_ms, 1e-3) / 1e3) if math.isfinite(bytes_per_s)
+                   else None)
+    # The link caps what a plan streams, but never below the least any split must stream (then it only ranks).
+    floor = sum(min(o.link_bytes for o in g.options) for g in groups)
+    move_ms_per_unit = cost.transfer_ms(Link.H2D, unit, unit / space.slot_bytes) / max(1, horizon_steps)
+    problem = SplitProblem(tuple(groups), capacity, unit,
+                           link_budget_bytes_per_step=None if link_budget is None else max(link_budget, floor),
+                           migration_ms_per_unit=move_ms_per_unit)
+    return Valuation(problem, tuple(slot_counts), tuple(grid), step_ms)

@@ -1,0 +1,90 @@
+"""agent/local_predictor.py: the plan's table evaluated one MoE layer ahead, prefetches within the byte budget,
+counted issued / skipped / useful / wasted; the window's transitions and step unions reported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.local_predictor import LayerAheadPredictor
+from controller.protocol import LocalPredictor, Plan, Successor, Telemetry, TransitionRow
+from runtime.memory.slots import ExpertState
+from tests.agent import Agent, build_agent, make_plan
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Agent:
+    a = build_agent(tmp_path)
+    yield a
+    a.close()
+
+
+def _predictor(agent: Agent) -> LayerAheadPredictor:
+    eng = agent.engine
+    return LayerAheadPredictor(eng.spec.moe_layers, eng.spec.num_experts, eng.experts, agent.policy,
+                               agent.stride_bytes)
+
+
+def _plan(agent: Agent, budget_slots: int, rows: list[TransitionRow], version: int = 1) -> Plan:
+    table = LocalPredictor(version=7, top_m=3, min_score=0.5, rows=tuple(rows))
+    return make_plan(agent, version=version, local_predictor=table,
+                     prefetch_budget_bytes_per_step=budget_slots * agent.stride_bytes)
+
+
+def _ids(*rows: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64)  # [N, k]
+
+
+def test_prefetches_the_next_layers_likely_experts_within_the_budget(agent: Agent) -> None:
+    pred = _predictor(agent)
+    rows = [TransitionRow(layer=0, src=0, next=(Successor(5, 0.9), Successor(6, 0.8), Successor(7, 0.6))),
+            TransitionRow(layer=0, src=1, next=(Successor(4, 0.2),))]
+    assert agent.enforcer.apply(_plan(agent, budget_slots=2, rows=rows)).status.value == "applied"
+    pred.install(_plan(agent, budget_slots=2, rows=rows))
+    pool = agent.engine.pool
+    assert not any(pool.is_resident(1, e) for e in (4, 5, 6, 7))
+    pred.on_route(0, _ids((0, 1)))
+    assert pred.counts["issued"] == 2 and pred.counts["skipped_budget"] == 1  # 5 and 6 fit, 7 does not
+    agent.engine.experts.ensure(1, [5, 6])  # waits for the two prefetched loads
+    assert pool.is_resident(1, 5) and pool.is_resident(1, 6)
+    assert pool.state(1, 4) is ExpertState.ABSENT and pool.state(1, 7) is ExpertState.ABSENT  # 0.2 < min_score
+    pred.on_route(1, _ids((5, 2)))
+    assert pred.counts["useful"] == 1 and pred.counts["wasted"] == 1  # 5 was needed, 6 was not
+    pred.end_step()
+    pred.on_route(0, _ids((0, 3)))  # a new step: the budget is fresh, 5 and 6 are resident
+    assert pred.counts["skipped_resident"] == 2 and pred.counts["issued"] == 3
+
+
+def test_no_table_no_prefetch_but_observation_goes_on(agent: Agent) -> None:
+    pred = _predictor(agent)
+    pred.install(make_plan(agent))  # a plan without a local predictor
+    pred.on_route(0, _ids((0, 1), (2, 3)))
+    pred.on_route(1, _ids((4, 5), (4, 6)))
+    pred.end_step()
+    assert pred.counts["issued"] == 0
+    fields = pred.window_fields()
+    trans = fields["transitions"][0]
+    assert trans["layer"] == 0 and trans["next_layer"] == 1 and trans["num_tokens"] == 2
+    assert dict(((s, d), c) for s, d, c in trans["pairs"])[(0, 4)] == 1
+    assert {(s, d) for s, d, _ in trans["pairs"]} == {(0, 4), (0, 5), (1, 4), (1, 5), (2, 4), (2, 6), (3, 4), (3, 6)}
+    assert fields["step_unions"][1] == {"layer": 1, "batch_tokens": [2], "unions": [[4, 5, 6]]}
+    assert fields["local_prefetch"]["issued"] == 0 and fields["local_prefetch"]["table_version"] == 0
+    again = pred.window_fields()  # reset after reporting
+    assert again["transitions"] == [] and again["step_unions"] == [] and again["local_prefetch"]["useful"] == 0
+
+
+def test_window_fields_make_a_valid_telemetry_v2(agent: Agent) -> None:
+    pred = _predictor(agent)
+    pred.on_route(0, _ids((0, 1)))
+    pred.on_route(1, _ids((2, 3)))
+    pred.end_step()
+    base = {"agent_id": "a", "rank": 0, "window_seq": 0, "window_start_s": 0.0, "window_end_s": 1.0,
+            "model": "tiny", "num_layers": 2, "num_experts": 8, "layers": [],
+            "kv": {"blocks_per_tier": {}, "hits_per_tier": {}, "misses_per_tier": {}},
+            "step_timings_ms": {"num_steps": 1, "mean": 1.0, "p50": 1.0, "p99": 1.0}, "expert_hits": 0,
+            "expert_misses": 0, "applied_plan_version": 0}
+    tel = Telemetry(**base, **pred.window_fields())
+    assert tel.transitions[0].pairs and tel.step_unions[0].unions == ((0, 1),)
+    assert tel.local_prefetch is not None and tel.local_prefetch.issued == 0

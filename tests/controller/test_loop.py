@@ -1,0 +1,141 @@
+"""controller/loop.py on telemetry made in the test: plans follow the workload's phases, stay within the
+budget, hold under noise, wait for acks, agree across solvers, and refuse malformed windows without change."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from controller.loop import Outcome, Solver
+from controller.protocol import AckStatus, Forecast, Plan, Tier, parse, to_json
+from controller.state import RejectCode, TelemetryRejected
+from tests.controller.loop_fixtures import (
+    BUDGET_BYTES,
+    KV_MAX,
+    KV_MIN,
+    SLOT_BYTES,
+    Windows,
+    ack,
+    drive,
+    make_controller,
+    plan_total_bytes,
+)
+
+
+def test_first_window_gives_a_valid_plan_with_a_reason_and_a_table() -> None:
+    ctl, win = make_controller(), Windows()
+    ctl.sync_from(win.next(batch=1, kv_live=2))
+    plan = ctl.step_next()
+    assert plan is not None and plan.version == 1 and plan.base_version == 0
+    assert parse(Plan, to_json(plan)) == plan  # a valid v2 message
+    assert plan_total_bytes(plan) <= plan.hbm_budget_bytes == BUDGET_BYTES
+    assert "batch 1.0 tokens/step" in plan.reason and "KV demand 2 blocks" in plan.reason
+    assert plan.local_predictor is not None and plan.local_predictor.rows
+    assert plan.kv_blocks_per_tier[Tier.GPU] == KV_MIN  # little KV demand: the rest goes to experts
+    assert all(b % SLOT_BYTES == 0 for b in plan.expert_bytes_per_layer)
+
+
+def test_split_moves_to_kv_when_context_grows_and_back_when_it_falls() -> None:
+    ctl, win = make_controller(), Windows()
+    plans = drive(ctl, win, [(4, 1, 3, 0), (4, 16, 40, 30), (6, 4, 5, 0)])
+    kv = [p.kv_blocks_per_tier[Tier.GPU] for p in plans]
+    experts = [sum(p.expert_bytes_per_layer) // SLOT_BYTES for p in plans]
+    peak = int(np.argmax(kv))
+    assert kv[0] == KV_MIN and kv[peak] > 40 and experts[peak] < experts[0]
+    assert kv[-1] < kv[peak] and experts[-1] > experts[peak]  # the load fell: experts get the HBM back
+    assert "KV GPU blocks" in plans[peak].reason and "HBM budget binding" in plans[peak].reason
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plans_never_exceed_the_budget(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    ctl, win = make_controller(), Windows(seed)
+    phases = [(int(rng.integers(1, 4)), int(rng.integers(1, 33)), int(rng.integers(0, 200)),
+               int(rng.integers(0, 100))) for _ in range(8)]
+    plans = drive(ctl, win, phases)
+    assert plans
+    for p in plans:
+        assert plan_total_bytes(p) <= BUDGET_BYTES
+        assert KV_MIN <= p.kv_blocks_per_tier[Tier.GPU] <= KV_MAX
+
+
+def test_hysteresis_holds_the_plan_under_noise() -> None:
+    ctl, win = make_controller(hysteresis=0.2), Windows()
+    plans = drive(ctl, win, [(3, 8, 20, 0)])
+    rng = np.random.default_rng(1)
+    for _ in range(10):  # the same workload, +-10% demand
+        ctl.sync_from(win.next(8, int(20 * rng.uniform(0.9, 1.1))))
+        plans += [p for p in [ctl.step_next()] if p is not None]
+    assert len(plans) <= 2
+    assert sum(d.outcome is Outcome.HELD for d in ctl.history) >= 8
+
+
+def test_no_new_plan_until_the_last_one_is_applied() -> None:
+    ctl, win = make_controller(), Windows()
+    ctl.sync_from(win.next(1, 2))
+    first = ctl.step_next()
+    assert first is not None
+    ctl.sync_from(win.next(16, 60, 20))
+    assert ctl.step_next() is None  # v1 is in flight
+    ctl.record_ack(ack(first, AckStatus.REJECTED))
+    assert ctl.step_next() is None  # rejected: still not applied (a new window will retry)
+    win.applied = 0
+    ctl.sync_from(win.next(16, 60, 20))
+    assert ctl.step_next() is None  # issued_version 1 > applied 0: the controller never builds on a refusal
+    ctl.record_ack(ack(first))
+    win.applied = 1
+    ctl.sync_from(win.next(16, 60, 20))
+    second = ctl.step_next()
+    assert second is not None and second.base_version == 1 and second.version == 2
+
+
+def test_dp_and_milp_give_the_same_plans() -> None:
+    plans = {}
+    for solver in Solver:
+        ctl, win = make_controller(solver), Windows(3)
+        plans[solver] = drive(ctl, win, [(3, 2, 4, 0), (3, 24, 50, 40), (3, 2, 6, 0)])
+    dp, milp = plans[Solver.DP], plans[Solver.MILP]
+    assert [(p.expert_bytes_per_layer, p.kv_blocks_per_tier) for p in dp] == \
+        [(p.expert_bytes_per_layer, p.kv_blocks_per_tier) for p in milp]
+
+
+def test_malformed_telemetry_is_refused_and_changes_nothing() -> None:
+    ctl, win = make_controller(), Windows()
+    ctl.sync_from(win.next(4, 8))
+    def snapshot() -> tuple[object, ...]:
+        d = ctl.demand
+        return (copy.deepcopy(vars(ctl.state)), d.freq.copy(), d.pairs.copy(), d.src.copy(), d.num_windows,
+                d.batch_tokens, d.kv_live, ctl.cost.compute, [ctl.demand.curves.num_steps(0, b) for b in (1, 4, 8)])
+
+    before = snapshot()
+    win.seq -= 1  # a repeat of the last window
+    with pytest.raises(TelemetryRejected) as info:
+        ctl.sync_from(win.next(4, 8))
+    assert info.value.code is RejectCode.SEQ_NOT_INCREASING
+    after = snapshot()
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(after, before,
+                                                                                            strict=True))
+
+
+def test_the_table_learns_which_expert_follows_which() -> None:
+    ctl, win = make_controller(), Windows()
+    ctl.sync_from(win.next(1, 2))
+    ctl.step_next()
+    rows = ctl.demand.transition_rows(top_m=4, min_prob=0.0)
+    probs = ctl.demand.pairs[0] / np.maximum(ctl.demand.src[0][:, None], 1)
+    for row in rows:
+        best = int(np.argmax(probs[row.src]))
+        assert probs[row.src, row.next[0].expert] == pytest.approx(probs[row.src, best])
+
+
+def test_the_forecast_message_says_which_experts_the_horizon_needs() -> None:
+    ctl, win = make_controller(), Windows()
+    for _ in range(3):
+        ctl.sync_from(win.next(batch=1, kv_live=2))
+    msg = parse(Forecast, to_json(ctl.forecast_message()))
+    assert [lf.layer for lf in msg.layers] == [0, 1] and msg.horizon_steps == ctl.config.horizon_steps
+    freq = ctl.demand.freq[0]
+    ranked = np.argsort(-np.asarray(msg.layers[0].probs), kind="stable")
+    assert freq[ranked[0]] == freq.max() and all(0.0 <= p <= 1.0 for p in msg.layers[0].probs)

@@ -1,0 +1,99 @@
+"""controller/valuation.py: what each option of the split is worth, and the problem's budgets."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from controller.optimizer.problem import GroupKind
+from controller.protocol import PrefetchCounts, ReuseEvent
+from controller.valuation import build_problem, kv_cost_ms, layer_stall_ms, prefix_hit_share
+from tests.controller.loop_fixtures import BUDGET_BYTES, KV_MAX, KV_MIN, Windows, make_controller
+
+
+def _valuation(kv_demand: float, link_inf: bool = False, monkeypatch: pytest.MonkeyPatch | None = None):
+    ctl, win = make_controller(), Windows()
+    for _ in range(3):
+        ctl.sync_from(win.next(batch=8, kv_live=20))
+    if link_inf and monkeypatch is not None:
+        monkeypatch.setattr(ctl.cost, "link_bytes_per_s", lambda link: math.inf)
+    fc = ctl.demand.forecast()
+    return build_problem(fc, ctl.cost, ctl.config.space, None, None, 32, kv_demand), fc
+
+
+def test_options_cover_every_slot_count_and_the_kv_range() -> None:
+    val, _ = _valuation(30.0)
+    p = val.problem
+    assert [g.kind for g in p.groups] == [GroupKind.EXPERTS, GroupKind.EXPERTS, GroupKind.KV]
+    assert val.slot_counts[0] == tuple(range(2, 9)) and val.kv_blocks[0] == KV_MIN and val.kv_blocks[-1] == KV_MAX
+    assert p.capacity_units == BUDGET_BYTES // p.unit_bytes
+    for g in p.groups[:2]:  # more slots never cost more stall, nor stream more bytes
+        costs = [o.cost_ms for o in g.options]
+        assert all(a >= b - 1e-12 for a, b in itertools.pairwise(costs))
+        assert g.options[-1].link_bytes == 0 and g.options[-1].cost_ms == pytest.approx(0.0, abs=1e-9)
+
+
+def test_kv_costs_what_it_cannot_hold_and_nothing_above_demand() -> None:
+    val, _ = _valuation(30.0)
+    kv = val.problem.groups[-1]
+    by_blocks = dict(zip(val.kv_blocks, (o.cost_ms for o in kv.options), strict=True))
+    assert by_blocks[30] == 0.0 and by_blocks[KV_MAX] == 0.0 and by_blocks[KV_MIN] > by_blocks[20] > 0.0
+    assert kv_cost_ms(30.0, 15, 2.0) == pytest.approx(2.0)  # half deferred: one lost step per step served
+    assert kv_cost_ms(0.0, 1, 2.0) == 0.0
+
+
+def test_the_link_budget_is_left_out_when_the_link_has_no_measured_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    val, _ = _valuation(30.0)
+    assert val.problem.link_budget_bytes_per_step is not None and val.problem.link_budget_bytes_per_step > 0
+    val, _ = _valuation(30.0, link_inf=True, monkeypatch=monkeypatch)
+    assert val.problem.link_budget_bytes_per_step is None
+
+
+def test_migration_is_priced_per_unit_over_the_horizon() -> None:
+    val, fc = _valuation(30.0)
+    assert val.problem.migration_ms_per_unit > 0
+    assert np.isfinite(val.step_ms) and val.step_ms > 0 and fc.batch_tokens == pytest.approx(8.0)
+
+
+def test_prefix_reuse_makes_a_larger_kv_share_worth_more() -> None:
+    ctl, win = make_controller(), Windows()
+    events = [{"prefix_hash": f"p{i}", "age_s": 0.001 * (i + 1), "tier": "cpu"} for i in range(40)]
+    for _ in range(3):  # no sequence needs more KV (demand 0): only the reuses value it
+        tel = win.next(batch=8, kv_live=0)
+        ctl.sync_from(tel.model_copy(update={"kv": tel.kv.model_copy(update={"reuse_events": tuple(
+            ReuseEvent(**e) for e in events)})}))
+    fc = ctl.demand.forecast()
+    assert fc.reuse_per_step == pytest.approx(10.0) and fc.touch_blocks_per_s > 0
+    assert 0.0 < prefix_hit_share(fc, KV_MIN) < prefix_hit_share(fc, KV_MAX) <= 1.0
+    val = build_problem(fc, ctl.cost, ctl.config.space, None, None, 32, 0.0)
+    costs = [o.cost_ms for o in val.problem.groups[-1].options]
+    assert costs[0] > costs[-1] == 0.0 and all(a >= b for a, b in itertools.pairwise(costs))
+
+
+def test_measured_prefetch_recall_replaces_the_prior() -> None:
+    ctl, win = make_controller(), Windows()
+    counts = {"table_version": 2, "issued": 12, "useful": 9, "wasted": 3, "skipped_resident": 0,
+              "skipped_budget": 0, "skipped_no_slot": 0, "failed": 0}
+    for _ in range(4):
+        tel = win.next(batch=8, kv_live=4)  # 2 expert misses per window on demand
+        ctl.sync_from(tel.model_copy(update={"local_prefetch": PrefetchCounts(**counts)}))
+    fc = ctl.demand.forecast()
+    assert fc.prefetch_recall is not None and 0.8 < fc.prefetch_recall < 0.83  # 9 useful of 9 + 2 per window
+    streamed = build_problem(fc, ctl.cost, ctl.config.space, None, None, 32, 0.0).problem.groups[0].options[0]
+    prior = build_problem(dataclasses.replace(fc, prefetch_recall=None), ctl.cost, ctl.config.space, None, None,
+                          32, 0.0).problem.groups[0].options[0]
+    assert streamed.cost_ms < prior.cost_ms  # more of the misses hide behind the previous layer
+
+
+def test_vectorised_layer_stall_is_the_cost_models() -> None:
+    ctl = make_controller()
+    cost, batch = ctl.cost, 8.0
+    missed, streamed = np.array([0.0, 1.0, 3.5]), np.array([0.0, 2.0, 0.5])
+    ours = layer_stall_ms(cost, missed, streamed, batch, cost.compute_ms(batch))
+    theirs = [cost.layer_stall_ms(a, b, batch_tokens=batch, window_layers=1.0) for a, b in zip(missed, streamed,
+                                                                                                strict=True)]
+    assert ours == pytest.approx(theirs)
