@@ -48,10 +48,8 @@ class ReferenceAdapter:
         # The plan's layer-ahead predictor reads each MoE layer's routes on the host: only when asked for.
         self.predictor = (LayerAheadPredictor(spec.moe_layers, spec.num_experts, engine.experts, self.policy,
                                               pool.layout.stride_bytes) if local_predictor else None)
-        if self.predictor is not None:
-            engine.model.route_tap = self._route
         self.mass_tap = AttentionMassTap(layers=(0,), every_steps=window_steps)
-        engine.set_hooks(route_tap=self.tap, mass_observer=self.mass_tap)
+        engine.set_hooks(route_tap=self.tap if self.predictor is None else self._route, mass_observer=self.mass_tap)
         self.window = TelemetryWindow(agent_id, rank, spec.name, spec.num_layers, spec.num_experts, self.tap, clock,
                                       self.mass_tap)
         self.telemetry: list[Telemetry] = []
