@@ -83,7 +83,10 @@ def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _check_row(row: Any, at: str, prev_ms: float | None) -> tuple[float, int, int, tuple[int, ...]]:
+Checked = tuple[float, int, int, tuple[int, ...]]  # arrival ms, input length, output length, prefix hash ids
+
+
+def _check_row(row: Any, at: str, prev_ms: float | None) -> Checked:
     if not isinstance(row, dict):
         raise TraceError(f"{at}: expected a JSON object, got {type(row).__name__}")
     for name in FIELDS:
@@ -126,23 +129,11 @@ def _check_row(row: Any, at: str, prev_ms: float | None) -> tuple[float, int, in
 def trace_from_rows(rows: Iterable[Mapping[str, Any]], source: str = "rows") -> RequestTrace:
     """The same trace from rows already in memory (dicts with the four fields, in time order), checked by
     the same rules; errors name `source` and the row's index. For callers that hold requests, not a file."""
-    arrival_ms: list[float] = []
-    lengths: list[tuple[int, int]] = []
-    hash_ids: list[tuple[int, ...]] = []
-    prev_ms: float | None = None
+    checked: list[Checked] = []
     for i, row in enumerate(rows):
-        ts_ms, input_len, output_len, ids = _check_row(dict(row) if isinstance(row, Mapping) else row,
-                                                       f"request trace {source} row {i}", prev_ms)
-        prev_ms = ts_ms
-        arrival_ms.append(ts_ms)
-        lengths.append((input_len, output_len))
-        hash_ids.append(ids)
-    if not hash_ids:
-        raise TraceError(f"request trace {source}: no requests (no rows)")
-    lens = np.asarray(lengths, dtype=np.int64)  # [R, 2]
-    return RequestTrace(path=Path(source), arrival_ms=np.asarray(arrival_ms, dtype=np.float64),
-                        input_length=lens[:, 0], output_length=lens[:, 1], hash_ids=tuple(hash_ids),
-                        num_lines=len(hash_ids), num_lines_read=len(hash_ids), num_blank_lines=0)
+        checked.append(_check_row(dict(row) if isinstance(row, Mapping) else row, f"request trace {source} row {i}",
+                                  checked[-1][0] if checked else None))
+    return _assemble(Path(source), checked, len(checked), len(checked), 0, "no rows")
 
 
 def load_request_trace(path: str | Path, limit: int | None = None) -> RequestTrace:
@@ -157,13 +148,10 @@ def load_request_trace(path: str | Path, limit: int | None = None) -> RequestTra
     except OSError as exc:
         raise TraceError(f"request trace {path}: cannot read ({exc.strerror or exc})") from None
     lines = _decode(path, data).splitlines()
-    arrival_ms: list[float] = []
-    lengths: list[tuple[int, int]] = []
-    hash_ids: list[tuple[int, ...]] = []
+    checked: list[Checked] = []
     num_read = num_blank = 0
-    prev_ms: float | None = None
     for line_no, line in enumerate(lines, start=1):
-        if limit is not None and len(hash_ids) >= limit:
+        if limit is not None and len(checked) >= limit:
             break
         num_read += 1
         if not line.strip():
@@ -177,14 +165,16 @@ def load_request_trace(path: str | Path, limit: int | None = None) -> RequestTra
                              "JSON object per line") from None
         except ValueError as exc:  # NaN / Infinity, which Python's json would otherwise accept
             raise TraceError(f"{at}: not valid JSON ({exc})") from None
-        ts_ms, input_len, output_len, ids = _check_row(row, at, prev_ms)
-        prev_ms = ts_ms
-        arrival_ms.append(ts_ms)
-        lengths.append((input_len, output_len))
-        hash_ids.append(ids)
-    if not hash_ids:
-        raise TraceError(f"request trace {path}: no requests (the file is empty or blank)")
-    lens = np.asarray(lengths, dtype=np.int64)  # [R, 2]
-    return RequestTrace(path=path, arrival_ms=np.asarray(arrival_ms, dtype=np.float64), input_length=lens[:, 0],
-                        output_length=lens[:, 1], hash_ids=tuple(hash_ids), num_lines=len(lines),
-                        num_lines_read=num_read, num_blank_lines=num_blank)
+        checked.append(_check_row(row, at, checked[-1][0] if checked else None))
+    return _assemble(path, checked, len(lines), num_read, num_blank, "the file is empty or blank")
+
+
+def _assemble(path: Path, checked: list[Checked], num_lines: int, num_read: int, num_blank: int,
+              empty_detail: str) -> RequestTrace:
+    """The trace from checked rows (arrival ms, input length, output length, hash ids) in time order."""
+    if not checked:
+        raise TraceError(f"request trace {path}: no requests ({empty_detail})")
+    lens = np.asarray([(c[1], c[2]) for c in checked], dtype=np.int64)  # [R, 2]
+    return RequestTrace(path=path, arrival_ms=np.asarray([c[0] for c in checked], dtype=np.float64),
+                        input_length=lens[:, 0], output_length=lens[:, 1], hash_ids=tuple(c[3] for c in checked),
+                        num_lines=num_lines, num_lines_read=num_read, num_blank_lines=num_blank)

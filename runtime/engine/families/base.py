@@ -111,6 +111,13 @@ def check_common(cfg: Mapping[str, Any], source: str, rope: bool = True) -> None
                               + (f" and unsupported key(s) {extra}" if extra else ""))
 
 
+def swiglu_expert_names(i: int, e: int) -> tuple[str, str, str]:
+    """(gate, up, down) tensor names of expert `e` in layer `i` where a family keeps them at
+    `mlp.experts.{e}.{gate,up,down}_proj` (Qwen3-MoE, OLMoE, DeepSeek)."""
+    p = f"model.layers.{i}.mlp.experts.{e}."
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
 def mlp_names(moe_prefix: str, router: str, shared: str | None = None) -> LayerNames:
     """Names of a layer's MLP side: the router (MoE layers, plus shared experts where the family has them) or
     a dense SwiGLU MLP at `mlp.{gate,up,down}_proj`. Attention and norms are named alike in every family."""

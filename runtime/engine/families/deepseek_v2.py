@@ -16,7 +16,15 @@ from typing import Any
 import torch
 
 from runtime.engine.config import ModelSpec
-from runtime.engine.families.base import COMMON_IMPLEMENTED, COMMON_INERT, COMMON_REFUSED, Family, fail, mlp_names
+from runtime.engine.families.base import (
+    COMMON_IMPLEMENTED,
+    COMMON_INERT,
+    COMMON_REFUSED,
+    Family,
+    fail,
+    mlp_names,
+    swiglu_expert_names,
+)
 from runtime.errors import ConfigError
 
 _YARN_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
@@ -94,11 +102,6 @@ def _fix(name: str, t: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     return t
 
 
-def _experts(i: int, e: int) -> tuple[str, str, str]:
-    p = f"model.layers.{i}.mlp.experts.{e}."
-    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
-
-
 FAMILY = Family(
     model_type="deepseek_v2",
     implemented=COMMON_IMPLEMENTED | {
@@ -111,7 +114,7 @@ FAMILY = Family(
     refused=COMMON_REFUSED | {"mlp_bias"},
     check=_check,
     layer_names=mlp_names("mlp", "gate", shared="shared_experts"),
-    expert_names=_experts,
+    expert_names=swiglu_expert_names,
     fix_tensor=_fix,
     bias_projections=("q_a_proj", "kv_a_proj_with_mqa", "o_proj"),
     router_fp32=True,

@@ -16,7 +16,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from runtime.engine.families import deepseek_v2 as v2
-from runtime.engine.families.base import COMMON_IMPLEMENTED, COMMON_INERT, COMMON_REFUSED, Family, fail, mlp_names
+from runtime.engine.families.base import (
+    COMMON_IMPLEMENTED,
+    COMMON_INERT,
+    COMMON_REFUSED,
+    Family,
+    fail,
+    mlp_names,
+    swiglu_expert_names,
+)
 
 
 def _int(v: object) -> bool:
@@ -64,7 +72,7 @@ FAMILY = Family(
     refused=COMMON_REFUSED | {"mlp_bias"},
     check=_check,
     layer_names=mlp_names("mlp", "gate", shared="shared_experts"),
-    expert_names=v2._experts,
+    expert_names=swiglu_expert_names,
     fix_tensor=v2._fix,
     fix_when=lambda cfg: bool(cfg.get("rope_interleave", True)),
     router_bias=True,

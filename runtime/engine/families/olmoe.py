@@ -10,7 +10,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from runtime.engine.families.base import COMMON_IMPLEMENTED, COMMON_INERT, COMMON_REFUSED, Family, fail, mlp_names
+from runtime.engine.families.base import (
+    COMMON_IMPLEMENTED,
+    COMMON_INERT,
+    COMMON_REFUSED,
+    Family,
+    fail,
+    mlp_names,
+    swiglu_expert_names,
+)
 
 
 def _check(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -22,11 +30,6 @@ def _check(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
     return {"clip_qkv": float(clip)}
 
 
-def _experts(i: int, e: int) -> tuple[str, str, str]:
-    p = f"model.layers.{i}.mlp.experts.{e}."
-    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
-
-
 FAMILY = Family(
     model_type="olmoe",
     implemented=COMMON_IMPLEMENTED | {"head_dim", "intermediate_size", "num_experts", "norm_topk_prob",
@@ -35,5 +38,5 @@ FAMILY = Family(
     refused=COMMON_REFUSED,
     check=_check,
     layer_names=mlp_names("mlp", "gate"),
-    expert_names=_experts,
+    expert_names=swiglu_expert_names,
 )

@@ -19,6 +19,7 @@ from runtime.engine.families.base import (
     fail,
     mlp_names,
     sliding_window,
+    swiglu_expert_names,
 )
 
 
@@ -34,11 +35,6 @@ def _check(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
     return {"sliding_window": window}
 
 
-def _experts(i: int, e: int) -> tuple[str, str, str]:
-    p = f"model.layers.{i}.mlp.experts.{e}."
-    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
-
-
 FAMILY = Family(
     model_type="qwen3_moe",
     implemented=COMMON_IMPLEMENTED | {
@@ -49,5 +45,5 @@ FAMILY = Family(
     refused=COMMON_REFUSED,
     check=_check,
     layer_names=mlp_names("mlp", "gate"),
-    expert_names=_experts,
+    expert_names=swiglu_expert_names,
 )
