@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,9 +72,15 @@ class ExactResult:
         return f"exact: max_abs_diff={self.max_abs_diff} tokens_equal={self.tokens_equal} {verdict}"
 
 
-# mode -> (offload_exec, lookahead layers, the reason its decode steps must run for)
-MODES = {"piecewise": ("piecewise", 0, Reason.EXPERTS_MISSING), "lookahead": ("piecewise", 2, Reason.EXPERTS_MISSING),
-         "eager": ("eager", 0, Reason.OFFLOAD_EAGER)}
+# mode -> (offload_exec, lookahead layers, the executor its decode steps must run on). Eager counts every eager
+# decode step: a model whose attention has no paged decode kernel (MLA) runs its offloaded steps eagerly too.
+MODES = {"piecewise": ("piecewise", 0, Executor.PIECEWISE), "lookahead": ("piecewise", 2, Executor.PIECEWISE),
+         "eager": ("eager", 0, Executor.EAGER)}
+
+
+def _decode_steps_on(executor: Executor, steps: Mapping[Executor, int], reasons: Mapping[Reason, int]) -> int:
+    """Decode steps the second run made on `executor` (a prefill always runs eagerly)."""
+    return steps[executor] - (reasons[Reason.PREFILL] if executor is Executor.EAGER else 0)
 
 
 def auto_block_tokens(spec: ModelSpec, at_least: int = 16) -> int:
@@ -139,5 +145,6 @@ def run_exact_checks(spec: ModelSpec, resident_frac: float, device: str = "cpu",
                 steps=a.logits.shape[0], expert_misses_full=a.expert_misses, expert_misses_tight=b.expert_misses,
                 kv_fetches=b.kv_fetches, kv_spills=b.kv_spills, seconds=full_s + time.perf_counter() - t0,
                 mode=mode, executors={e.value: steps[e] for e in Executor},
-                mode_steps=reasons[MODES[mode][2]] if graphs_on and resident_frac < 1.0 else None))
+                mode_steps=_decode_steps_on(MODES[mode][2], steps, reasons) if graphs_on and resident_frac < 1.0
+                else None))
     return out
