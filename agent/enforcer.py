@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.local_policy import Key, LocalPolicy, PrefetchJob
+from agent.local_policy import Key, LocalPolicy, PolicyState, PrefetchJob
 from controller.protocol import AckStatus, Footprint, Plan, PlanAck, ProtocolError, RejectReason, Tier, parse
 from runtime.engine.experts import OnDemandExperts
 from runtime.engine.kv_cache import PagedKVCache
@@ -163,6 +163,9 @@ class Enforcer:
         if plan.base_version != self.applied_version:
             raise PlanRefused(RejectReason.STALE, f"base_version: plan {plan.plan_id} v{plan.version} was built on "
                               f"version {plan.base_version}, but the applied version is {self.applied_version}")
+        if plan.link_shares:  # nothing here splits a link's bandwidth yet: refuse rather than ignore it
+            raise PlanRefused(RejectReason.MALFORMED, f"link_shares: {dict(plan.link_shares)} cannot be enforced by "
+                              "this agent (the transfer engine has no per-class bandwidth shares); expected {}")
         n = self.cache.spec.num_layers
         if len(plan.expert_bytes_per_layer) != n:
             raise PlanRefused(RejectReason.MALFORMED, f"expert_bytes_per_layer: has {len(plan.expert_bytes_per_layer)}"
@@ -239,22 +242,43 @@ class Enforcer:
         return caps
 
     def _plan_kv(self, limit: dict[KVTier, int]) -> list[tuple[tuple[int, ...], KVTier]]:
+        """The spills that bring every tier within `limit`. Blocks being read or moved count where they are
+        (a moving one at its source) and go last in their tier, so idle blocks spill first; a plan whose
+        limits would need one of them moved is refused before anything changes."""
         manager = self.cache.manager
-        by_tier: dict[KVTier, list[int]] = {t: [] for t in KVTier}
-        busy = 0
+        idle: dict[KVTier, list[int]] = {t: [] for t in KVTier}
+        busy: dict[KVTier, list[int]] = {t: [] for t in KVTier}
         for b in manager.blocks():
-            if manager.refcount(b) or manager.is_moving(b):
-                busy += 1
-                continue
-            by_tier[manager.location(b).tier].append(b)
-        moves = _kv_moves(by_tier, limit)
-        if busy and moves:
-            raise PlanRefused(RejectReason.OTHER, f"kv_blocks_per_tier: {busy} KV blocks are being read or moved; "
-                              "apply between steps")
+            (busy if manager.refcount(b) or manager.is_moving(b) else idle)[manager.location(b).tier].append(b)
+        moves = _kv_moves({t: idle[t] + busy[t] for t in KVTier}, limit)
+        stuck = {b for t in KVTier for b in busy[t]} & {b for blocks, _ in moves for b in blocks}
+        if stuck:
+            raise PlanRefused(RejectReason.OTHER, f"kv_blocks_per_tier: {len(stuck)} KV blocks the limits would move "
+                              "are being read or moved; apply between steps")
         return moves
 
     # ---- applying (after validation; changes state) -------------------------------------------------
     def _enact(self, t: _Target, now_s: float) -> None:
+        """Apply a validated target; if anything fails midway, the last applied plan's limits, pins and rules
+        are put back (experts evicted and KV blocks spilled stay where they went; the ack says so)."""
+        saved = (self.pool.limits.as_dict(), self.cache.manager.limits(), self.policy.snapshot())
+        try:
+            self._enact_target(t, now_s)
+        except BaseException:
+            self._restore(*saved)
+            raise
+
+    def _restore(self, layer_limits: dict[int, int], kv_limits: dict[KVTier, int], rules: PolicyState) -> None:
+        self.pool.limits.set(layer_limits)
+        self.cache.manager.set_limits(kv_limits)
+        for k in sorted(self.policy.pinned - rules.pinned):
+            self.experts.unpin(*k)
+        self.policy.install(dict(rules.caps), dict(rules.eviction), rules.pinned, rules.queued)
+        for k in sorted(rules.pinned):
+            if self.pool.is_resident(*k):
+                self.experts.pin(*k)
+
+    def _enact_target(self, t: _Target, now_s: float) -> None:
         policy, pool = self.policy, self.pool
         policy.drain(now_s)
         for k in sorted(policy.pinned - t.pinned):

@@ -105,6 +105,11 @@ class KVBlockManager:
         with self._lock:
             self._limits = new
 
+    def limits(self) -> dict[Tier, int]:
+        """The limits `set_limits` installed (a copy: `set_limits` of it restores them)."""
+        with self._lock:
+            return dict(self._limits)
+
     def limit(self, tier: Tier) -> int:
         """The most blocks `tier` may hold now: its limit, else its capacity."""
         with self._lock:

@@ -81,6 +81,11 @@ class LayerLimits:
         with self._lock:
             return self._limits.get(layer)
 
+    def as_dict(self) -> dict[int, int]:
+        """Every limit now, by layer (a copy: `set` of it restores them)."""
+        with self._lock:
+            return dict(self._limits)
+
     def check(self, layer: int, num_bound: int, num_new: int) -> None:
         """CapacityError if `num_new` more slots would take `layer` past its limit."""
         limit = self.get(layer)

@@ -92,6 +92,8 @@ def placement(agent: Agent) -> dict[str, Any]:
         "policy_stats": agent.policy.stats(),
         "kv_usage": eng.cache.tier_usage(),
         "kv_blocks": {b: str(manager.location(b)) for b in manager.blocks()},
+        "layer_limits": pool.limits.as_dict(),
+        "kv_limits": manager.limits(),
         "applied_version": agent.enforcer.applied_version,
         "footprint": agent.enforcer.footprint(),
     }

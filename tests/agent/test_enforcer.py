@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from controller.protocol import AckStatus, Plan, RejectReason, Tier
+from controller.protocol import AckStatus, Link, Plan, RejectReason, Tier
 from runtime.engine.hf_config import load_hf_config
 from runtime.engine.presets import PRESETS
 from runtime.errors import CapacityError
@@ -149,10 +149,22 @@ REFUSALS: list[tuple[str, Callable[[Agent], Plan], RejectReason, str]] = [
     ("experts plus GPU KV over the plan's own HBM budget",
      lambda a: make_plan(a, version=2, hbm_budget_bytes=a.enforcer.hbm_budget_bytes - 1),
      RejectReason.OVER_BUDGET, "over the plan's hbm_budget_bytes"),
+    ("link shares the agent cannot enforce", lambda a: make_plan(a, version=2, link_shares={Link.H2D: 0.5}),
+     RejectReason.MALFORMED, "link_shares: "),
+    ("busy KV blocks the plan's GPU count would move", lambda a: _busy(a, make_plan(a, version=2, kv={Tier.GPU: 2})),
+     RejectReason.OTHER, "KV blocks the limits would move are being read or moved"),
     ("live KV blocks that cannot fit the plan's tier counts",
      lambda a: make_plan(a, version=2, kv={Tier.GPU: 2, Tier.CPU: 2, Tier.NVME: 1}),
      RejectReason.OVER_BUDGET, "kv_blocks_per_tier: the 6 live KV blocks do not fit"),
 ]
+
+
+def _busy(agent: Agent, plan: Plan) -> Plan:
+    """`plan`, with the live sequence's blocks being read by a step (a reader holds each one)."""
+    manager = agent.engine.cache.manager
+    for b in agent.engine.cache.blocks_of(1000):
+        manager.acquire(b)
+    return plan
 
 
 @pytest.mark.parametrize(("story", "build", "code", "says"), REFUSALS, ids=[r[0] for r in REFUSALS])
@@ -249,3 +261,25 @@ def test_placement_never_changes_bits(tmp_path: Path) -> None:
     finally:
         plain.close()
         planned.close()
+
+
+def test_a_plan_that_fails_midway_leaves_the_last_plans_limits_and_rules(agent: Agent,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: limits were installed before the footprint check, so a REJECTED plan's caps and KV counts
+    stayed in force while applied_version named the old plan."""
+    assert agent.enforcer.apply(make_plan(agent, caps=(4, 4), pinned=[(1, 4)])).status is AckStatus.APPLIED
+    before = placement(agent)
+
+    def fail(target: object) -> None:
+        raise RuntimeError("footprint over the plan after applying it")
+
+    monkeypatch.setattr(agent.enforcer, "_check_within", fail)
+    ack = agent.enforcer.apply(make_plan(agent, version=2, caps=(2, 3), pinned=[(0, 1)],
+                                         kv={Tier.GPU: 2, Tier.CPU: 8, Tier.NVME: 8}))
+
+    assert (ack.status, ack.reason_code) == (AckStatus.REJECTED, RejectReason.OTHER), ack.reason
+    after = placement(agent)
+    assert after["layer_limits"] == before["layer_limits"] and after["kv_limits"] == before["kv_limits"]
+    assert after["policy"].caps == before["policy"].caps and after["policy"].pinned == before["policy"].pinned
+    assert agent.engine.pool.is_pinned(1, 4) and not agent.engine.pool.is_pinned(0, 1)
+    assert agent.enforcer.applied_version == 1
