@@ -5,7 +5,8 @@ plan it answers with is applied between steps (inference process, engine thread;
 built and handed to the source (`sync_from`, then `step_next`), applies the plan it returned (if any) through
 the adapter's enforcer, and hands the ack back (`record_ack`). Waiting for the build keeps the loop
 deterministic (the same plans at the same steps on every run); it costs the engine a window build per window,
-acceptable in process, never over a network. Telemetry the source refuses is counted, never dropped silently.
+acceptable in process, never over a network. Telemetry the source refuses is counted, never dropped silently;
+so is any exception its planner raises (`planner_errors`, with the type name).
 After an applied plan `on_applied(plan)` runs (the demo's scheduler follows the plan's GPU KV blocks there).
 Between steps, experts over an applied plan's per-layer caps are evicted (`trimmed` counts them): the budget
 a plan sets must hold until the next one, whatever the engine loaded on demand during the step.
@@ -62,8 +63,9 @@ class InProcessLoop:
             return
         try:
             plan = self.source.step_next()
-        except ValueError as exc:  # the source's refusal to plan (InfeasibleError, ProblemError): counted, kept
-            self.planner_errors.append(str(exc))
+        except Exception as exc:  # any planner failure (InfeasibleError, a solver's RuntimeError, a bug):
+            # this window's planner error, counted by type; the telemetry itself was delivered
+            self.planner_errors.append(f"{type(exc).__name__}: {exc}")
             return
         if plan is not None:
             with self._lock:

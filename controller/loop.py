@@ -45,7 +45,7 @@ class Solver(StrEnum):  # the optimizer's exact solvers (its greedy is a baselin
 class Outcome(StrEnum):
     ISSUED = "issued"
     HELD = "held"  # the new split was not better by the hysteresis margin
-    WAITING = "waiting"  # no new window, or the last plan is not applied yet
+    WAITING = "waiting"  # no new window, or the last plan is neither applied nor rejected yet
 
 
 @dataclass(frozen=True)
@@ -103,10 +103,17 @@ class Controller:
                                                            cooldown_windows=config.cooldown_windows))
         self._fresh = False
         self._created_s = 0.0
+        self.plans_rejected = 0  # plans an agent refused (each version once); the next window re-plans
+        self.stale_acks = 0  # APPLIED acks for a version older than the current plan: mirrored, not followed
 
     @property
     def history(self) -> list[Decision]:
         return list(self._now.history)
+
+    def stats(self) -> dict[str, int]:
+        """Counters of what the controller did with the plan side: issued, refused by an agent, stale acks."""
+        return {"plans_issued": self.state.issued_version, "plans_rejected": self.plans_rejected,
+                "stale_acks": self.stale_acks, "applied_version": self.state.applied_version()}
 
     # ---- observe ----------------------------------------------------------------------------------------
     def sync_from(self, telemetry: Telemetry) -> AgentRecord:
@@ -120,9 +127,21 @@ class Controller:
         return rec
 
     def record_ack(self, ack: PlanAck) -> None:
+        """Mirror an ack (TelemetryRejected, changing nothing, if the state refuses it). An APPLIED ack moves
+        the current split only when it names a newer plan than the current one: a late ack for an older plan
+        is counted in `stale_acks` and must not roll the split back."""
+        newly_rejected = ack.status is AckStatus.REJECTED and ack.version not in self.state.rejected
         self.state.record_ack(ack)
+        if newly_rejected:
+            self.plans_rejected += 1
+        if ack.status is not AckStatus.APPLIED:
+            return
+        current = self._now.plan.version if self._now.plan is not None else 0
+        if ack.version < current:
+            self.stale_acks += 1
+            return
         plan = self.state.plans.get(ack.version)
-        if ack.status is AckStatus.APPLIED and plan is not None:
+        if ack.version > current and plan is not None:
             self._now.split = self._split_of(plan)
             self._now.plan = plan
             self.demand.kv_gpu_limit = self._now.split.kv_blocks
@@ -147,9 +166,11 @@ class Controller:
         return solve(val.problem, self.config.solver.value)
 
     def step_next(self) -> Plan | None:
-        """The next plan, or None: nothing new was observed, the last plan is not applied yet, or the current
-        split is within the hysteresis margin of the best (recorded in `history` as HELD)."""
-        if not self._fresh or self.state.issued_version > self.state.applied_version():
+        """The next plan, or None: nothing new was observed, the last plan is neither applied nor rejected yet,
+        or the current split is within the hysteresis margin of the best (recorded in `history` as HELD).
+        After a rejection the next plan builds on the applied version (its reason names the refused one)."""
+        st = self.state
+        if not self._fresh or (st.issued_version > st.applied_version() and not st.last_issued_rejected()):
             return None
         self._fresh = False
         cfg, now = self.config, self._now
@@ -178,6 +199,9 @@ class Controller:
         reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand)
         if cur is not None:
             reason += f"; {decision.reason}"
+        if st.last_issued_rejected():
+            reason = (f"replaces plan {st.issued_version}, rejected by an agent "
+                      f"({st.rejected[st.issued_version].value}); {reason}")
         plan = self._plan(new, fc, sol, reason, val)
         self.state.record_issued(plan)
         now.forecast = fc

@@ -26,6 +26,7 @@ from controller.protocol import (
     Plan,
     PlanAck,
     ProtocolError,
+    RejectReason,
     Stall,
     StepTimings,
     Telemetry,
@@ -43,6 +44,7 @@ class RejectCode(StrEnum):
     TIME_BACKWARDS = "time_backwards"  # the window starts before the agent's last window ended
     PLAN_VERSION_AHEAD = "plan_version_ahead"  # applied_plan_version was never issued by this controller
     PLAN_VERSION_BACKWARDS = "plan_version_backwards"  # applied_plan_version below what the agent applied before
+    UNKNOWN_AGENT = "unknown_agent"  # an ack from an agent rank that never sent telemetry
 
 
 class TelemetryRejected(ValueError):
@@ -101,6 +103,7 @@ class ControllerState:
         self.version = 0
         self.issued_version = issued_version  # highest plan version this controller handed out
         self.plans: dict[int, Plan] = {}  # issued plans by version (the last `history` of them)
+        self.rejected: dict[int, RejectReason] = {}  # versions an agent refused, with its first reason code
         self.agents: dict[AgentKey, AgentRecord] = {}
 
     # ---- checks (read only) -----------------------------------------------------------------------
@@ -187,18 +190,28 @@ class ControllerState:
         self.plans[plan.version] = plan
         for v in sorted(self.plans)[: max(0, len(self.plans) - self.history)]:
             del self.plans[v]
+        for v in [v for v in self.rejected if v not in self.plans]:
+            del self.rejected[v]
 
     def record_ack(self, ack: PlanAck) -> AgentRecord:
-        """Mirror an agent's answer to a plan (its measured footprint); TelemetryRejected for a version never
-        issued, changing nothing."""
+        """Mirror an agent's answer to a plan (its measured footprint, a refusal's reason code);
+        TelemetryRejected, changing nothing, for a version never issued or an agent that never sent telemetry
+        (it would join `applied_version`'s minimum at 0 and hold every later plan back)."""
+        who = f"{ack.agent_id} rank {ack.rank}"
         if ack.version > self.issued_version:
-            raise TelemetryRejected(RejectCode.PLAN_VERSION_AHEAD, f"{ack.agent_id} rank {ack.rank}: ack for plan "
+            raise TelemetryRejected(RejectCode.PLAN_VERSION_AHEAD, f"{who}: ack for plan "
                                     f"version {ack.version}, but the highest issued is {self.issued_version}")
         key = (ack.agent_id, ack.rank)
-        rec = self.agents.get(key) or AgentRecord(ack.agent_id, ack.rank)
+        rec = self.agents.get(key)
+        if rec is None:
+            known = ", ".join(f"{a} rank {r}" for a, r in sorted(self.agents)) or "none"
+            raise TelemetryRejected(RejectCode.UNKNOWN_AGENT, f"{who}: ack for plan version {ack.version} from "
+                                    f"an agent that sent no telemetry (expected one of: {known})")
         rec.footprint, rec.last_ack = ack.footprint, ack
         if ack.status is AckStatus.APPLIED:
             rec.acked_version = max(rec.acked_version, ack.version)
+        elif ack.reason_code is not None:
+            self.rejected.setdefault(ack.version, ack.reason_code)
         self.agents[key] = rec
         self.version += 1
         return rec
@@ -207,6 +220,10 @@ class ControllerState:
     def applied_version(self) -> int:
         """The plan version every agent has applied, by telemetry or ack (the lowest of them; 0 before any)."""
         return min((max(r.applied_plan_version, r.acked_version) for r in self.agents.values()), default=0)
+
+    def last_issued_rejected(self) -> bool:
+        """Whether an agent refused the newest plan issued (the controller may then issue another)."""
+        return self.issued_version in self.rejected
 
     def recent_windows(self) -> list[Telemetry]:
         """Every agent's recent windows, oldest first by window end."""

@@ -12,11 +12,19 @@ import time
 import numpy as np
 
 from controller.optimizer.pricing import link_price
-from controller.optimizer.problem import InfeasibleError, SplitProblem, SplitSolution, group_arrays, make_solution
+from controller.optimizer.problem import (
+    InfeasibleError,
+    SplitProblem,
+    SplitSolution,
+    group_arrays,
+    make_solution,
+    violations,
+)
 
 
 def solve_milp(problem: SplitProblem, time_limit_s: float = 60.0) -> SplitSolution:
-    """The optimum by MILP; raises InfeasibleError with the cause, RuntimeError if HiGHS gives no optimum."""
+    """The optimum by MILP; raises InfeasibleError with the cause, RuntimeError if HiGHS gives no optimum or
+    its rounded answer breaks a budget."""
     import cvxpy as cp
 
     t0 = time.perf_counter()
@@ -47,6 +55,11 @@ def solve_milp(problem: SplitProblem, time_limit_s: float = 60.0) -> SplitSoluti
         raise RuntimeError(f"HiGHS returned {prob.status} for the split MILP")
     values = np.asarray(x.value)
     choice = tuple(int(np.argmax(values[offsets[g]:offsets[g + 1]])) for g in range(len(arrs)))
+    # HiGHS answers within its tolerances; the rounded choice must keep the exact integer budgets.
+    broken = violations(problem, choice)
+    if broken:
+        raise RuntimeError(f"HiGHS's split MILP answer, rounded to one option per group, breaks a budget: "
+                           f"{'; '.join(broken)} (choice {choice})")
     binds = None if problem.link_budget_bytes_per_step is None else \
         link_price(arrs, problem.capacity_units, float(problem.link_budget_bytes_per_step)) > 0.0
     return make_solution(problem, choice, "milp", (time.perf_counter() - t0) * 1e3, "HiGHS MILP, zero gap",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from controller.loop import Outcome, Solver
-from controller.protocol import AckStatus, Forecast, Plan, Tier, parse, to_json
+from controller.protocol import AckStatus, Forecast, Plan, RejectReason, Tier, parse, to_json
 from controller.state import RejectCode, TelemetryRejected
 from tests.controller.loop_fixtures import (
     BUDGET_BYTES,
@@ -72,23 +72,63 @@ def test_hysteresis_holds_the_plan_under_noise() -> None:
     assert sum(d.outcome is Outcome.HELD for d in ctl.history) >= 8
 
 
-def test_no_new_plan_until_the_last_one_is_applied() -> None:
+def test_no_new_plan_while_one_is_in_flight_and_a_rejected_one_is_replaced() -> None:
     ctl, win = make_controller(), Windows()
     ctl.sync_from(win.next(1, 2))
     first = ctl.step_next()
     assert first is not None
     ctl.sync_from(win.next(16, 60, 20))
-    assert ctl.step_next() is None  # v1 is in flight
+    assert ctl.step_next() is None  # v1 is in flight: neither applied nor rejected
     ctl.record_ack(ack(first, AckStatus.REJECTED))
-    assert ctl.step_next() is None  # rejected: still not applied (a new window will retry)
-    win.applied = 0
+    second = ctl.step_next()  # the refusal does not stop the controller: it plans again on what is applied
+    assert second is not None and second.version == 2 and second.base_version == 0
+    assert ctl.state.rejected == {1: RejectReason.OTHER} and ctl.stats()["plans_rejected"] == 1
+    assert second.reason.startswith("replaces plan 1, rejected by an agent (other); ")
     ctl.sync_from(win.next(16, 60, 20))
-    assert ctl.step_next() is None  # issued_version 1 > applied 0: the controller never builds on a refusal
+    assert ctl.step_next() is None  # v2 is in flight
+    ctl.record_ack(ack(second))
+    win.applied = 2
+    ctl.sync_from(win.next(1, 2))
+    third = ctl.step_next()
+    assert third is not None and third.base_version == 2 and third.version == 3
+    assert "replaces plan" not in third.reason
+    assert ctl.stats() == {"plans_issued": 3, "plans_rejected": 1, "stale_acks": 0, "applied_version": 2}
+
+
+def test_a_late_ack_for_an_old_plan_does_not_roll_the_split_back() -> None:
+    ctl, win = make_controller(), Windows()
+    ctl.sync_from(win.next(1, 2))
+    first = ctl.step_next()
+    assert first is not None
     ctl.record_ack(ack(first))
     win.applied = 1
     ctl.sync_from(win.next(16, 60, 20))
     second = ctl.step_next()
-    assert second is not None and second.base_version == 1 and second.version == 2
+    assert second is not None and second.kv_blocks_per_tier[Tier.GPU] != first.kv_blocks_per_tier[Tier.GPU]
+    ctl.record_ack(ack(second))
+    win.applied = 2
+    ctl.record_ack(ack(first))  # a duplicate, late ack for v1
+    ctl.sync_from(win.next(16, 60, 20))  # the same load as v2 was made for: v2's split is kept
+    assert ctl.step_next() is None and ctl.history[-1].outcome is Outcome.HELD
+    assert ctl.history[-1].version == 2 and ctl.history[-1].split.kv_blocks == second.kv_blocks_per_tier[Tier.GPU]
+    assert ctl.stats()["stale_acks"] == 1 and ctl.state.issued_version == 2
+
+
+def test_an_ack_from_an_agent_without_telemetry_is_refused_and_does_not_pin_the_controller() -> None:
+    ctl, win = make_controller(), Windows()
+    ctl.sync_from(win.next(1, 2))
+    first = ctl.step_next()
+    assert first is not None
+    stray = ack(first).model_copy(update={"agent_id": "agent-9"})
+    before = copy.deepcopy(vars(ctl.state))
+    with pytest.raises(TelemetryRejected, match="agent-9 rank 0: ack for plan version 1 from an agent that sent "
+                                                "no telemetry") as info:
+        ctl.record_ack(stray)
+    assert info.value.code is RejectCode.UNKNOWN_AGENT and vars(ctl.state) == before
+    ctl.record_ack(ack(first))
+    win.applied = 1
+    ctl.sync_from(win.next(16, 60, 20))
+    assert ctl.state.applied_version() == 1 and ctl.step_next() is not None
 
 
 def test_dp_and_milp_give_the_same_plans() -> None:

@@ -130,3 +130,25 @@ def test_exchange_refuses_a_cheaper_swap_that_streams_too_much() -> None:
     assert not violations(problem, choice)
     assert choice == (3, 1)  # giving layer 1 two of layer 0's slots would save 2 ms but stream 300 bytes
     assert solve(problem).choice == (3, 1) == solve(problem, "milp").choice
+
+
+def test_milp_refuses_a_rounded_answer_that_breaks_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cvxpy as cp
+
+    problem = cliff_problem()
+    solve_orig = cp.Problem.solve
+
+    def off_by_tolerance(self: cp.Problem, *args: object, **kwargs: object) -> float:
+        out = solve_orig(self, *args, **kwargs)
+        (x,) = self.variables()
+        bad = np.zeros(x.size)  # every group's largest option: over the capacity, as a loose HiGHS might round
+        end = 0
+        for g in problem.groups:
+            end += len(g.options)
+            bad[end - 1] = 1.0
+        x.value = bad
+        return out
+
+    monkeypatch.setattr(cp.Problem, "solve", off_by_tolerance)
+    with pytest.raises(RuntimeError, match="rounded to one option per group, breaks a budget: uses 20 units of 10"):
+        solve(problem, "milp")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from controller.protocol import Plan, PlanAck, Telemetry, parse
+from controller.protocol import Plan, PlanAck, RejectReason, Telemetry, parse
 from controller.state import ControllerState, ModelInfo, RejectCode, TelemetryRejected
 from tests.controller.test_protocol import ack_data, plan_data, telemetry_data
 
@@ -130,3 +130,25 @@ def test_issued_versions_rise_and_acks_are_mirrored(state: ControllerState) -> N
     with pytest.raises(TelemetryRejected, match="ack for plan version 4, but the highest issued is 1"):
         state.record_ack(parse(PlanAck, ack_data()))
     assert snapshot(state) == before
+
+
+def test_an_ack_from_an_agent_that_sent_no_telemetry_is_refused(state: ControllerState) -> None:
+    state.record_issued(plan(1))
+    before = snapshot(state)
+    stray = parse(PlanAck, {**ack_data(), "agent_id": "stray-rank0", "version": 1, "plan_id": "p1"})
+    with pytest.raises(TelemetryRejected, match="stray-rank0 rank 0: ack for plan version 1 from an agent that "
+                                                "sent no telemetry") as info:
+        state.record_ack(stray)
+    assert info.value.code is RejectCode.UNKNOWN_AGENT and snapshot(state) == before
+    assert state.applied_version() == 0 and ("stray-rank0", 0) not in state.agents
+
+
+def test_a_rejected_ack_records_the_version_and_its_reason_code(state: ControllerState) -> None:
+    state.record_issued(plan(1))
+    refusal = parse(PlanAck, {**ack_data("rejected"), "version": 1, "plan_id": "p1", "reason_code": "over_budget",
+                              "reason": "over the budget"})
+    state.record_ack(refusal)
+    assert state.rejected == {1: RejectReason.OVER_BUDGET} and state.last_issued_rejected()
+    assert state.applied_version() == 0
+    state.record_issued(plan(2))
+    assert not state.last_issued_rejected()

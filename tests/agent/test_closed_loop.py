@@ -1,0 +1,61 @@
+"""agent/closed_loop.py: whatever the plan source's planner raises is this window's counted planner error (with
+its type), never a telemetry build failure, and the telemetry still reached the source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.closed_loop import InProcessLoop
+from controller.protocol import Plan, PlanAck, Telemetry
+from runtime.device import Device
+from runtime.engine.engine import EngineConfig, ReferenceEngine
+from runtime.engine.presets import preset
+from runtime.engine.routing_trace import RoutingTrace
+from runtime.engine.runner import ForcedRouter, Runner
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.workloads import Request
+from runtime.selfcheck.exact import auto_block_tokens
+
+DATA = Path(__file__).parents[2] / "data"
+
+
+class FailingPlanner:
+    """Accepts every window, then fails to plan with the given exception (a solver's status, a bug)."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc, self.synced = exc, 0
+
+    def sync_from(self, telemetry: Telemetry) -> None:
+        self.synced += 1
+
+    def step_next(self) -> Plan | None:
+        raise self.exc
+
+    def record_ack(self, ack: PlanAck) -> None:
+        raise AssertionError("no plan was issued, so nothing can be acked")
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("HiGHS returned time_limit for the split MILP"),
+                                 IndexError("list index out of range")])
+def test_any_planner_exception_is_a_counted_planner_error(tmp_path: Path, exc: Exception) -> None:
+    spec = preset("tiny")
+    bt = auto_block_tokens(spec)
+    eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=bt, resident_frac=0.5, kv_gpu_blocks=8,
+                                                            kv_cpu_blocks=8, kv_nvme_blocks=16, workdir=tmp_path))
+    source = FailingPlanner(exc)
+    try:
+        loop = InProcessLoop(eng, source, window_steps=4)
+        reqs = [Request(i, 0.0, 10 + 3 * i, 6, (), "test") for i in range(4)]
+        trace = RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz")
+        Runner(eng, Scheduler(8, bt, max_batch=4), ForcedRouter(trace, eng), on_step=loop.on_step).run(reqs)
+        loop.finish()
+    finally:
+        eng.close()
+    windows = len(loop.telemetry)
+    assert windows >= 2 and source.synced == windows
+    assert loop.adapter.outbox.failed == 0  # not mistaken for a window that failed to build
+    assert loop.planner_errors == [f"{type(exc).__name__}: {exc}"] * windows
+    st = loop.stats()
+    assert st["planner_errors"] == windows and st["plans"] == 0 and st["telemetry_refused"] == 0
