@@ -111,7 +111,8 @@ def register(app: typer.Typer) -> None:
         policy: Annotated[str, typer.Option(
             help="Expert cache: lru (one pool), lru-layer, lfu-layer, or plan (with --plan).")] = "lru",
         plan: Annotated[Path | None, typer.Option(
-            help="A controller Plan (JSON) to replay: its per-layer expert bytes and pins (--policy plan).")] = None,
+            help="A controller Plan (JSON) to replay whole: its per-layer expert bytes, pins and GPU KV blocks "
+                 "(instead of --kv-gb; --policy plan).")] = None,
         max_batch: Annotated[int, typer.Option(min=1, help="Continuous batching: most sequences per step.")] = 32,
         limit: Annotated[int | None, typer.Option(min=1, help="First N requests of the trace.")] = None,
         time_scale: Annotated[float, typer.Option(min=1e-9, help="Multiply arrival times by this.")] = 1.0,
@@ -131,7 +132,7 @@ def register(app: typer.Typer) -> None:
         from controller import sim_traces
         from controller.costmodel import ComputeParams, CostModel, HardwareSpec
         from controller.model_shape import ShapeError, builtin_shape, shape_from_config
-        from controller.protocol import Link, Plan, ProtocolError, parse
+        from controller.protocol import Link, Plan, ProtocolError, Tier, parse
         from controller.sim import SimConfig, Simulator, expert_slots_for
         from controller.sim_policy import POLICY_NAMES, PlanPolicy, make_policy
 
@@ -150,9 +151,15 @@ def register(app: typer.Typer) -> None:
             hw = HardwareSpec({Link.H2D: link_gbps * 1e9, Link.D2H: link_gbps * 1e9, Link.DISK2H: disk_read_gbps * 1e9,
                                Link.H2DISK: disk_write_gbps * 1e9}, overhead_us * 1e-6, int(hbm_gb * 1e9),
                               hbm_tbps * 1e12, name=f"{hbm_gb:g} GB HBM, {link_gbps:g} GB/s link")
-            kv_blocks = int(kv_gb * 1e9 // shape.kv_bytes_per_block)
-            if kv_blocks < 1:
-                raise ValueError(f"--kv-gb {kv_gb} holds no KV block of {shape.kv_bytes_per_block} bytes")
+            applied = parse(Plan, _read_text(plan, "--plan")) if plan is not None else None
+            if applied is not None:  # the plan's own KV split replaces --kv-gb: it is replayed whole
+                kv_blocks = applied.kv_blocks_per_tier.get(Tier.GPU, 0)
+                if kv_blocks < 1:
+                    raise ValueError(f"--plan {str(plan)!r}: it gives no GPU KV blocks (kv_blocks_per_tier.gpu)")
+            else:
+                kv_blocks = int(kv_gb * 1e9 // shape.kv_bytes_per_block)
+                if kv_blocks < 1:
+                    raise ValueError(f"--kv-gb {kv_gb} holds no KV block of {shape.kv_bytes_per_block} bytes")
             total = shape.num_moe_layers * shape.num_experts
             slots = (max(1, round(resident_frac * total)) if resident_frac is not None
                      else expert_slots_for(shape, hw.hbm_bytes, kv_blocks, int(workspace_gb * 1e9)))
@@ -162,14 +169,16 @@ def register(app: typer.Typer) -> None:
                                   moe_ms_per_active_expert=shape.expert_bytes / hw.hbm_bytes_per_s * 1e3)
             cost = CostModel(shape, hw, prior)
             num_windows = _calibrate(cost, calibrate) if calibrate is not None else 0
-            if plan is not None:
-                applied = parse(Plan, _read_text(plan, "--plan"))
+            if applied is not None:
+                try:
+                    cache = PlanPolicy(applied, shape.moe_layers, shape.expert_bytes)
+                except ValueError as e:
+                    raise ValueError(f"--plan {str(plan)!r}: {e}") from None
                 planned = sum(applied.expert_bytes_per_layer) // shape.expert_bytes
                 if planned > slots:
                     raise ValueError(f"--plan {str(plan)!r}: its expert bytes hold {planned} experts, the HBM left "
                                      f"by dense weights, KV and workspace holds {slots}")
                 slots = planned
-                cache = PlanPolicy(applied, shape.moe_layers, shape.expert_bytes)
             else:
                 cache = make_policy(policy, slots, shape.num_moe_layers)
             simulator = Simulator(shape, cost, trace, cache,

@@ -135,7 +135,8 @@ class CallablePolicy:
 class PlanPolicy:
     """Replays a controller `Plan` as the agent would hold it between plans: each MoE layer keeps
     `expert_bytes_per_layer / expert_bytes` slots, its pinned experts always resident (they take slots of
-    that layer), the other slots least recently used."""
+    that layer), the other slots least recently used. A layer's bytes must be whole slots and hold its pins
+    (ValueError otherwise): a plan is replayed whole or not at all."""
 
     name = "plan"
 
@@ -151,7 +152,15 @@ class PlanPolicy:
                 raise ValueError(f"PlanPolicy: plan {plan.plan_id!r} pins expert {key.expert} of layer {key.layer}, "
                                  "which is not a MoE layer")
             self._pinned[index[key.layer]].add(key.expert)
-        self._free = [LayerCache(max(0, caps[layer] // expert_bytes - len(self._pinned[j])), 1)
+        for j, layer in enumerate(moe_layers):
+            # A plan replayed in part would be a different plan: refuse what the agent would not hold either.
+            if caps[layer] % expert_bytes:
+                raise ValueError(f"PlanPolicy: plan {plan.plan_id!r} gives layer {layer} {caps[layer]} expert "
+                                 f"bytes, not a whole number of {expert_bytes}-byte expert slots")
+            if len(self._pinned[j]) > caps[layer] // expert_bytes:
+                raise ValueError(f"PlanPolicy: plan {plan.plan_id!r} pins {len(self._pinned[j])} experts of layer "
+                                 f"{layer}, more than its {caps[layer] // expert_bytes} slots")
+        self._free = [LayerCache(caps[layer] // expert_bytes - len(self._pinned[j]), 1)
                       for j, layer in enumerate(moe_layers)]
 
     def on_step(self, unions: Sequence[np.ndarray]) -> CacheOutcome:

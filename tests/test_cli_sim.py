@@ -101,6 +101,35 @@ def test_a_controller_plan_is_replayed_and_a_bad_one_refused(tmp_path: Path) -> 
     assert r.exit_code == 2 and "only with --policy plan" in r.output
 
 
+def test_a_plan_is_replayed_whole_or_refused(tmp_path: Path) -> None:
+    from controller.model_shape import builtin_shape
+    from controller.protocol import ExpertKey, Plan, Tier, to_json
+
+    eb = builtin_shape("tiny").expert_bytes
+    plan = Plan(plan_id="p", version=1, base_version=0, created_s=0.0, hbm_budget_bytes=1 << 20,
+                expert_bytes_per_layer=(2 * eb, 4 * eb), kv_blocks_per_tier={Tier.GPU: 5},
+                pinned_experts=(ExpertKey(layer=0, expert=1),), reason="test")
+    args = ["--requests", MOONCAKE, "--limit", "10", "--max-prompt-len", "48", "--max-output-len", "16",
+            "--preset", "tiny", "--hbm-gb", "1", "--kv-gb", "0.001", "--workspace-gb", "0", "--policy", "plan"]
+    (tmp_path / "plan.json").write_text(to_json(plan))
+    r = _sim(*args, "--plan", str(tmp_path / "plan.json"), "--out", str(tmp_path / "o"), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "o/sim.json").read_text())["inputs"]["kv_gpu_blocks"] == 5  # the plan's KV
+    bad = {"part_slot": {"expert_bytes_per_layer": (2 * eb + eb // 2, 4 * eb)},
+           "over_pinned": {"expert_bytes_per_layer": (eb, 4 * eb),
+                           "pinned_experts": (ExpertKey(layer=0, expert=1), ExpertKey(layer=0, expert=2))},
+           "no_kv": {"kv_blocks_per_tier": {Tier.GPU: 0}}}
+    want = {"part_slot": "not a whole number of", "over_pinned": "pins 2 experts of layer 0, more than its 1 slots",
+            "no_kv": "gives no GPU KV blocks"}
+    for name, update in bad.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(to_json(plan.model_copy(update=update)))
+        r = _sim(*args, "--plan", str(path), "--out", str(tmp_path / name))
+        assert r.exit_code == 2, (name, r.output)
+        assert f"error: --plan '{path}'" in r.output and want[name] in r.output and "Traceback" not in r.output
+        assert not (tmp_path / name).exists()
+
+
 def test_calibration_from_recorded_telemetry_changes_the_prediction(tmp_path: Path) -> None:
     from controller.protocol import to_json
     from tests.controller.test_costmodel_calibrate import _window

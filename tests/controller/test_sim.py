@@ -138,3 +138,8 @@ def test_a_plan_replays_with_its_per_layer_slots_and_pins() -> None:
     assert PlanPolicy(bad, SHAPE.moe_layers, mb).on_step([np.array([0]), np.array([0])]).hits == (0, 1)
     with pytest.raises(ValueError, match="covers 2 layers"):
         PlanPolicy(plan, (0, 5), mb)
+    with pytest.raises(ValueError, match="gives layer 1 1572864 expert bytes, not a whole number of"):
+        PlanPolicy(plan.model_copy(update={"expert_bytes_per_layer": (3 * mb, mb + mb // 2)}), SHAPE.moe_layers, mb)
+    over = plan.model_copy(update={"pinned_experts": (ExpertKey(layer=1, expert=0), ExpertKey(layer=1, expert=1))})
+    with pytest.raises(ValueError, match="pins 2 experts of layer 1, more than its 1 slots"):
+        PlanPolicy(over, SHAPE.moe_layers, mb)
