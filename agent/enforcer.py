@@ -281,6 +281,7 @@ class Enforcer:
     def _enact_target(self, t: _Target, now_s: float) -> None:
         policy, pool = self.policy, self.pool
         policy.drain(now_s)
+        self.experts.drain()  # the engine's own loads ahead (a step's layer-ahead window) hold slots too
         for k in sorted(policy.pinned - t.pinned):
             self.experts.unpin(*k)
         policy.install(t.caps, t.eviction, t.pinned, t.prefetch)

@@ -93,10 +93,11 @@ class PieceResidency:
 
     def fits(self, known: list[list[int]] | None, batch: int) -> bool:
         """Whether every layer's experts fit the slots at once (live routing: any `batch` rows' routes must)."""
-        caps = [self.experts.capacity_of(self.model.pool_layer[m]) for m in self.model.moe_layers]  # layer limits
-        if known is None:
+        pool_layers = [self.model.pool_layer[m] for m in self.model.moe_layers]
+        if known is None:  # layer limits: any routes must fit
+            caps = [self.experts.capacity_of(pl) for pl in pool_layers]
             return min(caps) >= min(self.experts.pool.layout.num_experts, batch * max(1, self.model.spec.top_k))
-        return all(len(k) <= cap for k, cap in zip(known, caps, strict=True))
+        return all(len(k) <= self.experts.capacity_of(pl, k) for k, pl in zip(known, pool_layers, strict=True))
 
     def _needs(self, p: int) -> list[int] | None:
         return self._known[p] if self._known is not None else self._used[p] or self._last[p]

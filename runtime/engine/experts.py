@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from runtime.errors import CapacityError, ConfigError
 from runtime.future import OpFuture
@@ -90,13 +90,15 @@ class OnDemandExperts:
         """Experts one `ensure` may ask for at once: the slots not held by pins (at least one)."""
         return max(1, self.pool.num_slots - self._num_pinned)
 
-    def capacity_of(self, layer: int) -> int:
+    def capacity_of(self, layer: int, experts: Sequence[int] = ()) -> int:
         """Experts of `layer` one `ensure` may ask for: `capacity`, and under a layer limit no more than the
-        limit leaves beside the layer's pinned experts (at least one)."""
+        limit leaves beside the layer's pinned experts (at least one); pinned ones among `experts` (the set
+        asked for at once) hold their slot already and do not count against it."""
         limit = self.pool.limits.get(layer)
         if limit is None:
             return self.capacity
-        num_pinned = sum(self.pool.is_pinned(layer, e) for e in self.pool.resident_experts(layer))
+        asked = set(experts)
+        num_pinned = sum(self.pool.is_pinned(layer, e) for e in self.pool.resident_experts(layer) if e not in asked)
         return max(1, min(self.capacity, limit - num_pinned))
 
     def _layer_room(self, layer: int) -> int | None:
@@ -149,9 +151,9 @@ class OnDemandExperts:
     def ensure(self, layer: int, experts: list[int]) -> None:
         """Make every listed expert of `layer` resident and order the compute stream after its load. The misses
         load as one list (`load_many`: one transfer, one future each); loads started ahead are waited for."""
-        if len(experts) > self.capacity_of(layer):
+        if len(experts) > self.capacity_of(layer, experts):
             raise CapacityError(f"layer {layer} needs {len(experts)} experts at once; it may hold "
-                                f"{self.capacity_of(layer)} (the pool's free slots and the layer's limit)")
+                                f"{self.capacity_of(layer, experts)} (the pool's free slots and the layer's limit)")
         want = set(experts)
         missing = []
         for e in experts:
@@ -256,6 +258,16 @@ class OnDemandExperts:
             self._lru.move_to_end((layer, e))
         self.prefetched += n
         return n
+
+    def drain(self) -> int:
+        """Wait for every load started ahead (`load_async`, `prefetch`) to land or fail, so the pool's slots are
+        settled (an agent applying a plan calls it before it evicts over a new cap). Returns how many it waited
+        for; failures are counted by the loader and whoever started the load."""
+        futs = list(self._inflight.values())
+        for fut in futs:
+            with contextlib.suppress(Exception):
+                fut.wait()
+        return len(futs)
 
     def _wait_inflight(self, key: Key) -> bool:
         """True once an earlier `load_async` of `key` landed; False if there was none or it failed."""

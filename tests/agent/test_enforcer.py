@@ -283,3 +283,26 @@ def test_a_plan_that_fails_midway_leaves_the_last_plans_limits_and_rules(agent: 
     assert after["policy"].caps == before["policy"].caps and after["policy"].pinned == before["policy"].pinned
     assert agent.engine.pool.is_pinned(1, 4) and not agent.engine.pool.is_pinned(0, 1)
     assert agent.enforcer.applied_version == 1
+
+
+def test_a_plan_applied_while_the_engine_prefetches_ahead_still_holds(agent: Agent) -> None:
+    """Regression: the engine's layer-ahead loads were neither waited for nor counted, so a new cap was installed
+    over a layer still loading past it and the plan was REJECTED with the state partly changed."""
+    eng = agent.engine
+    cool_down(agent)
+    assert eng.experts.prefetch(0, [4, 5, 6, 7]) == 4
+
+    ack = agent.enforcer.apply(make_plan(agent, caps=(2, 3)))
+
+    assert ack.status is AckStatus.APPLIED, ack.reason
+    assert eng.pool.num_bound(0) <= 2 and eng.pool.num_bound(1) <= 3
+
+
+def test_a_pinned_expert_the_layer_asks_for_needs_no_second_slot(agent: Agent) -> None:
+    """Regression: capacity_of counted a pinned expert against the cap even when the step asked for it, so a
+    layer at cap 3 with one pin refused to compute 3 experts at once."""
+    eng = agent.engine
+    cool_down(agent)
+    assert agent.enforcer.apply(make_plan(agent, caps=(3, 4), pinned=[(0, 0)])).status is AckStatus.APPLIED
+    eng.experts.ensure(0, [0, 1, 2])
+    assert eng.pool.num_bound(0) == 3 and all(eng.pool.is_resident(0, e) for e in (0, 1, 2))
