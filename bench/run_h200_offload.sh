@@ -2,22 +2,11 @@
 # The H200 run for issue 12 (offload_h200.md), sent through the device tool from the repo root:
 #   bash bench/run_h200_offload.sh "$OUT" [steps]
 # steps: comma-separated subset of pytest,exact,offload (all by default). Carry .whl (pydantic wheels: see
-# bench/run_h200_engine.sh); they are installed into /tmp/site when present.
+# bench/h200_env.sh).
 set -uo pipefail
 out=${1:-bench/results}
 steps=${2:-pytest,exact,offload}
-mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 TIERPLAN_SCRATCH=${TIERPLAN_SCRATCH:-/tmp}
-step() { local t=$1 log=$2; shift 2; local s=$SECONDS
-  timeout "$t" "$@" > "$out/$log" 2>&1; local rc=$?
-  echo "== $log rc=$rc $((SECONDS - s))s: $(tail -n 1 "$out/$log")"; }
-want() { [[ ",$steps," == *",$1,"* ]]; }
+source bench/h200_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv \
   > "$out/machine.log" 2>&1; python3 -c 'import torch; print(torch.__version__)' >> "$out/machine.log" 2>&1
 want pytest && step 240 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests

@@ -4,18 +4,10 @@
 # Arguments: output folder, moves for `check tiers`, processes to shard them over.
 set -uo pipefail
 out=${1:-bench/results}; moves=${2:-1000000}; jobs=${3:-8}; remaps=${4:-20000}
-mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TIERPLAN_SCRATCH=${TIERPLAN_SCRATCH:-/tmp}
-if ls .whl/*.whl >/dev/null 2>&1; then  # pydantic wheels, carried as in run_h200_engine.sh (the CLI imports it)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source bench/h200_env.sh  # carried pydantic wheels (the CLI imports it), step
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
   df -h "$TIERPLAN_SCRATCH" | tail -1; nproc; } 2>&1 | tee "$out/env.txt"
-step() { local t=$1 log=$2; shift 2; local s=$SECONDS
-  timeout "$t" "$@" > "$out/$log" 2>&1; local rc=$?
-  echo "== $log rc=$rc $((SECONDS - s))s: $(tail -n 1 "$out/$log")"; }
 step 180 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime  # the wheels above: agent taps import pydantic
 step 180 check_slots.log python3 -m api.cli check slots --remaps "$remaps" --seed 1 --device cuda
 step 480 check_tiers.log python3 -m api.cli check tiers --moves "$moves" --seed 1 --device cuda --jobs "$jobs"
