@@ -17,6 +17,7 @@ demo: $(STAMP)
 	$(BIN)/tierplan demo
 
 test: $(STAMP)
+	bash .ci/system-deps.sh
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -m "not gpu"
 

@@ -1,0 +1,276 @@
+"""Messages between the sidecar, the controller service and its readers (UI, CLI, dashboards): pydantic v2.
+
+Part of the protocol (controller/protocol.py re-exports nothing from here; import this module by name). The
+sidecar registers the agent it serves (`AgentRegistration`: the model's shape, the hardware and what the
+split is made of, so the service can build that agent's controller), posts telemetry in batches
+(`TelemetryBatch`), polls `Plan`s and posts `PlanAck`s (both in protocol.py). Operators tune an agent group
+with `PolicyUpdate`; the service answers with records (`AgentStatus`, `IngestResult`, `PlanRecord`,
+`PolicyRecord`, `DecisionRecord`). Imported by the inference process (sidecar) and the service alike: plain
+data plus validation; it must never import torch, runtime or agent, touch the network or disk, or keep state.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal, Self
+
+from pydantic import Field, model_validator
+
+from controller.protocol import (
+    ExpertKey,
+    Link,
+    Plan,
+    PlanAck,
+    ProtocolModel,
+    Telemetry,
+    Tier,
+)
+from controller.validation import (
+    MAX_ITEMS,
+    MAX_LAYERS,
+    Count,
+    Id,
+    LayerIndex,
+    Millis,
+    NumExperts,
+    NumLayers,
+    Probability,
+    Seconds,
+    Text,
+    Version,
+    _invalid,
+)
+
+MAX_BATCH_WINDOWS = 256  # telemetry windows in one POST; a sidecar sends more as several batches
+
+
+# ---- registration (sidecar -> service, once per agent rank and again after a service restart) ----
+class ShapeSpec(ProtocolModel):
+    """controller.model_shape.ModelShape as a message (the field names are the same)."""
+
+    name: Id
+    num_layers: NumLayers
+    moe_layers: tuple[LayerIndex, ...] = Field(min_length=1, max_length=MAX_LAYERS)
+    num_experts: NumExperts
+    top_k: int = Field(ge=1, strict=True)
+    expert_bytes: int = Field(ge=1, strict=True)
+    dense_bytes: Count
+    kv_bytes_per_token: int = Field(ge=1, strict=True)
+    block_tokens: int = Field(default=16, ge=1, strict=True)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.top_k > self.num_experts:
+            raise _invalid("top_k", f"{self.top_k} exceeds num_experts={self.num_experts}")
+        layers = list(self.moe_layers)
+        if layers != sorted(set(layers)) or layers[-1] >= self.num_layers:
+            raise _invalid("moe_layers", f"must be ascending, unique and below num_layers={self.num_layers}")
+        return self
+
+
+class HardwareSheet(ProtocolModel):
+    """controller.costmodel.HardwareSpec as a message: bandwidth of every link, per-transfer host cost."""
+
+    name: Text = ""
+    link_bytes_per_s: dict[Link, float] = Field(min_length=len(Link), max_length=len(Link))
+    transfer_overhead_s: Seconds
+    hbm_bytes: Count
+    hbm_bytes_per_s: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _positive(self) -> Self:
+        for link, bw in self.link_bytes_per_s.items():
+            if not bw > 0:
+                raise _invalid(f"link_bytes_per_s.{link.value}", f"{bw} must be > 0 bytes/s")
+        return self
+
+
+class SplitSheet(ProtocolModel):
+    """controller.valuation.SplitSpace as a message (what the split is made of, in bytes), plus the KV
+    capacity of the slower tiers. Knobs an operator tunes (min slots, link share) live in `PolicyKnobs`."""
+
+    hbm_budget_bytes: int = Field(ge=1, strict=True)
+    dense_bytes: Count
+    workspace_bytes: Count
+    slot_bytes: int = Field(ge=1, strict=True)
+    kv_block_bytes: int = Field(ge=1, strict=True)
+    kv_gpu_blocks_max: int = Field(ge=1, strict=True)
+    kv_gpu_blocks_min: Count
+    kv_block_tokens: int = Field(default=16, ge=1, strict=True)
+    kv_cpu_blocks: Count
+    kv_nvme_blocks: Count
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.kv_gpu_blocks_min > self.kv_gpu_blocks_max:
+            raise _invalid("kv_gpu_blocks_min", f"{self.kv_gpu_blocks_min} exceeds kv_gpu_blocks_max="
+                                                f"{self.kv_gpu_blocks_max}")
+        return self
+
+
+class AgentRegistration(ProtocolModel):
+    schema_version: Literal[1] = 1
+    agent_id: Id
+    rank: Count = 0
+    group: Id = "default"  # the policy group whose knobs this agent's controller runs with
+    engine: Id  # e.g. "tierplan-reference", "vllm"
+    shape: ShapeSpec
+    hardware: HardwareSheet
+    split: SplitSheet
+    registered_s: Seconds
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.split.kv_block_tokens != self.shape.block_tokens:
+            raise _invalid("split.kv_block_tokens", f"{self.split.kv_block_tokens} differs from "
+                                                    f"shape.block_tokens={self.shape.block_tokens}")
+        return self
+
+
+# ---- telemetry ingest ----
+class TelemetryBatch(ProtocolModel):
+    schema_version: Literal[1] = 1
+    windows: tuple[Telemetry, ...] = Field(min_length=1, max_length=MAX_BATCH_WINDOWS)
+
+
+class WindowRejection(ProtocolModel):
+    index: Count  # position in the batch
+    agent_id: Id
+    window_seq: Count
+    code: Id  # controller.state.RejectCode value
+    message: Text
+
+
+class IngestResult(ProtocolModel):
+    accepted: Count
+    rejected: tuple[WindowRejection, ...] = ()
+
+
+# ---- policies (operator -> service) ----
+class SolverChoice(StrEnum):
+    DP = "dp"
+    MILP = "milp"
+
+
+class PredictorChoice(StrEnum):
+    MISS_RATIO = "miss_ratio"  # per-layer LRU miss-ratio curves from the reported step unions (default)
+    FREQUENCY = "frequency"  # activation frequencies only
+
+
+class PolicyKnobs(ProtocolModel):
+    """The tuning knobs of one agent group. Every field changes what the controller decides; a knob the
+    controller cannot honour is refused by name (extra="forbid"), never accepted and ignored."""
+
+    solver: SolverChoice = SolverChoice.DP
+    hysteresis: float = Field(default=0.10, ge=0, le=1)
+    cooldown_windows: Count = 0
+    horizon_steps: int = Field(default=64, ge=1, strict=True)
+    plan_every_windows: int = Field(default=1, ge=1, strict=True)  # windows per agent between two plans
+    stall_weight: float = Field(default=1.0, ge=0)  # objective: weight of predicted expert stall per step
+    kv_weight: float = Field(default=1.0, ge=0)  # objective: weight of predicted KV deferral per step
+    pin_frac: Probability = 0.5
+    min_slots_per_layer: int = Field(default=1, ge=1, strict=True)
+    max_slots_per_layer: int | None = Field(default=None, ge=1, strict=True)  # None: as many as fit
+    pinned_experts: tuple[ExpertKey, ...] = Field(default=(), max_length=MAX_ITEMS)  # always resident
+    hbm_budget_bytes: int | None = Field(default=None, ge=1, strict=True)  # None: the agent's registered budget
+    link_share: Probability = 0.8
+    top_m: int = Field(default=4, ge=1, le=64, strict=True)
+    min_prob: Probability = 0.05
+    min_score: Probability = 0.5
+    predictor: PredictorChoice = PredictorChoice.MISS_RATIO
+    shadow_predictor: PredictorChoice | None = None  # evaluated beside `predictor`, promoted only if better
+    auto_promote: bool = False  # promote the shadow when it wins (else only report its score)
+    calibrate: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.max_slots_per_layer is not None and self.max_slots_per_layer < self.min_slots_per_layer:
+            raise _invalid("max_slots_per_layer", f"{self.max_slots_per_layer} is below min_slots_per_layer="
+                                                  f"{self.min_slots_per_layer}")
+        if self.shadow_predictor is not None and self.shadow_predictor == self.predictor:
+            raise _invalid("shadow_predictor", f"{self.shadow_predictor.value!r} is already the active predictor")
+        if self.auto_promote and self.shadow_predictor is None:
+            raise _invalid("auto_promote", "needs a shadow_predictor to promote")
+        if self.stall_weight == 0 and self.kv_weight == 0:
+            raise _invalid("kv_weight", "stall_weight and kv_weight are both 0: nothing left to optimize")
+        return self
+
+
+class PolicyUpdate(ProtocolModel):
+    knobs: PolicyKnobs
+    why: Text = Field(min_length=1)  # recorded with the change; who is the token's name
+    expected_version: Count | None = None  # optimistic concurrency: refuse (409) unless the group is at it
+
+
+class PolicyRecord(ProtocolModel):
+    group: Id
+    version: Count  # 0: the built-in defaults, never changed
+    knobs: PolicyKnobs
+    author: Id
+    why: Text
+    created_s: Seconds
+
+
+# ---- records the service returns ----
+class AgentState(StrEnum):
+    ACTIVE = "active"  # telemetry within the service's stale_after_s
+    STALE = "stale"  # registered, nothing heard recently
+    NEW = "new"  # registered, no telemetry yet
+
+
+class AgentStatus(ProtocolModel):
+    agent_id: Id
+    rank: Count
+    group: Id
+    engine: Id
+    model: Id
+    registered_s: Seconds
+    last_seen_s: Seconds | None
+    state: AgentState
+    windows: Count  # accepted telemetry windows
+    issued_version: Count  # newest plan issued to it (0: none)
+    applied_version: Count  # newest plan it acked as applied
+
+
+class PlanState(StrEnum):
+    ISSUED = "issued"  # no ack yet
+    APPLIED = "applied"
+    REJECTED = "rejected"
+    SUPERSEDED = "superseded"  # a newer plan was issued before this one was acked
+
+
+class PlanRecord(ProtocolModel):
+    plan: Plan
+    issued_s: Seconds
+    state: PlanState
+    ack: PlanAck | None = None
+
+
+class SplitView(ProtocolModel):
+    """The HBM split a decision chose, in the units a reader plots."""
+
+    expert_slots_per_layer: tuple[Count, ...] = Field(max_length=MAX_LAYERS)  # per MoE layer
+    expert_bytes: Count
+    kv_blocks_per_tier: dict[Tier, Count]
+    kv_gpu_bytes: Count
+
+
+class DecisionOutcome(StrEnum):
+    ISSUED = "issued"
+    HELD = "held"
+
+
+class DecisionRecord(ProtocolModel):
+    id: Count
+    agent_id: Id
+    created_s: Seconds
+    outcome: DecisionOutcome
+    version: Version  # the plan issued, or the one kept
+    window: Count  # windows of this agent seen when deciding
+    policy_version: Count
+    batch_tokens: float = Field(ge=0)
+    kv_demand_blocks: float = Field(ge=0)
+    split: SplitView
+    predicted_step_ms: Millis  # the cost model's step time for the split
+    measured_step_ms: Millis | None = None  # mean step p50 of the windows run under this plan (None: none yet)
+    reason: Text
