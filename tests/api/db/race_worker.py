@@ -1,9 +1,10 @@
 """One of the service processes in the plan-version race (tests/api/db/test_plan_race.py runs two of these).
 
-Run as `python -m tests.api.db.race_worker URL AGENT_ID NUM_VERSIONS NAME GO_FILE`: waits for GO_FILE (so both
-processes start racing together), then does what a service's planner does: reads the agent's newest plan
-version and stores the next one (stamped with NAME), until NUM_VERSIONS exist. Prints one JSON line: the
-versions it won and, for each loss, (attempted, the PlanConflict's current_version). It touches only the database it is given.
+Run as `python -m tests.api.db.race_worker URL AGENT_ID NUM_VERSIONS NAME GO_FILE`: says it is ready
+(NAME.ready beside GO_FILE) and waits for GO_FILE, so both processes start racing together; then does what a
+service's planner does: reads the agent's newest plan version and stores the next one (stamped with NAME),
+until NUM_VERSIONS exist. Prints one JSON line: the versions it won and, for each loss, (attempted, the
+PlanConflict's current_version). It touches only the database it is given.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def main(url: str, agent_id: str, num_versions: int, name: str, go_file: Path) -
     engine = make_engine(url)
     repo = Repository(engine)
     repo.ping()  # connect before the start line, so both start equally warm
+    go_file.with_name(f"{name}.ready").touch()
     end = time.monotonic() + 60
     while not go_file.exists() and time.monotonic() < end:
         time.sleep(0.001)

@@ -17,6 +17,7 @@ from api.db import migrate
 from api.db.engine import make_engine
 from api.db.repo import Repository
 from tests.api.db.builders import registration
+from tests.conftest import wait_until
 
 NUM_VERSIONS = 150
 ROOT = Path(__file__).resolve().parents[3]
@@ -35,6 +36,9 @@ def test_two_processes_never_store_one_version_twice(backend: str, tmp_path: Pat
     procs = [subprocess.Popen([sys.executable, "-m", "tests.api.db.race_worker", url, "agent-0", str(NUM_VERSIONS),
                                name, str(go)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for name in ("A", "B")]
+    for name in ("A", "B"):  # both connected and waiting: then start them together
+        wait_until(lambda n=name: (tmp_path / f"{n}.ready").exists() or any(p.poll() is not None for p in procs),
+                   timeout_s=120, what=f"race worker {name} ready")
     go.touch()
     results = {}
     for proc in procs:
