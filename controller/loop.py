@@ -138,6 +138,11 @@ class Controller:
     def history(self) -> list[Decision]:
         return list(self._now.history)
 
+    def pop_decisions(self) -> list[Decision]:
+        """The decisions since the last call, handed over and forgotten (a long-running service keeps none)."""
+        out, self._now.history = self._now.history, []
+        return out
+
     @property
     def predictor(self) -> CurveSource:
         """The curve source the forecast uses now (the configured one, or a promoted shadow)."""
