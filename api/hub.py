@@ -37,6 +37,7 @@ from controller.protocol_service import (
 from controller.state import RejectCode
 
 log = logging.getLogger(__name__)
+PRUNE_EVERY_S = 60.0
 
 
 class KnobsMisfit(ValueError):
@@ -47,8 +48,10 @@ class ControllerHub:
     """See the module docstring."""
 
     def __init__(self, repo: Repository, metrics: ServiceMetrics, clock: Callable[[], float],
-                 plan_interval_s: float = 0.2) -> None:
+                 plan_interval_s: float = 0.2, retention_s: float = 86400.0) -> None:
         self.repo, self.metrics, self.clock, self.plan_interval_s = repo, metrics, clock, plan_interval_s
+        self.retention_s = retention_s
+        self._pruned_s = 0.0
         self._agents: dict[str, AgentSlot] = {}
         self._lock = threading.Lock()  # guards _agents
         self._plan_lock = threading.Lock()  # one planner pass at a time (the thread, or a test calling plan_once)
@@ -80,9 +83,18 @@ class ControllerHub:
         while not self._stop.wait(self.plan_interval_s):
             try:
                 self.plan_once()
+                self.prune()
             except Exception as exc:  # the thread must outlive a database hiccup; counted, retried next pass
                 log.exception("planner pass failed")
                 self.metrics.planner_errors.labels("*", type(exc).__name__).inc()
+
+    def prune(self) -> int:
+        """Drop telemetry windows older than the retention (at most once a minute); how many went."""
+        now = self.clock()
+        if now - self._pruned_s < PRUNE_EVERY_S:
+            return 0
+        self._pruned_s = now
+        return self.repo.prune_windows(now - self.retention_s)
 
     # ---- agents -------------------------------------------------------------------------------------------
     def _slot(self, agent_id: str) -> AgentSlot | None:
