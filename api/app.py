@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 
 from api.app_middleware import BodyLimit, HttpMetrics
 from api.auth import TokenAuth
-from api.db.errors import Conflict, NotFound, StoreError
+from api.db.errors import Conflict, InvalidQuery, NotFound, StoreError, Unavailable
 from api.db.repo import Repository
 from api.hub import ControllerHub, KnobsMisfit
 from api.service_metrics import ServiceMetrics
@@ -71,6 +71,14 @@ def _install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Conflict)
     async def _conflict(_: Request, exc: Conflict) -> JSONResponse:
         return detail(status.HTTP_409_CONFLICT, str(exc))
+
+    @app.exception_handler(InvalidQuery)
+    async def _bad_query(_: Request, exc: InvalidQuery) -> JSONResponse:
+        return detail(status.HTTP_422_UNPROCESSABLE_ENTITY, str(exc))
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(_: Request, exc: Unavailable) -> JSONResponse:
+        return detail(status.HTTP_503_SERVICE_UNAVAILABLE, f"database unavailable: {exc}")
 
     @app.exception_handler(StoreError)
     async def _store(_: Request, exc: StoreError) -> JSONResponse:

@@ -14,19 +14,13 @@ import secrets
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 
 from fastapi import HTTPException, status
 
-from api.db.repo import Repository
+from api.db.repo import Repository, Scope
 
 TOKEN_PREFIX = "tp_"
 CACHE_S = 5.0  # a revoked or new token takes effect within this
-
-
-class Scope(StrEnum):
-    READ = "read"
-    WRITE = "write"
 
 
 @dataclass(frozen=True)
@@ -65,7 +59,7 @@ class TokenAuth:
         if hit is not None and hit[1] > now:
             return hit[0]
         rec = self.repo.token_by_hash(digest)
-        who = Principal(rec.name, Scope(str(getattr(rec.scope, "value", rec.scope)))) if rec is not None else None
+        who = Principal(rec.name, Scope(rec.scope)) if rec is not None else None
         with self._lock:
             if len(self._cache) > 10_000:
                 self._cache.clear()

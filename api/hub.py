@@ -63,7 +63,7 @@ class ControllerHub:
         """Rebuild every registered agent from the database (service start)."""
         for status in self.repo.list_agents():
             self._slot(status.agent_id)
-        for pol in self.repo.list_policies() if hasattr(self.repo, "list_policies") else []:
+        for pol in self.repo.list_policies():
             self.metrics.policy_version.labels(pol.group).set(pol.version)
 
     def start(self) -> None:

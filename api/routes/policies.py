@@ -22,10 +22,9 @@ reads = APIRouter(prefix="/v1/policies", tags=["policies"], dependencies=[Depend
 @reads.get("", response_model=list[PolicyRecord])
 def list_policies(repo: RepoDep) -> list[PolicyRecord]:
     """The current policy of every known group (groups with agents or a stored policy, and "default")."""
-    groups = {"default", *(a.group for a in repo.list_agents())}
-    if hasattr(repo, "policy_groups"):
-        groups |= set(repo.policy_groups())
-    return [repo.get_policy(g) for g in sorted(groups)]
+    found = {p.group: p for p in repo.list_policies()}
+    found.setdefault("default", repo.get_policy("default"))
+    return [found[g] for g in sorted(found)]
 
 
 @reads.get("/{group}", response_model=PolicyRecord, responses=errors(422))
