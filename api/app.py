@@ -62,7 +62,11 @@ def _install_handlers(app: FastAPI) -> None:
             ctx = bad_json[0].get("ctx") or {}
             return detail(status.HTTP_400_BAD_REQUEST, f"body: invalid JSON ({ctx.get('error', 'malformed')}); "
                                                        "expected a JSON document")
-        return detail(status.HTTP_422_UNPROCESSABLE_ENTITY, validation_detail(errs))
+        raw_body = [e for e in errs if tuple(e.get("loc", ())) == ("body",) and isinstance(e.get("input"), bytes | str)]
+        if raw_body:
+            return detail(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, "body: sent without Content-Type: application/json; "
+                                                                  "expected a JSON document with that header")
+        return detail(422, validation_detail(errs))
 
     @app.exception_handler(NotFound)
     async def _not_found(_: Request, exc: NotFound) -> JSONResponse:
@@ -74,7 +78,7 @@ def _install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidQuery)
     async def _bad_query(_: Request, exc: InvalidQuery) -> JSONResponse:
-        return detail(status.HTTP_422_UNPROCESSABLE_ENTITY, str(exc))
+        return detail(422, str(exc))
 
     @app.exception_handler(Unavailable)
     async def _unavailable(_: Request, exc: Unavailable) -> JSONResponse:
@@ -86,7 +90,7 @@ def _install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(KnobsMisfit)
     async def _misfit(_: Request, exc: KnobsMisfit) -> JSONResponse:
-        return detail(status.HTTP_422_UNPROCESSABLE_ENTITY, str(exc))
+        return detail(422, str(exc))
 
 
 def create_app(settings: Settings, *, repository: Repository | None = None,

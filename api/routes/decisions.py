@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Query, status
+from fastapi import APIRouter, Depends, HTTPException, Query
 
 from api.deps import RepoDep, _reader
 from api.routes.common import errors
@@ -22,6 +22,6 @@ def list_decisions(repo: RepoDep,
                    limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[DecisionRecord]:
     """Filter by agent and by creation time (seconds since the epoch, inclusive)."""
     if since_s is not None and until_s is not None and until_s < since_s:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
+        raise HTTPException(422,
                             detail=f"query.until_s: {until_s} is before since_s={since_s}")
     return repo.decisions(agent_id=agent_id, since_s=since_s, until_s=until_s, limit=limit)
