@@ -124,8 +124,10 @@ class AgentSlot:
             fresh = build_slot(repo, self.reg)
             self.knobs, self.policy_version = fresh.knobs, fresh.policy_version
             self.controller, self.gate = fresh.controller, fresh.gate
+            # The queued windows were replayed from the database: they still count towards the next decision.
+            self.new_windows += sum(isinstance(item, Telemetry) for item in self.pending)
             self.pending.clear()
-            self.new_windows, self.needs_rebuild, self.promotions_seen = 0, False, 0
+            self.needs_rebuild, self.promotions_seen = False, 0
 
     def feed(self, repo: Repository, metrics: ServiceMetrics) -> None:
         """Hand the queued windows and acks to the controller; store the measured step time of the plans run."""
