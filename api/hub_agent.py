@@ -147,7 +147,7 @@ class AgentSlot:
             self.new_windows += 1
             observe_window(metrics, item, self.fallbacks)
             v = item.applied_plan_version
-            if v > 0:
+            if v > 0 and item.step_timings_ms.num_steps > 0:  # a window of no steps measured nothing
                 total, n = self.measured.get(v, (0.0, 0))
                 self.measured[v] = (total + item.step_timings_ms.p50, n + 1)
                 touched.add(v)
