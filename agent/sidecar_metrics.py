@@ -28,8 +28,10 @@ class SidecarMetrics:
         self.queue_depth = Gauge("tierplan_sidecar_queue_depth", "Telemetry windows waiting to be sent", registry=r)
         self.fail_static = Gauge("tierplan_sidecar_fail_static",
                                  "1 while the service is unreachable and the sidecar runs fail-static", registry=r)
-        self.fail_static_transitions = Counter("tierplan_sidecar_fail_static_total",
-                                               "Entries into each fail-static mode", ["mode"], registry=r)
+        # Only goes up, but typed gauge: as a Counter its family would be `tierplan_sidecar_fail_static`, the
+        # gauge above (the client refuses the clash, a scrape could not tell the two apart). rate() works alike.
+        self.fail_static_transitions = Gauge("tierplan_sidecar_fail_static_total",
+                                             "Entries into each fail-static mode (monotonic)", ["mode"], registry=r)
         self.service_errors = Counter("tierplan_sidecar_service_errors_total",
                                       "Failed requests to the service, by kind", ["kind"], registry=r)
         self.retries = Counter("tierplan_sidecar_retries_total",

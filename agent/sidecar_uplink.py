@@ -219,26 +219,31 @@ class Uplink:
             self._next_poll_s = self.clock()  # a (re-)registered agent's plan is polled at once
 
     def _send_queued(self, now: float) -> None:
-        """Acks and windows in arrival order; windows batched, sent when a batch is due."""
+        """Acks and windows in arrival order. Windows go when a flush is due (a full batch, `flush_s` passed,
+        an ack behind them, a requested flush): then everything queued at that moment goes, batch by batch."""
         c = self.config
+        until_seq: int | None = None  # while flushing: the newest window to send in this flush
         while True:
             with self._lock:
                 ack = self._acks[0] if self._acks else None
                 head = self._windows[0] if self._windows else None
                 num_windows = len(self._windows)
+                newest = self._windows[-1].seq if self._windows else None
             if ack is not None and (head is None or ack.seq < head.seq):
                 self._send_ack(ack)
                 continue
-            flush_due = (num_windows >= c.max_batch_windows or now - self._last_flush_s >= c.flush_s
-                         or self._flush_requested)
-            if head is None or not (flush_due or ack is not None):
+            if head is None or (until_seq is not None and head.seq > until_seq):
                 if head is None:
                     self._last_flush_s = now
+                self._flush_requested = False
                 return
-            self._send_batch(ack.seq if ack is not None else None)
-            if num_windows <= c.max_batch_windows and ack is None:
-                self._last_flush_s = now
-                return
+            if until_seq is None:
+                if not (num_windows >= c.max_batch_windows or now - self._last_flush_s >= c.flush_s
+                        or self._flush_requested or ack is not None):
+                    return
+                until_seq, self._last_flush_s = newest, now
+            limit = until_seq if ack is None else min(until_seq, ack.seq)
+            self._send_batch(limit)
 
     def _send_ack(self, item: _Ack) -> None:
         try:
@@ -255,15 +260,15 @@ class Uplink:
             self.counts.acks_sent += 1
         self.metrics.acks_sent.inc()
 
-    def _send_batch(self, before_seq: int | None) -> None:
+    def _send_batch(self, until_seq: int) -> None:
+        """POST the oldest windows up to `until_seq`, at most a batch (windows and bytes)."""
         c = self.config
         with self._lock:
             batch: list[_Window] = []
             num_bytes = 0
             while self._windows and len(batch) < c.max_batch_windows:
                 w = self._windows[0]
-                if (before_seq is not None and w.seq > before_seq) or (batch and num_bytes + len(w.text)
-                                                                       > c.max_batch_bytes):
+                if w.seq > until_seq or (batch and num_bytes + len(w.text) > c.max_batch_bytes):
                     break
                 batch.append(self._windows.popleft())
                 num_bytes += len(w.text) + 1
