@@ -3,8 +3,8 @@
 Runs in the inference process. The engine-facing methods (`sync_from`, `step_next`, `record_ack`, called on
 the outbox and engine threads) only touch in-memory queues under a lock held for a few instructions: they
 never wait on the socket, the sidecar or the network. Telemetry and acks go to bounded queues that a sender
-thread drains into the socket; when a queue is full its oldest entry is dropped and counted (a dead, slow or
-missing sidecar costs the engine a counter, nothing more). A reader thread takes the plans the sidecar
+thread drains into the socket in the order they were made; when a queue is full its oldest entry is dropped
+and counted (a dead, slow or missing sidecar costs the engine a counter, nothing more). A reader thread takes the plans the sidecar
 pushes; `step_next` hands out the newest one newer than the last handed out. The sender reconnects with
 backoff; on each connection it first sends the agent's registration and a `PlanRequest`.
 
@@ -25,6 +25,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable
 from enum import StrEnum
+from itertools import count
 from typing import Any
 
 from agent.sidecar_backoff import Backoff
@@ -63,10 +64,11 @@ class ServiceLink:
         self._backoff = reconnect or Backoff(base_s=0.05, cap_s=2.0, rng=random.Random())
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._windows: deque[Telemetry] = deque()
-        self._acks: deque[PlanAck] = deque()
+        self._seq = count()  # arrival order: the sidecar must see windows and acks in the order they were made
+        self._windows: deque[tuple[int, Telemetry]] = deque()
+        self._acks: deque[tuple[int, PlanAck]] = deque()
         self._max_windows, self._max_acks = max_queued_windows, max_queued_acks
-        self._in_flight: Telemetry | PlanAck | None = None
+        self._in_flight: tuple[int, Telemetry | PlanAck] | None = None
         self._latest: Plan | None = None  # newest plan the sidecar pushed
         self._handed_version = 0  # newest version step_next handed out
         self._sock: socket.socket | None = None
@@ -87,7 +89,7 @@ class ServiceLink:
             if len(self._windows) >= self._max_windows:
                 self._windows.popleft()
                 self.dropped[DropReason.QUEUE_FULL] += 1
-            self._windows.append(telemetry)
+            self._windows.append((next(self._seq), telemetry))
             self._wake.notify()
 
     def step_next(self) -> Plan | None:
@@ -105,7 +107,7 @@ class ServiceLink:
             if len(self._acks) >= self._max_acks:
                 self._acks.popleft()
                 self.acks_dropped[DropReason.QUEUE_FULL] += 1
-            self._acks.append(ack)
+            self._acks.append((next(self._seq), ack))
             self._wake.notify()
 
     # ---- lifecycle and accounting -----------------------------------------------------------------------
@@ -132,7 +134,7 @@ class ServiceLink:
         """One consistent snapshot: produced == sent + dropped + queued + in_flight (windows and acks alike)."""
         with self._lock:
             c = self.counts
-            flight = self._in_flight
+            flight = self._in_flight[1] if self._in_flight is not None else None
             return {"state": self.state.value, "produced": c["produced"], "sent": c["sent"],
                     "dropped": {r.value: n for r, n in self.dropped.items()}, "queued": len(self._windows),
                     "in_flight": int(isinstance(flight, Telemetry)), "acks_produced": c["acks_produced"],
@@ -159,9 +161,10 @@ class ServiceLink:
                 if not self._open():
                     self._closing.wait(self._backoff.next_delay_s())
                 continue
-            item = self._take()
-            if item is None:
+            entry = self._take()
+            if entry is None:
                 continue
+            item = entry[1]
             try:
                 data = encode_frame(item, self.max_frame_bytes)
             except FrameError as exc:
@@ -171,7 +174,7 @@ class ServiceLink:
                 self._io()
                 sock.sendall(data)
             except OSError as exc:  # timeout (a slow sidecar), reset, closed by the reader: reconnect
-                self._requeue(item, exc)
+                self._requeue(entry, exc)
                 self._hang_up(sock)
                 continue
             self._settle(item, sent=True)
@@ -196,17 +199,17 @@ class ServiceLink:
         threading.Thread(target=self._read_loop, args=(sock,), name="tierplan-link-reader", daemon=True).start()
         return True
 
-    def _take(self) -> Telemetry | PlanAck | None:
-        """The next frame to send (acks first: the controller holds plans back until it hears one)."""
+    def _take(self) -> tuple[int, Telemetry | PlanAck] | None:
+        """The next frame to send: the older of the two queues' heads (arrival order, as they were made)."""
         with self._wake:
             self._wake.wait_for(lambda: self._acks or self._windows or self._closing.is_set()
                                 or self._sock is None, timeout=0.5)
             if self._closing.is_set() or self._sock is None:
                 return None
-            queue = self._acks or self._windows
-            if not queue:
+            if not (self._acks or self._windows):
                 return None
-            self._in_flight = queue.popleft()
+            use_ack = bool(self._acks) and (not self._windows or self._acks[0][0] < self._windows[0][0])
+            self._in_flight = (self._acks if use_ack else self._windows).popleft()  # type: ignore[assignment]
             return self._in_flight
 
     def _settle(self, item: Telemetry | PlanAck, sent: bool, reason: DropReason | None = None,
@@ -221,17 +224,17 @@ class ServiceLink:
                 self.last_error = error
             self._wake.notify_all()
 
-    def _requeue(self, item: Telemetry | PlanAck, exc: OSError) -> None:
+    def _requeue(self, entry: tuple[int, Telemetry | PlanAck], exc: OSError) -> None:
         with self._wake:
             self._in_flight = None
             self.counts["send_failures"] += 1
             self.last_error = f"send to {self.socket_path}: {exc}"
-            queue, bound, drops = ((self._acks, self._max_acks, self.acks_dropped) if isinstance(item, PlanAck)
+            queue, bound, drops = ((self._acks, self._max_acks, self.acks_dropped) if isinstance(entry[1], PlanAck)
                                    else (self._windows, self._max_windows, self.dropped))
             if len(queue) >= bound:  # newer entries filled the queue meanwhile: this one is now the oldest
                 drops[DropReason.QUEUE_FULL] += 1
             else:
-                queue.appendleft(item)
+                queue.appendleft(entry)  # type: ignore[arg-type]
             self._wake.notify_all()
 
     def _hang_up(self, sock: socket.socket | None = None) -> None:

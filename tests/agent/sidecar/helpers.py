@@ -129,3 +129,21 @@ class TopRng:
 
     def uniform(self, a: float, b: float) -> float:
         return b
+
+
+def wait_until(pred: Any, what: str, limit_s: float = 30.0) -> None:
+    """Poll `pred` until true. The limit only keeps a broken run from hanging; no test asserts on time."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.01)
+
+
+def balanced_link(st: dict[str, Any]) -> bool:
+    """ServiceLink.stats(): every window produced is sent, dropped, queued or in flight; acks alike."""
+    return (st["produced"] == st["sent"] + sum(st["dropped"].values()) + st["queued"] + st["in_flight"]
+            and st["acks_produced"] == st["acks_sent"] + sum(st["acks_dropped"].values()) + st["acks_queued"]
+            + st["acks_in_flight"])
