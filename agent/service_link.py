@@ -4,9 +4,9 @@ Runs in the inference process. The engine-facing methods (`sync_from`, `step_nex
 the outbox and engine threads) only touch in-memory queues under a lock held for a few instructions: they
 never wait on the socket, the sidecar or the network. Telemetry and acks go to bounded queues that a sender
 thread drains into the socket in the order they were made; when a queue is full its oldest entry is dropped
-and counted (a dead, slow or missing sidecar costs the engine a counter, nothing more). A reader thread takes the plans the sidecar
-pushes; `step_next` hands out the newest one newer than the last handed out. The sender reconnects with
-backoff; on each connection it first sends the agent's registration and a `PlanRequest`.
+and counted (a dead, slow or missing sidecar costs the engine a counter, nothing more). A reader thread
+takes the plans the sidecar pushes; `step_next` hands out the newest one newer than the last handed out.
+The sender reconnects with backoff; on each connection it first sends the agent's registration and a `PlanRequest`.
 
 Accounting, exact at any instant (`stats()` reads it under the lock): every window given to `sync_from` is
 sent, dropped (by reason) or still queued/in flight. A frame whose send failed goes back to the queue's
