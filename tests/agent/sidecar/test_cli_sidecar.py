@@ -39,7 +39,9 @@ def test_bad_socket_paths(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("opt,value,says", [("--flush-s", "0", "--flush-s 0.0"), ("--poll-s", "-1", "--poll-s"),
                                             ("--plan-ttl-s", "-5", "--plan-ttl-s -5.0"),
-                                            ("--metrics-port", "70000", "--metrics-port 70000")])
+                                            ("--metrics-port", "70000", "--metrics-port 70000"),
+                                            ("--backoff-cap-s", "0", "--backoff-cap-s 0.0"),
+                                            ("--max-queued-windows", "0", "--max-queued-windows 0")])
 def test_bad_numbers(tmp_path: Path, opt: str, value: str, says: str) -> None:
     refused(["--service", "http://127.0.0.1:8321", "--socket", str(tmp_path / "s.sock"), opt, value], "error:", says)
 
