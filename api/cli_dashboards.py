@@ -1,0 +1,66 @@
+"""`tierplan dashboards export|push`: the Grafana dashboards built as code, written to files or sent to a Grafana.
+
+Runs in the user's shell. The builders are imported inside the commands so `tierplan --help` stays fast. Bad
+input or an unreachable / refusing Grafana prints `error: ...` on stderr and exits 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+dashboards_app = typer.Typer(no_args_is_help=True, help="Grafana dashboards built as code (grafana-foundation-sdk).")
+
+
+def _fail(message: str) -> typer.Exit:
+    print(f"error: {message}", file=sys.stderr)
+    return typer.Exit(2)
+
+
+@dashboards_app.command("export")
+def export_cmd(
+    out: Annotated[Path, typer.Option(help="Folder to write the dashboard JSON and provisioning YAML into.")] = Path(
+        "dashboards"),
+) -> None:
+    """Writes every dashboard as JSON plus Grafana's provisioning YAML (the committed dashboards/ is this output)."""
+    from api.dashboards.export import export
+
+    if out.exists() and not out.is_dir():
+        raise _fail(f"--out {out}: is a file; expected a folder (created if missing)")
+    try:
+        written = export(out)
+    except OSError as exc:
+        raise _fail(f"--out {out}: cannot write ({exc.strerror or exc})") from None
+    for path in written:
+        print(path)
+
+
+@dashboards_app.command("push")
+def push_cmd(
+    url: Annotated[str, typer.Option(help="Grafana's base URL, e.g. http://localhost:3000.")],
+    token: Annotated[str | None, typer.Option(help="Grafana service account token (default: $GRAFANA_TOKEN).",
+                                              show_default=False)] = None,
+    folder: Annotated[str, typer.Option(help="uid (and title) of the Grafana folder the dashboards go into.")] = (
+        "tierplan"),
+) -> None:
+    """Creates or overwrites every dashboard in a running Grafana (its HTTP API, grafana-client)."""
+    from api.dashboards.push import PushError, push_dashboards
+
+    token = token if token is not None else os.environ.get("GRAFANA_TOKEN")
+    if not token:
+        raise _fail("--token missing (and $GRAFANA_TOKEN unset); expected a Grafana service account token")
+    try:
+        pushed = push_dashboards(url, token, folder)
+    except PushError as exc:
+        raise _fail(str(exc)) from None
+    for item in pushed:
+        print(f"{item.uid}: version {item.version} {url.rstrip('/')}{item.url}")
+
+
+def register(app: typer.Typer) -> None:
+    """Adds `tierplan dashboards ...` to the CLI."""
+    app.add_typer(dashboards_app, name="dashboards")
