@@ -50,8 +50,10 @@ def _describe(exc: Exception, url: str, what: str) -> PushError:
                          "dashboards and folders")
     if isinstance(exc, GrafanaException) and exc.status_code:
         return PushError(f"Grafana at {url} answered {exc.status_code} while {what}: {exc.message}")
-    errno = _ERRNO.search(str(exc))  # the socket's reason, not the HTTP library's nested reprs
-    return PushError(f"cannot reach Grafana at {url} while {what}: {errno.group(1) if errno else exc}")
+    text = str(exc)  # the socket's reason, not the HTTP library's nested reprs
+    errno, unresolved = _ERRNO.search(text), "Failed to resolve" in text or "NameResolution" in text
+    reason = "host name does not resolve" if unresolved else errno.group(1) if errno else text
+    return PushError(f"cannot reach Grafana at {url} while {what}: {reason}")
 
 
 def _ensure_folder(api: GrafanaApi, folder_uid: str) -> None:
