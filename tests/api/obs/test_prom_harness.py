@@ -91,3 +91,20 @@ def test_bad_promql_is_an_error_not_empty(stand_ins) -> None:
     board = {"uid": "broken", "panels": [{"title": "typo", "targets": [{"refId": "A", "expr": "rate(x[)"}]}]}
     [outcome] = run_panel_queries(prom.query, [board], variable_values(AGENT, "5s"))
     assert not outcome.ok and "bad_data" in outcome.error
+
+
+def test_the_check_command_against_the_stand_ins(stand_ins) -> None:
+    from typer.testing import CliRunner
+
+    from api.cli import app
+
+    prom, _ = stand_ins
+    ok = CliRunner().invoke(app, ["dashboards", "check", "--prometheus", prom.url, "--agent-id", AGENT,
+                                  "--rate-interval", "5s"])
+    assert ok.exit_code == 0, ok.output
+    assert "panel queries return data" in ok.output and "no data" not in ok.output
+    other = CliRunner().invoke(app, ["dashboards", "check", "--prometheus", prom.url, "--agent-id", "nobody"])
+    assert other.exit_code == 1 and "no data: tierplan-overview / 'Expert slots per layer'" in other.output
+    down = CliRunner().invoke(app, ["dashboards", "check", "--prometheus", f"http://127.0.0.1:{free_port()}",
+                                    "--agent-id", AGENT])
+    assert down.exit_code == 2 and "error: --prometheus http://127.0.0.1:" in down.output
