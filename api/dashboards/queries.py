@@ -55,3 +55,17 @@ def expand(expr: str, values: Mapping[str, str]) -> str:
         return values[name]
 
     return _VAR.sub(sub, expr)
+
+
+_LABEL_VALUES = re.compile(r"^\s*label_values\(\s*([a-zA-Z_:][\w:]*)\s*,\s*(\w+)\s*\)\s*$")
+
+
+def variable_queries(board: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(variable name, metric, label) of every `label_values(metric, label)` query variable, in order."""
+    out = []
+    for var in (board.get("templating") or {}).get("list") or []:
+        query = var.get("query")
+        text = query.get("query", "") if isinstance(query, dict) else str(query or "")
+        if var.get("type") == "query" and (m := _LABEL_VALUES.match(text)):
+            out.append((str(var["name"]), m.group(1), m.group(2)))
+    return out

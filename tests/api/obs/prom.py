@@ -131,6 +131,10 @@ class PrometheusServer:
         data = self._api("query", {"query": expr})
         return list(data["result"]) if data["resultType"] in ("vector", "matrix") else [data["result"]]
 
+    def label_values(self, label: str, metric: str) -> list[str]:
+        """What Grafana's `label_values(metric, label)` lists (the values of `label` on series of `metric`)."""
+        return list(self._api(f"label/{label}/values", {"match[]": metric}))
+
     def wait_for(self, expr: str, timeout_s: float = 30.0) -> list[dict[str, Any]]:
         """Until `expr` returns data (e.g. a metric has been scraped since it appeared)."""
         return self._poll(lambda: self.query(expr) or None, timeout_s, f"data for {expr!r}")

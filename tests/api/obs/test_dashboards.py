@@ -110,3 +110,24 @@ def test_export_into_a_file_is_refused(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "error: --out" in result.output and "expected a folder" in result.output
     assert target.read_text() == "x"
+
+
+@pytest.mark.parametrize("path", sorted(COMMITTED.glob("*.json")), ids=lambda p: p.name)
+def test_committed_json_round_trips_through_the_sdk_model(path: Path) -> None:
+    """What Grafana 11.6's schema (as the SDK models it) reads back is exactly what is committed: no field the
+    schema does not know, none lost."""
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.cog.plugins import register_default_plugins
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    register_default_plugins()
+    data = json.loads(path.read_text())
+    assert json.loads(json.dumps(Dashboard.from_json(data), cls=JSONEncoder)) == data
+
+
+def test_variable_queries_are_listed() -> None:
+    from api.dashboards.queries import variable_queries
+
+    assert variable_queries(all_dashboards()["tierplan-service"]) == [
+        ("agent_id", "tierplan_telemetry_windows_total", "agent_id"),
+        ("sidecar", "tierplan_sidecar_queue_depth", "instance")]

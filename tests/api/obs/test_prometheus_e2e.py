@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from api.dashboards.check import QueryOutcome, run_panel_queries, variable_values
-from api.dashboards.queries import panel_queries
+from api.dashboards.queries import panel_queries, variable_queries
 from tests.api.obs.prom import PrometheusServer, ScrapeJob, free_port
 
 AGENT = "obs-e2e-0"
@@ -80,7 +80,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prometheus_bin: str) -> Iter
         prom.wait_for(f"tierplan_sidecar_windows_sent_total >= {windows}")
         prom.wait_for('count_over_time(up{job="sidecar"}[5s]) >= 4')
         outcomes = run_panel_queries(prom.query, _boards(), variable_values(AGENT, RATE_WINDOW))
-        yield {"prom": prom, "stats": stats, "outcomes": {o.query.where: o for o in outcomes}}
+        yield {"prom": prom, "stats": stats, "outcomes": {o.query.where: o for o in outcomes},
+               "metrics_port": metrics_port}
     finally:
         for p in reversed(procs):
             p.stop()
@@ -97,6 +98,14 @@ def test_the_replay_went_through_the_sidecar_and_plans_were_applied(stack: dict[
     prom: PrometheusServer = stack["prom"]
     [applied] = prom.query(f'tierplan_plan_version{{agent_id="{AGENT}",kind="applied"}}')
     assert float(applied["value"][1]) >= 1
+
+
+def test_the_template_variables_list_the_agent_and_the_sidecar(stack: dict[str, Any]) -> None:
+    prom: PrometheusServer = stack["prom"]
+    seen = {(name, v) for board in _boards() for name, metric, label in variable_queries(board)
+            for v in prom.label_values(label, metric)}
+    assert ("agent_id", AGENT) in seen
+    assert ("sidecar", f"127.0.0.1:{stack['metrics_port']}") in seen
 
 
 @pytest.mark.parametrize("where", _cases())
