@@ -63,7 +63,9 @@ CONTRACT_METRICS: tuple[MetricSpec, ...] = (
     _m("tierplan_sidecar_windows_dropped_total", _C, ("reason",), _SIDE),
     _m("tierplan_sidecar_queue_depth", _G, (), _SIDE),
     _m("tierplan_sidecar_fail_static", _G, (), _SIDE),
-    _m("tierplan_sidecar_fail_static_total", _C, ("mode",), _SIDE),
+    # Typed gauge (it only goes up): as a prometheus-client Counter its family would be
+    # `tierplan_sidecar_fail_static`, the gauge above, and one registry refuses the pair.
+    _m("tierplan_sidecar_fail_static_total", _G, ("mode",), _SIDE),
     _m("tierplan_sidecar_service_errors_total", _C, ("kind",), _SIDE),
     _m("tierplan_sidecar_retries_total", _C, (), _SIDE),
     _m("tierplan_sidecar_plan_version", _G, (), _SIDE),

@@ -3,10 +3,6 @@ self-test only (the real end-to-end test scrapes the real service and sidecar).
 
 Runs in the pytest process (prometheus-client's HTTP server thread, its own registry, 127.0.0.1 only). A
 `skip` set leaves metrics out, so a test can show the dashboards check noticing a missing metric.
-
-The contract names a gauge `tierplan_sidecar_fail_static` next to a counter `tierplan_sidecar_fail_static_total`,
-whose family name is the gauge's: prometheus-client refuses the pair in one registry (DuplicateTimeseries).
-Such a gauge lives in a second registry here, exposed through a collector without `describe` (not checked).
 """
 
 from __future__ import annotations
@@ -23,16 +19,6 @@ _LABEL_VALUES = {"result": "accepted", "kind": "issued", "reason": "stale_versio
                  "cause": "expert_miss", "link": "h2d", "name": "on_demand_load", "quantile": "p50",
                  "route": "/v1/telemetry", "method": "POST", "status": "200", "group": "default",
                  "mode": "last_good", "type": "Telemetry"}
-
-
-class _Merged:
-    """Exposes another registry's samples in this one (no `describe`: the registry skips its clash check)."""
-
-    def __init__(self, inner: CollectorRegistry) -> None:
-        self._inner = inner
-
-    def collect(self) -> Iterable[Any]:
-        return self._inner.collect()
 
 
 @dataclass
@@ -64,19 +50,16 @@ class FakeExporter:
 
 def serve(source: Source, port: int, agent_id: str, skip: Iterable[str] = ()) -> FakeExporter:
     """Starts an exporter of `source`'s contract metrics (minus `skip`) on 127.0.0.1:`port`."""
-    registry, side = CollectorRegistry(), CollectorRegistry()
-    counters = {s.name for s in CONTRACT_METRICS if s.kind is MetricKind.COUNTER}
+    registry = CollectorRegistry()
     metrics = []
     for spec in CONTRACT_METRICS:
         if spec.source is not source or spec.name in skip:
             continue
         kind = {MetricKind.COUNTER: Counter, MetricKind.GAUGE: Gauge, MetricKind.HISTOGRAM: Histogram}[spec.kind]
         name = spec.name.removesuffix("_total") if spec.kind is MetricKind.COUNTER else spec.name
-        home = side if spec.name + "_total" in counters else registry
-        metric = kind(name, f"fake {spec.name}", list(spec.labels), registry=home)
+        metric = kind(name, f"fake {spec.name}", list(spec.labels), registry=registry)
         labels = {k: (agent_id if k == "agent_id" else _LABEL_VALUES[k]) for k in spec.labels}
         metrics.append((metric, labels))
-    registry.register(_Merged(side))
     server, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
     exporter = FakeExporter(port, metrics, server)
     exporter.tick()
