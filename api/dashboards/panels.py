@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from grafana_foundation_sdk.builders import common as common_b
 from grafana_foundation_sdk.builders import dashboard as dash_b
-from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.builders import prometheus, timeseries
 from grafana_foundation_sdk.models import common, dashboard
 
 DATASOURCE_VAR = "datasource"
@@ -63,7 +63,7 @@ def row(title: str) -> dash_b.Row:
     return dash_b.Row(title).collapsed(False)
 
 
-def _targets(panel: timeseries.Panel | stat.Panel, queries: list[Query]) -> None:
+def _targets(panel: timeseries.Panel, queries: list[Query]) -> None:
     for i, q in enumerate(queries):
         panel.with_target(prometheus.Dataquery().expr(q.expr).legend_format(q.legend).ref_id(chr(ord("A") + i))
                           .datasource(_DS).range())
@@ -84,16 +84,7 @@ def graph(title: str, description: str, unit: str, queries: list[Query], *, stac
     return panel
 
 
-def single(title: str, description: str, unit: str, queries: list[Query], *, width: int = 6) -> stat.Panel:
-    """A stat panel showing the last value of each series (with its sparkline)."""
-    panel = (stat.Panel().title(title).description(description).datasource(_DS).unit(unit)
-             .height(4).span(width).graph_mode(common.BigValueGraphMode.AREA)
-             .reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]).values(False)))
-    _targets(panel, queries)
-    return panel
-
-
-def numbered(board: dash_b.Dashboard, parts: list[dash_b.Row | timeseries.Panel | stat.Panel]) -> dash_b.Dashboard:
+def numbered(board: dash_b.Dashboard, parts: list[dash_b.Row | timeseries.Panel]) -> dash_b.Dashboard:
     """Adds rows and panels in order with ids 1, 2, ... (stable ids keep the exported JSON byte-identical)."""
     for i, part in enumerate(parts, start=1):
         part.id(i)
