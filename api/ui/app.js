@@ -1,0 +1,245 @@
+// The decisions page: reads the controller service's JSON API (/v1) every few seconds and draws, for the
+// selected agent, the HBM split over time, expert hit rate and stalls, predicted vs measured step time, the plan
+// history, the decisions and the policy versions of its group. Runs in the browser; it only reads (GET), and
+// it asks only for endpoints /ui/config.json says exist, so a working service never answers it with an error.
+
+import { ACCENT_COLOUR, byteTicks, formatBytes, KV_COLOUR, lineChart, PALETTE, showEmpty, stackedArea }
+  from "./charts.js";
+import { renderDecisions, renderPlans, renderPolicies, renderStatus } from "./tables.js";
+
+const MAX_LAYER_SERIES = 8; // more MoE layers than this are summed into this many contiguous groups
+const DECISIONS_LIMIT = 100;
+const PLANS_LIMIT = 50;
+const POLICIES_LIMIT = 50;
+const WINDOWS_LIMIT = 200;
+const TOKEN_KEY = "tierplan.read_token";
+const STALL_COLOURS = { expert_miss: "#0072b2", kv_miss: KV_COLOUR, both: ACCENT_COLOUR };
+
+const $ = (id) => document.getElementById(id);
+
+class ApiError extends Error {
+  constructor(status, message) { super(message); this.status = status; }
+}
+
+async function getJson(path) {
+  const headers = { Accept: "application/json" };
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) headers.Authorization = `Bearer ${token}`;
+  const response = await fetch(path, { headers, cache: "no-store" });
+  if (!response.ok) {
+    let detail = response.statusText;
+    try { detail = (await response.json()).detail ?? detail; } catch { /* not JSON: keep the status text */ }
+    throw new ApiError(response.status, `GET ${path}: ${response.status} ${JSON.stringify(detail)}`);
+  }
+  return response.json();
+}
+
+/** Layer groups for the split chart: one per MoE layer, or MAX_LAYER_SERIES contiguous runs of them. */
+export function layerGroups(numLayers) {
+  const count = Math.min(numLayers, MAX_LAYER_SERIES);
+  const groups = [];
+  for (let g = 0; g < count; g += 1) {
+    const lo = Math.floor((g * numLayers) / count);
+    const hi = Math.floor(((g + 1) * numLayers) / count) - 1;
+    groups.push({ lo, hi, name: lo === hi ? `experts, MoE layer ${lo}` : `experts, MoE layers ${lo}–${hi}` });
+  }
+  return groups;
+}
+
+/** Series of the split chart from decisions (oldest first): expert bytes per layer group, then KV GPU bytes.
+ *  A layer's bytes are its share of the split's expert bytes by slots (every slot is the same size). */
+export function splitSeries(decisions) {
+  const numLayers = Math.max(0, ...decisions.map((d) => d.split.expert_slots_per_layer.length));
+  const groups = layerGroups(numLayers);
+  const series = groups.map((g, k) => ({ name: g.name, colour: PALETTE[k % PALETTE.length], values: [] }));
+  for (const d of decisions) {
+    const slots = d.split.expert_slots_per_layer;
+    const total = slots.reduce((a, b) => a + b, 0);
+    groups.forEach((g, k) => {
+      const inGroup = slots.slice(g.lo, g.hi + 1).reduce((a, b) => a + b, 0);
+      series[k].values.push(total ? (d.split.expert_bytes * inGroup) / total : 0);
+    });
+  }
+  series.push({ name: "KV cache on GPU", colour: KV_COLOUR, values: decisions.map((d) => d.split.kv_gpu_bytes) });
+  return series;
+}
+
+function drawSplit(decisions, plans) {
+  const box = $("split-chart");
+  if (!decisions.length) {
+    showEmpty(box, "No decisions yet: the controller decides once this agent has sent telemetry windows "
+      + "(every plan_every_windows windows of its group's policy).");
+    return;
+  }
+  const budgetOf = new Map(plans.map((r) => [r.plan.version, r.plan.hbm_budget_bytes]));
+  let last = null;
+  const budget = decisions.map((d) => { last = budgetOf.get(d.version) ?? last; return last; });
+  let known = null; // decisions older than the plans fetched take the oldest budget known
+  for (let i = budget.length - 1; i >= 0; i -= 1) { if (budget[i] === null) budget[i] = known; else known = budget[i]; }
+  const overlay = budget.every((b) => b !== null) ? [{ name: "plan HBM budget", colour: "#444", values: budget }]
+    : null;
+  stackedArea(box, { xs: decisions.map((d) => d.created_s), series: splitSeries(decisions), step: true, overlay,
+    yFormat: formatBytes, yTicks: (_lo, hi) => byteTicks(hi), label: "HBM split over time" });
+}
+
+function drawStep(decisions) {
+  const box = $("step-chart");
+  if (!decisions.length) { showEmpty(box, "No decisions yet."); return; }
+  const fmt = (v) => (v === null || v === undefined ? "–" : `${v.toFixed(2)} ms`);
+  lineChart(box, { xs: decisions.map((d) => d.created_s), label: "step time", format: fmt,
+    yFormat: (v) => `${+v.toPrecision(3)} ms`, series: [
+      { name: "predicted", colour: "#0072b2", values: decisions.map((d) => d.predicted_step_ms), dashed: true },
+      { name: "measured p50", colour: ACCENT_COLOUR, values: decisions.map((d) => d.measured_step_ms ?? null) },
+    ] });
+}
+
+function drawWindows(windows, available) {
+  const hitBox = $("hit-chart");
+  const stallBox = $("stall-chart");
+  if (!available) {
+    const why = "This service does not serve telemetry windows to readers (GET /v1/agents/{id}/windows); "
+      + "the last window's value is on /metrics as ";
+    showEmpty(hitBox, `${why}tierplan_expert_hit_rate.`);
+    showEmpty(stallBox, `${why}tierplan_stall_seconds_total{cause}.`);
+    return;
+  }
+  if (!windows.length) {
+    showEmpty(hitBox, "No telemetry windows yet.");
+    showEmpty(stallBox, "No telemetry windows yet.");
+    return;
+  }
+  const xs = windows.map((w) => w.window_end_s);
+  const rate = windows.map((w) => {
+    const seen = w.expert_hits + w.expert_misses;
+    return seen ? w.expert_hits / seen : null;
+  });
+  lineChart(hitBox, { xs, yMax: 1, label: "expert hit rate", yFormat: (v) => `${Math.round(v * 100)}%`,
+    format: (v) => (v === null || v === undefined ? "–" : `${(v * 100).toFixed(1)}%`),
+    series: [{ name: "expert hit rate", colour: "#009e73", values: rate }] });
+  const causes = Object.keys(STALL_COLOURS);
+  stackedArea(stallBox, { xs, label: "stalls by cause", yFormat: (v) => `${+v.toPrecision(3)} ms`,
+    format: (v) => `${(v || 0).toFixed(2)} ms`,
+    series: causes.map((cause) => ({ name: `${cause.replace("_", " ")} stall ms`, colour: STALL_COLOURS[cause],
+      values: windows.map((w) => w.stalls.filter((s) => s.cause === cause).reduce((a, s) => a + s.total_ms, 0)) })) });
+}
+
+class Page {
+  constructor() {
+    this.config = { refresh_s: 5, endpoints: {}, read_needs_token: false };
+    this.agentId = new URLSearchParams(location.search).get("agent");
+    this.timer = null;
+    this.busy = false;
+  }
+
+  async start() {
+    $("agent").addEventListener("change", (event) => { this.select(event.target.value); });
+    $("token-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
+      $("token").value = "";
+      this.refresh();
+    });
+    document.addEventListener("visibilitychange", () => { if (!document.hidden) this.refresh(); });
+    try {
+      this.config = { ...this.config, ...(await getJson("/ui/config.json")) };
+    } catch (err) {
+      this.showError(`Could not read the page's settings (${err.message}); using defaults.`);
+    }
+    if (this.config.read_needs_token && !sessionStorage.getItem(TOKEN_KEY)) {
+      $("token-box").hidden = false;
+      $("refresh").textContent = "waiting for a read token";
+      return;
+    }
+    await this.refresh();
+  }
+
+  select(agentId) {
+    this.agentId = agentId;
+    const url = new URL(location.href);
+    url.searchParams.set("agent", agentId);
+    history.replaceState(null, "", url);
+    this.refresh();
+  }
+
+  schedule() {
+    clearTimeout(this.timer);
+    this.timer = setTimeout(() => this.refresh(), this.config.refresh_s * 1000);
+  }
+
+  showError(message) {
+    $("error").textContent = message;
+    $("error").hidden = !message;
+  }
+
+  async refresh() {
+    if (this.busy || document.hidden) { this.schedule(); return; }
+    this.busy = true;
+    try {
+      await this.load();
+      this.showError("");
+      $("refresh").textContent = `updated ${new Date().toLocaleTimeString()} · every ${this.config.refresh_s} s`;
+    } catch (err) {
+      if (err instanceof ApiError && (err.status === 401 || err.status === 403)) {
+        $("token-box").hidden = false;
+        sessionStorage.removeItem(TOKEN_KEY);
+      }
+      this.showError(`The service did not answer as expected: ${err.message}. Retrying every `
+        + `${this.config.refresh_s} s.`);
+      $("refresh").textContent = "retrying";
+    } finally {
+      this.busy = false;
+      this.schedule();
+    }
+  }
+
+  async load() {
+    const agents = await getJson("/v1/agents");
+    $("token-box").hidden = true;
+    this.fillAgents(agents);
+    if (!agents.length) {
+      $("main").hidden = true;
+      $("empty").hidden = false;
+      $("empty").textContent = "No agents have registered with this service yet. Start a sidecar beside an "
+        + "inference server (tierplan sidecar --service URL), or run `make demo` to replay the bundled traces "
+        + "through the CPU engine; agents appear here within a few seconds.";
+      return;
+    }
+    $("empty").hidden = true;
+    const agent = agents.find((a) => a.agent_id === this.agentId) ?? agents[0];
+    this.agentId = agent.agent_id;
+    $("agent").value = agent.agent_id;
+    const id = encodeURIComponent(agent.agent_id);
+    const group = encodeURIComponent(agent.group);
+    const windowsPath = this.config.endpoints.windows;
+    const [decisions, plans, policies, windows] = await Promise.all([
+      getJson(`/v1/decisions?agent_id=${id}&limit=${DECISIONS_LIMIT}`),
+      getJson(`/v1/agents/${id}/plans?limit=${PLANS_LIMIT}`),
+      getJson(`/v1/policies/${group}/history?limit=${POLICIES_LIMIT}`),
+      windowsPath ? getJson(`${windowsPath.replace("{agent_id}", id)}?limit=${WINDOWS_LIMIT}`) : [],
+    ]);
+    $("main").hidden = false;
+    renderStatus($("agent-status"), agent);
+    const oldestFirst = decisions.slice().sort((a, b) => a.created_s - b.created_s || a.id - b.id);
+    drawSplit(oldestFirst, plans);
+    drawStep(oldestFirst);
+    drawWindows(windows.slice().sort((a, b) => a.window_end_s - b.window_end_s), Boolean(windowsPath));
+    renderPlans($("plans"), plans);
+    renderDecisions($("decisions"), decisions);
+    $("policy-group").textContent = `group ${agent.group}`;
+    renderPolicies($("policies"), policies);
+  }
+
+  fillAgents(agents) {
+    const select = $("agent");
+    const options = agents.map((a) => {
+      const option = document.createElement("option");
+      option.value = a.agent_id;
+      option.textContent = `${a.agent_id} · rank ${a.rank} · ${a.state}`;
+      return option;
+    });
+    select.replaceChildren(...options);
+    select.disabled = !agents.length;
+  }
+}
+
+new Page().start();
