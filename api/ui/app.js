@@ -12,6 +12,7 @@ const DECISIONS_LIMIT = 100;
 const PLANS_LIMIT = 50;
 const POLICIES_LIMIT = 50;
 const WINDOWS_LIMIT = 200;
+const RESIZE_DEBOUNCE_MS = 200;
 const TOKEN_KEY = "tierplan.read_token";
 const STALL_COLOURS = { expert_miss: "#0072b2", kv_miss: KV_COLOUR, both: ACCENT_COLOUR };
 
@@ -129,6 +130,7 @@ class Page {
     this.agentId = new URLSearchParams(location.search).get("agent");
     this.timer = null;
     this.busy = false;
+    this.last = null; // the newest answers of the API, drawn again on resize
   }
 
   async start() {
@@ -140,6 +142,11 @@ class Page {
       this.refresh();
     });
     document.addEventListener("visibilitychange", () => { if (!document.hidden) this.refresh(); });
+    let resizeTimer = null;
+    window.addEventListener("resize", () => {
+      clearTimeout(resizeTimer);
+      resizeTimer = setTimeout(() => this.draw(), RESIZE_DEBOUNCE_MS);
+    });
     try {
       this.config = { ...this.config, ...(await getJson("/ui/config.json")) };
     } catch (err) {
@@ -197,6 +204,7 @@ class Page {
     $("token-box").hidden = true;
     this.fillAgents(agents);
     if (!agents.length) {
+      this.last = null;
       $("main").hidden = true;
       $("empty").hidden = false;
       $("empty").textContent = "No agents have registered with this service yet. Start a sidecar beside an "
@@ -218,11 +226,19 @@ class Page {
       windowsPath ? getJson(`${windowsPath.replace("{agent_id}", id)}?limit=${WINDOWS_LIMIT}`) : [],
     ]);
     $("main").hidden = false;
+    this.last = { agent, decisions, plans, policies, windows, hasWindows: Boolean(windowsPath) };
+    this.draw();
+  }
+
+  /** Everything for the selected agent from the last answers (again on resize: charts fit their width). */
+  draw() {
+    if (!this.last || $("main").hidden) return;
+    const { agent, decisions, plans, policies, windows, hasWindows } = this.last;
     renderStatus($("agent-status"), agent);
     const oldestFirst = decisions.slice().sort((a, b) => a.created_s - b.created_s || a.id - b.id);
     drawSplit(oldestFirst, plans);
     drawStep(oldestFirst);
-    drawWindows(windows.slice().sort((a, b) => a.window_end_s - b.window_end_s), Boolean(windowsPath));
+    drawWindows(windows.slice().sort((a, b) => a.window_end_s - b.window_end_s), hasWindows);
     renderPlans($("plans"), plans);
     renderDecisions($("decisions"), decisions);
     $("policy-group").textContent = `group ${agent.group}`;

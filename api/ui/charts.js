@@ -3,8 +3,9 @@
 // SVG are easier to keep than a vendored chart package, and the page needs no build step.
 
 const SVG_NS = "http://www.w3.org/2000/svg";
-const WIDTH = 820;
-const HEIGHT = 250;
+const MIN_WIDTH = 320; // drawn at the container's pixel width, so text stays the CSS size in any column
+const FALLBACK_WIDTH = 820;
+const HEIGHT = 230;
 const MARGIN = { top: 12, right: 16, bottom: 28, left: 72 };
 
 // Distinct, colour-blind-friendlier hues (Okabe–Ito first, then Tableau-like extras).
@@ -76,23 +77,24 @@ function scaler(d0, d1, r0, r1) {
 
 function frame(container, { xs, xDomain, yTicks, yFormat, label }) {
   container.replaceChildren();
-  const svg = el("svg", { viewBox: `0 0 ${WIDTH} ${HEIGHT}`, role: "img", "aria-label": label,
+  const width = Math.max(MIN_WIDTH, container.clientWidth || FALLBACK_WIDTH);
+  const svg = el("svg", { viewBox: `0 0 ${width} ${HEIGHT}`, role: "img", "aria-label": label,
     preserveAspectRatio: "xMidYMid meet" }, container);
-  const x = scaler(xDomain[0], xDomain[1], MARGIN.left, WIDTH - MARGIN.right);
+  const x = scaler(xDomain[0], xDomain[1], MARGIN.left, width - MARGIN.right);
   const yMax = yTicks[yTicks.length - 1] || 1;
   const y = scaler(0, yMax, HEIGHT - MARGIN.bottom, MARGIN.top);
   const axis = el("g", { class: "axis" }, svg);
   for (const t of yTicks) {
-    el("line", { x1: MARGIN.left, x2: WIDTH - MARGIN.right, y1: y(t), y2: y(t), class: "grid" }, axis);
+    el("line", { x1: MARGIN.left, x2: width - MARGIN.right, y1: y(t), y2: y(t), class: "grid" }, axis);
     el("text", { x: MARGIN.left - 6, y: y(t) + 4, "text-anchor": "end" }, axis).textContent = yFormat(t);
   }
   const spanS = xDomain[1] - xDomain[0];
-  const xTicks = niceTicks(xDomain[0], xDomain[1], 6).filter((t) => t >= xDomain[0] && t <= xDomain[1]);
+  const xTicks = niceTicks(xDomain[0], xDomain[1], Math.max(2, Math.floor(width / 140))).filter((t) => t >= xDomain[0] && t <= xDomain[1]);
   for (const t of xTicks) {
     el("text", { x: x(t), y: HEIGHT - 8, "text-anchor": "middle" }, axis).textContent = formatTime(t, spanS);
   }
-  el("line", { x1: MARGIN.left, x2: WIDTH - MARGIN.right, y1: y(0), y2: y(0), class: "baseline" }, axis);
-  return { svg, x, y, xs, spanS };
+  el("line", { x1: MARGIN.left, x2: width - MARGIN.right, y1: y(0), y2: y(0), class: "baseline" }, axis);
+  return { svg, x, y, xs, spanS, width };
 }
 
 function legend(container, items) {
@@ -117,11 +119,11 @@ function hover(container, f, describe) {
   container.appendChild(readout);
   const cursor = el("line", { y1: MARGIN.top, y2: HEIGHT - MARGIN.bottom, class: "cursor", visibility: "hidden" },
     f.svg);
-  const overlay = el("rect", { x: MARGIN.left, y: MARGIN.top, width: WIDTH - MARGIN.left - MARGIN.right,
+  const overlay = el("rect", { x: MARGIN.left, y: MARGIN.top, width: f.width - MARGIN.left - MARGIN.right,
     height: HEIGHT - MARGIN.top - MARGIN.bottom, fill: "transparent" }, f.svg);
   overlay.addEventListener("mousemove", (event) => {
     const box = f.svg.getBoundingClientRect();
-    const px = ((event.clientX - box.left) / box.width) * WIDTH;
+    const px = ((event.clientX - box.left) / box.width) * f.width;
     let best = 0;
     f.xs.forEach((xv, i) => { if (Math.abs(f.x(xv) - px) < Math.abs(f.x(f.xs[best]) - px)) best = i; });
     cursor.setAttribute("x1", f.x(f.xs[best]));

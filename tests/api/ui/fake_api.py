@@ -12,7 +12,18 @@ from typing import Any
 from fastapi import FastAPI, HTTPException
 
 from api.routes.ui import mount_ui
-from controller.protocol import AckStatus, Footprint, Plan, PlanAck, Tier
+from controller.protocol import (
+    AckStatus,
+    Footprint,
+    KVStats,
+    Plan,
+    PlanAck,
+    Stall,
+    StallCause,
+    StepTimings,
+    Telemetry,
+    Tier,
+)
 from controller.protocol_service import (
     AgentState,
     AgentStatus,
@@ -33,7 +44,7 @@ BUDGET_BYTES = 64 * 4096
 def sample_records(agent_id: str = "agent-a", num_layers: int = 4, num_decisions: int = 12,
                    t0_s: float = 1_764_000_000.0) -> dict[str, Any]:
     """One agent's decisions (a split that shifts from experts to KV and back), its plans (the last issued,
-    one rejected, the rest applied or superseded) and two policy versions."""
+    one rejected, the rest applied), two policy versions and its telemetry windows (4 per decision)."""
     decisions, plans = [], []
     version = 0
     for i in range(num_decisions):
@@ -79,15 +90,24 @@ def sample_records(agent_id: str = "agent-a", num_layers: int = 4, num_decisions
         PolicyRecord(group="default", version=1, knobs=PolicyKnobs(), author="bootstrap", why="initial",
                      created_s=t0_s),
     ]
+    windows = [Telemetry(
+        agent_id=agent_id, rank=0, window_seq=w, window_start_s=t0_s + 0.5 * w, window_end_s=t0_s + 0.5 * (w + 1),
+        model="tiny", num_layers=num_layers, num_experts=8, layers=(),
+        kv=KVStats(blocks_per_tier={Tier.GPU: 16}, hits_per_tier={Tier.GPU: 10}, misses_per_tier={Tier.GPU: 1}),
+        stalls=(Stall(cause=StallCause.EXPERT_MISS, count=2, total_ms=0.4 + 0.1 * (w % 5)),
+                Stall(cause=StallCause.KV_MISS, count=1, total_ms=0.2 * (w % 3))),
+        step_timings_ms=StepTimings(num_steps=4, mean=2.5, p50=2.4, p99=3.0), expert_hits=60 + w % 20,
+        expert_misses=20 - w % 20, applied_plan_version=max(0, w // 4 - 1)) for w in range(4 * num_decisions)]
     status = AgentStatus(agent_id=agent_id, rank=0, group="default", engine="tierplan-reference", model="tiny",
                          registered_s=t0_s - 5, last_seen_s=t0_s + 2.0 * num_decisions, state=AgentState.ACTIVE,
                          windows=4 * num_decisions, issued_version=version, applied_version=version - 1)
     return {"agents": [status], "decisions": {agent_id: decisions[::-1]}, "plans": {agent_id: records[::-1]},
-            "policies": {"default": policies}}
+            "policies": {"default": policies}, "windows": {agent_id: windows}}
 
 
-def fake_app(records: dict[str, Any]) -> FastAPI:
-    """The page's read endpoints over `records` (as `sample_records` builds them), plus the page itself."""
+def fake_app(records: dict[str, Any], with_windows: bool = False) -> FastAPI:
+    """The page's read endpoints over `records` (as `sample_records` builds them), plus the page itself;
+    `with_windows` adds the telemetry read endpoint the contract does not have yet."""
     app = FastAPI()
 
     def dump(items: list[Any]) -> list[dict[str, Any]]:
@@ -110,6 +130,11 @@ def fake_app(records: dict[str, Any]) -> FastAPI:
     @app.get("/v1/policies/{group}/history")
     def policy_history(group: str, limit: int = 50) -> list[dict[str, Any]]:
         return dump(records["policies"].get(group, [])[:limit])
+
+    if with_windows:  # the read endpoint the page asks the service for (see api/routes/ui.py OPTIONAL_PATHS)
+        @app.get("/v1/agents/{agent_id}/windows")
+        def windows(agent_id: str, limit: int = 200) -> list[dict[str, Any]]:
+            return dump(records["windows"].get(agent_id, [])[-limit:])
 
     mount_ui(app)
     return app

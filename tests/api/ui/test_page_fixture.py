@@ -57,3 +57,15 @@ def test_many_layers_are_grouped_and_every_record_is_shown() -> None:
         assert b.page.locator("#step-chart path.line").count() == 2
         assert "GET /v1/agents/{id}/windows" in b.page.inner_text("#hit-chart")
         assert b.errors == []
+
+
+def test_hit_rate_and_stalls_are_drawn_when_the_service_serves_windows() -> None:
+    chromium_or_skip()
+    with serving(fake_app(sample_records(), with_windows=True)) as base, browser() as b:
+        assert httpx.get(f"{base}/ui/config.json").json()["endpoints"]["windows"] == "/v1/agents/{agent_id}/windows"
+        b.page.goto(f"{base}/ui")
+        b.page.wait_for_selector("#hit-chart path.line")
+        assert b.page.locator("#hit-chart circle.dot").count() == 48  # one per window
+        causes = b.page.eval_on_selector_all("#stall-chart path.area", "ps => ps.map(p => p.dataset.series)")
+        assert causes == ["expert miss stall ms", "kv miss stall ms", "both stall ms"]
+        assert b.errors == []
