@@ -3,18 +3,16 @@
 // history, the decisions and the policy versions of its group. Runs in the browser; it only reads (GET), and
 // it asks only for endpoints /ui/config.json says exist, so a working service never answers it with an error.
 
-import { ACCENT_COLOUR, byteTicks, formatBytes, KV_COLOUR, lineChart, PALETTE, showEmpty, stackedArea }
-  from "./charts.js";
+import { ACCENT_COLOUR, byteTicks, formatBytes, lineChart, showEmpty, stackedArea } from "./charts.js";
+import { budgetSeries, hitRates, splitSeries, stallSeries } from "./series.js";
 import { renderDecisions, renderPlans, renderPolicies, renderStatus } from "./tables.js";
 
-const MAX_LAYER_SERIES = 8; // more MoE layers than this are summed into this many contiguous groups
 const DECISIONS_LIMIT = 100;
 const PLANS_LIMIT = 50;
 const POLICIES_LIMIT = 50;
 const WINDOWS_LIMIT = 200;
 const RESIZE_DEBOUNCE_MS = 200;
 const TOKEN_KEY = "tierplan.read_token";
-const STALL_COLOURS = { expert_miss: "#0072b2", kv_miss: KV_COLOUR, both: ACCENT_COLOUR };
 
 const $ = (id) => document.getElementById(id);
 
@@ -35,36 +33,6 @@ async function getJson(path) {
   return response.json();
 }
 
-/** Layer groups for the split chart: one per MoE layer, or MAX_LAYER_SERIES contiguous runs of them. */
-export function layerGroups(numLayers) {
-  const count = Math.min(numLayers, MAX_LAYER_SERIES);
-  const groups = [];
-  for (let g = 0; g < count; g += 1) {
-    const lo = Math.floor((g * numLayers) / count);
-    const hi = Math.floor(((g + 1) * numLayers) / count) - 1;
-    groups.push({ lo, hi, name: lo === hi ? `experts, MoE layer ${lo}` : `experts, MoE layers ${lo}–${hi}` });
-  }
-  return groups;
-}
-
-/** Series of the split chart from decisions (oldest first): expert bytes per layer group, then KV GPU bytes.
- *  A layer's bytes are its share of the split's expert bytes by slots (every slot is the same size). */
-export function splitSeries(decisions) {
-  const numLayers = Math.max(0, ...decisions.map((d) => d.split.expert_slots_per_layer.length));
-  const groups = layerGroups(numLayers);
-  const series = groups.map((g, k) => ({ name: g.name, colour: PALETTE[k % PALETTE.length], values: [] }));
-  for (const d of decisions) {
-    const slots = d.split.expert_slots_per_layer;
-    const total = slots.reduce((a, b) => a + b, 0);
-    groups.forEach((g, k) => {
-      const inGroup = slots.slice(g.lo, g.hi + 1).reduce((a, b) => a + b, 0);
-      series[k].values.push(total ? (d.split.expert_bytes * inGroup) / total : 0);
-    });
-  }
-  series.push({ name: "KV cache on GPU", colour: KV_COLOUR, values: decisions.map((d) => d.split.kv_gpu_bytes) });
-  return series;
-}
-
 function drawSplit(decisions, plans) {
   const box = $("split-chart");
   if (!decisions.length) {
@@ -72,13 +40,8 @@ function drawSplit(decisions, plans) {
       + "(every plan_every_windows windows of its group's policy).");
     return;
   }
-  const budgetOf = new Map(plans.map((r) => [r.plan.version, r.plan.hbm_budget_bytes]));
-  let last = null;
-  const budget = decisions.map((d) => { last = budgetOf.get(d.version) ?? last; return last; });
-  let known = null; // decisions older than the plans fetched take the oldest budget known
-  for (let i = budget.length - 1; i >= 0; i -= 1) { if (budget[i] === null) budget[i] = known; else known = budget[i]; }
-  const overlay = budget.every((b) => b !== null) ? [{ name: "plan HBM budget", colour: "#444", values: budget }]
-    : null;
+  const budget = budgetSeries(decisions, plans);
+  const overlay = budget ? [{ name: "plan HBM budget", colour: "#444", values: budget }] : null;
   stackedArea(box, { xs: decisions.map((d) => d.created_s), series: splitSeries(decisions), step: true, overlay,
     yFormat: formatBytes, yTicks: (_lo, hi) => byteTicks(hi), label: "HBM split over time" });
 }
@@ -110,18 +73,11 @@ function drawWindows(windows, available) {
     return;
   }
   const xs = windows.map((w) => w.window_end_s);
-  const rate = windows.map((w) => {
-    const seen = w.expert_hits + w.expert_misses;
-    return seen ? w.expert_hits / seen : null;
-  });
   lineChart(hitBox, { xs, yMax: 1, label: "expert hit rate", yFormat: (v) => `${Math.round(v * 100)}%`,
     format: (v) => (v === null || v === undefined ? "–" : `${(v * 100).toFixed(1)}%`),
-    series: [{ name: "expert hit rate", colour: "#009e73", values: rate }] });
-  const causes = Object.keys(STALL_COLOURS);
+    series: [{ name: "expert hit rate", colour: "#009e73", values: hitRates(windows) }] });
   stackedArea(stallBox, { xs, label: "stalls by cause", yFormat: (v) => `${+v.toPrecision(3)} ms`,
-    format: (v) => `${(v || 0).toFixed(2)} ms`,
-    series: causes.map((cause) => ({ name: `${cause.replace("_", " ")} stall ms`, colour: STALL_COLOURS[cause],
-      values: windows.map((w) => w.stalls.filter((s) => s.cause === cause).reduce((a, s) => a + s.total_ms, 0)) })) });
+    format: (v) => `${(v || 0).toFixed(2)} ms`, series: stallSeries(windows) });
 }
 
 class Page {

@@ -7,9 +7,11 @@ state and many-layer grouping. It must never be used outside tests; it keeps its
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
 
 from api.routes.ui import mount_ui
 from controller.protocol import (
@@ -105,10 +107,20 @@ def sample_records(agent_id: str = "agent-a", num_layers: int = 4, num_decisions
             "policies": {"default": policies}, "windows": {agent_id: windows}}
 
 
-def fake_app(records: dict[str, Any], with_windows: bool = False) -> FastAPI:
+def fake_app(records: dict[str, Any], with_windows: bool = False, read_token: str | None = None) -> FastAPI:
     """The page's read endpoints over `records` (as `sample_records` builds them), plus the page itself;
-    `with_windows` adds the telemetry read endpoint the contract does not have yet."""
+    `with_windows` adds the telemetry read endpoint the contract does not have yet; `read_token` makes every
+    /v1 read need `Authorization: Bearer <read_token>` (the service's `read_needs_token`)."""
     app = FastAPI()
+    app.state.settings = SimpleNamespace(read_needs_token=read_token is not None)
+
+    @app.middleware("http")
+    async def needs_token(request: Request, call_next: Any) -> Any:
+        wanted = f"Bearer {read_token}"
+        if read_token is not None and request.url.path.startswith("/v1") \
+                and request.headers.get("authorization") != wanted:
+            return JSONResponse({"detail": "a read token is required"}, status_code=401)
+        return await call_next(request)
 
     def dump(items: list[Any]) -> list[dict[str, Any]]:
         return [m.model_dump(mode="json") for m in items]

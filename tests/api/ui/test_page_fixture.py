@@ -1,5 +1,6 @@
-"""The decisions page in headless Chromium against the development stand-in API (tests/api/ui/fake_api.py):
-the empty state, a many-layer model's grouped split, and the router's file serving."""
+"""The decisions page in headless Chromium against the stand-in read API (tests/api/ui/fake_api.py): the empty
+state, a many-layer model's grouped split, the optional telemetry charts, a read token, markup in a reason, the
+series arithmetic, and the router's file serving. The real service's test is test_page_service.py."""
 
 from __future__ import annotations
 
@@ -69,3 +70,55 @@ def test_hit_rate_and_stalls_are_drawn_when_the_service_serves_windows() -> None
         causes = b.page.eval_on_selector_all("#stall-chart path.area", "ps => ps.map(p => p.dataset.series)")
         assert causes == ["expert miss stall ms", "kv miss stall ms", "both stall ms"]
         assert b.errors == []
+
+
+def test_split_series_arithmetic_in_the_browser() -> None:
+    chromium_or_skip()
+    with serving(fake_app(sample_records())) as base, browser() as b:
+        b.page.goto(f"{base}/ui")
+        got = b.page.evaluate("""async () => {
+            const s = await import("/ui/static/series.js");
+            const d = {version: 2, split: {expert_slots_per_layer: [3, 1, 0], expert_bytes: 4000, kv_gpu_bytes: 96}};
+            const groups = s.layerGroups(48);
+            return {
+                split: s.splitSeries([d]).map(x => x.values[0]),
+                groups: groups.map(g => [g.lo, g.hi]),
+                budget: s.budgetSeries([{version: 1}, d], [{plan: {version: 2, hbm_budget_bytes: 5000}}]),
+                none: s.budgetSeries([d], []),
+                hits: s.hitRates([{expert_hits: 3, expert_misses: 1}, {expert_hits: 0, expert_misses: 0}]),
+            };
+        }""")
+        assert got["split"] == [3000, 1000, 0, 96]  # each layer's share of the expert bytes by slots, then KV
+        assert got["groups"] == [[6 * g, 6 * g + 5] for g in range(8)]  # 48 layers in 8 contiguous groups
+        assert got["budget"] == [5000, 5000] and got["none"] is None
+        assert got["hits"] == [0.75, None]
+        assert b.errors == []
+
+
+def test_reasons_with_markup_are_shown_as_text() -> None:
+    chromium_or_skip()
+    records = sample_records()
+    newest = records["plans"]["agent-a"][0]
+    evil = "<img src=x onerror=\"document.title='owned'\"> <b>bold</b>"
+    records["plans"]["agent-a"][0] = newest.model_copy(update={"plan": newest.plan.model_copy(update={"reason": evil})})
+    with serving(fake_app(records)) as base, browser() as b:
+        b.page.goto(f"{base}/ui")
+        b.page.wait_for_selector("#plans tbody tr[data-version]")
+        assert b.page.locator("#plans img, #plans b").count() == 0
+        assert evil in b.page.inner_text("#plans")
+        assert b.page.title() != "owned"
+        assert b.errors == []
+
+
+def test_a_read_token_is_asked_for_and_then_used() -> None:
+    chromium_or_skip()
+    with serving(fake_app(sample_records(), read_token="s3cret")) as base, browser() as b:
+        assert httpx.get(f"{base}/v1/agents").status_code == 401
+        b.page.goto(f"{base}/ui")
+        b.page.wait_for_selector("#token-box:not([hidden])")
+        assert b.page.is_hidden("#main")
+        b.page.fill("#token", "s3cret")
+        b.page.click("#token-form button")
+        b.page.wait_for_selector("#plans tbody tr[data-version]")
+        assert b.page.is_hidden("#token-box")
+        assert b.errors == []  # the page asked for nothing before it had the token
