@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 
 UI_PREFIX = "/ui"
 REFRESH_S = 5.0  # how often the page re-reads the API
-# Optional read endpoints the page uses when the service has them (route path templates, as FastAPI keeps them).
+# Optional read endpoints the page uses when the service has them (path templates as in /openapi.json).
 OPTIONAL_PATHS = {"windows": "/v1/agents/{agent_id}/windows"}
 _CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -66,7 +66,7 @@ def ui_index_slash() -> Response:
 def ui_config(request: Request) -> JSONResponse:
     """What the page needs to know about this service: how often to refresh, which optional read endpoints
     exist (so it never asks for one that would 404), and whether reads need a token."""
-    paths = {getattr(route, "path", None) for route in request.app.routes}
+    paths = request.app.openapi().get("paths", {})  # public and cached, unlike the routers' internals
     settings = getattr(request.app.state, "settings", None)
     return JSONResponse({
         "refresh_s": REFRESH_S,

@@ -33,6 +33,18 @@ export function niceTicks(lo, hi, count = 5) {
   return ticks;
 }
 
+const TIME_STEPS_S = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400];
+
+/** Clock-friendly time ticks covering [lo, hi] (whole seconds, minutes, hours; decimal steps below 1 s). */
+export function timeTicks(lo, hi, count = 5) {
+  const raw = (hi - lo) / count;
+  if (raw < 1) return niceTicks(lo, hi, count);
+  const step = TIME_STEPS_S.find((t) => t >= raw) ?? Math.ceil(raw / 86400) * 86400;
+  const ticks = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi; v += step) ticks.push(v);
+  return ticks.length > 1 ? ticks : [lo, hi];
+}
+
 /** Byte ticks on binary units, so axis labels read 16 MiB rather than 16.8 MB. */
 export function byteTicks(hi, count = 5) {
   if (!(hi > 0)) return [0];
@@ -50,11 +62,13 @@ export function formatBytes(n) {
   return `${n < 0 ? "-" : ""}${v.toFixed(digits)} ${units[i]}`;
 }
 
-export function formatTime(s, spanS = 3600) {
+/** Local clock time of `s` (seconds since the epoch), with as many decimals as `resolutionS` needs. */
+export function formatTime(s, resolutionS = 1) {
   const d = new Date(s * 1000);
   const pad = (v, n = 2) => String(v).padStart(n, "0");
   const hms = `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
-  return spanS < 20 ? `${hms}.${pad(d.getMilliseconds(), 3)}` : hms;
+  const decimals = resolutionS >= 1 ? 0 : Math.min(3, Math.ceil(-Math.log10(resolutionS) - 1e-9));
+  return decimals ? `${hms}.${pad(d.getMilliseconds(), 3).slice(0, decimals)}` : hms;
 }
 
 /** The x domain of a time series: from the first to the last x, widened when they coincide. A step chart
@@ -88,11 +102,12 @@ function frame(container, { xs, xDomain, yTicks, yFormat, label }) {
     el("line", { x1: MARGIN.left, x2: width - MARGIN.right, y1: y(t), y2: y(t), class: "grid" }, axis);
     el("text", { x: MARGIN.left - 6, y: y(t) + 4, "text-anchor": "end" }, axis).textContent = yFormat(t);
   }
-  const spanS = xDomain[1] - xDomain[0];
-  const xTicks = niceTicks(xDomain[0], xDomain[1], Math.max(2, Math.floor(width / 140))).filter((t) => t >= xDomain[0] && t <= xDomain[1]);
-  for (const t of xTicks) {
-    el("text", { x: x(t), y: HEIGHT - 8, "text-anchor": "middle" }, axis).textContent = formatTime(t, spanS);
+  const allTicks = timeTicks(xDomain[0], xDomain[1], Math.max(2, Math.floor(width / 140)));
+  const tickS = allTicks.length > 1 ? allTicks[1] - allTicks[0] : 1; // the labels' resolution
+  for (const t of allTicks.filter((v) => v >= xDomain[0] && v <= xDomain[1])) {
+    el("text", { x: x(t), y: HEIGHT - 8, "text-anchor": "middle" }, axis).textContent = formatTime(t, tickS);
   }
+  const spanS = xDomain[1] - xDomain[0];
   el("line", { x1: MARGIN.left, x2: width - MARGIN.right, y1: y(0), y2: y(0), class: "baseline" }, axis);
   return { svg, x, y, xs, spanS, width };
 }
@@ -129,7 +144,7 @@ function hover(container, f, describe) {
     cursor.setAttribute("x1", f.x(f.xs[best]));
     cursor.setAttribute("x2", f.x(f.xs[best]));
     cursor.setAttribute("visibility", "visible");
-    readout.textContent = `${formatTime(f.xs[best], f.spanS)} · ${describe(best)}`;
+    readout.textContent = `${formatTime(f.xs[best], f.spanS < 20 ? 0.001 : 1)} · ${describe(best)}`;
   });
   overlay.addEventListener("mouseleave", () => cursor.setAttribute("visibility", "hidden"));
 }

@@ -122,3 +122,18 @@ def test_a_read_token_is_asked_for_and_then_used() -> None:
         b.page.wait_for_selector("#plans tbody tr[data-version]")
         assert b.page.is_hidden("#token-box")
         assert b.errors == []  # the page asked for nothing before it had the token
+
+
+def test_time_axis_ticks_fall_on_clock_steps() -> None:
+    chromium_or_skip()
+    with serving(fake_app(sample_records())) as base, browser() as b:
+        b.page.goto(f"{base}/ui")
+        got = b.page.evaluate("""async () => {
+            const c = await import("/ui/static/charts.js");
+            return {hour: c.timeTicks(1000, 1000 + 3 * 3600, 6), short: c.timeTicks(10, 12, 4),
+                    label: c.formatTime(0.25, 0.5), whole: c.formatTime(0.25, 1), ms: c.formatTime(0.25, 0.001)};
+        }""")
+        assert all(t % 1800 == 0 for t in got["hour"]) and len(got["hour"]) >= 5  # every 30 min
+        assert got["short"] == [10, 10.5, 11, 11.5, 12]
+        assert got["label"].endswith(".2") and got["ms"].endswith(".250") and "." not in got["whole"]
+        assert b.errors == []
