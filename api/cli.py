@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from api import cli_eval_kv, cli_eval_predictors, cli_generate, cli_plan, cli_sim
+from api import cli_db, cli_eval_kv, cli_eval_predictors, cli_generate, cli_plan, cli_serve, cli_sim
 from api.cli_checks import MAX_SEED, check_device, check_workdir, user_errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="tierplan: one HBM budget for experts and KV.")
@@ -294,6 +294,8 @@ cli_eval_kv.register(eval_app)
 cli_plan.register(plan_app)
 cli_sim.register(app)
 cli_generate.register(app)
+cli_db.register(app)
+cli_serve.register(app)
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 
@@ -27,6 +28,13 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 KV_SATURATED_GROWTH = 2.0  # a full GPU KV share hides the queue behind it: price demand as twice the share
 MIN_CURVE_STEPS = 8.0  # decayed steps a batch bucket needs before its measured curve is trusted
 MIN_RECALL_LOADS = 20.0  # decayed loads (prefetched + on demand) before the measured recall replaces the prior
+
+
+class CurveSource(StrEnum):
+    """Where a forecast's miss curves come from (the policy's `predictor` knob)."""
+
+    MISS_RATIO = "miss_ratio"  # measured LRU curves where a batch bucket has enough steps, else frequencies
+    FREQUENCY = "frequency"  # activation frequencies only (independent tokens)
 
 
 def batch_bucket(tokens: float) -> int:
@@ -161,12 +169,12 @@ class DemandModel:
         tail = np.concatenate([np.cumsum(q_sorted[::-1])[::-1], [0.0]])  # [E + 1] sum of the not-resident
         return tail, float(q.sum())
 
-    def forecast(self) -> DemandForecast:
+    def forecast(self, source: CurveSource = CurveSource.MISS_RATIO) -> DemandForecast:
         batch = self.batch_tokens or 1.0
         bucket = batch_bucket(batch)
         misses, unions, measured = [], [], True
         for m in range(len(self.moe_layers)):
-            if self.curves.num_steps(m, bucket) >= MIN_CURVE_STEPS:
+            if source is CurveSource.MISS_RATIO and self.curves.num_steps(m, bucket) >= MIN_CURVE_STEPS:
                 curve = self.curves.expected_misses_per_step(m, bucket).copy()
                 curve[-1] = 0.0  # every expert resident: nothing is ever evicted, so no miss once loaded
                 unions.append(self.curves.mean_union_size(m, bucket))

@@ -7,16 +7,20 @@ MoE layer: resident slots; KV: GPU blocks; see valuation.py), solves the knapsac
 the HiGHS MILP on request), holds the current split unless the new one is better by the hysteresis margin,
 and emits a `Plan` with the split, pins and eviction orders from the activation frequencies, the local
 transition table and its prefetch byte budget, and a reason naming the top factors in words.
+An operator's pinned experts are always in the plan's pins (their layers get the slots for them); `predictor`
+picks the forecast's curve source, and a shadow source is scored beside it (controller/curve_shadow.py),
+promoted only when it predicts better.
 It never applies anything (the agent does), never imports torch, runtime or agent, and keeps no globals.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from controller.costmodel import ComputeParams, CostModel, HardwareSpec
-from controller.demand import DemandForecast, DemandModel
+from controller.curve_shadow import CurveShadow
+from controller.demand import CurveSource, DemandForecast, DemandModel
 from controller.model_shape import ModelShape
 from controller.optimizer import Action, HysteresisPolicy, SplitHysteresis, solve
 from controller.optimizer.problem import SplitSolution, evaluate
@@ -65,6 +69,22 @@ class ControllerConfig:
     pin_frac: float = 0.5  # share of a layer's slots pinned to its hottest experts (against LRU scans)
     compute: ComputeParams | None = None  # the cost model's compute prior (None: from the hardware sheet)
     calibrate: bool = True  # fit the cost model to each window; False keeps the priors (deterministic plans)
+    pinned_experts: tuple[ExpertKey, ...] = ()  # always pinned, whatever their demand (an operator's choice)
+    predictor: CurveSource = CurveSource.MISS_RATIO  # where the forecast's miss curves come from
+    shadow_predictor: CurveSource | None = None  # scored beside `predictor` on every window
+    auto_promote: bool = False  # the shadow replaces `predictor` once it predicts better (else only reported)
+
+
+def pinned_by_layer(shape: ModelShape, pinned: tuple[ExpertKey, ...]) -> dict[int, tuple[int, ...]]:
+    """Operator pins by model layer; ValueError naming the first pin outside the model's MoE experts."""
+    moe, out = set(shape.moe_layers), {}
+    for i, key in enumerate(pinned):
+        if key.layer not in moe or key.expert >= shape.num_experts:
+            raise ValueError(f"pinned_experts.{i}: layer {key.layer} expert {key.expert} is not a routed expert of "
+                             f"{shape.name!r} (MoE layers {shape.moe_layers}, {shape.num_experts} experts each)")
+        out.setdefault(key.layer, ())
+        out[key.layer] = (*out[key.layer], key.expert)
+    return out
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,7 @@ class Decision:
     split: Split
     predicted_ms: float  # predicted cost per step of the split (stall + KV deferral)
     reason: str
+    step_ms: float = 0.0  # predicted step time of the split: compute at the batch plus its expert stall
 
 
 @dataclass
@@ -94,7 +115,14 @@ class Controller:
 
     def __init__(self, config: ControllerConfig, agent_id: str = "controller") -> None:
         shape = config.shape
+        self.pins = pinned_by_layer(shape, config.pinned_experts)
+        if self.pins:  # a layer with pins keeps them resident plus room for one token's top-k
+            floors = tuple(min(shape.num_experts, len(self.pins.get(layer, ())) + shape.top_k) if layer in self.pins
+                           else 0 for layer in shape.moe_layers)
+            config = replace(config, space=replace(config.space, layer_min_slots=floors))
         self.config, self.agent_id = config, agent_id
+        self.shadow = (CurveShadow(config.predictor, config.shadow_predictor, config.auto_promote)
+                       if config.shadow_predictor is not None else None)
         self.state = ControllerState(ModelInfo(shape.name, shape.num_layers, shape.num_experts, shape.moe_layers))
         self.cost = CostModel(shape, config.hardware, compute=config.compute)
         self.demand = DemandModel(shape.moe_layers, shape.num_experts, shape.top_k, block_tokens=shape.block_tokens)
@@ -110,6 +138,16 @@ class Controller:
     def history(self) -> list[Decision]:
         return list(self._now.history)
 
+    def pop_decisions(self) -> list[Decision]:
+        """The decisions since the last call, handed over and forgotten (a long-running service keeps none)."""
+        out, self._now.history = self._now.history, []
+        return out
+
+    @property
+    def predictor(self) -> CurveSource:
+        """The curve source the forecast uses now (the configured one, or a promoted shadow)."""
+        return self.shadow.active if self.shadow is not None else self.config.predictor
+
     def stats(self) -> dict[str, int]:
         """Counters of what the controller did with the plan side: issued, refused by an agent, stale acks."""
         return {"plans_issued": self.state.issued_version, "plans_rejected": self.plans_rejected,
@@ -119,6 +157,8 @@ class Controller:
     def sync_from(self, telemetry: Telemetry) -> AgentRecord:
         """Mirror one window (TelemetryRejected, changing nothing, if it does not fit), calibrate, learn."""
         rec = self.state.sync_from(telemetry)
+        if self.shadow is not None:
+            self.shadow.score(self.demand, self._now.split.slots if self._now.split else None, telemetry)
         if self.config.calibrate:
             self.cost.calibrate(telemetry)
         self.demand.observe(telemetry)
@@ -149,7 +189,7 @@ class Controller:
     def forecast_message(self) -> Forecast:
         """The demand forecast as the protocol's `Forecast` (per MoE layer, P(expert needed within the plan's
         horizon)); KV reuse scores stay empty until a reuse predictor is fed request prefixes."""
-        shape, fc = self.config.shape, self.demand.forecast()
+        shape, fc = self.config.shape, self.demand.forecast(self.predictor)
         probs = self.demand.need_probs(fc.batch_tokens, self.config.horizon_steps)
         return Forecast(model=shape.name, num_layers=shape.num_layers, num_experts=shape.num_experts,
                         horizon_steps=self.config.horizon_steps, created_s=self._created_s,
@@ -174,7 +214,7 @@ class Controller:
             return None
         self._fresh = False
         cfg, now = self.config, self._now
-        fc = self.demand.forecast()
+        fc = self.demand.forecast(self.predictor)
         kv_demand = fc.kv_live_blocks
         cur = now.split
         val = build_problem(fc, self.cost, cfg.space, cur.slots if cur else None, cur.kv_blocks if cur else None,
@@ -192,11 +232,12 @@ class Controller:
         if keep and cur is not None:
             why = decision.reason if decision.action is Action.KEEP else \
                 f"saves {decision.gain_ms:.3g} ms/step, under {floor_ms:.3g} ms ({cfg.hysteresis:.0%} of the step)"
-            reason = explain(cur, cur, now.forecast, fc, val, sol, cur_ms, kv_demand)
+            reason = explain(cur, cur, now.forecast, fc, val, sol, cur_ms, kv_demand) + self._shadow_note()
             now.history.append(Decision(Outcome.HELD, now.plan.version if now.plan else 0, fc.num_windows,
-                                        fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"kept ({why}): {reason}"))
+                                        fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"kept ({why}): {reason}",
+                                        self._step_ms(val, choice)))
             return None
-        reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand)
+        reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand) + self._shadow_note()
         if cur is not None:
             reason += f"; {decision.reason}"
         if st.last_issued_rejected():
@@ -206,8 +247,16 @@ class Controller:
         self.state.record_issued(plan)
         now.forecast = fc
         now.history.append(Decision(Outcome.ISSUED, plan.version, fc.num_windows, fc.batch_tokens, kv_demand, new,
-                                    evaluate(val.problem, choice)[0], reason))
+                                    evaluate(val.problem, choice)[0], reason, self._step_ms(val, choice)))
         return plan
+
+    def _shadow_note(self) -> str:
+        return "" if self.shadow is None else f"; {self.shadow.describe()}"
+
+    @staticmethod
+    def _step_ms(val: Valuation, choice: tuple[int, ...]) -> float:
+        """The cost model's step time for a split: compute at the batch plus the layers' (unweighted) stalls."""
+        return val.step_ms + sum(val.stall_ms[m][j] for m, j in enumerate(choice[:-1]))
 
     def _choice_of(self, val: Valuation, split: Split) -> tuple[int, ...] | None:
         choice = []
@@ -226,9 +275,10 @@ class Controller:
         expert_bytes = tuple(per_layer.get(layer, 0) * space.slot_bytes for layer in range(shape.num_layers))
         pinned, evictions = [], []
         for m, layer in enumerate(shape.moe_layers):
-            hot = fc.hot_order[m]
-            num_pin = min(int(cfg.pin_frac * split.slots[m]), max(0, split.slots[m] - shape.top_k))
-            pinned += [ExpertKey(layer=layer, expert=e) for e in hot[:num_pin]]
+            hot, extra = fc.hot_order[m], self.pins.get(layer, ())
+            num_pin = max(len(extra), min(int(cfg.pin_frac * split.slots[m]), max(0, split.slots[m] - shape.top_k)))
+            chosen = [*extra, *(e for e in hot if e not in extra)][:num_pin]
+            pinned += [ExpertKey(layer=layer, expert=e) for e in chosen]
             evictions.append(LayerEviction(layer=layer, order=tuple(reversed(hot))))  # coldest first
         rows = self.demand.transition_rows(cfg.top_m, cfg.min_prob)
         predictor = (LocalPredictor(version=max(1, self.demand.table_version), top_m=cfg.top_m,

@@ -108,6 +108,18 @@ class SplitSheet(ProtocolModel):
         return self
 
 
+class ComputeSheet(ProtocolModel):
+    """controller.costmodel.ComputeParams as a message: the step's compute prior (ms), before calibration."""
+
+    step_ms: float = Field(default=0.0, ge=0)
+    dense_ms: float = Field(default=0.0, ge=0)
+    moe_ms: float = Field(default=0.0, ge=0)
+    dense_ms_per_token: float = Field(default=0.0, ge=0)
+    attn_ms_per_ctx_token: float = Field(default=0.0, ge=0)
+    moe_ms_per_token: float = Field(default=0.0, ge=0)
+    moe_ms_per_active_expert: float = Field(default=0.0, ge=0)
+
+
 class AgentRegistration(ProtocolModel):
     schema_version: Literal[1] = 1
     agent_id: Id
@@ -118,6 +130,7 @@ class AgentRegistration(ProtocolModel):
     hardware: HardwareSheet
     split: SplitSheet
     registered_s: Seconds
+    compute: ComputeSheet | None = None  # None: the prior the hardware sheet implies (HBM bandwidth)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -8,6 +8,7 @@ f / (1 - f) of a step per step served, the throughput it loses; plus the prefix 
 block of prefill recomputed, under LRU's characteristic time). Capacity is the HBM budget less the dense
 weights and the activation workspace; the link budget is a share of what the host->device link moves in one
 predicted step; moving from the current placement costs the bytes to load, amortised over the plan's horizon.
+An operator's knobs shape the space (a cap and per-layer floors on slots) and weigh the objective (stall vs KV).
 Pure arithmetic: it decides nothing (the solver does) and never imports torch, runtime or agent.
 """
 
@@ -43,6 +44,10 @@ class SplitSpace:
     kv_options: int = 64  # at most this many KV block counts are offered (evenly spaced)
     link_share: float = 0.8  # of the host->device link in one step, the most a plan may stream
     prefetch_recall: float = 0.0  # prior share of a layer's misses the local predictor streams ahead (until measured)
+    max_slots_per_layer: int | None = None  # an operator's cap on any layer's resident slots (None: all experts)
+    layer_min_slots: tuple[int, ...] = ()  # per MoE layer, a floor above min_slots_per_layer (pinned experts)
+    stall_weight: float = 1.0  # objective weight of the predicted expert stall (ms/step)
+    kv_weight: float = 1.0  # objective weight of the predicted KV cost (deferral and lost prefix reuse)
 
     max_units: int = 4096  # capacity states of the knapsack: the unit grows when the budget is large
 
@@ -65,6 +70,15 @@ class Valuation:
     slot_counts: tuple[tuple[int, ...], ...]  # [M][options] resident slots of each layer option
     kv_blocks: tuple[int, ...]  # GPU KV blocks of each KV option
     step_ms: float  # the step's compute at the predicted batch (no stall)
+    stall_ms: tuple[tuple[float, ...], ...] = ()  # [M][options] unweighted predicted stall of each layer option
+
+
+def slot_range(space: SplitSpace, m: int, num_experts: int) -> tuple[int, int]:
+    """The slot counts MoE layer `m` may take, inclusive: the floor (global, or the layer's pins) up to the cap."""
+    floor = max(space.min_slots_per_layer, space.layer_min_slots[m] if m < len(space.layer_min_slots) else 0)
+    lo = min(floor, num_experts)
+    cap = num_experts if space.max_slots_per_layer is None else min(num_experts, space.max_slots_per_layer)
+    return lo, max(lo, cap)
 
 
 def _kv_grid(space: SplitSpace) -> list[int]:
@@ -110,27 +124,30 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     context_tokens = forecast.kv_gpu_used_blocks * space.kv_block_tokens  # what the step's attention reads
     step_ms = cost.compute_ms(batch, context_tokens)
     num_experts = len(forecast.misses_per_step[0]) - 1
-    groups, slot_counts = [], []
+    groups, slot_counts, stalls = [], [], []
     r = space.prefetch_recall if forecast.prefetch_recall is None else forecast.prefetch_recall
-    counts = np.arange(min(space.min_slots_per_layer, num_experts), num_experts + 1)  # [J] slot counts
-    units = np.array([units_for_bytes(int(s) * space.slot_bytes, unit) for s in counts])  # [J]
-    labels = [f"{s} slots" for s in counts]
     for m, curve in enumerate(forecast.misses_per_step):
+        lo, hi = slot_range(space, m, num_experts)
+        counts = np.arange(lo, hi + 1)  # [J] slot counts
+        units = np.array([units_for_bytes(int(s) * space.slot_bytes, unit) for s in counts])  # [J]
+        labels = [f"{s} slots" for s in counts]
         misses = np.asarray(curve)[counts]  # [J] loads per step
         stall = layer_stall_ms(cost, (1 - r) * misses, r * misses, batch, step_ms)  # [J]
         cur = (int(np.flatnonzero(counts == current_slots[m])[0])
                if current_slots is not None and current_slots[m] in counts else None)
-        groups.append(Group.from_arrays(f"MoE layer {m}", units, stall, np.rint(misses * space.slot_bytes).astype(
-            np.int64), labels, cur, GroupKind.EXPERTS))
+        groups.append(Group.from_arrays(f"MoE layer {m}", units, space.stall_weight * stall, np.rint(
+            misses * space.slot_bytes).astype(np.int64), labels, cur, GroupKind.EXPERTS))
         slot_counts.append(tuple(int(s) for s in counts))
+        stalls.append(tuple(float(x) for x in stall))
     grid = _kv_grid(space)
     # A prefix reuse the share loses is recomputed: one block of prefill per lost reuse.
     block_tokens = space.kv_block_tokens
     recompute_ms = max(0.0, cost.compute_ms(batch + block_tokens, context_tokens) - step_ms)
     best_hits = prefix_hit_share(forecast, grid[-1])
     kv_opts = tuple(Option(units=units_for_bytes(g * space.kv_block_bytes, unit),
-                           cost_ms=kv_cost_ms(kv_demand_blocks, g, step_ms) + forecast.reuse_per_step * recompute_ms
-                           * (best_hits - prefix_hit_share(forecast, g)), label=f"{g} KV blocks") for g in grid)
+                           cost_ms=space.kv_weight * (kv_cost_ms(kv_demand_blocks, g, step_ms) + forecast.reuse_per_step
+                                                      * recompute_ms * (best_hits - prefix_hit_share(forecast, g))),
+                           label=f"{g} KV blocks") for g in grid)
     groups.append(Group("GPU KV", kv_opts, grid.index(current_kv) if current_kv in grid else None, GroupKind.KV))
     capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
     bytes_per_s = cost.link_bytes_per_s(Link.H2D)  # inf when the fit finds no per-byte cost: no link budget
@@ -142,4 +159,4 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     problem = SplitProblem(tuple(groups), capacity, unit,
                            link_budget_bytes_per_step=None if link_budget is None else max(link_budget, floor),
                            migration_ms_per_unit=move_ms_per_unit)
-    return Valuation(problem, tuple(slot_counts), tuple(grid), step_ms)
+    return Valuation(problem, tuple(slot_counts), tuple(grid), step_ms, tuple(stalls))

@@ -1,11 +1,13 @@
-"""Shared fixtures for the runtime tests: a seeded random-byte factory and the CPU device twin."""
+"""Shared test fixtures: a seeded random-byte factory, the CPU device twin, fake clocks, and databases (SQLite
+and a throwaway PostgreSQL, see tests/pg.py) for the service's storage tests."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +84,52 @@ def start_thread(target: Callable[[], None]) -> tuple[threading.Thread, list[Bas
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t, errors
+
+
+# ---- databases for the service's storage tests (tests/pg.py starts a throwaway PostgreSQL) ----
+@pytest.fixture(scope="session")
+def pg_admin_url() -> Iterator[str]:
+    """URL of a PostgreSQL server for this session: `TIERPLAN_TEST_PG_URL`, else a throwaway cluster."""
+    from tests import pg
+
+    given = os.environ.get(pg.ENV_URL)
+    if given:
+        yield given
+        return
+    if pg.find_bindir() is None:
+        pytest.skip("PostgreSQL binaries not found (no /usr/lib/postgresql/*/bin/initdb, no initdb on PATH); "
+                    f"install postgresql (.ci/system-deps.sh does) or set {pg.ENV_URL}")
+    cluster = pg.start_cluster()
+    assert cluster is not None
+    try:
+        yield cluster.url()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_url(pg_admin_url: str) -> Iterator[str]:
+    """An empty database on the session's PostgreSQL server, shared by the session (migrate it yourself)."""
+    from tests import pg
+
+    url = pg.create_database(pg_admin_url, "session")
+    yield url
+    pg.drop_database(url)
+
+
+@pytest.fixture
+def fresh_pg_url(pg_admin_url: str) -> Iterator[str]:
+    """A new empty PostgreSQL database for one test, dropped after it."""
+    from tests import pg
+
+    url = pg.create_database(pg_admin_url)
+    yield url
+    pg.drop_database(url)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A new empty database for one test, once on SQLite (a file) and once on PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'tierplan.db'}"
+    return request.getfixturevalue("fresh_pg_url")

@@ -1,0 +1,94 @@
+"""ASGI middleware of the controller service: the request body limit (413) and the HTTP request counter.
+
+Runs in the service process, around the FastAPI app (`create_app` installs both). Pure ASGI, not
+BaseHTTPMiddleware: a telemetry POST pays no extra task or body copy. `BodyLimit` refuses a declared
+Content-Length over the limit before reading anything, and buffers a body sent without one (chunked) only
+up to the limit. `HttpMetrics` counts each request by its route template (never the raw path, whose
+values are unbounded), method and status.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from api.service_metrics import ServiceMetrics
+
+Scope = dict[str, Any]
+
+
+async def _reply(send: Any, code: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": code,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    def __init__(self, app: Any, max_body_bytes: int) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        headers = dict(scope.get("headers") or ())
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                await _reply(send, 400, f"Content-Length: {declared[:40]!r} is not a number of bytes")
+                return
+            if size > limit:
+                await _reply(send, 413, f"body: {size} bytes, over the limit of {limit} bytes")
+                return
+            await self.app(scope, receive, send)
+            return
+        if b"transfer-encoding" not in headers:
+            await self.app(scope, receive, send)
+            return
+        body, more = bytearray(), True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > limit:
+                await _reply(send, 413, f"body: over the limit of {limit} bytes (chunked)")
+                return
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class HttpMetrics:
+    def __init__(self, app: Any, metrics: ServiceMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        code = [500]
+
+        async def send_status(msg: dict[str, Any]) -> None:
+            if msg["type"] == "http.response.start":
+                code[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.metrics.http.labels(route, scope.get("method", ""), str(code[0])).inc()

@@ -1,0 +1,203 @@
+"""One agent inside the ControllerHub: its request-path mirror, its controller and the queue between them.
+
+Runs in the controller service process. `AgentSlot.gate` is a light `ControllerState` the request path checks
+windows against (sequence, time, plan versions) under `lock`; `controller` is touched only by the planner
+thread (`feed`, then the hub's `step_next`); `pending` carries the stored windows and acks from one to the
+other in order. `build_slot` / `rebuild` load an agent from the database (its newest plans, recent windows
+and acks), so a restarted service, a policy change or another process's plan picks up where the database
+is. It never plans (the hub does) and never talks HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from api.db.errors import StoreError
+from api.db.repo import Repository
+from api.hub_config import controller_config, knobs_misfit
+from api.service_metrics import ServiceMetrics
+from controller.loop import Controller, Decision
+from controller.protocol import PlanAck, Telemetry, Tier
+from controller.protocol_service import (
+    AgentRegistration,
+    DecisionOutcome,
+    DecisionRecord,
+    PolicyKnobs,
+    SplitView,
+    WindowRejection,
+)
+from controller.state import ControllerState, ModelInfo, RejectCode, TelemetryRejected
+
+log = logging.getLogger(__name__)
+
+PLAN_HISTORY = 16  # plans reloaded on a rebuild (the controller state keeps as many)
+REPLAY_WINDOWS = 32  # recent windows a rebuilt controller learns from again
+MEASURED_VERSIONS = 8  # plan versions whose measured step time is still being averaged
+
+
+def _gate_state(reg: AgentRegistration) -> ControllerState:
+    s = reg.shape
+    return ControllerState(ModelInfo(s.name, s.num_layers, s.num_experts, s.moe_layers), history=1)
+
+
+def observe_window(metrics: ServiceMetrics, tel: Telemetry, last_fallbacks: dict[str, int]) -> None:
+    """A window's counters into the service metrics (fallbacks arrive as running counters: add the increase)."""
+    a = tel.agent_id
+    looked_up = tel.expert_hits + tel.expert_misses
+    if looked_up:
+        metrics.hit_rate.labels(a).set(tel.expert_hits / looked_up)
+    for tier, n in tel.kv.hits_per_tier.items():
+        metrics.kv_hits.labels(a, tier.value).inc(n)
+    for tier, n in tel.kv.misses_per_tier.items():
+        metrics.kv_misses.labels(a, tier.value).inc(n)
+    for stall in tel.stalls:
+        metrics.stall_s.labels(a, stall.cause.value).inc(stall.total_ms / 1e3)
+    for link in tel.links:
+        metrics.link_bytes.labels(a, link.link.value).inc(link.bytes)
+    for name, n in tel.fallbacks.items():
+        before = last_fallbacks.get(name, 0)
+        metrics.fallbacks.labels(a, name).inc(n - before if n >= before else n)  # lower: the agent restarted
+        last_fallbacks[name] = n
+    metrics.step_s.labels(a, "p50").set(tel.step_timings_ms.p50 / 1e3)
+    metrics.step_s.labels(a, "p99").set(tel.step_timings_ms.p99 / 1e3)
+
+
+@dataclass
+class AgentSlot:
+    reg: AgentRegistration
+    knobs: PolicyKnobs
+    policy_version: int
+    controller: Controller
+    gate: ControllerState
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: deque[Telemetry | PlanAck] = field(default_factory=deque)
+    new_windows: int = 0  # windows fed to the controller since its last decision
+    needs_rebuild: bool = False
+    promotions_seen: int = 0
+    measured: dict[int, tuple[float, int]] = field(default_factory=dict)  # version -> (sum of p50 ms, windows)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+    # ---- request path (under `lock`) ----------------------------------------------------------------------
+    def check_windows(self, items: list[tuple[int, Telemetry]],
+                      repo: Repository | None = None) -> tuple[list[tuple[int, Telemetry]], list[WindowRejection]]:
+        """Mirror each window into the gate; the refused ones as rejections. A window naming a plan version
+        the gate has not seen reloads it from `repo` once (another service process may have issued it)."""
+        ok, refused = [], []
+        for i, tel in items:
+            try:
+                self.gate.sync_from(tel)
+            except TelemetryRejected as exc:
+                if exc.code is RejectCode.PLAN_VERSION_AHEAD and repo is not None:
+                    self.reload_gate(repo)
+                    repo = None
+                    try:
+                        self.gate.sync_from(tel)
+                        ok.append((i, tel))
+                        continue
+                    except TelemetryRejected as again:
+                        exc = again
+                refused.append(WindowRejection(index=i, agent_id=tel.agent_id, window_seq=tel.window_seq,
+                                               code=exc.code.value, message=exc.message[:4000]))
+            else:
+                ok.append((i, tel))
+        return ok, refused
+
+    def reload_gate(self, repo: Repository) -> None:
+        gate = _gate_state(self.reg)
+        for rec in reversed(repo.plan_history(self.reg.agent_id, limit=PLAN_HISTORY)):
+            gate.record_issued(rec.plan)
+        for tel in repo.recent_windows(self.reg.agent_id, REPLAY_WINDOWS):
+            try:
+                gate.sync_from(tel)
+            except TelemetryRejected:
+                continue
+        self.gate = gate
+
+    # ---- planner thread -----------------------------------------------------------------------------------
+    def rebuild(self, repo: Repository) -> None:
+        """Reload policy, plans, windows and acks from the database (under `lock`: ingest waits meanwhile); the
+        queue is dropped, since everything in it is in the database already."""
+        with self.lock:
+            fresh = build_slot(repo, self.reg)
+            self.knobs, self.policy_version = fresh.knobs, fresh.policy_version
+            self.controller, self.gate = fresh.controller, fresh.gate
+            self.pending.clear()
+            self.new_windows, self.needs_rebuild, self.promotions_seen = 0, False, 0
+
+    def feed(self, repo: Repository, metrics: ServiceMetrics) -> None:
+        """Hand the queued windows and acks to the controller; store the measured step time of the plans run."""
+        with self.lock:
+            items = list(self.pending)
+            self.pending.clear()
+        agent_id, touched = self.reg.agent_id, set()
+        for item in items:
+            try:
+                if isinstance(item, PlanAck):
+                    self.controller.record_ack(item)
+                    continue
+                self.controller.sync_from(item)
+            except TelemetryRejected as exc:  # the gate let it through, so the controller lags: counted
+                metrics.planner_errors.labels(agent_id, f"controller_{exc.code.value}").inc()
+                continue
+            self.new_windows += 1
+            observe_window(metrics, item, self.fallbacks)
+            v = item.applied_plan_version
+            if v > 0:
+                total, n = self.measured.get(v, (0.0, 0))
+                self.measured[v] = (total + item.step_timings_ms.p50, n + 1)
+                touched.add(v)
+        for v in sorted(self.measured)[:-MEASURED_VERSIONS]:
+            del self.measured[v]
+        for v in sorted(touched & set(self.measured)):
+            total, n = self.measured[v]
+            try:
+                repo.set_measured(agent_id, v, total / n)
+            except StoreError:  # a plan another process issued and decided: its decision lives there
+                continue
+            metrics.decision_step_s.labels(agent_id, "measured").set(total / n / 1e3)
+
+
+def build_slot(repo: Repository, reg: AgentRegistration) -> AgentSlot:
+    """An agent's slot as the database has it: its group's policy, its newest plans, windows and acks."""
+    policy = repo.get_policy(reg.group)
+    knobs = policy.knobs
+    why = knobs_misfit(reg, knobs)
+    if why is not None:  # only a race with a policy change can get here (both paths check the fit)
+        log.warning("agent %s: group %r policy v%d does not fit (%s); running the default knobs", reg.agent_id,
+                    reg.group, policy.version, why)
+        knobs = PolicyKnobs()
+    ctl = Controller(controller_config(reg, knobs), reg.agent_id)
+    gate = _gate_state(reg)
+    history = list(reversed(repo.plan_history(reg.agent_id, limit=PLAN_HISTORY)))  # oldest first
+    for rec in history:
+        ctl.state.record_issued(rec.plan)
+        gate.record_issued(rec.plan)
+    for tel in repo.recent_windows(reg.agent_id, REPLAY_WINDOWS):
+        for target in (ctl, gate):
+            try:
+                target.sync_from(tel)
+            except TelemetryRejected:
+                continue
+    for rec in history:
+        if rec.ack is not None:
+            try:
+                ctl.record_ack(rec.ack)
+            except TelemetryRejected:
+                continue
+    ctl.pop_decisions()
+    return AgentSlot(reg, knobs, policy.version, ctl, gate)
+
+
+def decision_record(slot: AgentSlot, d: Decision, now_s: float) -> DecisionRecord:
+    """A controller Decision as the stored record (id 0: the repository assigns it)."""
+    split, reg = d.split, slot.reg
+    kv = {Tier.GPU: split.kv_blocks, Tier.CPU: reg.split.kv_cpu_blocks, Tier.NVME: reg.split.kv_nvme_blocks}
+    view = SplitView(expert_slots_per_layer=split.slots, expert_bytes=sum(split.slots) * reg.split.slot_bytes,
+                     kv_blocks_per_tier=kv, kv_gpu_bytes=split.kv_blocks * reg.split.kv_block_bytes)
+    return DecisionRecord(id=0, agent_id=reg.agent_id, created_s=now_s, outcome=DecisionOutcome(d.outcome.value),
+                          version=d.version, window=d.window, policy_version=slot.policy_version,
+                          batch_tokens=max(0.0, d.batch_tokens), kv_demand_blocks=max(0.0, d.kv_demand_blocks),
+                          split=view, predicted_step_ms=max(0.0, d.step_ms), reason=d.reason[:4000])

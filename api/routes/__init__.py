@@ -1,0 +1,1 @@
+"""The controller service's routers, one per resource (included by `api.app.create_app`)."""

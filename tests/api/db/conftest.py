@@ -1,0 +1,25 @@
+"""Fixtures of the storage tests: a migrated database (SQLite and PostgreSQL) and a Repository on a fake clock."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from api.db import migrate
+from api.db.engine import make_engine
+from api.db.repo import Repository
+from tests.conftest import FakeClock
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(1000.0)
+
+
+@pytest.fixture
+def repo(db_url: str, clock: FakeClock) -> Iterator[Repository]:
+    migrate.upgrade(db_url)
+    engine = make_engine(db_url)
+    yield Repository(engine, clock=clock, stale_after_s=60.0)
+    engine.dispose()
