@@ -24,7 +24,12 @@ async function getJson(path) {
   const headers = { Accept: "application/json" };
   const token = sessionStorage.getItem(TOKEN_KEY);
   if (token) headers.Authorization = `Bearer ${token}`;
-  const response = await fetch(path, { headers, cache: "no-store" });
+  let response;
+  try {
+    response = await fetch(path, { headers, cache: "no-store" });
+  } catch (err) { // the network, not the page: the service is down or unreachable
+    throw new ApiError(0, `GET ${path}: the service did not answer (${err.message})`);
+  }
   if (!response.ok) {
     let detail = response.statusText;
     try { detail = (await response.json()).detail ?? detail; } catch { /* not JSON: keep the status text */ }
@@ -142,7 +147,13 @@ class Page {
       this.showError("");
       $("refresh").textContent = `updated ${new Date().toLocaleTimeString()} · every ${this.config.refresh_s} s`;
     } catch (err) {
-      if (err instanceof ApiError && (err.status === 401 || err.status === 403)) {
+      if (!(err instanceof ApiError)) { // a bug in the page itself: say so, and let the console have it
+        console.error(err);
+        this.showError(`The page failed to draw the service's answer: ${err}. Please report it.`);
+        $("refresh").textContent = "page error";
+        return;
+      }
+      if (err.status === 401 || err.status === 403) {
         $("token-box").hidden = false;
         sessionStorage.removeItem(TOKEN_KEY);
       }

@@ -20,6 +20,7 @@ import uvicorn
 
 CHROMIUM = Path("/usr/bin/chromium")
 START_TIMEOUT_S = 20.0
+WAIT_MS = 15_000  # what a page wait may take before the test fails (the page draws in well under a second)
 
 
 @contextmanager
@@ -67,6 +68,7 @@ def browser() -> Iterator[Browser]:
                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         try:
             page = chrome.new_page(viewport={"width": 1280, "height": 1000})
+            page.set_default_timeout(WAIT_MS)
             out = Browser(page)
             page.on("console", lambda msg: out.errors.append(f"console: {msg.text}")
                     if msg.type == "error" else None)
