@@ -7,7 +7,15 @@ import { ACCENT_COLOUR, byteTicks, formatBytes, lineChart, showEmpty, stackedAre
 import { budgetSeries, hitRates, splitSeries, stallSeries } from "./series.js";
 import { renderDecisions, renderPlans, renderPolicies, renderStatus } from "./tables.js";
 
-const DECISIONS_LIMIT = 100;
+const DECISIONS_SHOWN = 50; // rows of the decisions table; the charts use every decision fetched
+const MIN_REFRESH_S = 1;
+const MAX_DECISIONS = 1000; // the most GET /v1/decisions returns at once
+
+/** How many decisions to fetch: a whole number in [1, MAX_DECISIONS], 300 when not given or not a number. */
+function clampHistory(value) {
+  const n = Math.floor(Number(value));
+  return Number.isFinite(n) && n >= 1 ? Math.min(n, MAX_DECISIONS) : 300;
+}
 const PLANS_LIMIT = 50;
 const POLICIES_LIMIT = 50;
 const WINDOWS_LIMIT = 200;
@@ -88,14 +96,22 @@ function drawWindows(windows, available) {
 class Page {
   constructor() {
     this.config = { refresh_s: 5, endpoints: {}, read_needs_token: false };
-    this.agentId = new URLSearchParams(location.search).get("agent");
+    const query = new URLSearchParams(location.search);
+    this.agentId = query.get("agent");
+    this.refreshOverride = Number(query.get("refresh_s")) || null; // ?refresh_s=N: an operator's own pace
+    this.history = clampHistory(query.get("history"));
     this.timer = null;
     this.busy = false;
     this.last = null; // the newest answers of the API, drawn again on resize
   }
 
   async start() {
-    $("agent").addEventListener("change", (event) => { this.select(event.target.value); });
+    $("agent").addEventListener("change", (event) => { this.select({ agent: event.target.value }); });
+    if (![...$("history").options].some((o) => o.value === String(this.history))) {
+      $("history").add(new Option(`last ${this.history} decisions`, String(this.history)));
+    }
+    $("history").value = String(this.history);
+    $("history").addEventListener("change", (event) => { this.select({ history: event.target.value }); });
     $("token-form").addEventListener("submit", (event) => {
       event.preventDefault();
       sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
@@ -113,6 +129,7 @@ class Page {
     } catch (err) {
       this.showError(`Could not read the page's settings (${err.message}); using defaults.`);
     }
+    if (this.refreshOverride) this.config.refresh_s = Math.max(MIN_REFRESH_S, this.refreshOverride);
     if (this.config.read_needs_token && !sessionStorage.getItem(TOKEN_KEY)) {
       $("token-box").hidden = false;
       $("refresh").textContent = "waiting for a read token";
@@ -121,11 +138,13 @@ class Page {
     await this.refresh();
   }
 
-  select(agentId) {
-    this.agentId = agentId;
+  /** A choice in the header (`{agent}` or `{history}`), kept in the address so a link shows the same. */
+  select(choice) {
+    if (choice.agent !== undefined) this.agentId = choice.agent;
+    if (choice.history !== undefined) this.history = clampHistory(choice.history);
     const url = new URL(location.href);
-    url.searchParams.set("agent", agentId);
-    history.replaceState(null, "", url);
+    for (const [key, value] of Object.entries(choice)) url.searchParams.set(key, value);
+    window.history.replaceState(null, "", url);
     this.refresh();
   }
 
@@ -187,7 +206,7 @@ class Page {
     const group = encodeURIComponent(agent.group);
     const windowsPath = this.config.endpoints.windows;
     const [decisions, plans, policies, windows] = await Promise.all([
-      getJson(`/v1/decisions?agent_id=${id}&limit=${DECISIONS_LIMIT}`),
+      getJson(`/v1/decisions?agent_id=${id}&limit=${this.history}`),
       getJson(`/v1/agents/${id}/plans?limit=${PLANS_LIMIT}`),
       getJson(`/v1/policies/${group}/history?limit=${POLICIES_LIMIT}`),
       windowsPath ? getJson(`${windowsPath.replace("{agent_id}", id)}?limit=${WINDOWS_LIMIT}`) : [],
@@ -207,7 +226,7 @@ class Page {
     drawStep(oldestFirst);
     drawWindows(windows.slice().sort((a, b) => a.window_end_s - b.window_end_s), hasWindows);
     renderPlans($("plans"), plans);
-    renderDecisions($("decisions"), decisions);
+    renderDecisions($("decisions"), decisions.slice(0, DECISIONS_SHOWN));
     $("policy-group").textContent = `group ${agent.group}`;
     renderPolicies($("policies"), policies);
   }

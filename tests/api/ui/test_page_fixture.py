@@ -4,6 +4,8 @@ series arithmetic, and the router's file serving. The real service's test is tes
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -136,4 +138,42 @@ def test_time_axis_ticks_fall_on_clock_steps() -> None:
         assert all(t % 1800 == 0 for t in got["hour"]) and len(got["hour"]) >= 5  # every 30 min
         assert got["short"] == [10, 10.5, 11, 11.5, 12]
         assert got["label"].endswith(".2") and got["ms"].endswith(".250") and "." not in got["whole"]
+        assert b.errors == []
+
+
+def test_switching_agents_and_picking_up_new_plans_without_a_reload() -> None:
+    chromium_or_skip()
+    records = sample_records("agent-a", num_decisions=12)
+    other = sample_records("agent-b", num_decisions=4)
+    records["agents"] += other["agents"]
+    records["decisions"].update(other["decisions"])
+    records["plans"].update(other["plans"])
+    with serving(fake_app(records)) as base, browser() as b:
+        b.page.goto(f"{base}/ui?refresh_s=1")
+        b.page.wait_for_selector("#plans tbody tr[data-version]")
+        assert b.page.input_value("#agent") == "agent-a"  # the first agent when none is named
+        b.page.select_option("#agent", "agent-b")
+        b.page.wait_for_function("document.querySelectorAll('#decisions tbody tr').length === 4")
+        assert "agent=agent-b" in b.page.url
+        assert b.page.locator("#plans tbody tr").count() == len(other["plans"]["agent-b"])
+        # a new plan for agent-b appears on the next refresh, with no reload
+        newest = records["plans"]["agent-b"][0]
+        plan = newest.plan.model_copy(update={"version": newest.plan.version + 1, "reason": "a fresh plan"})
+        records["plans"]["agent-b"].insert(0, newest.model_copy(update={"plan": plan}))
+        b.page.wait_for_selector(f"#plans tbody tr[data-version='{plan.version}']")
+        assert "a fresh plan" in b.page.inner_text("#plans")
+        assert b.errors == []
+
+
+def test_history_asks_for_that_many_decisions_within_the_apis_limit() -> None:
+    chromium_or_skip()
+    with serving(fake_app(sample_records(num_decisions=12))) as base, browser() as b:
+        asked: list[str] = []
+        b.page.on("request", lambda r: asked.append(r.url) if "/v1/decisions" in r.url else None)
+        b.page.goto(f"{base}/ui?history=5000")
+        b.page.wait_for_selector("#plans tbody tr[data-version]")
+        assert asked and all(re.search(r"limit=1000(&|$)", url) for url in asked)
+        with b.page.expect_request(lambda r: re.search(r"/v1/decisions\?.*limit=100(&|$)", r.url)):
+            b.page.select_option("#history", "100")
+        assert "history=100" in b.page.url
         assert b.errors == []

@@ -5,7 +5,9 @@ that nothing went wrong in the page, and saves the screenshot bench/results/ui_d
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,7 +21,7 @@ AGENT = "replay-0"
 
 
 @pytest.fixture
-def filled_service(tmp_path: Path):  # -> Iterator[tuple[str, dict]]
+def filled_service(tmp_path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """A running service with one agent's real decisions, plans, acks and two policy versions in it."""
     from api.app import create_app
     from api.settings import Settings
@@ -39,7 +41,7 @@ def filled_service(tmp_path: Path):  # -> Iterator[tuple[str, dict]]
         yield base, stats
 
 
-def test_decisions_page_shows_the_services_real_decisions(filled_service) -> None:
+def test_decisions_page_shows_the_services_real_decisions(filled_service: tuple[str, dict[str, Any]]) -> None:
     chromium_or_skip()
     base, stats = filled_service
     plans = httpx.get(f"{base}/v1/agents/{AGENT}/plans", params={"limit": 50}).json()
@@ -61,11 +63,10 @@ def test_decisions_page_shows_the_services_real_decisions(filled_service) -> Non
         assert all(a["width"] > 100 and a["height"] > 1 for a in areas), areas
         assert b.page.locator("#split-chart path.overlay").count() == 1  # the plans' HBM budget
         # the plan table: every plan the API lists, newest first, with its state and reason
-        rows = b.page.eval_on_selector_all("#plans tbody tr", "rs => rs.map(r => r.dataset.version)")
-        assert rows == [str(p["plan"]["version"]) for p in plans]
-        table = b.page.inner_text("#plans")
-        assert {p["state"] for p in plans} <= {s for s in ("issued", "applied", "superseded", "rejected") if s in table}
-        assert plans[0]["plan"]["reason"][:60] in table
+        rows = b.page.eval_on_selector_all("#plans tbody tr", """rs => rs.map(r => [r.dataset.version,
+            r.querySelector(".badge").textContent])""")
+        assert rows == [[str(p["plan"]["version"]), p["state"]] for p in plans]
+        assert plans[0]["plan"]["reason"][:60] in b.page.inner_text("#plans")
         assert b.page.locator("#decisions tbody tr").count() == len(decisions)
         assert b.page.locator("#policies tbody tr").count() == 2
         assert "hysteresis: 0.1 → 0.05" in b.page.inner_text("#policies")
@@ -73,3 +74,18 @@ def test_decisions_page_shows_the_services_real_decisions(filled_service) -> Non
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         b.page.screenshot(path=str(SCREENSHOT), full_page=True)
         assert b.errors == []
+
+
+def test_the_page_is_open_when_reads_need_a_token(tmp_path: Path) -> None:
+    """The page's files carry no data, so they are served without a token; it learns that reads need one."""
+    from api.app import create_app
+    from api.settings import Settings
+
+    settings = Settings(db_url=f"sqlite:///{tmp_path / 'service.db'}", bootstrap_token=TOKEN, read_needs_token=True)
+    with serving(create_app(settings)) as base:
+        assert httpx.get(f"{base}/v1/agents").status_code == 401
+        assert httpx.get(f"{base}/ui").status_code == 200
+        assert httpx.get(f"{base}/ui/static/app.js").status_code == 200
+        config = httpx.get(f"{base}/ui/config.json").json()
+        assert config["read_needs_token"] is True and config["refresh_s"] > 0
+        assert "/ui" not in httpx.get(f"{base}/openapi.json").json()["paths"]  # not part of the JSON API
