@@ -24,7 +24,6 @@ _CONTENT_TYPES = {
     ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8",
     ".svg": "image/svg+xml",
-    ".txt": "text/plain; charset=utf-8",
 }
 # The page changes with the package; the browser asks again each load (the files are a few KiB).
 _NO_CACHE = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
@@ -77,7 +76,7 @@ def ui_config(request: Request) -> JSONResponse:
 
 @router.get(UI_PREFIX + "/static/{name}")
 def ui_static(name: str) -> Response:
-    """One of the page's files (script, style sheet, licence), by bare name."""
+    """One of the page's files (a script or the style sheet), by bare name."""
     entry = _static_file(name)
     if entry is None:
         raise HTTPException(status_code=404, detail=f"ui: no file {name!r}; the page's files are "

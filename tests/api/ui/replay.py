@@ -1,6 +1,7 @@
 """Fills a running controller service with real decisions: the CPU reference engine and its agent replay the
 bundled Mooncake requests and routing trace (api/demo_loop.py's phased workload) in a closed loop whose plan
-source is the service's HTTP API (register, POST telemetry, GET the plan, POST acks).
+source is the service's HTTP API (register with api/bench_api.py's registration of that agent, POST telemetry, GET the
+plan, POST acks).
 
 Test code (the pytest process); the engine runs here, the service wherever `base_url` points. The loop waits
 for the service to decide on each window before asking for a plan (so the run resembles the in-process
@@ -16,20 +17,13 @@ from typing import Any
 
 import httpx
 
+from api.bench_api import TINY_UNIT_BYTES, tiny_registration
 from api.demo_loop import BLOCK_TOKENS, KV_CPU_BLOCKS, KV_GPU_CAPACITY, KV_NVME_BLOCKS, MAX_BATCH, VIRTUAL_STEP_S
-from controller.protocol import Link, Plan, PlanAck, Telemetry
-from controller.protocol_service import (
-    AgentRegistration,
-    HardwareSheet,
-    IngestResult,
-    PlanRecord,
-    ShapeSpec,
-    SplitSheet,
-    TelemetryBatch,
-)
+from controller.protocol import Plan, PlanAck, Telemetry
+from controller.protocol_service import IngestResult, PlanRecord, TelemetryBatch
 
 WINDOW_STEPS = 4
-BUDGET_BYTES = 64 * 4096  # api/demo_loop.py's budget: 64 units of 4 KiB
+BUDGET_BYTES = 64 * TINY_UNIT_BYTES  # api/demo_loop.py's budget
 DECIDE_TIMEOUT_S = 5.0  # how long a window waits for the service's decision on it
 
 
@@ -71,26 +65,6 @@ class HttpPlanSource:
         self.client.post("/v1/acks", json=ack.model_dump(mode="json")).raise_for_status()
 
 
-def registration(engine: Any, agent_id: str, kv_floor: int) -> AgentRegistration:
-    """The agent as the service must know it: the numbers api/demo_loop.py's in-process controller uses."""
-    from controller.model_shape import builtin_shape
-
-    shape = builtin_shape("tiny", block_tokens=BLOCK_TOKENS)
-    return AgentRegistration(
-        agent_id=agent_id, engine="tierplan-reference",
-        shape=ShapeSpec(name=shape.name, num_layers=shape.num_layers, moe_layers=shape.moe_layers,
-                        num_experts=shape.num_experts, top_k=shape.top_k, expert_bytes=shape.expert_bytes,
-                        dense_bytes=shape.dense_bytes, kv_bytes_per_token=shape.kv_bytes_per_token,
-                        block_tokens=shape.block_tokens),
-        hardware=HardwareSheet(name="cpu twin", link_bytes_per_s=dict.fromkeys(Link, 2e9), transfer_overhead_s=2e-4,
-                               hbm_bytes=BUDGET_BYTES),
-        split=SplitSheet(hbm_budget_bytes=BUDGET_BYTES, dense_bytes=0, workspace_bytes=0,
-                         slot_bytes=engine.pool.layout.stride_bytes, kv_block_bytes=engine.cache.block_bytes,
-                         kv_gpu_blocks_max=KV_GPU_CAPACITY, kv_gpu_blocks_min=kv_floor, kv_block_tokens=BLOCK_TOKENS,
-                         kv_cpu_blocks=KV_CPU_BLOCKS, kv_nvme_blocks=KV_NVME_BLOCKS),
-        registered_s=time.time())
-
-
 def replay(base_url: str, token: str, workdir: Path, agent_id: str = "replay-0",
            num_requests: int = 24) -> dict[str, Any]:
     """Run the phased demo workload against the service at `base_url`; returns the loop's stats."""
@@ -112,7 +86,9 @@ def replay(base_url: str, token: str, workdir: Path, agent_id: str = "replay-0",
     headers = {"Authorization": f"Bearer {token}"}
     with httpx.Client(base_url=base_url, headers=headers, timeout=10.0) as client:
         try:
-            reg = registration(engine, agent_id, kv_floor)
+            if engine.pool.layout.stride_bytes != 3 * TINY_UNIT_BYTES or engine.cache.block_bytes != TINY_UNIT_BYTES:
+                raise RuntimeError("the tiny engine's sizes changed: api/bench_api.py's registration no longer fits")
+            reg = tiny_registration(agent_id, kv_gpu_blocks_min=kv_floor, registered_s=time.time())
             client.post("/v1/agents", json=reg.model_dump(mode="json")).raise_for_status()
             sched = Scheduler(KV_GPU_CAPACITY, BLOCK_TOKENS, max_batch=MAX_BATCH, preempt=PreemptMode.SWAP)
 

@@ -29,8 +29,9 @@ def filled_service(tmp_path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     settings = Settings(db_url=f"sqlite:///{tmp_path / 'service.db'}", bootstrap_token=TOKEN, plan_interval_s=0.05)
     with serving(create_app(settings)) as base:
         auth = {"Authorization": f"Bearer {TOKEN}"}
+        demo_knobs = {"min_slots_per_layer": 2, "horizon_steps": 16, "hysteresis": 0.05}  # api/demo_loop.py's
         for why, knobs in (("start with the defaults, recorded", {}),
-                           ("react faster to the batch growing", {"hysteresis": 0.05})):
+                           ("the demo's slot floor (top_k) and horizon; react faster to the batch", demo_knobs)):
             current = httpx.get(f"{base}/v1/policies/default").json()["version"]
             r = httpx.put(f"{base}/v1/policies/default", headers=auth,
                           json={"knobs": knobs, "why": why, "expected_version": current})
