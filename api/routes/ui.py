@@ -23,7 +23,6 @@ _CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8",
-    ".svg": "image/svg+xml",
 }
 # The page changes with the package; the browser asks again each load (the files are a few KiB).
 _NO_CACHE = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}

@@ -4,7 +4,10 @@ series arithmetic, and the router's file serving. The real service's test is tes
 
 from __future__ import annotations
 
+import fnmatch
 import re
+import tomllib
+from pathlib import Path
 
 import httpx
 import pytest
@@ -177,3 +180,12 @@ def test_history_asks_for_that_many_decisions_within_the_apis_limit() -> None:
             b.page.select_option("#history", "100")
         assert "history=100" in b.page.url
         assert b.errors == []
+
+
+def test_every_page_file_is_package_data() -> None:
+    """An installed wheel serves the page only if pyproject's package-data names each of its files."""
+    root = Path(__file__).resolve().parents[3]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["api"]
+    files = sorted(p.relative_to(root / "api").as_posix() for p in (root / "api" / "ui").iterdir() if p.is_file())
+    assert "ui/index.html" in files
+    assert [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)] == []
