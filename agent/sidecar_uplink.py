@@ -11,7 +11,8 @@ moves fail-static on (`FailStatic`), marks every agent for re-registration and w
 a refused one (4xx) is dropped and counted, never retried forever. Queues are bounded: the oldest window
 (or ack) is dropped with a counter. Accounting, exact at any instant: received == sent + dropped (by
 reason) + queued + in flight. A window the service may already have stored (the answer was lost) and then
-refuses as `seq_not_increasing` on the retry counts as sent (`redelivered`). Clock, RNG, client, metrics
+refuses as `seq_not_increasing` on the retry counts as sent (`redelivered`); windows refused as
+`unknown_agent` (a service on a fresh database) go back once, after a new registration. Clock, RNG, client, metrics
 and the push callback come in through the constructor. It must never block an agent-socket thread on HTTP.
 """
 
@@ -33,7 +34,9 @@ from agent.sidecar_metrics import SidecarMetrics
 from controller.protocol import Plan, PlanAck, Telemetry
 from controller.protocol_service import MAX_BATCH_WINDOWS, AgentRegistration
 
-REDELIVERED_CODE = "seq_not_increasing"  # controller.state.RejectCode.SEQ_NOT_INCREASING (agent may not import it)
+# controller.state.RejectCode values (the agent may import only the protocol)
+REDELIVERED_CODE = "seq_not_increasing"
+UNKNOWN_AGENT_CODE = "unknown_agent"
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class _Window:
     agent_id: str
     text: bytes  # the window's JSON, as it goes into the batch
     maybe_delivered: bool = False
+    resent_unknown: bool = False  # already sent again once after the service said it did not know the agent
 
 
 @dataclass
@@ -105,6 +109,7 @@ class Uplink:
         self._etags: dict[str, str] = {}
         self._retry_at_s: float | None = None
         self._flush_requested = False
+        self._reregister_first = False
         self._last_flush_s = clock()
         self._next_poll_s = clock()
 
@@ -223,7 +228,8 @@ class Uplink:
         an ack behind them, a requested flush): then everything queued at that moment goes, batch by batch."""
         c = self.config
         until_seq: int | None = None  # while flushing: the newest window to send in this flush
-        while True:
+        self._reregister_first = False
+        while not self._reregister_first:
             with self._lock:
                 ack = self._acks[0] if self._acks else None
                 head = self._windows[0] if self._windows else None
@@ -296,6 +302,7 @@ class Uplink:
         with self._lock:
             self._in_flight = 0
             num_sent = 0
+            again: list[_Window] = []
             for i, w in enumerate(batch):
                 code = refused.get(i)
                 if code is None:
@@ -303,12 +310,22 @@ class Uplink:
                 elif code == REDELIVERED_CODE and w.maybe_delivered:
                     num_sent += 1
                     self.counts.redelivered += 1
+                elif code == UNKNOWN_AGENT_CODE and not w.resent_unknown:
+                    w.resent_unknown = True  # the service lost the registration (a fresh database): once more
+                    again.append(w)
+                    for agent in self._agents.values():
+                        if agent.reg.agent_id == w.agent_id:
+                            agent.registered = False
                 else:
                     self._drop(f"rejected_{code}")
             self.counts.sent += num_sent
             depth = len(self._windows)
         self.metrics.windows_sent.inc(num_sent)
         self.metrics.queue_depth.set(depth)
+        if again:
+            self._put_back(again, maybe_delivered=False)
+            self._reregister_first = True  # stop this flush: register on the next tick, then send these
+            self._kick.set()
 
     def _put_back(self, batch: list[_Window], maybe_delivered: bool) -> None:
         with self._lock:
