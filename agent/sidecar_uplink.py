@@ -146,11 +146,9 @@ class Uplink:
 
     def current_plan(self, agent_id: str, since_version: int) -> Plan | None:
         """The cached plan when it is newer than `since_version` and fail-static still serves it."""
-        with self._lock:
-            plan = self._plans.get(agent_id)
-        if plan is None or plan.version <= since_version or not self.fail.serves_cached_plan:
-            return None
-        return plan
+        plan = self._plans.get(agent_id)  # one dict read: atomic, no lock needed
+        ok = plan is not None and plan.version > since_version and self.fail.serves_cached_plan
+        return plan if ok else None
 
     # ---- the uplink thread ------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -361,15 +359,25 @@ class Uplink:
                 self.push(agent_id, poll.plan)
         self._next_poll_s = now + self.config.poll_s
 
+    def abandon(self) -> None:
+        """The sidecar is exiting: what is still queued will never be sent; counted as dropped (`shutdown`)."""
+        with self._lock:
+            self._drop("shutdown", len(self._windows))
+            self._drop_ack("shutdown", len(self._acks))
+            self._windows.clear()
+            self._acks.clear()
+        self.metrics.queue_depth.set(0)
+
     # ---- accounting -------------------------------------------------------------------------------------
     def _drop(self, reason: str, n: int = 1) -> None:
         if n > 0:
             self.counts.dropped[reason] += n
             self.metrics.windows_dropped.labels(reason=reason).inc(n)
 
-    def _drop_ack(self, reason: str) -> None:
-        self.counts.acks_dropped[reason] += 1
-        self.metrics.acks_dropped.labels(reason=reason).inc()
+    def _drop_ack(self, reason: str, n: int = 1) -> None:
+        if n > 0:
+            self.counts.acks_dropped[reason] += n
+            self.metrics.acks_dropped.labels(reason=reason).inc(n)
 
     def _mode_changed(self, old: Mode, new: Mode) -> None:
         self.metrics.fail_static.set(0 if new is Mode.ONLINE else 1)
