@@ -2,11 +2,12 @@
 
 Runs in the service process (`tierplan serve` hands the app to uvicorn; tests build it in process). The
 factory wires the repository (or the one given), the metrics registry, the token auth and the ControllerHub
-onto `app.state`, one router per resource, the request size limit (413), the HTTP metrics, and the error
-handlers that turn every client mistake into a 4xx with a precise `detail` (pydantic errors: 422 with the
-field path; invalid JSON: 400; store errors: 404/409). The lifespan runs the migrations (when asked),
-stores the bootstrap token hashed, rebuilds the hub from the database and starts its planner thread; on
-shutdown it stops the planner. It never plans on a request.
+onto `app.state`, one router per resource, the request size limit (413), the write-token gate (401/403
+before a body is read), the HTTP metrics, and the error handlers that turn every client mistake into a 4xx
+with a precise `detail` (pydantic errors: 422 with the field path; invalid JSON: 400; store errors:
+404/409). The lifespan runs the migrations (when asked), stores the bootstrap token hashed, rebuilds the
+hub from the database and starts its planner thread; on shutdown it stops the planner. It never plans on
+a request.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from api.app_middleware import BodyLimit, HttpMetrics
+from api.app_middleware import BodyLimit, HttpMetrics, WriteGate
 from api.auth import TokenAuth
 from api.db.errors import Conflict, InvalidQuery, NotFound, StoreError, Unavailable
 from api.db.repo import Repository
@@ -148,6 +149,7 @@ def create_app(settings: Settings, *, repository: Repository | None = None,
         app.include_router(r)
     if importlib.util.find_spec("api.routes.ui") is not None:  # the decisions page (the ui helper's router)
         app.include_router(importlib.import_module("api.routes.ui").router)
+    app.add_middleware(WriteGate, auth=app.state.auth)
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(HttpMetrics, metrics=metrics)  # outermost: counts the 413s too
     return app

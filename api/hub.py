@@ -223,9 +223,9 @@ class ControllerHub:
     def _plan_agent(self, slot: AgentSlot) -> int:
         agent_id = slot.reg.agent_id
         try:
+            slot.feed(self.repo, self.metrics)  # first: the metrics and measured outcomes of what is queued
             if slot.needs_rebuild:
                 slot.rebuild(self.repo)
-            slot.feed(self.repo, self.metrics)
             if slot.new_windows < slot.knobs.plan_every_windows:
                 return 0
             plan = slot.controller.step_next()

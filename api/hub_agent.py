@@ -124,8 +124,10 @@ class AgentSlot:
             fresh = build_slot(repo, self.reg)
             self.knobs, self.policy_version = fresh.knobs, fresh.policy_version
             self.controller, self.gate = fresh.controller, fresh.gate
+            # The queued windows were replayed from the database: they still count towards the next decision.
+            self.new_windows += sum(isinstance(item, Telemetry) for item in self.pending)
             self.pending.clear()
-            self.new_windows, self.needs_rebuild, self.promotions_seen = 0, False, 0
+            self.needs_rebuild, self.promotions_seen = False, 0
 
     def feed(self, repo: Repository, metrics: ServiceMetrics) -> None:
         """Hand the queued windows and acks to the controller; store the measured step time of the plans run."""
@@ -145,7 +147,7 @@ class AgentSlot:
             self.new_windows += 1
             observe_window(metrics, item, self.fallbacks)
             v = item.applied_plan_version
-            if v > 0:
+            if v > 0 and item.step_timings_ms.num_steps > 0:  # a window of no steps measured nothing
                 total, n = self.measured.get(v, (0.0, 0))
                 self.measured[v] = (total + item.step_timings_ms.p50, n + 1)
                 touched.add(v)

@@ -5,6 +5,8 @@ decision a measured step time."""
 
 from __future__ import annotations
 
+import httpx
+
 from controller.protocol import AckStatus, Footprint, PlanAck, Tier
 from tests.api.service.conftest import AUTH, Service, windows
 
@@ -17,7 +19,7 @@ def ack_for(plan: dict, status: AckStatus = AckStatus.APPLIED, **kw: object) -> 
                    applied_s=5.0, footprint=fp, **kw)
 
 
-def post_ack(svc: Service, ack: PlanAck):  # noqa: ANN201 - a TestClient response
+def post_ack(svc: Service, ack: PlanAck) -> httpx.Response:
     return svc.client.post("/v1/acks", content=ack.model_dump_json(), headers=AUTH)
 
 
