@@ -161,7 +161,8 @@ def run_ingest_bench(db_url: str, num_batches: int = 200, batch_windows: int = 6
         plans: list[list[bytes]] = []
         for c, n in enumerate(per_client):
             agent = f"bench-{seed}-{c}-{os.getpid()}"
-            r = httpx.post(f"{url}/v1/agents", headers={"Authorization": f"Bearer {token}"},
+            r = httpx.post(f"{url}/v1/agents", headers={"Authorization": f"Bearer {token}",
+                                                       "Content-Type": "application/json"},
                            content=tiny_registration(agent).model_dump_json(), timeout=30.0)
             r.raise_for_status()
             template = [synthetic_window(agent, 0, rng, hot=h).model_dump(mode="json") for h in range(4)]

@@ -129,18 +129,28 @@ class AgentSlot:
             self.pending.clear()
             self.needs_rebuild, self.promotions_seen = False, 0
 
-    def feed(self, repo: Repository, metrics: ServiceMetrics) -> None:
-        """Hand the queued windows and acks to the controller; store the measured step time of the plans run."""
+    def feed(self, repo: Repository, metrics: ServiceMetrics, learn_limit: int = 16) -> None:
+        """Hand the queued windows and acks to the controller; store the measured step time of the plans run.
+        Only the newest `learn_limit` windows of a pass are learned from (its demand models are decayed
+        averages, and learning costs ~1 ms a window: a fast sender must not starve ingest of the CPU); the
+        older ones still count in the metrics, the measured outcomes and `plan_every_windows`, and each is
+        counted in tierplan_planner_windows_skipped_total."""
         with self.lock:
             items = list(self.pending)
             self.pending.clear()
         agent_id, touched = self.reg.agent_id, set()
+        skip = max(0, sum(isinstance(item, Telemetry) for item in items) - learn_limit)
+        if skip:
+            metrics.windows_skipped.labels(agent_id).inc(skip)
         for item in items:
             try:
                 if isinstance(item, PlanAck):
                     self.controller.record_ack(item)
                     continue
-                self.controller.sync_from(item)
+                if skip:
+                    skip -= 1
+                else:
+                    self.controller.sync_from(item)
             except TelemetryRejected as exc:  # the gate let it through, so the controller lags: counted
                 metrics.planner_errors.labels(agent_id, f"controller_{exc.code.value}").inc()
                 continue
