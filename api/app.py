@@ -94,6 +94,24 @@ def _install_handlers(app: FastAPI) -> None:
         return detail(422, str(exc))
 
 
+def _extend_openapi(app: FastAPI) -> None:
+    """Add the schemas of bodies a route validates itself (the telemetry batch) to /openapi.json."""
+    from api.routes.telemetry import openapi_components
+
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            found = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name, body in openapi_components().items():
+                found.setdefault(name, body)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(settings: Settings, *, repository: Repository | None = None,
                clock: Callable[[], float] | None = None) -> FastAPI:
     """The service app. `repository` replaces the one built from `settings.db_url` (then no migrations run and
@@ -149,6 +167,7 @@ def create_app(settings: Settings, *, repository: Repository | None = None,
         app.include_router(r)
     if importlib.util.find_spec("api.routes.ui") is not None:  # the decisions page (the ui helper's router)
         app.include_router(importlib.import_module("api.routes.ui").router)
+    _extend_openapi(app)
     app.add_middleware(WriteGate, auth=app.state.auth)
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(HttpMetrics, metrics=metrics)  # outermost: counts the 413s too

@@ -147,7 +147,7 @@ def _client(url: str, token: str, bodies: list[bytes], latencies_ms: list[float]
 
 
 def run_ingest_bench(db_url: str, num_batches: int = 200, batch_windows: int = 64, clients: int = 1,
-                     warmup_batches: int = 5, seed: int = 0) -> dict[str, Any]:
+                     warmup_batches: int = 5, seed: int = 0, plan_interval_s: float = 0.2) -> dict[str, Any]:
     """POST `num_batches` batches of `batch_windows` windows (after a warm-up) split over `clients` agents,
     one connection each; the numbers of the timed part."""
     import json
@@ -155,13 +155,14 @@ def run_ingest_bench(db_url: str, num_batches: int = 200, batch_windows: int = 6
     token = "tp_bench_" + os.urandom(8).hex()
     rng = np.random.default_rng(seed)
     per_client = [num_batches // clients + (1 if c < num_batches % clients else 0) for c in range(clients)]
-    with serve_process(db_url, token, plan_interval_s=0.2) as url:
+    with serve_process(db_url, token, plan_interval_s=plan_interval_s) as url:
         import httpx
 
         plans: list[list[bytes]] = []
         for c, n in enumerate(per_client):
             agent = f"bench-{seed}-{c}-{os.getpid()}"
-            r = httpx.post(f"{url}/v1/agents", headers={"Authorization": f"Bearer {token}"},
+            r = httpx.post(f"{url}/v1/agents", headers={"Authorization": f"Bearer {token}",
+                                                       "Content-Type": "application/json"},
                            content=tiny_registration(agent).model_dump_json(), timeout=30.0)
             r.raise_for_status()
             template = [synthetic_window(agent, 0, rng, hot=h).model_dump(mode="json") for h in range(4)]

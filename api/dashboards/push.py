@@ -19,6 +19,7 @@ from api.dashboards.export import all_dashboards
 
 DEFAULT_FOLDER = "tierplan"
 _TIMEOUT_S = 10.0
+_FOLDER_UID = re.compile(r"[A-Za-z0-9_-]{1,40}")
 _ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\")]+)")
 
 
@@ -70,6 +71,8 @@ def push_dashboards(url: str, token: str, folder_uid: str = DEFAULT_FOLDER) -> l
     _check_url(url)
     if not token.strip():
         raise PushError("--token is empty; expected a Grafana service account token")
+    if not _FOLDER_UID.fullmatch(folder_uid):
+        raise PushError(f"--folder {folder_uid!r}: expected a Grafana folder uid (1-40 of A-Z a-z 0-9 _ -)")
     api = GrafanaApi.from_url(url.rstrip("/"), credential=token, timeout=_TIMEOUT_S)
     what = f"looking up folder {folder_uid!r}"
     try:

@@ -3,7 +3,7 @@
 
 The story: the engine applies a plan the service issued; the service dies; the engine keeps decoding (steps
 complete, windows are produced, and no socket call ever ran on an engine-facing thread); the sidecar goes
-last_good, then safe_static after its 1 s TTL (each counted in its metrics) and, its queue bounded at 2
+last_good, then safe_static after its 1 s TTL (each counted in its metrics) and, its queue bounded at 8
 windows, drops the oldest (counted); the service comes back on the same database; the sidecar re-registers,
 flushes its queue (the windows reach the DB) and polls plans again (the new service process counts the polls).
 At the end every window the agent produced is accounted for: produced == delivered (in the DB) + dropped
@@ -27,6 +27,7 @@ from tests.agent.sidecar.helpers import balanced_link, wait_until
 from tests.agent.sidecar.procs import kill, scrape, start_service, start_sidecar, stop, total
 
 AGENT = "fault-agent"
+HELD = 8  # the sidecar's queue bound: windows it keeps while the service is away
 
 
 class Replay:
@@ -96,7 +97,7 @@ def test_the_service_dies_mid_replay_and_the_engine_never_waits_and_nothing_vani
     auth = {"Authorization": f"Bearer {token}"}
     service = start_service(db, port, token)
     car, metrics_port = start_sidecar(url, sock, token, "--plan-ttl-s", "1", "--flush-s", "0.1", "--poll-s", "0.1",
-                                      "--backoff-cap-s", "0.5", "--max-queued-windows", "2")
+                                      "--backoff-cap-s", "0.5", "--max-queued-windows", str(HELD))
     link: ServiceLink | None = None
     replay: Replay | None = None
     try:
@@ -111,6 +112,7 @@ def test_the_service_dies_mid_replay_and_the_engine_never_waits_and_nothing_vani
         wait_until(lambda: loop.stats()["applied"] >= 1 or replay.error, "the engine applied a service plan", 300)
         assert replay.error is None, replay.error
         applied_before = loop.stats()["applied"]
+        delivered_at_kill = _windows_in_db(url, auth)
 
         # 2. The service dies. The engine keeps stepping; the sidecar goes fail-static and drops the oldest.
         kill(service)
@@ -130,6 +132,7 @@ def test_the_service_dies_mid_replay_and_the_engine_never_waits_and_nothing_vani
         assert total(down, "tierplan_sidecar_retries_total") >= 1
         assert replay.steps > steps_at_kill and link.stats()["produced"] > produced_at_kill  # decoding went on
         assert link.stats()["engine_thread_io"] == 0
+        assert total(down, "tierplan_sidecar_queue_depth") == HELD  # the newest windows, held for the return
 
         # 3. The service returns on the same database: re-registration, the queue flushed, polling again.
         service = start_service(db, port, token)
@@ -165,6 +168,7 @@ def test_the_service_dies_mid_replay_and_the_engine_never_waits_and_nothing_vani
         assert st["engine_thread_io"] == 0  # no socket call on an engine-facing thread, in the whole run
         assert loop.stats()["telemetry_refused"] == 0 and loop.stats()["planner_errors"] == 0
         assert loop.stats()["applied"] >= applied_before
+        assert delivered >= delivered_at_kill + HELD  # what was held while away reached the database
     finally:
         if replay is not None and replay.thread.is_alive():
             replay.finish()

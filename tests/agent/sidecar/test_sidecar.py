@@ -117,9 +117,11 @@ def test_a_live_socket_is_refused_and_a_stale_one_taken_over(tmp_path: Path) -> 
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(path))  # bound, never listening: what a killed sidecar leaves behind
     stale.close()
-    again = Sidecar(settings(path), transport=FakeService().transport())
+    again = Sidecar(settings(path), transport=FakeService(down=True).transport())
     again.start()
+    again.uplink.add_window(telemetry(0))  # held for a service that never answers
     again.stop()
+    assert again.stats()["dropped"] == {"shutdown": 1} and again.stats()["queued"] == 0
     (tmp_path / "file").write_text("x")
     with pytest.raises(SocketInUse, match="is not a unix socket"):
         Sidecar(settings(tmp_path / "file"), transport=FakeService().transport()).start()

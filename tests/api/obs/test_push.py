@@ -153,6 +153,7 @@ def test_an_unreachable_grafana_is_a_clear_error() -> None:
     (["--url", "localhost:3000", "--token", TOKEN], "--url 'localhost:3000': expected http(s)://"),
     (["--url", "http://127.0.0.1:1", "--token", " "], "--token is empty"),
     (["--url", "http://127.0.0.1:1"], "--token missing"),
+    (["--url", "http://127.0.0.1:1", "--token", TOKEN, "--folder", "a/b"], "--folder 'a/b': expected a Grafana"),
 ])
 def test_bad_arguments_are_named(args: list[str], message: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GRAFANA_TOKEN", raising=False)

@@ -90,3 +90,19 @@ def test_a_restarted_service_resumes_plan_versions(db_file: str) -> None:
         assert svc2.client.get("/v1/agents/agent-0/plan").headers["etag"] == f'"v{history[0]}"'
     finally:
         again.close()
+
+
+def test_the_planner_prunes_windows_past_the_retention(db_file: str) -> None:
+    clock = FakeClock(100_000.0)
+    gen = make_service(db_file, clock, retention_s=3600.0)
+    svc = next(gen)
+    try:
+        svc.register()
+        svc.send(windows("agent-0", 0, 3))
+        assert svc.hub.prune() == 0  # nothing old yet
+        clock.now_s += 2 * 3600
+        svc.send(windows("agent-0", 3, 2))
+        assert svc.hub.prune() == 3  # the first three were received over an hour ago
+        assert [w.window_seq for w in svc.app.state.repo.recent_windows("agent-0", 10)] == [3, 4]
+    finally:
+        gen.close()
