@@ -290,11 +290,15 @@ def demo(
     requests: Annotated[int, typer.Option(
         min=3, max=400, help="Requests replayed from the bundled trace, in three phases (light, batch grows, "
                              "context grows).")] = 48,
+    serve: Annotated[bool, typer.Option(
+        "--serve", help="Keep the controller service (and its decisions page at /ui) up after the run, until "
+                        "Ctrl-C.")] = False,
 ) -> None:
-    """The main job on its embedded default (CPU, tiny MoE, bundled real traces); ends with "demo: ok"."""
+    """The main job on its embedded default (CPU, tiny MoE, bundled real traces, the controller service on
+    SQLite with a sidecar); ends with "demo: ok"."""
     from api.demo import run_demo
 
-    if not run_demo(_io.out, workdir, requests):
+    if not run_demo(_io.out, workdir, requests, serve=serve):
         raise typer.Exit(1)
 
 

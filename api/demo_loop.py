@@ -10,6 +10,7 @@ api/demo.py and the closed-loop tests; heavy modules are imported inside the fun
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,34 +60,61 @@ def phased_requests(num_requests: int = NUM_REQUESTS) -> tuple[list[Any], dict[i
     return out, phase_of
 
 
-def _controller(engine: Any, budget_bytes: int, kv_floor: int, calibrate: bool) -> Any:
-    from controller.costmodel import ComputeParams, HardwareSpec
-    from controller.loop import Controller, ControllerConfig
+DEMO_GROUP = "demo"
+
+
+def demo_knobs(calibrate: bool = True) -> Any:
+    """The demo group's policy: at least top_k slots per MoE layer (a layer's experts of one token fit), plans
+    expected to hold 4 windows. The service run PUTs them as the group's policy; the in-process run uses them
+    directly, so both runs decide alike."""
+    from controller.protocol_service import PolicyKnobs
+
+    return PolicyKnobs(min_slots_per_layer=2, horizon_steps=4 * WINDOW_STEPS, calibrate=calibrate)
+
+
+def demo_registration(engine: Any, budget_bytes: int, kv_floor: int, agent_id: str = "demo-agent") -> Any:
+    """The tiny engine's `AgentRegistration`: the one description both the in-process controller and the
+    service build the demo's controller from."""
     from controller.model_shape import builtin_shape
     from controller.protocol import Link
-    from controller.valuation import SplitSpace
+    from controller.protocol_service import AgentRegistration, ComputeSheet, HardwareSheet, ShapeSpec, SplitSheet
 
     shape = builtin_shape("tiny", block_tokens=BLOCK_TOKENS)
-    # A guess the cost model calibrates away from on the first windows (CPU memcpy, Python per-load cost).
-    hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, 2e9), transfer_overhead_s=2e-4, hbm_bytes=budget_bytes,
-                      name="cpu twin")
-    space = SplitSpace(hbm_budget_bytes=budget_bytes, dense_bytes=0, workspace_bytes=0,
-                       slot_bytes=engine.pool.layout.stride_bytes, kv_block_bytes=engine.cache.block_bytes,
-                       kv_gpu_blocks_max=KV_GPU_CAPACITY, kv_gpu_blocks_min=kv_floor,
-                       min_slots_per_layer=engine.spec.top_k, kv_block_tokens=BLOCK_TOKENS, prefetch_recall=0.3)
-    # The tiny model's step on this box, roughly (a few ms): the prior the windows then correct.
-    compute = ComputeParams(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01,
-                            moe_ms_per_token=0.01, moe_ms_per_active_expert=0.05)
-    cfg = ControllerConfig(shape=shape, hardware=hw, space=space, kv_cpu_blocks=KV_CPU_BLOCKS,
-                           kv_nvme_blocks=KV_NVME_BLOCKS, horizon_steps=4 * WINDOW_STEPS, compute=compute,
-                           calibrate=calibrate)
-    return Controller(cfg)
+    return AgentRegistration(
+        agent_id=agent_id, group=DEMO_GROUP, engine="tierplan-reference", registered_s=0.0,
+        shape=ShapeSpec(name=shape.name, num_layers=shape.num_layers, moe_layers=shape.moe_layers,
+                        num_experts=shape.num_experts, top_k=shape.top_k, expert_bytes=shape.expert_bytes,
+                        dense_bytes=shape.dense_bytes, kv_bytes_per_token=shape.kv_bytes_per_token,
+                        block_tokens=BLOCK_TOKENS),
+        # A guess the cost model calibrates away from on the first windows (CPU memcpy, Python per-load cost).
+        hardware=HardwareSheet(name="cpu twin", link_bytes_per_s=dict.fromkeys(Link, 2e9),
+                               transfer_overhead_s=2e-4, hbm_bytes=budget_bytes),
+        split=SplitSheet(hbm_budget_bytes=budget_bytes, dense_bytes=0, workspace_bytes=0,
+                         slot_bytes=engine.pool.layout.stride_bytes, kv_block_bytes=engine.cache.block_bytes,
+                         kv_gpu_blocks_max=KV_GPU_CAPACITY, kv_gpu_blocks_min=kv_floor, kv_block_tokens=BLOCK_TOKENS,
+                         kv_cpu_blocks=KV_CPU_BLOCKS, kv_nvme_blocks=KV_NVME_BLOCKS),
+        # The tiny model's step on this box, roughly (a few ms): the prior the windows then correct.
+        compute=ComputeSheet(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01, moe_ms_per_token=0.01,
+                             moe_ms_per_active_expert=0.05))
+
+
+def _controller(engine: Any, budget_bytes: int, kv_floor: int, calibrate: bool) -> Any:
+    from api.hub_config import controller_config
+    from controller.loop import Controller
+
+    cfg = controller_config(demo_registration(engine, budget_bytes, kv_floor), demo_knobs(calibrate))
+    # The local predictor's prior recall until measured (the service's agents start from 0: they measure it).
+    return Controller(dataclasses.replace(cfg, space=dataclasses.replace(cfg.space, prefetch_recall=0.3)))
 
 
 def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_REQUESTS,
-                 calibrate: bool = True) -> LoopResult:
+                 calibrate: bool = True, source: Callable[[Any, int, int], Any] | None = None,
+                 pace: Callable[[], None] | None = None) -> LoopResult:
     """One run. `calibrate=False` keeps the cost model at its priors: no wall-clock time enters a decision,
-    so the plans are the same on every machine (what the tests use)."""
+    so the plans are the same on every machine (what the tests use). `source(engine, budget_bytes, kv_floor)`
+    builds the plan source instead of the in-process controller (the service run passes a `ServiceLink`; its
+    decisions are then read from the service, and the result's history is empty); `pace()` runs after each
+    step (the service run keeps wall time at the trace's virtual time there)."""
     from agent.closed_loop import InProcessLoop
     from runtime.device import Device
     from runtime.engine.engine import EngineConfig, ReferenceEngine
@@ -118,7 +146,8 @@ def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_R
                           preempt=PreemptMode.SWAP)
         ctl, loop = None, None
         if with_controller:
-            ctl = _controller(eng, budget, kv_floor, calibrate)
+            ctl = source(eng, budget, kv_floor) if source is not None else _controller(eng, budget, kv_floor,
+                                                                                          calibrate)
 
             def follow(plan: Any) -> None:  # admission follows the plan's GPU KV share
                 sched.gpu_blocks = min(KV_GPU_CAPACITY, plan.kv_blocks_per_tier["gpu"])
@@ -132,12 +161,15 @@ def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_R
                 waiting = [s for s in sched.waiting if s.arrival_s <= clock["t"]][:room]
                 return sum(-(-(len(s.tokens) + 1) // BLOCK_TOKENS) for s in [*waiting, *sched.swapped])
 
+            ids = {"agent_id": ctl.agent_id, "rank": ctl.rank} if source is not None else {}
             loop = InProcessLoop(eng, ctl, window_steps=WINDOW_STEPS, on_applied=follow, hbm_budget_bytes=budget,
-                                 queue_probe=queued_blocks)
+                                 queue_probe=queued_blocks, **ids)
 
             def hook(batch: Any, step_s: float) -> None:
                 clock["t"] = max([clock["t"] + VIRTUAL_STEP_S, *(s.arrival_s for s in batch.prefills)])
                 loop.on_step(batch, step_s)
+                if pace is not None:
+                    pace()
                 if loop.adapter.steps % WINDOW_STEPS == 0:
                     newest = max(s.seq_id for s in batch.prefills + batch.decodes)
                     phase_at_window[loop.adapter.steps // WINDOW_STEPS] = phase_of[newest]
@@ -146,7 +178,7 @@ def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_R
         report = Runner(eng, sched, ForcedRouter(trace, eng), on_step=hook, virtual_step_s=VIRTUAL_STEP_S).run(reqs)
         if loop is not None:
             loop.finish()
-        history = ctl.history if ctl is not None else []
+        history = ctl.history if ctl is not None and source is None else []
         stats = loop.stats() if loop is not None else {"static_slots": static_slots, "kv_blocks": static_kv}
         totals = ([sum(p.expert_bytes_per_layer) + p.kv_blocks_per_tier["gpu"] * unit for p in loop.plans]
                   if loop is not None else [(static_slots * stride_units + static_kv) * unit])
