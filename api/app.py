@@ -29,6 +29,7 @@ from api.auth import TokenAuth
 from api.db.errors import Conflict, InvalidQuery, NotFound, StoreError, Unavailable
 from api.db.repo import Repository
 from api.hub import ControllerHub, KnobsMisfit
+from api.hub_wal import defer_checkpoints
 from api.service_metrics import ServiceMetrics
 from api.settings import Settings
 
@@ -123,7 +124,8 @@ def create_app(settings: Settings, *, repository: Repository | None = None,
 
         repo = Repository(make_engine(settings.db_url), clock=now, stale_after_s=settings.stale_after_s)
     metrics = ServiceMetrics()
-    hub = ControllerHub(repo, metrics, now, plan_interval_s=settings.plan_interval_s, retention_s=settings.retention_s)
+    hub = ControllerHub(repo, metrics, now, plan_interval_s=settings.plan_interval_s, retention_s=settings.retention_s,
+                        checkpoint=defer_checkpoints(repo.engine) if repository is None else None)
     schema_ok = {"ok": repository is not None}
 
     def schema_check() -> str | None:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from api.db.errors import Conflict, NotFound, PlanConflict
 from api.db.repo import Repository
@@ -38,6 +40,7 @@ from controller.state import RejectCode
 
 log = logging.getLogger(__name__)
 PRUNE_EVERY_S = 60.0
+YIELD_MAX_S = 0.05  # the longest the planner defers a step to ingest requests (then it proceeds anyway)
 
 
 class KnobsMisfit(ValueError):
@@ -48,14 +51,17 @@ class ControllerHub:
     """See the module docstring."""
 
     def __init__(self, repo: Repository, metrics: ServiceMetrics, clock: Callable[[], float],
-                 plan_interval_s: float = 0.2, retention_s: float = 86400.0) -> None:
+                 plan_interval_s: float = 0.2, retention_s: float = 86400.0,
+                 checkpoint: Callable[[], None] | None = None) -> None:
         self.repo, self.metrics, self.clock, self.plan_interval_s = repo, metrics, clock, plan_interval_s
-        self.retention_s = retention_s
+        self.retention_s, self.checkpoint = retention_s, checkpoint  # checkpoint: api/hub_wal.py
         self._pruned_s = 0.0
         self._agents: dict[str, AgentSlot] = {}
         self._lock = threading.Lock()  # guards _agents
         self._plan_lock = threading.Lock()  # one planner pass at a time (the thread, or a test calling plan_once)
         self._stop = threading.Event()
+        self._idle = threading.Condition()  # notified when the last ingest request in flight finishes
+        self._inflight = 0
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -84,6 +90,8 @@ class ControllerHub:
             try:
                 self.plan_once()
                 self.prune()
+                if self.checkpoint is not None:
+                    self.checkpoint()
             except Exception as exc:  # the thread must outlive a database hiccup; counted, retried next pass
                 log.exception("planner pass failed")
                 self.metrics.planner_errors.labels("*", type(exc).__name__).inc()
@@ -126,6 +134,30 @@ class ControllerHub:
     # ---- telemetry ----------------------------------------------------------------------------------------
     def ingest(self, batch: TelemetryBatch) -> IngestResult:
         """Check, store and queue each window; per-window rejections name the rule (RejectCode values)."""
+        with self.busy():
+            return self._ingest(batch)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Mark an ingest request in flight (the route holds it from the body's validation on)."""
+        with self._idle:
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._inflight -= 1
+                if not self._inflight:
+                    self._idle.notify_all()
+
+    def yield_to_requests(self) -> None:
+        """The planner's courtesy: wait (at most YIELD_MAX_S) while an ingest request is in flight. Both share one
+        GIL, and every time a request returns from SQLite or its socket it would otherwise wait for the planner's
+        switch interval (dozens of times a request)."""
+        with self._idle:
+            self._idle.wait_for(lambda: not self._inflight, timeout=YIELD_MAX_S)
+
+    def _ingest(self, batch: TelemetryBatch) -> IngestResult:
         rejected: list[WindowRejection] = []
         by_agent: dict[str, list[tuple[int, Telemetry]]] = {}
         for i, tel in enumerate(batch.windows):
@@ -216,18 +248,24 @@ class ControllerHub:
     def plan_once(self) -> int:
         """One planner pass over every agent; returns how many decisions (issued or held) were stored."""
         with self._plan_lock:
+            start = time.perf_counter()
             with self._lock:
                 slots = list(self._agents.values())
-            return sum(self._plan_agent(slot) for slot in slots)
+            try:
+                return sum(self._plan_agent(slot) for slot in slots)
+            finally:
+                self.metrics.planner_pass_s.observe(time.perf_counter() - start)
 
     def _plan_agent(self, slot: AgentSlot) -> int:
         agent_id = slot.reg.agent_id
         try:
-            slot.feed(self.repo, self.metrics)  # first: the metrics and measured outcomes of what is queued
+            # first: the metrics and measured outcomes of what is queued
+            slot.feed(self.repo, self.metrics, pause=self.yield_to_requests)
             if slot.needs_rebuild:
                 slot.rebuild(self.repo)
             if slot.new_windows < slot.knobs.plan_every_windows:
                 return 0
+            self.yield_to_requests()
             plan = slot.controller.step_next()
         except Exception as exc:  # a failed plan (infeasible budget, solver status) is counted, never raised
             log.warning("planner: agent %s: %s: %s", agent_id, type(exc).__name__, exc)
