@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from api.app_middleware import BodyLimit, HttpMetrics, WriteGate
+from api.app_middleware import BodyLimit, HttpMetrics, IngestFirst, WriteGate
 from api.auth import TokenAuth
 from api.db.errors import Conflict, InvalidQuery, NotFound, StoreError, Unavailable
 from api.db.repo import Repository
@@ -170,6 +170,7 @@ def create_app(settings: Settings, *, repository: Repository | None = None,
     if importlib.util.find_spec("api.routes.ui") is not None:  # the decisions page (the ui helper's router)
         app.include_router(importlib.import_module("api.routes.ui").router)
     _extend_openapi(app)
+    app.add_middleware(IngestFirst, hub=hub)
     app.add_middleware(WriteGate, auth=app.state.auth)
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(HttpMetrics, metrics=metrics)  # outermost: counts the 413s too
