@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from api.db.errors import Conflict, NotFound, PlanConflict
+from api.db.errors import Conflict, NotFound, PlanConflict, StoreError
 from api.db.repo import Repository
 from api.hub_agent import AgentSlot, build_slot, decision_record
 from api.hub_config import knobs_misfit
@@ -281,8 +281,13 @@ class ControllerHub:
                 self.metrics.plan_conflicts.inc()
                 slot.needs_rebuild = True  # adopt what the other process issued: rebuilt on the next pass
                 return 0
+            except StoreError as exc:  # not stored: the controller believes it issued it, so reload from the DB
+                self.metrics.planner_errors.labels(agent_id, type(exc).__name__).inc()
+                slot.needs_rebuild = True
+                return 0
             with slot.lock:
-                slot.gate.record_issued(plan)
+                if plan.version > slot.gate.issued_version:  # a reload may have brought it in already
+                    slot.gate.record_issued(plan)
             self._plan_metrics(agent_id, plan, slot)
         if slot.controller.shadow is not None:
             promoted = len(slot.controller.shadow.promotions)
