@@ -40,6 +40,7 @@ from controller.state import RejectCode
 
 log = logging.getLogger(__name__)
 PRUNE_EVERY_S = 60.0
+MAINTAIN_EVERY_S = 1.0  # the planner thread's longest sleep (WAL checkpoint, retention)
 YIELD_MAX_S = 0.05  # the longest the planner defers a step to ingest requests (then it proceeds anyway)
 
 
@@ -86,9 +87,15 @@ class ControllerHub:
             self._thread = None
 
     def _run(self) -> None:
-        while not self._stop.wait(self.plan_interval_s):
+        """Plan every plan_interval_s; the WAL checkpoint and the retention run at least every MAINTAIN_EVERY_S
+        whatever the interval (a long one must not let the write-ahead log grow without bound)."""
+        tick_s = min(self.plan_interval_s, MAINTAIN_EVERY_S)
+        next_plan_s = time.monotonic() + self.plan_interval_s
+        while not self._stop.wait(tick_s):
             try:
-                self.plan_once()
+                if time.monotonic() >= next_plan_s:
+                    next_plan_s = time.monotonic() + self.plan_interval_s
+                    self.plan_once()
                 self.prune()
                 if self.checkpoint is not None:
                     self.checkpoint()
