@@ -9,6 +9,8 @@ compare-and-set, so concurrent writers never both create version N.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import Connection, insert, select, update
 
 from api.db.errors import Conflict, PolicyConflict
@@ -34,7 +36,7 @@ _VERSION_COLUMNS = (PolicyVersionRow.group.label("group"), PolicyVersionRow.vers
                     PolicyVersionRow.author, PolicyVersionRow.why, PolicyVersionRow.created_s)
 
 
-def _record(row: object) -> PolicyRecord:
+def _record(row: Any) -> PolicyRecord:
     return PolicyRecord(group=row.group, version=row.version, knobs=PolicyKnobs.model_validate_json(row.knobs),
                         author=row.author, why=row.why, created_s=row.created_s)
 

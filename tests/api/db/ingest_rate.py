@@ -5,7 +5,8 @@ PostgreSQL, with real windows of the tiny model (tests/controller/loop_fixtures.
 Run by hand (not a test: it measures wall-clock time), e.g.
     PYTHONPATH=$PWD python -m tests.api.db.ingest_rate [--windows 20000] [--pg-url URL]
 It prints windows/s and per-batch p50/p99 (ms) of add_windows, and how fast the service could parse such
-batches (TelemetryBatch.model_validate_json, the cost before storage); without --pg-url it starts a throwaway PostgreSQL (tests/pg.py).
+batches (TelemetryBatch.model_validate_json, the cost before storage); without --pg-url it starts a throwaway
+PostgreSQL (tests/pg.py).
 It writes only to the temporary databases it makes.
 """
 
