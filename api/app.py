@@ -24,11 +24,12 @@ from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from api.app_middleware import BodyLimit, HttpMetrics, WriteGate
+from api.app_middleware import BodyLimit, HttpMetrics, IngestFirst, WriteGate
 from api.auth import TokenAuth
 from api.db.errors import Conflict, InvalidQuery, NotFound, StoreError, Unavailable
 from api.db.repo import Repository
 from api.hub import ControllerHub, KnobsMisfit
+from api.hub_wal import defer_checkpoints
 from api.service_metrics import ServiceMetrics
 from api.settings import Settings
 
@@ -123,7 +124,8 @@ def create_app(settings: Settings, *, repository: Repository | None = None,
 
         repo = Repository(make_engine(settings.db_url), clock=now, stale_after_s=settings.stale_after_s)
     metrics = ServiceMetrics()
-    hub = ControllerHub(repo, metrics, now, plan_interval_s=settings.plan_interval_s, retention_s=settings.retention_s)
+    hub = ControllerHub(repo, metrics, now, plan_interval_s=settings.plan_interval_s, retention_s=settings.retention_s,
+                        checkpoint=defer_checkpoints(repo.engine) if repository is None else None)
     schema_ok = {"ok": repository is not None}
 
     def schema_check() -> str | None:
@@ -168,6 +170,7 @@ def create_app(settings: Settings, *, repository: Repository | None = None,
     if importlib.util.find_spec("api.routes.ui") is not None:  # the decisions page (the ui helper's router)
         app.include_router(importlib.import_module("api.routes.ui").router)
     _extend_openapi(app)
+    app.add_middleware(IngestFirst, hub=hub)
     app.add_middleware(WriteGate, auth=app.state.auth)
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(HttpMetrics, metrics=metrics)  # outermost: counts the 413s too

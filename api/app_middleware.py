@@ -97,6 +97,21 @@ class WriteGate:
         await self.app(scope, receive, send)
 
 
+class IngestFirst:
+    """Holds `hub.busy()` over a whole telemetry POST (receiving, validating, storing, answering), so the planner
+    thread defers its steps until the request is done (api/hub.py `yield_to_requests`)."""
+
+    def __init__(self, app: Any, hub: Any, path: str = "/v1/telemetry") -> None:
+        self.app, self.hub, self.path = app, hub, path
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path") == self.path and scope.get("method") == "POST":
+            with self.hub.busy():
+                await self.app(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class HttpMetrics:
     def __init__(self, app: Any, metrics: ServiceMetrics) -> None:
         self.app, self.metrics = app, metrics

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from api.db.errors import StoreError
@@ -38,6 +38,7 @@ PLAN_HISTORY = 16  # plans reloaded on a rebuild (the controller state keeps as 
 REPLAY_WINDOWS = 32  # recent windows a rebuilt controller learns from again
 MEASURED_VERSIONS = 8  # plan versions whose measured step time is still being averaged
 LEARN_PER_PASS = 8  # windows per agent a planner pass learns from (the newest; see AgentSlot.feed)
+PAUSE_EVERY = 16  # queued windows counted between two pauses of a pass
 
 
 def _gate_state(reg: AgentRegistration) -> ControllerState:
@@ -148,12 +149,14 @@ class AgentSlot:
             self.pending.clear()
             self.needs_rebuild, self.promotions_seen = False, 0
 
-    def feed(self, repo: Repository, metrics: ServiceMetrics, learn_limit: int = LEARN_PER_PASS) -> None:
+    def feed(self, repo: Repository, metrics: ServiceMetrics, learn_limit: int = LEARN_PER_PASS,
+             pause: Callable[[], None] = lambda: None) -> None:
         """Hand the queued windows and acks to the controller; store the measured step time of the plans run.
         Only the newest `learn_limit` windows of a pass are learned from (its demand models are decayed
         averages, and learning costs ~1 ms a window: a fast sender must not starve ingest of the CPU); the
         older ones still count in the metrics, the measured outcomes and `plan_every_windows`, and each is
-        counted in tierplan_planner_windows_skipped_total."""
+        counted in tierplan_planner_windows_skipped_total. `pause` runs between steps (the hub lets ingest
+        requests in flight go first)."""
         with self.lock:
             items = list(self.pending)
             self.pending.clear()
@@ -161,7 +164,9 @@ class AgentSlot:
         skip = max(0, sum(isinstance(item, Telemetry) for item in items) - learn_limit)
         if skip:
             metrics.windows_skipped.labels(agent_id).inc(skip)
-        for item in items:
+        for k, item in enumerate(items):
+            if k % PAUSE_EVERY == 0:
+                pause()
             try:
                 if isinstance(item, PlanAck):
                     self.controller.record_ack(item)
@@ -169,8 +174,8 @@ class AgentSlot:
                 if skip:
                     skip -= 1
                 else:
+                    pause()
                     self.controller.sync_from(item)
-                    time.sleep(0)  # hand the GIL to a request waiting for it: learning never holds up ingest
             except TelemetryRejected as exc:  # the gate let it through, so the controller lags: counted
                 metrics.planner_errors.labels(agent_id, f"controller_{exc.code.value}").inc()
                 continue

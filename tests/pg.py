@@ -3,8 +3,9 @@
 Run by the pytest process (session fixtures in tests/conftest.py), as root (CI, this machine: the server runs
 as the `postgres` user through runuser, since PostgreSQL refuses to run as root) or as a normal user (runs as
 that user). It starts in a few seconds (no fsync, no instructions) and is stopped and deleted at session end
-(and at interpreter exit if the session dies first). It never touches a system cluster, /var/lib/postgresql
-or any server it did not start; `TIERPLAN_TEST_PG_URL` names an existing server to use instead.
+(at interpreter exit if the session ends early, and by a watchdog process if pytest is killed). It never
+touches a system cluster, /var/lib/postgresql or any server it did not start; `TIERPLAN_TEST_PG_URL` names
+an existing server to use instead.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import glob
+import json
 import os
 import pwd
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -25,6 +28,23 @@ ENV_URL = "TIERPLAN_TEST_PG_URL"
 SUPERUSER = "tierplan"
 START_ATTEMPTS = 3  # a free port can be taken by someone else between our probe and the server's bind
 RUN_AS_CANDIDATES = ("postgres", "nobody")  # when we are root: who owns and runs the cluster
+WATCHDOG = """
+import json, os, shutil, subprocess, sys, time
+owner, root, stop = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+while alive(owner) and os.path.isdir(root):
+    time.sleep(0.5)
+if os.path.isdir(root):
+    subprocess.run(stop, capture_output=True, timeout=60)
+    shutil.rmtree(root, ignore_errors=True)
+"""
 
 
 def find_bindir() -> Path | None:
@@ -89,11 +109,20 @@ class PgCluster:
             done = subprocess.run(self._cmd("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60",
                                             "-o", options, "start"), capture_output=True, text=True, timeout=90)
             if done.returncode == 0:
+                self._start_watchdog()
                 return self
             if attempt == START_ATTEMPTS - 1:
                 raise RuntimeError(f"pg_ctl start failed (exit {done.returncode}): {done.stderr.strip()}"
                                    + self._log_tail())
         return self
+
+    def _start_watchdog(self) -> None:
+        """A detached process that stops the server and deletes its folder if this process dies without
+        stop() (SIGKILL, or SIGTERM from a CI timeout: neither runs atexit)."""
+        stop = self._cmd("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid()), str(self.root), json.dumps(stop)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
 
     def url(self, dbname: str = "postgres") -> str:
         return f"postgresql+psycopg://{SUPERUSER}@127.0.0.1:{self.port}/{dbname}"

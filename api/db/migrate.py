@@ -34,7 +34,7 @@ class MigrationError(StoreError):
 
 @contextmanager
 def _script_location() -> Iterator[str]:
-    with resources.as_file(resources.files("api.db") / "migrations") as path:
+    with resources.as_file(resources.files(__name__.rpartition(".")[0]) / "migrations") as path:
         yield str(path)
 
 
@@ -52,8 +52,10 @@ def _run(target: str | Engine, work: Callable[[Connection, str], T], write: bool
         with _script_location() as location, engine.connect() as conn:
             if write:
                 conn.execution_options(**{WRITE_OPTION: True})
-            with conn.begin():
-                return work(conn, location)
+            with _sqlite_foreign_keys_off(conn), conn.begin():
+                done = work(conn, location)
+                _check_foreign_keys(conn)
+                return done
     except (OperationalError, InterfaceError) as exc:
         raise Unavailable(describe_failure(exc, engine.url)) from exc
     except CommandError as exc:
@@ -61,6 +63,32 @@ def _run(target: str | Engine, work: Callable[[Connection, str], T], write: bool
     finally:
         if isinstance(target, str):
             engine.dispose()
+
+
+@contextmanager
+def _sqlite_foreign_keys_off(conn: Connection) -> Iterator[None]:
+    """SQLite batch mode rebuilds a table by copy, drop and rename; with foreign keys on, dropping `agents`
+    would cascade-delete every window, plan and decision. The pragma only takes effect outside a transaction,
+    so it is set on the raw connection before BEGIN and restored before the connection goes back to the pool."""
+    if conn.dialect.name != "sqlite":
+        yield
+        return
+    raw = conn.connection.dbapi_connection
+    assert raw is not None
+    raw.execute("PRAGMA foreign_keys = OFF")
+    try:
+        yield
+    finally:
+        raw.execute("PRAGMA foreign_keys = ON")
+
+
+def _check_foreign_keys(conn: Connection) -> None:
+    """Refuse (roll back) a SQLite migration that left rows pointing at nothing (checks were off during it)."""
+    if conn.dialect.name == "sqlite":
+        broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+        if broken:
+            raise MigrationError(f"migration left {len(broken)} rows whose foreign keys point at nothing, e.g. "
+                                 f"{tuple(broken[0])}; rolled back")
 
 
 def head() -> str:

@@ -3,13 +3,17 @@ transaction (the repository's).
 
 Run by the controller service process, inside `Repository` methods only; never commits, never opens
 connections, never returns ORM objects, never sees a raw token (only its sha256 hex). A group never set
-reads as version 0, the built-in `PolicyKnobs()` defaults; `put_policy` advances the version by
-compare-and-set, so concurrent writers never both create version N.
+reads as version 0, the built-in `PolicyKnobs()` defaults; `put_policy` advances the version in one
+UPDATE under the row's lock, so concurrent writers never both create version N.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import Connection, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from api.db.errors import Conflict, PolicyConflict
 from api.db.models import AgentRow, ApiTokenRow, PolicyRow, PolicyVersionRow
@@ -18,11 +22,6 @@ from controller.protocol_service import PolicyKnobs, PolicyRecord, PolicyUpdate
 
 DEFAULT_AUTHOR = "defaults"
 DEFAULT_WHY = "built-in defaults (never changed)"
-
-
-class RetryPolicyWrite(Exception):
-    """Another writer moved the group's version between our read and our write, and the caller did not ask
-    for a particular version: the repository retries in a fresh transaction."""
 
 
 def default_policy(group: str) -> PolicyRecord:
@@ -34,7 +33,7 @@ _VERSION_COLUMNS = (PolicyVersionRow.group.label("group"), PolicyVersionRow.vers
                     PolicyVersionRow.author, PolicyVersionRow.why, PolicyVersionRow.created_s)
 
 
-def _record(row: object) -> PolicyRecord:
+def _record(row: Any) -> PolicyRecord:
     return PolicyRecord(group=row.group, version=row.version, knobs=PolicyKnobs.model_validate_json(row.knobs),
                         author=row.author, why=row.why, created_s=row.created_s)
 
@@ -59,25 +58,25 @@ def list_policies(conn: Connection) -> list[PolicyRecord]:
     return [stored.get(g) or default_policy(g) for g in sorted(set(stored) | agent_groups)]
 
 
+def _ensure_row(conn: Connection, group: str) -> None:
+    """The group's pointer row exists (version 0 until its first version is stored in this transaction)."""
+    dialect_insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    conn.execute(dialect_insert(PolicyRow).values(group=group, version=0).on_conflict_do_nothing())
+
+
 def put_policy(conn: Connection, group: str, change: PolicyUpdate, author: str, now_s: float) -> PolicyRecord:
-    current = conn.execute(select(PolicyRow.version).where(PolicyRow.group == group)).scalar()
-    at = current or 0
-    if change.expected_version is not None and change.expected_version != at:
-        raise PolicyConflict(group, change.expected_version, at)
-    if current is None:
-        # A concurrent first write makes this insert fail on the primary key; the repository maps that.
-        conn.execute(insert(PolicyRow).values(group=group, version=1))
-    else:
-        moved = conn.execute(update(PolicyRow).where(PolicyRow.group == group, PolicyRow.version == current)
-                             .values(version=current + 1))
-        if moved.rowcount != 1:
-            if change.expected_version is None:
-                raise RetryPolicyWrite(group)
-            now_at = conn.execute(select(PolicyRow.version).where(PolicyRow.group == group)).scalar() or 0
-            raise PolicyConflict(group, change.expected_version, now_at)
-    record = PolicyRecord(group=group, version=at + 1, knobs=change.knobs, author=author, why=change.why,
+    _ensure_row(conn, group)
+    # One UPDATE moves the version: the row lock (PostgreSQL) or the write lock (SQLite) orders writers, so
+    # each change lands on the version the one before it made, and a named expected_version is compared there.
+    bump = update(PolicyRow).where(PolicyRow.group == group)
+    if change.expected_version is not None:
+        bump = bump.where(PolicyRow.version == change.expected_version)
+    new_version = conn.execute(bump.values(version=PolicyRow.version + 1).returning(PolicyRow.version)).scalar()
+    if new_version is None:
+        raise PolicyConflict(group, change.expected_version or 0, current_version(conn, group))
+    record = PolicyRecord(group=group, version=new_version, knobs=change.knobs, author=author, why=change.why,
                           created_s=now_s)
-    conn.execute(insert(PolicyVersionRow).values(group=group, version=record.version, author=author,
+    conn.execute(insert(PolicyVersionRow).values(group=group, version=new_version, author=author,
                                                  why=change.why, created_s=now_s,
                                                  knobs=change.knobs.model_dump_json()))
     return record

@@ -16,10 +16,11 @@ from contextlib import contextmanager
 
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from api.db import agents_sql, plans_sql, policies_sql
 from api.db.engine import WRITE_OPTION, describe_failure
-from api.db.errors import Conflict, InvalidQuery, PlanConflict, PolicyConflict, Unavailable
+from api.db.errors import Conflict, InvalidQuery, PlanConflict, Unavailable
 from api.db.records import Scope, TokenRecord
 from controller.protocol import Plan, PlanAck, Telemetry
 from controller.protocol_service import (
@@ -34,7 +35,6 @@ from controller.protocol_service import (
 __all__ = ["Repository", "Scope", "TokenRecord"]
 
 MAX_LIMIT = 10_000  # rows one read may return
-POLICY_WRITE_ATTEMPTS = 5  # put_policy without expected_version retries a lost compare-and-set this often
 
 
 def _check_limit(limit: int, what: str = "limit") -> int:
@@ -65,7 +65,7 @@ class Repository:
                     conn.execution_options(**{WRITE_OPTION: True})
                 with conn.begin():
                     yield conn
-        except (OperationalError, InterfaceError) as exc:
+        except (OperationalError, InterfaceError, PoolTimeout) as exc:  # PoolTimeout: every connection busy
             raise Unavailable(describe_failure(exc, self._engine.url)) from exc
 
     def ping(self) -> None:
@@ -184,17 +184,8 @@ class Repository:
     def put_policy(self, group: str, update: PolicyUpdate, author: str) -> PolicyRecord:
         """Store the group's next version. With `update.expected_version`, only if the group is at it (else
         `PolicyConflict(current)`); without, the change lands on whatever version is current."""
-        for _ in range(POLICY_WRITE_ATTEMPTS):
-            try:
-                with self._tx(write=True) as conn:
-                    return policies_sql.put_policy(conn, group, update, author, self._clock())
-            except (IntegrityError, policies_sql.RetryPolicyWrite):
-                if update.expected_version is not None:
-                    with self._tx() as conn:
-                        at = policies_sql.current_version(conn, group)
-                    raise PolicyConflict(group, update.expected_version, at) from None
-        raise Conflict(f"policy group {group!r} changed {POLICY_WRITE_ATTEMPTS} times while this change was being "
-                       "stored; try again")
+        with self._tx(write=True) as conn:
+            return policies_sql.put_policy(conn, group, update, author, self._clock())
 
     def policy_history(self, group: str, limit: int = 50) -> list[PolicyRecord]:
         """Stored versions newest first (empty for a group never set: its version 0 is the defaults)."""

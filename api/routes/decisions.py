@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query
 
-from api.deps import RepoDep, _reader
+from api.deps import READS_GUARD, RepoDep
 from api.routes.common import AgentIdQuery, errors
 from controller.protocol_service import DecisionRecord
 
-router = APIRouter(prefix="/v1/decisions", tags=["decisions"], dependencies=[Depends(_reader)])
+router = APIRouter(prefix="/v1/decisions", tags=["decisions"], dependencies=[READS_GUARD])
 
 
 @router.get("", response_model=list[DecisionRecord], responses=errors(422))

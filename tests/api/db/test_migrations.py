@@ -4,10 +4,12 @@ bad URL or an unreachable database with `error: ...` and exit 2."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import Connection, inspect
 from typer.testing import CliRunner
 
 from api.cli import app
@@ -17,7 +19,7 @@ from api.db.errors import InvalidDatabaseURL, Unavailable
 from api.db.migrate import MigrationError
 from api.db.models import Base
 from api.db.repo import Repository
-from tests.api.db.builders import registration
+from tests.api.db.builders import plan, registration, windows
 
 TABLES = {"agents", "telemetry_windows", "plans", "decisions", "policies", "policy_versions", "api_tokens"}
 
@@ -136,3 +138,27 @@ def test_postgresql_bodies_are_lz4(fresh_pg_url: str) -> None:
                                    "'telemetry_windows'::regclass AND attname = 'body'")).scalar()
     engine.dispose()
     assert method == "l"
+
+
+def test_sqlite_batch_rebuild_of_agents_keeps_their_rows(tmp_path: Path) -> None:
+    """A later migration that rebuilds `agents` in SQLite batch mode (copy, drop, rename) must not cascade-
+    delete the windows and plans that point at it (foreign keys are off during migrations, checked after)."""
+    import sqlalchemy as sa
+    from alembic.operations import Operations
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'b.db'}")
+    migrate.upgrade(engine)
+    repo = Repository(engine)
+    repo.register_agent(registration())
+    repo.add_windows(windows(3))
+    repo.insert_plan("agent-0", plan(1))
+
+    def rebuild_agents(conn: Connection, _location: str) -> None:
+        with Operations(MigrationContext.configure(conn)).batch_alter_table("agents", recreate="always") as batch:
+            batch.add_column(sa.Column("note", sa.Text(), nullable=True))
+
+    migrate._run(engine, rebuild_agents, write=True)
+    assert len(repo.recent_windows("agent-0", 10)) == 3 and repo.newest_version("agent-0") == 1
+    with engine.connect() as conn:  # the pooled connection has its foreign keys back on
+        assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+    engine.dispose()

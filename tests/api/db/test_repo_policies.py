@@ -78,3 +78,21 @@ def test_tokens_by_hash(repo: Repository) -> None:
 def test_bad_token_input_is_refused(repo: Repository, name: str, token_hash: str, match: str) -> None:
     with pytest.raises(InvalidQuery, match=match):
         repo.add_token(name, Scope.READ, token_hash)
+
+
+def test_concurrent_writers_without_expected_version_all_land(repo: Repository) -> None:
+    """Four threads change one group at once, none naming a version: each change becomes its own version
+    (a lost compare-and-set is retried), none overwrites another."""
+    from tests.conftest import start_thread
+
+    def write(who: str) -> None:
+        for i in range(5):
+            repo.put_policy("fleet", PolicyUpdate(knobs=PolicyKnobs(top_m=1 + i), why=f"{who} {i}"), who)
+
+    started = [start_thread(lambda w=f"w{n}": write(w)) for n in range(4)]
+    for thread, _ in started:
+        thread.join(timeout=120)
+    assert [e for _, errs in started for e in errs] == []
+    history = repo.policy_history("fleet", limit=100)
+    assert [p.version for p in history] == list(range(20, 0, -1))
+    assert sorted(p.why for p in history) == sorted(f"w{n} {i}" for n in range(4) for i in range(5))
