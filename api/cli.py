@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from api import (
+    cli_bench_api,
     cli_dashboards,
     cli_db,
     cli_eval_kv,
@@ -309,6 +310,7 @@ cli_plan.register(plan_app)
 cli_sim.register(app)
 cli_generate.register(app)
 cli_dashboards.register(app)
+cli_bench_api.register(bench_app)
 cli_db.register(app)
 cli_serve.register(app)
 cli_sidecar.register(app)

@@ -22,6 +22,9 @@ from controller.protocol import (
     Plan,
     PlanAck,
     ProtocolModel,
+    Stall,
+    StallCause,
+    StepTimings,
     Telemetry,
     Tier,
 )
@@ -71,7 +74,7 @@ class ShapeSpec(ProtocolModel):
 class HardwareSheet(ProtocolModel):
     """controller.costmodel.HardwareSpec as a message: bandwidth of every link, per-transfer host cost."""
 
-    name: Text = ""
+    name: Text = "unnamed"  # Text refuses blank; a default that reads back is needed for stored registrations
     link_bytes_per_s: dict[Link, float] = Field(min_length=len(Link), max_length=len(Link))
     transfer_overhead_s: Seconds
     hbm_bytes: Count
@@ -157,6 +160,30 @@ class WindowRejection(ProtocolModel):
 class IngestResult(ProtocolModel):
     accepted: Count
     rejected: tuple[WindowRejection, ...] = ()
+
+
+class WindowSummary(ProtocolModel):
+    """What a reader plots of one stored telemetry window (the full window carries per-layer counts)."""
+
+    rank: Count
+    window_seq: Count
+    window_start_s: Seconds
+    window_end_s: Seconds
+    expert_hits: Count
+    expert_misses: Count
+    kv_hits_per_tier: dict[Tier, Count]
+    kv_misses_per_tier: dict[Tier, Count]
+    stalls: tuple[Stall, ...] = Field(default=(), max_length=len(StallCause))
+    step_timings_ms: StepTimings
+    applied_plan_version: Count
+
+    @classmethod
+    def of(cls, tel: Telemetry) -> WindowSummary:
+        return cls(rank=tel.rank, window_seq=tel.window_seq, window_start_s=tel.window_start_s,
+                   window_end_s=tel.window_end_s, expert_hits=tel.expert_hits, expert_misses=tel.expert_misses,
+                   kv_hits_per_tier=tel.kv.hits_per_tier, kv_misses_per_tier=tel.kv.misses_per_tier,
+                   stalls=tel.stalls, step_timings_ms=tel.step_timings_ms,
+                   applied_plan_version=tel.applied_plan_version)
 
 
 # ---- policies (operator -> service) ----

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, Response, status
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Response, status
 
 from api.deps import READS_GUARD, HubDep, RepoDep, WriterDep
 from api.routes.common import WRITE_ERRORS, AgentIdPath, errors
-from controller.protocol_service import AgentRegistration, AgentStatus
+from controller.protocol_service import AgentRegistration, AgentStatus, WindowSummary
 
 router = APIRouter(prefix="/v1/agents", tags=["agents"])
 reads = APIRouter(prefix="/v1/agents", tags=["agents"], dependencies=[READS_GUARD])
@@ -35,3 +37,12 @@ def get_agent(agent_id: AgentIdPath, repo: RepoDep) -> AgentStatus:
     if found is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"agent {agent_id!r} is not registered")
     return found
+
+
+@reads.get("/{agent_id}/windows", response_model=list[WindowSummary], responses=errors(404, 422))
+def list_windows(agent_id: AgentIdPath, repo: RepoDep,
+                 limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> list[WindowSummary]:
+    """The agent's newest `limit` stored telemetry windows, oldest first, as summaries (hits, stalls, step times)."""
+    if repo.agent_status(agent_id) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"agent {agent_id!r} is not registered")
+    return [WindowSummary.of(w) for w in repo.recent_windows(agent_id, limit)]

@@ -72,6 +72,14 @@ def test_decisions_page_shows_the_services_real_decisions(filled_service: tuple[
         assert b.page.locator("#policies tbody tr").count() == 2
         assert "hysteresis: 0.1 → 0.05" in b.page.inner_text("#policies")
         assert b.page.locator("#step-chart path.line").count() >= 1
+        # hit rate and stalls by cause, from the service's window summaries
+        windows = httpx.get(f"{base}/v1/agents/{AGENT}/windows", params={"limit": 1000}).json()
+        assert len(windows) == stats["windows"] > 0
+        b.page.wait_for_selector("#hit-chart path.line")
+        seen = [w for w in windows[-200:] if w["expert_hits"] + w["expert_misses"] > 0]  # a rate needs traffic
+        assert b.page.locator("#hit-chart circle.dot").count() == len(seen) > 0
+        causes = b.page.eval_on_selector_all("#stall-chart path.area", "ps => ps.map(p => p.dataset.series)")
+        assert causes == ["expert miss stall ms", "kv miss stall ms", "both stall ms"]
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         b.page.screenshot(path=str(SCREENSHOT), full_page=True)
         assert b.errors == []
