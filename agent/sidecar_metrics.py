@@ -11,6 +11,8 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from agent.sidecar_client import ErrorKind
+
 POST_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -47,8 +49,14 @@ class SidecarMetrics:
                                     ["reason"], registry=r)
         self.registrations = Counter("tierplan_sidecar_registrations_total",
                                      "Agent registrations the service answered", registry=r)
-        for mode in ("last_good", "safe_static"):  # every series exists from the start: a scrape shows 0, not none
+        # every series exists from the start: a scrape shows 0, not none
+        for mode in ("last_good", "safe_static"):
             self.fail_static_transitions.labels(mode=mode)
+        for kind in ErrorKind:
+            self.service_errors.labels(kind=kind.value)
+        for reason in ("queue_full", "shutdown"):  # the reasons that need no answer from the service to happen
+            self.windows_dropped.labels(reason=reason)
+            self.acks_dropped.labels(reason=reason)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> WSGIServer:
         """Start the /metrics HTTP server (its own daemon thread); `port` 0 picks a free one (server_port)."""

@@ -25,7 +25,7 @@ from api.db.repo import Repository
 from api.hub_agent import AgentSlot, build_slot, decision_record
 from api.hub_config import knobs_misfit
 from api.service_metrics import ServiceMetrics
-from controller.protocol import AckStatus, Plan, PlanAck, Telemetry
+from controller.protocol import AckStatus, Plan, PlanAck, RejectReason, Telemetry, Tier
 from controller.protocol_service import (
     AgentRegistration,
     AgentStatus,
@@ -123,8 +123,20 @@ class ControllerHub:
         if reg is None:
             return None
         built = build_slot(self.repo, reg)
+        self._zero_series(reg, built.policy_version)
         with self._lock:
             return self._agents.setdefault(agent_id, built)
+
+    def _zero_series(self, reg: AgentRegistration, policy_version: int) -> None:
+        """Every labelled series an agent can move exists from its first appearance, at 0 (a dashboard shows a
+        flat 0, not "no data", for a reason or tier that has not happened yet)."""
+        m, agent = self.metrics, reg.agent_id
+        for reason in RejectReason:
+            m.plans_rejected.labels(agent, reason.value)
+        for tier in Tier:
+            m.kv_hits.labels(agent, tier.value)
+            m.kv_misses.labels(agent, tier.value)
+        m.policy_version.labels(reg.group).set(policy_version)
 
     def register(self, reg: AgentRegistration) -> tuple[AgentStatus, bool]:
         """Store the registration (Conflict if the agent is known with another shape) and build its controller;

@@ -72,9 +72,8 @@ class WindowTally:
         self.last = tel
 
     def flush(self, metrics: ServiceMetrics, agent_id: str) -> None:
-        for (attr, label), amount in self.counts.items():
-            if amount:
-                getattr(metrics, attr).labels(agent_id, label).inc(amount)
+        for (attr, label), amount in self.counts.items():  # inc(0) too: a label reported only as 0 gets its series
+            getattr(metrics, attr).labels(agent_id, label).inc(amount)
         tel = self.last
         if tel is None:
             return
