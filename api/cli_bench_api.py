@@ -37,7 +37,7 @@ def _database(kind: str, tmp: Path) -> Iterator[str]:
             raise typer.BadParameter("no PostgreSQL binaries found (Debian: apt-get install postgresql); give a "
                                      "URL of your own server instead", param_hint="--db")
         try:
-            yield create_database(cluster.url, prefix="bench")
+            yield create_database(cluster.url(), prefix="bench")
         finally:
             cluster.stop()
     else:

@@ -1,5 +1,5 @@
 """Shared test fixtures: a seeded random-byte factory, the CPU device twin, fake clocks, and databases (SQLite
-and a throwaway PostgreSQL, see tests/pg.py) for the service's storage tests."""
+and a throwaway PostgreSQL, see api/db/throwaway_pg.py) for the service's storage tests."""
 
 from __future__ import annotations
 
@@ -86,11 +86,11 @@ def start_thread(target: Callable[[], None]) -> tuple[threading.Thread, list[Bas
     return t, errors
 
 
-# ---- databases for the service's storage tests (tests/pg.py starts a throwaway PostgreSQL) ----
+# ---- databases for the service's storage tests (api/db/throwaway_pg.py starts a throwaway PostgreSQL) ----
 @pytest.fixture(scope="session")
 def pg_admin_url() -> Iterator[str]:
     """URL of a PostgreSQL server for this session: `TIERPLAN_TEST_PG_URL`, else a throwaway cluster."""
-    from tests import pg
+    from api.db import throwaway_pg as pg
 
     given = os.environ.get(pg.ENV_URL)
     if given:
@@ -110,7 +110,7 @@ def pg_admin_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def pg_url(pg_admin_url: str) -> Iterator[str]:
     """An empty database on the session's PostgreSQL server, shared by the session (migrate it yourself)."""
-    from tests import pg
+    from api.db import throwaway_pg as pg
 
     url = pg.create_database(pg_admin_url, "session")
     yield url
@@ -120,7 +120,7 @@ def pg_url(pg_admin_url: str) -> Iterator[str]:
 @pytest.fixture
 def fresh_pg_url(pg_admin_url: str) -> Iterator[str]:
     """A new empty PostgreSQL database for one test, dropped after it."""
-    from tests import pg
+    from api.db import throwaway_pg as pg
 
     url = pg.create_database(pg_admin_url)
     yield url
@@ -133,7 +133,7 @@ def _pg_migrated_template(pg_admin_url: str) -> Iterator[str]:
     from sqlalchemy.engine import make_url
 
     from api.db import migrate
-    from tests import pg
+    from api.db import throwaway_pg as pg
 
     url = pg.create_database(pg_admin_url, "template")
     migrate.upgrade(url)  # disposes its engine: a template must have no open connections when copied
@@ -160,7 +160,7 @@ def migrated_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[
         shutil.copyfile(request.getfixturevalue("_sqlite_migrated_template"), path)
         yield f"sqlite:///{path}"
         return
-    from tests import pg
+    from api.db import throwaway_pg as pg
 
     url = pg.create_database(request.getfixturevalue("pg_admin_url"),
                              template=request.getfixturevalue("_pg_migrated_template"))

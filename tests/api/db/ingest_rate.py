@@ -6,7 +6,7 @@ Run by hand (not a test: it measures wall-clock time), e.g.
     PYTHONPATH=$PWD python -m tests.api.db.ingest_rate [--windows 20000] [--pg-url URL]
 It prints windows/s and per-batch p50/p99 (ms) of add_windows, and how fast the service could parse such
 batches (TelemetryBatch.model_validate_json, the cost before storage); without --pg-url it starts a throwaway
-PostgreSQL (tests/pg.py).
+PostgreSQL (api/db/throwaway_pg.py).
 It writes only to the temporary databases it makes.
 """
 
@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 
 from api.db import migrate
+from api.db import throwaway_pg as pg
 from api.db.engine import make_engine
 from api.db.repo import Repository
 from controller.protocol import Telemetry, parse
 from controller.protocol_service import TelemetryBatch
-from tests import pg
 from tests.api.db.builders import registration, windows
 
 BATCH = 256

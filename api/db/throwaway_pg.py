@@ -1,6 +1,7 @@
-"""A throwaway PostgreSQL server for the tests: initdb + pg_ctl in a temporary folder, on a free loopback port.
+"""A throwaway PostgreSQL server: initdb + pg_ctl in a temporary folder, on a free loopback port.
 
-Run by the pytest process (session fixtures in tests/conftest.py), as root (CI, this machine: the server runs
+Run by the pytest process (session fixtures in tests/conftest.py) and by `tierplan bench api --db postgresql`
+(the process that starts it owns it), as root (CI, this machine: the server runs
 as the `postgres` user through runuser, since PostgreSQL refuses to run as root) or as a normal user (runs as
 that user). It starts in a few seconds (no fsync, no instructions) and is stopped and deleted at session end
 (at interpreter exit if the session ends early, and by a watchdog process if pytest is killed). It never
