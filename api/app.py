@@ -2,11 +2,12 @@
 
 Runs in the service process (`tierplan serve` hands the app to uvicorn; tests build it in process). The
 factory wires the repository (or the one given), the metrics registry, the token auth and the ControllerHub
-onto `app.state`, one router per resource, the request size limit (413), the HTTP metrics, and the error
-handlers that turn every client mistake into a 4xx with a precise `detail` (pydantic errors: 422 with the
-field path; invalid JSON: 400; store errors: 404/409). The lifespan runs the migrations (when asked),
-stores the bootstrap token hashed, rebuilds the hub from the database and starts its planner thread; on
-shutdown it stops the planner. It never plans on a request.
+onto `app.state`, one router per resource, the request size limit (413), the write-token gate (401/403
+before a body is read), the HTTP metrics, and the error handlers that turn every client mistake into a 4xx
+with a precise `detail` (pydantic errors: 422 with the field path; invalid JSON: 400; store errors:
+404/409). The lifespan runs the migrations (when asked), stores the bootstrap token hashed, rebuilds the
+hub from the database and starts its planner thread; on shutdown it stops the planner. It never plans on
+a request.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from api.app_middleware import BodyLimit, HttpMetrics
+from api.app_middleware import BodyLimit, HttpMetrics, IngestFirst, WriteGate
 from api.auth import TokenAuth
 from api.db.errors import Conflict, InvalidQuery, NotFound, StoreError, Unavailable
 from api.db.repo import Repository
 from api.hub import ControllerHub, KnobsMisfit
+from api.hub_wal import defer_checkpoints
 from api.service_metrics import ServiceMetrics
 from api.settings import Settings
 
@@ -93,6 +95,24 @@ def _install_handlers(app: FastAPI) -> None:
         return detail(422, str(exc))
 
 
+def _extend_openapi(app: FastAPI) -> None:
+    """Add the schemas of bodies a route validates itself (the telemetry batch) to /openapi.json."""
+    from api.routes.telemetry import openapi_components
+
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            found = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name, body in openapi_components().items():
+                found.setdefault(name, body)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(settings: Settings, *, repository: Repository | None = None,
                clock: Callable[[], float] | None = None) -> FastAPI:
     """The service app. `repository` replaces the one built from `settings.db_url` (then no migrations run and
@@ -104,7 +124,8 @@ def create_app(settings: Settings, *, repository: Repository | None = None,
 
         repo = Repository(make_engine(settings.db_url), clock=now, stale_after_s=settings.stale_after_s)
     metrics = ServiceMetrics()
-    hub = ControllerHub(repo, metrics, now, plan_interval_s=settings.plan_interval_s, retention_s=settings.retention_s)
+    hub = ControllerHub(repo, metrics, now, plan_interval_s=settings.plan_interval_s, retention_s=settings.retention_s,
+                        checkpoint=defer_checkpoints(repo.engine) if repository is None else None)
     schema_ok = {"ok": repository is not None}
 
     def schema_check() -> str | None:
@@ -148,6 +169,9 @@ def create_app(settings: Settings, *, repository: Repository | None = None,
         app.include_router(r)
     if importlib.util.find_spec("api.routes.ui") is not None:  # the decisions page (the ui helper's router)
         app.include_router(importlib.import_module("api.routes.ui").router)
+    _extend_openapi(app)
+    app.add_middleware(IngestFirst, hub=hub)
+    app.add_middleware(WriteGate, auth=app.state.auth)
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(HttpMetrics, metrics=metrics)  # outermost: counts the 413s too
     return app

@@ -1,9 +1,12 @@
-"""ASGI middleware of the controller service: the request body limit (413) and the HTTP request counter.
+"""ASGI middleware of the controller service: the request body limit (413), the write-token gate (401/403) and
+the HTTP request counter.
 
 Runs in the service process, around the FastAPI app (`create_app` installs both). Pure ASGI, not
 BaseHTTPMiddleware: a telemetry POST pays no extra task or body copy. `BodyLimit` refuses a declared
 Content-Length over the limit before reading anything, and buffers a body sent without one (chunked) only
-up to the limit. `HttpMetrics` counts each request by its route template (never the raw path, whose
+up to the limit. `WriteGate` checks the bearer token of every write (any method but GET/HEAD/OPTIONS) before
+the body is even read, so a write without a token is 401/403 whatever its body holds (FastAPI would parse
+the body first). `HttpMetrics` counts each request by its route template (never the raw path, whose
 values are unbounded), method and status.
 """
 
@@ -12,16 +15,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anyio.to_thread
+from fastapi import HTTPException
+
+from api.auth import TokenAuth
 from api.service_metrics import ServiceMetrics
+
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 Scope = dict[str, Any]
 
 
-async def _reply(send: Any, code: int, detail: str) -> None:
+async def _reply(send: Any, code: int, detail: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps({"detail": detail}).encode()
     await send({"type": "http.response.start", "status": code,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *(extra or [])]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -70,6 +79,37 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class WriteGate:
+    def __init__(self, app: Any, auth: TokenAuth) -> None:
+        self.app, self.auth = app, auth
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method", "GET") not in READ_METHODS:
+            header = dict(scope.get("headers") or ()).get(b"authorization")
+            try:  # a cache miss reads the database: off the event loop
+                await anyio.to_thread.run_sync(self.auth.writer, header.decode("latin-1") if header else None)
+            except HTTPException as exc:
+                extra = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
+                await _reply(send, exc.status_code, str(exc.detail), extra)
+                return
+        await self.app(scope, receive, send)
+
+
+class IngestFirst:
+    """Holds `hub.busy()` over a whole telemetry POST (receiving, validating, storing, answering), so the planner
+    thread defers its steps until the request is done (api/hub.py `yield_to_requests`)."""
+
+    def __init__(self, app: Any, hub: Any, path: str = "/v1/telemetry") -> None:
+        self.app, self.hub, self.path = app, hub, path
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path") == self.path and scope.get("method") == "POST":
+            with self.hub.busy():
+                await self.app(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class HttpMetrics:

@@ -53,6 +53,7 @@ def _reader(request: Request, creds: Annotated[HTTPAuthorizationCredentials | No
     return auth.principal(request.headers.get("authorization") if creds is None else _header(creds))
 
 
+READS_GUARD = Depends(_reader)  # router dependency of every read endpoint
 RepoDep = Annotated[Repository, Depends(_repo)]
 HubDep = Annotated[ControllerHub, Depends(_hub)]
 MetricsDep = Annotated[ServiceMetrics, Depends(_metrics)]

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-from api.db.errors import Conflict, NotFound, PlanConflict
+from api.db.errors import Conflict, NotFound, PlanConflict, StoreError
 from api.db.repo import Repository
 from api.hub_agent import AgentSlot, build_slot, decision_record
 from api.hub_config import knobs_misfit
@@ -38,6 +40,8 @@ from controller.state import RejectCode
 
 log = logging.getLogger(__name__)
 PRUNE_EVERY_S = 60.0
+MAINTAIN_EVERY_S = 1.0  # the planner thread's longest sleep (WAL checkpoint, retention)
+YIELD_MAX_S = 0.05  # the longest the planner defers a step to ingest requests (then it proceeds anyway)
 
 
 class KnobsMisfit(ValueError):
@@ -48,14 +52,17 @@ class ControllerHub:
     """See the module docstring."""
 
     def __init__(self, repo: Repository, metrics: ServiceMetrics, clock: Callable[[], float],
-                 plan_interval_s: float = 0.2, retention_s: float = 86400.0) -> None:
+                 plan_interval_s: float = 0.2, retention_s: float = 86400.0,
+                 checkpoint: Callable[[], None] | None = None) -> None:
         self.repo, self.metrics, self.clock, self.plan_interval_s = repo, metrics, clock, plan_interval_s
-        self.retention_s = retention_s
+        self.retention_s, self.checkpoint = retention_s, checkpoint  # checkpoint: api/hub_wal.py
         self._pruned_s = 0.0
         self._agents: dict[str, AgentSlot] = {}
         self._lock = threading.Lock()  # guards _agents
         self._plan_lock = threading.Lock()  # one planner pass at a time (the thread, or a test calling plan_once)
         self._stop = threading.Event()
+        self._idle = threading.Condition()  # notified when the last ingest request in flight finishes
+        self._inflight = 0
         self._thread: threading.Thread | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -80,10 +87,18 @@ class ControllerHub:
             self._thread = None
 
     def _run(self) -> None:
-        while not self._stop.wait(self.plan_interval_s):
+        """Plan every plan_interval_s; the WAL checkpoint and the retention run at least every MAINTAIN_EVERY_S
+        whatever the interval (a long one must not let the write-ahead log grow without bound)."""
+        tick_s = min(self.plan_interval_s, MAINTAIN_EVERY_S)
+        next_plan_s = time.monotonic() + self.plan_interval_s
+        while not self._stop.wait(tick_s):
             try:
-                self.plan_once()
+                if time.monotonic() >= next_plan_s:
+                    next_plan_s = time.monotonic() + self.plan_interval_s
+                    self.plan_once()
                 self.prune()
+                if self.checkpoint is not None:
+                    self.checkpoint()
             except Exception as exc:  # the thread must outlive a database hiccup; counted, retried next pass
                 log.exception("planner pass failed")
                 self.metrics.planner_errors.labels("*", type(exc).__name__).inc()
@@ -126,6 +141,30 @@ class ControllerHub:
     # ---- telemetry ----------------------------------------------------------------------------------------
     def ingest(self, batch: TelemetryBatch) -> IngestResult:
         """Check, store and queue each window; per-window rejections name the rule (RejectCode values)."""
+        with self.busy():
+            return self._ingest(batch)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Mark an ingest request in flight (the route holds it from the body's validation on)."""
+        with self._idle:
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._inflight -= 1
+                if not self._inflight:
+                    self._idle.notify_all()
+
+    def yield_to_requests(self) -> None:
+        """The planner's courtesy: wait (at most YIELD_MAX_S) while an ingest request is in flight. Both share one
+        GIL, and every time a request returns from SQLite or its socket it would otherwise wait for the planner's
+        switch interval (dozens of times a request)."""
+        with self._idle:
+            self._idle.wait_for(lambda: not self._inflight, timeout=YIELD_MAX_S)
+
+    def _ingest(self, batch: TelemetryBatch) -> IngestResult:
         rejected: list[WindowRejection] = []
         by_agent: dict[str, list[tuple[int, Telemetry]]] = {}
         for i, tel in enumerate(batch.windows):
@@ -216,18 +255,24 @@ class ControllerHub:
     def plan_once(self) -> int:
         """One planner pass over every agent; returns how many decisions (issued or held) were stored."""
         with self._plan_lock:
+            start = time.perf_counter()
             with self._lock:
                 slots = list(self._agents.values())
-            return sum(self._plan_agent(slot) for slot in slots)
+            try:
+                return sum(self._plan_agent(slot) for slot in slots)
+            finally:
+                self.metrics.planner_pass_s.observe(time.perf_counter() - start)
 
     def _plan_agent(self, slot: AgentSlot) -> int:
         agent_id = slot.reg.agent_id
         try:
+            # first: the metrics and measured outcomes of what is queued
+            slot.feed(self.repo, self.metrics, pause=self.yield_to_requests)
             if slot.needs_rebuild:
                 slot.rebuild(self.repo)
-            slot.feed(self.repo, self.metrics)
             if slot.new_windows < slot.knobs.plan_every_windows:
                 return 0
+            self.yield_to_requests()
             plan = slot.controller.step_next()
         except Exception as exc:  # a failed plan (infeasible budget, solver status) is counted, never raised
             log.warning("planner: agent %s: %s: %s", agent_id, type(exc).__name__, exc)
@@ -243,8 +288,13 @@ class ControllerHub:
                 self.metrics.plan_conflicts.inc()
                 slot.needs_rebuild = True  # adopt what the other process issued: rebuilt on the next pass
                 return 0
+            except StoreError as exc:  # not stored: the controller believes it issued it, so reload from the DB
+                self.metrics.planner_errors.labels(agent_id, type(exc).__name__).inc()
+                slot.needs_rebuild = True
+                return 0
             with slot.lock:
-                slot.gate.record_issued(plan)
+                if plan.version > slot.gate.issued_version:  # a reload may have brought it in already
+                    slot.gate.record_issued(plan)
             self._plan_metrics(agent_id, plan, slot)
         if slot.controller.shadow is not None:
             promoted = len(slot.controller.shadow.promotions)

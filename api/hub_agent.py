@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from api.db.errors import StoreError
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 PLAN_HISTORY = 16  # plans reloaded on a rebuild (the controller state keeps as many)
 REPLAY_WINDOWS = 32  # recent windows a rebuilt controller learns from again
 MEASURED_VERSIONS = 8  # plan versions whose measured step time is still being averaged
+LEARN_PER_PASS = 8  # windows per agent a planner pass learns from (the newest; see AgentSlot.feed)
+PAUSE_EVERY = 16  # queued windows counted between two pauses of a pass
 
 
 def _gate_state(reg: AgentRegistration) -> ControllerState:
@@ -43,26 +46,43 @@ def _gate_state(reg: AgentRegistration) -> ControllerState:
     return ControllerState(ModelInfo(s.name, s.num_layers, s.num_experts, s.moe_layers), history=1)
 
 
-def observe_window(metrics: ServiceMetrics, tel: Telemetry, last_fallbacks: dict[str, int]) -> None:
-    """A window's counters into the service metrics (fallbacks arrive as running counters: add the increase)."""
-    a = tel.agent_id
-    looked_up = tel.expert_hits + tel.expert_misses
-    if looked_up:
-        metrics.hit_rate.labels(a).set(tel.expert_hits / looked_up)
-    for tier, n in tel.kv.hits_per_tier.items():
-        metrics.kv_hits.labels(a, tier.value).inc(n)
-    for tier, n in tel.kv.misses_per_tier.items():
-        metrics.kv_misses.labels(a, tier.value).inc(n)
-    for stall in tel.stalls:
-        metrics.stall_s.labels(a, stall.cause.value).inc(stall.total_ms / 1e3)
-    for link in tel.links:
-        metrics.link_bytes.labels(a, link.link.value).inc(link.bytes)
-    for name, n in tel.fallbacks.items():
-        before = last_fallbacks.get(name, 0)
-        metrics.fallbacks.labels(a, name).inc(n - before if n >= before else n)  # lower: the agent restarted
-        last_fallbacks[name] = n
-    metrics.step_s.labels(a, "p50").set(tel.step_timings_ms.p50 / 1e3)
-    metrics.step_s.labels(a, "p99").set(tel.step_timings_ms.p99 / 1e3)
+class WindowTally:
+    """A planner pass's windows summed per metric label, then added to the metrics in one go (a label lookup
+    per window and counter cost more than learning from the window did). Fallbacks arrive as the agent's
+    running counters: the increase is added (a lower value means the agent restarted: all of it)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], float] = {}  # (metric attribute, label) -> amount
+        self.last: Telemetry | None = None
+
+    def add(self, tel: Telemetry, last_fallbacks: dict[str, int]) -> None:
+        c = self.counts
+        for tier, n in tel.kv.hits_per_tier.items():
+            c["kv_hits", tier.value] = c.get(("kv_hits", tier.value), 0) + n
+        for tier, n in tel.kv.misses_per_tier.items():
+            c["kv_misses", tier.value] = c.get(("kv_misses", tier.value), 0) + n
+        for stall in tel.stalls:
+            c["stall_s", stall.cause.value] = c.get(("stall_s", stall.cause.value), 0) + stall.total_ms / 1e3
+        for link in tel.links:
+            c["link_bytes", link.link.value] = c.get(("link_bytes", link.link.value), 0) + link.bytes
+        for name, n in tel.fallbacks.items():
+            before = last_fallbacks.get(name, 0)
+            c["fallbacks", name] = c.get(("fallbacks", name), 0) + (n - before if n >= before else n)
+            last_fallbacks[name] = n
+        self.last = tel
+
+    def flush(self, metrics: ServiceMetrics, agent_id: str) -> None:
+        for (attr, label), amount in self.counts.items():
+            if amount:
+                getattr(metrics, attr).labels(agent_id, label).inc(amount)
+        tel = self.last
+        if tel is None:
+            return
+        looked_up = tel.expert_hits + tel.expert_misses
+        if looked_up:
+            metrics.hit_rate.labels(agent_id).set(tel.expert_hits / looked_up)
+        metrics.step_s.labels(agent_id, "p50").set(tel.step_timings_ms.p50 / 1e3)
+        metrics.step_s.labels(agent_id, "p99").set(tel.step_timings_ms.p99 / 1e3)
 
 
 @dataclass
@@ -124,31 +144,49 @@ class AgentSlot:
             fresh = build_slot(repo, self.reg)
             self.knobs, self.policy_version = fresh.knobs, fresh.policy_version
             self.controller, self.gate = fresh.controller, fresh.gate
+            # The queued windows were replayed from the database: they still count towards the next decision.
+            self.new_windows += sum(isinstance(item, Telemetry) for item in self.pending)
             self.pending.clear()
-            self.new_windows, self.needs_rebuild, self.promotions_seen = 0, False, 0
+            self.needs_rebuild, self.promotions_seen = False, 0
 
-    def feed(self, repo: Repository, metrics: ServiceMetrics) -> None:
-        """Hand the queued windows and acks to the controller; store the measured step time of the plans run."""
+    def feed(self, repo: Repository, metrics: ServiceMetrics, learn_limit: int = LEARN_PER_PASS,
+             pause: Callable[[], None] = lambda: None) -> None:
+        """Hand the queued windows and acks to the controller; store the measured step time of the plans run.
+        Only the newest `learn_limit` windows of a pass are learned from (its demand models are decayed
+        averages, and learning costs ~1 ms a window: a fast sender must not starve ingest of the CPU); the
+        older ones still count in the metrics, the measured outcomes and `plan_every_windows`, and each is
+        counted in tierplan_planner_windows_skipped_total. `pause` runs between steps (the hub lets ingest
+        requests in flight go first)."""
         with self.lock:
             items = list(self.pending)
             self.pending.clear()
-        agent_id, touched = self.reg.agent_id, set()
-        for item in items:
+        agent_id, touched, tally = self.reg.agent_id, set(), WindowTally()
+        skip = max(0, sum(isinstance(item, Telemetry) for item in items) - learn_limit)
+        if skip:
+            metrics.windows_skipped.labels(agent_id).inc(skip)
+        for k, item in enumerate(items):
+            if k % PAUSE_EVERY == 0:
+                pause()
             try:
                 if isinstance(item, PlanAck):
                     self.controller.record_ack(item)
                     continue
-                self.controller.sync_from(item)
+                if skip:
+                    skip -= 1
+                else:
+                    pause()
+                    self.controller.sync_from(item)
             except TelemetryRejected as exc:  # the gate let it through, so the controller lags: counted
                 metrics.planner_errors.labels(agent_id, f"controller_{exc.code.value}").inc()
                 continue
             self.new_windows += 1
-            observe_window(metrics, item, self.fallbacks)
+            tally.add(item, self.fallbacks)
             v = item.applied_plan_version
-            if v > 0:
+            if v > 0 and item.step_timings_ms.num_steps > 0:  # a window of no steps measured nothing
                 total, n = self.measured.get(v, (0.0, 0))
                 self.measured[v] = (total + item.step_timings_ms.p50, n + 1)
                 touched.add(v)
+        tally.flush(metrics, agent_id)
         for v in sorted(self.measured)[:-MEASURED_VERSIONS]:
             del self.measured[v]
         for v in sorted(touched & set(self.measured)):

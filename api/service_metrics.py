@@ -51,6 +51,11 @@ class ServiceMetrics:
                                     registry=r)
         self.planner_errors = Counter("tierplan_planner_errors", "Planner passes that failed for an agent, by "
                                       "exception type", ["agent_id", "kind"], registry=r)
+        self.planner_pass_s = Histogram("tierplan_planner_pass_seconds", "Time of one planner pass over all agents",
+                                        buckets=INGEST_BUCKETS_S, registry=r)
+        self.windows_skipped = Counter("tierplan_planner_windows_skipped", "Queued windows the planner counted "
+                                       "but did not learn from (more than it learns from per pass)", ["agent_id"],
+                                       registry=r)
         self.shadow_promotions = Counter("tierplan_shadow_promotions", "Shadow curve sources promoted",
                                          ["agent_id"], registry=r)
 

@@ -175,7 +175,7 @@ class PolicyKnobs(ProtocolModel):
     controller cannot honour is refused by name (extra="forbid"), never accepted and ignored."""
 
     solver: SolverChoice = SolverChoice.DP
-    hysteresis: float = Field(default=0.10, ge=0, le=1)
+    hysteresis: float = Field(default=0.10, ge=0, lt=1)  # the optimizer needs margin < 1
     cooldown_windows: Count = 0
     horizon_steps: int = Field(default=64, ge=1, strict=True)
     plan_every_windows: int = Field(default=1, ge=1, strict=True)  # windows per agent between two plans

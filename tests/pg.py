@@ -116,15 +116,19 @@ def _has_user(name: str) -> bool:
     return True
 
 
-def create_database(admin_url: str, prefix: str = "t") -> str:
-    """A new empty database on the server of `admin_url`; returns its URL."""
+def create_database(admin_url: str, prefix: str = "t", template: str | None = None) -> str:
+    """A new database on the server of `admin_url` (empty, or a copy of the database `template`); its URL."""
     import psycopg
     from sqlalchemy.engine import make_url
 
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     admin = make_url(admin_url)
     with psycopg.connect(_libpq(admin), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
+        sql = f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")
+        # PostgreSQL 15's default WAL_LOG copy takes ~0.4 s even for an empty database; FILE_COPY ~0.05 s.
+        if int(conn.execute("SHOW server_version_num").fetchone()[0]) >= 150000:
+            sql += " STRATEGY FILE_COPY"
+        conn.execute(sql)
     return admin.set(database=name).render_as_string(hide_password=False)
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, HTTPException, Response, status
+from fastapi import APIRouter, HTTPException, Response, status
 
-from api.deps import HubDep, RepoDep, WriterDep, _reader
+from api.deps import READS_GUARD, HubDep, RepoDep, WriterDep
 from api.routes.common import WRITE_ERRORS, AgentIdPath, errors
 from controller.protocol_service import AgentRegistration, AgentStatus
 
 router = APIRouter(prefix="/v1/agents", tags=["agents"])
-reads = APIRouter(prefix="/v1/agents", tags=["agents"], dependencies=[Depends(_reader)])
+reads = APIRouter(prefix="/v1/agents", tags=["agents"], dependencies=[READS_GUARD])
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=AgentStatus,

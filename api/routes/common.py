@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Path
-from pydantic import BaseModel
+from fastapi import Path, Query
+from pydantic import AfterValidator, BaseModel
 
-from controller.validation import MAX_ID_CHARS
+from controller.validation import MAX_ID_CHARS, _check_id
 
 
 class ErrorBody(BaseModel):
     detail: str  # what went wrong, where, and what was expected
 
 
-AgentIdPath = Annotated[str, Path(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^\S+$")]
-GroupPath = Annotated[str, Path(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^\S+$")]
+# The protocol's own id check (non-empty, no whitespace by str.isspace, which a regex \S does not match).
+AgentIdPath = Annotated[str, Path(min_length=1, max_length=MAX_ID_CHARS), AfterValidator(_check_id)]
+GroupPath = Annotated[str, Path(min_length=1, max_length=MAX_ID_CHARS), AfterValidator(_check_id)]
+AgentIdQuery = Annotated[str | None, Query(min_length=1, max_length=MAX_ID_CHARS),
+                         AfterValidator(lambda v: None if v is None else _check_id(v))]
 
 
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query
 
-from api.deps import RepoDep, _reader
-from api.routes.common import errors
+from api.deps import READS_GUARD, RepoDep
+from api.routes.common import AgentIdQuery, errors
 from controller.protocol_service import DecisionRecord
-from controller.validation import MAX_ID_CHARS
 
-router = APIRouter(prefix="/v1/decisions", tags=["decisions"], dependencies=[Depends(_reader)])
+router = APIRouter(prefix="/v1/decisions", tags=["decisions"], dependencies=[READS_GUARD])
 
 
 @router.get("", response_model=list[DecisionRecord], responses=errors(422))
 def list_decisions(repo: RepoDep,
-                   agent_id: Annotated[str | None, Query(min_length=1, max_length=MAX_ID_CHARS)] = None,
+                   agent_id: AgentIdQuery = None,
                    since_s: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
                    until_s: Annotated[float | None, Query(ge=0, allow_inf_nan=False)] = None,
                    limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[DecisionRecord]:

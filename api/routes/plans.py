@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Query, Response, status
+from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 from fastapi.responses import JSONResponse
 
-from api.deps import RepoDep, _reader
+from api.deps import READS_GUARD, RepoDep
 from api.routes.common import AgentIdPath, errors
 from controller.protocol_service import PlanRecord
 
-router = APIRouter(prefix="/v1/agents", tags=["plans"], dependencies=[Depends(_reader)])
+router = APIRouter(prefix="/v1/agents", tags=["plans"], dependencies=[READS_GUARD])
 
 
 def _known(repo: RepoDep, agent_id: str) -> None:

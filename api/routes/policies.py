@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 
-from api.deps import HubDep, RepoDep, WriterDep, _reader
+from api.deps import READS_GUARD, HubDep, RepoDep, WriterDep
 from api.routes.common import WRITE_ERRORS, GroupPath, errors
 from controller.protocol_service import PolicyRecord, PolicyUpdate
 
 router = APIRouter(prefix="/v1/policies", tags=["policies"])
-reads = APIRouter(prefix="/v1/policies", tags=["policies"], dependencies=[Depends(_reader)])
+reads = APIRouter(prefix="/v1/policies", tags=["policies"], dependencies=[READS_GUARD])
 
 
 @reads.get("", response_model=list[PolicyRecord])

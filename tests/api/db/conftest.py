@@ -6,7 +6,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from api.db import migrate
 from api.db.engine import make_engine
 from api.db.repo import Repository
 from tests.conftest import FakeClock
@@ -18,8 +17,7 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def repo(db_url: str, clock: FakeClock) -> Iterator[Repository]:
-    migrate.upgrade(db_url)
-    engine = make_engine(db_url)
+def repo(migrated_db_url: str, clock: FakeClock) -> Iterator[Repository]:
+    engine = make_engine(migrated_db_url)
     yield Repository(engine, clock=clock, stale_after_s=60.0)
     engine.dispose()

@@ -113,3 +113,26 @@ def test_cli_bad_input_is_an_error_line_and_exit_2(args: list[str], match: str) 
     out = CliRunner().invoke(app, ["db", *args])
     assert out.exit_code == 2, out.output
     assert match in out.output and "Traceback" not in out.output
+
+
+def test_one_step_at_a_time(db_url: str) -> None:
+    migrate.upgrade(db_url, "0001")
+    assert migrate.current(db_url) == "0001" and not migrate.at_head(db_url)
+    migrate.upgrade(db_url)
+    migrate.downgrade(db_url, "-1")
+    assert migrate.current(db_url) == "0001" and _tables(db_url) == TABLES
+
+
+def test_postgresql_bodies_are_lz4(fresh_pg_url: str) -> None:
+    from sqlalchemy import text
+
+    migrate.upgrade(fresh_pg_url)
+    engine = make_engine(fresh_pg_url)
+    with engine.connect() as conn:
+        if "lz4" not in conn.execute(text("SELECT enumvals FROM pg_settings WHERE name = "
+                                          "'default_toast_compression'")).scalar():
+            pytest.skip("this PostgreSQL server is built without lz4")
+        method = conn.execute(text("SELECT attcompression FROM pg_attribute WHERE attrelid = "
+                                   "'telemetry_windows'::regclass AND attname = 'body'")).scalar()
+    engine.dispose()
+    assert method == "l"

@@ -98,3 +98,29 @@ def test_tokens_are_stored_only_as_their_hash(svc: Service) -> None:
     import hashlib
 
     assert hashlib.sha256(WRITE_TOKEN.encode()).hexdigest() in dump
+
+
+def test_reads_need_a_token_when_the_settings_say_so(db_file: str) -> None:
+    from tests.api.service.conftest import make_service
+    from tests.conftest import FakeClock
+
+    gen = make_service(db_file, FakeClock(1000.0), read_needs_token=True)
+    svc = next(gen)
+    try:
+        for path in ("/v1/agents", "/v1/policies", "/v1/decisions", "/v1/agents/agent-0/plan"):
+            assert svc.client.get(path).status_code == 401, path
+        assert svc.client.get("/v1/agents", headers=READ_AUTH).status_code == 200
+        assert svc.client.get("/healthz").status_code == 200  # probes stay open
+    finally:
+        gen.close()
+
+
+def test_readyz_says_why_the_database_is_not_ready(svc: Service, monkeypatch) -> None:
+    from api.db.errors import Unavailable
+
+    def down() -> None:
+        raise Unavailable("database sqlite:///x is not reachable: disk I/O error")
+
+    monkeypatch.setattr(svc.app.state.repo, "ping", down)
+    r = svc.client.get("/readyz")
+    assert r.status_code == 503 and "disk I/O error" in r.json()["detail"]

@@ -5,6 +5,9 @@ decision a measured step time."""
 
 from __future__ import annotations
 
+import httpx
+import pytest
+
 from controller.protocol import AckStatus, Footprint, PlanAck, Tier
 from tests.api.service.conftest import AUTH, Service, windows
 
@@ -17,7 +20,7 @@ def ack_for(plan: dict, status: AckStatus = AckStatus.APPLIED, **kw: object) -> 
                    applied_s=5.0, footprint=fp, **kw)
 
 
-def post_ack(svc: Service, ack: PlanAck):  # noqa: ANN201 - a TestClient response
+def post_ack(svc: Service, ack: PlanAck) -> httpx.Response:
     return svc.client.post("/v1/acks", content=ack.model_dump_json(), headers=AUTH)
 
 
@@ -110,3 +113,18 @@ def test_metrics_show_the_service_side(svc: Service) -> None:
         assert needle in text, needle
     assert svc.client.get("/healthz").json() == {"status": "ok"}
     assert svc.client.get("/readyz").json() == {"status": "ready"}
+
+
+def test_a_plan_the_database_did_not_store_is_planned_again(svc: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    from api.db.errors import Unavailable
+
+    svc.register()
+    svc.send(windows("agent-0", 0, 3))
+    real = svc.app.state.repo.insert_plan
+    monkeypatch.setattr(svc.app.state.repo, "insert_plan", lambda *a: (_ for _ in ()).throw(Unavailable("db down")))
+    assert svc.hub.plan_once() == 0
+    assert 'tierplan_planner_errors_total{agent_id="agent-0",kind="Unavailable"} 1.0' in svc.client.get("/metrics").text
+    monkeypatch.setattr(svc.app.state.repo, "insert_plan", real)
+    svc.send(windows("agent-0", 3, 1))
+    assert svc.hub.plan_once() == 1
+    assert svc.client.get("/v1/agents/agent-0/plan").json()["plan"]["version"] == 1  # not 2: nothing was skipped

@@ -1,0 +1,44 @@
+"""One of the service processes in the plan-version race (tests/api/db/test_plan_race.py runs two of these).
+
+Run as `python -m tests.api.db.race_worker URL AGENT_ID NUM_VERSIONS NAME GO_FILE`: says it is ready
+(NAME.ready beside GO_FILE) and waits for GO_FILE, so both processes start racing together; then does what a
+service's planner does: reads the agent's newest plan version and stores the next one (stamped with NAME),
+until NUM_VERSIONS exist. Prints one JSON line: the versions it won and, for each loss, (attempted, the
+PlanConflict's current_version). It touches only the database it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from api.db.engine import make_engine
+from api.db.errors import PlanConflict
+from api.db.repo import Repository
+from tests.api.db.builders import plan
+
+
+def main(url: str, agent_id: str, num_versions: int, name: str, go_file: Path) -> None:
+    engine = make_engine(url)
+    repo = Repository(engine)
+    repo.ping()  # connect before the start line, so both start equally warm
+    go_file.with_name(f"{name}.ready").touch()
+    end = time.monotonic() + 60
+    while not go_file.exists() and time.monotonic() < end:
+        time.sleep(0.001)
+    won: list[int] = []
+    lost: list[tuple[int, int]] = []
+    while (version := repo.newest_version(agent_id) + 1) <= num_versions:
+        try:
+            repo.insert_plan(agent_id, plan(version, reason=f"by {name}"))
+            won.append(version)
+        except PlanConflict as exc:
+            lost.append((version, exc.current_version))
+    engine.dispose()
+    print(json.dumps({"name": name, "won": won, "lost": lost}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))

@@ -1,0 +1,67 @@
+"""Two real service processes race to issue plan versions for one agent against one database (PostgreSQL, and
+a SQLite file): every version is stored exactly once, by the process that was told it won, and every loser
+got a PlanConflict naming a version at least as new as the one it tried, which the other process stored.
+Each process reads the newest version and stores the next, as the service's planner does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from api.db import migrate
+from api.db.engine import make_engine
+from api.db.repo import Repository
+from tests.api.db.builders import registration
+from tests.conftest import wait_until
+
+NUM_VERSIONS = 150
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_two_processes_never_store_one_version_twice(backend: str, tmp_path: Path,
+                                                     request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue("fresh_pg_url") if backend == "postgresql" else f"sqlite:///{tmp_path / 'r.db'}"
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    repo = Repository(engine)
+    repo.register_agent(registration())
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.api.db.race_worker", url, "agent-0", str(NUM_VERSIONS),
+                               name, str(go)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for name in ("A", "B")]
+    for name in ("A", "B"):  # both connected and waiting: then start them together
+        wait_until(lambda n=name: (tmp_path / f"{n}.ready").exists() or any(p.poll() is not None for p in procs),
+                   timeout_s=120, what=f"race worker {name} ready")
+    go.touch()
+    results = {}
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        got = json.loads(out.strip().splitlines()[-1])
+        results[got["name"]] = got
+
+    winner = {}
+    for name, got in results.items():
+        for version in got["won"]:
+            assert version not in winner, f"version {version} won by both {winner[version]} and {name}"
+            winner[version] = name
+    assert sorted(winner) == list(range(1, NUM_VERSIONS + 1))  # each version stored once, none skipped
+    stored = repo.plan_history("agent-0", limit=NUM_VERSIONS + 10)
+    assert [r.plan.version for r in stored] == list(range(NUM_VERSIONS, 0, -1))
+    assert {r.plan.version: r.plan.reason for r in stored} == {v: f"by {n}" for v, n in winner.items()}
+    num_lost = 0
+    for name, got in results.items():
+        num_lost += len(got["lost"])
+        for attempted, current in got["lost"]:
+            assert current >= attempted, f"{name} lost v{attempted} to a conflict naming older v{current}"
+            assert winner[attempted] != name
+    assert num_lost > 0, "no process ever lost: the two did not race, so this run proved nothing"
+    assert repo.newest_version("agent-0") == NUM_VERSIONS
+    engine.dispose()

@@ -1,0 +1,186 @@
+"""Every PolicyKnobs field changes what the controller decides: the same telemetry stream (a light phase, then
+bigger batches and KV demand) through the knob mapping of api/hub_config.py with the default knobs and with
+one knob changed, each test naming the effect (plan_every_windows, which the hub's planner honours, is tested
+through the service). calibrate=False keeps the cost model at its priors, so the plans are deterministic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from api.bench_api import synthetic_window, tiny_registration
+from api.hub_config import controller_config, knobs_misfit
+from controller.loop import Controller, Decision, Outcome
+from controller.protocol import AckStatus, Footprint, Plan, PlanAck
+from controller.protocol_service import PolicyKnobs
+from tests.api.service.conftest import Service, windows
+
+SLOT_BYTES = 3 * 4096
+NUM_WINDOWS = 16
+
+
+@dataclass
+class Run:
+    ctl: Controller
+    plans: list[Plan]
+    decisions: list[Decision]
+
+    def splits(self) -> list[tuple[tuple[int, ...], int]]:
+        return [(tuple(b // SLOT_BYTES for b in p.expert_bytes_per_layer), p.kv_blocks_per_tier["gpu"])
+                for p in self.plans]
+
+    def issued(self) -> int:
+        return sum(d.outcome is Outcome.ISSUED for d in self.decisions)
+
+
+def knobs(**changed: Any) -> PolicyKnobs:
+    return PolicyKnobs.model_validate({"calibrate": False, **changed})
+
+
+def run(k: PolicyKnobs) -> Run:
+    """Each plan is applied (acked) before the next window, as an agent would."""
+    ctl = Controller(controller_config(tiny_registration(), k), "agent-0")
+    rng = np.random.default_rng(1)
+    applied, plans, decisions = 0, [], []
+    for seq in range(NUM_WINDOWS):
+        late = seq >= NUM_WINDOWS // 2
+        tel = synthetic_window("agent-0", seq, rng, applied_plan_version=applied, batch_tokens=12 if late else 2,
+                               kv_blocks=50 if late else 10, hot=seq // 4)
+        ctl.sync_from(tel)
+        plan = ctl.step_next()
+        decisions += ctl.pop_decisions()
+        if plan is not None:
+            plans.append(plan)
+            fp = Footprint(expert_bytes_per_layer=plan.expert_bytes_per_layer,
+                           kv_blocks_per_tier=plan.kv_blocks_per_tier, total_hbm_bytes=plan.hbm_budget_bytes)
+            ctl.record_ack(PlanAck(agent_id="agent-0", rank=0, plan_id=plan.plan_id, version=plan.version,
+                                   status=AckStatus.APPLIED, applied_s=tel.window_end_s, footprint=fp))
+            applied = plan.version
+    return Run(ctl, plans, decisions)
+
+
+@pytest.fixture(scope="module")
+def base() -> Run:
+    return run(knobs())
+
+
+def test_the_default_stream_re_splits_when_the_workload_changes(base: Run) -> None:
+    assert base.issued() >= 2 and len(set(base.splits())) >= 2
+
+
+def test_solver_milp_runs_the_highs_milp(monkeypatch: pytest.MonkeyPatch) -> None:
+    import controller.optimizer.milp as milp
+
+    calls = []
+    real = milp.solve_milp
+    monkeypatch.setattr(milp, "solve_milp", lambda p: calls.append(1) or real(p))
+    got = run(knobs(solver="milp"))
+    assert calls and got.splits() == run(knobs()).splits()  # both exact: the same optimum, by another solver
+
+
+def test_hysteresis_and_cooldown_hold_the_split(base: Run) -> None:
+    assert run(knobs(hysteresis=0.9)).issued() < base.issued()
+    assert run(knobs(hysteresis=0.0)).issued() > base.issued()
+    assert run(knobs(cooldown_windows=20)).issued() < base.issued()
+
+
+def test_horizon_steps_prices_migration(base: Run) -> None:
+    assert run(knobs(horizon_steps=1)).splits() != base.splits()
+
+
+def test_objective_weights_trade_experts_against_kv(base: Run) -> None:
+    no_stall = run(knobs(stall_weight=0.0)).splits()[-1]
+    no_kv = run(knobs(kv_weight=0.0)).splits()[-1]
+    assert no_kv[1] == 16 and no_kv[1] < base.splits()[-1][1]  # KV at its floor
+    assert sum(no_stall[0]) < sum(base.splits()[-1][0])  # experts give way to KV
+
+
+def test_pin_frac_sets_how_many_hot_experts_are_pinned(base: Run) -> None:
+    def pins(r: Run) -> int:
+        return len(r.plans[0].pinned_experts)
+
+    assert pins(run(knobs(pin_frac=0.0))) == 0 < pins(base) < pins(run(knobs(pin_frac=1.0)))
+
+
+def test_slot_floor_and_cap_bound_every_layer(base: Run) -> None:
+    assert all(min(s) >= 6 for s, _ in run(knobs(min_slots_per_layer=6)).splits())
+    assert all(max(s) <= 3 for s, _ in run(knobs(max_slots_per_layer=3)).splits())
+    assert max(max(s) for s, _ in base.splits()) > 3 and min(min(s) for s, _ in base.splits()) < 6
+
+
+def test_pinned_experts_are_always_pinned_with_room_for_them(base: Run) -> None:
+    got = run(knobs(pinned_experts=[{"layer": 1, "expert": 7}, {"layer": 1, "expert": 6}]))
+    for plan in got.plans:
+        assert {(k.layer, k.expert) for k in plan.pinned_experts} >= {(1, 7), (1, 6)}
+        assert plan.expert_bytes_per_layer[1] // SLOT_BYTES >= 2 + 2  # the pins plus one token's top-k
+    assert min(s[1] for s, _ in base.splits()) < 4
+
+
+def test_hbm_budget_bytes_shrinks_the_split(base: Run) -> None:
+    got = run(knobs(hbm_budget_bytes=40 * 4096))
+    assert all(p.hbm_budget_bytes == 40 * 4096 for p in got.plans) and got.splits() != base.splits()
+    for plan in got.plans:
+        assert sum(plan.expert_bytes_per_layer) + plan.kv_blocks_per_tier["gpu"] * 4096 <= 40 * 4096
+
+
+def test_link_share_caps_what_a_plan_streams(base: Run) -> None:
+    got = run(knobs(link_share=0.01))
+    assert max(p.prefetch_budget_bytes_per_step for p in got.plans) < \
+        max(p.prefetch_budget_bytes_per_step for p in base.plans)
+
+
+def test_local_table_knobs(base: Run) -> None:
+    def table(r: Run) -> Any:
+        return r.plans[-1].local_predictor
+
+    assert max(len(row.next) for row in table(run(knobs(top_m=1))).rows) == 1 < max(
+        len(row.next) for row in table(base).rows)
+    assert sum(len(r.next) for r in table(run(knobs(min_prob=0.4))).rows) < sum(len(r.next) for r in table(base).rows)
+    assert table(run(knobs(min_score=0.9))).min_score == 0.9 != table(base).min_score
+
+
+def test_predictor_picks_the_curve_source(base: Run) -> None:
+    got = run(knobs(predictor="frequency"))
+    assert all("curves: activation frequencies" in d.reason for d in got.decisions)
+    assert any("measured LRU curves" in d.reason for d in base.decisions)
+    assert got.splits() != base.splits()
+
+
+def test_a_shadow_is_scored_and_only_promoted_with_auto_promote(base: Run) -> None:
+    report = run(knobs(predictor="frequency", shadow_predictor="miss_ratio"))
+    assert report.ctl.shadow is not None and report.ctl.shadow.history and not report.ctl.shadow.promotions
+    assert "shadow miss_ratio vs active frequency" in report.decisions[-1].reason
+    assert report.splits() == run(knobs(predictor="frequency")).splits()  # report only: same plans
+    promote = run(knobs(predictor="frequency", shadow_predictor="miss_ratio", auto_promote=True))
+    assert promote.ctl.shadow.promotions and promote.ctl.predictor.value == "miss_ratio"
+    assert promote.splits() != report.splits()
+
+
+def test_calibrate_fits_the_cost_model_to_the_windows(base: Run) -> None:
+    got = run(knobs(calibrate=True))
+    assert got.ctl.cost.compute != base.ctl.cost.compute
+    assert [round(d.step_ms, 6) for d in got.decisions] != [round(d.step_ms, 6) for d in base.decisions]
+
+
+def test_knobs_an_agent_cannot_run_with_are_named() -> None:
+    reg = tiny_registration()
+    assert "pinned_experts.0" in knobs_misfit(reg, knobs(pinned_experts=[{"layer": 0, "expert": 8}]))
+    assert "hbm_budget_bytes" in knobs_misfit(reg, knobs(hbm_budget_bytes=10**9))
+    assert "min_slots_per_layer" in knobs_misfit(reg, knobs(min_slots_per_layer=8, hbm_budget_bytes=60 * 4096))
+    assert knobs_misfit(reg, knobs()) is None
+
+
+def test_plan_every_windows_spaces_the_planner_out(svc: Service) -> None:
+    from controller.protocol_service import PolicyUpdate
+    from tests.api.service.conftest import AUTH
+
+    update = PolicyUpdate(knobs=knobs(plan_every_windows=3), why="plan less often")
+    assert svc.client.put("/v1/policies/default", content=update.model_dump_json(), headers=AUTH).status_code == 200
+    svc.register()
+    svc.send(windows("agent-0", 0, 2))
+    assert svc.hub.plan_once() == 0
+    svc.send(windows("agent-0", 2, 1))
+    assert svc.hub.plan_once() == 1
