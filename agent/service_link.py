@@ -4,16 +4,16 @@ Runs in the inference process. The engine-facing methods (`sync_from`, `step_nex
 the outbox and engine threads) only touch in-memory queues under a lock held for a few instructions: they
 never wait on the socket, the sidecar or the network. Telemetry and acks go to bounded queues that a sender
 thread drains into the socket in the order they were made; when a queue is full its oldest entry is dropped
-and counted (a dead, slow or missing sidecar costs the engine a counter, nothing more). A reader thread takes the plans the sidecar
-pushes; `step_next` hands out the newest one newer than the last handed out. The sender reconnects with
-backoff; on each connection it first sends the agent's registration and a `PlanRequest`.
+and counted (a dead, slow or missing sidecar costs the engine a counter, nothing more). A reader thread
+takes the plans the sidecar pushes; `step_next` hands out the newest one newer than the last handed out.
+The sender reconnects with backoff; on each connection it first sends the agent's registration and a `PlanRequest`.
 
 Accounting, exact at any instant (`stats()` reads it under the lock): every window given to `sync_from` is
 sent, dropped (by reason) or still queued/in flight. A frame whose send failed goes back to the queue's
 front (the sidecar drops a half-received frame with the connection), so a reconnect loses nothing by itself.
-`engine_thread_io` counts socket operations made from any thread but the link's own two: the guard that
-the hot path never does I/O (tests assert it stays 0). It must never build or change a plan, nor raise into
-the engine.
+`engine_thread_io` counts socket operations (connect, send, receive: the socket object itself reports each)
+made from any thread but the link's own two: the guard that the hot path never does I/O (tests assert 0).
+It must never build or change a plan, nor raise into the engine.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class ServiceLink:
         self._in_flight: tuple[int, Telemetry | PlanAck] | None = None
         self._latest: Plan | None = None  # newest plan the sidecar pushed
         self._handed_version = 0  # newest version step_next handed out
-        self._sock: socket.socket | None = None
+        self._sock: _Guarded | None = None
         self._closing = threading.Event()
         self._io_threads: set[int] = set()
         self.state = LinkState.CONNECTING
@@ -171,7 +171,6 @@ class ServiceLink:
                 self._settle(item, sent=False, reason=DropReason.TOO_LARGE, error=str(exc))
                 continue
             try:
-                self._io()
                 sock.sendall(data)
             except OSError as exc:  # timeout (a slow sidecar), reset, closed by the reader: reconnect
                 self._requeue(entry, exc)
@@ -182,7 +181,7 @@ class ServiceLink:
     def _open(self) -> bool:
         try:
             self._io()
-            sock = self._connect(self.socket_path, self.send_timeout_s)
+            sock = _Guarded(self._connect(self.socket_path, self.send_timeout_s), self._io)
             hello = PlanRequest(agent_id=self.agent_id, rank=self.rank, since_version=self._handed_version)
             sock.sendall(encode_frame(self.registration, self.max_frame_bytes)
                          + encode_frame(hello, self.max_frame_bytes))
@@ -237,7 +236,7 @@ class ServiceLink:
                 queue.appendleft(entry)  # type: ignore[arg-type]
             self._wake.notify_all()
 
-    def _hang_up(self, sock: socket.socket | None = None) -> None:
+    def _hang_up(self, sock: _Guarded | None = None) -> None:
         """Drop the connection `sock` (or whichever is open); the sender reconnects."""
         with self._wake:
             if self._sock is None or (sock is not None and sock is not self._sock):
@@ -251,13 +250,12 @@ class ServiceLink:
             sock.shutdown(socket.SHUT_RDWR)
         sock.close()
 
-    def _read_loop(self, sock: socket.socket) -> None:
+    def _read_loop(self, sock: _Guarded) -> None:
         self._io_threads.add(threading.get_ident())
         decoder = FrameDecoder(self.max_frame_bytes)
         try:
             while not self._closing.is_set():
                 try:
-                    self._io()
                     data = sock.recv(RECV_BYTES)
                 except TimeoutError:
                     continue  # an idle sidecar: the timeout is for sends, a quiet read is fine
@@ -284,6 +282,27 @@ class ServiceLink:
             self.counts["plans_received"] += 1
             if self._latest is None or plan.version > self._latest.version:
                 self._latest = plan
+
+
+class _Guarded:
+    """The link's socket: every operation first reports to the guard (`ServiceLink._io`), whoever calls it."""
+
+    def __init__(self, sock: socket.socket, on_io: Callable[[], None]) -> None:
+        self._sock, self._on_io = sock, on_io
+
+    def sendall(self, data: bytes) -> None:
+        self._on_io()
+        self._sock.sendall(data)
+
+    def recv(self, num_bytes: int) -> bytes:
+        self._on_io()
+        return self._sock.recv(num_bytes)
+
+    def shutdown(self, how: int) -> None:
+        self._sock.shutdown(how)  # from any thread: closing never waits
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 def _connect_unix(path: str, timeout_s: float) -> socket.socket:

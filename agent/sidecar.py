@@ -84,7 +84,8 @@ class Sidecar:
         self._uplink_thread.start()
 
     def stop(self, flush_timeout_s: float = 2.0) -> None:
-        """Stop taking frames, give the uplink `flush_timeout_s` to send what is queued, then stop it."""
+        """Stop taking frames, give the uplink `flush_timeout_s` to send what is queued, then stop it; what is
+        left is counted as dropped (`shutdown`)."""
         self.server.close()
         deadline = time.monotonic() + flush_timeout_s
         while time.monotonic() < deadline and self.uplink.stats()["queued"] and self.uplink.fail.mode == "online":
@@ -94,6 +95,7 @@ class Sidecar:
         self.uplink.stop_waiting()
         if self._uplink_thread.is_alive():
             self._uplink_thread.join(timeout=self.settings.http_timeout_s + 5.0)
+        self.uplink.abandon()
         self.client.close()
         self._close_metrics()
 

@@ -83,6 +83,9 @@ class AgentServer:
 
     def close(self) -> None:
         self._stop.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept at once
         if self._accept_thread is not None:
             self._accept_thread.join(timeout=5.0)
         if self._listener is not None:

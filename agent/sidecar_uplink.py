@@ -11,7 +11,8 @@ moves fail-static on (`FailStatic`), marks every agent for re-registration and w
 a refused one (4xx) is dropped and counted, never retried forever. Queues are bounded: the oldest window
 (or ack) is dropped with a counter. Accounting, exact at any instant: received == sent + dropped (by
 reason) + queued + in flight. A window the service may already have stored (the answer was lost) and then
-refuses as `seq_not_increasing` on the retry counts as sent (`redelivered`). Clock, RNG, client, metrics
+refuses as `seq_not_increasing` on the retry counts as sent (`redelivered`); windows refused as
+`unknown_agent` (a service on a fresh database) go back once, after a new registration. Clock, RNG, client, metrics
 and the push callback come in through the constructor. It must never block an agent-socket thread on HTTP.
 """
 
@@ -33,7 +34,9 @@ from agent.sidecar_metrics import SidecarMetrics
 from controller.protocol import Plan, PlanAck, Telemetry
 from controller.protocol_service import MAX_BATCH_WINDOWS, AgentRegistration
 
-REDELIVERED_CODE = "seq_not_increasing"  # controller.state.RejectCode.SEQ_NOT_INCREASING (agent may not import it)
+# controller.state.RejectCode values (the agent may import only the protocol)
+REDELIVERED_CODE = "seq_not_increasing"
+UNKNOWN_AGENT_CODE = "unknown_agent"
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class _Window:
     agent_id: str
     text: bytes  # the window's JSON, as it goes into the batch
     maybe_delivered: bool = False
+    resent_unknown: bool = False  # already sent again once after the service said it did not know the agent
 
 
 @dataclass
@@ -105,6 +109,7 @@ class Uplink:
         self._etags: dict[str, str] = {}
         self._retry_at_s: float | None = None
         self._flush_requested = False
+        self._reregister_first = False
         self._last_flush_s = clock()
         self._next_poll_s = clock()
 
@@ -141,11 +146,9 @@ class Uplink:
 
     def current_plan(self, agent_id: str, since_version: int) -> Plan | None:
         """The cached plan when it is newer than `since_version` and fail-static still serves it."""
-        with self._lock:
-            plan = self._plans.get(agent_id)
-        if plan is None or plan.version <= since_version or not self.fail.serves_cached_plan:
-            return None
-        return plan
+        plan = self._plans.get(agent_id)  # one dict read: atomic, no lock needed
+        ok = plan is not None and plan.version > since_version and self.fail.serves_cached_plan
+        return plan if ok else None
 
     # ---- the uplink thread ------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -223,7 +226,8 @@ class Uplink:
         an ack behind them, a requested flush): then everything queued at that moment goes, batch by batch."""
         c = self.config
         until_seq: int | None = None  # while flushing: the newest window to send in this flush
-        while True:
+        self._reregister_first = False
+        while not self._reregister_first:
             with self._lock:
                 ack = self._acks[0] if self._acks else None
                 head = self._windows[0] if self._windows else None
@@ -296,6 +300,7 @@ class Uplink:
         with self._lock:
             self._in_flight = 0
             num_sent = 0
+            again: list[_Window] = []
             for i, w in enumerate(batch):
                 code = refused.get(i)
                 if code is None:
@@ -303,12 +308,22 @@ class Uplink:
                 elif code == REDELIVERED_CODE and w.maybe_delivered:
                     num_sent += 1
                     self.counts.redelivered += 1
+                elif code == UNKNOWN_AGENT_CODE and not w.resent_unknown:
+                    w.resent_unknown = True  # the service lost the registration (a fresh database): once more
+                    again.append(w)
+                    for agent in self._agents.values():
+                        if agent.reg.agent_id == w.agent_id:
+                            agent.registered = False
                 else:
                     self._drop(f"rejected_{code}")
             self.counts.sent += num_sent
             depth = len(self._windows)
         self.metrics.windows_sent.inc(num_sent)
         self.metrics.queue_depth.set(depth)
+        if again:
+            self._put_back(again, maybe_delivered=False)
+            self._reregister_first = True  # stop this flush: register on the next tick, then send these
+            self._kick.set()
 
     def _put_back(self, batch: list[_Window], maybe_delivered: bool) -> None:
         with self._lock:
@@ -344,15 +359,25 @@ class Uplink:
                 self.push(agent_id, poll.plan)
         self._next_poll_s = now + self.config.poll_s
 
+    def abandon(self) -> None:
+        """The sidecar is exiting: what is still queued will never be sent; counted as dropped (`shutdown`)."""
+        with self._lock:
+            self._drop("shutdown", len(self._windows))
+            self._drop_ack("shutdown", len(self._acks))
+            self._windows.clear()
+            self._acks.clear()
+        self.metrics.queue_depth.set(0)
+
     # ---- accounting -------------------------------------------------------------------------------------
     def _drop(self, reason: str, n: int = 1) -> None:
         if n > 0:
             self.counts.dropped[reason] += n
             self.metrics.windows_dropped.labels(reason=reason).inc(n)
 
-    def _drop_ack(self, reason: str) -> None:
-        self.counts.acks_dropped[reason] += 1
-        self.metrics.acks_dropped.labels(reason=reason).inc()
+    def _drop_ack(self, reason: str, n: int = 1) -> None:
+        if n > 0:
+            self.counts.acks_dropped[reason] += n
+            self.metrics.acks_dropped.labels(reason=reason).inc(n)
 
     def _mode_changed(self, old: Mode, new: Mode) -> None:
         self.metrics.fail_static.set(0 if new is Mode.ONLINE else 1)

@@ -66,6 +66,13 @@ def check_settings(flush_s: float, plan_ttl_s: float, poll_s: float, metrics_por
         raise BadOption(f"--metrics-port {metrics_port}: expected a TCP port from 0 (any free one) to 65535")
 
 
+def check_limits(backoff_cap_s: float, max_queued_windows: int) -> None:
+    if not 0.01 <= backoff_cap_s <= 3600:
+        raise BadOption(f"--backoff-cap-s {backoff_cap_s}: expected seconds from 0.01 to 3600")
+    if not 1 <= max_queued_windows <= 10_000_000:
+        raise BadOption(f"--max-queued-windows {max_queued_windows}: expected a count from 1 to 10000000")
+
+
 def register(app: typer.Typer) -> None:
     """Add `tierplan sidecar` to `app` (called at the bottom of api/cli.py)."""
 
@@ -85,6 +92,11 @@ def register(app: typer.Typer) -> None:
                  "plan (keep what each agent applied).")] = 30.0,
         flush_s: Annotated[float, typer.Option(help="Seconds between telemetry batch flushes.")] = 1.0,
         poll_s: Annotated[float, typer.Option(help="Seconds between plan polls.")] = 1.0,
+        backoff_cap_s: Annotated[float, typer.Option(
+            help="Longest wait between retries to an unreachable service (full jitter below it).")] = 10.0,
+        max_queued_windows: Annotated[int, typer.Option(
+            help="Telemetry windows held while the service is away; beyond it the oldest are dropped "
+                 "(counted).")] = 16384,
     ) -> None:
         """Run the sidecar: agent socket in, controller service over HTTP, fail-static when it is unreachable."""
         from agent.sidecar import Sidecar, SidecarSettings, default_socket_path
@@ -93,12 +105,14 @@ def register(app: typer.Typer) -> None:
             check_service_url(service)
             path = check_socket_path(socket_path or default_socket_path(agent_id))
             check_settings(flush_s, plan_ttl_s, poll_s, metrics_port)
+            check_limits(backoff_cap_s, max_queued_windows)
         except BadOption as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
         settings = SidecarSettings(service_url=service, socket_path=path, token=token or None,
                                    metrics_port=metrics_port, metrics_host=metrics_host, plan_ttl_s=plan_ttl_s,
-                                   flush_s=flush_s, poll_s=poll_s)
+                                   flush_s=flush_s, poll_s=poll_s, backoff_cap_s=backoff_cap_s,
+                                   backoff_base_s=min(0.2, backoff_cap_s), max_queued_windows=max_queued_windows)
         car = Sidecar(settings)
         try:
             car.start()

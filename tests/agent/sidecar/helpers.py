@@ -56,6 +56,7 @@ class FakeService:
     read_timeout: bool = False  # the request reaches the service, the answer is lost
     reject: dict[int, str] = field(default_factory=dict)
     refuse_status: int | None = None
+    forgot: bool = False  # every window is unknown_agent until the next registration (a fresh database)
     windows: list[dict[str, Any]] = field(default_factory=list)
     batches: list[int] = field(default_factory=list)
     registrations: int = 0
@@ -78,8 +79,8 @@ class FakeService:
                 return httpx.Response(self.refuse_status, json={"detail": "refused by the test"})
             rejected, stored = [], {w["window_seq"] for w in self.windows}
             for i, w in enumerate(body["windows"]):
-                code = self.reject.get(w["window_seq"]) or ("seq_not_increasing" if w["window_seq"] in stored
-                                                            else None)
+                code = ("unknown_agent" if self.forgot else self.reject.get(w["window_seq"])
+                        or ("seq_not_increasing" if w["window_seq"] in stored else None))
                 if code:
                     rejected.append({"index": i, "agent_id": w["agent_id"], "window_seq": w["window_seq"],
                                      "code": code, "message": "test"})
@@ -94,6 +95,7 @@ class FakeService:
         self.requests.append(f"{method} {path}")
         if method == "POST" and path == "/v1/agents":
             self.registrations += 1
+            self.forgot = False
             return httpx.Response(201, json={"agent_id": AGENT, "rank": 0, "group": "default",
                                              "engine": "tierplan-reference", "model": "tiny", "registered_s": 0.0,
                                              "last_seen_s": None, "state": "new", "windows": 0,

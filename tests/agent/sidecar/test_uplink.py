@@ -153,3 +153,27 @@ def test_plan_polls_carry_since_version_and_the_etag() -> None:
     assert svc.polls[1:] == [("0", None), ("1", '"v1"')]  # the second poll was a cheap 304
     assert up.stats()["plans_pulled"] == 1 and up.current_plan("agent-t", 0) == plan(1)
     assert up.metrics.registry.get_sample_value("tierplan_sidecar_plan_version") == 1
+
+
+def test_windows_for_an_agent_the_service_forgot_are_sent_again_after_registering() -> None:
+    svc, clock = FakeService(), FakeClock()
+    up = make(svc, clock, flush_s=0.0)
+    up.tick()
+    svc.forgot = True  # the service came back on a fresh database, without the sidecar noticing an outage
+    for seq in range(4):
+        up.add_window(telemetry(seq))
+    up.tick()
+    assert up.stats()["queued"] == 4 and svc.windows == [] and balanced(up)  # waiting for the registration
+    up.tick()
+    assert svc.registrations == 2 and [w["window_seq"] for w in svc.windows] == [0, 1, 2, 3]
+    assert up.stats()["sent"] == 4 and up.stats()["dropped"] == {} and balanced(up)
+
+
+def test_a_window_still_unknown_after_registering_again_is_dropped_and_counted() -> None:
+    svc, clock = FakeService(reject={0: "unknown_agent"}), FakeClock()
+    up = make(svc, clock, flush_s=0.0)
+    up.add_window(telemetry(0))
+    for _ in range(3):
+        up.tick()
+    assert svc.registrations == 2 and svc.batches == [1, 1]  # sent once more, not forever
+    assert up.stats()["dropped"] == {"rejected_unknown_agent": 1} and balanced(up)
