@@ -18,7 +18,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from api import (
-    cli_dashboards, ), cli_db, cli_eval_kv, cli_eval_predictors, cli_generate, cli_plan, cli_serve, cli_sidecar, cli_sim
+    cli_dashboards,
+    cli_db,
+    cli_eval_kv,
+    cli_eval_predictors,
+    cli_generate,
+    cli_plan,
+    cli_serve,
+    cli_sidecar,
+    cli_sim,
+)
 from api.cli_checks import MAX_SEED, check_device, check_workdir, user_errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="tierplan: one HBM budget for experts and KV.")
