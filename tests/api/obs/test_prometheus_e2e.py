@@ -33,6 +33,12 @@ _UNSET = "has no series until the first one happens; the {} should create the la
 KNOWN_GAPS: dict[str, str] = {
     "tierplan-overview / 'Rejected plans by reason' / A": "tierplan_plans_rejected_total " + _UNSET.format(
         "service", "per agent and RejectReason, when the agent's controller slot is built"),
+    # api/hub_agent.py WindowTally.flush skips labels whose summed amount is 0 (`if amount:`), so a tier or
+    # fallback name the agent reports only with zeros (this replay: no KV hits, no fallbacks) never gets a series
+    "tierplan-overview / 'KV hit rate per tier' / A": "tierplan_kv_hits_total / tierplan_kv_misses_total have no "
+        "series for tiers reported only with 0 (WindowTally.flush skips zero amounts instead of creating the child)",
+    "tierplan-overview / 'Fallbacks by name' / A": "tierplan_fallbacks_total has no series for fallback names "
+        "reported only with 0 (WindowTally.flush skips zero amounts instead of creating the child)",
     "tierplan-service / 'Policy versions' / A": "tierplan_policy_version has no series for a group whose policy "
         "was never PUT; the service should set it (version 0 = defaults) for a registered agent's group",
     "tierplan-service / 'Windows sent / dropped' / B": "tierplan_sidecar_windows_dropped_total " + _UNSET.format(
