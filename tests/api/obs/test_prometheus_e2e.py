@@ -27,19 +27,9 @@ AGENT = "obs-e2e-0"
 TOKEN = "obs-e2e-write-token"
 DASHBOARDS = Path(__file__).resolve().parents[3] / "dashboards"
 RATE_WINDOW = "1m"
-# Panel queries that cannot return data yet, each with the missing piece (reported to the lead); strict, so a
-# fix turns the case into a failure until its line here is removed.
-_UNSET = "has no series until the first one happens; the {} should create the labelled series at 0 ({})"
-KNOWN_GAPS: dict[str, str] = {
-    "tierplan-overview / 'Rejected plans by reason' / A": "tierplan_plans_rejected_total " + _UNSET.format(
-        "service", "per agent and RejectReason, when the agent's controller slot is built"),
-    "tierplan-service / 'Policy versions' / A": "tierplan_policy_version has no series for a group whose policy "
-        "was never PUT; the service should set it (version 0 = defaults) for a registered agent's group",
-    "tierplan-service / 'Windows sent / dropped' / B": "tierplan_sidecar_windows_dropped_total " + _UNSET.format(
-        "sidecar", "per drop reason, as it does for fail_static_total's modes"),
-    "tierplan-service / 'Retries and service errors' / B": "tierplan_sidecar_service_errors_total " + _UNSET.format(
-        "sidecar", "per ErrorKind"),
-}
+# Panel queries that cannot return data yet, each with the missing piece; strict, so a fix turns the case into
+# a failure until its line here is removed.
+KNOWN_GAPS: dict[str, str] = {}  # panel -> why it has no data yet (a strict xfail); empty: every panel has data
 
 
 def _boards() -> list[dict[str, Any]]:
