@@ -96,7 +96,8 @@ def _counters(eng: ReferenceEngine) -> dict[str, float]:
     e, ex = eng.experts, eng.executors
     loads = eng.loader.stats() if eng.loader is not None else {"bytes": 0}
     return {"hits": e.hits, "misses": e.misses, "prefetch_hits": e.prefetch_hits, "stall_ms": e.stalls_ms,
-            "bytes": loads["bytes"], **{f"steps_{x.value}": ex.steps[x] for x in Executor},
+            "bytes": loads["bytes"], "ready_waits": eng.pool.ready_waits,
+            "forced_unmaps": eng.pool.ranges.num_forced, **{f"steps_{x.value}": ex.steps[x] for x in Executor},
             **{f"phase_{k}": v for k, v in e.phase_ms.items()}}
 
 
@@ -128,6 +129,7 @@ def _decode(eng: ReferenceEngine, batch: int, sizes: Sizes, seq0: int) -> dict[s
             "tok_s": batch * n / sum(timed), "hit_rate": d["hits"] / lookups if lookups else 1.0,
             "prefetch_hits": d["prefetch_hits"], "stall_ms_per_step": d["stall_ms"] / n,
             "miss_bytes_per_step": d["bytes"] / n, "misses_per_step": d["misses"] / n,
+            "ready_waits_per_step": d["ready_waits"] / n, "forced_unmaps": int(d["forced_unmaps"]),
             "executors": {x.value: int(d[f"steps_{x.value}"]) for x in Executor},
             "reasons": {k.value: v for k, v in eng.executors.reasons.items()},
             "phase_ms_per_step": {k[6:]: round(v / n, 3) for k, v in d.items() if k.startswith("phase_")},

@@ -5,7 +5,9 @@ evicting residents the `victim_order` policy ranks first, ranked once per list (
 in with `set_victim_order`; the default is least-recently-used; `ScanVictimOrder` is the scan rule), never an
 expert the current layer needs, never a pinned one. Hits, misses and the
 time spent waiting for missing experts (`stalls_ms`, the expert-miss stall) are counted; on a GPU the
-current stream is ordered after each load (RAW).
+current stream is ordered after the layer's loads (RAW: one wait per list, `ExpertSlotPool.wait_ready`).
+Victims are released, not unmapped (`ExpertSlotPool.release`): the engine thread never waits for the kernels
+still reading them; the loads that reuse their slots are ordered after those kernels on the device.
 
 Loads started ahead of need (`load_async`, e.g. a plan's prefetch, or `prefetch`, a piecewise step's
 layer-ahead window, which never evicts what `soon` names) are remembered, so `ensure` waits for such an
@@ -345,8 +347,9 @@ class OnDemandExperts:
             self._num_pinned -= 1
 
     def evict(self, layer: int, expert: int) -> None:
-        """Unmap a resident expert (after its readers finish) and forget its recency."""
-        self.pool.unmap(layer, expert)
+        """Give a resident expert's slot back and forget its recency. The slot is free at once; whatever writes it
+        next is ordered after its readers (the pool's I4), so this never waits for them."""
+        self.pool.release(layer, expert)
         self._lru.pop((layer, expert), None)
 
     @property

@@ -1,17 +1,14 @@
 """Expert slot pool: a stable virtual range per MoE layer, a fixed pool of physical slots (inference process).
 
 Each layer owns one virtual range holding every expert at `expert * stride_bytes`, so a grouped GEMM reads
-expert e at a fixed address whether or not it is resident. `num_slots` physical chunks (granularity
-aligned) are mapped to logical experts on demand. Loading is two-phase: `prepare_load` reserves a free
-slot (and maps it, unless `map_now=False`: then the copy's worker calls `map_reserved` just before the
-first byte moves, keeping the ~50 µs driver calls off the submitting thread), returns the destination
-view, the caller moves the bytes, and `complete_load(ok, event)` publishes them.
-
-With `slot_window=True` every physical slot is also mapped, for the pool's lifetime, at its own address in
-one extra range (the slot window). `prepare_load(..., via_window=True)` then returns the slot's window view:
-the copy can start at once and the expert's range is mapped (`map_reserved`) beside it (the loader does it in
-the copy link worker's waits); both must be done before `complete_load(ok=True)`. Kernels only ever read through
-expert ranges.
+expert e at a fixed address whether or not it is resident. `num_slots` physical chunks (granularity aligned) are
+mapped to logical experts on demand (runtime/memory/ranges.py). Loading is two-phase: `prepare_load` reserves a
+free slot (and maps it, unless `map_now=False`: then the copy's worker calls `map_reserved`, keeping the ~50 µs
+driver calls off the submitting thread), the caller moves the bytes, `complete_load(ok, event)` publishes them.
+With `slot_window=True` every slot is also mapped, for the pool's lifetime, at its own address in one extra range
+(the slot window): `prepare_load(..., via_window=True)` returns the slot's window view, so the copy starts at once
+and the expert's range is mapped beside it; both must be done before `complete_load(ok=True)`. Kernels only ever
+read through expert ranges.
 
 Invariants (each has a test in tests/runtime/test_slots.py):
   I1 stable address: `layer_tensor(l).data_ptr()` never changes between construction and close.
@@ -20,11 +17,15 @@ Invariants (each has a test in tests/runtime/test_slots.py):
      load's event, and reading a LOADING or absent expert through `expert_tensor` raises. A load may be
      published while its copy still runs (its event pending): work that reads experts without naming them
      (an all-resident layer, a CUDA-graph replay) calls `wait_published` first.
-  I4 WAR: a slot is unmapped (and so reused) only after every reader event recorded on it, its own load
-     copy, and the last pool-wide read fence (`record_read_all`: work that may read any slot) completed.
+  I4 WAR: a slot is written again only after every reader event recorded on it, its own load copy, and the
+     last pool-wide read fence (`record_read_all`: work that may read any slot) completed. `unmap` waits for
+     them on the host; `release` (the engine's evictions) returns at once and hands them on to the slot's next
+     load (`load_guards`: the loader orders its copy after them on the device; `prepare_load` waits for them)
+     and to the range, unmapped once they are done (`sweep_stale`) or before it is mapped again.
   I5 never stale: an ABSENT expert's range shows the poison byte (or faults, poison off), never another
-     expert's bytes. While LOADING, the reserved slot may still hold its previous expert's bytes (reads
-     are refused by I3); `scrub_on_unmap` poisons a slot's old contents before reuse so even that is gone.
+     expert's bytes, once its unmap ran (after `release`, reads are refused by I3 until then). While
+     LOADING, the reserved slot may still hold its previous expert's bytes (reads are refused by I3);
+     `scrub_on_unmap` poisons a slot's old contents before reuse so even that is gone.
   I6 recycled: free + bound slots == num_slots at every step; close() releases every backend object.
 
 Mechanism only: which expert to load or evict is the caller's decision (agent local policy).
@@ -41,9 +42,8 @@ import torch
 from runtime.device import Device, Event, completed_event
 from runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
 from runtime.memory.backend import SlotBackend
-from runtime.memory.slot_types import ExpertLayout, ExpertState, LayerLimits, _Entry
-
-POISON_BYTE = 0xFF  # NaN in bf16, fp16, fp32 and fp8-e4m3: a stale read shows up in any output
+from runtime.memory.ranges import POISON_BYTE, ExpertRanges
+from runtime.memory.slot_types import ExpertLayout, ExpertState, LayerLimits, ReadyOrder, _Entry
 
 
 class ExpertSlotPool:
@@ -61,34 +61,10 @@ class ExpertSlotPool:
         self._lock = threading.Lock()
         self._fence: Event | None = None  # last record_read_all: work that may read any slot
         self._unsettled: list[Event] = []  # events of published loads whose copy may still run
-        self._bases: list[int] = []
-        self._tensors: list[torch.Tensor] = []
-        self._slots: list[Any] = []
-        stride = self.layout.stride_bytes
-        try:
-            self._poison = backend.create_physical(stride)
-            backend.fill_physical(self._poison, POISON_BYTE)
-            for _ in range(num_layers):
-                base = backend.reserve(self.layout.layer_bytes)
-                self._bases.append(base)
-                for e in range(num_experts):
-                    backend.map(base + e * stride, stride, self._poison, read_only=True)
-                # Made while everything is mapped: torch may query the pointer's attributes.
-                self._tensors.append(backend.tensor(base, self.layout.layer_bytes))  # [E*stride]
-                if not poison_unmapped:
-                    for e in range(num_experts):
-                        backend.unmap(base + e * stride, stride)
-            for _ in range(num_slots):
-                self._slots.append(backend.create_physical(stride))
-            self._window: torch.Tensor | None = None
-            if slot_window:  # every slot at a fixed address too: copies need no remap first
-                base = backend.reserve(num_slots * stride)  # released with the rest by backend.close()
-                for i, phys in enumerate(self._slots):
-                    backend.map(base + i * stride, stride, phys)
-                self._window = backend.tensor(base, num_slots * stride)  # [num_slots * stride]
-        except Exception:
-            backend.close()
-            raise
+        # Every layer's range, the poison and slot chunks, and the slot window (runtime/memory/ranges.py).
+        self.ranges = ExpertRanges(backend, self.layout, num_slots, poison_unmapped, slot_window)
+        self._bases, self._tensors, self._slots = self.ranges.bases, self.ranges.tensors, self.ranges.slots
+        self._poison, self._window = self.ranges.poison_chunk, self.ranges.window
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._slot_owner: list[tuple[int, int] | None] = [None] * num_slots
         self._entries = [[_Entry() for _ in range(num_experts)] for _ in range(num_layers)]
@@ -96,14 +72,15 @@ class ExpertSlotPool:
         self._num_bound = [0] * num_layers  # experts holding a slot (LOADING too): what a layer limit bounds
         self.limits = LayerLimits(num_layers)  # the agent sets a plan's caps; every prepare_load(s) checks them
         self.remaps = 0
+        self._guards: dict[int, list[Event]] = {}  # released slot -> work that may still read its old expert
+        self._ready = ReadyOrder()
+        self.ready_waits = 0  # stream waits made by wait_ready (one per list of ordered loads, at most)
 
     # ---- queries ----------------------------------------------------------------------------------
     def _entry(self, layer: int, expert: int) -> _Entry:
         if not (0 <= layer < self.layout.num_layers and 0 <= expert < self.layout.num_experts):
-            raise ConfigError(
-                f"expert ({layer}, {expert}) out of range: layers 0..{self.layout.num_layers - 1}, "
-                f"experts 0..{self.layout.num_experts - 1}"
-            )
+            raise ConfigError(f"expert ({layer}, {expert}) out of range: layers 0..{self.layout.num_layers - 1}, "
+                              f"experts 0..{self.layout.num_experts - 1}")
         return self._entries[layer][expert]
 
     def layer_tensor(self, layer: int) -> torch.Tensor:
@@ -176,22 +153,19 @@ class ExpertSlotPool:
 
     def prepare_load(self, layer: int, expert: int, map_now: bool = True, via_window: bool = False) -> torch.Tensor:
         """Reserve a free slot for the expert (and map it unless map_now=False); returns the view to fill: the
-        expert's range, or with via_window=True the slot's window (needs slot_window=True)."""
-        if via_window and self._window is None:
-            raise ConfigError("prepare_load(via_window=True) needs a pool made with slot_window=True")
-        with self._lock:
-            en = self._entry(layer, expert)
-            if en.state is not ExpertState.ABSENT:
-                raise BusyError(f"prepare_load: expert ({layer}, {expert}) is {en.state.value}")
-            if not self._free:
-                raise CapacityError(f"prepare_load: all {self.num_slots} slots are bound; unmap an expert first")
-            self.limits.check(layer, self._num_bound[layer], 1)
-            slot = self._free[-1]
-            if map_now:
-                self._map_locked(layer, expert, slot)
-            self._bind_free_slot_locked(layer, expert, en, map_now)
+        expert's range, or with via_window=True the slot's window (needs slot_window=True). Waits for the work
+        still reading the slot's previous expert (I4): the caller writes the slot as soon as this returns."""
+        ((_t, off),) = self.prepare_loads(layer, [expert], via_window)
+        if map_now:
+            try:
+                self.map_reserved(layer, expert)
+            except BaseException:
+                self.complete_load(layer, expert, ok=False)
+                raise
+        for g in self.load_guards(layer, [expert])[0]:
+            g.synchronize()
         if via_window:
-            return self._window_view(slot)[: self.layout.expert_bytes]  # [expert_bytes]
+            return _t[off : off + self.layout.expert_bytes]  # [expert_bytes]
         return self._view(layer, expert)
 
     def prepare_loads(self, layer: int, experts: list[int], via_window: bool = False) -> list[tuple[torch.Tensor, int]]:
@@ -229,15 +203,10 @@ class ExpertSlotPool:
         slot = self._free.pop()
         self._slot_owner[slot] = (layer, expert)
         en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], mapped
+        en.guards = [g for g in self._guards.pop(slot, ()) if not g.query()]
         self._num_bound[layer] += 1
         self.remaps += 1
         return slot
-
-    def _window_view(self, slot: int) -> torch.Tensor:
-        """A slot's whole stride through the slot window: [stride_bytes]."""
-        assert self._window is not None
-        stride = self.layout.stride_bytes
-        return self._window[slot * stride : (slot + 1) * stride]
 
     def map_reserved(self, layer: int, expert: int) -> None:
         """Map the slot reserved by `prepare_load(map_now=False)`; any thread may call it (the copy worker)."""
@@ -246,23 +215,20 @@ class ExpertSlotPool:
             if en.state is not ExpertState.LOADING or en.mapped:
                 raise BusyError(f"map_reserved: expert ({layer}, {expert}) is {en.state.value}, mapped={en.mapped}")
             assert en.slot is not None
-            self._map_locked(layer, expert, en.slot)
+            self.ranges.map(layer, expert, self._slots[en.slot])
             en.mapped = True
 
-    def _map_locked(self, layer: int, expert: int, slot: int) -> None:
-        stride = self.layout.stride_bytes
-        va = self._bases[layer] + expert * stride
-        if self.poison_unmapped:
-            self.backend.unmap(va, stride)
-        try:
-            self.backend.map(va, stride, self._slots[slot])
-        except Exception:
-            if self.poison_unmapped:
-                self.backend.map(va, stride, self._poison, read_only=True)
-            raise
+    def load_guards(self, layer: int, experts: list[int]) -> list[list[Event]]:
+        """Per loading expert, the events of work still reading its slot's previous expert: its copy must be
+        ordered after them (I4; the loader orders its copy stream after them)."""
+        with self._lock:
+            return [list(self._entry(layer, e).guards or ()) for e in experts]
 
-    def complete_load(self, layer: int, expert: int, ok: bool, event: Event | None = None) -> None:
-        """Publish a loaded expert (ok) with the event its copy recorded, or give the slot back (not ok)."""
+    def complete_load(self, layer: int, expert: int, ok: bool, event: Event | None = None,
+                      order: tuple[object, int] | None = None) -> None:
+        """Publish a loaded expert (ok) with the event its copy recorded, or give the slot back (not ok).
+        order: (source, n) when the source's loads complete in the order of n (`wait_ready` then waits for the
+        last of a list only)."""
         with self._lock:
             en = self._entry(layer, expert)
             if en.state is not ExpertState.LOADING:
@@ -271,6 +237,7 @@ class ExpertSlotPool:
                 raise BusyError(f"complete_load: expert ({layer}, {expert}) was never mapped (map_reserved)")
             if ok:
                 en.state, en.load_event = ExpertState.RESIDENT, event or completed_event()
+                en.load_order, en.guards = (order if event is not None else None), None
                 self._num_resident[layer] += 1
                 if event is not None:  # kept while still copying (wait_published); done ones dropped here too
                     self._unsettled = [ev for ev in (*self._unsettled, event) if not ev.query()]
@@ -279,37 +246,42 @@ class ExpertSlotPool:
 
     def _release_locked(self, layer: int, expert: int, en: _Entry) -> None:
         stride = self.layout.stride_bytes
-        va = self._bases[layer] + expert * stride
         slot = en.slot
         assert slot is not None
         if en.state in (ExpertState.RESIDENT, ExpertState.EVICTING):
             self._num_resident[layer] -= 1
         if self.scrub_on_unmap and (en.mapped or self._window is not None):  # a window load may not be mapped yet
-            src = self._window_view(slot) if self._window is not None else \
-                self._tensors[layer][expert * stride : (expert + 1) * stride]
+            src = self._window[slot * stride : (slot + 1) * stride] if self._window is not None else \
+                self._tensors[layer][expert * stride : (expert + 1) * stride]  # [stride_bytes]
             src.fill_(POISON_BYTE)
             self.device.synchronize()
         if en.mapped:
-            self.backend.unmap(va, stride)
-            if self.poison_unmapped:
-                self.backend.map(va, stride, self._poison, read_only=True)
+            self.ranges.unmap(layer, expert)
+        self._free_slot_locked(layer, slot, en)
+
+    def _free_slot_locked(self, layer: int, slot: int, en: _Entry) -> None:
         self._slot_owner[slot] = None
         self._num_bound[layer] -= 1
         self._free.append(slot)
         en.state, en.slot, en.load_event, en.readers, en.mapped = ExpertState.ABSENT, None, None, None, False
+        en.load_order = en.guards = None
 
     # ---- readers ----------------------------------------------------------------------------------
     def wait_ready(self, layer: int, experts: Iterable[int], stream: Any = None) -> None:
-        """Order `stream` after the loads of `experts` (RAW); raises NotResidentError for any not resident."""
-        events = []
+        """Order `stream` after the loads of `experts` (RAW); raises NotResidentError for any not resident. Loads
+        numbered by their source (`complete_load(order=)`) cost one stream wait per list, none when the stream
+        already waited past them; the others one each."""
         with self._lock:
+            loads = []
             for e in experts:
                 en = self._entry(layer, e)
                 if en.state is not ExpertState.RESIDENT:
                     raise NotResidentError(f"wait_ready: expert ({layer}, {e}) is {en.state.value}")
-                events.append(en.load_event)
-        for ev in events:
-            self.device.stream_wait(ev, stream)
+                loads.append((en.load_event, en.load_order))
+            # Waited for under the lock: the books say the stream waited, so no other caller may skip it first.
+            for ev in self._ready.to_wait(self.device.stream_key(stream), loads):  # type: ignore[arg-type]
+                self.device.stream_wait(ev, stream)
+                self.ready_waits += 1
 
     def wait_published(self, stream: Any = None) -> None:
         """Order `stream` after every published load whose copy may still run (I3 for readers that name no
@@ -342,19 +314,49 @@ class ExpertSlotPool:
             self._fence = event
 
     # ---- eviction and pinning ---------------------------------------------------------------------
+    def _evictable_locked(self, layer: int, expert: int, what: str) -> tuple[_Entry, list[Event]]:
+        """The entry of a resident, unpinned expert and the events of the work that may still read its slot."""
+        en = self._entry(layer, expert)
+        if en.state is not ExpertState.RESIDENT:
+            err = BusyError if en.state in (ExpertState.LOADING, ExpertState.EVICTING) else NotResidentError
+            raise err(f"{what}: expert ({layer}, {expert}) is {en.state.value}")
+        if en.pinned:
+            raise PinnedError(f"{what}: expert ({layer}, {expert}) is pinned")
+        # The load's own copy counts as in flight too: a slot is never reused under a running copy.
+        pending = [*(en.readers or []), *([en.load_event] if en.load_event is not None else []),
+                   *([self._fence] if self._fence is not None else [])]
+        return en, [r for r in pending if not r.query()]
+
+    def release(self, layer: int, expert: int) -> None:
+        """Unbind a resident expert's slot at once, without waiting for the work reading it (I4 says who waits);
+        with scrub_on_unmap this is `unmap` (the scrub overwrites the slot: its readers must be done)."""
+        if self.scrub_on_unmap:
+            self.unmap(layer, expert)
+            return
+        with self._lock:
+            en, pending = self._evictable_locked(layer, expert, "release")
+            slot = en.slot
+            assert slot is not None
+            self._num_resident[layer] -= 1
+            if pending:
+                self._guards[slot] = pending
+            if en.mapped:
+                self.ranges.defer_unmap(layer, expert, pending)
+            self._free_slot_locked(layer, slot, en)
+
+    def sweep_stale(self, block: bool = False) -> int:
+        """Unmap the ranges `release` left mapped whose readers are done (block: all, after them); how many."""
+        with self._lock:
+            return self.ranges.sweep(block)
+
+    @property
+    def num_stale(self) -> int:  # ranges `release` left mapped that `sweep_stale` has not unmapped yet
+        return len(self.ranges)
+
     def unmap(self, layer: int, expert: int, wait: bool = True) -> None:
         """Unbind a resident expert's slot after its readers finish (I4). wait=False refuses if they have not."""
         with self._lock:
-            en = self._entry(layer, expert)
-            if en.state is not ExpertState.RESIDENT:
-                err = BusyError if en.state in (ExpertState.LOADING, ExpertState.EVICTING) else NotResidentError
-                raise err(f"unmap: expert ({layer}, {expert}) is {en.state.value}")
-            if en.pinned:
-                raise PinnedError(f"unmap: expert ({layer}, {expert}) is pinned")
-            # The load's own copy counts as in flight too: a slot is never unmapped under a running copy.
-            pending = [*(en.readers or []), *([en.load_event] if en.load_event is not None else []),
-                       *([self._fence] if self._fence is not None else [])]
-            readers = [r for r in pending if not r.query()]
+            en, readers = self._evictable_locked(layer, expert, "unmap")
             if readers and not wait:
                 raise BusyError(f"unmap: expert ({layer}, {expert}) has {len(readers)} reader(s) or copy in flight")
             en.state = ExpertState.EVICTING
@@ -388,6 +390,7 @@ class ExpertSlotPool:
 
     def close(self) -> None:
         """Wait for readers, then release every mapping, slot and reservation (I6)."""
+        self.sweep_stale(block=True)
         with self._lock:
             pending = [r for row in self._entries for en in row
                        for r in [*(en.readers or []), *([en.load_event] if en.load_event is not None else [])]]
