@@ -146,3 +146,41 @@ def test_wait_ready_waits_once_per_list_of_numbered_loads_and_never_again(env, m
     pool.wait_ready(0, [3])  # waited for on its own, each time
     pool.wait_ready(0, [0, 3])
     assert waited == [evs[3], evs[3]]
+
+
+def test_lru_victims_walked_from_the_oldest_end_match_a_full_ranking(dev: Device) -> None:
+    """The default LRU picks its victims by walking the recency books and stopping early; any other order ranks
+    every candidate. With an order that ranks like LRU but is not the default object, the same random requests
+    (experts loaded around the class and released around it included) leave the same experts resident."""
+    import random
+
+    from runtime.engine.experts import OnDemandExperts
+
+    rigs = []
+    for order in (None, lambda cands: list(cands)):
+        pinned = PinnedExpertStore(dev, SyntheticExpertSource(MIXED, 3, 6, seed=4))
+        pool = ExpertSlotPool(HostBackend(), dev, 3, 6, MIXED.num_bytes, 7, slot_window=True)
+        eng = TransferEngine(dev)
+        loader = ExpertLoadHandler(pool, eng, pinned)
+        rigs.append((pinned, pool, eng, loader, OnDemandExperts(pool, loader, victim_order=order)))
+    rng = random.Random(5)
+    try:
+        for step in range(60):
+            layer = rng.randrange(3)
+            want = sorted(rng.sample(range(5), rng.randint(1, 4)))
+            for _pinned, pool, _eng, loader, experts in rigs:
+                if step % 4 == 1:  # around the class: a release, then expert 5 loaded straight through the loader
+                    other = (layer + 1) % 3
+                    if pool.resident_experts(other):
+                        pool.release(other, pool.resident_experts(other)[0])
+                    if pool.num_free_slots and not pool.is_resident(other, 5):
+                        loader.load_many(other, [5])[0].wait(T)
+                experts.ensure(layer, want)
+            views = [{(la, e) for la in range(3) for e in pool.resident_experts(la)} for _p, pool, *_ in rigs]
+            assert views[0] == views[1], step
+    finally:
+        for pinned, pool, eng, loader, _experts in rigs:
+            loader.close()
+            eng.close()
+            pool.close()
+            pinned.close()
