@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from runtime.errors import CapacityError, ConfigError
-from runtime.future import OpFuture
+from runtime.future import OpFuture, wait_all
 from runtime.memory.slots import ExpertSlotPool, ExpertState
 from runtime.transfer import Priority
 from runtime.weights.loader import ExpertLoadHandler, StoreKind
@@ -210,8 +210,7 @@ class OnDemandExperts:
                 futs.append(loader.load(layer, e, self.store))
                 self._own_binds += 1
         t2 = time.perf_counter()
-        for f in futs:
-            f.wait()
+        wait_all(futs)  # the last first: one wake-up per list, not one per expert (each takes the worker's GIL)
         t3 = time.perf_counter()
         for phase, dt in (("evict", t1 - t0), ("submit", t2 - t1), ("published", t3 - t2)):
             self.phase_ms[phase] += dt * 1e3

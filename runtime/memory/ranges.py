@@ -11,6 +11,7 @@ its events, before it is mapped again. A stale range is never read: its expert i
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -61,7 +62,12 @@ class ExpertRanges:
             raise
         # The read-only chunk mapped under absent ranges, or None: absent ranges are unmapped.
         self.poison = self.poison_chunk if poison_unmapped else None
+        # Two locks, never the pool's: `_calls` around every driver call (a range is mapped or unmapped by one
+        # thread at a time), `_books` around the stale books alone, so `defer_unmap` (the engine thread) never
+        # waits behind a driver call on the link's worker. Order: `_calls`, then `_books`.
+        self._calls, self._books = threading.Lock(), threading.Lock()
         self._stale: dict[Key, list[Event]] = {}  # range -> events of the work that may still read it
+        self._unmapping: dict[Key, list[Event]] = {}  # taken by a sweep, its unmap not done yet
         self.num_deferred = 0  # ranges whose unmap was deferred (release)
         self.num_swept = 0  # deferred unmaps done by sweep
         self.num_forced = 0  # deferred unmaps done (after waiting for their events) because the range was remapped
@@ -69,27 +75,37 @@ class ExpertRanges:
     def _va(self, layer: int, expert: int) -> int:
         return self.bases[layer] + expert * self.stride_bytes
 
+    def _take_stale(self, key: Key) -> list[Event] | None:
+        with self._books:
+            stale = self._stale.pop(key, None)
+            return stale if stale is not None else self._unmapping.pop(key, None)
+
     def map(self, layer: int, expert: int, phys: object) -> None:
         """Map `phys` under the expert's range (a stale mapping of the range goes first, once its readers are done:
         rare, an expert asked for again right after its eviction)."""
         va, n = self._va(layer, expert), self.stride_bytes
-        stale = self._stale.pop((layer, expert), None)
-        if stale is not None:
-            for ev in stale:
-                ev.synchronize()
-            self.backend.unmap(va, n)
-            self.num_forced += 1
-        elif self.poison is not None:
-            self.backend.unmap(va, n)
-        try:
-            self.backend.map(va, n, phys)
-        except Exception:
-            if self.poison is not None:
-                self.backend.map(va, n, self.poison, read_only=True)
-            raise
+        with self._calls:
+            stale = self._take_stale((layer, expert))
+            if stale is not None:
+                for ev in stale:
+                    ev.synchronize()
+                self.backend.unmap(va, n)
+                self.num_forced += 1
+            elif self.poison is not None:
+                self.backend.unmap(va, n)
+            try:
+                self.backend.map(va, n, phys)
+            except Exception:
+                if self.poison is not None:
+                    self.backend.map(va, n, self.poison, read_only=True)
+                raise
 
     def unmap(self, layer: int, expert: int) -> None:
         """Unmap the expert's range now (its readers are done), poison behind it where the pool poisons."""
+        with self._calls:
+            self._unmap_calls(layer, expert)
+
+    def _unmap_calls(self, layer: int, expert: int) -> None:
         va, n = self._va(layer, expert), self.stride_bytes
         self.backend.unmap(va, n)
         if self.poison is not None:
@@ -97,22 +113,32 @@ class ExpertRanges:
 
     def defer_unmap(self, layer: int, expert: int, events: list[Event]) -> None:
         """The range stays mapped until `events` (the work that may read it) are done; `sweep` unmaps it then."""
-        self._stale[(layer, expert)] = events
-        self.num_deferred += 1
+        with self._books:
+            self._stale[(layer, expert)] = events
+            self.num_deferred += 1
 
     def sweep(self, block: bool = False) -> int:
         """Unmap every stale range whose events are done (block=True: all of them, waiting for their events);
         returns how many."""
-        done = [k for k, evs in self._stale.items() if block or all(ev.query() for ev in evs)]
+        with self._books:
+            done = [k for k, evs in self._stale.items() if block or all(ev.query() for ev in evs)]
+            for k in done:
+                self._unmapping[k] = self._stale.pop(k)
+        num = 0
         for k in done:
-            for ev in self._stale.pop(k):
-                ev.synchronize()  # block=True only: the others are done
-            self.unmap(*k)
-        self.num_swept += len(done)
-        return len(done)
-
-    def is_stale(self, layer: int, expert: int) -> bool:
-        return (layer, expert) in self._stale
+            with self._calls:
+                with self._books:
+                    events = self._unmapping.pop(k, None)
+                if events is None:  # mapped again meanwhile: `map` unmapped it first
+                    continue
+                for ev in events:
+                    ev.synchronize()  # block=True only: the others are done
+                self._unmap_calls(*k)
+                num += 1
+        with self._books:
+            self.num_swept += num
+        return num
 
     def __len__(self) -> int:
-        return len(self._stale)
+        with self._books:
+            return len(self._stale) + len(self._unmapping)

@@ -146,9 +146,8 @@ class ExpertSlotPool:
                 assert self._num_resident[l_] == n, "resident counter disagrees with the entries"
                 assert self._num_bound[l_] == sum(en.slot is not None for en in row), "bound counter disagrees"
 
-    # ---- two-phase load -----------------------------------------------------------------------------
     @property
-    def slot_window(self) -> bool:
+    def slot_window(self) -> bool:  # every slot also mapped at its own address (copies need no remap first)
         return self._window is not None
 
     def prepare_load(self, layer: int, expert: int, map_now: bool = True, via_window: bool = False) -> torch.Tensor:
@@ -209,26 +208,29 @@ class ExpertSlotPool:
         return slot
 
     def map_reserved(self, layer: int, expert: int) -> None:
-        """Map the slot reserved by `prepare_load(map_now=False)`; any thread may call it (the copy worker)."""
+        """Map the slot reserved by `prepare_load(map_now=False)`; any thread may call it (the copy worker). The
+        driver calls run outside the pool's lock: the engine thread's queries never wait behind them."""
         with self._lock:
             en = self._entry(layer, expert)
             if en.state is not ExpertState.LOADING or en.mapped:
                 raise BusyError(f"map_reserved: expert ({layer}, {expert}) is {en.state.value}, mapped={en.mapped}")
-            assert en.slot is not None
-            self.ranges.map(layer, expert, self._slots[en.slot])
-            en.mapped = True
+            slot, en.mapped = en.slot, True  # claimed now: a second call is refused (a LOADING entry is its loader's)
+        try:
+            self.ranges.map(layer, expert, self._slots[slot])
+        except BaseException:
+            with self._lock:
+                en.mapped = False
+            raise
 
     def load_guards(self, layer: int, experts: list[int]) -> list[list[Event]]:
-        """Per loading expert, the events of work still reading its slot's previous expert: its copy must be
-        ordered after them (I4; the loader orders its copy stream after them)."""
+        """Per loading expert, the events of work still reading its slot's previous expert: its copy follows (I4)."""
         with self._lock:
             return [list(self._entry(layer, e).guards or ()) for e in experts]
 
     def complete_load(self, layer: int, expert: int, ok: bool, event: Event | None = None,
                       order: tuple[object, int] | None = None) -> None:
-        """Publish a loaded expert (ok) with the event its copy recorded, or give the slot back (not ok).
-        order: (source, n) when the source's loads complete in the order of n (`wait_ready` then waits for the
-        last of a list only)."""
+        """Publish a loaded expert (ok) with the event its copy recorded, or give the slot back (not ok). order:
+        (source, n) when the source's loads complete in the order of n (`wait_ready` waits for a list's last)."""
         with self._lock:
             en = self._entry(layer, expert)
             if en.state is not ExpertState.LOADING:
@@ -245,8 +247,7 @@ class ExpertSlotPool:
             self._release_locked(layer, expert, en)
 
     def _release_locked(self, layer: int, expert: int, en: _Entry) -> None:
-        stride = self.layout.stride_bytes
-        slot = en.slot
+        stride, slot = self.layout.stride_bytes, en.slot
         assert slot is not None
         if en.state in (ExpertState.RESIDENT, ExpertState.EVICTING):
             self._num_resident[layer] -= 1
@@ -346,8 +347,7 @@ class ExpertSlotPool:
 
     def sweep_stale(self, block: bool = False) -> int:
         """Unmap the ranges `release` left mapped whose readers are done (block: all, after them); how many."""
-        with self._lock:
-            return self.ranges.sweep(block)
+        return self.ranges.sweep(block)
 
     @property
     def num_stale(self) -> int:  # ranges `release` left mapped that `sweep_stale` has not unmapped yet

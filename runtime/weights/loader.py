@@ -129,7 +129,8 @@ class ExpertLoadHandler:
         self._issued = itertools.count()  # numbers copies as the link's worker issues them
         self._sweep_queued = False  # a sweep of the pool's stale ranges waits among the link's idle jobs
         self._closed = False
-        self._stats = {"loads_ok": 0, "loads_failed": 0, "corrupt_detected": 0, "bytes": 0, "failed_after_publish": 0}
+        self._stats = {"loads_ok": 0, "loads_failed": 0, "corrupt_detected": 0, "bytes": 0, "failed_after_publish": 0,
+                       "guarded": 0}  # guarded: copies ordered after a reused slot's old readers
         self.last_error: BaseException | None = None
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -238,6 +239,7 @@ class ExpertLoadHandler:
         guards = self.pool.load_guards(layer, experts)
         segments = [(src_off, off, n) for src_off, off in zip(pinned.offsets(layer, experts), dst_offs, strict=True)]
         if any(guards):  # copies that must wait for a reused slot's readers go last: the rest need not wait
+            self._count("guarded", sum(map(bool, guards)))
             idx = sorted(range(len(loads)), key=lambda i: bool(guards[i]))
             loads, segments, guards = [loads[i] for i in idx], [segments[i] for i in idx], [guards[i] for i in idx]
         try:
