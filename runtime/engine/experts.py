@@ -210,17 +210,16 @@ class OnDemandExperts:
                 futs.append(loader.load(layer, e, self.store))
                 self._own_binds += 1
         t2 = time.perf_counter()
-        if not futs[-1].done():  # idle until the list publishes: unmap the victims' ranges meanwhile
-            self.pool.sweep_stale()
         wait_all(futs)  # the last first: one wake-up per list, not one per expert (each takes the worker's GIL)
         t3 = time.perf_counter()
         for phase, dt in (("evict", t1 - t0), ("submit", t2 - t1), ("published", t3 - t2)):
             self.phase_ms[phase] += dt * 1e3
 
     def _evict_for(self, layer: int, want: set[int], num: int, same_layer: bool = False) -> None:
-        """Evict `num` residents for `layer`'s list, ranked once for the whole list (bench/results/design_notes.md),
-        outside `soon` first; what that cannot cover goes through `_make_room` one at a time (it waits for loads in
-        flight).
+        """Evict `num` residents for `layer`'s list: candidates listed and ranked once for the whole list (a
+        per-victim ranking walks every resident each time, host time comparable to a small expert's copy:
+        bench/results/design_notes.md), outside `soon` first; what that cannot cover goes through `_make_room`
+        one at a time (it waits for loads in flight).
         same_layer: only `layer`'s own residents (the layer is at its limit)."""
         if num <= 0:
             return
