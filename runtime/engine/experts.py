@@ -76,9 +76,9 @@ class OnDemandExperts:
         self.misses = 0
         self.stalls_ms = 0.0  # wall time ensure() spent making room for and waiting on missing experts
         self.num_stalls = 0
-        # Where ensure's stalls go (host wall ms): evicting victims, submitting the list, waiting for its loads
-        # to publish, ordering the stream after the layer's loads.
-        self.phase_ms = dict.fromkeys(("evict", "submit", "published", "order"), 0.0)
+        # Host wall ms of ensure's parts (evicting victims, submitting the list, waiting for it to publish, ordering
+        # the stream after the layer's loads) and of recording the layer's reads (done_reading).
+        self.phase_ms = dict.fromkeys(("evict", "submit", "published", "order", "record"), 0.0)
         self.prefetched = 0  # loads started by prefetch (a piecewise step's layer-ahead window)
         self.prefetch_hits = 0  # experts ensure found loading or loaded ahead (counted in hits too)
         self._step_keys: set[Key] = set()  # experts the current forward asked for
@@ -104,8 +104,7 @@ class OnDemandExperts:
         num_pinned = sum(self.pool.is_pinned(layer, e) for e in self.pool.resident_experts(layer) if e not in asked)
         return max(1, min(self.capacity, limit - num_pinned))
 
-    def _layer_room(self, layer: int) -> int | None:
-        """Slots `layer` may still bind under its limit (None: no limit)."""
+    def _layer_room(self, layer: int) -> int | None:  # slots `layer` may still bind under its limit (None: no limit)
         limit = self.pool.limits.get(layer)
         return None if limit is None else max(0, limit - self.pool.num_bound(layer))
 
@@ -130,7 +129,9 @@ class OnDemandExperts:
 
     def done_reading(self, layer: int, experts: list[int]) -> None:
         """Record the compute stream's position as a reader of these slots (I4: unmap waits for it)."""
+        t0 = time.perf_counter()
         self.pool.record_read(layer, experts, self.pool.device.record_event())
+        self.phase_ms["record"] += (time.perf_counter() - t0) * 1e3
 
     def all_resident(self, layer: int) -> bool:
         """Every expert of `layer` holds a slot (e.g. a fully resident model): compute needs no `ensure`."""
@@ -146,8 +147,7 @@ class OnDemandExperts:
         """Plug a ranking in (the agent's local policy); None restores least-recently-used."""
         self.victim_order = fn or lru_victim_order
 
-    def set_chunk_order(self, fn: ChunkOrder | None) -> None:
-        """Plug a grouping of a layer's needed experts in (the agent's scan rule); None: consecutive runs."""
+    def set_chunk_order(self, fn: ChunkOrder | None) -> None:  # the agent's scan rule; None: consecutive runs
         self.chunk_order = fn
 
     # ---- what the engine calls --------------------------------------------------------------------

@@ -303,10 +303,9 @@ class ExpertSlotPool:
             for e, en in zip(experts, entries, strict=True):  # validate all first: a refusal records nothing
                 if en.state is not ExpertState.RESIDENT:
                     raise NotResidentError(f"record_read: expert ({layer}, {e}) is {en.state.value}")
-            for en in entries:
-                assert en.readers is not None
-                en.readers = [r for r in en.readers if not r.query()]
-                en.readers.append(event)
+            for en in entries:  # pruned when four pile up, not per read (each query is a driver call)
+                en.readers = [r for r in en.readers if not r.query()] if len(en.readers or ()) >= 4 else en.readers
+                en.readers.append(event)  # type: ignore[union-attr]
 
     def record_read_all(self, event: Event) -> None:
         """Work ending at `event` may read any resident expert (a decode step that skipped per-expert
@@ -323,6 +322,8 @@ class ExpertSlotPool:
             raise err(f"{what}: expert ({layer}, {expert}) is {en.state.value}")
         if en.pinned:
             raise PinnedError(f"{what}: expert ({layer}, {expert}) is pinned")
+        if self._fence is not None and self._fence.query():
+            self._fence = None  # done: not queried again for every eviction
         # The load's own copy counts as in flight too: a slot is never reused under a running copy.
         pending = [*(en.readers or []), *([en.load_event] if en.load_event is not None else []),
                    *([self._fence] if self._fence is not None else [])]
@@ -385,8 +386,7 @@ class ExpertSlotPool:
             en.pinned = False
 
     def is_pinned(self, layer: int, expert: int) -> bool:
-        with self._lock:
-            return self._entry(layer, expert).pinned
+        return self._entry(layer, expert).pinned  # one attribute read: no lock needed
 
     def close(self) -> None:
         """Wait for readers, then release every mapping, slot and reservation (I6)."""
