@@ -66,11 +66,12 @@ class ExpertRanges:
         # thread at a time), `_books` around the stale books alone, so `defer_unmap` (the engine thread) never
         # waits behind a driver call on the link's worker. Order: `_calls`, then `_books`.
         self._calls, self._books = threading.Lock(), threading.Lock()
-        self._stale: dict[Key, list[Event]] = {}  # range -> events of the work that may still read it
-        self._unmapping: dict[Key, list[Event]] = {}  # taken by a sweep, its unmap not done yet
+        self._stale: dict[Key, tuple[int, list[Event]]] = {}  # range -> (slot it maps, work that may still read it)
+        self._unmapping: dict[Key, tuple[int, list[Event]]] = {}  # taken by a sweep, its unmap not done yet
         self.num_deferred = 0  # ranges whose unmap was deferred (release)
         self.num_swept = 0  # deferred unmaps done by sweep
         self.num_forced = 0  # deferred unmaps done (after waiting for their events) because the range was remapped
+        self.num_kept = 0  # stale ranges claimed by a load into the slot they map (no driver call at all)
 
     def _va(self, layer: int, expert: int) -> int:
         return self.bases[layer] + expert * self.stride_bytes
@@ -78,7 +79,25 @@ class ExpertRanges:
     def _take_stale(self, key: Key) -> list[Event] | None:
         with self._books:
             stale = self._stale.pop(key, None)
-            return stale if stale is not None else self._unmapping.pop(key, None)
+            stale = stale if stale is not None else self._unmapping.pop(key, None)
+            return None if stale is None else stale[1]
+
+    def stale_slot(self, layer: int, expert: int) -> int | None:
+        """The slot a stale range still maps (None: the range is not stale)."""
+        with self._books:
+            got = self._stale.get((layer, expert))
+            return None if got is None else got[0]
+
+    def claim(self, layer: int, expert: int, slot: int) -> bool:
+        """A load of the expert into `slot` takes its stale mapping over (the range maps that slot already);
+        False if the range is no longer stale there (a sweep took it)."""
+        with self._books:
+            got = self._stale.get((layer, expert))
+            if got is None or got[0] != slot:
+                return False
+            del self._stale[(layer, expert)]
+            self.num_kept += 1
+            return True
 
     def map(self, layer: int, expert: int, phys: object) -> None:
         """Map `phys` under the expert's range (a stale mapping of the range goes first, once its readers are done:
@@ -111,27 +130,28 @@ class ExpertRanges:
         if self.poison is not None:
             self.backend.map(va, n, self.poison, read_only=True)
 
-    def defer_unmap(self, layer: int, expert: int, events: list[Event]) -> None:
-        """The range stays mapped until `events` (the work that may read it) are done; `sweep` unmaps it then."""
+    def defer_unmap(self, layer: int, expert: int, slot: int, events: list[Event]) -> None:
+        """The range (mapping `slot`) stays mapped until `events` (the work that may read it) are done and then
+        until `sweep` unmaps it, it is mapped again, or a load of the expert into `slot` claims it."""
         with self._books:
-            self._stale[(layer, expert)] = events
+            self._stale[(layer, expert)] = (slot, events)
             self.num_deferred += 1
 
     def sweep(self, block: bool = False) -> int:
         """Unmap every stale range whose events are done (block=True: all of them, waiting for their events);
         returns how many."""
         with self._books:
-            done = [k for k, evs in self._stale.items() if block or all(ev.query() for ev in evs)]
+            done = [k for k, (_s, evs) in self._stale.items() if block or all(ev.query() for ev in evs)]
             for k in done:
                 self._unmapping[k] = self._stale.pop(k)
         num = 0
         for k in done:
             with self._calls:
                 with self._books:
-                    events = self._unmapping.pop(k, None)
-                if events is None:  # mapped again meanwhile: `map` unmapped it first
+                    got = self._unmapping.pop(k, None)
+                if got is None:  # mapped again meanwhile: `map` unmapped it first
                     continue
-                for ev in events:
+                for ev in got[1]:
                     ev.synchronize()  # block=True only: the others are done
                 self._unmap_calls(*k)
                 num += 1

@@ -57,6 +57,22 @@ class _Entry:
     guards: list[Event] | None = None  # LOADING: work still reading the slot's previous expert (the copy follows it)
 
 
+def check_books(entries: list[list[_Entry]], free: list[int], slot_owner: list[tuple[int, int] | None],
+                num_resident: list[int], num_bound: list[int], num_slots: int) -> None:
+    """AssertionError if the pool's books break I2 or I6 (`ExpertSlotPool.check_invariants`, under its lock)."""
+    bound = [(l_, e) for l_, row in enumerate(entries) for e, en in enumerate(row) if en.slot is not None]
+    assert len(bound) + len(free) == num_slots, "I6: slots leaked or double-counted"
+    slots = [entries[l_][e].slot for l_, e in bound]
+    assert len(set(slots)) == len(slots), "I2: a slot backs two experts"
+    assert not set(slots) & set(free), "I2: a bound slot is also free"
+    for (l_, e), s in zip(bound, slots, strict=True):
+        assert slot_owner[s] == (l_, e), "I2: slot owner table disagrees"  # type: ignore[index]
+    for l_, row in enumerate(entries):
+        n = sum(en.state in (ExpertState.RESIDENT, ExpertState.EVICTING) for en in row)
+        assert num_resident[l_] == n, "resident counter disagrees with the entries"
+        assert num_bound[l_] == sum(en.slot is not None for en in row), "bound counter disagrees"
+
+
 class ReadyOrder:
     """Which loads a reader stream is already ordered after (the pool's `wait_ready`). The loads of one source (a
     loader's copies, issued on one link stream in the order it numbers them) complete in that order, so a stream

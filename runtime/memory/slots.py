@@ -21,11 +21,12 @@ Invariants (each has a test in tests/runtime/test_slots.py):
      last pool-wide read fence (`record_read_all`: work that may read any slot) completed. `unmap` waits for
      them on the host; `release` (the engine's evictions) returns at once and hands them on to the slot's next
      load (`load_guards`: the loader orders its copy after them on the device; `prepare_load` waits for them)
-     and to the range, unmapped once they are done (`sweep_stale`) or before it is mapped again.
+     and to the range, which stays mapped ("stale", runtime/memory/ranges.py) at least until they are done.
   I5 never stale: an ABSENT expert's range shows the poison byte (or faults, poison off), never another
-     expert's bytes, once its unmap ran (after `release`, reads are refused by I3 until then). While
-     LOADING, the reserved slot may still hold its previous expert's bytes (reads are refused by I3);
-     `scrub_on_unmap` poisons a slot's old contents before reuse so even that is gone.
+     expert's bytes, once it is unmapped. Poisoned pools unmap released ranges once their readers are done
+     (`sweep_stale`); with poison off a released range stays mapped until it is mapped again (before that it
+     is unmapped), so a reload into its old slot needs no driver call. Reads of absent or LOADING experts are
+     refused by I3 throughout; `scrub_on_unmap` poisons a slot's old contents before reuse.
   I6 recycled: free + bound slots == num_slots at every step; close() releases every backend object.
 
 Mechanism only: which expert to load or evict is the caller's decision (agent local policy).
@@ -43,7 +44,7 @@ from runtime.device import Device, Event, completed_event
 from runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
 from runtime.memory.backend import SlotBackend
 from runtime.memory.ranges import POISON_BYTE, ExpertRanges
-from runtime.memory.slot_types import ExpertLayout, ExpertState, LayerLimits, ReadyOrder, _Entry
+from runtime.memory.slot_types import ExpertLayout, ExpertState, LayerLimits, ReadyOrder, _Entry, check_books
 
 
 class ExpertSlotPool:
@@ -76,7 +77,6 @@ class ExpertSlotPool:
         self._ready = ReadyOrder()
         self.ready_waits = 0  # stream waits made by wait_ready (one per list of ordered loads, at most)
 
-    # ---- queries ----------------------------------------------------------------------------------
     def _entry(self, layer: int, expert: int) -> _Entry:
         if not (0 <= layer < self.layout.num_layers and 0 <= expert < self.layout.num_experts):
             raise ConfigError(f"expert ({layer}, {expert}) out of range: layers 0..{self.layout.num_layers - 1}, "
@@ -94,15 +94,13 @@ class ExpertSlotPool:
 
     def expert_tensor(self, layer: int, expert: int) -> torch.Tensor:
         """A checked view of a resident expert's bytes; raises NotResidentError otherwise (I3)."""
-        with self._lock:
-            st = self._entry(layer, expert).state
+        st = self._entry(layer, expert).state  # single attribute reads need no lock (here and below)
         if st is not ExpertState.RESIDENT:
             raise NotResidentError(f"expert ({layer}, {expert}) is {st.value}, not resident")
         return self._view(layer, expert)
 
     def state(self, layer: int, expert: int) -> ExpertState:
-        with self._lock:
-            return self._entry(layer, expert).state
+        return self._entry(layer, expert).state
 
     def is_resident(self, layer: int, expert: int) -> bool:
         return self.state(layer, expert) is ExpertState.RESIDENT
@@ -118,13 +116,11 @@ class ExpertSlotPool:
         return self._num_resident[layer]
 
     def slot_of(self, layer: int, expert: int) -> int | None:
-        with self._lock:
-            return self._entry(layer, expert).slot
+        return self._entry(layer, expert).slot
 
     @property
     def num_free_slots(self) -> int:
-        with self._lock:
-            return len(self._free)
+        return len(self._free)
 
     def num_bound(self, layer: int) -> int:
         """Slots the layer's experts hold: loading, resident or being evicted (its real footprint in slots)."""
@@ -134,17 +130,8 @@ class ExpertSlotPool:
     def check_invariants(self) -> None:
         """Raise AssertionError if I2 or I6 does not hold (cheap; tests and self-checks call it)."""
         with self._lock:
-            bound = [(l_, e) for l_, row in enumerate(self._entries) for e, en in enumerate(row) if en.slot is not None]
-            assert len(bound) + len(self._free) == self.num_slots, "I6: slots leaked or double-counted"
-            slots = [self._entries[l_][e].slot for l_, e in bound]
-            assert len(set(slots)) == len(slots), "I2: a slot backs two experts"
-            assert not set(slots) & set(self._free), "I2: a bound slot is also free"
-            for (l_, e), s in zip(bound, slots, strict=True):
-                assert self._slot_owner[s] == (l_, e), "I2: slot owner table disagrees"
-            for l_, row in enumerate(self._entries):
-                n = sum(en.state in (ExpertState.RESIDENT, ExpertState.EVICTING) for en in row)
-                assert self._num_resident[l_] == n, "resident counter disagrees with the entries"
-                assert self._num_bound[l_] == sum(en.slot is not None for en in row), "bound counter disagrees"
+            check_books(self._entries, self._free, self._slot_owner, self._num_resident, self._num_bound,
+                        self.num_slots)
 
     @property
     def slot_window(self) -> bool:  # every slot also mapped at its own address (copies need no remap first)
@@ -155,7 +142,7 @@ class ExpertSlotPool:
         expert's range, or with via_window=True the slot's window (needs slot_window=True). Waits for the work
         still reading the slot's previous expert (I4): the caller writes the slot as soon as this returns."""
         ((_t, off),) = self.prepare_loads(layer, [expert], via_window)
-        if map_now:
+        if map_now and not self.mapped(layer, [expert])[0]:
             try:
                 self.map_reserved(layer, expert)
             except BaseException:
@@ -190,22 +177,36 @@ class ExpertSlotPool:
                 raise CapacityError(f"prepare_loads: {len(experts)} experts need slots, {len(self._free)} of "
                                     f"{self.num_slots} are free; unmap experts first")
             self.limits.check(layer, self._num_bound[layer], len(experts))
-            slots = [self._bind_free_slot_locked(layer, e, row[e], False) for e in experts]
+            slots = self._pick_slots_locked(layer, experts)
+            for e, (slot, mapped) in zip(experts, slots, strict=True):
+                self._bind_slot_locked(layer, e, row[e], slot, mapped)
         stride = self.layout.stride_bytes
         if via_window:
             assert self._window is not None
-            return [(self._window, s * stride) for s in slots]
+            return [(self._window, s * stride) for s, _m in slots]
         return [(self._tensors[layer], e * stride) for e in experts]
 
-    def _bind_free_slot_locked(self, layer: int, expert: int, en: _Entry, mapped: bool) -> int:
-        """Take the last free slot for the expert, which becomes LOADING (the caller checked it may)."""
-        slot = self._free.pop()
+    def _pick_slots_locked(self, layer: int, experts: list[int]) -> list[tuple[int, bool]]:
+        """A free slot for each expert and whether its range maps it already: with poison off, a released expert
+        whose range still maps its old slot gets that slot back if free; the others take the last freed first."""
+        picked: dict[int, int] = {}
+        if self.ranges.poison is None and len(self.ranges):
+            free = set(self._free)
+            for e in experts:
+                s = self.ranges.stale_slot(layer, e)
+                if s is not None and s in free and s not in picked.values() and self.ranges.claim(layer, e, s):
+                    picked[e] = s
+        if taken := set(picked.values()):
+            self._free = [s for s in self._free if s not in taken]
+        return [(picked[e], True) if e in picked else (self._free.pop(), False) for e in experts]
+
+    def _bind_slot_locked(self, layer: int, expert: int, en: _Entry, slot: int, mapped: bool) -> None:
+        """Give the expert `slot` (taken off the free list), which becomes LOADING (the caller checked it may)."""
         self._slot_owner[slot] = (layer, expert)
         en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], mapped
         en.guards = [g for g in self._guards.pop(slot, ()) if not g.query()]
         self._num_bound[layer] += 1
         self.remaps += 1
-        return slot
 
     def map_reserved(self, layer: int, expert: int) -> None:
         """Map the slot reserved by `prepare_load(map_now=False)`; any thread may call it (the copy worker). The
@@ -222,10 +223,13 @@ class ExpertSlotPool:
                 en.mapped = False
             raise
 
+    def mapped(self, layer: int, experts: list[int]) -> list[bool]:
+        """Per loading expert, whether its range maps its slot already (kept from `release`: no map needed)."""
+        return [self._entry(layer, e).mapped for e in experts]
+
     def load_guards(self, layer: int, experts: list[int]) -> list[list[Event]]:
         """Per loading expert, the events of work still reading its slot's previous expert: its copy follows (I4)."""
-        with self._lock:
-            return [list(self._entry(layer, e).guards or ()) for e in experts]
+        return [list(self._entry(layer, e).guards or ()) for e in experts]
 
     def complete_load(self, layer: int, expert: int, ok: bool, event: Event | None = None,
                       order: tuple[object, int] | None = None) -> None:
@@ -267,7 +271,6 @@ class ExpertSlotPool:
         en.state, en.slot, en.load_event, en.readers, en.mapped = ExpertState.ABSENT, None, None, None, False
         en.load_order = en.guards = None
 
-    # ---- readers ----------------------------------------------------------------------------------
     def wait_ready(self, layer: int, experts: Iterable[int], stream: Any = None) -> None:
         """Order `stream` after the loads of `experts` (RAW); raises NotResidentError for any not resident. Loads
         numbered by their source (`complete_load(order=)`) cost one stream wait per list, none when the stream
@@ -287,9 +290,9 @@ class ExpertSlotPool:
     def wait_published(self, stream: Any = None) -> None:
         """Order `stream` after every published load whose copy may still run (I3 for readers that name no
         experts: an all-resident layer, a graph replay). Cheap when none is: one lock, an empty list."""
+        if not self._unsettled:  # read without the lock: a load published meanwhile is not this reader's
+            return
         with self._lock:
-            if not self._unsettled:
-                return
             pending = [ev for ev in self._unsettled if not ev.query()]
             self._unsettled = pending
         for ev in pending:
@@ -308,12 +311,10 @@ class ExpertSlotPool:
                 en.readers.append(event)  # type: ignore[union-attr]
 
     def record_read_all(self, event: Event) -> None:
-        """Work ending at `event` may read any resident expert (a decode step that skipped per-expert
-        bookkeeping because every expert was resident, or a CUDA-graph replay): every unmap waits for it."""
-        with self._lock:
-            self._fence = event
+        """Work ending at `event` may read any resident expert (a step that skipped per-expert bookkeeping, a graph
+        replay): no slot is reused before it ends."""
+        self._fence = event  # one attribute: no lock
 
-    # ---- eviction and pinning ---------------------------------------------------------------------
     def _evictable_locked(self, layer: int, expert: int, what: str) -> tuple[_Entry, list[Event]]:
         """The entry of a resident, unpinned expert and the events of the work that may still read its slot."""
         en = self._entry(layer, expert)
@@ -340,10 +341,9 @@ class ExpertSlotPool:
             slot = en.slot
             assert slot is not None
             self._num_resident[layer] -= 1
-            if pending:
-                self._guards[slot] = pending
+            self._guards[slot] = pending
             if en.mapped:
-                self.ranges.defer_unmap(layer, expert, pending)
+                self.ranges.defer_unmap(layer, expert, slot, pending)
             self._free_slot_locked(layer, slot, en)
 
     def sweep_stale(self, block: bool = False) -> int:

@@ -1,25 +1,24 @@
 """Expert loads into the slot pool through the transfer engine (inference process).
 
-pinned store -> slot: one host->device transfer. NVMe store -> slot: disk->host into a pinned staging
-buffer, checksum verified there, then host->device. The slot is bound first (`prepare_load`), so a
-refusal (no free slot, expert busy) raises before any byte moves; any later failure gives the slot back
-(`complete_load(ok=False)`), is counted, and re-raises from `wait()`. Never picks what to load.
+pinned store -> slot: one host->device transfer. NVMe store -> slot: disk->host into a pinned staging buffer,
+checksum verified there, then host->device. The slot is bound first (`prepare_load`), so a refusal (no free slot,
+expert busy) raises before any byte moves; any later failure gives the slot back (`complete_load(ok=False)`), is
+counted, and re-raises from `wait()`. Never picks what to load.
 
 When the host->device link's worker maps the expert's range (`map_in`):
-  "beside_copy" (the default): the copy writes through the slot's window (a pool made with `slot_window=True`)
-    and starts at once; the worker maps the expert's range beside it, as an idle job
-    (`TransferEngine.submit_idle`) in its waits for the copies, in (priority, deadline, arrival) order. A remap
-    costs host time comparable to a copy's link time, so mapping before the copy leaves the link idle between
-    copies, and a thread of its own would contend for the GIL (bench/results/design_notes.md).
+  "beside_copy" (the default): the copy writes through the slot's window (a pool made with `slot_window=True`) and
+    starts at once; the worker maps the expert's range beside it, as an idle job (`TransferEngine.submit_idle`) in
+    its waits for the copies, in (priority, deadline, arrival) order: a remap costs host time comparable to a
+    copy's link time (bench/results/design_notes.md). A range the pool kept mapped to its slot needs no map.
   "before_copy": the worker maps the range right before issuing the copy, which then writes through the range.
 When a load is published (`publish`):
   "done": once its copy is done (and its range mapped): then any reader may use it.
   "issued": once its copy is issued (and its range mapped), with the copy's event: readers order their stream
     with `ExpertSlotPool.wait_ready`, which the engine always does; the host never waits for the bytes.
-Copies are numbered as issued (a loader's copies all go on the host->device link's bulk stream, in that order:
-expert chunks never take the urgent stream), so `wait_ready` orders a reader once per list. A slot released while
-work still read its old expert (`ExpertSlotPool.release`) is copied into only after that work (its `load_guards`
-order the link's stream; such segments go last), and the pool's stale ranges are unmapped on the link's worker.
+Copies are numbered as issued (all on the host->device link's bulk stream, in that order: expert chunks never take
+the urgent stream), so `wait_ready` orders a reader once per list. A slot released while work still read its old
+expert (`ExpertSlotPool.release`) is copied into only after that work (its `load_guards` order the link's stream;
+such segments go last); poisoned pools' released ranges are swept on the link's worker.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ class _Load:
     settled (staging freed, no longer in flight) once its copy has ended."""
 
     __slots__ = ("concluded", "copy_open", "copy_signaled", "error", "event", "expert", "fut", "layer", "lock",
-                 "order", "parts_left", "settled", "staging")
+                 "order", "parts_left", "premapped", "settled", "staging")
 
     def __init__(self, layer: int, expert: int, fut: OpFuture, parts: int) -> None:
         self.layer, self.expert, self.fut = layer, expert, fut
@@ -81,6 +80,7 @@ class _Load:
         self.error: BaseException | None = None
         self.event: Any = None  # the copy's event once issued (None on a CPU)
         self.order: int | None = None  # the copy's place in the loader's issue order (with its event)
+        self.premapped = False  # the range maps the slot already (the pool kept a released expert's mapping)
         self.concluded = self.settled = False
 
 
@@ -110,9 +110,8 @@ class ExpertLoadHandler:
             raise ConfigError("ExpertLoadHandler needs a pinned store, an NVMe store, or both")
         for store in (pinned, nvme):
             if store is not None and store.format.num_bytes != pool.layout.expert_bytes:
-                raise ConfigError(
-                    f"store expert_bytes {store.format.num_bytes} != pool expert_bytes {pool.layout.expert_bytes}"
-                )
+                raise ConfigError(f"store expert_bytes {store.format.num_bytes} != pool expert_bytes "
+                                  f"{pool.layout.expert_bytes}")
         self.pool, self.engine, self.pinned, self.nvme = pool, engine, pinned, nvme
         # NVMe reads stage through host buffers: from `staging` when given (a pool shared with the KV handler,
         # closed by its owner), else from `num_staging` record-sized buffers of the loader's own.
@@ -129,8 +128,8 @@ class ExpertLoadHandler:
         self._issued = itertools.count()  # numbers copies as the link's worker issues them
         self._sweep_queued = False  # a sweep of the pool's stale ranges waits among the link's idle jobs
         self._closed = False
-        self._stats = {"loads_ok": 0, "loads_failed": 0, "corrupt_detected": 0, "bytes": 0, "failed_after_publish": 0,
-                       "guarded": 0}  # guarded: copies ordered after a reused slot's old readers
+        self._stats = dict.fromkeys(("loads_ok", "loads_failed", "corrupt_detected", "bytes", "failed_after_publish",
+                                     "guarded"), 0)  # guarded: copies ordered after a reused slot's old readers
         self.last_error: BaseException | None = None
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -138,12 +137,10 @@ class ExpertLoadHandler:
             self._stats[key] += n
 
     def stats(self) -> dict[str, int]:
-        """Loads ok / failed, NVMe corruptions caught, bytes loaded, and copies that failed after their expert was
-        published (publish="issued"; a CUDA error)."""
+        """Loads ok / failed, NVMe corruptions caught, bytes, copies failed after publishing (a CUDA error)."""
         with self._cv:
             return dict(self._stats)
 
-    # ---- starting loads ---------------------------------------------------------------------------------
     def _begin(self, layer: int, experts: list[int], store: StoreKind) -> tuple[list[_Load], Any, list[int]]:
         """Reserve slots for all of `experts` or none (refusals raise, nothing moves); the loads, the range the
         copies write (the layer's range or the slot window) and each one's byte offset in it."""
@@ -155,6 +152,8 @@ class ExpertLoadHandler:
             self._inflight += len(experts)
         src, parts = store.value, 1 + windowed
         loads = [_Load(layer, e, OpFuture(f"load of expert ({layer}, {e}) from {src}"), parts) for e in experts]
+        for ld, mapped in zip(loads, self.pool.mapped(layer, experts), strict=True):
+            ld.premapped = mapped
         return loads, dsts[0][0], [off for _t, off in dsts]
 
     def _abandon(self, loads: list[_Load]) -> None:
@@ -174,7 +173,7 @@ class ExpertLoadHandler:
             Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s, segments=segments,
             segment_after=guards if any(guards) else None,
             before_segment=None if self.map_in != "before_copy" else
-            (lambda i: pool.map_reserved(loads[i].layer, loads[i].expert)),
+            (lambda i: None if loads[i].premapped else pool.map_reserved(loads[i].layer, loads[i].expert)),
             on_segment_issued=lambda i, ev: self._step(loads[i], copy_issued=True, event=ev),
             on_segment_done=lambda i, error: self._step(loads[i], copy_end=True, error=error))
 
@@ -252,7 +251,6 @@ class ExpertLoadHandler:
         self._queue_sweep()
         return futs
 
-    # ---- completing loads -------------------------------------------------------------------------------
     def _step(self, ld: _Load, *, copy_issued: bool = False, copy_end: bool = False, map_end: bool = False,
               error: BaseException | None = None, event: Any = None) -> None:
         """A part of a load ended (on the link's worker or retire thread): publish it once every
@@ -335,9 +333,14 @@ class ExpertLoadHandler:
     def _start_maps(self, loads: list[_Load], priority: Priority, deadline_s: float | None, i: int = 0) -> None:
         """map_in="beside_copy": map the expert ranges beside their copies, as idle jobs of the host->device worker: one
         job maps loads[i]'s range and queues the next, so a list costs one queued job at a time and a more urgent
-        list's maps still go first."""
+        list's maps still go first. Ranges that map their slot already need none."""
         if self.map_in == "before_copy":
             return
+        if i == 0 and any(ld.premapped for ld in loads):
+            for ld in (ld for ld in loads if ld.premapped):
+                self._step(ld, map_end=True)
+            if not (loads := [ld for ld in loads if not ld.premapped]):
+                return
 
         def job() -> None:
             ld = loads[i]
@@ -364,7 +367,7 @@ class ExpertLoadHandler:
     def _queue_sweep(self) -> None:
         """`sweep_stale` as an idle job of the link's worker at the lowest priority (after the maps queued before),
         one queued at a time; what it leaves (readers still running) a later one unmaps, or the pool's close."""
-        if not self.pool.num_stale:
+        if not (self.pool.poison_unmapped and self.pool.num_stale):
             return
         with self._cv:
             if self._sweep_queued:
@@ -383,8 +386,7 @@ class ExpertLoadHandler:
                 self._sweep_queued = False
 
     def _give_staging(self, buf: StagingLease) -> None:
-        assert self._staging is not None  # there is an NVMe store
-        self._staging.give(buf)
+        self._staging.give(buf)  # type: ignore[union-attr]  # there is an NVMe store
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Refuse new loads, wait for those in flight (the transfer engine must still run, and runs their map
@@ -392,8 +394,7 @@ class ExpertLoadHandler:
         with self._cv:
             self._closed = True
             if not self._cv.wait_for(lambda: self._inflight == 0, timeout_s):
-                raise TimeoutError(f"expert loader close: {self._inflight} load(s) still in flight "
-                                   f"after {timeout_s} s")
+                raise TimeoutError(f"expert loader close: {self._inflight} load(s) still in flight after {timeout_s} s")
         if self._own_staging and self._staging is not None:
             self._staging.close()
         self._staging = None

@@ -151,7 +151,8 @@ def test_wait_ready_waits_once_per_list_of_numbered_loads_and_never_again(env, m
 def test_lru_victims_walked_from_the_oldest_end_match_a_full_ranking(dev: Device) -> None:
     """The default LRU picks its victims by walking the recency books and stopping early; any other order ranks
     every candidate. With an order that ranks like LRU but is not the default object, the same random requests
-    (experts loaded around the class and released around it included) leave the same experts resident."""
+    (experts loaded around the class and released around it included) leave the same experts resident, each
+    reading its own bytes, also where a reload took the slot its released range still mapped (no remap)."""
     import random
 
     from runtime.engine.experts import OnDemandExperts
@@ -178,6 +179,12 @@ def test_lru_victims_walked_from_the_oldest_end_match_a_full_ranking(dev: Device
                 experts.ensure(layer, want)
             views = [{(la, e) for la in range(3) for e in pool.resident_experts(la)} for _p, pool, *_ in rigs]
             assert views[0] == views[1], step
+            for pinned, pool, *_ in rigs:  # every resident expert reads its own bytes through its range
+                for la, e in views[0]:
+                    pool.wait_ready(la, [e])
+                    assert checksum(pool.expert_tensor(la, e)) == pinned.checksum(la, e), (step, la, e)
+        kept = [pool.ranges.num_kept for _p, pool, *_ in rigs]
+        assert min(kept) > 0, kept  # reloads into the slot a released range still mapped took no map
     finally:
         for pinned, pool, eng, loader, _experts in rigs:
             loader.close()
