@@ -97,7 +97,8 @@ def _counters(eng: ReferenceEngine) -> dict[str, float]:
     loads = eng.loader.stats() if eng.loader is not None else {"bytes": 0}
     return {"hits": e.hits, "misses": e.misses, "prefetch_hits": e.prefetch_hits, "stall_ms": e.stalls_ms,
             "bytes": loads["bytes"], "ready_waits": eng.pool.ready_waits, "guarded": loads.get("guarded", 0),
-            "forced_unmaps": eng.pool.ranges.num_forced, "kept_maps": eng.pool.ranges.num_kept, **{f"steps_{x.value}": ex.steps[x] for x in Executor},
+            "forced_unmaps": eng.pool.ranges.num_forced, "kept_maps": eng.pool.ranges.num_kept,
+            **{f"steps_{x.value}": ex.steps[x] for x in Executor},
             **{f"phase_{k}": v for k, v in e.phase_ms.items()}}
 
 
