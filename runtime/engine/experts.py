@@ -239,6 +239,7 @@ class OnDemandExperts:
             self.last_union = len(self._step_keys)
         self._step_keys = set()
         self.soon = frozenset()
+        self.pool.ranges.epoch += 1  # ranges released two steps ago are swept, the last step's kept for reloads
 
     def prefetch(self, layer: int, experts: list[int]) -> int:
         """Start loading the absent ones of `experts` as one list into free slots or in place of victims outside

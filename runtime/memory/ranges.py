@@ -66,8 +66,10 @@ class ExpertRanges:
         # thread at a time), `_books` around the stale books alone, so `defer_unmap` (the engine thread) never
         # waits behind a driver call on the link's worker. Order: `_calls`, then `_books`.
         self._calls, self._books = threading.Lock(), threading.Lock()
-        self._stale: dict[Key, tuple[int, list[Event]]] = {}  # range -> (slot it maps, work that may still read it)
-        self._unmapping: dict[Key, tuple[int, list[Event]]] = {}  # taken by a sweep, its unmap not done yet
+        # range -> (slot it maps, work that may still read it, epoch of its release)
+        self._stale: dict[Key, tuple[int, list[Event], int]] = {}
+        self._unmapping: dict[Key, tuple[int, list[Event], int]] = {}  # taken by a sweep, its unmap not done yet
+        self.epoch = 0  # the caller's clock for `sweep(older_than=)` (the engine counts decode steps)
         self.num_deferred = 0  # ranges whose unmap was deferred (release)
         self.num_swept = 0  # deferred unmaps done by sweep
         self.num_forced = 0  # deferred unmaps done (after waiting for their events) because the range was remapped
@@ -134,14 +136,15 @@ class ExpertRanges:
         """The range (mapping `slot`) stays mapped until `events` (the work that may read it) are done and then
         until `sweep` unmaps it, it is mapped again, or a load of the expert into `slot` claims it."""
         with self._books:
-            self._stale[(layer, expert)] = (slot, events)
+            self._stale[(layer, expert)] = (slot, events, self.epoch)
             self.num_deferred += 1
 
-    def sweep(self, block: bool = False) -> int:
-        """Unmap every stale range whose events are done (block=True: all of them, waiting for their events);
-        returns how many."""
+    def sweep(self, block: bool = False, older_than: int | None = None) -> int:
+        """Unmap every stale range whose events are done (block=True: all of them, waiting for their events), or
+        only those released before epoch `older_than`; returns how many."""
         with self._books:
-            done = [k for k, (_s, evs) in self._stale.items() if block or all(ev.query() for ev in evs)]
+            done = [k for k, (_s, evs, ep) in self._stale.items() if (older_than is None or ep < older_than)
+                    and (block or all(ev.query() for ev in evs))]
             for k in done:
                 self._unmapping[k] = self._stale.pop(k)
         num = 0

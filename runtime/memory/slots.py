@@ -62,8 +62,7 @@ class ExpertSlotPool:
         self._lock = threading.Lock()
         self._fence: Event | None = None  # last record_read_all: work that may read any slot
         self._unsettled: list[Event] = []  # events of published loads whose copy may still run
-        # Every layer's range, the poison and slot chunks, and the slot window (runtime/memory/ranges.py).
-        self.ranges = ExpertRanges(backend, self.layout, num_slots, poison_unmapped, slot_window)
+        self.ranges = ExpertRanges(backend, self.layout, num_slots, poison_unmapped, slot_window)  # chunks, mappings
         self._bases, self._tensors, self._slots = self.ranges.bases, self.ranges.tensors, self.ranges.slots
         self._poison, self._window = self.ranges.poison_chunk, self.ranges.window
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -347,11 +346,12 @@ class ExpertSlotPool:
             self._free_slot_locked(layer, slot, en)
 
     def sweep_stale(self, block: bool = False) -> int:
-        """Unmap the ranges `release` left mapped whose readers are done (block: all, after them); how many."""
-        return self.ranges.sweep(block)
+        """Unmap the ranges `release` left mapped whose readers are done (block: all, after them); how many. With
+        poison off, those released in this or the last epoch (`ranges.epoch`) stay, for a reload to keep."""
+        return self.ranges.sweep(block, None if block or self.poison_unmapped else self.ranges.epoch - 1)
 
     @property
-    def num_stale(self) -> int:  # ranges `release` left mapped that `sweep_stale` has not unmapped yet
+    def num_stale(self) -> int:  # ranges `release` left mapped, not unmapped yet
         return len(self.ranges)
 
     def unmap(self, layer: int, expert: int, wait: bool = True) -> None:

@@ -18,7 +18,7 @@ When a load is published (`publish`):
 Copies are numbered as issued (all on the host->device link's bulk stream, in that order: expert chunks never take
 the urgent stream), so `wait_ready` orders a reader once per list. A slot released while work still read its old
 expert (`ExpertSlotPool.release`) is copied into only after that work (its `load_guards` order the link's stream;
-such segments go last); poisoned pools' released ranges are swept on the link's worker.
+such segments go last), and the pool's stale ranges are swept on the link's worker (`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -367,7 +367,7 @@ class ExpertLoadHandler:
     def _queue_sweep(self) -> None:
         """`sweep_stale` as an idle job of the link's worker at the lowest priority (after the maps queued before),
         one queued at a time; what it leaves (readers still running) a later one unmaps, or the pool's close."""
-        if not (self.pool.poison_unmapped and self.pool.num_stale):
+        if not self.pool.num_stale:
             return
         with self._cv:
             if self._sweep_queued:
