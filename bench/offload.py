@@ -96,7 +96,9 @@ def _counters(eng: ReferenceEngine) -> dict[str, float]:
     e, ex = eng.experts, eng.executors
     loads = eng.loader.stats() if eng.loader is not None else {"bytes": 0}
     return {"hits": e.hits, "misses": e.misses, "prefetch_hits": e.prefetch_hits, "stall_ms": e.stalls_ms,
-            "bytes": loads["bytes"], **{f"steps_{x.value}": ex.steps[x] for x in Executor},
+            "bytes": loads["bytes"], "ready_waits": eng.pool.ready_waits, "guarded": loads.get("guarded", 0),
+            "forced_unmaps": eng.pool.ranges.num_forced, "kept_maps": eng.pool.ranges.num_kept,
+            **{f"steps_{x.value}": ex.steps[x] for x in Executor},
             **{f"phase_{k}": v for k, v in e.phase_ms.items()}}
 
 
@@ -128,6 +130,9 @@ def _decode(eng: ReferenceEngine, batch: int, sizes: Sizes, seq0: int) -> dict[s
             "tok_s": batch * n / sum(timed), "hit_rate": d["hits"] / lookups if lookups else 1.0,
             "prefetch_hits": d["prefetch_hits"], "stall_ms_per_step": d["stall_ms"] / n,
             "miss_bytes_per_step": d["bytes"] / n, "misses_per_step": d["misses"] / n,
+            "ready_waits_per_step": d["ready_waits"] / n, "forced_unmaps": int(d["forced_unmaps"]),
+            "kept_maps_per_step": d["kept_maps"] / n,
+            "guarded_loads_per_step": d["guarded"] / n,
             "executors": {x.value: int(d[f"steps_{x.value}"]) for x in Executor},
             "reasons": {k.value: v for k, v in eng.executors.reasons.items()},
             "phase_ms_per_step": {k[6:]: round(v / n, 3) for k, v in d.items() if k.startswith("phase_")},
@@ -191,6 +196,8 @@ def run_model(name: str, layers: int, dev: Device, sizes: Sizes, bw_gb_s: float,
                     rows.append(r)
                     say(f"{spec.name} F={frac} B={b} {victims} lookahead={lookahead}: {r['step_ms']:.2f} ms/step "
                         f"hit={r['hit_rate']:.3f} executors={r['executors']} phases={r['phase_ms_per_step']} "
+                        f"ready_waits={r['ready_waits_per_step']:.1f} guarded={r['guarded_loads_per_step']:.1f} "
+                        f"kept={r['kept_maps_per_step']:.1f} misses={r['misses_per_step']:.1f} "
                         f"reasons(total)={r['reasons']} "
                         f"capture_error={r['capture_error']}")
                 if frac >= 1.0:  # the same graphs' decode with live routing (forced vs unforced)

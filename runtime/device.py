@@ -148,6 +148,13 @@ class Device:
         ev.record(stream if stream is not None else torch.cuda.current_stream(self.torch_device))
         return ev
 
+    def stream_key(self, stream: Any = None) -> object:
+        """A hashable name of `stream` (None: the current one), for books kept per stream; None on the CPU twin
+        (its waits block the host, which then is the one stream)."""
+        if not self.is_cuda:
+            return None
+        return (stream if stream is not None else torch.cuda.current_stream(self.torch_device)).cuda_stream
+
     def stream_wait(self, event: Event, stream: Any = None) -> None:
         """Order `stream` after `event` without blocking the host (CUDA); block the host on the CPU twin."""
         if self.is_cuda and isinstance(event, torch.cuda.Event):

@@ -166,9 +166,13 @@ class TransferEngine:
                 raise ConfigError(f"submit_many: request {i} is on {req.link.value}, request 0 on {link.value}; "
                                   "one link per call")
             if link in (Link.DISK2H, Link.H2DISK) and (req.before_issue is not None or req.before_segment is not None
-                                                       or req.on_segment_issued is not None):
-                raise ConfigError("before_issue, before_segment and on_segment_issued are only ordered on memory "
-                                  "links (disk links run parallel workers)")
+                                                       or req.on_segment_issued is not None
+                                                       or req.segment_after is not None):
+                raise ConfigError("before_issue, before_segment, on_segment_issued and segment_after are only "
+                                  "ordered on memory links (disk links run parallel workers)")
+            if req.segment_after is not None and len(req.segment_after) != len(req.segments or [None]):
+                raise ConfigError(f"submit_many: request {i} has {len(req.segment_after)} segment_after lists for "
+                                  f"{len(req.segments or [None])} segment(s)")
             all_segs.append(self._validate(req, checked))
         now = self.clock()
         handles, queued = [], []

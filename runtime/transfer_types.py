@@ -68,6 +68,9 @@ class TransferRequest:
     segments: list[tuple[int, int, int]] | None = None  # (src_offset_bytes, dst_offset_bytes, num_bytes) each
     # Memory links only, on the link's worker: right before segment i's first chunk is issued (e.g. a slot map).
     before_segment: Callable[[int], None] | None = None
+    # Memory links only: events segment i's copy must follow (work still reading the bytes it overwrites, e.g. a
+    # reused slot's old expert): the link's stream is ordered after them (on a CPU the worker waits) before it.
+    segment_after: list[list[Event]] | None = None
     # Memory links only, on the link's worker: segment i's last chunk is issued; its event (None on a CPU) orders
     # a stream after all of segment i's bytes.
     on_segment_issued: Callable[[int, Event | None], None] | None = None

@@ -123,6 +123,9 @@ class LinkWorker:
                 self.device.stream_wait(req.after, stream)
             if ch.first and req.before_segment is not None:  # after the transfer's own prologue, whatever it does
                 self._segment_hook(ch)
+            if ch.first and req.segment_after is not None:
+                for ev in req.segment_after[ch.seg]:
+                    self.device.stream_wait(ev, stream)
             ev = self.device.copy_range(req.dst, ch.dst_offset_bytes, req.src, ch.src_offset_bytes, ch.length_bytes,
                                         stream, stream_is_current=not urgent)  # _run made the bulk stream current
             return ev if self.device.is_cuda else None

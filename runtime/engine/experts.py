@@ -1,21 +1,22 @@
 """On-demand expert residency for the reference engine (inference process).
 
 `ensure(layer, experts)` loads every missing expert through the expert loader as one list (`load_many`),
-evicting residents the `victim_order` policy ranks first, ranked once per list (the agent plugs its policy
-in with `set_victim_order`; the default is least-recently-used; `ScanVictimOrder` is the scan rule), never an
-expert the current layer needs, never a pinned one. Hits, misses and the
-time spent waiting for missing experts (`stalls_ms`, the expert-miss stall) are counted; on a GPU the
-current stream is ordered after each load (RAW).
+evicting residents the `victim_order` policy ranks first, ranked once per list (the agent plugs its policy in
+with `set_victim_order`; the default is least-recently-used; `ScanVictimOrder` is the scan rule), never an
+expert the current layer needs, never a pinned one. Hits, misses and the time spent waiting for missing experts
+(`stalls_ms`, the expert-miss stall) are counted; on a GPU the current stream is ordered after the layer's
+loads (RAW: one wait per list, `ExpertSlotPool.wait_ready`).
+Victims are released, not unmapped (`ExpertSlotPool.release`): the engine thread never waits for the kernels
+still reading them; the loads that reuse their slots are ordered after those kernels on the device.
 
 Loads started ahead of need (`load_async`, e.g. a plan's prefetch, or `prefetch`, a piecewise step's
 layer-ahead window, which never evicts what `soon` names) are remembered, so `ensure` waits for such an
-expert instead of loading it twice; `evict` keeps the recency books in step with the pool, and
-`pin`/`unpin` keep `capacity` (how many experts one `ensure` may ask for) to the slots pins leave free.
-Experts loaded around this class straight through the loader are still found as eviction candidates (as
-the least recently used). Under a layer limit (the pool's `limits`, which the agent sets from a plan's caps)
-a missing expert takes the place of one of its own layer's, so the layer never holds more slots than its
-limit, and a prefetch never passes it; `chunks` keeps each group a layer computes at once within
-`capacity_of(layer)` (a plugged `chunk_order`, e.g. the agent's scan rule, may group them otherwise).
+expert instead of loading it twice; `evict` keeps the recency books in step with the pool, `pin`/`unpin` keep
+`capacity` (how many experts one `ensure` may ask for) to the slots pins leave free. Experts loaded around this
+class are eviction candidates too (the least recently used). Under a layer limit (the pool's `limits`, which the
+agent sets from a plan's caps) a missing expert takes the place of one of its own layer's, so the layer never
+holds more slots than its limit, and a prefetch never passes it; `chunks` keeps each group a layer computes at
+once within `capacity_of(layer)` (a plugged `chunk_order`, e.g. the agent's scan rule, may group them otherwise).
 Mechanism only: the ranking and the grouping are the policy's, never this module's.
 """
 
@@ -27,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from runtime.errors import CapacityError, ConfigError
-from runtime.future import OpFuture
+from runtime.future import OpFuture, wait_all
 from runtime.memory.slots import ExpertSlotPool, ExpertState
 from runtime.transfer import Priority
 from runtime.weights.loader import ExpertLoadHandler, StoreKind
@@ -75,15 +76,17 @@ class OnDemandExperts:
         self.misses = 0
         self.stalls_ms = 0.0  # wall time ensure() spent making room for and waiting on missing experts
         self.num_stalls = 0
-        # Where ensure's stalls go (host wall ms): evicting victims, submitting the list, waiting for its loads
-        # to publish, ordering the stream after the layer's loads.
-        self.phase_ms = dict.fromkeys(("evict", "submit", "published", "order"), 0.0)
+        # Host wall ms of ensure's parts (evicting victims, submitting the list, waiting for it to publish, ordering
+        # the stream after the layer's loads) and of recording the layer's reads (done_reading).
+        self.phase_ms = dict.fromkeys(("evict", "submit", "published", "order", "record"), 0.0)
         self.prefetched = 0  # loads started by prefetch (a piecewise step's layer-ahead window)
         self.prefetch_hits = 0  # experts ensure found loading or loaded ahead (counted in hits too)
         self._step_keys: set[Key] = set()  # experts the current forward asked for
         self.last_union = 0  # how many experts the last forward asked for
         # Experts a piecewise step needs in its coming layers: victims are never taken from them.
         self.soon: frozenset[Key] = frozenset()
+        self._own_binds = 0  # slot bindings made by loads this class started (the rest were made around it)
+        self._around_seen = -1
 
     @property
     def capacity(self) -> int:
@@ -101,8 +104,7 @@ class OnDemandExperts:
         num_pinned = sum(self.pool.is_pinned(layer, e) for e in self.pool.resident_experts(layer) if e not in asked)
         return max(1, min(self.capacity, limit - num_pinned))
 
-    def _layer_room(self, layer: int) -> int | None:
-        """Slots `layer` may still bind under its limit (None: no limit)."""
+    def _layer_room(self, layer: int) -> int | None:  # slots `layer` may still bind under its limit (None: no limit)
         limit = self.pool.limits.get(layer)
         return None if limit is None else max(0, limit - self.pool.num_bound(layer))
 
@@ -127,7 +129,9 @@ class OnDemandExperts:
 
     def done_reading(self, layer: int, experts: list[int]) -> None:
         """Record the compute stream's position as a reader of these slots (I4: unmap waits for it)."""
+        t0 = time.perf_counter()
         self.pool.record_read(layer, experts, self.pool.device.record_event())
+        self.phase_ms["record"] += (time.perf_counter() - t0) * 1e3
 
     def all_resident(self, layer: int) -> bool:
         """Every expert of `layer` holds a slot (e.g. a fully resident model): compute needs no `ensure`."""
@@ -143,8 +147,7 @@ class OnDemandExperts:
         """Plug a ranking in (the agent's local policy); None restores least-recently-used."""
         self.victim_order = fn or lru_victim_order
 
-    def set_chunk_order(self, fn: ChunkOrder | None) -> None:
-        """Plug a grouping of a layer's needed experts in (the agent's scan rule); None: consecutive runs."""
+    def set_chunk_order(self, fn: ChunkOrder | None) -> None:  # the agent's scan rule; None: consecutive runs
         self.chunk_order = fn
 
     # ---- what the engine calls --------------------------------------------------------------------
@@ -200,11 +203,14 @@ class OnDemandExperts:
         loader = self._loader(layer, experts[0])
         if self.store is StoreKind.PINNED:
             futs = loader.load_many(layer, experts)
+            self._own_binds += len(futs)
         else:
-            futs = [loader.load(layer, e, self.store) for e in experts]
+            futs = []
+            for e in experts:
+                futs.append(loader.load(layer, e, self.store))
+                self._own_binds += 1
         t2 = time.perf_counter()
-        for f in futs:
-            f.wait()
+        wait_all(futs)  # the last first: one wake-up per list, not one per expert (each takes the worker's GIL)
         t3 = time.perf_counter()
         for phase, dt in (("evict", t1 - t0), ("submit", t2 - t1), ("published", t3 - t2)):
             self.phase_ms[phase] += dt * 1e3
@@ -217,11 +223,11 @@ class OnDemandExperts:
         same_layer: only `layer`'s own residents (the layer is at its limit)."""
         if num <= 0:
             return
-        ranked = self.victim_order(self._candidates(layer, want, same_layer=same_layer))
+        ranked = self._ranked(layer, want, num, same_layer=same_layer)
         if len(ranked) < num:
             seen = set(ranked)
-            ranked += [k for k in self.victim_order(self._candidates(layer, want, honor_soon=False,
-                                                                     same_layer=same_layer)) if k not in seen]
+            ranked += [k for k in self._ranked(layer, want, num + len(seen), honor_soon=False, same_layer=same_layer)
+                       if k not in seen]
         for key in ranked[:num]:
             self.evict(*key)
         for _i in range(num - min(num, len(ranked))):
@@ -233,6 +239,7 @@ class OnDemandExperts:
             self.last_union = len(self._step_keys)
         self._step_keys = set()
         self.soon = frozenset()
+        self.pool.ranges.epoch += 1  # ranges released two steps ago are swept, the last step's kept for reloads
 
     def prefetch(self, layer: int, experts: list[int]) -> int:
         """Start loading the absent ones of `experts` as one list into free slots or in place of victims outside
@@ -245,13 +252,14 @@ class OnDemandExperts:
         if room is not None:  # a prefetch never passes the layer's limit, nor evicts the layer's own experts
             todo = todo[:room]
         free = self.pool.num_free_slots
-        victims = self.victim_order(self._candidates(layer, want))[: max(0, len(todo) - free)]
+        victims = self._ranked(layer, want, len(todo) - free)
         for key in victims:
             self.evict(*key)
         n = min(len(todo), free + len(victims))
         if not n:
             return 0
         futs = self._loader(layer, todo[0]).load_many(layer, todo[:n])
+        self._own_binds += n
         for e, fut in zip(todo[:n], futs, strict=True):
             self._inflight[(layer, e)] = fut
             self._lru[(layer, e)] = None
@@ -284,23 +292,59 @@ class OnDemandExperts:
                    same_layer: bool = False) -> None:
         if not same_layer and self.pool.num_free_slots >= free_needed:
             return
-        cands = self._candidates(layer, want, same_layer=same_layer)
-        if not cands and self._inflight:  # slots held by loads started ahead: once landed they can be evicted
+        ranked = self._ranked(layer, want, 1, same_layer=same_layer)
+        if not ranked and self._inflight:  # slots held by loads started ahead: once landed they can be evicted
             for fut in self._inflight.values():
                 with contextlib.suppress(Exception):  # counted by the loader and whoever started it
                     fut.wait()
             if not same_layer and self.pool.num_free_slots >= free_needed:
                 return
-            cands = self._candidates(layer, want, same_layer=same_layer)
-        ranked = self.victim_order(cands) if cands else []
+            ranked = self._ranked(layer, want, 1, same_layer=same_layer)
         if not ranked:  # `soon` is a preference: a layer's own needs come first
-            cands = self._candidates(layer, want, honor_soon=False, same_layer=same_layer)
-            ranked = self.victim_order(cands) if cands else []
+            ranked = self._ranked(layer, want, 1, honor_soon=False, same_layer=same_layer)
         if not ranked:
             where = (f"layer {layer} is at its limit of {self.pool.limits.get(layer)} slots and its experts are"
                      if same_layer else "all slots are")
             raise CapacityError(f"no evictable expert for ({layer}, {expert}): {where} pinned, loading or in use")
         self.evict(*ranked[0])
+
+    def _ranked(self, layer: int, want: set[int], num: int, honor_soon: bool = True,
+                same_layer: bool = False) -> list[Key]:
+        """The first `num` victims for `layer`'s list in the plugged order: LRU (the default) walks the recency books
+        from their oldest end and stops there (listing every resident per list costs more host time than a small
+        expert's copy); another order ranks every candidate."""
+        if num <= 0:
+            return []
+        if self.victim_order is not lru_victim_order:
+            return self.victim_order(self._candidates(layer, want, honor_soon, same_layer))[:num]
+        self._track_loads_around()
+        out: list[Key] = []
+        gone: list[Key] = []
+        for k in self._lru:
+            if (k[0] == layer and k[1] in want) or (honor_soon and k in self.soon) or (same_layer and k[0] != layer):
+                continue
+            st = self.pool.state(*k)
+            if st is ExpertState.ABSENT:
+                gone.append(k)  # unmapped around us: forget it
+            elif st is ExpertState.RESIDENT and not self.pool.is_pinned(*k):
+                out.append(k)
+                if len(out) == num:
+                    break
+        for k in gone:
+            del self._lru[k]
+        return out
+
+    def _track_loads_around(self) -> None:
+        """Experts loaded around this class (noticed by the pool's count of slot bindings) enter the recency books
+        as the least recently used, in `residents_lru`'s order."""
+        around = self.pool.remaps - self._own_binds
+        if around == self._around_seen:
+            return
+        self._around_seen = around
+        for k in reversed(self.residents_lru()):  # untracked ones first (sorted), then the books' own order
+            if k not in self._lru:
+                self._lru[k] = None
+                self._lru.move_to_end(k, last=False)
 
     def _candidates(self, layer: int, want: set[int], honor_soon: bool = True, same_layer: bool = False) -> list[Key]:
         return [k for k in self.residents_lru() if not (k[0] == layer and k[1] in want)
@@ -309,8 +353,7 @@ class OnDemandExperts:
 
     # ---- what the agent calls ---------------------------------------------------------------------
     def residents_lru(self) -> list[Key]:
-        """Resident experts, least recently used first; ones never touched here come first of all. One pass
-        over the pool's residents per call (the engine ranks victims once per layer list)."""
+        """Resident experts, least recently used first; ones never touched here come first of all (one pass)."""
         pool = self.pool
         resident = {(layer, e) for layer in range(pool.layout.num_layers) for e in pool.resident_experts(layer)}
         for k in [k for k in self._lru if k not in resident]:
@@ -327,6 +370,7 @@ class OnDemandExperts:
         """Start loading an absent expert through the loader (refusals raise before anything changes)."""
         self._inflight = {k: f for k, f in self._inflight.items() if not f.done()}
         fut = self._loader(layer, expert).load(layer, expert, self.store, priority, deadline_s)
+        self._own_binds += 1
         key = (layer, expert)
         self._inflight[key] = fut
         self._lru[key] = None
@@ -345,8 +389,9 @@ class OnDemandExperts:
             self._num_pinned -= 1
 
     def evict(self, layer: int, expert: int) -> None:
-        """Unmap a resident expert (after its readers finish) and forget its recency."""
-        self.pool.unmap(layer, expert)
+        """Give a resident expert's slot back and forget its recency. The slot is free at once; whatever writes it
+        next is ordered after its readers (the pool's I4), so this never waits for them."""
+        self.pool.release(layer, expert)
         self._lru.pop((layer, expert), None)
 
     @property

@@ -1,17 +1,14 @@
 """Expert slot pool: a stable virtual range per MoE layer, a fixed pool of physical slots (inference process).
 
 Each layer owns one virtual range holding every expert at `expert * stride_bytes`, so a grouped GEMM reads
-expert e at a fixed address whether or not it is resident. `num_slots` physical chunks (granularity
-aligned) are mapped to logical experts on demand. Loading is two-phase: `prepare_load` reserves a free
-slot (and maps it, unless `map_now=False`: then the copy's worker calls `map_reserved` just before the
-first byte moves, keeping the ~50 µs driver calls off the submitting thread), returns the destination
-view, the caller moves the bytes, and `complete_load(ok, event)` publishes them.
-
-With `slot_window=True` every physical slot is also mapped, for the pool's lifetime, at its own address in
-one extra range (the slot window). `prepare_load(..., via_window=True)` then returns the slot's window view:
-the copy can start at once and the expert's range is mapped (`map_reserved`) beside it (the loader does it in
-the copy link worker's waits); both must be done before `complete_load(ok=True)`. Kernels only ever read through
-expert ranges.
+expert e at a fixed address whether or not it is resident. `num_slots` physical chunks (granularity aligned) are
+mapped to logical experts on demand (runtime/memory/ranges.py). Loading is two-phase: `prepare_load` reserves a
+free slot (and maps it, unless `map_now=False`: then the copy's worker calls `map_reserved`, keeping the ~50 µs
+driver calls off the submitting thread), the caller moves the bytes, `complete_load(ok, event)` publishes them.
+With `slot_window=True` every slot is also mapped, for the pool's lifetime, at its own address in one extra range
+(the slot window): `prepare_load(..., via_window=True)` returns the slot's window view, so the copy starts at once
+and the expert's range is mapped beside it; both must be done before `complete_load(ok=True)`. Kernels only ever
+read through expert ranges.
 
 Invariants (each has a test in tests/runtime/test_slots.py):
   I1 stable address: `layer_tensor(l).data_ptr()` never changes between construction and close.
@@ -20,11 +17,16 @@ Invariants (each has a test in tests/runtime/test_slots.py):
      load's event, and reading a LOADING or absent expert through `expert_tensor` raises. A load may be
      published while its copy still runs (its event pending): work that reads experts without naming them
      (an all-resident layer, a CUDA-graph replay) calls `wait_published` first.
-  I4 WAR: a slot is unmapped (and so reused) only after every reader event recorded on it, its own load
-     copy, and the last pool-wide read fence (`record_read_all`: work that may read any slot) completed.
+  I4 WAR: a slot is written again only after every reader event recorded on it, its own load copy, and the
+     last pool-wide read fence (`record_read_all`: work that may read any slot) completed. `unmap` waits for
+     them on the host; `release` (the engine's evictions) returns at once and hands them on to the slot's next
+     load (`load_guards`: the loader orders its copy after them on the device; `prepare_load` waits for them)
+     and to the range, which stays mapped ("stale", runtime/memory/ranges.py) at least until they are done.
   I5 never stale: an ABSENT expert's range shows the poison byte (or faults, poison off), never another
-     expert's bytes. While LOADING, the reserved slot may still hold its previous expert's bytes (reads
-     are refused by I3); `scrub_on_unmap` poisons a slot's old contents before reuse so even that is gone.
+     expert's bytes, once it is unmapped. Poisoned pools unmap released ranges once their readers are done
+     (`sweep_stale`); with poison off a released range stays mapped until it is mapped again (before that it
+     is unmapped), so a reload into its old slot needs no driver call. Reads of absent or LOADING experts are
+     refused by I3 throughout; `scrub_on_unmap` poisons a slot's old contents before reuse.
   I6 recycled: free + bound slots == num_slots at every step; close() releases every backend object.
 
 Mechanism only: which expert to load or evict is the caller's decision (agent local policy).
@@ -41,9 +43,8 @@ import torch
 from runtime.device import Device, Event, completed_event
 from runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
 from runtime.memory.backend import SlotBackend
-from runtime.memory.slot_types import ExpertLayout, ExpertState, LayerLimits, _Entry
-
-POISON_BYTE = 0xFF  # NaN in bf16, fp16, fp32 and fp8-e4m3: a stale read shows up in any output
+from runtime.memory.ranges import POISON_BYTE, ExpertRanges
+from runtime.memory.slot_types import ExpertLayout, ExpertState, LayerLimits, ReadyOrder, _Entry, check_books
 
 
 class ExpertSlotPool:
@@ -61,34 +62,9 @@ class ExpertSlotPool:
         self._lock = threading.Lock()
         self._fence: Event | None = None  # last record_read_all: work that may read any slot
         self._unsettled: list[Event] = []  # events of published loads whose copy may still run
-        self._bases: list[int] = []
-        self._tensors: list[torch.Tensor] = []
-        self._slots: list[Any] = []
-        stride = self.layout.stride_bytes
-        try:
-            self._poison = backend.create_physical(stride)
-            backend.fill_physical(self._poison, POISON_BYTE)
-            for _ in range(num_layers):
-                base = backend.reserve(self.layout.layer_bytes)
-                self._bases.append(base)
-                for e in range(num_experts):
-                    backend.map(base + e * stride, stride, self._poison, read_only=True)
-                # Made while everything is mapped: torch may query the pointer's attributes.
-                self._tensors.append(backend.tensor(base, self.layout.layer_bytes))  # [E*stride]
-                if not poison_unmapped:
-                    for e in range(num_experts):
-                        backend.unmap(base + e * stride, stride)
-            for _ in range(num_slots):
-                self._slots.append(backend.create_physical(stride))
-            self._window: torch.Tensor | None = None
-            if slot_window:  # every slot at a fixed address too: copies need no remap first
-                base = backend.reserve(num_slots * stride)  # released with the rest by backend.close()
-                for i, phys in enumerate(self._slots):
-                    backend.map(base + i * stride, stride, phys)
-                self._window = backend.tensor(base, num_slots * stride)  # [num_slots * stride]
-        except Exception:
-            backend.close()
-            raise
+        self.ranges = ExpertRanges(backend, self.layout, num_slots, poison_unmapped, slot_window)  # chunks, mappings
+        self._bases, self._tensors, self._slots = self.ranges.bases, self.ranges.tensors, self.ranges.slots
+        self._poison, self._window = self.ranges.poison_chunk, self.ranges.window
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._slot_owner: list[tuple[int, int] | None] = [None] * num_slots
         self._entries = [[_Entry() for _ in range(num_experts)] for _ in range(num_layers)]
@@ -96,14 +72,14 @@ class ExpertSlotPool:
         self._num_bound = [0] * num_layers  # experts holding a slot (LOADING too): what a layer limit bounds
         self.limits = LayerLimits(num_layers)  # the agent sets a plan's caps; every prepare_load(s) checks them
         self.remaps = 0
+        self._guards: dict[int, list[Event]] = {}  # released slot -> work that may still read its old expert
+        self._ready = ReadyOrder()
+        self.ready_waits = 0  # stream waits made by wait_ready (one per list of ordered loads, at most)
 
-    # ---- queries ----------------------------------------------------------------------------------
     def _entry(self, layer: int, expert: int) -> _Entry:
         if not (0 <= layer < self.layout.num_layers and 0 <= expert < self.layout.num_experts):
-            raise ConfigError(
-                f"expert ({layer}, {expert}) out of range: layers 0..{self.layout.num_layers - 1}, "
-                f"experts 0..{self.layout.num_experts - 1}"
-            )
+            raise ConfigError(f"expert ({layer}, {expert}) out of range: layers 0..{self.layout.num_layers - 1}, "
+                              f"experts 0..{self.layout.num_experts - 1}")
         return self._entries[layer][expert]
 
     def layer_tensor(self, layer: int) -> torch.Tensor:
@@ -117,15 +93,13 @@ class ExpertSlotPool:
 
     def expert_tensor(self, layer: int, expert: int) -> torch.Tensor:
         """A checked view of a resident expert's bytes; raises NotResidentError otherwise (I3)."""
-        with self._lock:
-            st = self._entry(layer, expert).state
+        st = self._entry(layer, expert).state  # single attribute reads need no lock (here and below)
         if st is not ExpertState.RESIDENT:
             raise NotResidentError(f"expert ({layer}, {expert}) is {st.value}, not resident")
         return self._view(layer, expert)
 
     def state(self, layer: int, expert: int) -> ExpertState:
-        with self._lock:
-            return self._entry(layer, expert).state
+        return self._entry(layer, expert).state
 
     def is_resident(self, layer: int, expert: int) -> bool:
         return self.state(layer, expert) is ExpertState.RESIDENT
@@ -141,13 +115,11 @@ class ExpertSlotPool:
         return self._num_resident[layer]
 
     def slot_of(self, layer: int, expert: int) -> int | None:
-        with self._lock:
-            return self._entry(layer, expert).slot
+        return self._entry(layer, expert).slot
 
     @property
     def num_free_slots(self) -> int:
-        with self._lock:
-            return len(self._free)
+        return len(self._free)
 
     def num_bound(self, layer: int) -> int:
         """Slots the layer's experts hold: loading, resident or being evicted (its real footprint in slots)."""
@@ -157,41 +129,28 @@ class ExpertSlotPool:
     def check_invariants(self) -> None:
         """Raise AssertionError if I2 or I6 does not hold (cheap; tests and self-checks call it)."""
         with self._lock:
-            bound = [(l_, e) for l_, row in enumerate(self._entries) for e, en in enumerate(row) if en.slot is not None]
-            assert len(bound) + len(self._free) == self.num_slots, "I6: slots leaked or double-counted"
-            slots = [self._entries[l_][e].slot for l_, e in bound]
-            assert len(set(slots)) == len(slots), "I2: a slot backs two experts"
-            assert not set(slots) & set(self._free), "I2: a bound slot is also free"
-            for (l_, e), s in zip(bound, slots, strict=True):
-                assert self._slot_owner[s] == (l_, e), "I2: slot owner table disagrees"
-            for l_, row in enumerate(self._entries):
-                n = sum(en.state in (ExpertState.RESIDENT, ExpertState.EVICTING) for en in row)
-                assert self._num_resident[l_] == n, "resident counter disagrees with the entries"
-                assert self._num_bound[l_] == sum(en.slot is not None for en in row), "bound counter disagrees"
+            check_books(self._entries, self._free, self._slot_owner, self._num_resident, self._num_bound,
+                        self.num_slots)
 
-    # ---- two-phase load -----------------------------------------------------------------------------
     @property
-    def slot_window(self) -> bool:
+    def slot_window(self) -> bool:  # every slot also mapped at its own address (copies need no remap first)
         return self._window is not None
 
     def prepare_load(self, layer: int, expert: int, map_now: bool = True, via_window: bool = False) -> torch.Tensor:
         """Reserve a free slot for the expert (and map it unless map_now=False); returns the view to fill: the
-        expert's range, or with via_window=True the slot's window (needs slot_window=True)."""
-        if via_window and self._window is None:
-            raise ConfigError("prepare_load(via_window=True) needs a pool made with slot_window=True")
-        with self._lock:
-            en = self._entry(layer, expert)
-            if en.state is not ExpertState.ABSENT:
-                raise BusyError(f"prepare_load: expert ({layer}, {expert}) is {en.state.value}")
-            if not self._free:
-                raise CapacityError(f"prepare_load: all {self.num_slots} slots are bound; unmap an expert first")
-            self.limits.check(layer, self._num_bound[layer], 1)
-            slot = self._free[-1]
-            if map_now:
-                self._map_locked(layer, expert, slot)
-            self._bind_free_slot_locked(layer, expert, en, map_now)
+        expert's range, or with via_window=True the slot's window (needs slot_window=True). Waits for the work
+        still reading the slot's previous expert (I4): the caller writes the slot as soon as this returns."""
+        ((_t, off),) = self.prepare_loads(layer, [expert], via_window)
+        if map_now and not self.mapped(layer, [expert])[0]:
+            try:
+                self.map_reserved(layer, expert)
+            except BaseException:
+                self.complete_load(layer, expert, ok=False)
+                raise
+        for g in self.load_guards(layer, [expert])[0]:
+            g.synchronize()
         if via_window:
-            return self._window_view(slot)[: self.layout.expert_bytes]  # [expert_bytes]
+            return _t[off : off + self.layout.expert_bytes]  # [expert_bytes]
         return self._view(layer, expert)
 
     def prepare_loads(self, layer: int, experts: list[int], via_window: bool = False) -> list[tuple[torch.Tensor, int]]:
@@ -217,52 +176,64 @@ class ExpertSlotPool:
                 raise CapacityError(f"prepare_loads: {len(experts)} experts need slots, {len(self._free)} of "
                                     f"{self.num_slots} are free; unmap experts first")
             self.limits.check(layer, self._num_bound[layer], len(experts))
-            slots = [self._bind_free_slot_locked(layer, e, row[e], False) for e in experts]
+            slots = self._pick_slots_locked(layer, experts)
+            for e, (slot, mapped) in zip(experts, slots, strict=True):
+                self._bind_slot_locked(layer, e, row[e], slot, mapped)
         stride = self.layout.stride_bytes
         if via_window:
             assert self._window is not None
-            return [(self._window, s * stride) for s in slots]
+            return [(self._window, s * stride) for s, _m in slots]
         return [(self._tensors[layer], e * stride) for e in experts]
 
-    def _bind_free_slot_locked(self, layer: int, expert: int, en: _Entry, mapped: bool) -> int:
-        """Take the last free slot for the expert, which becomes LOADING (the caller checked it may)."""
-        slot = self._free.pop()
+    def _pick_slots_locked(self, layer: int, experts: list[int]) -> list[tuple[int, bool]]:
+        """A free slot for each expert and whether its range maps it already: with poison off, a released expert
+        whose range still maps its old slot gets that slot back if free; the others take the last freed first."""
+        picked: dict[int, int] = {}
+        if self.ranges.poison is None and len(self.ranges):
+            free = set(self._free)
+            for e in experts:
+                s = self.ranges.stale_slot(layer, e)
+                if s is not None and s in free and s not in picked.values() and self.ranges.claim(layer, e, s):
+                    picked[e] = s
+        if taken := set(picked.values()):
+            self._free = [s for s in self._free if s not in taken]
+        return [(picked[e], True) if e in picked else (self._free.pop(), False) for e in experts]
+
+    def _bind_slot_locked(self, layer: int, expert: int, en: _Entry, slot: int, mapped: bool) -> None:
+        """Give the expert `slot` (taken off the free list), which becomes LOADING (the caller checked it may)."""
         self._slot_owner[slot] = (layer, expert)
         en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], mapped
+        en.guards = [g for g in self._guards.pop(slot, ()) if not g.query()]
         self._num_bound[layer] += 1
         self.remaps += 1
-        return slot
-
-    def _window_view(self, slot: int) -> torch.Tensor:
-        """A slot's whole stride through the slot window: [stride_bytes]."""
-        assert self._window is not None
-        stride = self.layout.stride_bytes
-        return self._window[slot * stride : (slot + 1) * stride]
 
     def map_reserved(self, layer: int, expert: int) -> None:
-        """Map the slot reserved by `prepare_load(map_now=False)`; any thread may call it (the copy worker)."""
+        """Map the slot reserved by `prepare_load(map_now=False)`; any thread may call it (the copy worker). The
+        driver calls run outside the pool's lock: the engine thread's queries never wait behind them."""
         with self._lock:
             en = self._entry(layer, expert)
             if en.state is not ExpertState.LOADING or en.mapped:
                 raise BusyError(f"map_reserved: expert ({layer}, {expert}) is {en.state.value}, mapped={en.mapped}")
-            assert en.slot is not None
-            self._map_locked(layer, expert, en.slot)
-            en.mapped = True
-
-    def _map_locked(self, layer: int, expert: int, slot: int) -> None:
-        stride = self.layout.stride_bytes
-        va = self._bases[layer] + expert * stride
-        if self.poison_unmapped:
-            self.backend.unmap(va, stride)
+            slot, en.mapped = en.slot, True  # claimed now: a second call is refused (a LOADING entry is its loader's)
         try:
-            self.backend.map(va, stride, self._slots[slot])
-        except Exception:
-            if self.poison_unmapped:
-                self.backend.map(va, stride, self._poison, read_only=True)
+            self.ranges.map(layer, expert, self._slots[slot])
+        except BaseException:
+            with self._lock:
+                en.mapped = False
             raise
 
-    def complete_load(self, layer: int, expert: int, ok: bool, event: Event | None = None) -> None:
-        """Publish a loaded expert (ok) with the event its copy recorded, or give the slot back (not ok)."""
+    def mapped(self, layer: int, experts: list[int]) -> list[bool]:
+        """Per loading expert, whether its range maps its slot already (kept from `release`: no map needed)."""
+        return [self._entry(layer, e).mapped for e in experts]
+
+    def load_guards(self, layer: int, experts: list[int]) -> list[list[Event]]:
+        """Per loading expert, the events of work still reading its slot's previous expert: its copy follows (I4)."""
+        return [list(self._entry(layer, e).guards or ()) for e in experts]
+
+    def complete_load(self, layer: int, expert: int, ok: bool, event: Event | None = None,
+                      order: tuple[object, int] | None = None) -> None:
+        """Publish a loaded expert (ok) with the event its copy recorded, or give the slot back (not ok). order:
+        (source, n) when the source's loads complete in the order of n (`wait_ready` waits for a list's last)."""
         with self._lock:
             en = self._entry(layer, expert)
             if en.state is not ExpertState.LOADING:
@@ -271,6 +242,7 @@ class ExpertSlotPool:
                 raise BusyError(f"complete_load: expert ({layer}, {expert}) was never mapped (map_reserved)")
             if ok:
                 en.state, en.load_event = ExpertState.RESIDENT, event or completed_event()
+                en.load_order, en.guards = (order if event is not None else None), None
                 self._num_resident[layer] += 1
                 if event is not None:  # kept while still copying (wait_published); done ones dropped here too
                     self._unsettled = [ev for ev in (*self._unsettled, event) if not ev.query()]
@@ -278,45 +250,48 @@ class ExpertSlotPool:
             self._release_locked(layer, expert, en)
 
     def _release_locked(self, layer: int, expert: int, en: _Entry) -> None:
-        stride = self.layout.stride_bytes
-        va = self._bases[layer] + expert * stride
-        slot = en.slot
+        stride, slot = self.layout.stride_bytes, en.slot
         assert slot is not None
         if en.state in (ExpertState.RESIDENT, ExpertState.EVICTING):
             self._num_resident[layer] -= 1
         if self.scrub_on_unmap and (en.mapped or self._window is not None):  # a window load may not be mapped yet
-            src = self._window_view(slot) if self._window is not None else \
-                self._tensors[layer][expert * stride : (expert + 1) * stride]
+            src = self._window[slot * stride : (slot + 1) * stride] if self._window is not None else \
+                self._tensors[layer][expert * stride : (expert + 1) * stride]  # [stride_bytes]
             src.fill_(POISON_BYTE)
             self.device.synchronize()
         if en.mapped:
-            self.backend.unmap(va, stride)
-            if self.poison_unmapped:
-                self.backend.map(va, stride, self._poison, read_only=True)
+            self.ranges.unmap(layer, expert)
+        self._free_slot_locked(layer, slot, en)
+
+    def _free_slot_locked(self, layer: int, slot: int, en: _Entry) -> None:
         self._slot_owner[slot] = None
         self._num_bound[layer] -= 1
         self._free.append(slot)
         en.state, en.slot, en.load_event, en.readers, en.mapped = ExpertState.ABSENT, None, None, None, False
+        en.load_order = en.guards = None
 
-    # ---- readers ----------------------------------------------------------------------------------
     def wait_ready(self, layer: int, experts: Iterable[int], stream: Any = None) -> None:
-        """Order `stream` after the loads of `experts` (RAW); raises NotResidentError for any not resident."""
-        events = []
+        """Order `stream` after the loads of `experts` (RAW); raises NotResidentError for any not resident. Loads
+        numbered by their source (`complete_load(order=)`) cost one stream wait per list, none when the stream
+        already waited past them; the others one each."""
         with self._lock:
+            loads = []
             for e in experts:
                 en = self._entry(layer, e)
                 if en.state is not ExpertState.RESIDENT:
                     raise NotResidentError(f"wait_ready: expert ({layer}, {e}) is {en.state.value}")
-                events.append(en.load_event)
-        for ev in events:
-            self.device.stream_wait(ev, stream)
+                loads.append((en.load_event, en.load_order))
+            # Waited for under the lock: the books say the stream waited, so no other caller may skip it first.
+            for ev in self._ready.to_wait(self.device.stream_key(stream), loads):  # type: ignore[arg-type]
+                self.device.stream_wait(ev, stream)
+                self.ready_waits += 1
 
     def wait_published(self, stream: Any = None) -> None:
         """Order `stream` after every published load whose copy may still run (I3 for readers that name no
         experts: an all-resident layer, a graph replay). Cheap when none is: one lock, an empty list."""
+        if not self._unsettled:  # read without the lock: a load published meanwhile is not this reader's
+            return
         with self._lock:
-            if not self._unsettled:
-                return
             pending = [ev for ev in self._unsettled if not ev.query()]
             self._unsettled = pending
         for ev in pending:
@@ -330,31 +305,59 @@ class ExpertSlotPool:
             for e, en in zip(experts, entries, strict=True):  # validate all first: a refusal records nothing
                 if en.state is not ExpertState.RESIDENT:
                     raise NotResidentError(f"record_read: expert ({layer}, {e}) is {en.state.value}")
-            for en in entries:
-                assert en.readers is not None
-                en.readers = [r for r in en.readers if not r.query()]
-                en.readers.append(event)
+            for en in entries:  # pruned when four pile up, not per read (each query is a driver call)
+                en.readers = [r for r in en.readers if not r.query()] if len(en.readers or ()) >= 4 else en.readers
+                en.readers.append(event)  # type: ignore[union-attr]
 
     def record_read_all(self, event: Event) -> None:
-        """Work ending at `event` may read any resident expert (a decode step that skipped per-expert
-        bookkeeping because every expert was resident, or a CUDA-graph replay): every unmap waits for it."""
-        with self._lock:
-            self._fence = event
+        """Work ending at `event` may read any resident expert (a step that skipped per-expert bookkeeping, a graph
+        replay): no slot is reused before it ends."""
+        self._fence = event  # one attribute: no lock
 
-    # ---- eviction and pinning ---------------------------------------------------------------------
+    def _evictable_locked(self, layer: int, expert: int, what: str) -> tuple[_Entry, list[Event]]:
+        """The entry of a resident, unpinned expert and the events of the work that may still read its slot."""
+        en = self._entry(layer, expert)
+        if en.state is not ExpertState.RESIDENT:
+            err = BusyError if en.state in (ExpertState.LOADING, ExpertState.EVICTING) else NotResidentError
+            raise err(f"{what}: expert ({layer}, {expert}) is {en.state.value}")
+        if en.pinned:
+            raise PinnedError(f"{what}: expert ({layer}, {expert}) is pinned")
+        if self._fence is not None and self._fence.query():
+            self._fence = None  # done: not queried again for every eviction
+        # The load's own copy counts as in flight too: a slot is never reused under a running copy.
+        pending = [*(en.readers or []), *([en.load_event] if en.load_event is not None else []),
+                   *([self._fence] if self._fence is not None else [])]
+        return en, [r for r in pending if not r.query()]
+
+    def release(self, layer: int, expert: int) -> None:
+        """Unbind a resident expert's slot at once, without waiting for the work reading it (I4 says who waits);
+        with scrub_on_unmap this is `unmap` (the scrub overwrites the slot: its readers must be done)."""
+        if self.scrub_on_unmap:
+            self.unmap(layer, expert)
+            return
+        with self._lock:
+            en, pending = self._evictable_locked(layer, expert, "release")
+            slot = en.slot
+            assert slot is not None
+            self._num_resident[layer] -= 1
+            self._guards[slot] = pending
+            if en.mapped:
+                self.ranges.defer_unmap(layer, expert, slot, pending)
+            self._free_slot_locked(layer, slot, en)
+
+    def sweep_stale(self, block: bool = False) -> int:
+        """Unmap the ranges `release` left mapped whose readers are done (block: all, after them); how many. With
+        poison off, those released in this or the last epoch (`ranges.epoch`) stay, for a reload to keep."""
+        return self.ranges.sweep(block, None if block or self.poison_unmapped else self.ranges.epoch - 1)
+
+    @property
+    def num_stale(self) -> int:  # ranges `release` left mapped, not unmapped yet
+        return len(self.ranges)
+
     def unmap(self, layer: int, expert: int, wait: bool = True) -> None:
         """Unbind a resident expert's slot after its readers finish (I4). wait=False refuses if they have not."""
         with self._lock:
-            en = self._entry(layer, expert)
-            if en.state is not ExpertState.RESIDENT:
-                err = BusyError if en.state in (ExpertState.LOADING, ExpertState.EVICTING) else NotResidentError
-                raise err(f"unmap: expert ({layer}, {expert}) is {en.state.value}")
-            if en.pinned:
-                raise PinnedError(f"unmap: expert ({layer}, {expert}) is pinned")
-            # The load's own copy counts as in flight too: a slot is never unmapped under a running copy.
-            pending = [*(en.readers or []), *([en.load_event] if en.load_event is not None else []),
-                       *([self._fence] if self._fence is not None else [])]
-            readers = [r for r in pending if not r.query()]
+            en, readers = self._evictable_locked(layer, expert, "unmap")
             if readers and not wait:
                 raise BusyError(f"unmap: expert ({layer}, {expert}) has {len(readers)} reader(s) or copy in flight")
             en.state = ExpertState.EVICTING
@@ -383,11 +386,11 @@ class ExpertSlotPool:
             en.pinned = False
 
     def is_pinned(self, layer: int, expert: int) -> bool:
-        with self._lock:
-            return self._entry(layer, expert).pinned
+        return self._entry(layer, expert).pinned  # one attribute read: no lock needed
 
     def close(self) -> None:
         """Wait for readers, then release every mapping, slot and reservation (I6)."""
+        self.sweep_stale(block=True)
         with self._lock:
             pending = [r for row in self._entries for en in row
                        for r in [*(en.readers or []), *([en.load_event] if en.load_event is not None else [])]]

@@ -1,25 +1,29 @@
 """Expert loads into the slot pool through the transfer engine (inference process).
 
-pinned store -> slot: one host->device transfer. NVMe store -> slot: disk->host into a pinned staging
-buffer, checksum verified there, then host->device. The slot is bound first (`prepare_load`), so a
-refusal (no free slot, expert busy) raises before any byte moves; any later failure gives the slot back
-(`complete_load(ok=False)`), is counted, and re-raises from `wait()`. Never picks what to load.
+pinned store -> slot: one host->device transfer. NVMe store -> slot: disk->host into a pinned staging buffer,
+checksum verified there, then host->device. The slot is bound first (`prepare_load`), so a refusal (no free slot,
+expert busy) raises before any byte moves; any later failure gives the slot back (`complete_load(ok=False)`), is
+counted, and re-raises from `wait()`. Never picks what to load.
 
 When the host->device link's worker maps the expert's range (`map_in`):
-  "beside_copy" (the default): the copy writes through the slot's window (a pool made with `slot_window=True`)
-    and starts at once; the worker maps the expert's range beside it, as an idle job
-    (`TransferEngine.submit_idle`) in its waits for the copies, in (priority, deadline, arrival) order. A remap
-    costs host time comparable to a copy's link time, so mapping before the copy leaves the link idle between
-    copies, and a thread of its own would contend for the GIL (bench/results/design_notes.md).
+  "beside_copy" (the default): the copy writes through the slot's window (a pool made with `slot_window=True`) and
+    starts at once; the worker maps the expert's range beside it, as an idle job (`TransferEngine.submit_idle`) in
+    its waits for the copies, in (priority, deadline, arrival) order: a remap costs host time comparable to a
+    copy's link time (bench/results/design_notes.md). A range the pool kept mapped to its slot needs no map.
   "before_copy": the worker maps the range right before issuing the copy, which then writes through the range.
 When a load is published (`publish`):
   "done": once its copy is done (and its range mapped): then any reader may use it.
   "issued": once its copy is issued (and its range mapped), with the copy's event: readers order their stream
     with `ExpertSlotPool.wait_ready`, which the engine always does; the host never waits for the bytes.
+Copies are numbered as issued (all on the host->device link's bulk stream, in that order: expert chunks never take
+the urgent stream), so `wait_ready` orders a reader once per list. A slot released while work still read its old
+expert (`ExpertSlotPool.release`) is copied into only after that work (its `load_guards` order the link's stream;
+such segments go last), and the pool's stale ranges are swept on the link's worker (`sweep_stale`).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from enum import Enum
 from typing import Any, Literal, get_args
@@ -64,7 +68,7 @@ class _Load:
     settled (staging freed, no longer in flight) once its copy has ended."""
 
     __slots__ = ("concluded", "copy_open", "copy_signaled", "error", "event", "expert", "fut", "layer", "lock",
-                 "parts_left", "settled", "staging")
+                 "order", "parts_left", "premapped", "settled", "staging")
 
     def __init__(self, layer: int, expert: int, fut: OpFuture, parts: int) -> None:
         self.layer, self.expert, self.fut = layer, expert, fut
@@ -75,6 +79,8 @@ class _Load:
         self.copy_open = True  # the copy may still write the slot
         self.error: BaseException | None = None
         self.event: Any = None  # the copy's event once issued (None on a CPU)
+        self.order: int | None = None  # the copy's place in the loader's issue order (with its event)
+        self.premapped = False  # the range maps the slot already (the pool kept a released expert's mapping)
         self.concluded = self.settled = False
 
 
@@ -104,9 +110,8 @@ class ExpertLoadHandler:
             raise ConfigError("ExpertLoadHandler needs a pinned store, an NVMe store, or both")
         for store in (pinned, nvme):
             if store is not None and store.format.num_bytes != pool.layout.expert_bytes:
-                raise ConfigError(
-                    f"store expert_bytes {store.format.num_bytes} != pool expert_bytes {pool.layout.expert_bytes}"
-                )
+                raise ConfigError(f"store expert_bytes {store.format.num_bytes} != pool expert_bytes "
+                                  f"{pool.layout.expert_bytes}")
         self.pool, self.engine, self.pinned, self.nvme = pool, engine, pinned, nvme
         # NVMe reads stage through host buffers: from `staging` when given (a pool shared with the KV handler,
         # closed by its owner), else from `num_staging` record-sized buffers of the loader's own.
@@ -120,8 +125,11 @@ class ExpertLoadHandler:
         self._cv = threading.Condition()
         self.map_in, self.publish = map_in, publish
         self._inflight = 0  # loads started and not yet settled (close() waits for them)
+        self._issued = itertools.count()  # numbers copies as the link's worker issues them
+        self._sweep_queued = False  # a sweep of the pool's stale ranges waits among the link's idle jobs
         self._closed = False
-        self._stats = {"loads_ok": 0, "loads_failed": 0, "corrupt_detected": 0, "bytes": 0, "failed_after_publish": 0}
+        self._stats = dict.fromkeys(("loads_ok", "loads_failed", "corrupt_detected", "bytes", "failed_after_publish",
+                                     "guarded"), 0)  # guarded: copies ordered after a reused slot's old readers
         self.last_error: BaseException | None = None
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -129,12 +137,10 @@ class ExpertLoadHandler:
             self._stats[key] += n
 
     def stats(self) -> dict[str, int]:
-        """Loads ok / failed, NVMe corruptions caught, bytes loaded, and copies that failed after their expert was
-        published (publish="issued"; a CUDA error)."""
+        """Loads ok / failed, NVMe corruptions caught, bytes, copies failed after publishing (a CUDA error)."""
         with self._cv:
             return dict(self._stats)
 
-    # ---- starting loads ---------------------------------------------------------------------------------
     def _begin(self, layer: int, experts: list[int], store: StoreKind) -> tuple[list[_Load], Any, list[int]]:
         """Reserve slots for all of `experts` or none (refusals raise, nothing moves); the loads, the range the
         copies write (the layer's range or the slot window) and each one's byte offset in it."""
@@ -146,6 +152,8 @@ class ExpertLoadHandler:
             self._inflight += len(experts)
         src, parts = store.value, 1 + windowed
         loads = [_Load(layer, e, OpFuture(f"load of expert ({layer}, {e}) from {src}"), parts) for e in experts]
+        for ld, mapped in zip(loads, self.pool.mapped(layer, experts), strict=True):
+            ld.premapped = mapped
         return loads, dsts[0][0], [off for _t, off in dsts]
 
     def _abandon(self, loads: list[_Load]) -> None:
@@ -157,24 +165,20 @@ class ExpertLoadHandler:
             self._cv.notify_all()
 
     def _h2d_request(self, loads: list[_Load], src: Any, dst: Any, segments: list[tuple[int, int, int]],
-                     priority: Priority, deadline_s: float | None) -> TransferRequest:
-        """One host->device transfer whose segment i fills loads[i] (with map_in="before_copy", maps it first)."""
+                     priority: Priority, deadline_s: float | None, guards: list[list[Any]]) -> TransferRequest:
+        """One host->device transfer whose segment i fills loads[i] (with map_in="before_copy", maps it first),
+        ordered after guards[i] (the work still reading its slot's old expert)."""
         pool = self.pool
         return TransferRequest(
             Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s, segments=segments,
+            segment_after=guards if any(guards) else None,
             before_segment=None if self.map_in != "before_copy" else
-            (lambda i: pool.map_reserved(loads[i].layer, loads[i].expert)),
+            (lambda i: None if loads[i].premapped else pool.map_reserved(loads[i].layer, loads[i].expert)),
             on_segment_issued=lambda i, ev: self._step(loads[i], copy_issued=True, event=ev),
             on_segment_done=lambda i, error: self._step(loads[i], copy_end=True, error=error))
 
-    def load(
-        self,
-        layer: int,
-        expert: int,
-        store: StoreKind = StoreKind.PINNED,
-        priority: Priority = Priority.NORMAL,
-        deadline_s: float | None = None,
-    ) -> OpFuture:
+    def load(self, layer: int, expert: int, store: StoreKind = StoreKind.PINNED, priority: Priority = Priority.NORMAL,
+             deadline_s: float | None = None) -> OpFuture:
         if store is StoreKind.PINNED:
             if self.pinned is None:
                 raise ConfigError("load: no pinned store configured")
@@ -184,7 +188,8 @@ class ExpertLoadHandler:
         nvme = self.nvme
         (ld,), dst, (dst_off,) = self._begin(layer, [expert], store)
         n = self.pool.layout.expert_bytes
-        staging = ld.staging = self._take_staging()
+        assert self._staging is not None  # there is an NVMe store
+        staging = ld.staging = self._staging.take(self._record_bytes)
 
         def after_disk(h: TransferHandle) -> None:
             if h.error is not None:
@@ -199,7 +204,7 @@ class ExpertLoadHandler:
                 return
             try:
                 self.engine.submit(self._h2d_request([ld], staging.tensor, dst, [(0, dst_off, n)], priority,
-                                                     deadline_s))
+                                                     deadline_s, self.pool.load_guards(layer, [expert])))
             except Exception as exc:
                 self._step(ld, copy_end=True, error=exc)
 
@@ -213,6 +218,7 @@ class ExpertLoadHandler:
             self._abandon([ld])
             raise
         self._start_maps([ld], priority, deadline_s)
+        self._queue_sweep()
         return ld.fut
 
     def load_many(self, layer: int, experts: list[int], priority: Priority = Priority.NORMAL,
@@ -228,16 +234,23 @@ class ExpertLoadHandler:
             return []
         pinned, n = self.pinned, self.pool.layout.expert_bytes
         loads, dst, dst_offs = self._begin(layer, experts, StoreKind.PINNED)
+        futs = [ld.fut for ld in loads]
+        guards = self.pool.load_guards(layer, experts)
         segments = [(src_off, off, n) for src_off, off in zip(pinned.offsets(layer, experts), dst_offs, strict=True)]
+        if any(guards):  # copies that must wait for a reused slot's readers go last: the rest need not wait
+            self._count("guarded", sum(map(bool, guards)))
+            idx = sorted(range(len(loads)), key=lambda i: bool(guards[i]))
+            loads, segments, guards = [loads[i] for i in idx], [segments[i] for i in idx], [guards[i] for i in idx]
         try:
-            self.engine.submit(self._h2d_request(loads, pinned.buffer, dst, segments, priority, deadline_s))
+            req = self._h2d_request(loads, pinned.buffer, dst, segments, priority, deadline_s, guards)
+            self.engine.submit(req)
         except Exception:  # refused before any byte moved: give every slot back
             self._abandon(loads)
             raise
         self._start_maps(loads, priority, deadline_s)
-        return [ld.fut for ld in loads]
+        self._queue_sweep()
+        return futs
 
-    # ---- completing loads -------------------------------------------------------------------------------
     def _step(self, ld: _Load, *, copy_issued: bool = False, copy_end: bool = False, map_end: bool = False,
               error: BaseException | None = None, event: Any = None) -> None:
         """A part of a load ended (on the link's worker or retire thread): publish it once every
@@ -246,7 +259,7 @@ class ExpertLoadHandler:
         counted."""
         with ld.lock:
             if event is not None:
-                ld.event = event
+                ld.event, ld.order = event, next(self._issued)  # called in issue order, on the link's worker
             if error is not None:
                 if ld.error is None:
                     ld.error = error
@@ -273,7 +286,8 @@ class ExpertLoadHandler:
 
     def _publish(self, ld: _Load) -> None:
         try:
-            self.pool.complete_load(ld.layer, ld.expert, True, event=ld.event)
+            self.pool.complete_load(ld.layer, ld.expert, True, event=ld.event,
+                                    order=None if ld.order is None else (self, ld.order))
         except Exception as exc:
             ld.error = exc
             return
@@ -319,9 +333,14 @@ class ExpertLoadHandler:
     def _start_maps(self, loads: list[_Load], priority: Priority, deadline_s: float | None, i: int = 0) -> None:
         """map_in="beside_copy": map the expert ranges beside their copies, as idle jobs of the host->device worker: one
         job maps loads[i]'s range and queues the next, so a list costs one queued job at a time and a more urgent
-        list's maps still go first."""
+        list's maps still go first. Ranges that map their slot already need none."""
         if self.map_in == "before_copy":
             return
+        if i == 0 and any(ld.premapped for ld in loads):
+            for ld in (ld for ld in loads if ld.premapped):
+                self._step(ld, map_end=True)
+            if not (loads := [ld for ld in loads if not ld.premapped]):
+                return
 
         def job() -> None:
             ld = loads[i]
@@ -345,13 +364,29 @@ class ExpertLoadHandler:
         except Exception as exc:  # the copies are under way: these loads complete with this error once they land
             fail(exc)
 
-    def _take_staging(self) -> StagingLease:
-        assert self._staging is not None  # there is an NVMe store
-        return self._staging.take(self._record_bytes)
+    def _queue_sweep(self) -> None:
+        """`sweep_stale` as an idle job of the link's worker at the lowest priority (after the maps queued before),
+        one queued at a time; what it leaves (readers still running) a later one unmaps, or the pool's close."""
+        if not self.pool.num_stale:
+            return
+        with self._cv:
+            if self._sweep_queued:
+                return
+            self._sweep_queued = True
+
+        def job() -> None:
+            with self._cv:
+                self._sweep_queued = False
+            self.pool.sweep_stale()
+
+        try:
+            self.engine.submit_idle(Link.H2D, job, Priority.LOW)
+        except Exception:  # closing: the pool's close unmaps what is left
+            with self._cv:
+                self._sweep_queued = False
 
     def _give_staging(self, buf: StagingLease) -> None:
-        assert self._staging is not None
-        self._staging.give(buf)
+        self._staging.give(buf)  # type: ignore[union-attr]  # there is an NVMe store
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Refuse new loads, wait for those in flight (the transfer engine must still run, and runs their map
@@ -359,8 +394,7 @@ class ExpertLoadHandler:
         with self._cv:
             self._closed = True
             if not self._cv.wait_for(lambda: self._inflight == 0, timeout_s):
-                raise TimeoutError(f"expert loader close: {self._inflight} load(s) still in flight "
-                                   f"after {timeout_s} s")
+                raise TimeoutError(f"expert loader close: {self._inflight} load(s) still in flight after {timeout_s} s")
         if self._own_staging and self._staging is not None:
             self._staging.close()
         self._staging = None

@@ -290,3 +290,36 @@ def test_forced_routes_replay_the_graph_on_cuda(tmp_path: Path) -> None:
     from tests.runtime.test_offload_exec import forced_graph_vs_eager
 
     forced_graph_vs_eager(preset("tiny"), "cuda", tmp_path)
+
+
+def test_a_released_slot_is_not_overwritten_under_a_kernel_still_reading_it_on_cuda(dev: Device, vmm) -> None:
+    """The engine's evictions return at once (`release`): the copy of the expert that reuses the slot must be
+    ordered, on the device, after a kernel queued before the eviction that still reads the old expert (here one
+    that sleeps ~0.1 s first, while the 2.25 MiB copy takes ~50 µs)."""
+    from runtime.weights.format import ExpertFormat
+    from runtime.weights.loader import ExpertLoadHandler
+    from runtime.weights.sources import SyntheticExpertSource
+    from runtime.weights.stores import PinnedExpertStore
+
+    fmt = ExpertFormat.swiglu(512, 768)
+    pinned = PinnedExpertStore(dev, SyntheticExpertSource(fmt, 1, 2, seed=7))
+    pool = ExpertSlotPool(vmm, dev, 1, 2, fmt.num_bytes, 1, slot_window=True)
+    with TransferEngine(dev) as eng:
+        loader = ExpertLoadHandler(pool, eng, pinned=pinned)  # the engine's defaults: beside_copy, issued
+        loader.load_many(0, [0])[0].wait(30)
+        pool.wait_ready(0, [0])
+        old = pool.expert_tensor(0, 0)
+        out = torch.empty_like(old)
+        torch.cuda._sleep(200_000_000)
+        out.copy_(old)  # the reader, queued behind the sleep
+        pool.record_read(0, [0], dev.record_event())
+        pool.release(0, 0)
+        loader.load_many(0, [1])[0].wait(30)
+        pool.wait_ready(0, [1])
+        new = pool.expert_tensor(0, 1).clone()
+        torch.cuda.synchronize()
+        assert checksum(out.cpu()) == pinned.checksum(0, 0), "the reused slot was overwritten under its reader"
+        assert checksum(new.cpu()) == pinned.checksum(0, 1)
+        loader.close()
+    pool.close()
+    pinned.close()

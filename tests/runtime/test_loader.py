@@ -160,7 +160,7 @@ def test_a_failing_publish_still_completes_and_counts_the_load(tmp_path: Path, d
     _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in=map_in)
     real = pool.complete_load
 
-    def broken(layer, expert, ok, event=None):
+    def broken(layer, expert, ok, event=None, order=None):
         real(layer, expert, False)
         raise RuntimeError("publish failed")
 
@@ -186,7 +186,7 @@ def test_any_verify_error_and_any_publish_error_complete_the_load(tmp_path: Path
         loader.load(0, 1, StoreKind.NVME).wait(10)
     assert pool.state(0, 1) is ExpertState.ABSENT and loader.stats()["corrupt_detected"] == 0
 
-    def publish(layer, expert, ok, event=None):
+    def publish(layer, expert, ok, event=None, order=None):
         if ok:
             raise RuntimeError("publish failed (injected)")
         real(layer, expert, ok, event)
