@@ -19,6 +19,7 @@ import anyio.to_thread
 from fastapi import HTTPException
 
 from api.auth import TokenAuth
+from api.db.errors import StoreError
 from api.service_metrics import ServiceMetrics
 
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -93,6 +94,9 @@ class WriteGate:
             except HTTPException as exc:
                 extra = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
                 await _reply(send, exc.status_code, str(exc.detail), extra)
+                return
+            except StoreError as exc:  # the token table could not be read: the service, not the client, failed
+                await _reply(send, 503, f"database unavailable: {exc}", [(b"retry-after", b"1")])
                 return
         await self.app(scope, receive, send)
 

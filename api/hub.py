@@ -41,6 +41,7 @@ from controller.state import RejectCode
 log = logging.getLogger(__name__)
 PRUNE_EVERY_S = 60.0
 MAINTAIN_EVERY_S = 1.0  # the planner thread's longest sleep (WAL checkpoint, retention)
+UNKNOWN_AGENT_LABEL = "unregistered"  # agent_id label of windows from ids never registered
 YIELD_MAX_S = 0.05  # the longest the planner defers a step to ingest requests (then it proceeds anyway)
 
 
@@ -190,7 +191,8 @@ class ControllerHub:
                                              code=RejectCode.UNKNOWN_AGENT.value,
                                              message=f"agent {agent_id!r} is not registered (POST /v1/agents first)")
                              for i, t in items]
-                self.metrics.windows.labels(agent_id, "rejected").inc(len(items))
+                # one label for every unregistered id: a client's typos must not grow the series without bound
+                self.metrics.windows.labels(UNKNOWN_AGENT_LABEL, "rejected").inc(len(items))
                 continue
             accepted, refused = self._ingest_agent(slot, items)
             rejected += refused
@@ -202,32 +204,45 @@ class ControllerHub:
 
     def _ingest_agent(self, slot: AgentSlot, items: list[tuple[int, Telemetry]]) -> tuple[int, list[WindowRejection]]:
         with slot.lock:
+            if slot.gate_stale:  # a store failed after the mirror moved: take it from the database again first
+                slot.reload_gate(self.repo)
+                slot.gate_stale = False
             ok, refused = slot.check_windows(items, self.repo)
             if not ok:
                 return 0, refused
-            try:
-                self.repo.add_windows([t for _, t in ok])
-            except Conflict:
-                # Some were stored already (a retried batch, or another process): reload the mirror from the
-                # database and take the windows one at a time, refusing those it already has.
-                slot.reload_gate(self.repo)
-                ok2, refused2 = [], []
-                for item in ok:
-                    good, bad = slot.check_windows([item])
-                    if good:
-                        try:
-                            self.repo.add_windows([item[1]])
-                            ok2 += good
-                        except Conflict as exc:
-                            slot.reload_gate(self.repo)
-                            refused2.append(WindowRejection(index=item[0], agent_id=item[1].agent_id,
-                                                            window_seq=item[1].window_seq,
-                                                            code=RejectCode.SEQ_NOT_INCREASING.value,
-                                                            message=str(exc)[:4000]))
-                    refused2 += bad
-                ok, refused = ok2, refused + refused2
+            try:  # the mirror moved in check_windows: a failure to store marks it stale (reloaded first next time)
+                ok, refused = self._store(slot, ok, refused)
+            except BaseException:
+                slot.gate_stale = True
+                raise
             slot.pending.extend(t for _, t in ok)
             return len(ok), refused
+
+    def _store(self, slot: AgentSlot, ok: list[tuple[int, Telemetry]],
+               refused: list[WindowRejection]) -> tuple[list[tuple[int, Telemetry]], list[WindowRejection]]:
+        """Store the checked windows; on a Conflict, one at a time (those stored already are refused as seq_not_increasing)."""
+        try:
+            self.repo.add_windows([t for _, t in ok])
+        except Conflict:
+            # Some were stored already (a retried batch, or another process): reload the mirror from the
+            # database and take the windows one at a time, refusing those it already has.
+            slot.reload_gate(self.repo)
+            ok2, refused2 = [], []
+            for item in ok:
+                good, bad = slot.check_windows([item])
+                if good:
+                    try:
+                        self.repo.add_windows([item[1]])
+                        ok2 += good
+                    except Conflict as exc:
+                        slot.reload_gate(self.repo)
+                        refused2.append(WindowRejection(index=item[0], agent_id=item[1].agent_id,
+                                                        window_seq=item[1].window_seq,
+                                                        code=RejectCode.SEQ_NOT_INCREASING.value,
+                                                        message=str(exc)[:4000]))
+                refused2 += bad
+            ok, refused = ok2, refused + refused2
+        return ok, refused
 
     # ---- acks ---------------------------------------------------------------------------------------------
     def ack(self, ack: PlanAck) -> PlanRecord:

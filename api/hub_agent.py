@@ -54,6 +54,7 @@ class WindowTally:
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str], float] = {}  # (metric attribute, label) -> amount
         self.last: Telemetry | None = None
+        self.expert_lookups = [0, 0]  # hits, misses over the pass's windows (a window can have no lookups at all)
 
     def add(self, tel: Telemetry, last_fallbacks: dict[str, int]) -> None:
         c = self.counts
@@ -69,6 +70,8 @@ class WindowTally:
             before = last_fallbacks.get(name, 0)
             c["fallbacks", name] = c.get(("fallbacks", name), 0) + (n - before if n >= before else n)
             last_fallbacks[name] = n
+        self.expert_lookups[0] += tel.expert_hits
+        self.expert_lookups[1] += tel.expert_misses
         self.last = tel
 
     def flush(self, metrics: ServiceMetrics, agent_id: str) -> None:
@@ -77,9 +80,9 @@ class WindowTally:
         tel = self.last
         if tel is None:
             return
-        looked_up = tel.expert_hits + tel.expert_misses
-        if looked_up:
-            metrics.hit_rate.labels(agent_id).set(tel.expert_hits / looked_up)
+        hits, misses = self.expert_lookups
+        if hits + misses:
+            metrics.hit_rate.labels(agent_id).set(hits / (hits + misses))
         metrics.step_s.labels(agent_id, "p50").set(tel.step_timings_ms.p50 / 1e3)
         metrics.step_s.labels(agent_id, "p99").set(tel.step_timings_ms.p99 / 1e3)
 
@@ -95,6 +98,7 @@ class AgentSlot:
     pending: deque[Telemetry | PlanAck] = field(default_factory=deque)
     new_windows: int = 0  # windows fed to the controller since its last decision
     needs_rebuild: bool = False
+    gate_stale: bool = False  # a store failed after the gate had mirrored the windows: reload it before use
     promotions_seen: int = 0
     measured: dict[int, tuple[float, int]] = field(default_factory=dict)  # version -> (sum of p50 ms, windows)
     fallbacks: dict[str, int] = field(default_factory=dict)

@@ -28,9 +28,15 @@ def knobs_misfit(reg: AgentRegistration, knobs: PolicyKnobs) -> str | None:
     """Why `knobs` cannot drive this agent's controller ('<knob>: ...'), or None when they fit."""
     shape, split = model_shape(reg), reg.split
     try:
-        pinned_by_layer(shape, knobs.pinned_experts)
+        pins = pinned_by_layer(shape, knobs.pinned_experts)
     except ValueError as exc:
         return f"{exc} (agent {reg.agent_id})"
+    cap = knobs.max_slots_per_layer
+    for layer, experts in pins.items():  # a layer with pins keeps them plus one token's top-k (controller/loop.py)
+        need = min(shape.num_experts, len(experts) + shape.top_k)
+        if cap is not None and cap < need:
+            return (f"max_slots_per_layer: {cap} is below the {need} slots layer {layer} needs for its "
+                    f"{len(experts)} pinned expert(s) plus top_k={shape.top_k} (agent {reg.agent_id})")
     if knobs.hbm_budget_bytes is not None and knobs.hbm_budget_bytes > split.hbm_budget_bytes:
         return (f"hbm_budget_bytes: {knobs.hbm_budget_bytes} exceeds agent {reg.agent_id}'s registered budget of "
                 f"{split.hbm_budget_bytes} bytes")

@@ -32,7 +32,8 @@ class ServiceMetrics:
                                  ["agent_id", "layer"], registry=r)
         self.split_kv = Gauge("tierplan_split_kv_blocks", "KV blocks of the newest plan, per tier",
                               ["agent_id", "tier"], registry=r)
-        self.hit_rate = Gauge("tierplan_expert_hit_rate", "Expert hit rate of the last window", ["agent_id"],
+        self.hit_rate = Gauge("tierplan_expert_hit_rate", "Expert hit rate over the last planner pass's windows",
+                              ["agent_id"],
                               registry=r)
         self.kv_hits = Counter("tierplan_kv_hits", "KV block hits", ["agent_id", "tier"], registry=r)
         self.kv_misses = Counter("tierplan_kv_misses", "KV block misses", ["agent_id", "tier"], registry=r)

@@ -26,8 +26,8 @@ _INVARIANT = "protocol_invariant"
 
 
 def _check_id(value: str) -> str:
-    if not value or any(ch.isspace() for ch in value):
-        raise PydanticCustomError("bad_id", "must be non-empty and contain no whitespace")
+    if not value or any(ch.isspace() or not ch.isprintable() for ch in value):
+        raise PydanticCustomError("bad_id", "must be non-empty and contain no whitespace or control characters")
     return value
 
 
@@ -38,8 +38,9 @@ def _check_text(value: str) -> str:
 
 
 # Ints are strict: "3", 3.0 and True are refused rather than silently coerced.
-Count = Annotated[int, Strict(), Field(ge=0)]
-Version = Annotated[int, Strict(), Field(ge=1)]
+MAX_INT = 2**63 - 1  # what every store (SQLite, PostgreSQL BIGINT) and Prometheus can hold exactly
+Count = Annotated[int, Strict(), Field(ge=0, le=MAX_INT)]
+Version = Annotated[int, Strict(), Field(ge=1, le=MAX_INT)]
 LayerIndex = Annotated[int, Strict(), Field(ge=0, lt=MAX_LAYERS)]
 ExpertIndex = Annotated[int, Strict(), Field(ge=0, lt=MAX_EXPERTS)]
 NumLayers = Annotated[int, Strict(), Field(ge=1, le=MAX_LAYERS)]
