@@ -220,7 +220,7 @@ class ControllerHub:
 
     def _store(self, slot: AgentSlot, ok: list[tuple[int, Telemetry]],
                refused: list[WindowRejection]) -> tuple[list[tuple[int, Telemetry]], list[WindowRejection]]:
-        """Store the checked windows; on a Conflict, one at a time (those stored already are refused as seq_not_increasing)."""
+        """Store the checked windows; on a Conflict, one at a time (those already stored: seq_not_increasing)."""
         try:
             self.repo.add_windows([t for _, t in ok])
         except Conflict:

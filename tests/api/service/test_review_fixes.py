@@ -54,8 +54,8 @@ def test_control_characters_in_ids_are_refused(svc: Service) -> None:
 
 def test_a_slot_cap_below_a_layers_pins_plus_top_k_is_refused_by_name(svc: Service) -> None:
     assert svc.register().status_code == 201
-    knobs = PolicyKnobs(max_slots_per_layer=2, pinned_experts=(ExpertKey(layer=0, expert=0),
-                                                              ExpertKey(layer=0, expert=1), ExpertKey(layer=0, expert=2)))
+    pins = tuple(ExpertKey(layer=0, expert=e) for e in range(3))
+    knobs = PolicyKnobs(max_slots_per_layer=2, pinned_experts=pins)
     r = svc.client.put("/v1/policies/default", json={"knobs": knobs.model_dump(mode="json"), "why": "too tight"},
                        headers=AUTH)
     assert r.status_code == 422 and "max_slots_per_layer" in r.text and "layer 0" in r.text, r.text
