@@ -1,14 +1,12 @@
 """Expert slot pool: a stable virtual range per MoE layer, a fixed pool of physical slots (inference process).
 
-Each layer owns one virtual range holding every expert at `expert * stride_bytes`, so a grouped GEMM reads
-expert e at a fixed address whether or not it is resident. `num_slots` physical chunks (granularity aligned) are
-mapped to logical experts on demand (runtime/memory/ranges.py). Loading is two-phase: `prepare_load` reserves a
-free slot (and maps it, unless `map_now=False`: then the copy's worker calls `map_reserved`, keeping the ~50 µs
-driver calls off the submitting thread), the caller moves the bytes, `complete_load(ok, event)` publishes them.
-With `slot_window=True` every slot is also mapped, for the pool's lifetime, at its own address in one extra range
-(the slot window): `prepare_load(..., via_window=True)` returns the slot's window view, so the copy starts at once
-and the expert's range is mapped beside it; both must be done before `complete_load(ok=True)`. Kernels only ever
-read through expert ranges.
+Each layer owns one virtual range holding every expert at `expert * stride_bytes` (a grouped GEMM reads expert e
+at a fixed address, resident or not); `num_slots` physical chunks are mapped to experts on demand (ranges.py).
+Loading is two-phase: `prepare_load` reserves a free slot (and maps it, unless `map_now=False`: the copy's worker
+then calls `map_reserved`, off the submitting thread), the caller moves the bytes, `complete_load(ok, event)`
+publishes them. With `slot_window=True` every slot is also mapped at its own address in one extra range for the
+pool's lifetime: `prepare_load(..., via_window=True)` returns that view, so the copy starts at once and the
+expert's range is mapped beside it. Kernels only ever read through expert ranges.
 
 Invariants (each has a test in tests/runtime/test_slots.py):
   I1 stable address: `layer_tensor(l).data_ptr()` never changes between construction and close.
@@ -17,16 +15,17 @@ Invariants (each has a test in tests/runtime/test_slots.py):
      load's event, and reading a LOADING or absent expert through `expert_tensor` raises. A load may be
      published while its copy still runs (its event pending): work that reads experts without naming them
      (an all-resident layer, a CUDA-graph replay) calls `wait_published` first.
-  I4 WAR: a slot is written again only after every reader event recorded on it, its own load copy, and the
-     last pool-wide read fence (`record_read_all`: work that may read any slot) completed. `unmap` waits for
-     them on the host; `release` (the engine's evictions) returns at once and hands them on to the slot's next
-     load (`load_guards`: the loader orders its copy after them on the device; `prepare_load` waits for them)
-     and to the range, which stays mapped ("stale", runtime/memory/ranges.py) at least until they are done.
+  I4 WAR: a slot is written again only after its reader events, its own load copy and the last pool-wide read
+     fence (`record_read_all`) completed. `unmap` waits for them on the host; `release` (the engine's evictions)
+     returns at once and hands them to the slot's next load (`load_guards`: the loader's copy waits for them on
+     the device, `prepare_load` on the host; a failed load hands them back) and to the range, which stays mapped
+     ("stale", ranges.py) at least until they are done.
   I5 never stale: an ABSENT expert's range shows the poison byte (or faults, poison off), never another
-     expert's bytes, once it is unmapped. Poisoned pools unmap released ranges once their readers are done
-     (`sweep_stale`); with poison off a released range stays mapped until it is mapped again (before that it
-     is unmapped), so a reload into its old slot needs no driver call. Reads of absent or LOADING experts are
-     refused by I3 throughout; `scrub_on_unmap` poisons a slot's old contents before reuse.
+     expert's bytes, once it is unmapped. Poisoned pools unmap a released range at once when nothing reads it,
+     else once its readers are done (`sweep_stale`); with poison off a released range stays mapped until it is
+     mapped again, so a reload into its old slot needs no driver call, and it may show the slot's next
+     expert meanwhile. Reads of absent or LOADING experts are refused by I3 throughout; `scrub_on_unmap`
+     poisons a slot's old contents before reuse.
   I6 recycled: free + bound slots == num_slots at every step; close() releases every backend object.
 
 Mechanism only: which expert to load or evict is the caller's decision (agent local policy).
@@ -254,6 +253,15 @@ class ExpertSlotPool:
         assert slot is not None
         if en.state in (ExpertState.RESIDENT, ExpertState.EVICTING):
             self._num_resident[layer] -= 1
+        # A failed load's guards (readers of the slot's previous expert) go back to the slot: no scrub, no unmap
+        # touches it before they end (I4).
+        guards = [g for g in en.guards or () if not g.query()] if en.state is ExpertState.LOADING else []
+        self._guards[slot] = [*self._guards.get(slot, ()), *guards]
+        if guards and en.mapped and not self.scrub_on_unmap:
+            self.ranges.defer_unmap(layer, expert, slot, guards)
+            return self._free_slot_locked(layer, slot, en)
+        for g in guards if self.scrub_on_unmap else ():
+            g.synchronize()
         if self.scrub_on_unmap and (en.mapped or self._window is not None):  # a window load may not be mapped yet
             src = self._window[slot * stride : (slot + 1) * stride] if self._window is not None else \
                 self._tensors[layer][expert * stride : (expert + 1) * stride]  # [stride_bytes]
@@ -312,7 +320,8 @@ class ExpertSlotPool:
     def record_read_all(self, event: Event) -> None:
         """Work ending at `event` may read any resident expert (a step that skipped per-expert bookkeeping, a graph
         replay): no slot is reused before it ends."""
-        self._fence = event  # one attribute: no lock
+        with self._lock:  # an eviction checks then clears the fence under the lock: a new one must not slip between
+            self._fence = event
 
     def _evictable_locked(self, layer: int, expert: int, what: str) -> tuple[_Entry, list[Event]]:
         """The entry of a resident, unpinned expert and the events of the work that may still read its slot."""
@@ -341,8 +350,10 @@ class ExpertSlotPool:
             assert slot is not None
             self._num_resident[layer] -= 1
             self._guards[slot] = pending
-            if en.mapped:
+            if en.mapped and (pending or self.ranges.poison is None):
                 self.ranges.defer_unmap(layer, expert, slot, pending)
+            elif en.mapped:  # poisoned (a debugging pool): nothing reads the range, so it shows poison from now on
+                self.ranges.unmap(layer, expert)
             self._free_slot_locked(layer, slot, en)
 
     def sweep_stale(self, block: bool = False) -> int:

@@ -78,6 +78,49 @@ def test_a_released_slot_is_copied_into_only_after_the_kernels_reading_its_old_e
         nvme.close()
 
 
+@pytest.mark.parametrize("failing", ["another expert", "the released expert (its kept range)"])
+def test_a_load_that_fails_in_a_reused_slot_keeps_the_old_readers_guards(tmp_path: Path, dev: Device,
+                                                                        failing: str) -> None:
+    """A failed load (a corrupt NVMe record) gives the slot back with its guards: the next copy into it still
+    waits for the kernel reading the slot's old expert, and no range is unmapped under that kernel."""
+    import os
+
+    src = SyntheticExpertSource(MIXED, 1, 4, seed=3)
+    pinned = PinnedExpertStore(dev, src)
+    nvme = NvmeExpertStore.build(tmp_path / "e.bin", src, dev)
+    pool = ExpertSlotPool(HostBackend(), dev, 1, 4, MIXED.num_bytes, 1, slot_window=True)
+    kernel = Kernel()
+    try:
+        with TransferEngine(dev) as eng:
+            loader = ExpertLoadHandler(pool, eng, pinned, nvme)
+            loader.load_many(0, [0])[0].wait(T)
+            old = pool.expert_tensor(0, 0).clone()
+            pool.record_read(0, [0], kernel)
+            pool.release(0, 0)
+            bad = 0 if failing.startswith("the released") else 1
+            off = nvme.region(0, bad).offset_bytes + 100
+            fd = os.open(tmp_path / "e.bin", os.O_RDWR)
+            os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 1]), off)
+            os.close(fd)
+            with pytest.raises(Exception, match="checksum|corrupt|Corrupt"):
+                loader.load(0, bad, StoreKind.NVME).wait(T)
+            assert not kernel.query() and pool.num_stale >= 1  # expert 0's range: still mapped under its reader
+            fut = loader.load_many(0, [2])[0]
+            assert kernel.waited.wait(T), "the copy after a failed load did not wait for the slot's old reader"
+            assert not fut.done() and torch.equal(stride_view(pool, 0, 0)[: MIXED.num_bytes], old)
+            kernel.set()
+            fut.wait(T)
+            pool.wait_ready(0, [2])
+            assert checksum(pool.expert_tensor(0, 2)) == pinned.checksum(0, 2)
+            loader.close()
+        pool.check_invariants()
+    finally:
+        kernel.set()
+        pool.close()
+        pinned.close()
+        nvme.close()
+
+
 def test_release_leaves_the_range_mapped_until_its_readers_finish_then_a_sweep_poisons_it(env) -> None:
     pool = env.pool()  # poisoned absent ranges, 4 slots
     data = torch.arange(STRIDE, dtype=torch.int64).to(torch.uint8)[:5000]
@@ -91,6 +134,14 @@ def test_release_leaves_the_range_mapped_until_its_readers_finish_then_a_sweep_p
     kernel.set()
     assert pool.sweep_stale() == 1 and pool.num_stale == 0
     assert is_poison(stride_view(pool, 0, 2))  # I5 once swept
+    pool.check_invariants()
+
+
+def test_a_poisoned_pool_unmaps_a_released_range_nothing_reads_at_once(env) -> None:
+    pool = env.pool()  # poisoned absent ranges
+    load(pool, 0, 1, torch.full((5000,), 9, dtype=torch.uint8))
+    pool.release(0, 1)  # no reader recorded
+    assert pool.num_stale == 0 and is_poison(stride_view(pool, 0, 1))  # I5 without waiting for a sweep
     pool.check_invariants()
 
 
