@@ -156,10 +156,31 @@ def _histogram(text: str, name: str) -> tuple[float, float]:
     return values.get("_count", 0.0), values.get("_sum", 0.0)
 
 
+def _direct_baseline(db_url: str, bodies: list[bytes], agent: str) -> float:
+    """The same batches parsed and stored by a Repository in this process, no HTTP, no checks: windows/s."""
+    from api.db.engine import make_engine
+    from api.db.repo import Repository
+    from controller.protocol_service import TelemetryBatch
+
+    engine = make_engine(db_url)
+    try:
+        repo = Repository(engine)
+        repo.register_agent(tiny_registration(agent))
+        t0, n = time.perf_counter(), 0
+        for body in bodies:
+            wins = [w.model_copy(update={"agent_id": agent}) for w in TelemetryBatch.model_validate_json(body).windows]
+            repo.add_windows(wins)
+            n += len(wins)
+        return n / (time.perf_counter() - t0)
+    finally:
+        engine.dispose()
+
+
 def run_ingest_bench(db_url: str, num_batches: int = 200, batch_windows: int = 64, clients: int = 1,
                      warmup_batches: int = 5, seed: int = 0, plan_interval_s: float = 0.2) -> dict[str, Any]:
     """POST `num_batches` batches of `batch_windows` windows (after a warm-up) split over `clients` agents,
-    one connection each; the numbers of the timed part."""
+    one connection each; the numbers of the timed part, and as the baseline the same batches parsed and stored
+    straight through a Repository in this process (`service_to_direct`: the service's share of that rate)."""
     import json
 
     token = "tp_bench_" + os.urandom(8).hex()
@@ -201,6 +222,7 @@ def run_ingest_bench(db_url: str, num_batches: int = 200, batch_windows: int = 6
             t.join()
         wall_s = time.perf_counter() - t0
         passes = _histogram(httpx.get(f"{url}/metrics", timeout=30.0).text, "tierplan_planner_pass_seconds")
+    direct = _direct_baseline(db_url, [b for bodies in plans for b in bodies], f"bench-direct-{seed}-{os.getpid()}")
     lat = np.array([x for xs in latencies for x in xs])
     accepted = sum(int(r.get("accepted", 0)) for rs in results for r in rs)
     rejected = sum(len(r.get("rejected", ())) for rs in results for r in rs)
@@ -210,6 +232,7 @@ def run_ingest_bench(db_url: str, num_batches: int = 200, batch_windows: int = 6
             "wall_s": wall_s, "windows_per_s": accepted / wall_s if wall_s > 0 else 0.0,
             "post_ms_p50": float(np.percentile(lat, 50)), "post_ms_p99": float(np.percentile(lat, 99)),
             "post_ms_max": float(lat.max()), "cpu_count": os.cpu_count(),
+            "direct_windows_per_s": direct, "service_to_direct": (accepted / wall_s) / direct if direct else 0.0,
             "planner_passes": passes[0], "planner_pass_ms_mean": passes[1] / passes[0] * 1e3 if passes[0] else 0.0,
             "target_windows_per_s": TARGET_WINDOWS_PER_S, "target_p99_ms": TARGET_P99_MS,
             "meets_target": bool(accepted / wall_s >= TARGET_WINDOWS_PER_S and np.percentile(lat, 99)

@@ -98,6 +98,7 @@ class ControllerHub:
                     self.plan_once()
                 self.prune()
                 if self.checkpoint is not None:
+                    self.yield_to_requests()
                     self.checkpoint()
             except Exception as exc:  # the thread must outlive a database hiccup; counted, retried next pass
                 log.exception("planner pass failed")

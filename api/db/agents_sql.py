@@ -122,7 +122,8 @@ def add_windows(conn: Connection, windows: Sequence[Telemetry], now_s: float) ->
         update(AgentRow.__table__)
         .where(AgentRow.__table__.c.agent_id == bindparam("b_agent_id"))
         .values(last_seen_s=now_s, num_windows=AgentRow.__table__.c.num_windows + bindparam("b_count")),
-        [{"b_agent_id": agent_id, "b_count": n} for agent_id, n in per_agent.items()])
+        # Agents in name order: two batches naming the same agents lock their rows in the same order.
+        [{"b_agent_id": agent_id, "b_count": per_agent[agent_id]} for agent_id in sorted(per_agent)])
 
 
 def describe_duplicate(conn: Connection, windows: Sequence[Telemetry]) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import QueuePool
 
 from api.db.errors import InvalidDatabaseURL
 
@@ -20,6 +20,7 @@ SQLITE_BUSY_TIMEOUT_MS = 10_000  # a writer waits this long for another process'
 PG_CONNECT_TIMEOUT_S = 5  # an unreachable host fails within this, not after the OS's minutes-long TCP timeout
 SQLITE_DRIVERS = ("sqlite", "sqlite+pysqlite")
 PG_DRIVERS = ("postgresql", "postgresql+psycopg")
+MEMORY_POOL_WAIT_S = 300  # `sqlite://`: how long a thread waits for the one connection
 WRITE_OPTION = "tierplan_write"  # execution option: this transaction writes (SQLite takes the write lock first)
 
 
@@ -51,8 +52,8 @@ def is_sqlite(url: URL | Engine) -> bool:
 def make_engine(url: str) -> Engine:
     """An engine for `url`. SQLite: WAL journal, busy timeout, foreign keys on, and write transactions that take
     the write lock when they begin (BEGIN IMMEDIATE), so two processes never deadlock upgrading a read lock;
-    `sqlite://` is one shared in-memory database (StaticPool). PostgreSQL: psycopg 3, pre-ping, connect
-    timeout."""
+    `sqlite://` is one in-memory database in one connection, used by one thread at a time. PostgreSQL:
+    psycopg 3, pre-ping, connect timeout."""
     parsed = parse_url(url)
     if is_sqlite(parsed):
         return _sqlite_engine(parsed)
@@ -63,7 +64,10 @@ def make_engine(url: str) -> Engine:
 def _sqlite_engine(parsed: URL) -> Engine:
     in_memory = parsed.database in (None, "", ":memory:")
     if in_memory:
-        engine = create_engine(parsed, poolclass=StaticPool, connect_args={"check_same_thread": False})
+        # The database lives in its one connection, which every thread shares: a pool of exactly one makes a
+        # second thread wait for the first to hand it back (a StaticPool would let their transactions mix).
+        engine = create_engine(parsed, poolclass=QueuePool, pool_size=1, max_overflow=0,
+                               pool_timeout=MEMORY_POOL_WAIT_S, connect_args={"check_same_thread": False})
     else:
         engine = create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
 

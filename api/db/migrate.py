@@ -34,7 +34,7 @@ class MigrationError(StoreError):
 
 @contextmanager
 def _script_location() -> Iterator[str]:
-    with resources.as_file(resources.files("api.db") / "migrations") as path:
+    with resources.as_file(resources.files(__name__.rpartition(".")[0]) / "migrations") as path:
         yield str(path)
 
 

@@ -65,6 +65,11 @@ def plan_history(conn: Connection, agent_id: str, limit: int, before_version: in
 
 def record_ack(conn: Connection, ack: PlanAck, now_s: float) -> PlanRecord:
     where = (PLANS.c.agent_id == ack.agent_id, PLANS.c.version == ack.version)
+    # Lock the agent's row before its plan's, in the order insert_plan takes them: two service processes, one
+    # issuing the next plan and one recording an ack, must not each hold the lock the other waits for.
+    # (FOR NO KEY UPDATE, the lock insert_plan's UPDATE takes, so window inserts' foreign-key locks still pass.)
+    lock_agent = select(AgentRow.agent_id).where(AgentRow.agent_id == ack.agent_id).with_for_update(key_share=True)
+    conn.execute(lock_agent)
     row = conn.execute(select(*_RECORD_COLUMNS).where(*where)).first()
     if row is None:
         raise NotFound(f"agent {ack.agent_id!r} has no plan version {ack.version}; expected an ack for a plan the "

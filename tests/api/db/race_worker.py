@@ -4,7 +4,9 @@ Run as `python -m tests.api.db.race_worker URL AGENT_ID NUM_VERSIONS NAME GO_FIL
 (NAME.ready beside GO_FILE) and waits for GO_FILE, so both processes start racing together; then does what a
 service's planner does: reads the agent's newest plan version and stores the next one (stamped with NAME),
 until NUM_VERSIONS exist. Prints one JSON line: the versions it won and, for each loss, (attempted, the
-PlanConflict's current_version). It touches only the database it is given.
+PlanConflict's current_version). A NAME starting with "acker" acks instead: it applies the newest plan
+whenever it has no ack yet, until version NUM_VERSIONS is acked, and prints the versions it acked. It
+touches only the database it is given.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from api.db.engine import make_engine
 from api.db.errors import PlanConflict
 from api.db.repo import Repository
-from tests.api.db.builders import plan
+from tests.api.db.builders import ack, plan
 
 
 def main(url: str, agent_id: str, num_versions: int, name: str, go_file: Path) -> None:
@@ -28,6 +30,10 @@ def main(url: str, agent_id: str, num_versions: int, name: str, go_file: Path) -
     end = time.monotonic() + 60
     while not go_file.exists() and time.monotonic() < end:
         time.sleep(0.001)
+    if name.startswith("acker"):
+        print(json.dumps({"name": name, "acked": _ack_until(repo, agent_id, num_versions)}))
+        engine.dispose()
+        return
     won: list[int] = []
     lost: list[tuple[int, int]] = []
     while (version := repo.newest_version(agent_id) + 1) <= num_versions:
@@ -38,6 +44,17 @@ def main(url: str, agent_id: str, num_versions: int, name: str, go_file: Path) -
             lost.append((version, exc.current_version))
     engine.dispose()
     print(json.dumps({"name": name, "won": won, "lost": lost}))
+
+
+def _ack_until(repo: Repository, agent_id: str, num_versions: int) -> list[int]:
+    acked: list[int] = []
+    while not acked or acked[-1] < num_versions:
+        rec = repo.current_plan(agent_id)
+        if rec is None or rec.ack is not None:
+            continue
+        repo.record_ack(ack(rec.plan, agent_id=agent_id))  # the only acker: a Conflict here is a bug
+        acked.append(rec.plan.version)
+    return acked
 
 
 if __name__ == "__main__":

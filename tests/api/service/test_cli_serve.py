@@ -48,3 +48,12 @@ def test_a_served_process_accepts_its_bootstrap_token(tmp_path: Path) -> None:
         assert ok.status_code == 201
         assert httpx.post(f"{url}/v1/agents", content=reg).status_code == 401
         assert httpx.get(f"{url}/readyz").json() == {"status": "ready"}
+
+
+def test_the_ingest_bench_runs_end_to_end(tmp_path: Path) -> None:
+    from api.bench_api import run_ingest_bench
+
+    r = run_ingest_bench(f"sqlite:///{tmp_path / 'b.db'}", num_batches=3, batch_windows=8, warmup_batches=1)
+    assert r["windows_accepted"] == 24 and r["windows_rejected"] == 0 and r["posts_failed"] == 0
+    assert r["batches"] == 3 and r["windows_per_s"] > 0 and r["direct_windows_per_s"] > 0
+    assert set(r) >= {"post_ms_p50", "post_ms_p99", "post_ms_max", "meets_target", "service_to_direct"}
