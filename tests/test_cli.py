@@ -65,7 +65,10 @@ def test_demo_ends_with_demo_ok(tmp_path: Path) -> None:
     assert r.output.strip().splitlines()[-1].startswith("demo: ok")
     assert "outputs identical with and without the controller: True" in r.output
     assert "controller plan history" in r.output and "v1: batch" in r.output  # each plan's reason, in words
-    assert "every plan within it True" in r.output
+    assert "every applied plan within it True" in r.output
+    # the controller ran as a service: plans came over HTTP, the agent's link never did I/O on engine threads
+    assert "controller (service):" in r.output and "0 socket calls on the engine's threads" in r.output
+    assert "decisions page: http://127.0.0.1:" in r.output
 
 
 def test_check_exact_prints_the_result_line(tmp_path: Path) -> None:
