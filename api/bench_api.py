@@ -12,9 +12,7 @@ the service tests reuse. It never asserts a time; the caller compares against th
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from api.stack import start_service
 from controller.protocol import Link, Telemetry
 from controller.protocol_service import (
     AgentRegistration,
@@ -33,7 +32,6 @@ from controller.protocol_service import (
     SplitSheet,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY_UNIT_BYTES = 4096  # api/demo_loop.py: 4 KiB KV blocks, 12 KiB expert slots, a 64-unit budget
 TARGET_WINDOWS_PER_S = 2000.0
 TARGET_P99_MS = 20.0
@@ -93,45 +91,18 @@ def synthetic_window(agent_id: str, seq: int, rng: np.random.Generator, applied_
     return Telemetry.model_validate(body)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def serve_process(db_url: str, token: str, port: int | None = None, plan_interval_s: float = 0.2,
                   timeout_s: float = 60.0) -> Iterator[str]:
-    """`tierplan serve` as a subprocess until the block ends; yields its base URL once /readyz answers."""
-    import httpx
-
-    port = port or free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TIERPLAN_TOKEN": token}
-    cmd = [sys.executable, "-m", "api.cli", "serve", "--db", db_url, "--port", str(port),
-           "--plan-interval-s", str(plan_interval_s)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tierplan serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"tierplan serve did not become ready within {timeout_s} s")
-            time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
+    """`tierplan serve` as a subprocess until the block ends (api/stack.py); yields its base URL once /readyz
+    answers. Its log goes to a temporary folder, removed with it."""
+    with tempfile.TemporaryDirectory(prefix="tierplan-serve-") as logs:
+        svc = start_service(db_url, token, Path(logs), port=port, timeout_s=timeout_s,
+                            extra_args=("--plan-interval-s", str(plan_interval_s)))
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            yield svc.url
+        finally:
+            svc.proc.stop()
 
 
 def _client(url: str, token: str, bodies: list[bytes], latencies_ms: list[float], results: list[dict]) -> None:

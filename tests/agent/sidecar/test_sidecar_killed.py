@@ -8,7 +8,7 @@ from pathlib import Path
 
 from agent.service_link import LinkState, ServiceLink
 from agent.sidecar_backoff import Backoff
-from api.bench_api import free_port
+from api.stack import free_port
 from tests.agent.sidecar.helpers import balanced_link, registration, telemetry, wait_until
 from tests.agent.sidecar.procs import kill, scrape, start_sidecar, stop, total
 

@@ -9,7 +9,6 @@ its config or its data, and never binds anything but 127.0.0.1.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+
+from api.stack import free_port
 
 T = TypeVar("T")
 
@@ -38,12 +39,6 @@ class ScrapeJob:
 def prometheus_binary() -> str | None:
     """The distribution's prometheus binary, or None when it is not installed."""
     return shutil.which("prometheus") or (p if Path(p := "/usr/bin/prometheus").exists() else None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape_config(jobs: Sequence[ScrapeJob], interval_s: float) -> str:
