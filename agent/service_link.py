@@ -29,8 +29,9 @@ from itertools import count
 from typing import Any
 
 from agent.sidecar_backoff import Backoff
-from agent.sidecar_ipc import MAX_FRAME_BYTES, FrameDecoder, FrameError, FrameType, PlanRequest, encode_frame
+from agent.sidecar_ipc import MAX_FRAME_BYTES, FrameDecoder, FrameError, FrameType, encode_frame
 from controller.protocol import Plan, PlanAck, ProtocolModel, Telemetry
+from controller.protocol_service import PlanRequest
 
 RECV_BYTES = 1 << 16
 

@@ -1,8 +1,8 @@
 """The framed unix-socket protocol between an engine's agent (`ServiceLink`) and its sidecar (both processes).
 
 A frame is a 4-byte big-endian payload length, then the payload: UTF-8 JSON `{"type": T, "body": {...}}` with T
-one of `FrameType` and the body that message (controller/protocol.py, controller/protocol_service.py, or
-`PlanRequest` here). A payload is at most `MAX_FRAME_BYTES`; the sender refuses a bigger message
+one of `FrameType` and the body that message (controller/protocol.py or controller/protocol_service.py,
+`PlanRequest` included). A payload is at most `MAX_FRAME_BYTES`; the sender refuses a bigger message
 (`FrameError`) before writing a byte, so the stream stays in step.
 
 `FrameDecoder` turns received bytes into frames. A frame whose payload is not JSON, not the envelope, of an
@@ -20,9 +20,10 @@ import socket
 import struct
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any
 
-from controller.protocol import Count, Id, Plan, PlanAck, ProtocolError, ProtocolModel, Telemetry, parse
+from controller.protocol import Plan, PlanAck, ProtocolError, ProtocolModel, Telemetry, parse
+from controller.protocol_service import PlanRequest
 
 MAX_FRAME_BYTES = 8 << 20
 HEADER = struct.Struct(">I")
@@ -34,15 +35,6 @@ class FrameType(StrEnum):
     PLAN_ACK = "PlanAck"  # agent -> sidecar
     PLAN_REQUEST = "PlanRequest"  # agent -> sidecar: "send me the current plan if newer than this"
     PLAN = "Plan"  # sidecar -> agent
-
-
-class PlanRequest(ProtocolModel):
-    """Sent by the agent after (re)connecting: the sidecar answers with its cached plan when it is newer."""
-
-    schema_version: Literal[1] = 1
-    agent_id: Id
-    rank: Count = 0
-    since_version: Count  # the newest plan version the agent has already seen
 
 
 def _registration_type() -> type[ProtocolModel]:

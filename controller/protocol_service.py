@@ -143,6 +143,15 @@ class AgentRegistration(ProtocolModel):
         return self
 
 
+class PlanRequest(ProtocolModel):
+    """Agent -> sidecar after (re)connecting: the sidecar answers with its cached plan when it is newer."""
+
+    schema_version: Literal[1] = 1
+    agent_id: Id
+    rank: Count = 0
+    since_version: Count  # the newest plan version the agent has already seen
+
+
 # ---- telemetry ingest ----
 class TelemetryBatch(ProtocolModel):
     schema_version: Literal[1] = 1
