@@ -22,36 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from api.demo_loop import tiny_registration
 from api.stack import start_service
-from controller.protocol import Link, Telemetry
-from controller.protocol_service import (
-    AgentRegistration,
-    ComputeSheet,
-    HardwareSheet,
-    ShapeSpec,
-    SplitSheet,
-)
+from controller.protocol import Telemetry
 
-TINY_UNIT_BYTES = 4096  # api/demo_loop.py: 4 KiB KV blocks, 12 KiB expert slots, a 64-unit budget
 TARGET_WINDOWS_PER_S = 2000.0
 TARGET_P99_MS = 20.0
-
-
-def tiny_registration(agent_id: str = "agent-0", group: str = "default", kv_gpu_blocks_min: int = 16,
-                      registered_s: float = 0.0) -> AgentRegistration:
-    """The demo's tiny MoE agent on the CPU twin, as the sidecar registers it."""
-    unit = TINY_UNIT_BYTES
-    return AgentRegistration(
-        agent_id=agent_id, group=group, engine="tierplan-reference", registered_s=registered_s,
-        shape=ShapeSpec(name="tiny", num_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2, expert_bytes=12288,
-                        dense_bytes=182272, kv_bytes_per_token=256, block_tokens=16),
-        hardware=HardwareSheet(name="cpu twin", link_bytes_per_s=dict.fromkeys(Link, 2e9), transfer_overhead_s=2e-4,
-                               hbm_bytes=64 * unit),
-        split=SplitSheet(hbm_budget_bytes=64 * unit, dense_bytes=0, workspace_bytes=0, slot_bytes=3 * unit,
-                         kv_block_bytes=unit, kv_gpu_blocks_max=64, kv_gpu_blocks_min=kv_gpu_blocks_min,
-                         kv_block_tokens=16, kv_cpu_blocks=128, kv_nvme_blocks=128),
-        compute=ComputeSheet(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01, moe_ms_per_token=0.01,
-                             moe_ms_per_active_expert=0.05))
 
 
 def synthetic_window(agent_id: str, seq: int, rng: np.random.Generator, applied_plan_version: int = 0,

@@ -19,6 +19,7 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 BLOCK_TOKENS = 16
 MAX_BATCH = 16
 KV_GPU_CAPACITY, KV_CPU_BLOCKS, KV_NVME_BLOCKS = 64, 128, 128
+UNIT_BYTES = 4096  # the demo's sizes are whole units: 4 KiB KV blocks, 12 KiB expert slots
 BUDGET_UNITS = 64  # the split's HBM budget, in 4 KiB units: 16 expert slots (3 units each) would leave 16 for KV
 WINDOW_STEPS = 4
 VIRTUAL_STEP_S = 0.005
@@ -72,16 +73,19 @@ def demo_knobs(calibrate: bool = True) -> Any:
     return PolicyKnobs(min_slots_per_layer=2, horizon_steps=4 * WINDOW_STEPS, calibrate=calibrate)
 
 
-def demo_registration(engine: Any, budget_bytes: int, kv_floor: int, agent_id: str = "demo-agent") -> Any:
-    """The tiny engine's `AgentRegistration`: the one description both the in-process controller and the
-    service build the demo's controller from."""
+def tiny_registration(agent_id: str = "agent-0", group: str = "default", kv_gpu_blocks_min: int = 16,
+                      registered_s: float = 0.0, slot_bytes: int = 3 * UNIT_BYTES, kv_block_bytes: int = UNIT_BYTES,
+                      budget_bytes: int = BUDGET_UNITS * UNIT_BYTES) -> Any:
+    """The tiny engine's `AgentRegistration` (the demo's numbers): the one description the in-process
+    controller, the service and the tests build the tiny agent's controller from. A caller with an engine
+    passes its slot and block sizes."""
     from controller.model_shape import builtin_shape
     from controller.protocol import Link
     from controller.protocol_service import AgentRegistration, ComputeSheet, HardwareSheet, ShapeSpec, SplitSheet
 
     shape = builtin_shape("tiny", block_tokens=BLOCK_TOKENS)
     return AgentRegistration(
-        agent_id=agent_id, group=DEMO_GROUP, engine="tierplan-reference", registered_s=0.0,
+        agent_id=agent_id, group=group, engine="tierplan-reference", registered_s=registered_s,
         shape=ShapeSpec(name=shape.name, num_layers=shape.num_layers, moe_layers=shape.moe_layers,
                         num_experts=shape.num_experts, top_k=shape.top_k, expert_bytes=shape.expert_bytes,
                         dense_bytes=shape.dense_bytes, kv_bytes_per_token=shape.kv_bytes_per_token,
@@ -89,20 +93,26 @@ def demo_registration(engine: Any, budget_bytes: int, kv_floor: int, agent_id: s
         # A guess the cost model calibrates away from on the first windows (CPU memcpy, Python per-load cost).
         hardware=HardwareSheet(name="cpu twin", link_bytes_per_s=dict.fromkeys(Link, 2e9),
                                transfer_overhead_s=2e-4, hbm_bytes=budget_bytes),
-        split=SplitSheet(hbm_budget_bytes=budget_bytes, dense_bytes=0, workspace_bytes=0,
-                         slot_bytes=engine.pool.layout.stride_bytes, kv_block_bytes=engine.cache.block_bytes,
-                         kv_gpu_blocks_max=KV_GPU_CAPACITY, kv_gpu_blocks_min=kv_floor, kv_block_tokens=BLOCK_TOKENS,
+        split=SplitSheet(hbm_budget_bytes=budget_bytes, dense_bytes=0, workspace_bytes=0, slot_bytes=slot_bytes,
+                         kv_block_bytes=kv_block_bytes, kv_gpu_blocks_max=KV_GPU_CAPACITY,
+                         kv_gpu_blocks_min=kv_gpu_blocks_min, kv_block_tokens=BLOCK_TOKENS,
                          kv_cpu_blocks=KV_CPU_BLOCKS, kv_nvme_blocks=KV_NVME_BLOCKS),
         # The tiny model's step on this box, roughly (a few ms): the prior the windows then correct.
         compute=ComputeSheet(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01, moe_ms_per_token=0.01,
                              moe_ms_per_active_expert=0.05))
 
 
+def engine_registration(engine: Any, budget_bytes: int, kv_floor: int, agent_id: str, group: str = DEMO_GROUP) -> Any:
+    """`tiny_registration` with this engine's slot and KV block sizes."""
+    return tiny_registration(agent_id, group, kv_floor, slot_bytes=engine.pool.layout.stride_bytes,
+                             kv_block_bytes=engine.cache.block_bytes, budget_bytes=budget_bytes)
+
+
 def _controller(engine: Any, budget_bytes: int, kv_floor: int, calibrate: bool) -> Any:
     from api.hub_config import controller_config
     from controller.loop import Controller
 
-    cfg = controller_config(demo_registration(engine, budget_bytes, kv_floor), demo_knobs(calibrate))
+    cfg = controller_config(engine_registration(engine, budget_bytes, kv_floor, "controller"), demo_knobs(calibrate))
     # The local predictor's prior recall until measured (the service's agents start from 0: they measure it).
     return Controller(dataclasses.replace(cfg, space=dataclasses.replace(cfg.space, prefetch_recall=0.3)))
 
@@ -127,7 +137,7 @@ def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_R
     reqs, phase_of = phased_requests(num_requests)
     phase_at_window: dict[int, str] = {}
     kv_floor = max(-(-(r.prompt_len + r.output_len) // BLOCK_TOKENS) for r in reqs) + 1
-    unit = 4096
+    unit = UNIT_BYTES
     budget = BUDGET_UNITS * unit
     n_experts = len(spec.moe_layers) * spec.num_experts
     stride_units = 3  # 12 KiB expert records

@@ -59,6 +59,29 @@ def _put_policy(client: httpx.Client, token: str, calibrate: bool) -> None:
     r.raise_for_status()
 
 
+def replay_through_sidecar(socket_path: str, workdir: Path, agent_id: str, num_requests: int = d.NUM_REQUESTS,
+                           calibrate: bool = True, group: str = "default",
+                           pace_s: float = d.VIRTUAL_STEP_S) -> tuple[d.LoopResult, dict[str, Any]]:
+    """The phased workload with the sidecar at `socket_path` as the closed loop's plan source (engine -> agent
+    -> unix socket -> sidecar -> HTTP -> service, and plans back), each step paced to `pace_s` of wall time;
+    the run's result and the link's stats once everything queued was sent (`drained`)."""
+    from agent.service_link import ServiceLink
+
+    links: list[Any] = []
+
+    def source(engine: Any, budget: int, kv_floor: int) -> Any:
+        links.append(ServiceLink(socket_path, d.engine_registration(engine, budget, kv_floor, agent_id, group)))
+        return links[-1]
+
+    try:
+        result = d.run_loop_job(workdir, True, num_requests, calibrate, source=source, pace=_paced(pace_s))
+        drained = links[0].drain(timeout_s=30)
+        return result, {**links[0].stats(), "drained": drained}
+    finally:
+        for link in links:
+            link.close()
+
+
 def run_service_job(workdir: Path, num_requests: int = d.NUM_REQUESTS, calibrate: bool = True,
                     keep: Any = None) -> ServiceRun:
     """The controller run through the service. `keep(url)`, when given, is called with the service still up
@@ -68,22 +91,8 @@ def run_service_job(workdir: Path, num_requests: int = d.NUM_REQUESTS, calibrate
     stack = service_stack(workdir, token, service_args=SERVICE_ARGS, sidecar_args=SIDECAR_ARGS)
     with stack as (svc, car), httpx.Client(base_url=svc.url, timeout=10.0) as client:
         _put_policy(client, token, calibrate)
-        links: list[Any] = []
-
-        def source(engine: Any, budget: int, kv_floor: int) -> Any:
-            from agent.service_link import ServiceLink
-
-            links.append(ServiceLink(car.socket_path, d.demo_registration(engine, budget, kv_floor, AGENT_ID)))
-            return links[-1]
-
-        try:
-            result = d.run_loop_job(workdir / "engine", True, num_requests, calibrate, source=source,
-                                    pace=_paced(d.VIRTUAL_STEP_S))
-            drained = links[0].drain(timeout_s=30)
-            stats = {**links[0].stats(), "drained": drained}
-        finally:
-            for link in links:
-                link.close()
+        result, stats = replay_through_sidecar(car.socket_path, workdir / "engine", AGENT_ID, num_requests,
+                                               calibrate, group=d.DEMO_GROUP)
         _wait_settled(client)
         decisions = client.get("/v1/decisions", params={"agent_id": AGENT_ID, "limit": 1000}).json()[::-1]
         plans = client.get(f"/v1/agents/{AGENT_ID}/plans", params={"limit": 1000}).json()[::-1]

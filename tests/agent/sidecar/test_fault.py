@@ -22,7 +22,7 @@ import httpx
 from agent.closed_loop import InProcessLoop
 from agent.service_link import ServiceLink
 from agent.sidecar_backoff import Backoff
-from api.bench_api import tiny_registration
+from api.demo_loop import tiny_registration
 from api.stack import free_port
 from tests.agent.sidecar.helpers import balanced_link, wait_until
 from tests.agent.sidecar.procs import kill, scrape, start_service, start_sidecar, stop, total

@@ -15,8 +15,9 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.auth import hash_token
-from api.bench_api import synthetic_window, tiny_registration
+from api.bench_api import synthetic_window
 from api.db.repo import Scope
+from api.demo_loop import tiny_registration
 from api.hub import ControllerHub
 from api.settings import Settings
 from controller.protocol import Telemetry

@@ -8,7 +8,7 @@ import json
 
 from sqlalchemy import text
 
-from api.bench_api import tiny_registration
+from api.demo_loop import tiny_registration
 from tests.api.service.conftest import AUTH, READ_AUTH, READ_TOKEN, WRITE_TOKEN, Service, windows
 
 

@@ -10,10 +10,11 @@ import httpx
 from typer.testing import CliRunner
 
 from api.auth import hash_token
-from api.bench_api import serve_process, tiny_registration
+from api.bench_api import serve_process
 from api.cli import app
 from api.db.engine import make_engine
 from api.db.repo import Repository, Scope
+from api.demo_loop import tiny_registration
 
 
 def test_token_create_prints_the_token_once_and_stores_its_hash(tmp_path: Path) -> None:

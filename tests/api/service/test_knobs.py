@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from api.bench_api import synthetic_window, tiny_registration
+from api.bench_api import synthetic_window
+from api.demo_loop import tiny_registration
 from api.hub_config import controller_config, knobs_misfit
 from controller.loop import Controller, Decision, Outcome
 from controller.protocol import AckStatus, Footprint, Plan, PlanAck

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.bench_api import tiny_registration
 from api.db.errors import Unavailable
+from api.demo_loop import tiny_registration
 from controller.protocol import ExpertKey
 from controller.protocol_service import PolicyKnobs
 from tests.api.service.conftest import AUTH, Service, windows

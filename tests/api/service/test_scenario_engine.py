@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from api.bench_api import tiny_registration
+from api.demo_loop import tiny_registration
 from controller.protocol import Plan, PlanAck, Telemetry
 from controller.protocol_service import PlanRecord, PolicyUpdate
 from tests.api.service.conftest import AUTH, Service

@@ -20,10 +20,10 @@ from schemathesis.generation.modes import GenerationMode
 
 from api.app import create_app
 from api.auth import hash_token
-from api.bench_api import tiny_registration
 from api.db import migrate
 from api.db.engine import make_engine
 from api.db.repo import Repository, Scope
+from api.demo_loop import tiny_registration
 from api.settings import Settings
 from tests.api.service.conftest import READ_TOKEN, WRITE_TOKEN, windows
 

@@ -10,8 +10,9 @@ import time
 import httpx
 import numpy as np
 
-from api.bench_api import serve_process, synthetic_window, tiny_registration
+from api.bench_api import serve_process, synthetic_window
 from api.db import migrate
+from api.demo_loop import tiny_registration
 from controller.protocol import AckStatus, Footprint, Plan, PlanAck
 from controller.protocol_service import PlanRecord, PolicyUpdate
 

@@ -17,8 +17,16 @@ from typing import Any
 
 import httpx
 
-from api.bench_api import TINY_UNIT_BYTES, tiny_registration
-from api.demo_loop import BLOCK_TOKENS, KV_CPU_BLOCKS, KV_GPU_CAPACITY, KV_NVME_BLOCKS, MAX_BATCH, VIRTUAL_STEP_S
+from api.demo_loop import (
+    BLOCK_TOKENS,
+    KV_CPU_BLOCKS,
+    KV_GPU_CAPACITY,
+    KV_NVME_BLOCKS,
+    MAX_BATCH,
+    VIRTUAL_STEP_S,
+    tiny_registration,
+)
+from api.demo_loop import UNIT_BYTES as TINY_UNIT_BYTES
 from controller.protocol import Plan, PlanAck, Telemetry
 from controller.protocol_service import IngestResult, PlanRecord, TelemetryBatch
 
