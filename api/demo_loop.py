@@ -102,9 +102,10 @@ def tiny_registration(agent_id: str = "agent-0", group: str = "default", kv_gpu_
                              moe_ms_per_active_expert=0.05))
 
 
-def engine_registration(engine: Any, budget_bytes: int, kv_floor: int, agent_id: str, group: str = DEMO_GROUP) -> Any:
+def engine_registration(engine: Any, budget_bytes: int, kv_floor: int, agent_id: str, group: str = DEMO_GROUP,
+                        registered_s: float = 0.0) -> Any:
     """`tiny_registration` with this engine's slot and KV block sizes."""
-    return tiny_registration(agent_id, group, kv_floor, slot_bytes=engine.pool.layout.stride_bytes,
+    return tiny_registration(agent_id, group, kv_floor, registered_s, slot_bytes=engine.pool.layout.stride_bytes,
                              kv_block_bytes=engine.cache.block_bytes, budget_bytes=budget_bytes)
 
 
@@ -119,12 +120,13 @@ def _controller(engine: Any, budget_bytes: int, kv_floor: int, calibrate: bool) 
 
 def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_REQUESTS,
                  calibrate: bool = True, source: Callable[[Any, int, int], Any] | None = None,
-                 pace: Callable[[], None] | None = None) -> LoopResult:
+                 pace: Callable[[], None] | None = None, clock: Callable[[], float] | None = None) -> LoopResult:
     """One run. `calibrate=False` keeps the cost model at its priors: no wall-clock time enters a decision,
     so the plans are the same on every machine (what the tests use). `source(engine, budget_bytes, kv_floor)`
     builds the plan source instead of the in-process controller (the service run passes a `ServiceLink`; its
     decisions are then read from the service, and the result's history is empty); `pace()` runs after each
-    step (the service run keeps wall time at the trace's virtual time there)."""
+    step (the service run keeps wall time at the trace's virtual time there); `clock` stamps the telemetry
+    windows (the agent's default, monotonic, unless given: a service's readers plot wall-clock time)."""
     from agent.closed_loop import InProcessLoop
     from runtime.device import Device
     from runtime.engine.engine import EngineConfig, ReferenceEngine
@@ -162,21 +164,23 @@ def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_R
             def follow(plan: Any) -> None:  # admission follows the plan's GPU KV share
                 sched.gpu_blocks = min(KV_GPU_CAPACITY, plan.kv_blocks_per_tier["gpu"])
 
-            clock = {"t": 0.0}  # the runner's step clock, as far as the hook can see it (arrivals admitted)
+            virtual = {"t": 0.0}  # the runner's step clock, as far as the hook can see it (arrivals admitted)
 
             def queued_blocks() -> int:
                 """KV blocks of the swapped-out requests and of the arrived waiting ones the batch limit would
                 admit next (what a larger GPU KV share would let run now)."""
                 room = max(0, MAX_BATCH - len(sched.running) - len(sched.swapped))
-                waiting = [s for s in sched.waiting if s.arrival_s <= clock["t"]][:room]
+                waiting = [s for s in sched.waiting if s.arrival_s <= virtual["t"]][:room]
                 return sum(-(-(len(s.tokens) + 1) // BLOCK_TOKENS) for s in [*waiting, *sched.swapped])
 
-            ids = {"agent_id": ctl.agent_id, "rank": ctl.rank} if source is not None else {}
+            adapter_kw: dict[str, Any] = {"agent_id": ctl.agent_id, "rank": ctl.rank} if source is not None else {}
+            if clock is not None:
+                adapter_kw["clock"] = clock
             loop = InProcessLoop(eng, ctl, window_steps=WINDOW_STEPS, on_applied=follow, hbm_budget_bytes=budget,
-                                 queue_probe=queued_blocks, **ids)
+                                 queue_probe=queued_blocks, **adapter_kw)
 
             def hook(batch: Any, step_s: float) -> None:
-                clock["t"] = max([clock["t"] + VIRTUAL_STEP_S, *(s.arrival_s for s in batch.prefills)])
+                virtual["t"] = max([virtual["t"] + VIRTUAL_STEP_S, *(s.arrival_s for s in batch.prefills)])
                 loop.on_step(batch, step_s)
                 if pace is not None:
                     pace()

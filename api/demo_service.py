@@ -63,18 +63,21 @@ def replay_through_sidecar(socket_path: str, workdir: Path, agent_id: str, num_r
                            calibrate: bool = True, group: str = "default",
                            pace_s: float = d.VIRTUAL_STEP_S) -> tuple[d.LoopResult, dict[str, Any]]:
     """The phased workload with the sidecar at `socket_path` as the closed loop's plan source (engine -> agent
-    -> unix socket -> sidecar -> HTTP -> service, and plans back), each step paced to `pace_s` of wall time;
-    the run's result and the link's stats once everything queued was sent (`drained`)."""
+    -> unix socket -> sidecar -> HTTP -> service, and plans back), each step paced to `pace_s` of wall time and
+    each window stamped with wall-clock time (as the service's decisions are); the run's result and the link's
+    stats once everything queued was sent (`drained`)."""
     from agent.service_link import ServiceLink
 
     links: list[Any] = []
 
     def source(engine: Any, budget: int, kv_floor: int) -> Any:
-        links.append(ServiceLink(socket_path, d.engine_registration(engine, budget, kv_floor, agent_id, group)))
+        reg = d.engine_registration(engine, budget, kv_floor, agent_id, group, registered_s=time.time())
+        links.append(ServiceLink(socket_path, reg))
         return links[-1]
 
     try:
-        result = d.run_loop_job(workdir, True, num_requests, calibrate, source=source, pace=_paced(pace_s))
+        result = d.run_loop_job(workdir, True, num_requests, calibrate, source=source, pace=_paced(pace_s),
+                                clock=time.time)
         drained = links[0].drain(timeout_s=30)
         return result, {**links[0].stats(), "drained": drained}
     finally:

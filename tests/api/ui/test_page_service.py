@@ -38,7 +38,7 @@ def filled_service(tmp_path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             assert r.status_code == 200, r.text
         (tmp_path / "engine").mkdir()
         stats = replay(base, TOKEN, tmp_path / "engine", agent_id=AGENT)
-        assert stats["telemetry_refused"] == 0 and stats["errors"] == [], stats
+        assert stats["telemetry_refused"] == 0 and stats["planner_errors"] == 0, stats
         yield base, stats
 
 
