@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+LISTENING = "sidecar: agents on"  # what `tierplan sidecar` prints once its socket and /metrics listen
 
 
 class StackError(RuntimeError):
@@ -125,8 +126,9 @@ def start_sidecar(service_url: str, socket_path: Path, token: str, log_dir: Path
                 {"TIERPLAN_TOKEN": token})
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
+        # The line it prints once both listen (a socket file alone may be a killed sidecar's leftover).
+        proc.wait_for(lambda: LISTENING in proc.log_tail(), timeout_s, "its listening line")
         proc.wait_for(answers(metrics_url), timeout_s, "its /metrics to answer")
-        proc.wait_for(socket_path.exists, timeout_s, f"its socket {socket_path}")
     except BaseException:
         proc.stop()
         raise

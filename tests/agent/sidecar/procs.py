@@ -1,73 +1,42 @@
 """Real processes for the sidecar's system tests: `tierplan serve` (killable, restartable on the same port and
-database) and `tierplan sidecar`, plus a Prometheus text scrape. Readiness is polled; no test asserts time."""
+database) and `tierplan sidecar`, both started by api/stack.py (logs in a temporary folder), plus a Prometheus
+text scrape. Readiness is polled; no test asserts time."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.agent.sidecar.helpers import wait_until
-
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def _env(token: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "TIERPLAN_TOKEN": token}
+from api import stack
+from api.stack import Proc
 
 
-def start_service(db_url: str, port: int, token: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--db", db_url, "--port", str(port),
-                             "--plan-interval-s", "0.1"], env=_env(token), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"tierplan serve exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(ready, "tierplan serve answers /readyz", limit_s=120)
-    return proc
+def start_service(db_url: str, port: int, token: str, log_dir: Path) -> Proc:
+    """A new log folder under `log_dir` per start: a restarted service keeps its predecessor's log."""
+    logs = Path(tempfile.mkdtemp(prefix="serve-", dir=log_dir))
+    return stack.start_service(db_url, token, logs, port=port, extra_args=("--plan-interval-s", "0.1")).proc
 
 
-def start_sidecar(url: str, socket_path: str, token: str, *args: str) -> tuple[subprocess.Popen, int]:
-    """The sidecar process and its metrics port (from the line it prints when it listens)."""
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "sidecar", "--service", url, "--socket", socket_path,
-                             "--metrics-port", "0", *args], env=_env(token), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline() if proc.stdout else ""
-    if not line.startswith("sidecar: agents on"):
-        proc.kill()
-        raise AssertionError(f"tierplan sidecar did not start: {line!r} {proc.stderr.read()[-2000:]}")
-    port = int(line.split("metrics on http://")[1].split("/")[0].rsplit(":", 1)[1])
-    return proc, port
+def start_sidecar(url: str, socket_path: str, token: str, *args: str) -> tuple[Proc, int]:
+    """The sidecar process and its metrics port; its log in a new folder beside the socket."""
+    port = stack.free_port()
+    logs = Path(tempfile.mkdtemp(prefix="sidecar-", dir=Path(socket_path).parent))
+    car = stack.start_sidecar(url, Path(socket_path), token, logs, port, extra_args=args)
+    return car.proc, port
 
 
-def kill(proc: subprocess.Popen) -> None:
+def kill(proc: Proc) -> None:
     """SIGKILL: no shutdown handler runs, as when the host loses the process."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc.kill()
 
 
-def stop(proc: subprocess.Popen) -> str:
-    """SIGTERM and wait; the process's stdout (the sidecar prints its accounting there)."""
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        out, _ = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    return out or ""
+def stop(proc: Proc) -> str:
+    """SIGTERM and wait; the process's output (the sidecar prints its accounting there)."""
+    proc.stop(grace_s=30.0)
+    return proc.log_tail()
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -96,7 +96,7 @@ def test_the_service_dies_mid_replay_and_the_engine_never_waits_and_nothing_vani
     port = free_port()
     db, url, sock = f"sqlite:///{tmp_path / 'fault.db'}", f"http://127.0.0.1:{port}", str(tmp_path / "agent.sock")
     auth = {"Authorization": f"Bearer {token}"}
-    service = start_service(db, port, token)
+    service = start_service(db, port, token, tmp_path)
     car, metrics_port = start_sidecar(url, sock, token, "--plan-ttl-s", "1", "--flush-s", "0.1", "--poll-s", "0.1",
                                       "--backoff-cap-s", "0.5", "--max-queued-windows", str(HELD))
     link: ServiceLink | None = None
@@ -136,7 +136,7 @@ def test_the_service_dies_mid_replay_and_the_engine_never_waits_and_nothing_vani
         assert total(down, "tierplan_sidecar_queue_depth") == HELD  # the newest windows, held for the return
 
         # 3. The service returns on the same database: re-registration, the queue flushed, polling again.
-        service = start_service(db, port, token)
+        service = start_service(db, port, token, tmp_path)
         wait_until(lambda: total(scrape(metrics_port), "tierplan_sidecar_fail_static") == 0
                    and total(scrape(metrics_port), "tierplan_sidecar_registrations_total") >= 2,
                    "the sidecar is back online and registered again", 120)
