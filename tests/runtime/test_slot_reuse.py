@@ -6,6 +6,8 @@ and `wait_ready` orders a reader once per list of numbered loads, never again fo
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -40,16 +42,30 @@ def dev() -> Device:
     return Device("cpu")
 
 
+@contextmanager
+def one_slot(tmp_path: Path, dev: Device, kernel: Kernel,
+             slot_window: bool) -> Iterator[tuple[PinnedExpertStore, NvmeExpertStore, ExpertSlotPool]]:
+    """One layer of 4 experts over a single slot, with pinned and NVMe stores of them; `kernel` is let go before
+    the pool closes (close waits for readers), on failure too."""
+    src = SyntheticExpertSource(MIXED, 1, 4, seed=3)
+    pinned = PinnedExpertStore(dev, src)
+    nvme = NvmeExpertStore.build(tmp_path / "e.bin", src, dev)
+    pool = ExpertSlotPool(HostBackend(), dev, 1, 4, MIXED.num_bytes, 1, slot_window=slot_window)
+    try:
+        yield pinned, nvme, pool
+    finally:
+        kernel.set()
+        pool.close()
+        pinned.close()
+        nvme.close()
+
+
 @pytest.mark.parametrize("store", [StoreKind.PINNED, StoreKind.NVME])
 @pytest.mark.parametrize("map_in", ["beside_copy", "before_copy"])
 def test_a_released_slot_is_copied_into_only_after_the_kernels_reading_its_old_expert(
         tmp_path: Path, dev: Device, map_in: str, store: StoreKind) -> None:
-    src = SyntheticExpertSource(MIXED, 1, 4, seed=3)
-    pinned = PinnedExpertStore(dev, src)
-    nvme = NvmeExpertStore.build(tmp_path / "e.bin", src, dev)
-    pool = ExpertSlotPool(HostBackend(), dev, 1, 4, MIXED.num_bytes, 1, slot_window=map_in == "beside_copy")
     kernel = Kernel()
-    try:
+    with one_slot(tmp_path, dev, kernel, slot_window=map_in == "beside_copy") as (pinned, nvme, pool):
         with TransferEngine(dev) as eng:
             loader = ExpertLoadHandler(pool, eng, pinned, nvme, map_in=map_in)
             loader.load_many(0, [0])[0].wait(T)
@@ -72,11 +88,6 @@ def test_a_released_slot_is_copied_into_only_after_the_kernels_reading_its_old_e
         pool.ranges.epoch += 2  # two steps on (the engine counts them)
         assert pool.sweep_stale() == 1 and pool.num_stale == 0
         pool.check_invariants()
-    finally:
-        kernel.set()
-        pool.close()
-        pinned.close()
-        nvme.close()
 
 
 @pytest.mark.parametrize("failing", ["another expert", "the released expert (its kept range)"])
@@ -86,12 +97,8 @@ def test_a_load_that_fails_in_a_reused_slot_keeps_the_old_readers_guards(tmp_pat
     waits for the kernel reading the slot's old expert, and no range is unmapped under that kernel."""
     import os
 
-    src = SyntheticExpertSource(MIXED, 1, 4, seed=3)
-    pinned = PinnedExpertStore(dev, src)
-    nvme = NvmeExpertStore.build(tmp_path / "e.bin", src, dev)
-    pool = ExpertSlotPool(HostBackend(), dev, 1, 4, MIXED.num_bytes, 1, slot_window=True)
     kernel = Kernel()
-    try:
+    with one_slot(tmp_path, dev, kernel, slot_window=True) as (pinned, nvme, pool):
         with TransferEngine(dev) as eng:
             loader = ExpertLoadHandler(pool, eng, pinned, nvme)
             loader.load_many(0, [0])[0].wait(T)
@@ -115,11 +122,6 @@ def test_a_load_that_fails_in_a_reused_slot_keeps_the_old_readers_guards(tmp_pat
             assert checksum(pool.expert_tensor(0, 2)) == pinned.checksum(0, 2)
             loader.close()
         pool.check_invariants()
-    finally:
-        kernel.set()
-        pool.close()
-        pinned.close()
-        nvme.close()
 
 
 def test_release_leaves_the_range_mapped_until_its_readers_finish_then_a_sweep_poisons_it(env) -> None:
