@@ -21,9 +21,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from agent.adapters.reference import ReferenceAdapter
-from controller.protocol import AckStatus, Plan, PlanAck, Telemetry
-from runtime.engine.engine import ReferenceEngine
+from tierplan.agent.adapters.reference import ReferenceAdapter
+from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
+from tierplan.runtime.engine.engine import ReferenceEngine
 
 
 class PlanSource(Protocol):

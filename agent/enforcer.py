@@ -28,15 +28,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.local_policy import Key, LocalPolicy, PolicyState, PrefetchJob
-from controller.protocol import AckStatus, Footprint, Plan, PlanAck, ProtocolError, RejectReason, Tier, parse
-from runtime.engine.experts import OnDemandExperts
-from runtime.engine.kv_cache import PagedKVCache
-from runtime.errors import ConfigError
-from runtime.kv import Tier as KVTier
-from runtime.memory.slots import ExpertSlotPool
-from runtime.transfer import Priority
-from runtime.weights.loader import ExpertLoadHandler
+from tierplan.agent.local_policy import Key, LocalPolicy, PolicyState, PrefetchJob
+from tierplan.controller.protocol import AckStatus, Footprint, Plan, PlanAck, ProtocolError, RejectReason, Tier, parse
+from tierplan.runtime.engine.experts import OnDemandExperts
+from tierplan.runtime.engine.kv_cache import PagedKVCache
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.kv import Tier as KVTier
+from tierplan.runtime.memory.slots import ExpertSlotPool
+from tierplan.runtime.transfer import Priority
+from tierplan.runtime.weights.loader import ExpertLoadHandler
 
 
 class PlanRefused(Exception):

@@ -30,11 +30,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from runtime.engine.experts import OnDemandExperts
-from runtime.errors import ConfigError, RuntimeTierError
-from runtime.future import OpFuture
-from runtime.memory.slots import ExpertSlotPool, ExpertState
-from runtime.transfer import Priority
+from tierplan.runtime.engine.experts import OnDemandExperts
+from tierplan.runtime.errors import ConfigError, RuntimeTierError
+from tierplan.runtime.future import OpFuture
+from tierplan.runtime.memory.slots import ExpertSlotPool, ExpertState
+from tierplan.runtime.transfer import Priority
 
 Key = tuple[int, int]  # (pool layer, expert)
 

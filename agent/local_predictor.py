@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from agent.local_policy import LocalPolicy
-from controller.protocol import MAX_PAIRS_PER_LAYER, MAX_UNION_STEPS, Plan
-from runtime.engine.experts import OnDemandExperts
-from runtime.errors import RuntimeTierError
-from runtime.memory.slots import ExpertState
-from runtime.transfer import Priority
+from tierplan.agent.local_policy import LocalPolicy
+from tierplan.controller.protocol import MAX_PAIRS_PER_LAYER, MAX_UNION_STEPS, Plan
+from tierplan.runtime.engine.experts import OnDemandExperts
+from tierplan.runtime.errors import RuntimeTierError
+from tierplan.runtime.memory.slots import ExpertState
+from tierplan.runtime.transfer import Priority
 
 COUNTERS = ("issued", "useful", "wasted", "skipped_resident", "skipped_budget", "skipped_no_slot", "failed")
 

@@ -14,8 +14,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from agent.taps import WindowDraft
-from controller.protocol import Telemetry
+from tierplan.agent.taps import WindowDraft
+from tierplan.controller.protocol import Telemetry
 
 YIELD_S = 50e-6
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.protocol import MAX_EXPERTS, MAX_LAYERS, MAX_PAIRS_PER_LAYER, CoPair, LayerStats
+from tierplan.controller.protocol import MAX_EXPERTS, MAX_LAYERS, MAX_PAIRS_PER_LAYER, CoPair, LayerStats
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,10 @@ from enum import StrEnum
 from itertools import count
 from typing import Any
 
-from agent.sidecar_backoff import Backoff
-from agent.sidecar_ipc import MAX_FRAME_BYTES, FrameDecoder, FrameError, FrameType, encode_frame
-from controller.protocol import Plan, PlanAck, ProtocolModel, Telemetry
-from controller.protocol_service import PlanRequest
+from tierplan.agent.sidecar_backoff import Backoff
+from tierplan.agent.sidecar_ipc import MAX_FRAME_BYTES, FrameDecoder, FrameError, FrameType, encode_frame
+from tierplan.controller.protocol import Plan, PlanAck, ProtocolModel, Telemetry
+from tierplan.controller.protocol_service import PlanRequest
 
 RECV_BYTES = 1 << 16
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import httpx
 
-from agent.sidecar_client import ServiceClient
-from agent.sidecar_metrics import SidecarMetrics
-from agent.sidecar_server import AgentServer
-from agent.sidecar_uplink import Uplink, UplinkConfig
+from tierplan.agent.sidecar_client import ServiceClient
+from tierplan.agent.sidecar_metrics import SidecarMetrics
+from tierplan.agent.sidecar_server import AgentServer
+from tierplan.agent.sidecar_uplink import Uplink, UplinkConfig
 
 
 def default_socket_path(agent_id: str) -> str:

@@ -17,8 +17,8 @@ from typing import TypeVar
 
 import httpx
 
-from controller.protocol import Plan, PlanAck, ProtocolError, ProtocolModel, parse
-from controller.protocol_service import AgentRegistration, AgentStatus, IngestResult, PlanRecord
+from tierplan.controller.protocol import Plan, PlanAck, ProtocolError, ProtocolModel, parse
+from tierplan.controller.protocol_service import AgentRegistration, AgentStatus, IngestResult, PlanRecord
 
 M = TypeVar("M", bound=ProtocolModel)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from controller.protocol import Plan, PlanAck, ProtocolError, ProtocolModel, Telemetry, parse
-from controller.protocol_service import PlanRequest
+from tierplan.controller.protocol import Plan, PlanAck, ProtocolError, ProtocolModel, Telemetry, parse
+from tierplan.controller.protocol_service import PlanRequest
 
 MAX_FRAME_BYTES = 8 << 20
 HEADER = struct.Struct(">I")
@@ -39,7 +39,7 @@ class FrameType(StrEnum):
 
 def _registration_type() -> type[ProtocolModel]:
     # Imported on first use: the engine side never decodes a registration, only sends one.
-    from controller.protocol_service import AgentRegistration
+    from tierplan.controller.protocol_service import AgentRegistration
 
     return AgentRegistration
 

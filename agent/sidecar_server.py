@@ -18,10 +18,10 @@ import stat
 import threading
 from dataclasses import dataclass, field
 
-from agent.sidecar_ipc import MAX_FRAME_BYTES, FrameDecoder, FrameError, FrameType, encode_frame
-from agent.sidecar_metrics import SidecarMetrics
-from agent.sidecar_uplink import Uplink
-from controller.protocol import Plan
+from tierplan.agent.sidecar_ipc import MAX_FRAME_BYTES, FrameDecoder, FrameError, FrameType, encode_frame
+from tierplan.agent.sidecar_metrics import SidecarMetrics
+from tierplan.agent.sidecar_uplink import Uplink
+from tierplan.controller.protocol import Plan
 
 RECV_BYTES = 1 << 16
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-from agent.sidecar_backoff import Backoff
-from agent.sidecar_client import PollStatus, ServiceClient, ServiceRefused, ServiceUnavailable
-from agent.sidecar_failstatic import FailStatic, Mode
-from agent.sidecar_metrics import SidecarMetrics
-from controller.protocol import Plan, PlanAck, Telemetry
-from controller.protocol_service import MAX_BATCH_WINDOWS, AgentRegistration
+from tierplan.agent.sidecar_backoff import Backoff
+from tierplan.agent.sidecar_client import PollStatus, ServiceClient, ServiceRefused, ServiceUnavailable
+from tierplan.agent.sidecar_failstatic import FailStatic, Mode
+from tierplan.agent.sidecar_metrics import SidecarMetrics
+from tierplan.controller.protocol import Plan, PlanAck, Telemetry
+from tierplan.controller.protocol_service import MAX_BATCH_WINDOWS, AgentRegistration
 
 # controller.state.RejectCode values (the agent may import only the protocol)
 REDELIVERED_CODE = "seq_not_increasing"

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.protocol import ExpertKey, LayerEviction, Plan, Tier
-from runtime.engine.config import ModelSpec
+from tierplan.controller.protocol import ExpertKey, LayerEviction, Plan, Tier
+from tierplan.runtime.engine.config import ModelSpec
 
 
 def static_plan(spec: ModelSpec, routes: np.ndarray, num_slots: int, stride_bytes: int,

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from agent.router_counts import RouterCounts
-from controller.protocol import (
+from tierplan.agent.router_counts import RouterCounts
+from tierplan.controller.protocol import (
     BlockMass,
     KVStats,
     LayerStats,

@@ -24,14 +24,14 @@ from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from api.app_middleware import BodyLimit, HttpMetrics, IngestFirst, WriteGate
-from api.auth import TokenAuth
-from api.db.errors import Conflict, InvalidQuery, NotFound, StoreError, Unavailable
-from api.db.repo import Repository
-from api.hub import ControllerHub, KnobsMisfit
-from api.hub_wal import defer_checkpoints
-from api.service_metrics import ServiceMetrics
-from api.settings import Settings
+from tierplan.api.app_middleware import BodyLimit, HttpMetrics, IngestFirst, WriteGate
+from tierplan.api.auth import TokenAuth
+from tierplan.api.db.errors import Conflict, InvalidQuery, NotFound, StoreError, Unavailable
+from tierplan.api.db.repo import Repository
+from tierplan.api.hub import ControllerHub, KnobsMisfit
+from tierplan.api.hub_wal import defer_checkpoints
+from tierplan.api.service_metrics import ServiceMetrics
+from tierplan.api.settings import Settings
 
 log = logging.getLogger(__name__)
 NUM_ERRORS_SHOWN = 5
@@ -97,7 +97,7 @@ def _install_handlers(app: FastAPI) -> None:
 
 def _extend_openapi(app: FastAPI) -> None:
     """Add the schemas of bodies a route validates itself (the telemetry batch) to /openapi.json."""
-    from api.routes.telemetry import openapi_components
+    from tierplan.api.routes.telemetry import openapi_components
 
     build = app.openapi
 
@@ -120,7 +120,7 @@ def create_app(settings: Settings, *, repository: Repository | None = None,
     now = clock or time.time
     repo = repository
     if repo is None:
-        from api.db.engine import make_engine
+        from tierplan.api.db.engine import make_engine
 
         repo = Repository(make_engine(settings.db_url), clock=now, stale_after_s=settings.stale_after_s)
     metrics = ServiceMetrics()
@@ -132,7 +132,7 @@ def create_app(settings: Settings, *, repository: Repository | None = None,
         """None when the schema is at head (checked once, then remembered), else why not."""
         if schema_ok["ok"]:
             return None
-        from api.db.migrate import at_head
+        from tierplan.api.db.migrate import at_head
 
         try:
             schema_ok["ok"] = at_head(settings.db_url)
@@ -143,7 +143,7 @@ def create_app(settings: Settings, *, repository: Repository | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if repository is None and settings.migrate_on_start:
-            from api.db.migrate import upgrade
+            from tierplan.api.db.migrate import upgrade
 
             upgrade(settings.db_url)
             schema_ok["ok"] = True
@@ -162,13 +162,13 @@ def create_app(settings: Settings, *, repository: Repository | None = None,
     app.state.auth = TokenAuth(repo, now)
     app.state.schema_check = schema_check
     _install_handlers(app)
-    from api.routes import acks, agents, decisions, health, plans, policies, telemetry
+    from tierplan.api.routes import acks, agents, decisions, health, plans, policies, telemetry
 
     for r in (agents.router, agents.reads, telemetry.router, plans.router, acks.router, policies.reads,
               policies.router, decisions.router, health.router):
         app.include_router(r)
-    if importlib.util.find_spec("api.routes.ui") is not None:  # the decisions page (the ui helper's router)
-        app.include_router(importlib.import_module("api.routes.ui").router)
+    if importlib.util.find_spec("tierplan.api.routes.ui") is not None:  # the decisions page (the ui helper's router)
+        app.include_router(importlib.import_module("tierplan.api.routes.ui").router)
     _extend_openapi(app)
     app.add_middleware(IngestFirst, hub=hub)
     app.add_middleware(WriteGate, auth=app.state.auth)

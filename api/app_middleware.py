@@ -18,9 +18,9 @@ from typing import Any
 import anyio.to_thread
 from fastapi import HTTPException
 
-from api.auth import TokenAuth
-from api.db.errors import StoreError
-from api.service_metrics import ServiceMetrics
+from tierplan.api.auth import TokenAuth
+from tierplan.api.db.errors import StoreError
+from tierplan.api.service_metrics import ServiceMetrics
 
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 

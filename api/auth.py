@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException, status
 
-from api.db.repo import Repository, Scope
+from tierplan.api.db.repo import Repository, Scope
 
 TOKEN_PREFIX = "tp_"
 CACHE_S = 5.0  # a revoked or new token takes effect within this

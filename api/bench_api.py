@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from api.demo_loop import tiny_registration
-from api.stack import start_service
-from controller.protocol import Telemetry
+from tierplan.api.demo_loop import tiny_registration
+from tierplan.api.stack import start_service
+from tierplan.controller.protocol import Telemetry
 
 TARGET_WINDOWS_PER_S = 2000.0
 TARGET_P99_MS = 20.0
@@ -105,9 +105,9 @@ def _histogram(text: str, name: str) -> tuple[float, float]:
 
 def _direct_baseline(db_url: str, bodies: list[bytes], agent: str) -> float:
     """The same batches parsed and stored by a Repository in this process, no HTTP, no checks: windows/s."""
-    from api.db.engine import make_engine
-    from api.db.repo import Repository
-    from controller.protocol_service import TelemetryBatch
+    from tierplan.api.db.engine import make_engine
+    from tierplan.api.db.repo import Repository
+    from tierplan.controller.protocol_service import TelemetryBatch
 
     engine = make_engine(db_url)
     try:

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from api import (
+from tierplan.api import (
     cli_bench_api,
     cli_dashboards,
     cli_db,
@@ -29,7 +29,7 @@ from api import (
     cli_sidecar,
     cli_sim,
 )
-from api.cli_checks import MAX_SEED, check_device, check_workdir, user_errors
+from tierplan.api.cli_checks import MAX_SEED, check_device, check_workdir, user_errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="tierplan: one HBM budget for experts and KV.")
 check_app = typer.Typer(no_args_is_help=True, help="Self-checks of the execution substrate.")
@@ -88,7 +88,7 @@ def check_tiers(
     jobs: Annotated[int, typer.Option(min=1, help="Processes to shard the moves over (seeds seed..seed+jobs-1).")] = 1,
 ) -> None:
     """Random moves over every tier pair, expert and KV traffic interleaved, checksums verified."""
-    from runtime.selfcheck.tiers import run_tier_check, run_tier_check_jobs
+    from tierplan.runtime.selfcheck.tiers import run_tier_check, run_tier_check_jobs
 
     check_device(device)
     if jobs > 1:
@@ -115,7 +115,7 @@ def check_slots(
     workdir: Workdir = None,
 ) -> None:
     """Random expert remaps with poisoned slots; every read's fingerprint verified."""
-    from runtime.selfcheck.slots import run_slot_check
+    from tierplan.runtime.selfcheck.slots import run_slot_check
 
     check_device(device)
     with _progress("slots", remaps) as tick:
@@ -159,11 +159,11 @@ def check_exact(
              "without capture).")] = None,
 ) -> None:
     """Same prompts twice: all resident + KV on GPU, then F resident + KV spilled to CPU/NVMe; compare bits."""
-    from runtime.engine.hf_config import load_hf_config
-    from runtime.engine.presets import preset as load_preset
-    from runtime.errors import ConfigError
-    from runtime.selfcheck.exact import MODES, run_exact_checks
-    from runtime.weights.loader import map_in_error
+    from tierplan.runtime.engine.hf_config import load_hf_config
+    from tierplan.runtime.engine.presets import preset as load_preset
+    from tierplan.runtime.errors import ConfigError
+    from tierplan.runtime.selfcheck.exact import MODES, run_exact_checks
+    from tierplan.runtime.weights.loader import map_in_error
 
     check_device(device)
     named = [f"{flag} {value}" for flag, value in (("--preset", preset), ("--config", config), ("--model", model))
@@ -175,7 +175,7 @@ def check_exact(
     try:
         spec = load_hf_config(config) if config is not None else load_preset(preset or "tiny")
         if model is not None:
-            from runtime.engine.pretrained import read_pretrained
+            from tierplan.runtime.engine.pretrained import read_pretrained
 
             if layers is not None:
                 raise ConfigError("--model runs the whole checkpoint: drop --layers")
@@ -232,7 +232,7 @@ def bench_substrate(
              "absent experts).")] = "all",
 ) -> None:
     """Measure the substrate: link bandwidth, expert loads vs raw copies, map cost, urgent-KV queueing."""
-    from bench.substrate import LOAD_CONFIG_SETS, SECTIONS, run_substrate_bench
+    from tierplan.bench.substrate import LOAD_CONFIG_SETS, SECTIONS, run_substrate_bench
 
     sections = _sections(only, SECTIONS)
     if load_configs not in LOAD_CONFIG_SETS:
@@ -254,7 +254,7 @@ def bench_engine(
     rounds: Annotated[int, typer.Option(min=1, max=50, help="Agent off/on rounds per decode batch.")] = 3,
 ) -> None:
     """Engine kernels vs bare baselines: MoE layer vs grouped GEMM, paged decode attention vs SDPA."""
-    from bench.engine import SECTIONS, run_engine_bench
+    from tierplan.bench.engine import SECTIONS, run_engine_bench
 
     sections = _sections(only, SECTIONS)
     check_device(device)
@@ -273,7 +273,7 @@ def bench_offload(
                                                     "weights.")] = None,
 ) -> None:
     """Decode with part of the experts resident and forced real routing: step time vs the link floor."""
-    from bench.offload import FULL, QUICK, run_offload_bench
+    from tierplan.bench.offload import FULL, QUICK, run_offload_bench
 
     if model is not None and models:
         raise typer.BadParameter(f"--models {models} and --model {model} name two sets of models; expected one",
@@ -297,7 +297,7 @@ def demo(
 ) -> None:
     """The main job on its embedded default (CPU, tiny MoE, bundled real traces, the controller service on
     SQLite with a sidecar); ends with "demo: ok"."""
-    from api.demo import run_demo
+    from tierplan.api.demo import run_demo
 
     if not run_demo(_io.out, workdir, requests, serve=serve):
         raise typer.Exit(1)

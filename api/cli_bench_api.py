@@ -30,7 +30,7 @@ def _database(kind: str, tmp: Path) -> Iterator[str]:
     if kind == "sqlite":
         yield f"sqlite:///{tmp / 'bench.db'}"
     elif kind == "postgresql":
-        from api.db.throwaway_pg import create_database, start_cluster
+        from tierplan.api.db.throwaway_pg import create_database, start_cluster
 
         cluster = start_cluster()
         if cluster is None:
@@ -100,7 +100,7 @@ def register(bench_app: typer.Typer) -> None:
         """Telemetry ingest of `tierplan serve` on loopback against the target (2,000 windows/s, p99 20 ms)."""
         from rich.console import Console
 
-        from api.bench_api import run_ingest_bench
+        from tierplan.api.bench_api import run_ingest_bench
 
         console = Console(stderr=True)
         kinds = db or list(BUILTIN)

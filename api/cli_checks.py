@@ -68,8 +68,8 @@ def user_errors(console: Callable[[], Console]) -> Callable[[F], F]:
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
-            from controller.protocol import ProtocolError
-            from runtime.errors import ConfigError
+            from tierplan.controller.protocol import ProtocolError
+            from tierplan.runtime.errors import ConfigError
 
             try:
                 return fn(*args, **kwargs)

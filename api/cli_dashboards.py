@@ -29,7 +29,7 @@ def export_cmd(
         "dashboards"),
 ) -> None:
     """Writes every dashboard as JSON plus Grafana's provisioning YAML (the committed dashboards/ is this output)."""
-    from api.dashboards.export import export
+    from tierplan.api.dashboards.export import export
 
     if out.exists() and not out.is_dir():
         raise _fail(f"--out {out}: is a file; expected a folder (created if missing)")
@@ -50,7 +50,7 @@ def push_cmd(
         "tierplan"),
 ) -> None:
     """Creates or overwrites every dashboard in a running Grafana (its HTTP API, grafana-client)."""
-    from api.dashboards.push import PushError, push_dashboards
+    from tierplan.api.dashboards.push import PushError, push_dashboards
 
     token = token if token is not None else os.environ.get("GRAFANA_TOKEN")
     if not token:
@@ -86,8 +86,8 @@ def check_cmd(
     """Runs every panel query against a Prometheus; lists those that return no data (exit 1 if any)."""
     import httpx
 
-    from api.dashboards.check import failures, run_panel_queries, variable_values
-    from api.dashboards.export import all_dashboards
+    from tierplan.api.dashboards.check import failures, run_panel_queries, variable_values
+    from tierplan.api.dashboards.export import all_dashboards
 
     if not prometheus.startswith(("http://", "https://")):
         raise _fail(f"--prometheus {prometheus!r}: expected http(s)://HOST:PORT of a Prometheus server")

@@ -30,8 +30,8 @@ def _shown(url: str) -> str:
 def upgrade_cmd(db: DbUrl = DEFAULT_DB_URL, revision: Annotated[str, typer.Option(
         help="Target revision (default: the newest this version knows).")] = "head") -> None:
     """Migrate the database up (creates the tables on a new database)."""
-    from api.db import migrate
-    from api.db.errors import StoreError
+    from tierplan.api.db import migrate
+    from tierplan.api.db.errors import StoreError
 
     try:
         migrate.upgrade(db, revision)
@@ -44,8 +44,8 @@ def upgrade_cmd(db: DbUrl = DEFAULT_DB_URL, revision: Annotated[str, typer.Optio
 def downgrade_cmd(db: DbUrl = DEFAULT_DB_URL, revision: Annotated[str, typer.Option(
         help='Target revision: "base" drops every table (and its data), "-1" goes one step down.')] = "-1") -> None:
     """Migrate the database down (data in dropped tables is lost)."""
-    from api.db import migrate
-    from api.db.errors import StoreError
+    from tierplan.api.db import migrate
+    from tierplan.api.db.errors import StoreError
 
     try:
         migrate.downgrade(db, revision)
@@ -57,8 +57,8 @@ def downgrade_cmd(db: DbUrl = DEFAULT_DB_URL, revision: Annotated[str, typer.Opt
 
 def current_cmd(db: DbUrl = DEFAULT_DB_URL) -> None:
     """Print the database's revision and whether it is the newest this version knows."""
-    from api.db import migrate
-    from api.db.errors import StoreError
+    from tierplan.api.db import migrate
+    from tierplan.api.db.errors import StoreError
 
     try:
         now, newest = migrate.current(db), migrate.head()

@@ -29,9 +29,9 @@ def eval_kv_reuse(
     """AUC of KV block reuse scorers: train on the first half of the trace in time, test on the second."""
     from rich.table import Table
 
-    from api.cli import _io, _progress
-    from controller.eval.kv_reuse import DEFAULT_SCORERS, EvalError, evaluate_kv_reuse, progress_total
-    from controller.requests_jsonl import TraceError, load_request_trace
+    from tierplan.api.cli import _io, _progress
+    from tierplan.controller.eval.kv_reuse import DEFAULT_SCORERS, EvalError, evaluate_kv_reuse, progress_total
+    from tierplan.controller.requests_jsonl import TraceError, load_request_trace
 
     def fail(message: str) -> None:
         typer.echo(f"error: {message}", err=True)  # one unwrapped line, whatever the terminal width

@@ -34,9 +34,9 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from controller.eval.expert_cache import cache_capacity, layer_streams, replay, step_unions
-        from controller.eval.policies import ReplayInputs, policy_factories
-        from controller.routing_npz import RoutingTraceError, load_routing_npz
+        from tierplan.controller.eval.expert_cache import cache_capacity, layer_streams, replay, step_unions
+        from tierplan.controller.eval.policies import ReplayInputs, policy_factories
+        from tierplan.controller.routing_npz import RoutingTraceError, load_routing_npz
 
         if not 0.0 < cache_frac <= 1.0:
             raise _fail(f"--cache-frac must be in (0, 1], got {cache_frac}")

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from runtime.errors import ConfigError
+from tierplan.runtime.errors import ConfigError
 
 
 def parse_ids(text: str) -> list[int]:
@@ -53,10 +53,10 @@ def cut_at_eos(tokens: list[int], eos: tuple[int, ...]) -> list[int]:
 def generate_ids(folder: Path, prompts: list[list[int]], max_new_tokens: int, dtype: str | None,
                  resident_frac: float, device: str) -> tuple[list[list[int]], tuple[int, ...]]:
     """Greedy output ids per prompt (cut at eos) and the eos ids, from one batched engine run."""
-    from runtime.device import Device
-    from runtime.engine.engine import EngineConfig
-    from runtime.engine.pretrained import load_pretrained, read_pretrained
-    from runtime.selfcheck.exact import auto_block_tokens
+    from tierplan.runtime.device import Device
+    from tierplan.runtime.engine.engine import EngineConfig
+    from tierplan.runtime.engine.pretrained import load_pretrained, read_pretrained
+    from tierplan.runtime.selfcheck.exact import auto_block_tokens
 
     model = read_pretrained(folder, dtype)
     spec = model.spec

@@ -15,7 +15,7 @@ import typer
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from bench.plan import PlanBenchResult
+    from tierplan.bench.plan import PlanBenchResult
 
 
 class SolverOpt(StrEnum):
@@ -46,10 +46,10 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="Last stdout line: {p50_ms, p99_ms, solver}.")] = False,
 ) -> None:
     """Time the split solve on a Qwen3-30B-A3B-sized problem (48 x 128 experts of 9 MiB, KV options, link budget)."""
-    from api.cli import _io, _progress
-    from bench.plan import run_plan_bench, write_plan_report
-    from controller.optimizer import InfeasibleError, ProblemError
-    from controller.optimizer.synthetic import GIB, BenchShape
+    from tierplan.api.cli import _io, _progress
+    from tierplan.bench.plan import run_plan_bench, write_plan_report
+    from tierplan.controller.optimizer import InfeasibleError, ProblemError
+    from tierplan.controller.optimizer.synthetic import GIB, BenchShape
 
     shape = BenchShape(num_layers=layers, num_experts=experts, hbm_budget_bytes=int(hbm_gib * GIB), batch=batch,
                        link_budget_bytes=int(link_budget_gb * 1e9) or None)

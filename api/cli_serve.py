@@ -38,8 +38,8 @@ def _fail(message: str) -> typer.Exit:
 def _settings(**flags: object):  # -> Settings (imported lazily: pydantic only when a command runs)
     from pydantic import ValidationError
 
-    from api.app import validation_detail
-    from api.settings import Settings
+    from tierplan.api.app import validation_detail
+    from tierplan.api.settings import Settings
 
     try:
         return Settings.from_env(os.environ, **flags)
@@ -48,7 +48,7 @@ def _settings(**flags: object):  # -> Settings (imported lazily: pydantic only w
 
 
 def _migrate(url: str) -> None:
-    from api.db.migrate import upgrade
+    from tierplan.api.db.migrate import upgrade
 
     try:
         upgrade(url)
@@ -69,7 +69,7 @@ def serve(
     """Run the controller service (FastAPI under uvicorn) on one database."""
     import uvicorn
 
-    from api.app import create_app
+    from tierplan.api.app import create_app
 
     settings = _settings(db_url=db, host=host, port=port, bootstrap_token=token, plan_interval_s=plan_interval_s)
     if settings.migrate_on_start:
@@ -94,9 +94,9 @@ def token_create(
     db: DbOpt = None,
 ) -> None:
     """Make a bearer token and print it once (only its SHA-256 is stored)."""
-    from api.auth import Scope, hash_token, new_token
-    from api.db.engine import make_engine
-    from api.db.repo import Repository
+    from tierplan.api.auth import Scope, hash_token, new_token
+    from tierplan.api.db.engine import make_engine
+    from tierplan.api.db.repo import Repository
 
     if not name.strip() or any(ch.isspace() for ch in name):
         raise _fail(f"--name {name!r}: expected a non-empty name without whitespace")

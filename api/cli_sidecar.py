@@ -99,7 +99,7 @@ def register(app: typer.Typer) -> None:
                  "(counted).")] = 16384,
     ) -> None:
         """Run the sidecar: agent socket in, controller service over HTTP, fail-static when it is unreachable."""
-        from agent.sidecar import Sidecar, SidecarSettings, default_socket_path
+        from tierplan.agent.sidecar import Sidecar, SidecarSettings, default_socket_path
 
         try:
             check_service_url(service)

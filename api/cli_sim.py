@@ -40,7 +40,7 @@ def _fail(message: str) -> typer.Exit:
 
 def _requests(spec: str, limit: int | None, time_scale: float, max_prompt: int | None, max_output: int | None,
               seed: int) -> list[Any]:
-    from controller import sim_traces
+    from tierplan.controller import sim_traces
 
     if spec.startswith("synthetic:"):
         parts = spec.removeprefix("synthetic:").split(",")
@@ -69,7 +69,7 @@ def _read_text(path: Path, option: str) -> str:
 
 def _calibrate(cost: Any, path: Path) -> int:
     """Fold every Telemetry line of `path` into the cost model, in order; -> windows read."""
-    from controller.protocol import ProtocolError, Telemetry, parse
+    from tierplan.controller.protocol import ProtocolError, Telemetry, parse
 
     num = 0
     for n, line in enumerate(_read_text(path, "--calibrate").splitlines(), 1):
@@ -127,14 +127,14 @@ def register(app: typer.Typer) -> None:
         json_out: Annotated[bool, typer.Option("--json", help="End with one JSON line: the summary.")] = False,
     ) -> None:
         """Simulate serving a routing + request trace on given hardware; writes sim.json and sim.png."""
-        from api.cli import _io, _progress
-        from api.sim_report import write_sim_report
-        from controller import sim_traces
-        from controller.costmodel import ComputeParams, CostModel, HardwareSpec
-        from controller.model_shape import ShapeError, builtin_shape, shape_from_config
-        from controller.protocol import Link, Plan, ProtocolError, Tier, parse
-        from controller.sim import SimConfig, Simulator, expert_slots_for
-        from controller.sim_policy import POLICY_NAMES, PlanPolicy, make_policy
+        from tierplan.api.cli import _io, _progress
+        from tierplan.api.sim_report import write_sim_report
+        from tierplan.controller import sim_traces
+        from tierplan.controller.costmodel import ComputeParams, CostModel, HardwareSpec
+        from tierplan.controller.model_shape import ShapeError, builtin_shape, shape_from_config
+        from tierplan.controller.protocol import Link, Plan, ProtocolError, Tier, parse
+        from tierplan.controller.sim import SimConfig, Simulator, expert_slots_for
+        from tierplan.controller.sim_policy import POLICY_NAMES, PlanPolicy, make_policy
 
         if (preset is None) == (config is None):
             raise _fail("give exactly one of --preset NAME or --config config.json" if preset is None else

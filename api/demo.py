@@ -29,7 +29,7 @@ METRICS = (("tokens/s", "tokens_per_s"), ("TTFT p50 ms", "ttft_ms_p50"), ("TTFT 
 
 
 def _metrics_table(jobs: list[Any]) -> Table:
-    from api.demo_loop import BUDGET_UNITS
+    from tierplan.api.demo_loop import BUDGET_UNITS
 
     table = Table(title=f"phased requests, one HBM budget of {BUDGET_UNITS * 4} KiB for expert slots + GPU KV")
     table.add_column("metric")
@@ -69,12 +69,12 @@ def run_demo(console: Console, workdir: str | Path | None = None, num_requests: 
     (and its decisions page) up after the run until the user interrupts it."""
     import torch
 
-    from api.demo_loop import run_loop_job
-    from api.demo_service import run_service_job
-    from runtime.engine.presets import preset
-    from runtime.selfcheck.exact import run_exact_check
-    from runtime.selfcheck.slots import run_slot_check
-    from runtime.selfcheck.tiers import run_tier_check
+    from tierplan.api.demo_loop import run_loop_job
+    from tierplan.api.demo_service import run_service_job
+    from tierplan.runtime.engine.presets import preset
+    from tierplan.runtime.selfcheck.exact import run_exact_check
+    from tierplan.runtime.selfcheck.slots import run_slot_check
+    from tierplan.runtime.selfcheck.tiers import run_tier_check
 
     say = console.print
 

@@ -44,7 +44,7 @@ class LoopResult:
 def phased_requests(num_requests: int = NUM_REQUESTS) -> tuple[list[Any], dict[int, str]]:
     """The three phases as one request list (ids renumbered) and each request's phase label; `num_requests`
     (at least 3) scales every phase's count alike."""
-    from runtime.engine.workloads import load_mooncake, scale_requests
+    from tierplan.runtime.engine.workloads import load_mooncake, scale_requests
 
     if num_requests < len(PHASES):
         raise ValueError(f"the phased demo needs at least {len(PHASES)} requests (one per phase), got {num_requests}")
@@ -68,7 +68,7 @@ def demo_knobs(calibrate: bool = True) -> Any:
     """The demo group's policy: at least top_k slots per MoE layer (a layer's experts of one token fit), plans
     expected to hold 4 windows. The service run PUTs them as the group's policy; the in-process run uses them
     directly, so both runs decide alike."""
-    from controller.protocol_service import PolicyKnobs
+    from tierplan.controller.protocol_service import PolicyKnobs
 
     return PolicyKnobs(min_slots_per_layer=2, horizon_steps=4 * WINDOW_STEPS, calibrate=calibrate)
 
@@ -79,9 +79,15 @@ def tiny_registration(agent_id: str = "agent-0", group: str = "default", kv_gpu_
     """The tiny engine's `AgentRegistration` (the demo's numbers): the one description the in-process
     controller, the service and the tests build the tiny agent's controller from. A caller with an engine
     passes its slot and block sizes."""
-    from controller.model_shape import builtin_shape
-    from controller.protocol import Link
-    from controller.protocol_service import AgentRegistration, ComputeSheet, HardwareSheet, ShapeSpec, SplitSheet
+    from tierplan.controller.model_shape import builtin_shape
+    from tierplan.controller.protocol import Link
+    from tierplan.controller.protocol_service import (
+        AgentRegistration,
+        ComputeSheet,
+        HardwareSheet,
+        ShapeSpec,
+        SplitSheet,
+    )
 
     shape = builtin_shape("tiny", block_tokens=BLOCK_TOKENS)
     return AgentRegistration(
@@ -110,8 +116,8 @@ def engine_registration(engine: Any, budget_bytes: int, kv_floor: int, agent_id:
 
 
 def _controller(engine: Any, budget_bytes: int, kv_floor: int, calibrate: bool) -> Any:
-    from api.hub_config import controller_config
-    from controller.loop import Controller
+    from tierplan.api.hub_config import controller_config
+    from tierplan.controller.loop import Controller
 
     cfg = controller_config(engine_registration(engine, budget_bytes, kv_floor, "controller"), demo_knobs(calibrate))
     # The local predictor's prior recall until measured (the service's agents start from 0: they measure it).
@@ -127,13 +133,13 @@ def run_loop_job(workdir: Path, with_controller: bool, num_requests: int = NUM_R
     decisions are then read from the service, and the result's history is empty); `pace()` runs after each
     step (the service run keeps wall time at the trace's virtual time there); `clock` stamps the telemetry
     windows (the agent's default, monotonic, unless given: a service's readers plot wall-clock time)."""
-    from agent.closed_loop import InProcessLoop
-    from runtime.device import Device
-    from runtime.engine.engine import EngineConfig, ReferenceEngine
-    from runtime.engine.presets import preset
-    from runtime.engine.routing_trace import RoutingTrace
-    from runtime.engine.runner import ForcedRouter, Runner
-    from runtime.engine.scheduler import PreemptMode, Scheduler
+    from tierplan.agent.closed_loop import InProcessLoop
+    from tierplan.runtime.device import Device
+    from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+    from tierplan.runtime.engine.presets import preset
+    from tierplan.runtime.engine.routing_trace import RoutingTrace
+    from tierplan.runtime.engine.runner import ForcedRouter, Runner
+    from tierplan.runtime.engine.scheduler import PreemptMode, Scheduler
 
     spec = preset("tiny")
     reqs, phase_of = phased_requests(num_requests)

@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from api import demo_loop as d
-from api.stack import service_stack
+from tierplan.api import demo_loop as d
+from tierplan.api.stack import service_stack
 
 AGENT_ID = "demo-agent"
 SERVICE_ARGS = ("--plan-interval-s", "0.05")
@@ -66,7 +66,7 @@ def replay_through_sidecar(socket_path: str, workdir: Path, agent_id: str, num_r
     -> unix socket -> sidecar -> HTTP -> service, and plans back), each step paced to `pace_s` of wall time and
     each window stamped with wall-clock time (as the service's decisions are); the run's result and the link's
     stats once everything queued was sent (`drained`)."""
-    from agent.service_link import ServiceLink
+    from tierplan.agent.service_link import ServiceLink
 
     links: list[Any] = []
 

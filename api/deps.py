@@ -11,11 +11,11 @@ from typing import Annotated
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.auth import Principal, TokenAuth
-from api.db.repo import Repository
-from api.hub import ControllerHub
-from api.service_metrics import ServiceMetrics
-from api.settings import Settings
+from tierplan.api.auth import Principal, TokenAuth
+from tierplan.api.db.repo import Repository
+from tierplan.api.hub import ControllerHub
+from tierplan.api.service_metrics import ServiceMetrics
+from tierplan.api.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `tierplan token create` (or TIERPLAN_TOKEN)")
 

@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from api.db.errors import Conflict, NotFound, PlanConflict, StoreError
-from api.db.repo import Repository
-from api.hub_agent import AgentSlot, build_slot, decision_record
-from api.hub_config import knobs_misfit
-from api.service_metrics import ServiceMetrics
-from controller.protocol import AckStatus, Plan, PlanAck, RejectReason, Telemetry, Tier
-from controller.protocol_service import (
+from tierplan.api.db.errors import Conflict, NotFound, PlanConflict, StoreError
+from tierplan.api.db.repo import Repository
+from tierplan.api.hub_agent import AgentSlot, build_slot, decision_record
+from tierplan.api.hub_config import knobs_misfit
+from tierplan.api.service_metrics import ServiceMetrics
+from tierplan.controller.protocol import AckStatus, Plan, PlanAck, RejectReason, Telemetry, Tier
+from tierplan.controller.protocol_service import (
     AgentRegistration,
     AgentStatus,
     IngestResult,
@@ -36,7 +36,7 @@ from controller.protocol_service import (
     TelemetryBatch,
     WindowRejection,
 )
-from controller.state import RejectCode
+from tierplan.controller.state import RejectCode
 
 log = logging.getLogger(__name__)
 PRUNE_EVERY_S = 60.0

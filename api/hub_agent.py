@@ -16,13 +16,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from api.db.errors import StoreError
-from api.db.repo import Repository
-from api.hub_config import controller_config, knobs_misfit
-from api.service_metrics import ServiceMetrics
-from controller.loop import Controller, Decision
-from controller.protocol import PlanAck, Telemetry, Tier
-from controller.protocol_service import (
+from tierplan.api.db.errors import StoreError
+from tierplan.api.db.repo import Repository
+from tierplan.api.hub_config import controller_config, knobs_misfit
+from tierplan.api.service_metrics import ServiceMetrics
+from tierplan.controller.loop import Controller, Decision
+from tierplan.controller.protocol import PlanAck, Telemetry, Tier
+from tierplan.controller.protocol_service import (
     AgentRegistration,
     DecisionOutcome,
     DecisionRecord,
@@ -30,7 +30,7 @@ from controller.protocol_service import (
     SplitView,
     WindowRejection,
 )
-from controller.state import ControllerState, ModelInfo, RejectCode, TelemetryRejected
+from tierplan.controller.state import ControllerState, ModelInfo, RejectCode, TelemetryRejected
 
 log = logging.getLogger(__name__)
 

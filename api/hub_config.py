@@ -9,12 +9,12 @@ accepted and ignored. Pure construction: no I/O, no state.
 
 from __future__ import annotations
 
-from controller.costmodel import ComputeParams, HardwareSpec
-from controller.demand import CurveSource
-from controller.loop import ControllerConfig, Solver, pinned_by_layer
-from controller.model_shape import ModelShape
-from controller.protocol_service import AgentRegistration, PolicyKnobs
-from controller.valuation import SplitSpace
+from tierplan.controller.costmodel import ComputeParams, HardwareSpec
+from tierplan.controller.demand import CurveSource
+from tierplan.controller.loop import ControllerConfig, Solver, pinned_by_layer
+from tierplan.controller.model_shape import ModelShape
+from tierplan.controller.protocol_service import AgentRegistration, PolicyKnobs
+from tierplan.controller.valuation import SplitSpace
 
 
 def model_shape(reg: AgentRegistration) -> ModelShape:

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from controller.sim import SimReport
+from tierplan.controller.sim import SimReport
 
 
 def write_sim_report(out_dir: Path, report: SimReport, inputs: dict[str, Any]) -> tuple[Path, Path]:

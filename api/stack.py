@@ -1,7 +1,7 @@
 """The controller service and a sidecar as real child processes of this one: `tierplan demo`, `tierplan bench
 api` and the system tests start them here.
 
-Runs in the user's process (the composition root). Each child is `python -m api.cli serve|sidecar ...` with its
+Runs in the user's process (the composition root). Each child is `python -m tierplan.api.cli serve|sidecar ...` with its
 output in a log file (never a pipe nobody reads: a chatty child would block on a full pipe), bound to 127.0.0.1
 on a free port; readiness is polled with a deadline, and a child that dies first raises `StackError` with its
 log tail. Every child is stopped when its block ends (SIGTERM, then SIGKILL after a grace period), on error
@@ -23,7 +23,6 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
 LISTENING = "sidecar: agents on"  # what `tierplan sidecar` prints once its socket and /metrics listen
 
 
@@ -49,16 +48,16 @@ def answers(url: str, status: int = 200) -> Callable[[], bool]:
 
 
 class Proc:
-    """One `python -m api.cli ...` child with its log file."""
+    """One `python -m tierplan.api.cli ...` child with its log file."""
 
     def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log = log_dir / f"{name}.log"
-        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        full_env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # The child imports tierplan the way this process does (installed, or PYTHONPATH): same interpreter, same env.
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with self.log.open("wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "api.cli", *args], cwd=log_dir, env=full_env,
+            self.proc = subprocess.Popen([sys.executable, "-m", "tierplan.api.cli", *args], cwd=log_dir, env=full_env,
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def log_tail(self, num_chars: int = 3000) -> str:

@@ -22,13 +22,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.engine_steps import GcWatch, last_n, median_or_zero, outbox_join_s, profile_eager_step, step_profile
-from bench.substrate import timed
-from runtime.device import Device
-from runtime.engine.moe import ExpertViews, moe_forward
-from runtime.memory.backend import make_backend
-from runtime.memory.slots import ExpertSlotPool
-from runtime.weights.format import ExpertFormat
+from tierplan.bench.engine_steps import GcWatch, last_n, median_or_zero, outbox_join_s, profile_eager_step, step_profile
+from tierplan.bench.substrate import timed
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.moe import ExpertViews, moe_forward
+from tierplan.runtime.memory.backend import make_backend
+from tierplan.runtime.memory.slots import ExpertSlotPool
+from tierplan.runtime.weights.format import ExpertFormat
 
 
 def timed_gpu(dev: Device, fn: Callable[[], Any], reps: int) -> float:
@@ -108,7 +108,7 @@ def moe_vs_grouped(dev: Device, hidden: int, inter: int, experts: int, top_k: in
 
 
 def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, block: int, reps: int) -> dict:
-    from runtime.engine.kernels.paged_attention import interpreted, paged_decode_attention
+    from tierplan.runtime.engine.kernels.paged_attention import interpreted, paged_decode_attention
 
     g = torch.Generator().manual_seed(1)
     nb = ctx // block
@@ -152,10 +152,10 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
     (`graphs`) or eager. Telemetry windows close mid-block and are built on the outbox thread beside decode,
     as in serving; any build still running when an off-block starts is waited for and charged to the
     on-block before it. The table beside it says what a window costs if nothing overlaps it."""
-    from agent.adapters.reference import ReferenceAdapter
-    from runtime.engine.engine import EngineConfig, ReferenceEngine
-    from runtime.engine.presets import preset
-    from runtime.selfcheck.exact import auto_block_tokens
+    from tierplan.agent.adapters.reference import ReferenceAdapter
+    from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+    from tierplan.runtime.engine.presets import preset
+    from tierplan.runtime.selfcheck.exact import auto_block_tokens
 
     if block_steps < 1 or steps % (4 * block_steps):
         raise ValueError(f"steps={steps} must be a multiple of 4 x block_steps={block_steps} (ABBA quads)")

@@ -8,7 +8,7 @@ import statistics
 import time
 from typing import Any
 
-from runtime.device import Device
+from tierplan.runtime.device import Device
 
 
 class GcWatch:
@@ -72,9 +72,9 @@ def profile_eager_step(dev: Device, preset_name: str, batch: int = 1) -> str:
     """torch.profiler tables (by CPU and by CUDA time) of 3 eager decode steps: where an eager step goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    from runtime.engine.engine import EngineConfig, ReferenceEngine
-    from runtime.engine.presets import preset
-    from runtime.selfcheck.exact import auto_block_tokens
+    from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+    from tierplan.runtime.engine.presets import preset
+    from tierplan.runtime.selfcheck.exact import auto_block_tokens
 
     spec = preset(preset_name)
     eng = ReferenceEngine(spec, dev, EngineConfig(experts_on_device=True, block_tokens=auto_block_tokens(spec),

@@ -5,11 +5,14 @@
 #     typing-inspection typing-extensions   (pydantic pins its pydantic-core: check Requires-Dist)
 # and name .whl in `carry`: they are installed into /tmp/site when present.
 mkdir -p "$out"
+# No install there: the checkout imports as `tierplan.*` through a link named tierplan (a namespace package,
+# as the installed wheel is); $PWD stays on the path for `tests.*`.
+mkdir -p /tmp/tp_ns && ln -sfn "$PWD" /tmp/tp_ns/tierplan
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:/tmp/tp_ns:$PWD
 else
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=/tmp/tp_ns:$PWD
 fi
 export PYTHONUNBUFFERED=1 TIERPLAN_SCRATCH=${TIERPLAN_SCRATCH:-/tmp}
 # step SECONDS LOG CMD...: run CMD under a timeout into $out/LOG, then print its exit code, time and last line

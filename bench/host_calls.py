@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from runtime.device import Device, HostEvent
-from runtime.engine.engine import EngineConfig
-from runtime.future import OpFuture, wait_all
-from runtime.memory.backend import make_backend
-from runtime.memory.slots import ExpertSlotPool
-from runtime.transfer import Link, TrafficClass, TransferEngine, TransferRequest
-from runtime.weights.loader import ExpertLoadHandler, StoreKind
-from runtime.weights.stores import PinnedExpertStore
+from tierplan.runtime.device import Device, HostEvent
+from tierplan.runtime.engine.engine import EngineConfig
+from tierplan.runtime.future import OpFuture, wait_all
+from tierplan.runtime.memory.backend import make_backend
+from tierplan.runtime.memory.slots import ExpertSlotPool
+from tierplan.runtime.transfer import Link, TrafficClass, TransferEngine, TransferRequest
+from tierplan.runtime.weights.loader import ExpertLoadHandler, StoreKind
+from tierplan.runtime.weights.stores import PinnedExpertStore
 
 Submit = Callable[[ExpertLoadHandler], list[OpFuture]]  # submits loads, returns their futures
 

@@ -24,21 +24,26 @@ from typing import Any
 
 import torch
 
-from bench.offload_report import write_report
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.executor import Executor
-from runtime.engine.experts import ScanVictimOrder, lru_victim_order
-from runtime.engine.hooks import ModelHooks
-from runtime.engine.presets import preset
-from runtime.engine.pretrained import CheckpointExpertSource, PretrainedModel, engine_config_for, read_pretrained
-from runtime.engine.routing_trace import RoutingTrace
-from runtime.engine.runner import ForcedRouter
-from runtime.engine.weights import expert_format
-from runtime.errors import ConfigError
-from runtime.selfcheck.exact import auto_block_tokens
-from runtime.weights.format import ExpertFormat, dtype_from_name
-from runtime.weights.stores import PinnedExpertStore
+from tierplan.bench.offload_report import write_report
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.executor import Executor
+from tierplan.runtime.engine.experts import ScanVictimOrder, lru_victim_order
+from tierplan.runtime.engine.hooks import ModelHooks
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.engine.pretrained import (
+    CheckpointExpertSource,
+    PretrainedModel,
+    engine_config_for,
+    read_pretrained,
+)
+from tierplan.runtime.engine.routing_trace import RoutingTrace
+from tierplan.runtime.engine.runner import ForcedRouter
+from tierplan.runtime.engine.weights import expert_format
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.selfcheck.exact import auto_block_tokens
+from tierplan.runtime.weights.format import ExpertFormat, dtype_from_name
+from tierplan.runtime.weights.stores import PinnedExpertStore
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "routing" / "flame_moe_290m_sample.npz"
 
@@ -237,7 +242,7 @@ def run_offload_bench(out_dir: Path, device: str = "cuda", quick: bool = False, 
             "h2d_gb_s": bw, "sizes": sizes.__dict__}
     trace = RoutingTrace.load(TRACE)
     rows = []
-    from runtime.engine.kernels.paged_attention import interpreted
+    from tierplan.runtime.engine.kernels.paged_attention import interpreted
 
     graphs = None if dev.is_cuda else interpreted()  # the CPU twin's graph executors need Triton's interpreter
     for name, layers in sizes.models if checkpoint is None else ():

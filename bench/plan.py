@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from controller.optimizer import Constraint, InfeasibleError, solve
-from controller.optimizer.greedy import fluxmoe_split, solve_greedy
-from controller.optimizer.synthetic import BenchShape, bench_problem
+from tierplan.controller.optimizer import Constraint, InfeasibleError, solve
+from tierplan.controller.optimizer.greedy import fluxmoe_split, solve_greedy
+from tierplan.controller.optimizer.synthetic import BenchShape, bench_problem
 
 
 @dataclass

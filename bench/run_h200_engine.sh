@@ -10,10 +10,10 @@ out=${1:-bench/results}
 steps=${2:-pytest,loads,exact,engine}
 source bench/h200_env.sh
 want pytest && step 150 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests
-want loads && step 200 bench_loads.log python3 -m api.cli bench substrate --device cuda --only "${SUBSTRATE_ONLY:-loads,urgent}" \
+want loads && step 200 bench_loads.log python3 -m tierplan.api.cli bench substrate --device cuda --only "${SUBSTRATE_ONLY:-loads,urgent}" \
   --load-configs "${LOAD_CONFIGS:-map-in}" --out-dir "$out"
-want exact && step 100 exact_qwen3_2L.log python3 -m api.cli check exact --preset qwen3-30b-a3b --layers 2 \
+want exact && step 100 exact_qwen3_2L.log python3 -m tierplan.api.cli check exact --preset qwen3-30b-a3b --layers 2 \
   --resident-frac 0.25 --device cuda
-want engine && step 300 bench_engine.log python3 -m api.cli bench engine --device cuda --out-dir "$out" \
+want engine && step 300 bench_engine.log python3 -m tierplan.api.cli bench engine --device cuda --out-dir "$out" \
   ${ENGINE_ONLY:+--only "$ENGINE_ONLY"}
 exit 0

@@ -13,7 +13,7 @@ mode=${2:-eager}
 source bench/h200_env.sh  # carried pydantic wheels (the CLI imports it)
 for d in .models/*/; do
   name=$(basename "$d")
-  timeout 120 python3 -m api.cli check exact --model "$d" --device cuda --resident-frac 0.25 --mode "$mode" \
+  timeout 120 python3 -m tierplan.api.cli check exact --model "$d" --device cuda --resident-frac 0.25 --mode "$mode" \
     > "$out/exact_model_$name.log" 2>&1
   echo "== $name rc=$?: $(tail -n 2 "$out/exact_model_$name.log" | tr '\n' ' ')"
 done

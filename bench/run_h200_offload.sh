@@ -12,12 +12,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pc
   > "$out/machine.log" 2>&1; python3 -c 'import torch; print(torch.__version__)' >> "$out/machine.log" 2>&1
 want pytest && step 240 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests/agent/test_budgets.py \
   tests/runtime/test_gpu.py tests/runtime/test_kv.py
-want exact && step 200 exact_qwen3_2L.log python3 -m api.cli check exact --preset qwen3-30b-a3b --layers 2 \
+want exact && step 200 exact_qwen3_2L.log python3 -m tierplan.api.cli check exact --preset qwen3-30b-a3b --layers 2 \
   --resident-frac 0.25 --device cuda --mode all
-want exact && step 240 exact_mixtral_2L.log python3 -m api.cli check exact --preset mixtral-8x7b --layers 2 \
+want exact && step 240 exact_mixtral_2L.log python3 -m tierplan.api.cli check exact --preset mixtral-8x7b --layers 2 \
   --resident-frac 0.5 --device cuda --mode all
 # shellcheck disable=SC2086  # OFFLOAD_ARGS is split into words on purpose
-want offload && step 420 bench_offload.log python3 -m api.cli bench offload --device cuda --out-dir "$out" \
+want offload && step 420 bench_offload.log python3 -m tierplan.api.cli bench offload --device cuda --out-dir "$out" \
   ${OFFLOAD_ARGS:-}
 grep -h "exact:\|mode=" "$out"/exact_*.log 2>/dev/null | cut -c1-200
 [ -f "$out/offload_cuda.md" ] && cut -c1-220 "$out/offload_cuda.md"

@@ -22,19 +22,19 @@ from typing import Any
 
 import torch
 
-from bench.substrate_report import write_substrate_report
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig
-from runtime.future import wait_all
-from runtime.memory.backend import make_backend
-from runtime.memory.slots import ExpertSlotPool
-from runtime.nvme import DirectFile, align_up
-from runtime.selfcheck.common import workdir_for
-from runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferRequest
-from runtime.weights.format import ExpertFormat
-from runtime.weights.loader import ExpertLoadHandler, MapIn, Publish, StoreKind
-from runtime.weights.sources import SyntheticExpertSource
-from runtime.weights.stores import PinnedExpertStore
+from tierplan.bench.substrate_report import write_substrate_report
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig
+from tierplan.runtime.future import wait_all
+from tierplan.runtime.memory.backend import make_backend
+from tierplan.runtime.memory.slots import ExpertSlotPool
+from tierplan.runtime.nvme import DirectFile, align_up
+from tierplan.runtime.selfcheck.common import workdir_for
+from tierplan.runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferRequest
+from tierplan.runtime.weights.format import ExpertFormat
+from tierplan.runtime.weights.loader import ExpertLoadHandler, MapIn, Publish, StoreKind
+from tierplan.runtime.weights.sources import SyntheticExpertSource
+from tierplan.runtime.weights.stores import PinnedExpertStore
 
 MiB = 1 << 20
 
@@ -324,7 +324,7 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
                 store.close()
         say(f"expert loads: {res['expert_loads']}")
     if "calls" in sections:
-        from bench.host_calls import host_call_costs
+        from tierplan.bench.host_calls import host_call_costs
 
         store = pinned_experts(dev, *((256, 512, 4) if quick else (2048, 768, 64)))
         try:

@@ -33,9 +33,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from controller.costmodel_fit import OnlineLinear
-from controller.model_shape import ModelShape
-from controller.protocol import Link, StallCause, Telemetry, Tier
+from tierplan.controller.costmodel_fit import OnlineLinear
+from tierplan.controller.model_shape import ModelShape
+from tierplan.controller.protocol import Link, StallCause, Telemetry, Tier
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controller.demand import CurveSource, DemandModel
-from controller.protocol import Telemetry
+from tierplan.controller.demand import CurveSource, DemandModel
+from tierplan.controller.protocol import Telemetry
 
 
 @dataclass(frozen=True)

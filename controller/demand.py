@@ -21,8 +21,8 @@ from enum import StrEnum
 
 import numpy as np
 
-from controller.predictors.miss_ratio import MissRatioCurves
-from controller.protocol import Successor, Telemetry, Tier, TransitionRow
+from tierplan.controller.predictors.miss_ratio import MissRatioCurves
+from tierplan.controller.protocol import Successor, Telemetry, Tier, TransitionRow
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 KV_SATURATED_GROWTH = 2.0  # a full GPU KV share hides the queue behind it: price demand as twice the share

@@ -48,9 +48,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from controller.predictors.kv_features import Raw, block_events, next_gap_s
-from controller.requests_jsonl import BLOCK_TOKENS as PREFIX_BLOCK_TOKENS
-from controller.requests_jsonl import RequestTrace
+from tierplan.controller.predictors.kv_features import Raw, block_events, next_gap_s
+from tierplan.controller.requests_jsonl import BLOCK_TOKENS as PREFIX_BLOCK_TOKENS
+from tierplan.controller.requests_jsonl import RequestTrace
 
 _NUM_T = 96  # points of the working-set curve W(T), log-spaced
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from controller.costmodel import ComputeParams, CostModel, HardwareSpec
-from controller.curve_shadow import CurveShadow
-from controller.demand import CurveSource, DemandForecast, DemandModel
-from controller.model_shape import ModelShape
-from controller.optimizer import Action, HysteresisPolicy, SplitHysteresis, solve
-from controller.optimizer.problem import SplitSolution, evaluate
-from controller.plan_reason import Split, explain
-from controller.protocol import (
+from tierplan.controller.costmodel import ComputeParams, CostModel, HardwareSpec
+from tierplan.controller.curve_shadow import CurveShadow
+from tierplan.controller.demand import CurveSource, DemandForecast, DemandModel
+from tierplan.controller.model_shape import ModelShape
+from tierplan.controller.optimizer import Action, HysteresisPolicy, SplitHysteresis, solve
+from tierplan.controller.optimizer.problem import SplitSolution, evaluate
+from tierplan.controller.plan_reason import Split, explain
+from tierplan.controller.protocol import (
     AckStatus,
     ExpertKey,
     Forecast,
@@ -37,8 +37,8 @@ from controller.protocol import (
     Telemetry,
     Tier,
 )
-from controller.state import AgentRecord, ControllerState, ModelInfo
-from controller.valuation import SplitSpace, Valuation, build_problem
+from tierplan.controller.state import AgentRecord, ControllerState, ModelInfo
+from tierplan.controller.valuation import SplitSpace, Valuation, build_problem
 
 
 class Solver(StrEnum):  # the optimizer's exact solvers (its greedy is a baseline, not offered here)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controller.demand import DemandForecast
-from controller.optimizer.problem import Constraint, SplitSolution
-from controller.valuation import Valuation, prefix_hit_share
+from tierplan.controller.demand import DemandForecast
+from tierplan.controller.optimizer.problem import Constraint, SplitSolution
+from tierplan.controller.valuation import Valuation, prefix_hit_share
 
 TOP_FACTORS = 3
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
-from controller.protocol_predictor import (  # noqa: F401 - re-exported: the agent imports only this module
+from tierplan.controller.protocol_predictor import (  # noqa: F401 - re-exported: the agent imports only this module
     MAX_TOP_M,
     MAX_UNION_STEPS,
     LayerTransitions,
@@ -31,7 +31,7 @@ from controller.protocol_predictor import (  # noqa: F401 - re-exported: the age
     check_unions,
     check_v2_only,
 )
-from controller.validation import (  # noqa: F401 - parse, to_json, ProtocolError are this module's API too
+from tierplan.controller.validation import (  # noqa: F401 - parse, to_json, ProtocolError are this module's API too
     MAX_EXPERTS,
     MAX_FALLBACK_NAMES,
     MAX_ITEMS,

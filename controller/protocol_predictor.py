@@ -17,7 +17,7 @@ from typing import Annotated, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
-from controller.validation import (
+from tierplan.controller.validation import (
     MAX_ITEMS,
     MAX_PAIRS_PER_LAYER,
     Count,

@@ -16,7 +16,7 @@ from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
-from controller.protocol import (
+from tierplan.controller.protocol import (
     ExpertKey,
     Link,
     Plan,
@@ -28,7 +28,7 @@ from controller.protocol import (
     Telemetry,
     Tier,
 )
-from controller.validation import (
+from tierplan.controller.validation import (
     MAX_ITEMS,
     MAX_LAYERS,
     Count,

@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from controller.costmodel import CostModel, StepLoad
-from controller.model_shape import ModelShape
-from controller.protocol import StallCause
-from controller.sim_policy import ExpertCachePolicy
-from controller.sim_sched import SimScheduler, SimSeq
-from controller.sim_traces import RoutingTrace, SimRequest
+from tierplan.controller.costmodel import CostModel, StepLoad
+from tierplan.controller.model_shape import ModelShape
+from tierplan.controller.protocol import StallCause
+from tierplan.controller.sim_policy import ExpertCachePolicy
+from tierplan.controller.sim_sched import SimScheduler, SimSeq
+from tierplan.controller.sim_traces import RoutingTrace, SimRequest
 
 
 @dataclass(frozen=True)

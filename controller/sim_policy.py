@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from controller.protocol import Plan
+from tierplan.controller.protocol import Plan
 
 
 @dataclass(frozen=True)

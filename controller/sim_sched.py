@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from controller.sim_traces import SimRequest
+from tierplan.controller.sim_traces import SimRequest
 
 
 @dataclass

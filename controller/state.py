@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from controller.protocol import (
+from tierplan.controller.protocol import (
     AckStatus,
     Footprint,
     KVStats,

@@ -20,10 +20,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.costmodel import CostModel
-from controller.demand import DemandForecast
-from controller.optimizer.problem import Group, GroupKind, Option, SplitProblem, capacity_units_of, units_for_bytes
-from controller.protocol import Link
+from tierplan.controller.costmodel import CostModel
+from tierplan.controller.demand import DemandForecast
+from tierplan.controller.optimizer.problem import (
+    Group,
+    GroupKind,
+    Option,
+    SplitProblem,
+    capacity_units_of,
+    units_for_bytes,
+)
+from tierplan.controller.protocol import Link
 
 MAX_DEFERRED = 0.9  # a KV share that defers more than this of the sequences is priced as if it deferred this
 

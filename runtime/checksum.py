@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from runtime.errors import ConfigError
+from tierplan.runtime.errors import ConfigError
 
 
 def checksum(t: torch.Tensor) -> int:

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from runtime.errors import AlignmentError, ConfigError, CudaError
+from tierplan.runtime.errors import AlignmentError, ConfigError, CudaError
 
 HOST_ALIGN_BYTES = 4096
 

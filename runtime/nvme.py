@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.errors import AlignmentError, ConfigError
+from tierplan.runtime.errors import AlignmentError, ConfigError
 
 DIRECT_ALIGN_BYTES = 4096
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.device import AlignedHostBuffer, Device
-from runtime.errors import BusyError, ConfigError
+from tierplan.runtime.device import AlignedHostBuffer, Device
+from tierplan.runtime.errors import BusyError, ConfigError
 
 
 class StagingClosed(Exception):

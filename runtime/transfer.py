@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from runtime.device import Device
-from runtime.errors import ConfigError, TransferError
-from runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
-from runtime.transfer_handle import QueuedTransfer, TransferHandle, nbytes, num_chunks
-from runtime.transfer_types import Buffer, ClassStats, Link, LinkStats, Priority, TrafficClass, TransferRequest
-from runtime.transfer_worker import MEMORY_LINKS, LinkQueue, LinkWorker, TransferStats
+from tierplan.runtime.device import Device
+from tierplan.runtime.errors import ConfigError, TransferError
+from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
+from tierplan.runtime.transfer_handle import QueuedTransfer, TransferHandle, nbytes, num_chunks
+from tierplan.runtime.transfer_types import Buffer, ClassStats, Link, LinkStats, Priority, TrafficClass, TransferRequest
+from tierplan.runtime.transfer_worker import MEMORY_LINKS, LinkQueue, LinkWorker, TransferStats
 
 __all__ = ["Buffer", "ClassStats", "Link", "LinkStats", "Priority", "TrafficClass", "TransferEngine", "TransferHandle",
            "TransferRequest"]

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.device import Event, byte_range
-from runtime.errors import TransferError
-from runtime.future import Latch
-from runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
-from runtime.transfer_types import Buffer, TransferRequest
+from tierplan.runtime.device import Event, byte_range
+from tierplan.runtime.errors import TransferError
+from tierplan.runtime.future import Latch
+from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
+from tierplan.runtime.transfer_types import Buffer, TransferRequest
 
 
 class TransferHandle:

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.device import Event
-from runtime.nvme import FileRegion
+from tierplan.runtime.device import Event
+from tierplan.runtime.nvme import FileRegion
 
 if TYPE_CHECKING:
-    from runtime.transfer_handle import TransferHandle
+    from tierplan.runtime.transfer_handle import TransferHandle
 
 
 class Link(Enum):

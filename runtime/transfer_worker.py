@@ -18,9 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from runtime.device import Device, Event
-from runtime.transfer_handle import Chunk, QueuedTransfer, TransferHandle, byte_slice
-from runtime.transfer_types import ClassStats, Link, LinkStats, Priority, TrafficClass
+from tierplan.runtime.device import Device, Event
+from tierplan.runtime.transfer_handle import Chunk, QueuedTransfer, TransferHandle, byte_slice
+from tierplan.runtime.transfer_types import ClassStats, Link, LinkStats, Priority, TrafficClass
 
 URGENT_POLL_S = 100e-6  # with an urgent stream: how often a worker waiting on bulk copies looks at them
 MEMORY_LINKS = (Link.H2D, Link.D2H)

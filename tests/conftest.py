@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.device import Device
+from tierplan.runtime.device import Device
 
 if not torch.cuda.is_available():
     # Without a GPU, Triton kernels run in Triton's interpreter; it reads this when a kernel is defined.
@@ -24,7 +24,7 @@ def _few_attention_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a GPU, Triton's interpreter runs every program in Python: fewer context splits per (sequence,
     head) keep the paged-attention tests fast (still several splits, so the reduce is exercised)."""
     if not torch.cuda.is_available():
-        import runtime.engine.kernels.paged_attention as pa
+        import tierplan.runtime.engine.kernels.paged_attention as pa
 
         monkeypatch.setattr(pa, "TARGET_PROGRAMS", 8)
 
@@ -90,7 +90,7 @@ def start_thread(target: Callable[[], None]) -> tuple[threading.Thread, list[Bas
 @pytest.fixture(scope="session")
 def pg_admin_url() -> Iterator[str]:
     """URL of a PostgreSQL server for this session: `TIERPLAN_TEST_PG_URL`, else a throwaway cluster."""
-    from api.db import throwaway_pg as pg
+    from tierplan.api.db import throwaway_pg as pg
 
     given = os.environ.get(pg.ENV_URL)
     if given:
@@ -110,7 +110,7 @@ def pg_admin_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def pg_url(pg_admin_url: str) -> Iterator[str]:
     """An empty database on the session's PostgreSQL server, shared by the session (migrate it yourself)."""
-    from api.db import throwaway_pg as pg
+    from tierplan.api.db import throwaway_pg as pg
 
     url = pg.create_database(pg_admin_url, "session")
     yield url
@@ -120,7 +120,7 @@ def pg_url(pg_admin_url: str) -> Iterator[str]:
 @pytest.fixture
 def fresh_pg_url(pg_admin_url: str) -> Iterator[str]:
     """A new empty PostgreSQL database for one test, dropped after it."""
-    from api.db import throwaway_pg as pg
+    from tierplan.api.db import throwaway_pg as pg
 
     url = pg.create_database(pg_admin_url)
     yield url
@@ -132,8 +132,8 @@ def _pg_migrated_template(pg_admin_url: str) -> Iterator[str]:
     """Name of a database migrated to head once per session; `migrated_db_url` copies it (faster than migrating)."""
     from sqlalchemy.engine import make_url
 
-    from api.db import migrate
-    from api.db import throwaway_pg as pg
+    from tierplan.api.db import migrate
+    from tierplan.api.db import throwaway_pg as pg
 
     url = pg.create_database(pg_admin_url, "template")
     migrate.upgrade(url)  # disposes its engine: a template must have no open connections when copied
@@ -143,7 +143,7 @@ def _pg_migrated_template(pg_admin_url: str) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def _sqlite_migrated_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from api.db import migrate
+    from tierplan.api.db import migrate
 
     path = tmp_path_factory.mktemp("sqlite-template") / "tierplan.db"
     migrate.upgrade(f"sqlite:///{path}")
@@ -160,7 +160,7 @@ def migrated_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[
         shutil.copyfile(request.getfixturevalue("_sqlite_migrated_template"), path)
         yield f"sqlite:///{path}"
         return
-    from api.db import throwaway_pg as pg
+    from tierplan.api.db import throwaway_pg as pg
 
     url = pg.create_database(request.getfixturevalue("pg_admin_url"),
                              template=request.getfixturevalue("_pg_migrated_template"))

@@ -12,9 +12,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import api.cli_checks
-from api.cli import app
-from runtime.engine.presets import PRESETS
+import tierplan.api.cli_checks as cli_checks
+from tierplan.api.cli import app
+from tierplan.runtime.engine.presets import PRESETS
 
 runner = CliRunner()
 
@@ -54,7 +54,7 @@ def test_a_read_only_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         def denied(*args: object, **kwargs: object) -> None:
             raise PermissionError(13, "Permission denied")
 
-        monkeypatch.setattr(api.cli_checks.tempfile, "TemporaryFile", denied)
+        monkeypatch.setattr(cli_checks.tempfile, "TemporaryFile", denied)
     try:
         refused(["check", "tiers", "--moves", "5", "--workdir", str(ro)], "--workdir",
                 "is not writable (Permission denied); expected a folder you can write")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
+from tierplan.api.cli import app
 
 runner = CliRunner()
 SAMPLE = Path(__file__).parents[1] / "data" / "requests" / "mooncake_conversation_sample.jsonl"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
+from tierplan.api.cli import app
 
 runner = CliRunner()
 SAMPLE = Path(__file__).parents[1] / "data" / "routing" / "flame_moe_290m_sample.npz"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from api.cli import app
+from tierplan.api.cli import app
 
 runner = CliRunner()
 

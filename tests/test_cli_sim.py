@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
+from tierplan.api.cli import app
 
 runner = CliRunner()
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -45,7 +45,7 @@ def test_a_faster_link_makes_the_same_run_faster(tmp_path: Path) -> None:
 
 
 def test_a_config_json_is_read(tmp_path: Path) -> None:
-    from controller.model_shape import BUILTIN_CONFIGS
+    from tierplan.controller.model_shape import BUILTIN_CONFIGS
 
     (tmp_path / "config.json").write_text(json.dumps(BUILTIN_CONFIGS["qwen3-30b-a3b"]))
     r = _sim("--requests", "synthetic:5,10,32,4", "--config", str(tmp_path), "--out", str(tmp_path / "o"), "--json")
@@ -79,8 +79,8 @@ def test_a_bad_routing_file_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_controller_plan_is_replayed_and_a_bad_one_refused(tmp_path: Path) -> None:
-    from controller.model_shape import builtin_shape
-    from controller.protocol import ExpertKey, Plan, Tier, to_json
+    from tierplan.controller.model_shape import builtin_shape
+    from tierplan.controller.protocol import ExpertKey, Plan, Tier, to_json
 
     shape = builtin_shape("tiny")
     plan = Plan(plan_id="p", version=1, base_version=0, created_s=0.0, hbm_budget_bytes=1 << 20,
@@ -102,8 +102,8 @@ def test_a_controller_plan_is_replayed_and_a_bad_one_refused(tmp_path: Path) -> 
 
 
 def test_a_plan_is_replayed_whole_or_refused(tmp_path: Path) -> None:
-    from controller.model_shape import builtin_shape
-    from controller.protocol import ExpertKey, Plan, Tier, to_json
+    from tierplan.controller.model_shape import builtin_shape
+    from tierplan.controller.protocol import ExpertKey, Plan, Tier, to_json
 
     eb = builtin_shape("tiny").expert_bytes
     plan = Plan(plan_id="p", version=1, base_version=0, created_s=0.0, hbm_budget_bytes=1 << 20,
@@ -131,8 +131,8 @@ def test_a_plan_is_replayed_whole_or_refused(tmp_path: Path) -> None:
 
 
 def test_calibration_from_recorded_telemetry_changes_the_prediction(tmp_path: Path) -> None:
-    from controller.protocol import to_json
     from tests.controller.test_costmodel_calibrate import _window
+    from tierplan.controller.protocol import to_json
 
     # The agent's windows of a machine whose steps take ~20 ms: the default prior (0.19 ms a layer) is far off.
     windows = [_window(i, 5 + i % 3, 8, 0, 0, 20.0, 0.0, gpu_blocks=3 + i % 3) for i in range(30)]

@@ -18,7 +18,10 @@ FORBIDDEN = {
 AGENT_MAY_IMPORT = ("controller.protocol", "controller.protocol_service")
 
 
-def _imports(path: Path) -> set[str]:
+PREFIX = "tierplan."
+
+
+def _raw_imports(path: Path) -> set[str]:
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -26,6 +29,24 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
     return names
+
+
+def _imports(path: Path) -> set[str]:
+    """The module's imports with our `tierplan.` prefix taken off (so the rules read as the folders do)."""
+    return {n.removeprefix(PREFIX) for n in _raw_imports(path)}
+
+
+def _python_files() -> list[Path]:
+    return sorted(p for folder in (*FORBIDDEN, "bench", "tests") for p in (ROOT / folder).rglob("*.py"))
+
+
+def test_our_modules_are_imported_only_as_tierplan_dot_something() -> None:
+    """A bare `import runtime` works only from the checkout's root and would load a second copy of the module
+    beside `tierplan.runtime` (two classes of one name): every import of ours goes through `tierplan.`."""
+    ours = (*FORBIDDEN, "bench")
+    bad = [f"{path.relative_to(ROOT)} imports {name}" for path in _python_files() for name in _raw_imports(path)
+           if name.split(".")[0] in ours]
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))

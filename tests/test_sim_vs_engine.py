@@ -17,22 +17,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.adapters.reference import ReferenceAdapter
-from api.demo import DATA
-from controller import sim_traces
-from controller.costmodel import ComputeParams, CostModel, HardwareSpec
-from controller.model_shape import builtin_shape
-from controller.protocol import Link, Telemetry
-from controller.sim import SimConfig, Simulator
-from controller.sim_policy import make_policy
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.presets import preset
-from runtime.engine.routing_trace import RoutingTrace
-from runtime.engine.runner import ForcedRouter, Runner
-from runtime.engine.scheduler import PreemptMode, Scheduler
-from runtime.engine.workloads import load_mooncake, scale_requests
-from runtime.selfcheck.exact import auto_block_tokens
+from tierplan.agent.adapters.reference import ReferenceAdapter
+from tierplan.api.demo import DATA
+from tierplan.controller import sim_traces
+from tierplan.controller.costmodel import ComputeParams, CostModel, HardwareSpec
+from tierplan.controller.model_shape import builtin_shape
+from tierplan.controller.protocol import Link, Telemetry
+from tierplan.controller.sim import SimConfig, Simulator
+from tierplan.controller.sim_policy import make_policy
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.engine.routing_trace import RoutingTrace
+from tierplan.runtime.engine.runner import ForcedRouter, Runner
+from tierplan.runtime.engine.scheduler import PreemptMode, Scheduler
+from tierplan.runtime.engine.workloads import load_mooncake, scale_requests
+from tierplan.runtime.selfcheck.exact import auto_block_tokens
 
 MOONCAKE = DATA / "requests/mooncake_conversation_sample.jsonl"
 FLAME = DATA / "routing/flame_moe_290m_sample.npz"

@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from agent.enforcer import Enforcer
-from agent.local_policy import LocalPolicy, ScanRule
-from agent.local_predictor import LayerAheadPredictor
-from agent.outbox import Outbox
-from agent.taps import AttentionMassTap, RouterTap, TelemetryWindow, WindowDraft
-from controller.protocol import AckStatus, Plan, PlanAck, Telemetry
-from runtime.engine.engine import ReferenceEngine
-from runtime.kv import Tier
+from tierplan.agent.enforcer import Enforcer
+from tierplan.agent.local_policy import LocalPolicy, ScanRule
+from tierplan.agent.local_predictor import LayerAheadPredictor
+from tierplan.agent.outbox import Outbox
+from tierplan.agent.taps import AttentionMassTap, RouterTap, TelemetryWindow, WindowDraft
+from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
+from tierplan.runtime.engine.engine import ReferenceEngine
+from tierplan.runtime.kv import Tier
 
 
 class ReferenceAdapter:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from api.dashboards.queries import PanelQuery, expand, panel_queries
+from tierplan.api.dashboards.queries import PanelQuery, expand, panel_queries
 
 QueryFn = Callable[[str], list[dict[str, Any]]]
 

@@ -15,8 +15,8 @@ from typing import Any
 from grafana_foundation_sdk.builders.dashboard import Dashboard
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
-from api.dashboards.overview import overview_dashboard
-from api.dashboards.service import service_dashboard
+from tierplan.api.dashboards.overview import overview_dashboard
+from tierplan.api.dashboards.service import service_dashboard
 
 # file stem -> builder; the stem is also what `push` reports
 DASHBOARDS: dict[str, Callable[[], Dashboard]] = {

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 from grafana_client import GrafanaApi
 from grafana_client.client import GrafanaClientError, GrafanaException, GrafanaUnauthorizedError
 
-from api.dashboards.export import all_dashboards
+from tierplan.api.dashboards.export import all_dashboards
 
 DEFAULT_FOLDER = "tierplan"
 _TIMEOUT_S = 10.0

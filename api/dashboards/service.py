@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders.dashboard import Dashboard
 
-from api.dashboards.panels import (
+from tierplan.api.dashboards.panels import (
     AGENT,
     RATE,
     SIDECAR,

@@ -14,10 +14,10 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, delete, insert, select, tuple_, update
 
-from api.db.errors import Conflict, NotFound
-from api.db.models import AgentRow, TelemetryWindowRow
-from controller.protocol import Telemetry
-from controller.protocol_service import AgentRegistration, AgentState, AgentStatus
+from tierplan.api.db.errors import Conflict, NotFound
+from tierplan.api.db.models import AgentRow, TelemetryWindowRow
+from tierplan.controller.protocol import Telemetry
+from tierplan.controller.protocol_service import AgentRegistration, AgentState, AgentStatus
 
 WINDOWS = TelemetryWindowRow.__table__
 COMPARED_FIELDS = ("rank", "group", "engine", "shape", "hardware", "split")  # all of a registration but its time

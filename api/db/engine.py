@@ -14,7 +14,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import QueuePool
 
-from api.db.errors import InvalidDatabaseURL
+from tierplan.api.db.errors import InvalidDatabaseURL
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000  # a writer waits this long for another process's write lock before failing
 PG_CONNECT_TIMEOUT_S = 5  # an unreachable host fails within this, not after the OS's minutes-long TCP timeout

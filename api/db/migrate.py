@@ -22,8 +22,8 @@ from alembic.util.exc import CommandError
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from api.db.engine import WRITE_OPTION, describe_failure, make_engine
-from api.db.errors import StoreError, Unavailable
+from tierplan.api.db.engine import WRITE_OPTION, describe_failure, make_engine
+from tierplan.api.db.errors import StoreError, Unavailable
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from sqlalchemy import BigInteger, Float, ForeignKey, Index, Integer, MetaData, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from controller.validation import MAX_ID_CHARS
+from tierplan.controller.validation import MAX_ID_CHARS
 
 ID_CHARS = MAX_ID_CHARS  # every id column holds any id the protocol accepts
 ENUM_CHARS = 16

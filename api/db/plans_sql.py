@@ -13,10 +13,10 @@ from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
 
-from api.db.errors import Conflict, NotFound, PlanConflict
-from api.db.models import AgentRow, DecisionRow, PlanRow
-from controller.protocol import AckStatus, Plan, PlanAck
-from controller.protocol_service import DecisionRecord, PlanRecord, PlanState
+from tierplan.api.db.errors import Conflict, NotFound, PlanConflict
+from tierplan.api.db.models import AgentRow, DecisionRow, PlanRow
+from tierplan.controller.protocol import AckStatus, Plan, PlanAck
+from tierplan.controller.protocol_service import DecisionRecord, PlanRecord, PlanState
 
 PLANS = PlanRow.__table__
 

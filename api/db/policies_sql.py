@@ -15,10 +15,10 @@ from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from api.db.errors import Conflict, PolicyConflict
-from api.db.models import AgentRow, ApiTokenRow, PolicyRow, PolicyVersionRow
-from api.db.records import Scope, TokenRecord
-from controller.protocol_service import PolicyKnobs, PolicyRecord, PolicyUpdate
+from tierplan.api.db.errors import Conflict, PolicyConflict
+from tierplan.api.db.models import AgentRow, ApiTokenRow, PolicyRow, PolicyVersionRow
+from tierplan.api.db.records import Scope, TokenRecord
+from tierplan.controller.protocol_service import PolicyKnobs, PolicyRecord, PolicyUpdate
 
 DEFAULT_AUTHOR = "defaults"
 DEFAULT_WHY = "built-in defaults (never changed)"

@@ -18,12 +18,12 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from api.db import agents_sql, plans_sql, policies_sql
-from api.db.engine import WRITE_OPTION, describe_failure
-from api.db.errors import Conflict, InvalidQuery, PlanConflict, Unavailable
-from api.db.records import Scope, TokenRecord
-from controller.protocol import Plan, PlanAck, Telemetry
-from controller.protocol_service import (
+from tierplan.api.db import agents_sql, plans_sql, policies_sql
+from tierplan.api.db.engine import WRITE_OPTION, describe_failure
+from tierplan.api.db.errors import Conflict, InvalidQuery, PlanConflict, Unavailable
+from tierplan.api.db.records import Scope, TokenRecord
+from tierplan.controller.protocol import Plan, PlanAck, Telemetry
+from tierplan.controller.protocol_service import (
     AgentRegistration,
     AgentStatus,
     DecisionRecord,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import HubDep, WriterDep
-from api.routes.common import WRITE_ERRORS, errors
-from controller.protocol import PlanAck
-from controller.protocol_service import PlanRecord
+from tierplan.api.deps import HubDep, WriterDep
+from tierplan.api.routes.common import WRITE_ERRORS, errors
+from tierplan.controller.protocol import PlanAck
+from tierplan.controller.protocol_service import PlanRecord
 
 router = APIRouter(prefix="/v1/acks", tags=["acks"])
 

@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response, status
 
-from api.deps import READS_GUARD, HubDep, RepoDep, WriterDep
-from api.routes.common import WRITE_ERRORS, AgentIdPath, errors
-from controller.protocol_service import AgentRegistration, AgentStatus, WindowSummary
+from tierplan.api.deps import READS_GUARD, HubDep, RepoDep, WriterDep
+from tierplan.api.routes.common import WRITE_ERRORS, AgentIdPath, errors
+from tierplan.controller.protocol_service import AgentRegistration, AgentStatus, WindowSummary
 
 router = APIRouter(prefix="/v1/agents", tags=["agents"])
 reads = APIRouter(prefix="/v1/agents", tags=["agents"], dependencies=[READS_GUARD])

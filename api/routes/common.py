@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import Path, Query
 from pydantic import AfterValidator, BaseModel
 
-from controller.validation import MAX_ID_CHARS, _check_id
+from tierplan.controller.validation import MAX_ID_CHARS, _check_id
 
 
 class ErrorBody(BaseModel):

@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query
 
-from api.deps import READS_GUARD, RepoDep
-from api.routes.common import AgentIdQuery, errors
-from controller.protocol_service import DecisionRecord
+from tierplan.api.deps import READS_GUARD, RepoDep
+from tierplan.api.routes.common import AgentIdQuery, errors
+from tierplan.controller.protocol_service import DecisionRecord
 
 router = APIRouter(prefix="/v1/decisions", tags=["decisions"], dependencies=[READS_GUARD])
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response, status
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from api.deps import MetricsDep, RepoDep
+from tierplan.api.deps import MetricsDep, RepoDep
 
 router = APIRouter(tags=["health"])
 

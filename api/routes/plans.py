@@ -11,9 +11,9 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query, Response, status
 from fastapi.responses import JSONResponse
 
-from api.deps import READS_GUARD, RepoDep
-from api.routes.common import AgentIdPath, errors
-from controller.protocol_service import PlanRecord
+from tierplan.api.deps import READS_GUARD, RepoDep
+from tierplan.api.routes.common import AgentIdPath, errors
+from tierplan.controller.protocol_service import PlanRecord
 
 router = APIRouter(prefix="/v1/agents", tags=["plans"], dependencies=[READS_GUARD])
 

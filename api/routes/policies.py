@@ -11,9 +11,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from api.deps import READS_GUARD, HubDep, RepoDep, WriterDep
-from api.routes.common import WRITE_ERRORS, GroupPath, errors
-from controller.protocol_service import PolicyRecord, PolicyUpdate
+from tierplan.api.deps import READS_GUARD, HubDep, RepoDep, WriterDep
+from tierplan.api.routes.common import WRITE_ERRORS, GroupPath, errors
+from tierplan.controller.protocol_service import PolicyRecord, PolicyUpdate
 
 router = APIRouter(prefix="/v1/policies", tags=["policies"])
 reads = APIRouter(prefix="/v1/policies", tags=["policies"], dependencies=[READS_GUARD])

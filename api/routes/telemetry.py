@@ -17,11 +17,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from api.deps import HubDep, MetricsDep, WriterDep
-from api.hub import ControllerHub
-from api.routes.common import WRITE_ERRORS, errors
-from api.service_metrics import ServiceMetrics
-from controller.protocol_service import IngestResult, TelemetryBatch
+from tierplan.api.deps import HubDep, MetricsDep, WriterDep
+from tierplan.api.hub import ControllerHub
+from tierplan.api.routes.common import WRITE_ERRORS, errors
+from tierplan.api.service_metrics import ServiceMetrics
+from tierplan.controller.protocol_service import IngestResult, TelemetryBatch
 
 router = APIRouter(prefix="/v1/telemetry", tags=["telemetry"])
 REF = "#/components/schemas/{model}"

@@ -31,7 +31,7 @@ router = APIRouter(include_in_schema=False)
 
 
 def _ui_dir() -> Traversable:
-    return files("api") / "ui"
+    return files("tierplan.api") / "ui"
 
 
 def _static_file(name: str) -> Traversable | None:

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from controller.predictors.base import ExpertCachePolicy
-from controller.routing_npz import RoutingNpz
+from tierplan.controller.predictors.base import ExpertCachePolicy
+from tierplan.controller.routing_npz import RoutingNpz
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from controller.predictors.kv_features import Raw, block_events, next_gap_s
-from controller.predictors.kv_reuse import KVReusePredictor, ScorerKind, make_scorer
-from controller.requests_jsonl import RequestTrace
+from tierplan.controller.predictors.kv_features import Raw, block_events, next_gap_s
+from tierplan.controller.predictors.kv_reuse import KVReusePredictor, ScorerKind, make_scorer
+from tierplan.controller.requests_jsonl import RequestTrace
 
 ONLINE = "logistic_online"
 DEFAULT_SCORERS = (*(k.value for k in ScorerKind), ONLINE)

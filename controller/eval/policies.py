@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from controller.predictors.base import ExpertCachePolicy
-from controller.predictors.belady import BeladyPolicy
-from controller.predictors.caches import EWMALFUPolicy, LFRUPolicy, LFUPolicy, LRUPolicy
-from controller.predictors.cooccurrence import feature_stream
-from controller.predictors.cost_aware import CostAwarePolicy
-from controller.predictors.learned import Backend, LearnedDemandPredictor, RecordedScores
-from controller.predictors.transition import compact_score_stream
+from tierplan.controller.predictors.base import ExpertCachePolicy
+from tierplan.controller.predictors.belady import BeladyPolicy
+from tierplan.controller.predictors.caches import EWMALFUPolicy, LFRUPolicy, LFUPolicy, LRUPolicy
+from tierplan.controller.predictors.cooccurrence import feature_stream
+from tierplan.controller.predictors.cost_aware import CostAwarePolicy
+from tierplan.controller.predictors.learned import Backend, LearnedDemandPredictor, RecordedScores
+from tierplan.controller.predictors.transition import compact_score_stream
 
 CHUNK_TOKENS = 16  # the predictors' learning chunk (a plan window) in tokens
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from controller.optimizer.explain import reason, top_factors
-from controller.optimizer.hysteresis import Action, HysteresisDecision, HysteresisPolicy, SplitHysteresis
-from controller.optimizer.problem import (
+from tierplan.controller.optimizer.explain import reason, top_factors
+from tierplan.controller.optimizer.hysteresis import Action, HysteresisDecision, HysteresisPolicy, SplitHysteresis
+from tierplan.controller.optimizer.problem import (
     Constraint,
     Group,
     GroupKind,
@@ -35,7 +35,7 @@ class Solver(StrEnum):
 
 def least_link_bytes(problem: SplitProblem) -> int:
     """The fewest link bytes per step any split within the capacity streams (see dp.least_link_bytes)."""
-    from controller.optimizer.dp import least_link_bytes as _least
+    from tierplan.controller.optimizer.dp import least_link_bytes as _least
 
     return _least(problem)
 
@@ -49,14 +49,14 @@ def solve(problem: SplitProblem, solver: Solver | str = Solver.DP, exact: bool =
     except ValueError:
         raise ProblemError(f"solver={solver!r}; expected one of {', '.join(s.value for s in Solver)}") from None
     if which is Solver.DP:
-        from controller.optimizer.dp import solve_dp
+        from tierplan.controller.optimizer.dp import solve_dp
 
         return solve_dp(problem, exact=exact)
     if which is Solver.MILP:
-        from controller.optimizer.milp import solve_milp
+        from tierplan.controller.optimizer.milp import solve_milp
 
         return solve_milp(problem)
-    from controller.optimizer.greedy import solve_greedy
+    from tierplan.controller.optimizer.greedy import solve_greedy
 
     return solve_greedy(problem)
 

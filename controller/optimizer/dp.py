@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.optimizer.exchange import improve_by_exchange
-from controller.optimizer.pricing import link_price
-from controller.optimizer.problem import (
+from tierplan.controller.optimizer.exchange import improve_by_exchange
+from tierplan.controller.optimizer.pricing import link_price
+from tierplan.controller.optimizer.problem import (
     GroupArrays,
     InfeasibleError,
     SplitProblem,
@@ -34,7 +34,7 @@ from controller.optimizer.problem import (
     group_arrays,
     make_solution,
 )
-from controller.optimizer.tables import Layout, at_capacity, halves, tables_of
+from tierplan.controller.optimizer.tables import Layout, at_capacity, halves, tables_of
 
 REL_TOL = 1e-9  # optimality tolerance (relative): well inside the 1e-6 the solvers must agree to
 NODE_LIMIT = 2_000  # search nodes before the MILP takes over (the search only pays off on small problems)
@@ -207,7 +207,7 @@ def _close_gap(problem: SplitProblem, arrs: list[GroupArrays], lays: list[Layout
     try:
         search.run(capacity)
     except _NodeLimit:
-        from controller.optimizer.milp import solve_milp
+        from tierplan.controller.optimizer.milp import solve_milp
 
         stats.update(search_nodes=search.nodes, fallback_milp=1)
         sol = solve_milp(problem)

@@ -15,7 +15,7 @@ import heapq
 
 import numpy as np
 
-from controller.optimizer.problem import GroupArrays
+from tierplan.controller.optimizer.problem import GroupArrays
 
 MAX_STEP = 4  # slots moved per exchange: 1..MAX_STEP
 MAX_ROUNDS = 400

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.optimizer.problem import Constraint, Group, GroupKind, SplitProblem, SplitSolution
+from tierplan.controller.optimizer.problem import Constraint, Group, GroupKind, SplitProblem, SplitSolution
 
 CLIFF_FACTOR = 4.0  # a one-step drop this many times the median step is a cliff
 

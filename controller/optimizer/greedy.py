@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from controller.optimizer.problem import (
+from tierplan.controller.optimizer.problem import (
     GroupKind,
     InfeasibleError,
     SplitProblem,

@@ -20,7 +20,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from controller.optimizer.problem import SplitProblem, SplitSolution, evaluate, group_arrays, violations
+from tierplan.controller.optimizer.problem import SplitProblem, SplitSolution, evaluate, group_arrays, violations
 
 
 class Action(StrEnum):

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from controller.optimizer.pricing import link_price
-from controller.optimizer.problem import (
+from tierplan.controller.optimizer.pricing import link_price
+from tierplan.controller.optimizer.problem import (
     InfeasibleError,
     SplitProblem,
     SplitSolution,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from controller.optimizer.problem import GroupArrays
+from tierplan.controller.optimizer.problem import GroupArrays
 
 OUTER_STEPS = 14  # bisection steps on lam (log space)
 INNER_STEPS = 18  # bisection steps on mu for each lam

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.optimizer.problem import Group, GroupKind, Option, SplitProblem, capacity_units_of, units_for_bytes
+from tierplan.controller.optimizer.problem import (
+    Group,
+    GroupKind,
+    Option,
+    SplitProblem,
+    capacity_units_of,
+    units_for_bytes,
+)
 
 MIB = 1 << 20
 GIB = 1 << 30

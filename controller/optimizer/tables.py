@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from controller.optimizer.problem import Group, GroupArrays
+from tierplan.controller.optimizer.problem import Group, GroupArrays
 
 _ROWS_PER_CHUNK = 16  # option rows reduced per numpy call: small enough to stay in cache
 

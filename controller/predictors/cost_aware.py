@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.predictors.base import DemandPredictor
-from controller.predictors.miss_ratio import MissRatioCurves
+from tierplan.controller.predictors.base import DemandPredictor
+from tierplan.controller.predictors.miss_ratio import MissRatioCurves
 
 _SERVING = 1e9  # keep value offset of an expert demanded in the step being served (x2 until it has been used)
 _THRESHOLD_CEIL = 0.98

@@ -18,7 +18,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from controller.requests_jsonl import RequestTrace
+from tierplan.controller.requests_jsonl import RequestTrace
 
 _CAP_S = 1e5  # recency beyond ~a day is "never seen" for the models (log scale saturates)
 

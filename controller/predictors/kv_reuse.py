@@ -24,8 +24,8 @@ from typing import Protocol
 
 import numpy as np
 
-from controller.predictors.kv_features import NUM_RAW, BlockFeaturizer, Raw, model_matrix
-from controller.validation import MAX_ITEMS
+from tierplan.controller.predictors.kv_features import NUM_RAW, BlockFeaturizer, Raw, model_matrix
+from tierplan.controller.validation import MAX_ITEMS
 
 SCHEMA_VERSION = 1
 _HOLDOUT_FRAC = 0.2  # of the window: the newest resolved events a refit candidate is judged on

@@ -21,7 +21,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from controller.predictors.cooccurrence import FEATURE_NAMES, CoactivationFeatures, feature_stream
+from tierplan.controller.predictors.cooccurrence import FEATURE_NAMES, CoactivationFeatures, feature_stream
 
 _CONTEXT = FEATURE_NAMES.index("context")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.predictors.base import DemandPredictor
+from tierplan.controller.predictors.base import DemandPredictor
 
 
 class RouterLookaheadPredictor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.predictors.base import DemandPredictor
+from tierplan.controller.predictors.base import DemandPredictor
 
 _EPS = 1e-6
 

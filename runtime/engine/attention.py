@@ -15,10 +15,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from runtime.engine.config import AttentionKind, ModelSpec
-from runtime.engine.kernels.paged_attention import HAS_TRITON
-from runtime.engine.kv_cache import PagedKVCache
-from runtime.errors import ConfigError
+from tierplan.runtime.engine.config import AttentionKind, ModelSpec
+from tierplan.runtime.engine.kernels.paged_attention import HAS_TRITON
+from tierplan.runtime.engine.kv_cache import PagedKVCache
+from tierplan.runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ FUSED_NORM = True  # on a GPU with Triton: one fused kernel per norm (kernels/rm
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if FUSED_NORM and x.is_cuda and HAS_TRITON:
-        from runtime.engine.kernels.rmsnorm import rms_norm_fused
+        from tierplan.runtime.engine.kernels.rmsnorm import rms_norm_fused
 
         return rms_norm_fused(x, w, eps)
     x32 = x.float()
@@ -194,7 +194,7 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
                      cache: PagedKVCache, layer: int, spec: ModelSpec,
                      observer: MassObserver | None = None, meta: StepMeta | None = None) -> torch.Tensor:
     """One token per segment: write all new K/V rows at once, then one paged-kernel launch for the batch."""
-    from runtime.engine.kernels.paged_attention import paged_decode_attention
+    from tierplan.runtime.engine.kernels.paged_attention import paged_decode_attention
 
     n = x.shape[0]
     if meta is None or meta.table is None:
@@ -262,7 +262,7 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tens
             return gqa_decode_paged(x, w, positions, segments, cache, layer, spec, observer, meta)
         return gqa_attention(x, w, positions, segments, cache, layer, spec, observer, meta)
     if spec.attention is AttentionKind.MLA:
-        from runtime.engine.mla import mla_attention  # mla.py imports Segment/rms_norm/rope from here
+        from tierplan.runtime.engine.mla import mla_attention  # mla.py imports Segment/rms_norm/rope from here
 
         return mla_attention(x, w, positions, segments, cache, layer, spec)
     raise ConfigError(f"{spec.name}: attention kind {spec.attention.value} has no reference kernel")

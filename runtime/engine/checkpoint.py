@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from runtime.errors import ConfigError
+from tierplan.runtime.errors import ConfigError
 
 INDEX_NAME = "model.safetensors.index.json"
 

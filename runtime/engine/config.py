@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import Any
 
-from runtime.engine.spec_checkpoint import check_checkpoint_fields
-from runtime.errors import ConfigError
-from runtime.weights.format import dtype_from_name
+from tierplan.runtime.engine.spec_checkpoint import check_checkpoint_fields
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.weights.format import dtype_from_name
 
 
 class AttentionKind(Enum):

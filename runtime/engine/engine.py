@@ -22,29 +22,29 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from runtime.device import Device
-from runtime.engine.attention import Segment, build_block_table
-from runtime.engine.config import AttentionKind, ModelSpec
-from runtime.engine.executor import PADDED, Executor, ExecutorStats, PieceResidency, Reason, known_routes
-from runtime.engine.experts import OnDemandExperts, ScanVictimOrder
-from runtime.engine.graphs import DecodeGraphs
-from runtime.engine.hooks import ModelHooks, StepRouting
-from runtime.engine.kernels import moe_gemm
-from runtime.engine.kv_cache import PagedKVCache, block_shape
-from runtime.engine.model import MoEModel
-from runtime.engine.pretrained import checkpoint_weights
-from runtime.engine.sizing import check_fits
-from runtime.engine.weights import expert_format, synthetic_dense_weights
-from runtime.errors import ConfigError
-from runtime.kv import Tier
-from runtime.memory.backend import make_backend
-from runtime.memory.slots import ExpertSlotPool
-from runtime.staging import StagingPool
-from runtime.transfer import TransferEngine
-from runtime.weights.format import dtype_from_name
-from runtime.weights.loader import PUBLISH, ExpertLoadHandler, MapIn, Publish, StoreKind, map_in_error
-from runtime.weights.sources import SyntheticExpertSource
-from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.attention import Segment, build_block_table
+from tierplan.runtime.engine.config import AttentionKind, ModelSpec
+from tierplan.runtime.engine.executor import PADDED, Executor, ExecutorStats, PieceResidency, Reason, known_routes
+from tierplan.runtime.engine.experts import OnDemandExperts, ScanVictimOrder
+from tierplan.runtime.engine.graphs import DecodeGraphs
+from tierplan.runtime.engine.hooks import ModelHooks, StepRouting
+from tierplan.runtime.engine.kernels import moe_gemm
+from tierplan.runtime.engine.kv_cache import PagedKVCache, block_shape
+from tierplan.runtime.engine.model import MoEModel
+from tierplan.runtime.engine.pretrained import checkpoint_weights
+from tierplan.runtime.engine.sizing import check_fits
+from tierplan.runtime.engine.weights import expert_format, synthetic_dense_weights
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.kv import Tier
+from tierplan.runtime.memory.backend import make_backend
+from tierplan.runtime.memory.slots import ExpertSlotPool
+from tierplan.runtime.staging import StagingPool
+from tierplan.runtime.transfer import TransferEngine
+from tierplan.runtime.weights.format import dtype_from_name
+from tierplan.runtime.weights.loader import PUBLISH, ExpertLoadHandler, MapIn, Publish, StoreKind, map_in_error
+from tierplan.runtime.weights.sources import SyntheticExpertSource
+from tierplan.runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
 OffloadExec = Literal["piecewise", "eager"]
 OFFLOAD_EXEC: tuple[str, ...] = get_args(OffloadExec)
@@ -183,7 +183,7 @@ class ReferenceEngine:
                                   wd / "kv.tpnvme" if cfg.kv_nvme_blocks else None, staging=self.staging)
         weights = ckpt.dense if ckpt is not None else synthetic_dense_weights(spec, device.torch_device, seed=cfg.seed)
         if cfg.decode_kernel is None:
-            from runtime.engine.kernels.paged_attention import HAS_TRITON
+            from tierplan.runtime.engine.kernels.paged_attention import HAS_TRITON
 
             decode_kernel = device.is_cuda and HAS_TRITON
         else:
@@ -205,7 +205,7 @@ class ReferenceEngine:
     def from_pretrained(cls, path: str | Path, device: Device, cfg: EngineConfig,
                         dtype: str | None = None) -> ReferenceEngine:
         """An engine over a local Hugging Face safetensors checkpoint folder (runtime/engine/pretrained.py)."""
-        from runtime.engine.pretrained import engine_config_for, read_pretrained
+        from tierplan.runtime.engine.pretrained import engine_config_for, read_pretrained
 
         spec = read_pretrained(path, dtype).spec
         return cls(spec, device, engine_config_for(spec, cfg))

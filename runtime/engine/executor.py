@@ -20,8 +20,8 @@ from enum import Enum
 import numpy as np
 import torch
 
-from runtime.engine.experts import OnDemandExperts
-from runtime.engine.model import MoEModel
+from tierplan.runtime.engine.experts import OnDemandExperts
+from tierplan.runtime.engine.model import MoEModel
 
 
 class Executor(Enum):

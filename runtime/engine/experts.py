@@ -27,11 +27,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from runtime.errors import CapacityError, ConfigError
-from runtime.future import OpFuture, wait_all
-from runtime.memory.slots import ExpertSlotPool, ExpertState
-from runtime.transfer import Priority
-from runtime.weights.loader import ExpertLoadHandler, StoreKind
+from tierplan.runtime.errors import CapacityError, ConfigError
+from tierplan.runtime.future import OpFuture, wait_all
+from tierplan.runtime.memory.slots import ExpertSlotPool, ExpertState
+from tierplan.runtime.transfer import Priority
+from tierplan.runtime.weights.loader import ExpertLoadHandler, StoreKind
 
 Key = tuple[int, int]  # (pool layer, expert)
 VictimOrder = Callable[[list[Key]], list[Key]]

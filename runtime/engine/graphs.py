@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.device import Device, Event
-from runtime.engine.attention import QCapture, Segment, observe
-from runtime.engine.hooks import StepRouting
-from runtime.engine.model import FwdState, MoEModel
+from tierplan.runtime.device import Device, Event
+from tierplan.runtime.engine.attention import QCapture, Segment, observe
+from tierplan.runtime.engine.hooks import StepRouting
+from tierplan.runtime.engine.model import FwdState, MoEModel
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 _IDS = ("tokens", "positions", "trace_rows", "row_src", "forced")  # rows of the int64 staging buffer

@@ -16,14 +16,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from runtime.engine.config import (
+from tierplan.runtime.engine.config import (
     SUPPORTED_FAMILIES,
     AttentionKind,
     ModelFamily,
     ModelSpec,
     is_int,
 )
-from runtime.errors import ConfigError
+from tierplan.runtime.errors import ConfigError
 
 
 class _Reader:

@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from runtime.engine.attention import MassObserver
+from tierplan.runtime.engine.attention import MassObserver
 
 RouteTap = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, ids [N, k], weights [N, k])
 

@@ -18,14 +18,14 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from runtime.device import Device
-from runtime.engine.config import AttentionKind, ModelSpec
-from runtime.errors import CapacityError, ConfigError
-from runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
-from runtime.nvme import DIRECT_ALIGN_BYTES
-from runtime.staging import StagingPool
-from runtime.transfer import TransferEngine
-from runtime.weights.format import dtype_from_name
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.config import AttentionKind, ModelSpec
+from tierplan.runtime.errors import CapacityError, ConfigError
+from tierplan.runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
+from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES
+from tierplan.runtime.staging import StagingPool
+from tierplan.runtime.transfer import TransferEngine
+from tierplan.runtime.weights.format import dtype_from_name
 
 SPILL_ORDER = (Tier.GPU, Tier.CPU, Tier.NVME)
 BlockOrder = Callable[[list[int]], list[int]]  # candidate blocks -> the same blocks, first to spill first

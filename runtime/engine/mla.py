@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.attention import Segment, linear, rms_norm, rope
-from runtime.engine.config import AttentionKind, ModelSpec
-from runtime.engine.kv_cache import PagedKVCache
-from runtime.engine.rope_yarn import mla_rope_tables, mla_softmax_scale
-from runtime.errors import ConfigError
+from tierplan.runtime.engine.attention import Segment, linear, rms_norm, rope
+from tierplan.runtime.engine.config import AttentionKind, ModelSpec
+from tierplan.runtime.engine.kv_cache import PagedKVCache
+from tierplan.runtime.engine.rope_yarn import mla_rope_tables, mla_softmax_scale
+from tierplan.runtime.errors import ConfigError
 
 
 def split_kv_b(kv_b_proj: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from runtime.engine.attention import MassObserver, Segment, attention, rms_norm, step_meta
-from runtime.engine.config import ModelSpec
-from runtime.engine.hooks import ForcedRoutes, ModelHooks, RouteTap, StepRouting
-from runtime.engine.kv_cache import PagedKVCache
-from runtime.engine.moe import ExpertProvider, ExpertViews, mlp, moe_forward, route
-from runtime.engine.weights import DenseWeights, expert_format
-from runtime.memory.slots import ExpertSlotPool
+from tierplan.runtime.engine.attention import MassObserver, Segment, attention, rms_norm, step_meta
+from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.hooks import ForcedRoutes, ModelHooks, RouteTap, StepRouting
+from tierplan.runtime.engine.kv_cache import PagedKVCache
+from tierplan.runtime.engine.moe import ExpertProvider, ExpertViews, mlp, moe_forward, route
+from tierplan.runtime.engine.weights import DenseWeights, expert_format
+from tierplan.runtime.memory.slots import ExpertSlotPool
 
 
 @dataclass

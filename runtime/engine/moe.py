@@ -14,10 +14,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from runtime.engine.config import ModelSpec
-from runtime.engine.kernels import moe_gemm
-from runtime.memory.slots import ExpertSlotPool
-from runtime.weights.format import ExpertFormat
+from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.kernels import moe_gemm
+from tierplan.runtime.memory.slots import ExpertSlotPool
+from tierplan.runtime.weights.format import ExpertFormat
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
@@ -53,7 +53,7 @@ def route(x: torch.Tensor, router: torch.Tensor, spec: ModelSpec,
     # A router kept in float32 (DeepSeek's, as transformers keeps it) routes float32 rows.
     logits = x @ router.t() if router.dtype == x.dtype else x.to(router.dtype) @ router.t()  # [T, E]
     if spec.router_scoring == "sigmoid":
-        from runtime.engine.families.routing import noaux_tc
+        from tierplan.runtime.engine.families.routing import noaux_tc
 
         w, ids = noaux_tc(logits.float(), bias, spec.top_k, spec.num_expert_groups, spec.topk_groups, out)
         if spec.norm_topk_prob:
@@ -61,7 +61,7 @@ def route(x: torch.Tensor, router: torch.Tensor, spec: ModelSpec,
         return ids, w * spec.routed_scaling_factor
     probs = F.softmax(logits.float(), dim=-1)  # [T, E]
     if spec.num_expert_groups:
-        from runtime.engine.families.routing import group_limited
+        from tierplan.runtime.engine.families.routing import group_limited
 
         probs = group_limited(probs, spec.num_expert_groups, spec.topk_groups)
     if out is not None:

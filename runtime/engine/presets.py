@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.engine.config import ModelSpec
-from runtime.engine.hf_config import load_hf_config
-from runtime.errors import ConfigError
+from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.hf_config import load_hf_config
+from tierplan.runtime.errors import ConfigError
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-30B-A3B

@@ -16,19 +16,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime.device import Device
-from runtime.engine.checkpoint import Checkpoint
-from runtime.engine.config import ModelSpec
-from runtime.engine.families import family_for
-from runtime.engine.families.base import Family
-from runtime.engine.hf_config import load_hf_config
-from runtime.engine.hf_config import read_json as read_config_json
-from runtime.engine.weights import DenseWeights, LayerWeights, _attn_shapes, expert_format
-from runtime.errors import ConfigError
-from runtime.weights.format import ExpertFormat, dtype_from_name
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.checkpoint import Checkpoint
+from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.families import family_for
+from tierplan.runtime.engine.families.base import Family
+from tierplan.runtime.engine.hf_config import load_hf_config
+from tierplan.runtime.engine.hf_config import read_json as read_config_json
+from tierplan.runtime.engine.weights import DenseWeights, LayerWeights, _attn_shapes, expert_format
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.weights.format import ExpertFormat, dtype_from_name
 
 if TYPE_CHECKING:
-    from runtime.engine.engine import EngineConfig, ReferenceEngine
+    from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
 
 ENGINE_DTYPES = ("float32", "bfloat16", "float16")
 _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -227,7 +227,7 @@ def checkpoint_weights(spec: ModelSpec, device: Device, cfg: EngineConfig) -> Ch
 def load_pretrained(folder: str | Path | PretrainedModel, device: Device, cfg: EngineConfig,
                     dtype: str | None = None) -> ReferenceEngine:
     """A ReferenceEngine running the checkpoint in `folder`; experts streamed into the configured store."""
-    from runtime.engine.engine import ReferenceEngine
+    from tierplan.runtime.engine.engine import ReferenceEngine
 
     model = folder if isinstance(folder, PretrainedModel) else read_pretrained(folder, dtype)
     return ReferenceEngine(model.spec, device, engine_config_for(model.spec, cfg))

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.config import ModelSpec
 
 
 def _mscale(scale: float, mscale: float = 1.0) -> float:

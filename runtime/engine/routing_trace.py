@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.errors import ConfigError
+from tierplan.runtime.errors import ConfigError
 
 _FIELDS: dict[str, tuple[np.dtype, str]] = {
     "expert_ids": (np.dtype(np.int16), "[T, L, K]"),

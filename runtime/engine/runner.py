@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runtime.engine.config import ModelSpec
-from runtime.engine.engine import ReferenceEngine
-from runtime.engine.routing_trace import RoutingTrace
-from runtime.engine.scheduler import Batch, PreemptMode, Scheduler, Sequence
-from runtime.engine.workloads import Request, synthetic_prompt_tokens
-from runtime.errors import ConfigError
-from runtime.kv import Tier
+from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.engine import ReferenceEngine
+from tierplan.runtime.engine.routing_trace import RoutingTrace
+from tierplan.runtime.engine.scheduler import Batch, PreemptMode, Scheduler, Sequence
+from tierplan.runtime.engine.workloads import Request, synthetic_prompt_tokens
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.kv import Tier
 
 
 class ForcedRouter:

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from runtime.errors import ConfigError
+from tierplan.runtime.errors import ConfigError
 
 
 class SeqState(Enum):

@@ -17,15 +17,15 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.device import Device
-from runtime.engine.config import ModelSpec
-from runtime.engine.kv_cache import block_shape
-from runtime.engine.weights import _attn_shapes, expert_format
-from runtime.errors import ConfigError
-from runtime.weights.loader import StoreKind
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.kv_cache import block_shape
+from tierplan.runtime.engine.weights import _attn_shapes, expert_format
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.weights.loader import StoreKind
 
 if TYPE_CHECKING:
-    from runtime.engine.engine import EngineConfig
+    from tierplan.runtime.engine.engine import EngineConfig
 
 GIB = 1 << 30
 

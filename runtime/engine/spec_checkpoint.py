@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from runtime.errors import ConfigError
+from tierplan.runtime.errors import ConfigError
 
 # softmax: top-k of the softmax; sigmoid: DeepSeek-V3's noaux_tc (routing.py)
 ROUTER_SCORINGS = ("softmax", "sigmoid")

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.engine.config import AttentionKind, ModelSpec
-from runtime.errors import ConfigError
-from runtime.weights.format import TENSOR_ALIGN_BYTES, ExpertFormat, dtype_from_name
+from tierplan.runtime.engine.config import AttentionKind, ModelSpec
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.weights.format import TENSOR_ALIGN_BYTES, ExpertFormat, dtype_from_name
 
 
 def _seeded(name: str, seed: int) -> torch.Generator:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.errors import ConfigError
+from tierplan.runtime.errors import ConfigError
 
 MOONCAKE_BLOCK_TOKENS = 512  # Mooncake hash_ids cover 512-token prefix blocks
 _AZURE_FIELDS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")

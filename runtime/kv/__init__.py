@@ -5,10 +5,10 @@
 Mechanism only: nothing here decides which block goes where.
 """
 
-from runtime.kv.handler import KVMoveFuture, KVTransferHandler
-from runtime.kv.manager import KVBlockManager
-from runtime.kv.spec import KVBlockSpec, KVMove, Tier
-from runtime.kv.stores import KVTierStores
+from tierplan.runtime.kv.handler import KVMoveFuture, KVTransferHandler
+from tierplan.runtime.kv.manager import KVBlockManager
+from tierplan.runtime.kv.spec import KVBlockSpec, KVMove, Tier
+from tierplan.runtime.kv.stores import KVTierStores
 
 __all__ = [
     "KVBlockManager",

@@ -18,16 +18,24 @@ from typing import Any
 
 import torch
 
-from runtime.checksum import checksum
-from runtime.device import Event
-from runtime.errors import BusyError, ConfigError, CorruptDataError, TransferError
-from runtime.future import OpFuture
-from runtime.kv.hops import HOP_PLANS, End
-from runtime.kv.manager import KVBlockManager
-from runtime.kv.spec import KVBlockSpec, KVMove, Tier
-from runtime.kv.stores import KVTierStores
-from runtime.staging import StagingClosed, StagingLease, StagingPool
-from runtime.transfer import Buffer, Link, Priority, TrafficClass, TransferEngine, TransferHandle, TransferRequest
+from tierplan.runtime.checksum import checksum
+from tierplan.runtime.device import Event
+from tierplan.runtime.errors import BusyError, ConfigError, CorruptDataError, TransferError
+from tierplan.runtime.future import OpFuture
+from tierplan.runtime.kv.hops import HOP_PLANS, End
+from tierplan.runtime.kv.manager import KVBlockManager
+from tierplan.runtime.kv.spec import KVBlockSpec, KVMove, Tier
+from tierplan.runtime.kv.stores import KVTierStores
+from tierplan.runtime.staging import StagingClosed, StagingLease, StagingPool
+from tierplan.runtime.transfer import (
+    Buffer,
+    Link,
+    Priority,
+    TrafficClass,
+    TransferEngine,
+    TransferHandle,
+    TransferRequest,
+)
 
 PAIRS = tuple(f"{a.value}->{b.value}" for a in Tier for b in Tier if a is not b)
 

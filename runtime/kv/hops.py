@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from runtime.kv.spec import Tier
-from runtime.transfer_types import Link
+from tierplan.runtime.kv.spec import Tier
+from tierplan.runtime.transfer_types import Link
 
 
 class End(Enum):

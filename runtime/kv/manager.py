@@ -17,8 +17,8 @@ import itertools
 import threading
 from dataclasses import dataclass
 
-from runtime.errors import BusyError, CapacityError, ConfigError, DoubleFreeError, UnknownBlockError
-from runtime.kv.spec import KVBlockSpec, KVMove, Tier
+from tierplan.runtime.errors import BusyError, CapacityError, ConfigError, DoubleFreeError, UnknownBlockError
+from tierplan.runtime.kv.spec import KVBlockSpec, KVMove, Tier
 
 
 @dataclass

@@ -11,10 +11,10 @@ import os
 
 import torch
 
-from runtime.device import AlignedHostBuffer, Device
-from runtime.errors import AlignmentError, ConfigError
-from runtime.kv.spec import KVBlockSpec, Tier
-from runtime.nvme import DIRECT_ALIGN_BYTES, DirectFile, FileRegion
+from tierplan.runtime.device import AlignedHostBuffer, Device
+from tierplan.runtime.errors import AlignmentError, ConfigError
+from tierplan.runtime.kv.spec import KVBlockSpec, Tier
+from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES, DirectFile, FileRegion
 
 
 class KVTierStores:

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from runtime.device import Device, DeviceKind
+from tierplan.runtime.device import Device, DeviceKind
 
 
 @dataclass
@@ -60,9 +60,9 @@ class SlotBackend(Protocol):
 def make_backend(device: Device) -> SlotBackend:
     """The backend for a device: CUDA VMM on a GPU, the memfd + mmap twin on the CPU (imported lazily)."""
     if device.kind is DeviceKind.CUDA:
-        from runtime.memory.cuda_vmm import CudaVmmBackend
+        from tierplan.runtime.memory.cuda_vmm import CudaVmmBackend
 
         return CudaVmmBackend(device.index)
-    from runtime.memory.host import HostBackend
+    from tierplan.runtime.memory.host import HostBackend
 
     return HostBackend()

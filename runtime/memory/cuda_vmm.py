@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from runtime.errors import ConfigError, CudaError
-from runtime.memory.backend import LiveCounts
+from tierplan.runtime.errors import ConfigError, CudaError
+from tierplan.runtime.memory.backend import LiveCounts
 
 
 def _load_driver() -> Any:

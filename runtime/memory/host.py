@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from runtime.errors import ConfigError
-from runtime.memory.backend import LiveCounts
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.memory.backend import LiveCounts
 
 _PROT_NONE, _PROT_READ, _PROT_WRITE = 0, 1, 2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from runtime.device import Event
-from runtime.memory.backend import SlotBackend
-from runtime.memory.slot_types import ExpertLayout
+from tierplan.runtime.device import Event
+from tierplan.runtime.memory.backend import SlotBackend
+from tierplan.runtime.memory.slot_types import ExpertLayout
 
 Key = tuple[int, int]  # (layer, expert)
 POISON_BYTE = 0xFF  # NaN in bf16, fp16, fp32 and fp8-e4m3: a stale read shows up in any output

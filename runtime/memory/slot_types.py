@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from runtime.device import Event
-from runtime.errors import CapacityError, ConfigError
-from runtime.nvme import align_up
+from tierplan.runtime.device import Event
+from tierplan.runtime.errors import CapacityError, ConfigError
+from tierplan.runtime.nvme import align_up
 
 
 class ExpertState(Enum):

@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from runtime.device import Device, Event, completed_event
-from runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
-from runtime.memory.backend import SlotBackend
-from runtime.memory.ranges import POISON_BYTE, ExpertRanges
-from runtime.memory.slot_types import ExpertLayout, ExpertState, LayerLimits, ReadyOrder, _Entry, check_books
+from tierplan.runtime.device import Device, Event, completed_event
+from tierplan.runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
+from tierplan.runtime.memory.backend import SlotBackend
+from tierplan.runtime.memory.ranges import POISON_BYTE, ExpertRanges
+from tierplan.runtime.memory.slot_types import ExpertLayout, ExpertState, LayerLimits, ReadyOrder, _Entry, check_books
 
 
 class ExpertSlotPool:

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from runtime.device import Device
-from runtime.weights.format import ExpertFormat
-from runtime.weights.sources import SyntheticExpertSource
-from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
+from tierplan.runtime.device import Device
+from tierplan.runtime.weights.format import ExpertFormat
+from tierplan.runtime.weights.sources import SyntheticExpertSource
+from tierplan.runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
 Progress = Callable[[int], None]  # called with the number of operations just finished
 

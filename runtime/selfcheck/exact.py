@@ -21,15 +21,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.device import Device
-from runtime.engine.config import ModelSpec
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.executor import Executor, Reason
-from runtime.engine.kv_cache import block_shape
-from runtime.nvme import DIRECT_ALIGN_BYTES
-from runtime.selfcheck.common import workdir_for
-from runtime.weights.format import dtype_from_name
-from runtime.weights.loader import MapIn, Publish, StoreKind
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.executor import Executor, Reason
+from tierplan.runtime.engine.kv_cache import block_shape
+from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES
+from tierplan.runtime.selfcheck.common import workdir_for
+from tierplan.runtime.weights.format import dtype_from_name
+from tierplan.runtime.weights.loader import MapIn, Publish, StoreKind
 
 
 @dataclass

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from runtime.device import Device
-from runtime.memory.backend import make_backend
-from runtime.memory.slots import POISON_BYTE, ExpertSlotPool
-from runtime.selfcheck.common import Progress, build_experts, fingerprint, workdir_for
-from runtime.transfer import TransferEngine
-from runtime.weights.loader import ExpertLoadHandler, StoreKind
+from tierplan.runtime.device import Device
+from tierplan.runtime.memory.backend import make_backend
+from tierplan.runtime.memory.slots import POISON_BYTE, ExpertSlotPool
+from tierplan.runtime.selfcheck.common import Progress, build_experts, fingerprint, workdir_for
+from tierplan.runtime.transfer import TransferEngine
+from tierplan.runtime.weights.loader import ExpertLoadHandler, StoreKind
 
 
 @dataclass

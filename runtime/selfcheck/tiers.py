@@ -21,16 +21,16 @@ from pathlib import Path
 
 import torch
 
-from runtime.checksum import checksum
-from runtime.device import Device
-from runtime.errors import CorruptDataError
-from runtime.future import OpFuture
-from runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
-from runtime.memory.backend import make_backend
-from runtime.memory.slots import ExpertSlotPool
-from runtime.selfcheck.common import ExpertFixture, Progress, build_experts, flip_byte, workdir_for
-from runtime.transfer import TransferEngine
-from runtime.weights.loader import ExpertLoadHandler, StoreKind
+from tierplan.runtime.checksum import checksum
+from tierplan.runtime.device import Device
+from tierplan.runtime.errors import CorruptDataError
+from tierplan.runtime.future import OpFuture
+from tierplan.runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
+from tierplan.runtime.memory.backend import make_backend
+from tierplan.runtime.memory.slots import ExpertSlotPool
+from tierplan.runtime.selfcheck.common import ExpertFixture, Progress, build_experts, flip_byte, workdir_for
+from tierplan.runtime.transfer import TransferEngine
+from tierplan.runtime.weights.loader import ExpertLoadHandler, StoreKind
 
 
 @dataclass

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.errors import ConfigError
-from runtime.nvme import align_up
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.nvme import align_up
 
 TENSOR_ALIGN_BYTES = 256  # what GEMM kernels like for operand base addresses
 

@@ -28,12 +28,12 @@ import threading
 from enum import Enum
 from typing import Any, Literal, get_args
 
-from runtime.errors import ConfigError, CorruptDataError
-from runtime.future import OpFuture
-from runtime.memory.slots import ExpertSlotPool, ExpertState
-from runtime.staging import StagingLease, StagingPool
-from runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferHandle, TransferRequest
-from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
+from tierplan.runtime.errors import ConfigError, CorruptDataError
+from tierplan.runtime.future import OpFuture
+from tierplan.runtime.memory.slots import ExpertSlotPool, ExpertState
+from tierplan.runtime.staging import StagingLease, StagingPool
+from tierplan.runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferHandle, TransferRequest
+from tierplan.runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
 
 class StoreKind(Enum):

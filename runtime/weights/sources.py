@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from runtime.errors import ConfigError
-from runtime.weights.format import ExpertFormat, dtype_from_name
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.weights.format import ExpertFormat, dtype_from_name
 
 
 class ExpertSource(Protocol):

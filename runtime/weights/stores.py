@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from runtime.checksum import checksum
-from runtime.device import Device
-from runtime.errors import ConfigError, CorruptDataError
-from runtime.nvme import DIRECT_ALIGN_BYTES, DirectFile, FileRegion, align_up
-from runtime.weights.format import ExpertFormat, ExpertTensorSpec
-from runtime.weights.sources import ExpertSource
+from tierplan.runtime.checksum import checksum
+from tierplan.runtime.device import Device
+from tierplan.runtime.errors import ConfigError, CorruptDataError
+from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES, DirectFile, FileRegion, align_up
+from tierplan.runtime.weights.format import ExpertFormat, ExpertTensorSpec
+from tierplan.runtime.weights.sources import ExpertSource
 
 INDEX_VERSION = 1
 

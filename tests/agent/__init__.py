@@ -7,16 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.enforcer import Enforcer
-from agent.local_policy import LocalPolicy
-from controller.protocol import ExpertKey, LayerEviction, Plan, PrefetchItem, Tier
-from runtime.device import Device
-from runtime.engine.config import ModelSpec
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.presets import preset
-from runtime.selfcheck.exact import auto_block_tokens
-from runtime.weights.loader import StoreKind
 from tests.conftest import FakeClock
+from tierplan.agent.enforcer import Enforcer
+from tierplan.agent.local_policy import LocalPolicy
+from tierplan.controller.protocol import ExpertKey, LayerEviction, Plan, PrefetchItem, Tier
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.selfcheck.exact import auto_block_tokens
+from tierplan.runtime.weights.loader import StoreKind
 
 KV_GPU_BLOCKS, KV_CPU_BLOCKS, KV_NVME_BLOCKS = 16, 8, 8
 KV_GPU_BUDGET_BLOCKS = 8  # the agent's HBM budget: every slot's expert plus this many GPU KV blocks

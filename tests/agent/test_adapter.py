@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from agent.adapters.reference import ReferenceAdapter
-from agent.static_plan import static_plan
-from controller.protocol import AckStatus, Telemetry, parse, to_json
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.presets import preset
-from runtime.engine.routing_trace import RoutingTrace
-from runtime.engine.runner import ForcedRouter, Runner
-from runtime.engine.scheduler import Scheduler
-from runtime.engine.workloads import Request
-from runtime.selfcheck.exact import auto_block_tokens
+from tierplan.agent.adapters.reference import ReferenceAdapter
+from tierplan.agent.static_plan import static_plan
+from tierplan.controller.protocol import AckStatus, Telemetry, parse, to_json
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.engine.routing_trace import RoutingTrace
+from tierplan.runtime.engine.runner import ForcedRouter, Runner
+from tierplan.runtime.engine.scheduler import Scheduler
+from tierplan.runtime.engine.workloads import Request
+from tierplan.runtime.selfcheck.exact import auto_block_tokens
 
 DATA = Path(__file__).parents[2] / "data"
 
@@ -58,7 +58,7 @@ def test_adapter_applies_a_static_plan_and_ships_valid_windows(tmp_path: Path) -
 
 
 def test_outbox_keeps_order_and_counts_a_window_that_fails_to_build() -> None:
-    from agent.outbox import Outbox
+    from tierplan.agent.outbox import Outbox
 
     class Draft:
         def __init__(self, n: int) -> None:
@@ -81,7 +81,7 @@ def test_outbox_keeps_order_and_counts_a_window_that_fails_to_build() -> None:
 
 
 def test_a_window_that_fails_to_build_shows_in_the_next_windows_fallbacks(tmp_path: Path) -> None:
-    from agent.taps import WindowDraft
+    from tierplan.agent.taps import WindowDraft
 
     spec = preset("tiny")
     eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=auto_block_tokens(spec), workdir=tmp_path))

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.adapters.reference import ReferenceAdapter
-from controller.protocol import AckStatus, LocalPredictor, Successor, TransitionRow
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.presets import preset
-from runtime.engine.routing_trace import RoutingTrace
-from runtime.engine.runner import ForcedRouter, Runner
-from runtime.engine.scheduler import Scheduler
-from runtime.engine.workloads import Request
-from runtime.selfcheck.exact import auto_block_tokens
 from tests.agent import Agent, make_plan
+from tierplan.agent.adapters.reference import ReferenceAdapter
+from tierplan.controller.protocol import AckStatus, LocalPredictor, Successor, TransitionRow
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.engine.routing_trace import RoutingTrace
+from tierplan.runtime.engine.runner import ForcedRouter, Runner
+from tierplan.runtime.engine.scheduler import Scheduler
+from tierplan.runtime.engine.workloads import Request
+from tierplan.runtime.selfcheck.exact import auto_block_tokens
 
 DATA = Path(__file__).parents[2] / "data"
 

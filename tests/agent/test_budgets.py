@@ -13,21 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.adapters.reference import ReferenceAdapter
-from agent.local_policy import ScanRule
-from controller.protocol import AckStatus, ExpertKey, Plan, Tier
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.presets import preset
-from runtime.engine.routing_trace import RoutingTrace
-from runtime.engine.runner import ForcedRouter, Runner
-from runtime.engine.scheduler import PreemptMode, Scheduler
-from runtime.engine.workloads import load_mooncake, scale_requests
-from runtime.errors import CapacityError
-from runtime.kv import Tier as KVTier
-from runtime.selfcheck.exact import auto_block_tokens
-from runtime.weights.loader import StoreKind
 from tests.agent import Agent, build_agent, make_plan
+from tierplan.agent.adapters.reference import ReferenceAdapter
+from tierplan.agent.local_policy import ScanRule
+from tierplan.controller.protocol import AckStatus, ExpertKey, Plan, Tier
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.engine.routing_trace import RoutingTrace
+from tierplan.runtime.engine.runner import ForcedRouter, Runner
+from tierplan.runtime.engine.scheduler import PreemptMode, Scheduler
+from tierplan.runtime.engine.workloads import load_mooncake, scale_requests
+from tierplan.runtime.errors import CapacityError
+from tierplan.runtime.kv import Tier as KVTier
+from tierplan.runtime.selfcheck.exact import auto_block_tokens
+from tierplan.runtime.weights.loader import StoreKind
 
 DATA = Path(__file__).parents[2] / "data"
 KV = {"gpu": 6, "cpu": 16, "nvme": 64}

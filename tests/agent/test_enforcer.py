@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from controller.protocol import AckStatus, Link, Plan, RejectReason, Tier
-from runtime.engine.hf_config import load_hf_config
-from runtime.engine.presets import PRESETS
-from runtime.errors import CapacityError
-from runtime.kv import Tier as KVTier
 from tests.agent import KV_GPU_BUDGET_BLOCKS, PROMPTS, Agent, build_agent, make_plan, placement
 from tests.conftest import wait_until
+from tierplan.controller.protocol import AckStatus, Link, Plan, RejectReason, Tier
+from tierplan.runtime.engine.hf_config import load_hf_config
+from tierplan.runtime.engine.presets import PRESETS
+from tierplan.runtime.errors import CapacityError
+from tierplan.runtime.kv import Tier as KVTier
 
 
 @pytest.fixture

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.local_policy import Fallback, LocalPolicy, PrefetchJob
-from runtime.errors import ConfigError
-from runtime.transfer import Priority
-from runtime.weights.loader import StoreKind
 from tests.agent import PROMPTS, Agent, build_agent
 from tests.conftest import wait_until
+from tierplan.agent.local_policy import Fallback, LocalPolicy, PrefetchJob
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.transfer import Priority
+from tierplan.runtime.weights.loader import StoreKind
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.local_predictor import LayerAheadPredictor
-from controller.protocol import LocalPredictor, Plan, Successor, Telemetry, TransitionRow
-from runtime.memory.slots import ExpertState
 from tests.agent import Agent, build_agent, make_plan
+from tierplan.agent.local_predictor import LayerAheadPredictor
+from tierplan.controller.protocol import LocalPredictor, Plan, Successor, Telemetry, TransitionRow
+from tierplan.runtime.memory.slots import ExpertState
 
 
 @pytest.fixture

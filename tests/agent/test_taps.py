@@ -6,8 +6,8 @@ import itertools
 
 import torch
 
-from agent.taps import RouterTap, TelemetryWindow
-from controller.protocol import StallCause, Telemetry, parse, to_json
+from tierplan.agent.taps import RouterTap, TelemetryWindow
+from tierplan.controller.protocol import StallCause, Telemetry, parse, to_json
 
 
 def test_router_tap_counts_pairs_and_entropy_then_resets() -> None:
@@ -51,7 +51,7 @@ def test_window_classifies_stalls_and_builds_valid_telemetry() -> None:
 
 
 def test_block_mass_sums_to_one_and_follows_the_keys() -> None:
-    from runtime.engine.attention import block_mass
+    from tierplan.runtime.engine.attention import block_mass
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(4, 8, generator=g)
@@ -62,7 +62,7 @@ def test_block_mass_sums_to_one_and_follows_the_keys() -> None:
 
 
 def test_attention_mass_tap_samples_one_sequence_per_layer_on_sampled_steps() -> None:
-    from agent.taps import AttentionMassTap
+    from tierplan.agent.taps import AttentionMassTap
 
     tap = AttentionMassTap(layers=(0,), every_steps=2)
     tap.begin_step(1)
@@ -114,7 +114,7 @@ def _window_counts(seed: int = 3):
 def test_trusted_layer_stats_equal_validated_ones_and_round_trip() -> None:
     """The fast path (array checks + model_construct) builds exactly what validation builds, and the result
     validates: what the sidecar parses is what the agent made."""
-    from controller.protocol import LayerStats
+    from tierplan.controller.protocol import LayerStats
 
     snap = _window_counts()
     fast, slow = snap.layer_stats(trusted=True), snap.layer_stats(trusted=False)

@@ -6,11 +6,11 @@ from typing import Any
 
 import numpy as np
 
-from controller.costmodel import HardwareSpec
-from controller.loop import Controller, ControllerConfig, Solver
-from controller.model_shape import builtin_shape
-from controller.protocol import AckStatus, Footprint, Link, Plan, PlanAck, Telemetry, Tier, parse
-from controller.valuation import SplitSpace
+from tierplan.controller.costmodel import HardwareSpec
+from tierplan.controller.loop import Controller, ControllerConfig, Solver
+from tierplan.controller.model_shape import builtin_shape
+from tierplan.controller.protocol import AckStatus, Footprint, Link, Plan, PlanAck, Telemetry, Tier, parse
+from tierplan.controller.valuation import SplitSpace
 
 SLOT_BYTES, BLOCK_BYTES = 12288, 4096
 BUDGET_BYTES = 64 * 4096

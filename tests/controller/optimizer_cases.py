@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.optimizer import Group, GroupKind, Option, SplitProblem
-from controller.optimizer.synthetic import BenchShape
+from tierplan.controller.optimizer import Group, GroupKind, Option, SplitProblem
+from tierplan.controller.optimizer.synthetic import BenchShape
 
 
 def random_problem(rng: np.random.Generator) -> SplitProblem:

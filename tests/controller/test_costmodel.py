@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from controller.costmodel import ComputeParams, CostModel, HardwareSpec, StepLoad
-from controller.model_shape import ModelShape
-from controller.protocol import Link, StallCause
+from tierplan.controller.costmodel import ComputeParams, CostModel, HardwareSpec, StepLoad
+from tierplan.controller.model_shape import ModelShape
+from tierplan.controller.protocol import Link, StallCause
 
 MB = 1 << 20
 

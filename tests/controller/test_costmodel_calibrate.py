@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.costmodel import ComputeParams, CostModel, HardwareSpec, StepLoad
-from controller.model_shape import ModelShape
-from controller.protocol import KVStats, LayerStats, Link, Stall, StallCause, StepTimings, Telemetry, Tier
+from tierplan.controller.costmodel import ComputeParams, CostModel, HardwareSpec, StepLoad
+from tierplan.controller.model_shape import ModelShape
+from tierplan.controller.protocol import KVStats, LayerStats, Link, Stall, StallCause, StepTimings, Telemetry, Tier
 
 SHAPE = ModelShape(name="t", num_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2, expert_bytes=12288,
                    dense_bytes=1 << 20, kv_bytes_per_token=256, block_tokens=16)

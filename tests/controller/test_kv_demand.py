@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.kv_demand import KVDemandModel, lru_prefix_hit_rate
-from controller.requests_jsonl import load_request_trace
 from tests.controller.kv_traces import planted_trace_rows, write_trace
+from tierplan.controller.kv_demand import KVDemandModel, lru_prefix_hit_rate
+from tierplan.controller.requests_jsonl import load_request_trace
 
 SAMPLE = Path(__file__).parents[2] / "data" / "requests" / "mooncake_conversation_sample.jsonl"
 

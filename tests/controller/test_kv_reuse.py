@@ -8,18 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.eval.kv_reuse import DEFAULT_SCORERS, EvalError, evaluate_kv_reuse
-from controller.predictors.kv_features import BlockFeaturizer, Raw, model_matrix, next_gap_s
-from controller.predictors.kv_reuse import (
+from tests.controller.kv_traces import planted_trace_rows, write_trace
+from tierplan.controller.eval.kv_reuse import DEFAULT_SCORERS, EvalError, evaluate_kv_reuse
+from tierplan.controller.predictors.kv_features import BlockFeaturizer, Raw, model_matrix, next_gap_s
+from tierplan.controller.predictors.kv_reuse import (
     KVReusePredictor,
     LogisticScorer,
     NotFittedError,
     RefitOutcome,
     make_scorer,
 )
-from controller.protocol import Forecast
-from controller.requests_jsonl import load_request_trace
-from tests.controller.kv_traces import planted_trace_rows, write_trace
+from tierplan.controller.protocol import Forecast
+from tierplan.controller.requests_jsonl import load_request_trace
 
 SAMPLE = Path(__file__).parents[2] / "data" / "requests" / "mooncake_conversation_sample.jsonl"
 
@@ -139,7 +139,7 @@ def test_a_refit_replaces_the_model_only_when_it_ranks_the_newest_events_better(
         made.append(_SignedScorer(signs[0] if not made else signs[1]))
         return made[-1]
 
-    monkeypatch.setattr("controller.predictors.kv_reuse.make_scorer", make)
+    monkeypatch.setattr("tierplan.controller.predictors.kv_reuse.make_scorer", make)
     p = KVReusePredictor(horizon_s=60.0, min_fit_events=500, refit_every_events=2_000)
     for row in planted_trace_rows(seed=3, duration_s=900.0):
         p.observe(row["timestamp"] / 1000.0, row["hash_ids"], row["input_length"])

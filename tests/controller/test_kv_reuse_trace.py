@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.requests_jsonl import TraceError, load_request_trace, trace_from_rows
+from tierplan.controller.requests_jsonl import TraceError, load_request_trace, trace_from_rows
 
 SAMPLE = Path(__file__).parents[2] / "data" / "requests" / "mooncake_conversation_sample.jsonl"
 GOOD = '{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]}'

@@ -8,9 +8,6 @@ import copy
 import numpy as np
 import pytest
 
-from controller.loop import Outcome, Solver
-from controller.protocol import AckStatus, Forecast, Plan, RejectReason, Tier, parse, to_json
-from controller.state import RejectCode, TelemetryRejected
 from tests.controller.loop_fixtures import (
     BUDGET_BYTES,
     KV_MAX,
@@ -22,6 +19,9 @@ from tests.controller.loop_fixtures import (
     make_controller,
     plan_total_bytes,
 )
+from tierplan.controller.loop import Outcome, Solver
+from tierplan.controller.protocol import AckStatus, Forecast, Plan, RejectReason, Tier, parse, to_json
+from tierplan.controller.state import RejectCode, TelemetryRejected
 
 
 def test_first_window_gives_a_valid_plan_with_a_reason_and_a_table() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from api.demo_loop import KV_GPU_CAPACITY, LoopResult, run_loop_job
+from tierplan.api.demo_loop import KV_GPU_CAPACITY, LoopResult, run_loop_job
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.model_shape import BUILTIN_CONFIGS, ShapeError, builtin_shape, shape_from_config
+from tierplan.controller.model_shape import BUILTIN_CONFIGS, ShapeError, builtin_shape, shape_from_config
 
 
 @pytest.mark.parametrize(("name", "params_b", "weight_bytes"), [

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from controller.optimizer import reason, solve, top_factors
-from controller.optimizer.synthetic import bench_problem
 from tests.controller.optimizer_cases import cliff_problem, small_shape
+from tierplan.controller.optimizer import reason, solve, top_factors
+from tierplan.controller.optimizer.synthetic import bench_problem
 
 
 def test_a_cliff_is_named() -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.optimizer import (
+from tests.controller.optimizer_cases import small_shape
+from tierplan.controller.optimizer import (
     Action,
     Group,
     HysteresisPolicy,
@@ -15,8 +16,7 @@ from controller.optimizer import (
     solve,
     violations,
 )
-from controller.optimizer.synthetic import bench_problem
-from tests.controller.optimizer_cases import small_shape
+from tierplan.controller.optimizer.synthetic import bench_problem
 
 
 def _jittered(base: SplitProblem, rng: np.random.Generator, sigma: float) -> SplitProblem:

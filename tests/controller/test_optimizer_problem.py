@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from controller.optimizer import (
+from tierplan.controller.optimizer import (
     Group,
     InfeasibleError,
     Option,
@@ -84,7 +84,7 @@ def test_byte_budgets_round_toward_safety() -> None:
 
 
 def test_least_link_is_the_exact_floor_of_the_link_budget() -> None:
-    from controller.optimizer import least_link_bytes
+    from tierplan.controller.optimizer import least_link_bytes
 
     g = tuple(Group(f"layer {i}", (Option(0, 2.0, 100), Option(3, 1.0, 0))) for i in range(2))
     problem = SplitProblem(g, capacity_units=3, unit_bytes=1, link_budget_bytes_per_step=100)

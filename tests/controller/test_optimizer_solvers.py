@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.optimizer import InfeasibleError, SplitProblem, evaluate, solve, violations
-from controller.optimizer.dp import solve_dp
-from controller.optimizer.greedy import fluxmoe_split
-from controller.optimizer.synthetic import BenchShape, bench_problem
 from tests.controller.optimizer_cases import cliff_problem, random_problem
+from tierplan.controller.optimizer import InfeasibleError, SplitProblem, evaluate, solve, violations
+from tierplan.controller.optimizer.dp import solve_dp
+from tierplan.controller.optimizer.greedy import fluxmoe_split
+from tierplan.controller.optimizer.synthetic import BenchShape, bench_problem
 
 
 def _optimum(problem: SplitProblem, solver: str, **kw: bool) -> float | None:
@@ -86,7 +86,7 @@ def test_fluxmoe_moves_memory_to_experts_when_loads_dominate() -> None:
 
 def test_migration_cost_keeps_a_good_enough_placement() -> None:
     """Moving units costs ms per unit moved (amortised); with a high price, staying put wins."""
-    from controller.optimizer import Group, Option
+    from tierplan.controller.optimizer import Group, Option
 
     layers = (Group("layer 0", tuple(Option(k, 4.0 - k) for k in range(5)), current=1),
               Group("layer 1", tuple(Option(k, 4.0 - 1.2 * k) for k in range(5)), current=3))
@@ -100,9 +100,9 @@ def test_migration_cost_keeps_a_good_enough_placement() -> None:
 def test_exchange_polish_never_breaks_a_budget_or_costs_more() -> None:
     from dataclasses import replace
 
-    from controller.optimizer.exchange import improve_by_exchange
-    from controller.optimizer.problem import group_arrays
     from tests.controller.optimizer_cases import small_shape
+    from tierplan.controller.optimizer.exchange import improve_by_exchange
+    from tierplan.controller.optimizer.problem import group_arrays
 
     improved = 0
     for seed in range(12):
@@ -119,9 +119,9 @@ def test_exchange_polish_never_breaks_a_budget_or_costs_more() -> None:
 
 
 def test_exchange_refuses_a_cheaper_swap_that_streams_too_much() -> None:
-    from controller.optimizer import Group, Option
-    from controller.optimizer.exchange import improve_by_exchange
-    from controller.optimizer.problem import group_arrays
+    from tierplan.controller.optimizer import Group, Option
+    from tierplan.controller.optimizer.exchange import improve_by_exchange
+    from tierplan.controller.optimizer.problem import group_arrays
 
     hidden = Group("layer 0", tuple(Option(k, 5.0 if k == 0 else 0.0, 400 - 100 * k) for k in range(5)))
     exposed = Group("layer 1", tuple(Option(k, 4.0 - k, 0) for k in range(5)))

@@ -7,11 +7,11 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from controller.eval.expert_cache import cache_capacity, layer_streams, replay, step_unions
-from controller.predictors.belady import BeladyPolicy, next_use_times
-from controller.predictors.caches import EWMALFUPolicy, LFRUPolicy, LFUPolicy, LRUPolicy
-from controller.predictors.cost_aware import CostAwarePolicy
-from controller.routing_npz import synthetic_routing
+from tierplan.controller.eval.expert_cache import cache_capacity, layer_streams, replay, step_unions
+from tierplan.controller.predictors.belady import BeladyPolicy, next_use_times
+from tierplan.controller.predictors.caches import EWMALFUPolicy, LFRUPolicy, LFUPolicy, LRUPolicy
+from tierplan.controller.predictors.cost_aware import CostAwarePolicy
+from tierplan.controller.routing_npz import synthetic_routing
 
 
 def random_trace(seed: int, num_tokens: int = 160, num_layers: int = 2, num_experts: int = 8, top_k: int = 2,

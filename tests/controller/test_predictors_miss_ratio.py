@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.predictors.miss_ratio import MissRatioCurves
 from tests.controller.test_predictors_caches import brute_force_lru_hits
+from tierplan.controller.predictors.miss_ratio import MissRatioCurves
 
 
 def _tokens(seed: int, num_tokens: int, num_experts: int, top_k: int) -> np.ndarray:

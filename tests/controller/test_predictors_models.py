@@ -5,17 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.eval.expert_cache import replay, step_unions
-from controller.predictors.base import DemandPredictor
-from controller.predictors.caches import LRUPolicy
-from controller.predictors.cooccurrence import CoactivationFeatures, feature_stream
-from controller.predictors.cost_aware import CostAwarePolicy
-from controller.predictors.learned import Backend, LearnedDemandPredictor, RecordedScores
-from controller.predictors.router_signal import RouterLookaheadPredictor
-from controller.predictors.shadow import ShadowEvaluator
-from controller.predictors.transition import CompactTransition, TransitionTable, compact_score_stream
-from controller.routing_npz import synthetic_routing
 from tests.controller.test_predictors_caches import random_trace
+from tierplan.controller.eval.expert_cache import replay, step_unions
+from tierplan.controller.predictors.base import DemandPredictor
+from tierplan.controller.predictors.caches import LRUPolicy
+from tierplan.controller.predictors.cooccurrence import CoactivationFeatures, feature_stream
+from tierplan.controller.predictors.cost_aware import CostAwarePolicy
+from tierplan.controller.predictors.learned import Backend, LearnedDemandPredictor, RecordedScores
+from tierplan.controller.predictors.router_signal import RouterLookaheadPredictor
+from tierplan.controller.predictors.shadow import ShadowEvaluator
+from tierplan.controller.predictors.transition import CompactTransition, TransitionTable, compact_score_stream
+from tierplan.controller.routing_npz import synthetic_routing
 
 
 def mapped_trace(num_tokens: int = 400, num_experts: int = 8, seed: int = 0):

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from controller.protocol import (
+from tierplan.controller.protocol import (
     MESSAGE_TYPES,
     NUM_ERRORS_SHOWN,
     AckStatus,
@@ -393,8 +393,8 @@ def test_any_valid_telemetry_window_round_trips_equal(data: dict[str, Any]) -> N
 
 def test_protocol_imports_no_torch_runtime_or_agent() -> None:
     code = (
-        "import controller.protocol, sys; "
-        "bad = [m for m in ('torch', 'runtime', 'agent') if m in sys.modules]; "
+        "import tierplan.controller.protocol, sys; "
+        "bad = [m for m in ('torch', 'tierplan.runtime', 'tierplan.agent') if m in sys.modules]; "
         "assert not bad, bad"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from controller.protocol import LocalPredictor, Plan, Successor, Telemetry, TransitionPair, parse, to_json
 from tests.controller.test_protocol import _set, plan_data, refused, telemetry_data
+from tierplan.controller.protocol import LocalPredictor, Plan, Successor, Telemetry, TransitionPair, parse, to_json
 
 
 def predictor_data() -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.routing_npz import RoutingTraceError, load_routing_npz, routing_from_arrays, synthetic_routing
+from tierplan.controller.routing_npz import RoutingTraceError, load_routing_npz, routing_from_arrays, synthetic_routing
 
 SAMPLE = Path(__file__).parents[2] / "data" / "routing" / "flame_moe_290m_sample.npz"
 

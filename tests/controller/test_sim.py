@@ -8,12 +8,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from controller.costmodel import ComputeParams, CostModel, HardwareSpec
-from controller.model_shape import ModelShape
-from controller.protocol import ExpertKey, Link, Plan, Tier
-from controller.sim import SimConfig, Simulator, expert_slots_for
-from controller.sim_policy import CallablePolicy, GlobalLRU, LayerCache, PlanPolicy, make_policy
-from controller.sim_traces import RoutingTrace, SimRequest, TraceError, load_mooncake, load_routing, synthetic_requests
+from tierplan.controller.costmodel import ComputeParams, CostModel, HardwareSpec
+from tierplan.controller.model_shape import ModelShape
+from tierplan.controller.protocol import ExpertKey, Link, Plan, Tier
+from tierplan.controller.sim import SimConfig, Simulator, expert_slots_for
+from tierplan.controller.sim_policy import CallablePolicy, GlobalLRU, LayerCache, PlanPolicy, make_policy
+from tierplan.controller.sim_traces import (
+    RoutingTrace,
+    SimRequest,
+    TraceError,
+    load_mooncake,
+    load_routing,
+    synthetic_requests,
+)
 
 SHAPE = ModelShape(name="s", num_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2, expert_bytes=1 << 20,
                    dense_bytes=1 << 20, kv_bytes_per_token=1024, block_tokens=4)

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from controller.protocol import Plan, PlanAck, RejectReason, Telemetry, parse
-from controller.state import ControllerState, ModelInfo, RejectCode, TelemetryRejected
 from tests.controller.test_protocol import ack_data, plan_data, telemetry_data
+from tierplan.controller.protocol import Plan, PlanAck, RejectReason, Telemetry, parse
+from tierplan.controller.state import ControllerState, ModelInfo, RejectCode, TelemetryRejected
 
 MODEL = ModelInfo("tiny-moe", 3, 4, (0, 2))
 

@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from controller.optimizer.problem import GroupKind
-from controller.protocol import PrefetchCounts, ReuseEvent
-from controller.valuation import build_problem, kv_cost_ms, layer_stall_ms, prefix_hit_share
 from tests.controller.loop_fixtures import BUDGET_BYTES, KV_MAX, KV_MIN, Windows, make_controller
+from tierplan.controller.optimizer.problem import GroupKind
+from tierplan.controller.protocol import PrefetchCounts, ReuseEvent
+from tierplan.controller.valuation import build_problem, kv_cost_ms, layer_stall_ms, prefix_hit_share
 
 
 def _valuation(kv_demand: float, link_inf: bool = False, monkeypatch: pytest.MonkeyPatch | None = None):

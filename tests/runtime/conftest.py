@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from runtime.device import Device, HostEvent
-from runtime.memory.backend import LiveCounts
-from runtime.memory.host import HostBackend
-from runtime.memory.slots import POISON_BYTE, ExpertSlotPool, ExpertState
-from runtime.nvme import align_up
-from runtime.transfer import (
+from tierplan.runtime.device import Device, HostEvent
+from tierplan.runtime.memory.backend import LiveCounts
+from tierplan.runtime.memory.host import HostBackend
+from tierplan.runtime.memory.slots import POISON_BYTE, ExpertSlotPool, ExpertState
+from tierplan.runtime.nvme import align_up
+from tierplan.runtime.transfer import (
     ClassStats,
     Link,
     LinkStats,
@@ -23,7 +23,7 @@ from runtime.transfer import (
     TransferEngine,
     TransferRequest,
 )
-from runtime.weights.format import ExpertFormat
+from tierplan.runtime.weights.format import ExpertFormat
 
 MiB = 1 << 20
 CHUNK = 2 * MiB

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import runtime.engine.moe as moe
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.presets import preset
-from runtime.errors import ConfigError
-from runtime.kv import Tier
-from runtime.selfcheck.exact import auto_block_tokens, run_exact_check
+import tierplan.runtime.engine.moe as moe
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.kv import Tier
+from tierplan.runtime.selfcheck.exact import auto_block_tokens, run_exact_check
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_exact_with_a_quarter_of_experts_and_kv_spilled_every_step(tiny, tmp_pat
 
 def test_exact_check_notices_a_corrupted_block(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check bites: flip bytes of a block parked on the CPU tier (not checksummed by default)."""
-    from runtime.engine.kv_cache import PagedKVCache
+    from tierplan.runtime.engine.kv_cache import PagedKVCache
 
     real_spill = PagedKVCache.spill
 
@@ -100,10 +100,10 @@ def test_the_layers_below_the_engine_default_to_its_config() -> None:
     """A pool, loader or transfer engine built by hand behaves as the engine's own: one default per knob."""
     import inspect
 
-    from runtime.memory.slots import ExpertSlotPool
-    from runtime.transfer import TransferEngine
-    from runtime.transfer_worker import LinkWorker
-    from runtime.weights.loader import ExpertLoadHandler
+    from tierplan.runtime.memory.slots import ExpertSlotPool
+    from tierplan.runtime.transfer import TransferEngine
+    from tierplan.runtime.transfer_worker import LinkWorker
+    from tierplan.runtime.weights.loader import ExpertLoadHandler
 
     def default(cls: type, name: str) -> object:
         return inspect.signature(cls.__init__).parameters[name].default
@@ -131,7 +131,7 @@ def test_experts_generated_on_the_device_need_no_store_and_never_load(tiny, tmp_
 
 def test_a_block_table_never_points_into_another_tier(tiny, tmp_path: Path) -> None:
     """Regression: the per-step block table read each block's index whatever its tier."""
-    from runtime.engine.attention import Segment, build_block_table
+    from tierplan.runtime.engine.attention import Segment, build_block_table
 
     cfg = EngineConfig(block_tokens=auto_block_tokens(tiny), kv_cpu_blocks=4, workdir=tmp_path)
     eng = ReferenceEngine(tiny, Device("cpu"), cfg)

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from runtime.engine.config import AttentionKind, ModelFamily, ModelSpec
-from runtime.engine.hf_config import load_hf_config
-from runtime.engine.presets import PRESETS, preset, preset_names
-from runtime.errors import ConfigError
+from tierplan.runtime.engine.config import AttentionKind, ModelFamily, ModelSpec
+from tierplan.runtime.engine.hf_config import load_hf_config
+from tierplan.runtime.engine.presets import PRESETS, preset, preset_names
+from tierplan.runtime.errors import ConfigError
 
 
 def cfg(name: str, **changes: Any) -> dict[str, Any]:

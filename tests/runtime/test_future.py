@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from runtime.future import OpFuture, wait_all
+from tierplan.runtime.future import OpFuture, wait_all
 
 
 def test_an_op_future_completes_once_and_reraises_its_error() -> None:

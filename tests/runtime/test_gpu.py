@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.checksum import checksum
-from runtime.device import Device
-from runtime.errors import ConfigError, CudaError, NotResidentError
-from runtime.memory.slots import ExpertSlotPool
-from runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferRequest
+from tierplan.runtime.checksum import checksum
+from tierplan.runtime.device import Device
+from tierplan.runtime.errors import ConfigError, CudaError, NotResidentError
+from tierplan.runtime.memory.slots import ExpertSlotPool
+from tierplan.runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferRequest
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +29,7 @@ def dev() -> Device:
 
 @pytest.fixture()
 def vmm(dev: Device):
-    from runtime.memory.cuda_vmm import CudaVmmBackend
+    from tierplan.runtime.memory.cuda_vmm import CudaVmmBackend
 
     be = CudaVmmBackend(0)
     yield be
@@ -116,7 +116,7 @@ def test_cuda_graph_replay_reads_the_expert_mapped_now(dev: Device, vmm) -> None
 
 
 def test_engine_links_on_cuda_are_exact_and_urgent_overtakes(dev: Device, tmp_path: Path) -> None:
-    from runtime.nvme import DirectFile
+    from tierplan.runtime.nvme import DirectFile
 
     eng = TransferEngine(dev, chunk_bytes=2 << 20)
     n = 64 << 20
@@ -154,8 +154,8 @@ def test_engine_links_on_cuda_are_exact_and_urgent_overtakes(dev: Device, tmp_pa
                                                             ("beside_copy", True, "issued"),
                                                             ("beside_copy", False, "done")])
 def test_engine_exact_on_cuda_with_the_paged_kernel(tmp_path: Path, map_in: str, poison: bool, publish: str) -> None:
-    from runtime.engine.presets import preset
-    from runtime.selfcheck.exact import run_exact_check
+    from tierplan.runtime.engine.presets import preset
+    from tierplan.runtime.selfcheck.exact import run_exact_check
 
     r = run_exact_check(preset("tiny"), 0.25, device="cuda", workdir=tmp_path, decode_kernel=True,
                         expert_map_in=map_in, expert_poison=poison, expert_publish=publish)  # type: ignore[arg-type]
@@ -166,7 +166,7 @@ def test_engine_exact_on_cuda_with_the_paged_kernel(tmp_path: Path, map_in: str,
 
 
 def test_paged_kernel_on_cuda_matches_the_reference() -> None:
-    from runtime.engine.kernels.paged_attention import paged_decode_attention, paged_decode_reference
+    from tierplan.runtime.engine.kernels.paged_attention import paged_decode_attention, paged_decode_reference
 
     g = torch.Generator().manual_seed(7)
     kv = torch.randn(64, 2, 16, 4, 128, generator=g).to(torch.bfloat16).cuda()  # [N, 2, T, Hkv, D]
@@ -180,9 +180,9 @@ def test_paged_kernel_on_cuda_matches_the_reference() -> None:
 
 @pytest.mark.parametrize("batch", [4, 3])
 def test_cuda_graph_decode_matches_eager_decode(tmp_path: Path, batch: int) -> None:
-    from runtime.engine.engine import EngineConfig, ReferenceEngine
-    from runtime.engine.presets import preset
-    from runtime.selfcheck.exact import auto_block_tokens
+    from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+    from tierplan.runtime.engine.presets import preset
+    from tierplan.runtime.selfcheck.exact import auto_block_tokens
 
     spec = preset("tiny")
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [5] * 20, [11, 12]][:batch]
@@ -192,7 +192,7 @@ def test_cuda_graph_decode_matches_eager_decode(tmp_path: Path, batch: int) -> N
         eng = ReferenceEngine(spec, Device("cuda"), cfg)
         out[graphs] = eng.generate(prompts, 6)
         if graphs:
-            from runtime.engine.executor import Reason
+            from tierplan.runtime.engine.executor import Reason
 
             assert eng.executors.reasons == {Reason.PREFILL: 1, Reason.ALL_RESIDENT: 5}
         eng.close()
@@ -223,8 +223,8 @@ def test_urgent_stream_on_cuda_overtakes_a_deep_bulk_queue(dev: Device) -> None:
 
 @pytest.mark.parametrize("batch", [3, 5, 17])
 def test_replayed_and_padded_eager_steps_are_bit_identical_on_cuda(tmp_path: Path, batch: int) -> None:
-    from runtime.engine.presets import preset
     from tests.runtime.test_graphs import replay_vs_padded_eager
+    from tierplan.runtime.engine.presets import preset
 
     a, b = replay_vs_padded_eager(preset("tiny"), "cuda", tmp_path, batch)
     assert torch.equal(a, b)
@@ -239,10 +239,10 @@ def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, v
     worker maps before each copy or beside it, and whether a load is published once its copy is done or once
     it is issued (then the read is ordered by wait_ready alone)."""
     map_in, _, publish = map_in.partition("/")
-    from runtime.weights.format import ExpertFormat
-    from runtime.weights.loader import ExpertLoadHandler
-    from runtime.weights.sources import SyntheticExpertSource
-    from runtime.weights.stores import PinnedExpertStore
+    from tierplan.runtime.weights.format import ExpertFormat
+    from tierplan.runtime.weights.loader import ExpertLoadHandler
+    from tierplan.runtime.weights.sources import SyntheticExpertSource
+    from tierplan.runtime.weights.stores import PinnedExpertStore
 
     fmt = ExpertFormat.swiglu(512, 768)  # 2.25 MiB, a slot of two 2 MiB pages
     pinned = PinnedExpertStore(dev, SyntheticExpertSource(fmt, 2, 12, seed=5))
@@ -278,16 +278,16 @@ def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, v
 def test_engine_exact_on_cuda_in_each_execution_mode(tmp_path: Path, mode: str) -> None:
     """Piecewise graphs (misses loaded between layers), with the layer-ahead window, and padded eager: the same
     bits as all resident, and the mode really ran."""
-    from runtime.engine.presets import preset
-    from runtime.selfcheck.exact import run_exact_check
+    from tierplan.runtime.engine.presets import preset
+    from tierplan.runtime.selfcheck.exact import run_exact_check
 
     r = run_exact_check(preset("tiny"), 0.5, "cuda", workdir=tmp_path, mode=mode)
     assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok" and r.mode_steps and r.ok
 
 
 def test_forced_routes_replay_the_graph_on_cuda(tmp_path: Path) -> None:
-    from runtime.engine.presets import preset
     from tests.runtime.test_offload_exec import forced_graph_vs_eager
+    from tierplan.runtime.engine.presets import preset
 
     forced_graph_vs_eager(preset("tiny"), "cuda", tmp_path)
 
@@ -296,10 +296,10 @@ def test_a_released_slot_is_not_overwritten_under_a_kernel_still_reading_it_on_c
     """The engine's evictions return at once (`release`): the copy of the expert that reuses the slot must be
     ordered, on the device, after a kernel queued before the eviction that still reads the old expert (here one
     that sleeps ~0.1 s first, while the 2.25 MiB copy takes ~50 µs)."""
-    from runtime.weights.format import ExpertFormat
-    from runtime.weights.loader import ExpertLoadHandler
-    from runtime.weights.sources import SyntheticExpertSource
-    from runtime.weights.stores import PinnedExpertStore
+    from tierplan.runtime.weights.format import ExpertFormat
+    from tierplan.runtime.weights.loader import ExpertLoadHandler
+    from tierplan.runtime.weights.sources import SyntheticExpertSource
+    from tierplan.runtime.weights.stores import PinnedExpertStore
 
     fmt = ExpertFormat.swiglu(512, 768)
     pinned = PinnedExpertStore(dev, SyntheticExpertSource(fmt, 1, 2, seed=7))

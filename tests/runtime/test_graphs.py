@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.taps import AttentionMassTap, RouterTap
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.executor import Executor, Reason
-from runtime.engine.presets import preset
-from runtime.errors import ConfigError
-from runtime.selfcheck.exact import auto_block_tokens
+from tierplan.agent.taps import AttentionMassTap, RouterTap
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.executor import Executor, Reason
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.selfcheck.exact import auto_block_tokens
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [5] * 20, [11, 12]]
 
@@ -122,7 +122,7 @@ def test_placement_keeps_bits_when_steps_replay_or_not(tiny, tmp_path: Path, pro
     """All experts resident (steps replay) vs a quarter resident (steps run eagerly over the padded rows: the
     live routes of 3 or 5 rows may need more experts than the slots, so the piecewise mode is not exercised and
     only the bits are compared here; test_offload_exec.py checks each mode)."""
-    from runtime.selfcheck.exact import run_exact_check
+    from tierplan.runtime.selfcheck.exact import run_exact_check
 
     r = run_exact_check(tiny, 0.25, workdir=tmp_path, num_prompts=prompts, new_tokens=5, decode_kernel=True,
                         decode_graphs=True)
@@ -158,8 +158,8 @@ def test_steps_that_do_not_fit_the_buffers_never_take_the_padded_path(tiny, tmp_
 
 
 def _trace_router(spec):
-    from runtime.engine.routing_trace import RoutingTrace
-    from runtime.engine.runner import ForcedRouter
+    from tierplan.runtime.engine.routing_trace import RoutingTrace
+    from tierplan.runtime.engine.runner import ForcedRouter
 
     trace = RoutingTrace.load(Path(__file__).resolve().parents[2] / "data/routing/flame_moe_290m_sample.npz")
     return ForcedRouter(trace, spec=spec, device=torch.device("cpu"), horizon_tokens=256)

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.errors import ConfigError
-from runtime.memory.backend import LiveCounts
-from runtime.memory.host import HostBackend
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.memory.backend import LiveCounts
+from tierplan.runtime.memory.host import HostBackend
 
 P = mmap.PAGESIZE
 REPO = Path(__file__).resolve().parents[2]
@@ -177,9 +177,9 @@ def test_released_chunks_close_their_memfd():
 
 # ---- faults, in a child process -------------------------------------------------------------------------
 def _run_child(body: str) -> subprocess.CompletedProcess[str]:
-    code = "from runtime.memory.host import HostBackend\nimport mmap\nP = mmap.PAGESIZE\nb = HostBackend()\n"
+    code = "from tierplan.runtime.memory.host import HostBackend\nimport mmap\nP = mmap.PAGESIZE\nb = HostBackend()\n"
     code += textwrap.dedent(body)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = dict(os.environ)
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=60)
 

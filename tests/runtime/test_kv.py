@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-from runtime import errors as err
-from runtime.checksum import checksum
-from runtime.device import Device
-from runtime.kv import KVBlockManager, KVBlockSpec, KVMove, KVTierStores, KVTransferHandler, Tier
-from runtime.kv.handler import PAIRS
-from runtime.transfer import MIN_CHUNK_BYTES, Priority, TransferEngine
+from tierplan.runtime import errors as err
+from tierplan.runtime.checksum import checksum
+from tierplan.runtime.device import Device
+from tierplan.runtime.kv import KVBlockManager, KVBlockSpec, KVMove, KVTierStores, KVTransferHandler, Tier
+from tierplan.runtime.kv.handler import PAIRS
+from tierplan.runtime.transfer import MIN_CHUNK_BYTES, Priority, TransferEngine
 
 BLOCK_BYTES = 8192
 ALL_PAIRS = [(a, b) for a in Tier for b in Tier if a is not b]

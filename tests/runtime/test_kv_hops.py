@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from itertools import pairwise
 
-from runtime.kv import Tier
-from runtime.kv.handler import PAIRS
-from runtime.kv.hops import HOP_PLANS, End
-from runtime.transfer import Link
+from tierplan.runtime.kv import Tier
+from tierplan.runtime.kv.handler import PAIRS
+from tierplan.runtime.kv.hops import HOP_PLANS, End
+from tierplan.runtime.transfer import Link
 
 HOST_LANDING = {Link.D2H, Link.DISK2H}  # links whose bytes land in host memory
 

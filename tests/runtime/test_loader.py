@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from runtime.checksum import checksum
-from runtime.device import Device
-from runtime.errors import BusyError, CapacityError, ConfigError, CorruptDataError
-from runtime.memory.host import HostBackend
-from runtime.memory.slots import ExpertSlotPool, ExpertState
-from runtime.transfer import TransferEngine
-from runtime.weights.loader import ExpertLoadHandler, StoreKind
-from runtime.weights.sources import SyntheticExpertSource
-from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 from tests.runtime.conftest import MIXED
+from tierplan.runtime.checksum import checksum
+from tierplan.runtime.device import Device
+from tierplan.runtime.errors import BusyError, CapacityError, ConfigError, CorruptDataError
+from tierplan.runtime.memory.host import HostBackend
+from tierplan.runtime.memory.slots import ExpertSlotPool, ExpertState
+from tierplan.runtime.transfer import TransferEngine
+from tierplan.runtime.weights.loader import ExpertLoadHandler, StoreKind
+from tierplan.runtime.weights.sources import SyntheticExpertSource
+from tierplan.runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
 
 @pytest.fixture()
@@ -119,7 +119,7 @@ def test_a_refused_submit_gives_the_slot_back(tmp_path: Path, dev: Device, map_i
     eng = TransferEngine(dev)
     _pinned, _nvme, pool, loader = _rig(tmp_path, dev, eng, num_slots=2, map_in=map_in)
     eng.close()
-    from runtime.errors import TransferError
+    from tierplan.runtime.errors import TransferError
 
     with pytest.raises(TransferError):
         loader.load(0, 1).wait(10)
@@ -269,7 +269,7 @@ def test_load_many_failures_complete_every_future_and_free_every_slot(tmp_path: 
             f.wait(10)
     assert pool.num_free_slots == 3 and loader.stats()["loads_failed"] == 3
     eng.close()
-    from runtime.errors import TransferError
+    from tierplan.runtime.errors import TransferError
 
     with pytest.raises(TransferError):  # refused by a closed engine: every slot given back
         loader.load_many(0, [0, 1])
@@ -283,8 +283,8 @@ def test_issued_publish_gives_a_failed_map_back_only_after_its_copy(tmp_path: Pa
     """publish="issued", mapped beside the copy: the copy is issued, then its map fails while the copy may still
     write the slot. The slot must not be given back (and reused) under it: the load stays LOADING until the copy
     has ended, then fails, counted, with its slot free. The parts are driven in that order by hand."""
-    from runtime.future import OpFuture
-    from runtime.weights.loader import _Load
+    from tierplan.runtime.future import OpFuture
+    from tierplan.runtime.weights.loader import _Load
 
     _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in="beside_copy/issued")
     pool.prepare_loads(0, [1], via_window=True)
@@ -306,8 +306,8 @@ def test_a_copy_failing_after_an_issued_publish_is_counted_and_the_expert_evicte
                                                                                  engine) -> None:
     """publish="issued": the expert is published when its copy is issued; if the copy then fails (a CUDA error)
     the failure is counted, kept, and the expert unmapped, never left looking loaded."""
-    from runtime.future import OpFuture
-    from runtime.weights.loader import _Load
+    from tierplan.runtime.future import OpFuture
+    from tierplan.runtime.weights.loader import _Load
 
     _pinned, _nvme, pool, loader = _rig(tmp_path, dev, engine, map_in="beside_copy/issued")
     pool.prepare_loads(0, [2], via_window=True)

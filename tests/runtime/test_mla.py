@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import runtime.engine.model as model_mod
-from runtime.device import Device
-from runtime.engine import mla
-from runtime.engine.attention import Segment, attention, gqa_attention
-from runtime.engine.config import ModelSpec
-from runtime.engine.kv_cache import PagedKVCache
-from runtime.engine.presets import preset
-from runtime.errors import ConfigError
-from runtime.kv import Tier
-from runtime.selfcheck.exact import auto_block_tokens, run_exact_check
-from runtime.transfer import TransferEngine
-from runtime.weights.format import dtype_from_name
+import tierplan.runtime.engine.model as model_mod
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine import mla
+from tierplan.runtime.engine.attention import Segment, attention, gqa_attention
+from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.kv_cache import PagedKVCache
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.kv import Tier
+from tierplan.runtime.selfcheck.exact import auto_block_tokens, run_exact_check
+from tierplan.runtime.transfer import TransferEngine
+from tierplan.runtime.weights.format import dtype_from_name
 
 
 def small_v2_lite() -> ModelSpec:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.engine.kernels import moe_gemm
-from runtime.engine.kernels.paged_attention import HAS_TRITON
+from tierplan.runtime.engine.kernels import moe_gemm
+from tierplan.runtime.engine.kernels.paged_attention import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
@@ -53,8 +53,8 @@ def test_bad_shapes_are_refused() -> None:
 
 
 def test_engine_exact_through_the_triton_moe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from runtime.engine.presets import preset
-    from runtime.selfcheck.exact import run_exact_check
+    from tierplan.runtime.engine.presets import preset
+    from tierplan.runtime.selfcheck.exact import run_exact_check
 
     monkeypatch.setattr(moe_gemm, "FORCE", True)
     calls = []

@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from runtime.device import Device
-from runtime.errors import AlignmentError, ConfigError
-from runtime.nvme import DIRECT_ALIGN_BYTES, DirectFile, FileRegion, align_up
 from tests.conftest import host_copy, start_thread
+from tierplan.runtime.device import Device
+from tierplan.runtime.errors import AlignmentError, ConfigError
+from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES, DirectFile, FileRegion, align_up
 
 A = DIRECT_ALIGN_BYTES
 SIZE = 64 * A

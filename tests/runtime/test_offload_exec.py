@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.executor import Executor, Reason
-from runtime.engine.experts import OnDemandExperts, ScanVictimOrder
-from runtime.engine.hooks import ModelHooks
-from runtime.engine.presets import preset
-from runtime.engine.routing_trace import RoutingTrace
-from runtime.engine.runner import ForcedRouter
-from runtime.selfcheck.exact import auto_block_tokens, run_exact_check
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.executor import Executor, Reason
+from tierplan.runtime.engine.experts import OnDemandExperts, ScanVictimOrder
+from tierplan.runtime.engine.hooks import ModelHooks
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.engine.routing_trace import RoutingTrace
+from tierplan.runtime.engine.runner import ForcedRouter
+from tierplan.runtime.selfcheck.exact import auto_block_tokens, run_exact_check
 
 TRACE = Path(__file__).resolve().parents[2] / "data/routing/flame_moe_290m_sample.npz"
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [5] * 20, [11, 12]]

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.engine.kernels.paged_attention import HAS_TRITON, paged_decode_attention, paged_decode_reference
-from runtime.engine.presets import preset
-from runtime.selfcheck.exact import run_exact_check
+from tierplan.runtime.engine.kernels.paged_attention import HAS_TRITON, paged_decode_attention, paged_decode_reference
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.selfcheck.exact import run_exact_check
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,7 +43,7 @@ def test_kernel_matches_the_reference(hq: int, hkv: int, lens: list[int]) -> Non
 
 @pytest.mark.parametrize("target", [1, 64])  # one split; many splits, some past the shortest context (empty)
 def test_context_splits_combine_to_the_reference(target: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    import runtime.engine.kernels.paged_attention as pa
+    import tierplan.runtime.engine.kernels.paged_attention as pa
 
     monkeypatch.setattr(pa, "TARGET_PROGRAMS", target)
     q, k, v, table, ctx = _case(2, 8, 2, 32, 16, [3, 200], seed=11)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine.attention import rms_norm
-from runtime.engine.kernels.paged_attention import HAS_TRITON
+from tierplan.runtime.engine.attention import rms_norm
+from tierplan.runtime.engine.kernels.paged_attention import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
 
 @pytest.mark.parametrize("shape", [(3, 64), (2, 4, 16), (1, 96)])  # rows, per-head rows, H not a power of 2
 def test_fused_rmsnorm_matches_torch(shape: tuple[int, ...]) -> None:
-    from runtime.engine.kernels.rmsnorm import rms_norm_fused
+    from tierplan.runtime.engine.kernels.rmsnorm import rms_norm_fused
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(*shape, generator=g) * 3).to(torch.bfloat16)

@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.presets import preset
-from runtime.engine.routing_trace import RoutingTrace
-from runtime.engine.runner import ForcedRouter, Runner
-from runtime.engine.scheduler import PreemptMode, Scheduler, SeqState, Sequence
-from runtime.engine.workloads import Request, load_mooncake, scale_requests
-from runtime.errors import ConfigError
-from runtime.selfcheck.exact import auto_block_tokens
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.engine.routing_trace import RoutingTrace
+from tierplan.runtime.engine.runner import ForcedRouter, Runner
+from tierplan.runtime.engine.scheduler import PreemptMode, Scheduler, SeqState, Sequence
+from tierplan.runtime.engine.workloads import Request, load_mooncake, scale_requests
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.selfcheck.exact import auto_block_tokens
 
 DATA = Path(__file__).parents[2] / "data"
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-import runtime.selfcheck.slots as slots_check
-import runtime.selfcheck.tiers as tiers_check
-from runtime.kv import KVBlockManager
+import tierplan.runtime.selfcheck.slots as slots_check
+import tierplan.runtime.selfcheck.tiers as tiers_check
+from tierplan.runtime.kv import KVBlockManager
 
 
 def test_slot_check_is_clean_and_counts_what_it_did(tmp_path: Path) -> None:
@@ -24,7 +24,7 @@ def test_slot_check_catches_a_load_that_never_copies(tmp_path: Path, monkeypatch
         def load(self, layer, expert, store=None, **kw):
             self.pool.prepare_load(layer, expert)
             self.pool.complete_load(layer, expert, ok=True)
-            from runtime.future import OpFuture
+            from tierplan.runtime.future import OpFuture
 
             f = OpFuture("fake")
             f.set_result(None)
@@ -58,7 +58,7 @@ def test_tier_check_shards_over_processes(tmp_path: Path) -> None:
 
 def _noop_move(books: bool):
     """A KV move that reports success without copying a byte (and, books=True, with the books switched)."""
-    from runtime.kv.handler import KVMoveFuture
+    from tierplan.runtime.kv.handler import KVMoveFuture
 
     def move(self, block_id, dst, priority=None, deadline_s=None):
         mv = self.manager.prepare_move(block_id, dst)

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.checksum import checksum
-from runtime.device import Device, HostEvent
-from runtime.errors import CorruptDataError
-from runtime.memory.host import HostBackend
-from runtime.memory.slots import ExpertSlotPool, ExpertState
-from runtime.transfer import TransferEngine
-from runtime.weights.loader import ExpertLoadHandler, StoreKind
-from runtime.weights.sources import SyntheticExpertSource
-from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 from tests.runtime.conftest import MIXED, STRIDE, T, is_poison, load, stride_view
+from tierplan.runtime.checksum import checksum
+from tierplan.runtime.device import Device, HostEvent
+from tierplan.runtime.errors import CorruptDataError
+from tierplan.runtime.memory.host import HostBackend
+from tierplan.runtime.memory.slots import ExpertSlotPool, ExpertState
+from tierplan.runtime.transfer import TransferEngine
+from tierplan.runtime.weights.loader import ExpertLoadHandler, StoreKind
+from tierplan.runtime.weights.sources import SyntheticExpertSource
+from tierplan.runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
 
 class Kernel(HostEvent):
@@ -211,7 +211,7 @@ def test_lru_victims_walked_from_the_oldest_end_match_a_full_ranking(dev: Device
     reading its own bytes, also where a reload took the slot its released range still mapped (no remap)."""
     import random
 
-    from runtime.engine.experts import OnDemandExperts
+    from tierplan.runtime.engine.experts import OnDemandExperts
 
     rigs = []
     for order in (None, lambda cands: list(cands)):

@@ -18,11 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
-from runtime.memory.backend import LiveCounts
-from runtime.memory.host import HostBackend
-from runtime.memory.slots import ExpertSlotPool
-from runtime.transfer import Link, TrafficClass, TransferEngine, TransferRequest
 from tests.conftest import start_thread, wait_until
 from tests.runtime.conftest import (
     ABSENT,
@@ -40,6 +35,11 @@ from tests.runtime.conftest import (
     refused,
     stride_view,
 )
+from tierplan.runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
+from tierplan.runtime.memory.backend import LiveCounts
+from tierplan.runtime.memory.host import HostBackend
+from tierplan.runtime.memory.slots import ExpertSlotPool
+from tierplan.runtime.transfer import Link, TrafficClass, TransferEngine, TransferRequest
 
 
 # ---- I1 ------------------------------------------------------------------------------------------------
@@ -202,9 +202,9 @@ def test_I5_scrub_on_unmap_poisons_a_slot_before_reuse(env, rand, scrub):
 
 def test_I5_poison_off_means_a_non_resident_read_faults():
     code = textwrap.dedent(f"""
-        from runtime.device import Device
-        from runtime.memory.host import HostBackend
-        from runtime.memory.slots import ExpertSlotPool
+        from tierplan.runtime.device import Device
+        from tierplan.runtime.memory.host import HostBackend
+        from tierplan.runtime.memory.slots import ExpertSlotPool
         pool = ExpertSlotPool(HostBackend(), Device("cpu"), 1, 3, {EB}, 1, poison_unmapped=False)
         pool.prepare_load(0, 0).fill_(7)
         pool.complete_load(0, 0, True)
@@ -216,7 +216,7 @@ def test_I5_poison_off_means_a_non_resident_read_faults():
         print(int(pool.layer_tensor(0)[{2 * STRIDE + 1}]), flush=True)
     """)
     repo = Path(__file__).resolve().parents[2]
-    got = subprocess.run([sys.executable, "-c", code], cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+    got = subprocess.run([sys.executable, "-c", code], cwd=repo, env=os.environ,
                          capture_output=True, text=True, timeout=60)
     assert got.stdout.strip() == "ready", got.stderr
     assert got.returncode == -signal.SIGSEGV

@@ -9,10 +9,6 @@ from collections import Counter
 import pytest
 import torch
 
-from runtime.device import HostEvent
-from runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
-from runtime.memory.host import HostBackend
-from runtime.memory.slots import ExpertSlotPool
 from tests.conftest import start_thread
 from tests.runtime.conftest import (
     ABSENT,
@@ -26,6 +22,10 @@ from tests.runtime.conftest import (
     refused,
     stride_view,
 )
+from tierplan.runtime.device import HostEvent
+from tierplan.runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
+from tierplan.runtime.memory.host import HostBackend
+from tierplan.runtime.memory.slots import ExpertSlotPool
 
 
 # ---- randomized sequence ------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_wait_published_orders_readers_after_loads_published_while_copying(env, 
 
 def test_all_resident_layers_wait_for_loads_published_while_copying(env, monkeypatch: pytest.MonkeyPatch) -> None:
     """The MoE fast path for a layer whose experts all hold slots names no expert: it must still wait."""
-    from runtime.engine.experts import OnDemandExperts
+    from tierplan.runtime.engine.experts import OnDemandExperts
 
     pool = ExpertSlotPool(HostBackend(), env.device, 1, 2, EB, 2, poison_unmapped=True)
     env.pools.append(pool)

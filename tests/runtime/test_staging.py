@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.presets import preset
-from runtime.errors import BusyError, ConfigError
-from runtime.selfcheck.exact import auto_block_tokens
-from runtime.staging import StagingClosed, StagingPool
-from runtime.weights.loader import StoreKind
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.errors import BusyError, ConfigError
+from tierplan.runtime.selfcheck.exact import auto_block_tokens
+from tierplan.runtime.staging import StagingClosed, StagingPool
+from tierplan.runtime.weights.loader import StoreKind
 
 
 def test_a_lease_is_the_asked_bytes_of_a_whole_buffer_and_close_waits_for_it(cpu: Device) -> None:

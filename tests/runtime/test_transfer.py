@@ -11,10 +11,12 @@ import threading
 import pytest
 import torch
 
-from runtime.device import Device, HostEvent, completed_event
-from runtime.errors import AlignmentError, ConfigError, TransferError
-from runtime.nvme import DirectFile
-from runtime.transfer import (
+from tests.conftest import FakeClock, host_copy, wait_until
+from tests.runtime.conftest import CHUNK, MiB, T, class_stats, link_stats, req
+from tierplan.runtime.device import Device, HostEvent, completed_event
+from tierplan.runtime.errors import AlignmentError, ConfigError, TransferError
+from tierplan.runtime.nvme import DirectFile
+from tierplan.runtime.transfer import (
     ClassStats,
     Link,
     LinkStats,
@@ -22,8 +24,6 @@ from runtime.transfer import (
     TrafficClass,
     TransferEngine,
 )
-from tests.conftest import FakeClock, host_copy, wait_until
-from tests.runtime.conftest import CHUNK, MiB, T, class_stats, link_stats, req
 
 
 # ---- bit-exact copies ------------------------------------------------------------------------------

@@ -7,10 +7,12 @@ import random
 import pytest
 import torch
 
-from runtime.device import Device, HostEvent
-from runtime.errors import ConfigError, TransferError
-from runtime.nvme import DirectFile
-from runtime.transfer import (
+from tests.conftest import host_copy, start_thread, wait_until
+from tests.runtime.conftest import CHUNK, MiB, T, link_stats, req
+from tierplan.runtime.device import Device, HostEvent
+from tierplan.runtime.errors import ConfigError, TransferError
+from tierplan.runtime.nvme import DirectFile
+from tierplan.runtime.transfer import (
     ClassStats,
     Link,
     LinkStats,
@@ -19,8 +21,6 @@ from runtime.transfer import (
     TransferEngine,
     TransferRequest,
 )
-from tests.conftest import host_copy, start_thread, wait_until
-from tests.runtime.conftest import CHUNK, MiB, T, link_stats, req
 
 
 # ---- concurrency ------------------------------------------------------------------------------------
@@ -198,7 +198,7 @@ def test_idle_jobs_run_in_priority_order_are_counted_and_refused_after_close(cpu
 
 
 def test_latch_is_one_shot_and_wakes_every_waiter() -> None:
-    from runtime.future import Latch
+    from tierplan.runtime.future import Latch
 
     latch = Latch()
     assert not latch.is_set() and latch.wait(0.01) is False

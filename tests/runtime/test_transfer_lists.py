@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.device import HostEvent
-from runtime.errors import ConfigError, TransferError
-from runtime.nvme import DirectFile
-from runtime.transfer import (
+from tests.conftest import wait_until
+from tests.runtime.conftest import CHUNK, T, class_stats, link_stats, req
+from tierplan.runtime.device import HostEvent
+from tierplan.runtime.errors import ConfigError, TransferError
+from tierplan.runtime.nvme import DirectFile
+from tierplan.runtime.transfer import (
     ClassStats,
     Link,
     LinkStats,
@@ -17,8 +19,6 @@ from runtime.transfer import (
     TransferEngine,
     TransferRequest,
 )
-from tests.conftest import wait_until
-from tests.runtime.conftest import CHUNK, T, class_stats, link_stats, req
 
 
 # ---- malformed requests ------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def test_bad_segments_are_refused_and_queue_nothing(engine, cpu, rand, tmp_path)
 def test_a_queued_transfer_cuts_its_segments_into_the_chunks_chunk_spans_gives_in_order() -> None:
     """Submission only counts chunks (`_num_chunks`); the worker cuts them one at a time (`_Queued.take`): the
     same chunks, offsets and first/last flags as cutting every segment up front."""
-    from runtime.transfer_handle import _chunk_spans, _num_chunks, _Queued
+    from tierplan.runtime.transfer_handle import _chunk_spans, _num_chunks, _Queued
 
     mib = 1 << 20
     for cb in (None, 2 * mib, 8 * mib):

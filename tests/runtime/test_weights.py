@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runtime.checksum import checksum
-from runtime.device import Device
-from runtime.errors import ConfigError
-from runtime.weights.format import ExpertFormat
-from runtime.weights.sources import SafetensorsExpertSource, SyntheticExpertSource
-from runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 from tests.runtime.conftest import MIXED
+from tierplan.runtime.checksum import checksum
+from tierplan.runtime.device import Device
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.weights.format import ExpertFormat
+from tierplan.runtime.weights.sources import SafetensorsExpertSource, SyntheticExpertSource
+from tierplan.runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
 
 @pytest.fixture()

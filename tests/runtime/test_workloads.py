@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.engine.routing_trace import RoutingTrace, expert_hit_rate_lru
-from runtime.engine.workloads import (
+from tierplan.runtime.engine.routing_trace import RoutingTrace, expert_hit_rate_lru
+from tierplan.runtime.engine.workloads import (
     Request,
     TraceFormat,
     detect_format,
@@ -21,7 +21,7 @@ from runtime.engine.workloads import (
     scale_requests,
     synthetic_prompt_tokens,
 )
-from runtime.errors import ConfigError
+from tierplan.runtime.errors import ConfigError
 
 DATA = Path(__file__).parents[2] / "data"
 MOONCAKE = DATA / "requests" / "mooncake_conversation_sample.jsonl"

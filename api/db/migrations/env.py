@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from api.db.models import Base
+from tierplan.api.db.models import Base
 
 
 def run_migrations() -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import importlib
 
-from runtime.engine.families.base import Family
-from runtime.errors import ConfigError
+from tierplan.runtime.engine.families.base import Family
+from tierplan.runtime.errors import ConfigError
 
 SUPPORTED = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3")
 
@@ -17,4 +17,4 @@ def family_for(model_type: object, source: str) -> Family:
     if model_type not in SUPPORTED:
         raise ConfigError(f"{source}: model_type {model_type!r} is not supported for loading a checkpoint; "
                           f"expected one of {list(SUPPORTED)}")
-    return importlib.import_module(f"runtime.engine.families.{model_type}").FAMILY
+    return importlib.import_module(f"tierplan.runtime.engine.families.{model_type}").FAMILY

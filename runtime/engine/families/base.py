@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from runtime.engine.config import ModelSpec
-from runtime.errors import ConfigError
+from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.errors import ConfigError
 
 # Keys every family's transformers config carries that do not change what greedy inference computes.
 COMMON_INERT = frozenset({

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from runtime.engine.config import ModelSpec
-from runtime.engine.families.base import (
+from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.families.base import (
     COMMON_IMPLEMENTED,
     COMMON_INERT,
     COMMON_REFUSED,
@@ -25,7 +25,7 @@ from runtime.engine.families.base import (
     mlp_names,
     swiglu_expert_names,
 )
-from runtime.errors import ConfigError
+from tierplan.runtime.errors import ConfigError
 
 _YARN_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
                         "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"})

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from runtime.engine.families import deepseek_v2 as v2
-from runtime.engine.families.base import (
+from tierplan.runtime.engine.families import deepseek_v2 as v2
+from tierplan.runtime.engine.families.base import (
     COMMON_IMPLEMENTED,
     COMMON_INERT,
     COMMON_REFUSED,

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from runtime.engine.families.base import (
+from tierplan.runtime.engine.families.base import (
     COMMON_IMPLEMENTED,
     COMMON_INERT,
     COMMON_REFUSED,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.kernels.paged_attention import HAS_TRITON, interpreted
+from tierplan.runtime.engine.kernels.paged_attention import HAS_TRITON, interpreted
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
 MAX_ROWS = 2048  # above this many routed rows per layer the layer is compute-bound: torch._grouped_mm then

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine.kernels.paged_attention import HAS_TRITON
+from tierplan.runtime.engine.kernels.paged_attention import HAS_TRITON
 
 if HAS_TRITON:
     import triton

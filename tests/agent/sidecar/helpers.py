@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
-from controller.protocol import Footprint, KVStats, Link, Plan, PlanAck, StepTimings, Telemetry, Tier
-from controller.protocol_service import AgentRegistration, HardwareSheet, ShapeSpec, SplitSheet
+from tierplan.controller.protocol import Footprint, KVStats, Link, Plan, PlanAck, StepTimings, Telemetry, Tier
+from tierplan.controller.protocol_service import AgentRegistration, HardwareSheet, ShapeSpec, SplitSheet
 
 AGENT = "agent-t"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from api import stack
-from api.stack import Proc
+from tierplan.api import stack
+from tierplan.api.stack import Proc
 
 
 def start_service(db_url: str, port: int, token: str, log_dir: Path) -> Proc:

@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-from agent.sidecar_backoff import Backoff
-from agent.sidecar_client import ServiceClient
-from agent.sidecar_failstatic import FailStatic, Mode
-from agent.sidecar_metrics import SidecarMetrics
-from agent.sidecar_uplink import Uplink, UplinkConfig
 from tests.agent.sidecar.helpers import AGENT, FakeClock, FakeService, TopRng, plan, registration, telemetry
+from tierplan.agent.sidecar_backoff import Backoff
+from tierplan.agent.sidecar_client import ServiceClient
+from tierplan.agent.sidecar_failstatic import FailStatic, Mode
+from tierplan.agent.sidecar_metrics import SidecarMetrics
+from tierplan.agent.sidecar_uplink import Uplink, UplinkConfig
 
 
 def test_full_jitter_stays_under_a_doubling_ceiling_up_to_the_cap() -> None:

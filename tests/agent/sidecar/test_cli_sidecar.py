@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
+from tierplan.api.cli import app
 
 runner = CliRunner()
 

@@ -19,13 +19,13 @@ from typing import Any
 
 import httpx
 
-from agent.closed_loop import InProcessLoop
-from agent.service_link import ServiceLink
-from agent.sidecar_backoff import Backoff
-from api.demo_loop import tiny_registration
-from api.stack import free_port
 from tests.agent.sidecar.helpers import balanced_link, wait_until
 from tests.agent.sidecar.procs import kill, scrape, start_service, start_sidecar, stop, total
+from tierplan.agent.closed_loop import InProcessLoop
+from tierplan.agent.service_link import ServiceLink
+from tierplan.agent.sidecar_backoff import Backoff
+from tierplan.api.demo_loop import tiny_registration
+from tierplan.api.stack import free_port
 
 AGENT = "fault-agent"
 HELD = 8  # the sidecar's queue bound: windows it keeps while the service is away
@@ -35,11 +35,11 @@ class Replay:
     """The demo's tiny engine and phased requests, replayed round after round on a thread until stopped."""
 
     def __init__(self, workdir: Path, num_requests: int = 12) -> None:
-        from api import demo_loop as d
-        from runtime.device import Device
-        from runtime.engine.engine import EngineConfig, ReferenceEngine
-        from runtime.engine.presets import preset
-        from runtime.engine.routing_trace import RoutingTrace
+        from tierplan.api import demo_loop as d
+        from tierplan.runtime.device import Device
+        from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+        from tierplan.runtime.engine.presets import preset
+        from tierplan.runtime.engine.routing_trace import RoutingTrace
 
         self.d = d
         self.reqs, _ = d.phased_requests(num_requests)
@@ -69,8 +69,8 @@ class Replay:
         self.steps += 1
 
     def _run(self) -> None:
-        from runtime.engine.runner import ForcedRouter, Runner
-        from runtime.engine.scheduler import PreemptMode, Scheduler
+        from tierplan.runtime.engine.runner import ForcedRouter, Runner
+        from tierplan.runtime.engine.scheduler import PreemptMode, Scheduler
 
         d = self.d
         try:

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from agent.sidecar_ipc import (
+from tests.agent.sidecar.helpers import ack, plan, registration, telemetry
+from tierplan.agent.sidecar_ipc import (
     HEADER,
     MAX_FRAME_BYTES,
     Frame,
@@ -18,7 +19,6 @@ from agent.sidecar_ipc import (
     PlanRequest,
     encode_frame,
 )
-from tests.agent.sidecar.helpers import ack, plan, registration, telemetry
 
 MESSAGES = [registration(), telemetry(3), ack(2), PlanRequest(agent_id="a", since_version=4), plan(5)]
 
@@ -83,7 +83,7 @@ def test_a_message_over_the_limit_is_refused_before_sending() -> None:
 
 
 def test_a_message_of_another_type_is_not_a_frame() -> None:
-    from controller.protocol import Forecast
+    from tierplan.controller.protocol import Forecast
 
     fc = Forecast(model="m", num_layers=1, num_experts=2, horizon_steps=1, created_s=0.0, layers=())
     with pytest.raises(FrameError, match="'Forecast' is not one of"):

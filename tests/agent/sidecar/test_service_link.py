@@ -10,10 +10,10 @@ import socket
 import threading
 from pathlib import Path
 
-from agent.service_link import LinkState, ServiceLink
-from agent.sidecar_backoff import Backoff
-from agent.sidecar_ipc import HEADER, FrameDecoder, FrameType, PlanRequest, encode_frame
 from tests.agent.sidecar.helpers import ack, balanced_link, plan, registration, telemetry, wait_until
+from tierplan.agent.service_link import LinkState, ServiceLink
+from tierplan.agent.sidecar_backoff import Backoff
+from tierplan.agent.sidecar_ipc import HEADER, FrameDecoder, FrameType, PlanRequest, encode_frame
 
 
 def fast_reconnect() -> Backoff:

@@ -11,11 +11,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.service_link import ServiceLink
-from agent.sidecar import Sidecar, SidecarSettings
-from agent.sidecar_backoff import Backoff
-from agent.sidecar_ipc import HEADER
-from agent.sidecar_server import SocketInUse
 from tests.agent.sidecar.helpers import (
     AGENT,
     FakeService,
@@ -26,6 +21,11 @@ from tests.agent.sidecar.helpers import (
     telemetry,
     wait_until,
 )
+from tierplan.agent.service_link import ServiceLink
+from tierplan.agent.sidecar import Sidecar, SidecarSettings
+from tierplan.agent.sidecar_backoff import Backoff
+from tierplan.agent.sidecar_ipc import HEADER
+from tierplan.agent.sidecar_server import SocketInUse
 
 CONTRACT_NAMES = ("tierplan_sidecar_windows_sent_total", "tierplan_sidecar_windows_dropped_total",
                   "tierplan_sidecar_queue_depth", "tierplan_sidecar_fail_static",

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.service_link import LinkState, ServiceLink
-from agent.sidecar_backoff import Backoff
-from api.stack import free_port
 from tests.agent.sidecar.helpers import balanced_link, registration, telemetry, wait_until
 from tests.agent.sidecar.procs import kill, scrape, start_sidecar, stop, total
+from tierplan.agent.service_link import LinkState, ServiceLink
+from tierplan.agent.sidecar_backoff import Backoff
+from tierplan.api.stack import free_port
 
 
 def test_a_killed_sidecar_costs_the_engine_nothing_and_its_successor_gets_the_queue(tmp_path: Path) -> None:

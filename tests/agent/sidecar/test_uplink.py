@@ -5,10 +5,10 @@ drop-oldest, and received == sent + dropped + queued at every step."""
 
 from __future__ import annotations
 
-from agent.sidecar_client import ServiceClient
-from agent.sidecar_metrics import SidecarMetrics
-from agent.sidecar_uplink import Uplink, UplinkConfig
 from tests.agent.sidecar.helpers import FakeClock, FakeService, TopRng, ack, plan, registration, telemetry
+from tierplan.agent.sidecar_client import ServiceClient
+from tierplan.agent.sidecar_metrics import SidecarMetrics
+from tierplan.agent.sidecar_uplink import Uplink, UplinkConfig
 
 
 def make(svc: FakeService, clock: FakeClock, **config: object) -> Uplink:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.model_shape import builtin_shape
-from controller.protocol import AckStatus, Footprint, Link, Plan, PlanAck, Telemetry, Tier
-from controller.protocol_service import (
+from tests.controller.loop_fixtures import BLOCK_BYTES, BUDGET_BYTES, KV_MAX, KV_MIN, SLOT_BYTES, Windows
+from tierplan.controller.model_shape import builtin_shape
+from tierplan.controller.protocol import AckStatus, Footprint, Link, Plan, PlanAck, Telemetry, Tier
+from tierplan.controller.protocol_service import (
     AgentRegistration,
     DecisionOutcome,
     DecisionRecord,
@@ -16,7 +17,6 @@ from controller.protocol_service import (
     SplitSheet,
     SplitView,
 )
-from tests.controller.loop_fixtures import BLOCK_BYTES, BUDGET_BYTES, KV_MAX, KV_MIN, SLOT_BYTES, Windows
 
 
 def registration(agent_id: str = "agent-0", group: str = "default", registered_s: float = 1.0,

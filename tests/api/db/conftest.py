@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from api.db.engine import make_engine
-from api.db.repo import Repository
 from tests.conftest import FakeClock
+from tierplan.api.db.engine import make_engine
+from tierplan.api.db.repo import Repository
 
 
 @pytest.fixture

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from api.db import migrate
-from api.db import throwaway_pg as pg
-from api.db.engine import make_engine
-from api.db.repo import Repository
-from controller.protocol import Telemetry, parse
-from controller.protocol_service import TelemetryBatch
 from tests.api.db.builders import registration, windows
+from tierplan.api.db import migrate
+from tierplan.api.db import throwaway_pg as pg
+from tierplan.api.db.engine import make_engine
+from tierplan.api.db.repo import Repository
+from tierplan.controller.protocol import Telemetry, parse
+from tierplan.controller.protocol_service import TelemetryBatch
 
 BATCH = 256
 

@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from api.db.engine import make_engine
-from api.db.errors import PlanConflict
-from api.db.repo import Repository
 from tests.api.db.builders import ack, plan
+from tierplan.api.db.engine import make_engine
+from tierplan.api.db.errors import PlanConflict
+from tierplan.api.db.repo import Repository
 
 
 def main(url: str, agent_id: str, num_versions: int, name: str, go_file: Path) -> None:

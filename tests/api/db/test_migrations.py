@@ -12,14 +12,14 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, inspect
 from typer.testing import CliRunner
 
-from api.cli import app
-from api.db import migrate
-from api.db.engine import make_engine
-from api.db.errors import InvalidDatabaseURL, Unavailable
-from api.db.migrate import MigrationError
-from api.db.models import Base
-from api.db.repo import Repository
 from tests.api.db.builders import plan, registration, windows
+from tierplan.api.cli import app
+from tierplan.api.db import migrate
+from tierplan.api.db.engine import make_engine
+from tierplan.api.db.errors import InvalidDatabaseURL, Unavailable
+from tierplan.api.db.migrate import MigrationError
+from tierplan.api.db.models import Base
+from tierplan.api.db.repo import Repository
 
 TABLES = {"agents", "telemetry_windows", "plans", "decisions", "policies", "policy_versions", "api_tokens"}
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from api.db import migrate
-from api.db.engine import make_engine
-from api.db.repo import Repository
-from controller.protocol_service import PlanState
 from tests.api.db.builders import registration
 from tests.conftest import wait_until
+from tierplan.api.db import migrate
+from tierplan.api.db.engine import make_engine
+from tierplan.api.db.repo import Repository
+from tierplan.controller.protocol_service import PlanState
 
 NUM_VERSIONS = 150
 ROOT = Path(__file__).resolve().parents[3]
@@ -34,7 +34,7 @@ def _url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
 def _race(url: str, tmp_path: Path, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Run one race worker per name against `url`, started together; their JSON results by name."""
     go = tmp_path / "go"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.api.db.race_worker", url, "agent-0", str(NUM_VERSIONS),
                                name, str(go)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for name in names]

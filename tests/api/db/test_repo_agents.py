@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from api.db.errors import Conflict, InvalidQuery, NotFound
-from api.db.repo import Repository
-from controller.protocol_service import AgentState
 from tests.api.db.builders import registration, windows
 from tests.conftest import FakeClock
+from tierplan.api.db.errors import Conflict, InvalidQuery, NotFound
+from tierplan.api.db.repo import Repository
+from tierplan.controller.protocol_service import AgentState
 
 
 def test_register_once_then_identical_again_returns_the_first(repo: Repository, clock: FakeClock) -> None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from api.db.errors import Conflict, InvalidQuery, NotFound, PlanConflict
-from api.db.repo import Repository
-from controller.protocol import AckStatus
-from controller.protocol_service import DecisionOutcome, PlanState
 from tests.api.db.builders import ack, decision, plan, registration
 from tests.conftest import FakeClock
+from tierplan.api.db.errors import Conflict, InvalidQuery, NotFound, PlanConflict
+from tierplan.api.db.repo import Repository
+from tierplan.controller.protocol import AckStatus
+from tierplan.controller.protocol_service import DecisionOutcome, PlanState
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ import hashlib
 
 import pytest
 
-from api.db.errors import Conflict, InvalidQuery, PolicyConflict
-from api.db.repo import Repository, Scope
-from controller.protocol_service import PolicyKnobs, PolicyUpdate
 from tests.api.db.builders import registration
 from tests.conftest import FakeClock
+from tierplan.api.db.errors import Conflict, InvalidQuery, PolicyConflict
+from tierplan.api.db.repo import Repository, Scope
+from tierplan.controller.protocol_service import PolicyKnobs, PolicyUpdate
 
 
 def test_a_group_never_set_reads_as_the_defaults(repo: Repository) -> None:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from api.db import migrate
-from api.db.engine import make_engine
-from api.db.repo import Repository
 from tests.api.db.builders import plan, registration, windows
 from tests.conftest import start_thread
+from tierplan.api.db import migrate
+from tierplan.api.db.engine import make_engine
+from tierplan.api.db.repo import Repository
 
 NUM_THREADS, NUM_STEPS = 4, 25
 

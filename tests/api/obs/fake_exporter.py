@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from api.dashboards.contract import CONTRACT_METRICS, MetricKind, Source
+from tierplan.api.dashboards.contract import CONTRACT_METRICS, MetricKind, Source
 
 _LABEL_VALUES = {"result": "accepted", "kind": "issued", "reason": "stale_version", "layer": "0", "tier": "gpu",
                  "cause": "expert_miss", "link": "h2d", "name": "on_demand_load", "quantile": "p50",

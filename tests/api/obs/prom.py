@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from api.stack import free_port
+from tierplan.api.stack import free_port
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from api.demo_service import replay_through_sidecar as _replay
+from tierplan.api.demo_service import replay_through_sidecar as _replay
 
 PACE_S = 0.01  # real time per engine step, so plans land during the replay
 

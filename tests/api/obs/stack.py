@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from api.stack import Proc
-from api.stack import start_service as _start_service
-from api.stack import start_sidecar as _start_sidecar
+from tierplan.api.stack import Proc
+from tierplan.api.stack import start_service as _start_service
+from tierplan.api.stack import start_sidecar as _start_sidecar
 
 
 def start_service(workdir: Path, port: int, token: str) -> Proc:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
-from api.dashboards.contract import names_in, series_names
-from api.dashboards.export import all_dashboards, exported_files
-from api.dashboards.queries import expand, panel_queries
+from tierplan.api.cli import app
+from tierplan.api.dashboards.contract import names_in, series_names
+from tierplan.api.dashboards.export import all_dashboards, exported_files
+from tierplan.api.dashboards.queries import expand, panel_queries
 
 REPO = Path(__file__).resolve().parents[3]
 COMMITTED = REPO / "dashboards"
@@ -127,7 +127,7 @@ def test_committed_json_round_trips_through_the_sdk_model(path: Path) -> None:
 
 
 def test_variable_queries_are_listed() -> None:
-    from api.dashboards.queries import variable_queries
+    from tierplan.api.dashboards.queries import variable_queries
 
     assert variable_queries(all_dashboards()["tierplan-service"]) == [
         ("agent_id", "tierplan_telemetry_windows_total", "agent_id"),

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from api.dashboards.check import failures, run_panel_queries, variable_values
-from api.dashboards.contract import Source
 from tests.api.obs.fake_exporter import FakeExporter, serve
 from tests.api.obs.prom import PrometheusError, PrometheusServer, ScrapeJob, free_port, scrape_config
+from tierplan.api.dashboards.check import failures, run_panel_queries, variable_values
+from tierplan.api.dashboards.contract import Source
 
 AGENT = "agent-0.rank0"
 DASHBOARDS = Path(__file__).resolve().parents[3] / "dashboards"
@@ -96,7 +96,7 @@ def test_bad_promql_is_an_error_not_empty(stand_ins) -> None:
 def test_the_check_command_against_the_stand_ins(stand_ins) -> None:
     from typer.testing import CliRunner
 
-    from api.cli import app
+    from tierplan.api.cli import app
 
     prom, _ = stand_ins
     ok = CliRunner().invoke(app, ["dashboards", "check", "--prometheus", prom.url, "--agent-id", AGENT,

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from api.dashboards.check import QueryOutcome, run_panel_queries, variable_values
-from api.dashboards.queries import panel_queries, variable_queries
 from tests.api.obs.prom import PrometheusServer, ScrapeJob, free_port
+from tierplan.api.dashboards.check import QueryOutcome, run_panel_queries, variable_values
+from tierplan.api.dashboards.queries import panel_queries, variable_queries
 
 AGENT = "obs-e2e-0"
 TOKEN = "obs-e2e-write-token"

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
-from api.dashboards.export import all_dashboards
 from tests.api.obs.prom import free_port
+from tierplan.api.cli import app
+from tierplan.api.dashboards.export import all_dashboards
 
 TOKEN = "glsa_good"
 

@@ -13,15 +13,15 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.auth import hash_token
-from api.bench_api import synthetic_window
-from api.db.repo import Scope
-from api.demo_loop import tiny_registration
-from api.hub import ControllerHub
-from api.settings import Settings
-from controller.protocol import Telemetry
 from tests.conftest import FakeClock
+from tierplan.api.app import create_app
+from tierplan.api.auth import hash_token
+from tierplan.api.bench_api import synthetic_window
+from tierplan.api.db.repo import Scope
+from tierplan.api.demo_loop import tiny_registration
+from tierplan.api.hub import ControllerHub
+from tierplan.api.settings import Settings
+from tierplan.controller.protocol import Telemetry
 
 WRITE_TOKEN = "tp_test_write_token_0123456789"
 READ_TOKEN = "tp_test_read_token_0123456789"

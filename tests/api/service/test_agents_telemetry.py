@@ -8,8 +8,8 @@ import json
 
 from sqlalchemy import text
 
-from api.demo_loop import tiny_registration
 from tests.api.service.conftest import AUTH, READ_AUTH, READ_TOKEN, WRITE_TOKEN, Service, windows
+from tierplan.api.demo_loop import tiny_registration
 
 
 def test_register_is_201_then_200_unchanged_then_409_for_another_shape(svc: Service) -> None:
@@ -116,7 +116,7 @@ def test_reads_need_a_token_when_the_settings_say_so(db_file: str) -> None:
 
 
 def test_readyz_says_why_the_database_is_not_ready(svc: Service, monkeypatch) -> None:
-    from api.db.errors import Unavailable
+    from tierplan.api.db.errors import Unavailable
 
     def down() -> None:
         raise Unavailable("database sqlite:///x is not reachable: disk I/O error")

@@ -9,12 +9,12 @@ from pathlib import Path
 import httpx
 from typer.testing import CliRunner
 
-from api.auth import hash_token
-from api.bench_api import serve_process
-from api.cli import app
-from api.db.engine import make_engine
-from api.db.repo import Repository, Scope
-from api.demo_loop import tiny_registration
+from tierplan.api.auth import hash_token
+from tierplan.api.bench_api import serve_process
+from tierplan.api.cli import app
+from tierplan.api.db.engine import make_engine
+from tierplan.api.db.repo import Repository, Scope
+from tierplan.api.demo_loop import tiny_registration
 
 
 def test_token_create_prints_the_token_once_and_stores_its_hash(tmp_path: Path) -> None:
@@ -52,7 +52,7 @@ def test_a_served_process_accepts_its_bootstrap_token(tmp_path: Path) -> None:
 
 
 def test_the_ingest_bench_runs_end_to_end(tmp_path: Path) -> None:
-    from api.bench_api import run_ingest_bench
+    from tierplan.api.bench_api import run_ingest_bench
 
     r = run_ingest_bench(f"sqlite:///{tmp_path / 'b.db'}", num_batches=3, batch_windows=8, warmup_batches=1)
     assert r["windows_accepted"] == 24 and r["windows_rejected"] == 0 and r["posts_failed"] == 0

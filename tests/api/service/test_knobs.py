@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from api.bench_api import synthetic_window
-from api.demo_loop import tiny_registration
-from api.hub_config import controller_config, knobs_misfit
-from controller.loop import Controller, Decision, Outcome
-from controller.protocol import AckStatus, Footprint, Plan, PlanAck
-from controller.protocol_service import PolicyKnobs
 from tests.api.service.conftest import Service, windows
+from tierplan.api.bench_api import synthetic_window
+from tierplan.api.demo_loop import tiny_registration
+from tierplan.api.hub_config import controller_config, knobs_misfit
+from tierplan.controller.loop import Controller, Decision, Outcome
+from tierplan.controller.protocol import AckStatus, Footprint, Plan, PlanAck
+from tierplan.controller.protocol_service import PolicyKnobs
 
 SLOT_BYTES = 3 * 4096
 NUM_WINDOWS = 16
@@ -73,7 +73,7 @@ def test_the_default_stream_re_splits_when_the_workload_changes(base: Run) -> No
 
 
 def test_solver_milp_runs_the_highs_milp(monkeypatch: pytest.MonkeyPatch) -> None:
-    import controller.optimizer.milp as milp
+    import tierplan.controller.optimizer.milp as milp
 
     calls = []
     real = milp.solve_milp
@@ -175,8 +175,8 @@ def test_knobs_an_agent_cannot_run_with_are_named() -> None:
 
 
 def test_plan_every_windows_spaces_the_planner_out(svc: Service) -> None:
-    from controller.protocol_service import PolicyUpdate
     from tests.api.service.conftest import AUTH
+    from tierplan.controller.protocol_service import PolicyUpdate
 
     update = PolicyUpdate(knobs=knobs(plan_every_windows=3), why="plan less often")
     assert svc.client.put("/v1/policies/default", content=update.model_dump_json(), headers=AUTH).status_code == 200

@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from controller.protocol import AckStatus, Footprint, PlanAck, Tier
 from tests.api.service.conftest import AUTH, Service, windows
+from tierplan.controller.protocol import AckStatus, Footprint, PlanAck, Tier
 
 
 def ack_for(plan: dict, status: AckStatus = AckStatus.APPLIED, **kw: object) -> PlanAck:
@@ -116,7 +116,7 @@ def test_metrics_show_the_service_side(svc: Service) -> None:
 
 
 def test_a_plan_the_database_did_not_store_is_planned_again(svc: Service, monkeypatch: pytest.MonkeyPatch) -> None:
-    from api.db.errors import Unavailable
+    from tierplan.api.db.errors import Unavailable
 
     svc.register()
     svc.send(windows("agent-0", 0, 3))

@@ -4,10 +4,10 @@ SQLite file resuming its plan versions."""
 
 from __future__ import annotations
 
-from controller.protocol_service import PolicyKnobs, PolicyUpdate
 from tests.api.service.conftest import AUTH, READ_AUTH, Service, make_service, windows
 from tests.api.service.test_plans_acks import ack_for
 from tests.conftest import FakeClock
+from tierplan.controller.protocol_service import PolicyKnobs, PolicyUpdate
 
 
 def put(svc: Service, group: str, headers: dict[str, str] = AUTH, **body: object):

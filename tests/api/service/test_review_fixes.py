@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.db.errors import Unavailable
-from api.demo_loop import tiny_registration
-from controller.protocol import ExpertKey
-from controller.protocol_service import PolicyKnobs
 from tests.api.service.conftest import AUTH, Service, windows
+from tierplan.api.db.errors import Unavailable
+from tierplan.api.demo_loop import tiny_registration
+from tierplan.controller.protocol import ExpertKey
+from tierplan.controller.protocol_service import PolicyKnobs
 
 
 def test_a_store_failure_does_not_poison_the_mirror_and_the_retry_is_stored(svc: Service, monkeypatch) -> None:

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from api.demo_loop import tiny_registration
-from controller.protocol import Plan, PlanAck, Telemetry
-from controller.protocol_service import PlanRecord, PolicyUpdate
 from tests.api.service.conftest import AUTH, Service
+from tierplan.api.demo_loop import tiny_registration
+from tierplan.controller.protocol import Plan, PlanAck, Telemetry
+from tierplan.controller.protocol_service import PlanRecord, PolicyUpdate
 
 
 class HttpPlanSource:
@@ -50,7 +50,7 @@ class HttpPlanSource:
 @pytest.mark.parametrize("num_requests", [24])
 def test_engine_windows_through_the_service_end_in_applied_plans_with_measured_outcomes(
         svc: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, num_requests: int) -> None:
-    import api.demo_loop as demo
+    import tierplan.api.demo_loop as demo
 
     sources: list[HttpPlanSource] = []
 

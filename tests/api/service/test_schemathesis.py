@@ -18,14 +18,14 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation.modes import GenerationMode
 
-from api.app import create_app
-from api.auth import hash_token
-from api.db import migrate
-from api.db.engine import make_engine
-from api.db.repo import Repository, Scope
-from api.demo_loop import tiny_registration
-from api.settings import Settings
 from tests.api.service.conftest import READ_TOKEN, WRITE_TOKEN, windows
+from tierplan.api.app import create_app
+from tierplan.api.auth import hash_token
+from tierplan.api.db import migrate
+from tierplan.api.db.engine import make_engine
+from tierplan.api.db.repo import Repository, Scope
+from tierplan.api.demo_loop import tiny_registration
+from tierplan.api.settings import Settings
 
 MAX_EXAMPLES = 8
 ACCEPTED = {"params", "headers", "content", "data", "files"}

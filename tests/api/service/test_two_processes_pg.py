@@ -10,11 +10,11 @@ import time
 import httpx
 import numpy as np
 
-from api.bench_api import serve_process, synthetic_window
-from api.db import migrate
-from api.demo_loop import tiny_registration
-from controller.protocol import AckStatus, Footprint, Plan, PlanAck
-from controller.protocol_service import PlanRecord, PolicyUpdate
+from tierplan.api.bench_api import serve_process, synthetic_window
+from tierplan.api.db import migrate
+from tierplan.api.demo_loop import tiny_registration
+from tierplan.controller.protocol import AckStatus, Footprint, Plan, PlanAck
+from tierplan.controller.protocol_service import PlanRecord, PolicyUpdate
 
 TOKEN = "tp_two_processes_token"
 ROUNDS = 14

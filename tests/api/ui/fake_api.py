@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from api.routes.ui import mount_ui
-from controller.protocol import (
+from tierplan.api.routes.ui import mount_ui
+from tierplan.controller.protocol import (
     AckStatus,
     Footprint,
     KVStats,
@@ -26,7 +26,7 @@ from controller.protocol import (
     Telemetry,
     Tier,
 )
-from controller.protocol_service import (
+from tierplan.controller.protocol_service import (
     AgentState,
     AgentStatus,
     DecisionOutcome,

@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from controller.protocol import Plan, PlanAck, Telemetry
-from controller.protocol_service import IngestResult, PlanRecord, TelemetryBatch
+from tierplan.controller.protocol import Plan, PlanAck, Telemetry
+from tierplan.controller.protocol_service import IngestResult, PlanRecord, TelemetryBatch
 
 DECIDE_TIMEOUT_S = 5.0  # how long a window waits for the service's decision on it
 
@@ -66,7 +66,7 @@ def replay(base_url: str, token: str, workdir: Path, agent_id: str = "replay-0",
            num_requests: int = 24) -> dict[str, Any]:
     """Run the phased demo workload (api/demo_loop.run_loop_job) against the service at `base_url`, windows
     stamped with wall-clock time; returns the loop's stats."""
-    from api.demo_loop import engine_registration, run_loop_job
+    from tierplan.api.demo_loop import engine_registration, run_loop_job
 
     headers = {"Authorization": f"Bearer {token}"}
     with httpx.Client(base_url=base_url, headers=headers, timeout=10.0) as client:

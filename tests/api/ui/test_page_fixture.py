@@ -185,7 +185,7 @@ def test_history_asks_for_that_many_decisions_within_the_apis_limit() -> None:
 def test_every_page_file_is_package_data() -> None:
     """An installed wheel serves the page only if pyproject's package-data names each of its files."""
     root = Path(__file__).resolve().parents[3]
-    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["api"]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["tierplan.api"]
     files = sorted(p.relative_to(root / "api").as_posix() for p in (root / "api" / "ui").iterdir() if p.is_file())
     assert "ui/index.html" in files
     assert [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)] == []

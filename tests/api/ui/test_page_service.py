@@ -23,8 +23,8 @@ AGENT = "replay-0"
 @pytest.fixture
 def filled_service(tmp_path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """A running service with one agent's real decisions, plans, acks and two policy versions in it."""
-    from api.app import create_app
-    from api.settings import Settings
+    from tierplan.api.app import create_app
+    from tierplan.api.settings import Settings
 
     settings = Settings(db_url=f"sqlite:///{tmp_path / 'service.db'}", bootstrap_token=TOKEN, plan_interval_s=0.05)
     with serving(create_app(settings)) as base:
@@ -87,8 +87,8 @@ def test_decisions_page_shows_the_services_real_decisions(filled_service: tuple[
 
 def test_the_page_is_open_when_reads_need_a_token(tmp_path: Path) -> None:
     """The page's files carry no data, so they are served without a token; it learns that reads need one."""
-    from api.app import create_app
-    from api.settings import Settings
+    from tierplan.api.app import create_app
+    from tierplan.api.settings import Settings
 
     settings = Settings(db_url=f"sqlite:///{tmp_path / 'service.db'}", bootstrap_token=TOKEN, read_needs_token=True)
     with serving(create_app(settings)) as base:

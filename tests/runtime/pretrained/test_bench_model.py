@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
+from tierplan.api.cli import app
 
 pytest.importorskip("transformers")
 runner = CliRunner()

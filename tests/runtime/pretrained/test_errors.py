@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.families import SUPPORTED, family_for
-from runtime.engine.pretrained import read_pretrained
-from runtime.errors import ConfigError
 from tests.runtime.pretrained.hf_tiny import FAMILIES
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.families import SUPPORTED, family_for
+from tierplan.runtime.engine.pretrained import read_pretrained
+from tierplan.runtime.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
 
@@ -154,7 +154,7 @@ def test_sharded_checkpoint_with_index_loads_the_same(checkpoints: dict[str, Pat
 
 
 def test_checkpoint_spec_fields_are_checked_and_round_trip(checkpoints: dict[str, Path]) -> None:
-    from runtime.engine.config import ModelSpec
+    from tierplan.runtime.engine.config import ModelSpec
 
     spec = read_pretrained(checkpoints["deepseek_v2_qlora_yarn_groups"]).spec
     assert spec.rope_scaling and (spec.num_expert_groups, spec.topk_groups) == (4, 2) and spec.q_lora_rank == 24

@@ -15,8 +15,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from api.cli import app
 from tests.runtime.pretrained.hf_tiny import FAMILIES, SENTENCES, hf_greedy
+from tierplan.api.cli import app
 
 pytest.importorskip("transformers")
 runner = CliRunner()

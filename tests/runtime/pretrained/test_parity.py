@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.device import Device
-from runtime.engine.engine import EngineConfig, ReferenceEngine
-from runtime.engine.pretrained import read_pretrained
-from runtime.selfcheck.exact import auto_block_tokens
-from runtime.weights.loader import StoreKind
 from tests.runtime.pretrained.hf_tiny import FAMILIES, hf_greedy, hf_model
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.pretrained import read_pretrained
+from tierplan.runtime.selfcheck.exact import auto_block_tokens
+from tierplan.runtime.weights.loader import StoreKind
 
 pytest.importorskip("transformers")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine.config import ModelSpec
-from runtime.engine.moe import route
-from runtime.engine.presets import preset
+from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.moe import route
+from tierplan.runtime.engine.presets import preset
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter  # noqa: E402
