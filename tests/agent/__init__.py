@@ -15,6 +15,7 @@ from tierplan.runtime.device import Device
 from tierplan.runtime.engine.config import ModelSpec
 from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
 from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.engine.routing_trace import RoutingTrace
 from tierplan.runtime.selfcheck.exact import auto_block_tokens
 from tierplan.runtime.weights.loader import StoreKind
 
@@ -36,6 +37,19 @@ class Agent:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def tiny_engine(workdir: Path) -> ReferenceEngine:
+    """The tiny preset with half its experts' worth of slots and KV tiers of 8 / 8 / 16 blocks (the engine the
+    adapter and loop tests drive with the bundled FLAME-MoE routing sample, `flame_trace()`)."""
+    spec = preset("tiny")
+    return ReferenceEngine(spec, Device("cpu"), EngineConfig(
+        block_tokens=auto_block_tokens(spec), resident_frac=0.5, kv_gpu_blocks=8, kv_cpu_blocks=8, kv_nvme_blocks=16,
+        workdir=workdir))
+
+
+def flame_trace() -> RoutingTrace:
+    return RoutingTrace.load(Path(__file__).parents[2] / "data/routing/flame_moe_290m_sample.npz")
 
 
 def build_agent(workdir: Path, spec: ModelSpec | None = None, store: StoreKind = StoreKind.PINNED) -> Agent:

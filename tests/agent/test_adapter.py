@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.agent import flame_trace, tiny_engine
 from tierplan.agent.adapters.reference import ReferenceAdapter
 from tierplan.agent.static_plan import static_plan
 from tierplan.controller.protocol import AckStatus, Telemetry, parse, to_json
 from tierplan.runtime.device import Device
 from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
 from tierplan.runtime.engine.presets import preset
-from tierplan.runtime.engine.routing_trace import RoutingTrace
 from tierplan.runtime.engine.runner import ForcedRouter, Runner
 from tierplan.runtime.engine.scheduler import Scheduler
 from tierplan.runtime.engine.workloads import Request
@@ -22,12 +22,10 @@ DATA = Path(__file__).parents[2] / "data"
 
 
 def test_adapter_applies_a_static_plan_and_ships_valid_windows(tmp_path: Path) -> None:
-    spec = preset("tiny")
-    bt = auto_block_tokens(spec)
-    eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=bt, resident_frac=0.5, kv_gpu_blocks=8,
-                                                            kv_cpu_blocks=8, kv_nvme_blocks=16, workdir=tmp_path))
+    eng = tiny_engine(tmp_path)
+    spec, bt = eng.spec, eng.cfg.block_tokens
     try:
-        trace = RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz")
+        trace = flame_trace()
         agent = ReferenceAdapter(eng, window_steps=4)
         # the warm-up window at attach leaves nothing behind: no message, empty counters, window 0 next
         assert agent.telemetry == [] and agent.window.seq == 0 and not agent.tap.counts.any()

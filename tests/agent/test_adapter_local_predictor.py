@@ -5,28 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.agent import Agent, make_plan
+from tests.agent import Agent, flame_trace, make_plan, tiny_engine
 from tierplan.agent.adapters.reference import ReferenceAdapter
 from tierplan.controller.protocol import AckStatus, LocalPredictor, Successor, TransitionRow
-from tierplan.runtime.device import Device
-from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
-from tierplan.runtime.engine.presets import preset
-from tierplan.runtime.engine.routing_trace import RoutingTrace
 from tierplan.runtime.engine.runner import ForcedRouter, Runner
 from tierplan.runtime.engine.scheduler import Scheduler
 from tierplan.runtime.engine.workloads import Request
-from tierplan.runtime.selfcheck.exact import auto_block_tokens
 
 DATA = Path(__file__).parents[2] / "data"
 
 
 def test_windows_carry_what_the_table_is_trained_from(tmp_path: Path) -> None:
-    spec = preset("tiny")
-    bt = auto_block_tokens(spec)
-    eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=bt, resident_frac=0.5, kv_gpu_blocks=8,
-                                                            kv_cpu_blocks=8, kv_nvme_blocks=16, workdir=tmp_path))
+    eng = tiny_engine(tmp_path)
+    bt = eng.cfg.block_tokens
     try:
-        trace = RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz")
+        trace = flame_trace()
         agent = ReferenceAdapter(eng, window_steps=4, local_predictor=True, queue_probe=lambda: 3)
         table = LocalPredictor(version=5, top_m=2, min_score=0.3, rows=(
             TransitionRow(layer=0, src=e, next=(Successor((e + 1) % 8, 0.9),)) for e in range(8)))

@@ -7,16 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.agent import flame_trace, tiny_engine
 from tierplan.agent.closed_loop import InProcessLoop
 from tierplan.controller.protocol import Plan, PlanAck, Telemetry
-from tierplan.runtime.device import Device
-from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
-from tierplan.runtime.engine.presets import preset
-from tierplan.runtime.engine.routing_trace import RoutingTrace
 from tierplan.runtime.engine.runner import ForcedRouter, Runner
 from tierplan.runtime.engine.scheduler import Scheduler
 from tierplan.runtime.engine.workloads import Request
-from tierplan.runtime.selfcheck.exact import auto_block_tokens
 
 DATA = Path(__file__).parents[2] / "data"
 
@@ -40,15 +36,13 @@ class FailingPlanner:
 @pytest.mark.parametrize("exc", [RuntimeError("HiGHS returned time_limit for the split MILP"),
                                  IndexError("list index out of range")])
 def test_any_planner_exception_is_a_counted_planner_error(tmp_path: Path, exc: Exception) -> None:
-    spec = preset("tiny")
-    bt = auto_block_tokens(spec)
-    eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=bt, resident_frac=0.5, kv_gpu_blocks=8,
-                                                            kv_cpu_blocks=8, kv_nvme_blocks=16, workdir=tmp_path))
+    eng = tiny_engine(tmp_path)
+    bt = eng.cfg.block_tokens
     source = FailingPlanner(exc)
     try:
         loop = InProcessLoop(eng, source, window_steps=4)
         reqs = [Request(i, 0.0, 10 + 3 * i, 6, (), "test") for i in range(4)]
-        trace = RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz")
+        trace = flame_trace()
         Runner(eng, Scheduler(8, bt, max_batch=4), ForcedRouter(trace, eng), on_step=loop.on_step).run(reqs)
         loop.finish()
     finally:
