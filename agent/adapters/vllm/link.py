@@ -24,7 +24,12 @@ from typing import Any
 
 from tierplan.agent.adapters.vllm.capture import RouterCapture
 from tierplan.agent.adapters.vllm.kv_limits import KvLimits, set_source
-from tierplan.agent.adapters.vllm.registration import build_registration, expert_footprint, kv_bytes_per_token
+from tierplan.agent.adapters.vllm.registration import (
+    build_registration,
+    expert_footprint,
+    kv_bytes_per_token,
+    model_id,
+)
 from tierplan.agent.adapters.vllm.settings import VllmPluginSettings
 from tierplan.agent.adapters.vllm.stats_inbox import StatsInbox
 from tierplan.agent.adapters.vllm.windows import VllmWindows
@@ -60,7 +65,7 @@ class VllmAgent:
         self.counts: Counter[str] = Counter()  # plans_applied, plans_rejected, *_advisory, agent_errors
         self.last_ack: PlanAck | None = None
         self.last_error = ""
-        self.windows = VllmWindows(capture, settings.agent_id, rank, str(vllm_config.model_config.model),
+        self.windows = VllmWindows(capture, settings.agent_id, rank, model_id(str(vllm_config.model_config.model)),
                                    settings.window_steps, sink=self._sink, plan_version=lambda: self.applied_version,
                                    fallbacks=self._fallbacks, clock=clock)
         capture.on_step = self.on_step

@@ -22,7 +22,7 @@ from tierplan.controller.protocol_service import AgentRegistration, HardwareShee
 TRANSFER_OVERHEAD_S = 2e-4  # per-transfer host cost the cost model assumes before calibration
 
 
-def _id(text: str) -> str:
+def model_id(text: str) -> str:
     """A protocol Id from a model path or name (its last path part; characters outside the Id set become '-')."""
     tail = text.rstrip("/").rsplit("/", 1)[-1] or "model"
     return re.sub(r"[^A-Za-z0-9._:-]", "-", tail)[:128]
@@ -52,7 +52,7 @@ def build_registration(shape: ModelShape, vllm_config: Any, settings: VllmPlugin
              Link.DISK2H: settings.nvme_bytes_per_s, Link.H2DISK: settings.nvme_bytes_per_s}
     return AgentRegistration(
         agent_id=settings.agent_id, rank=rank, group=settings.group, engine="vllm", registered_s=time.time(),
-        shape=ShapeSpec(name=_id(str(vllm_config.model_config.model)), num_layers=shape.num_layers,
+        shape=ShapeSpec(name=model_id(str(vllm_config.model_config.model)), num_layers=shape.num_layers,
                         moe_layers=shape.moe_layers, num_experts=shape.num_experts, top_k=shape.top_k,
                         expert_bytes=shape.expert_bytes, dense_bytes=shape.dense_bytes,
                         kv_bytes_per_token=kv_bytes_per_token(vllm_config), block_tokens=block_tokens),
