@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -33,26 +34,29 @@ def _loader_classes() -> list[type]:
     return out
 
 
-def install(settings: VllmPluginSettings) -> int:
-    """Wrap every loader class that defines its own `load_model`; returns how many were newly wrapped."""
+def install() -> int:
+    """Wrap every loader class that defines its own `load_model`; returns how many were newly wrapped. The
+    settings are read when a model loads (each engine start in a process may have its own)."""
     wrapped = 0
     for cls in _loader_classes():
         fn = cls.__dict__.get("load_model")
         if fn is None or getattr(fn, MARK, False):
             continue
-        cls.load_model = _wrap(fn, settings)  # type: ignore[attr-defined]
+        cls.load_model = _wrap(fn)  # type: ignore[attr-defined]
         wrapped += 1
     return wrapped
 
 
-def _wrap(load_model: Callable[..., Any], settings: VllmPluginSettings) -> Callable[..., Any]:
+def _wrap(load_model: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(load_model)
     def load_and_bind(self: Any, *args: Any, **kwargs: Any) -> Any:
         model = load_model(self, *args, **kwargs)
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
         model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
         if vllm_config is not None and model_config is vllm_config.model_config:  # not a draft model
-            on_model_loaded(model, vllm_config, settings)
+            settings = VllmPluginSettings.from_env(os.environ)  # SettingsError: vLLM stops, the message names it
+            if settings.enabled:
+                on_model_loaded(model, vllm_config, settings)
         return model
 
     setattr(load_and_bind, MARK, True)

@@ -35,7 +35,8 @@ BLOCK_TOKENS = 32  # vLLM's CPU backend needs a multiple of 32
 VOCAB_SIZE = 512
 TOKEN = "vllm-test-token"
 # Same engine settings in every test: small enough for this machine (notes/vllm-cpu.md).
-LLM_KWARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.3,
+KV_CACHE_BYTES = 64 << 20  # explicit: two engines in one test process must not each take 30% of the node
+LLM_KWARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=KV_CACHE_BYTES,
                   block_size=BLOCK_TOKENS, seed=0)
 
 

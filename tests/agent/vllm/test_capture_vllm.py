@@ -63,10 +63,9 @@ def test_vllm_loads_the_plugin_from_its_entry_point_and_binds_every_moe_layer(en
     assert dict(agent.capture.unbound) == {}  # both routers bound, with their gates' logits
     from tierplan.agent.adapters.vllm import register
     from tierplan.agent.adapters.vllm.plugin import install
-    from tierplan.agent.adapters.vllm.settings import VllmPluginSettings
 
     register()  # vLLM may load plugins again in the same process: nothing is wrapped twice
-    assert install(VllmPluginSettings()) == 0
+    assert install() == 0
 
 
 def test_routing_windows_reach_the_service_and_match_transformers(engine, controller_stack, tiny_model_dir) -> None:

