@@ -29,6 +29,7 @@ from tierplan.agent.adapters.vllm.registration import (
     expert_footprint,
     kv_bytes_per_token,
     model_id,
+    tier_capacity,
 )
 from tierplan.agent.adapters.vllm.settings import VllmPluginSettings
 from tierplan.agent.adapters.vllm.stats_inbox import StatsInbox
@@ -114,7 +115,8 @@ class VllmAgent:
         return self._ack(plan, AckStatus.APPLIED, "; ".join(advisory))
 
     def _check(self, plan: Plan) -> tuple[KvLimits, list[str]]:
-        s, shape = self.settings, self.capture.shape
+        shape = self.capture.shape
+        s = self.settings
         if plan.base_version != self.applied_version:
             raise PlanRefused(RejectReason.STALE, f"base_version {plan.base_version} is not the applied version "
                                                   f"{self.applied_version}")
@@ -122,7 +124,8 @@ class VllmAgent:
             raise PlanRefused(RejectReason.MALFORMED, f"expert_bytes_per_layer: {len(plan.expert_bytes_per_layer)} "
                                                       f"layers, the model has {shape.num_layers}")
         kv = plan.kv_blocks_per_tier
-        caps = {Tier.CPU: s.kv_cpu_blocks, Tier.NVME: s.kv_nvme_blocks}
+        cpu_cap, nvme_cap = tier_capacity(self.vllm_config, s)
+        caps = {Tier.CPU: cpu_cap, Tier.NVME: nvme_cap}
         for tier, cap in caps.items():
             if kv.get(tier, cap) > cap:
                 raise PlanRefused(RejectReason.MALFORMED, f"kv_blocks_per_tier.{tier.value}: {kv[tier]} blocks "

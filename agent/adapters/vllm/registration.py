@@ -4,8 +4,8 @@ cache after loading the model).
 
 The split says what vLLM lets us control: its GPU KV cache is sized at start-up and never resized, so the
 GPU KV blocks are fixed (`kv_gpu_blocks_min == kv_gpu_blocks_max`), and every expert stays resident (the
-budget covers all of them). The slower KV tiers are the connector's (`kv_cpu_blocks`, `kv_nvme_blocks`
-from the settings). It must never change vLLM's config.
+budget covers all of them). The slower KV tiers are the connector's (its `cpu_blocks`, `nvme_blocks`, or the
+settings' when another connector or none is configured). It must never change vLLM's config.
 """
 
 from __future__ import annotations
@@ -34,6 +34,17 @@ def kv_bytes_per_token(vllm_config: Any) -> int:
     return max(1, 2 * mc.get_num_kv_heads(pc) * mc.get_head_size() * mc.get_num_layers(pc) * elem)
 
 
+def tier_capacity(vllm_config: Any, settings: VllmPluginSettings) -> tuple[int, int]:
+    """The connector's CPU and NVMe tier capacity in blocks: its own `kv_connector_extra_config`
+    (`cpu_blocks`, `nvme_blocks`) when our connector is configured, else the settings' (no connector: 0, 0)."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {}) if ktc is not None else {}
+    if ktc is None or getattr(ktc, "kv_connector", None) != "TierplanConnector":
+        return settings.kv_cpu_blocks, settings.kv_nvme_blocks
+    return (int(extra.get("cpu_blocks", settings.kv_cpu_blocks)), int(extra.get("nvme_blocks",
+                                                                               settings.kv_nvme_blocks)))
+
+
 def expert_footprint(shape: ModelShape) -> tuple[int, ...]:
     """Bytes of experts per model layer as vLLM holds them: all resident."""
     moe = set(shape.moe_layers)
@@ -47,6 +58,7 @@ def build_registration(shape: ModelShape, vllm_config: Any, settings: VllmPlugin
     gpu_blocks = max(1, int(cc.num_gpu_blocks or 1))
     block_bytes = kv_bytes_per_token(vllm_config) * block_tokens
     experts = sum(expert_footprint(shape))
+    cpu_blocks, nvme_blocks = tier_capacity(vllm_config, settings)
     budget = settings.hbm_budget_bytes or experts + shape.dense_bytes + gpu_blocks * block_bytes
     links = {Link.H2D: settings.link_bytes_per_s, Link.D2H: settings.link_bytes_per_s,
              Link.DISK2H: settings.nvme_bytes_per_s, Link.H2DISK: settings.nvme_bytes_per_s}
@@ -61,4 +73,4 @@ def build_registration(shape: ModelShape, vllm_config: Any, settings: VllmPlugin
         split=SplitSheet(hbm_budget_bytes=budget, dense_bytes=shape.dense_bytes, workspace_bytes=0,
                          slot_bytes=shape.expert_bytes, kv_block_bytes=block_bytes, kv_gpu_blocks_max=gpu_blocks,
                          kv_gpu_blocks_min=gpu_blocks, kv_block_tokens=block_tokens,
-                         kv_cpu_blocks=settings.kv_cpu_blocks, kv_nvme_blocks=settings.kv_nvme_blocks))
+                         kv_cpu_blocks=cpu_blocks, kv_nvme_blocks=nvme_blocks))

@@ -32,8 +32,9 @@ class VllmPluginSettings(BaseModel):
     hbm_budget_bytes: int = Field(default=0, ge=0)  # 0 = experts + the KV cache vLLM allocated
     link_bytes_per_s: float = Field(default=2.0e10, gt=0)  # host<->device and disk links, for the cost model
     nvme_bytes_per_s: float = Field(default=2.0e9, gt=0)
-    kv_cpu_blocks: int = Field(default=0, ge=0)  # the connector's CPU tier capacity (what its config gives it)
-    kv_nvme_blocks: int = Field(default=0, ge=0)  # the connector's NVMe tier capacity
+    # KV tier capacity when the configured connector is not ours (ours: its cpu_blocks / nvme_blocks are used)
+    kv_cpu_blocks: int = Field(default=0, ge=0)
+    kv_nvme_blocks: int = Field(default=0, ge=0)
     stats_socket: str = ""  # where the stat logger sends vLLM's stats; "" = `<socket>.stats`
 
     @classmethod

@@ -129,3 +129,16 @@ def test_vllm_stats_reach_the_windows_as_the_gpu_tier_and_a_missing_agent_is_cou
         assert agent.inbox.bad == 1 and agent._fallbacks()["engine_stats_bad"] == 1
     finally:
         agent.close()
+
+
+def test_the_tiers_capacity_is_our_connectors_own_config_when_it_is_configured() -> None:
+    from tierplan.agent.adapters.vllm.registration import tier_capacity
+
+    s = VllmPluginSettings(kv_cpu_blocks=64, kv_nvme_blocks=256)
+    cfg = vllm_config()
+    assert tier_capacity(cfg, s) == (64, 256)  # no connector: the settings
+    cfg.kv_transfer_config = SimpleNamespace(kv_connector="TierplanConnector",
+                                             kv_connector_extra_config={"cpu_blocks": 16})
+    assert tier_capacity(cfg, s) == (16, 256)
+    cfg.kv_transfer_config = SimpleNamespace(kv_connector="ExampleConnector", kv_connector_extra_config={})
+    assert tier_capacity(cfg, s) == (64, 256)
