@@ -47,7 +47,8 @@ class KvLimits:
         for name in ("plan_version", "cpu_blocks", "nvme_blocks"):
             _check_count(name, getattr(self, name))
         if not isinstance(self.retention, tuple):
-            raise ValueError(f"KvLimits.retention: expected a tuple of prefix hashes, got {type(self.retention).__name__}")
+            got = type(self.retention).__name__
+            raise ValueError(f"KvLimits.retention: expected a tuple of prefix hashes, got {got}")
         bad = [h for h in self.retention if not isinstance(h, str) or not h]
         if bad:
             raise ValueError(f"KvLimits.retention: prefix hashes must be non-empty str, got {bad[:3]!r}")
