@@ -89,6 +89,8 @@ class RouterCapture:
         self.unbound: Counter[str] = Counter()
         self.discarded_warmup_steps = 0
         self.steps = 0
+        self.hook_errors = 0
+        self.last_error = ""
         self.on_step: Callable[[float, bool], None] | None = None
         self._t0 = 0.0
 
@@ -154,14 +156,18 @@ class RouterCapture:
         self._t0 = time.perf_counter()
 
     def _after_step(self, module: torch.nn.Module, args: Any, out: Any) -> None:
-        warmup = _is_warmup_step()
-        if warmup:  # a profile / compile warm-up run on dummy tokens: not traffic
-            self.tap.reset()
-            self.discarded_warmup_steps += 1
-        else:
-            self.steps += 1
-        if self.on_step is not None:
-            self.on_step(time.perf_counter() - self._t0, warmup)
+        try:
+            warmup = _is_warmup_step()
+            if warmup:  # a profile / compile warm-up run on dummy tokens: not traffic
+                self.tap.reset()
+                self.discarded_warmup_steps += 1
+            else:
+                self.steps += 1
+            if self.on_step is not None:
+                self.on_step(time.perf_counter() - self._t0, warmup)
+        except Exception as exc:  # ours: counted, never raised into vLLM's forward
+            self.hook_errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
 
 
 def _is_warmup_step() -> bool:

@@ -86,7 +86,8 @@ class VllmAgent:
     def _open(self) -> None:
         reg = build_registration(self.capture.shape, self.vllm_config, self.settings, self.rank)
         self.link = self._make_link(self.socket_path, reg)
-        self.inbox = StatsInbox(self.settings.stats_socket_path(self.socket_path), self.windows.kv.add_engine)
+        if self.rank == 0:  # vLLM's stats are the engine's, one stream: the first rank takes them
+            self.inbox = StatsInbox(self.settings.stats_socket_path(self.socket_path), self.windows.kv.add_engine)
 
     def _sink(self, tel: Telemetry) -> None:  # outbox thread
         if self.link is not None:
@@ -161,6 +162,7 @@ class VllmAgent:
     def _fallbacks(self) -> dict[str, int]:
         names = ("plan_expert_part_advisory", "plan_gpu_kv_advisory", "agent_errors")
         out = {n: self.counts[n] for n in names}
+        out["capture_hook_errors"] = self.capture.hook_errors
         if self.inbox is not None:
             out["engine_stats_bad"] = self.inbox.bad
         return out
@@ -184,6 +186,7 @@ class VllmAgent:
         return {"steps": self.capture.steps, "windows": self.windows.closed, "applied_version": self.applied_version,
                 "counts": dict(self.counts), "unbound": dict(self.capture.unbound),
                 "discarded_warmup_steps": self.capture.discarded_warmup_steps, "last_error": self.last_error,
+                "hook_errors": self.capture.hook_errors,
                 "link": self.link.stats() if self.link is not None else None,
                 "engine_stats": self.inbox.received if self.inbox is not None else 0}
 

@@ -142,3 +142,15 @@ def test_the_tiers_capacity_is_our_connectors_own_config_when_it_is_configured()
     assert tier_capacity(cfg, s) == (16, 256)
     cfg.kv_transfer_config = SimpleNamespace(kv_connector="ExampleConnector", kv_connector_extra_config={})
     assert tier_capacity(cfg, s) == (64, 256)
+
+
+def test_an_error_in_our_step_hook_never_reaches_vllms_forward() -> None:
+    tap = InPlaceRouterTap(SHAPE.moe_layers, SHAPE.num_experts, SHAPE.top_k, torch.device("cpu"))
+    cap = RouterCapture(tap, SHAPE, 64, torch.device("cpu"))
+
+    def boom(step_s: float, warmup: bool) -> None:
+        raise RuntimeError("a bug of ours")
+
+    cap.on_step = boom
+    cap._after_step(torch.nn.Identity(), (), None)  # returns: the forward goes on
+    assert cap.hook_errors == 1 and "a bug of ours" in cap.last_error
