@@ -1,0 +1,62 @@
+"""The vLLM plugin's settings, from `TIERPLAN_VLLM_*` environment variables (every vLLM process reads them).
+
+Built once per process by the plugin's `register()` (never at import). Every `TIERPLAN_VLLM_*` variable must
+name a field below: an unknown name or a malformed value is refused with a `SettingsError` that names the
+variable and says what was expected, so a typo never silently runs the defaults. It must never read any other
+configuration source nor touch the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "TIERPLAN_VLLM_"
+
+
+class SettingsError(ValueError):
+    """A `TIERPLAN_VLLM_*` variable is unknown or malformed (the message names it)."""
+
+
+class VllmPluginSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = True  # TIERPLAN_VLLM_ENABLED=0: the plugin loads and does nothing (counted in its log line)
+    agent_id: str = Field(default="vllm-0", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
+    group: str = Field(default="default", min_length=1, max_length=128)
+    socket: str = ""  # the sidecar's unix socket; "" = `tierplan sidecar`'s default for this agent id
+    window_steps: int = Field(default=16, ge=1, le=1_000_000)  # engine steps per Telemetry window
+    max_queued_windows: int = Field(default=1024, ge=1)
+    hbm_budget_bytes: int = Field(default=0, ge=0)  # 0 = experts + the KV cache vLLM allocated
+    link_bytes_per_s: float = Field(default=2.0e10, gt=0)  # host<->device and disk links, for the cost model
+    nvme_bytes_per_s: float = Field(default=2.0e9, gt=0)
+    # KV tier capacity when the configured connector is not ours (ours: its cpu_blocks / nvme_blocks are used)
+    kv_cpu_blocks: int = Field(default=0, ge=0)
+    kv_nvme_blocks: int = Field(default=0, ge=0)
+    stats_socket: str = ""  # where the stat logger sends vLLM's stats; "" = `<socket>.stats`
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> VllmPluginSettings:
+        values: dict[str, str] = {}
+        known = {ENV_PREFIX + name.upper(): name for name in cls.model_fields}
+        for key, value in environ.items():
+            if not key.startswith(ENV_PREFIX):
+                continue
+            if key not in known:
+                raise SettingsError(f"{key}: unknown setting of the tierplan vLLM plugin; known: "
+                                    f"{', '.join(sorted(known))}")
+            values[known[key]] = value
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            name = ENV_PREFIX + str(err["loc"][0]).upper() if err["loc"] else ENV_PREFIX
+            raise SettingsError(f"{name}={values.get(str(err['loc'][0]), '')!r}: {err['msg']}") from None
+
+    def socket_path(self, default_for: str) -> str:
+        return self.socket or default_for
+
+    def stats_socket_path(self, socket_path: str) -> str:
+        return self.stats_socket or str(Path(socket_path).with_name(Path(socket_path).name + ".stats"))

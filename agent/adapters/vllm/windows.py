@@ -1,0 +1,121 @@
+"""Telemetry windows of a vLLM engine (engine-core / worker process, between steps).
+
+`VllmWindows` is our engine agent's window machinery over vLLM: the capture's `RouterTap` counters and our
+`TelemetryWindow` (the same Telemetry fields our reference adapter sends: activation counts, top-k
+co-occurrence, router entropy, step timings, KV per tier, fallbacks), closed every `window_steps` steps.
+The engine thread only snapshots (one host copy of the counters); the `Outbox` thread builds the message and
+hands it to `sink` (the ServiceLink's queue). KV numbers come from the connector (`add_kv`, any thread,
+counts since its last call, blocks as a level) or, where no connector reports, from vLLM's own scheduler
+stats (`add_engine_kv`, the stat logger's relay). vLLM keeps every expert resident, so every routed expert
+is an expert hit. It must never wait on the sidecar or raise into the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from tierplan.agent.adapters.vllm.capture import RouterCapture
+from tierplan.agent.outbox import Outbox
+from tierplan.agent.taps import TelemetryWindow
+from tierplan.controller.protocol import Telemetry, Tier
+
+TIERS = tuple(t.value for t in Tier)
+
+
+class KvBook:
+    """KV counts of the current window, fed from other threads; `take()` hands them over and starts anew."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hits: Counter[str] = Counter()
+        self._misses: Counter[str] = Counter()
+        self._blocks: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self._engine: tuple[int, int, int] | None = None  # gpu hits, misses, blocks from vLLM's stats
+        self.connector_reports = 0
+
+    def add(self, hits: dict[str, int], misses: dict[str, int], blocks: dict[str, int]) -> None:
+        with self._lock:
+            self.connector_reports += 1
+            self._hits.update({k: int(v) for k, v in hits.items() if k in TIERS})
+            self._misses.update({k: int(v) for k, v in misses.items() if k in TIERS})
+            self._blocks.update({k: int(v) for k, v in blocks.items() if k in TIERS})
+
+    def add_engine(self, gpu_hit_blocks: int, gpu_miss_blocks: int, gpu_blocks: int) -> None:
+        with self._lock:
+            h, m, _ = self._engine or (0, 0, 0)
+            self._engine = (h + gpu_hit_blocks, m + gpu_miss_blocks, gpu_blocks)
+
+    def levels(self) -> dict[str, int]:
+        """Blocks held per tier now (the last report)."""
+        with self._lock:
+            return dict(self._blocks)
+
+    def take(self) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """(blocks, hits, misses) per tier for the window being closed."""
+        with self._lock:
+            hits, misses, blocks = dict(self._hits), dict(self._misses), dict(self._blocks)
+            if self.connector_reports == 0 and self._engine is not None:  # no connector: vLLM's own view of the GPU
+                hits["gpu"], misses["gpu"], blocks["gpu"] = self._engine
+            self._hits.clear()
+            self._misses.clear()
+            self._engine = None if self._engine is None else (0, 0, self._engine[2])
+        return ({t: blocks.get(t, 0) for t in TIERS}, {t: hits.get(t, 0) for t in TIERS},
+                {t: misses.get(t, 0) for t in TIERS})
+
+
+class VllmWindows:
+    """See the module docstring. `plan_version` and `fallbacks` are read at each window's close."""
+
+    def __init__(self, capture: RouterCapture, agent_id: str, rank: int, model: str, window_steps: int,
+                 sink: Callable[[Telemetry], None], plan_version: Callable[[], int],
+                 fallbacks: Callable[[], dict[str, int]], clock: Callable[[], float] = time.time) -> None:
+        s = capture.shape
+        self.capture, self.window_steps = capture, window_steps
+        self.plan_version, self.fallbacks = plan_version, fallbacks
+        self.window = TelemetryWindow(agent_id, rank, model, s.num_layers, s.num_experts, capture.tap, clock)
+        self.kv = KvBook()
+        self.outbox = Outbox(sink)
+        self.steps_in_window = 0
+        self.closed = 0
+
+    def on_step(self, step_s: float, warmup: bool) -> bool:
+        """After each forward; True when it closed a window."""
+        if warmup:
+            if self.window.seq == 0 and self.steps_in_window == 0:
+                self.window.restart()  # the first window starts with traffic, not with the warm-up
+            return False
+        self.window.observe_step(step_s, 0.0, 0.0)  # vLLM never waits on an expert load; KV loads: the connector
+        self.steps_in_window += 1
+        if self.steps_in_window < self.window_steps:
+            return False
+        self.close()
+        return True
+
+    def close(self) -> None:
+        """Close the current window now (between steps) and queue it for the outbox."""
+        blocks, hits, misses = self.kv.take()
+        draft = self.window.close_draft(kv_blocks=blocks, kv_hits=hits, kv_misses=misses, links={}, expert_hits=0,
+                                        expert_misses=0, plan_version=self.plan_version(),
+                                        fallbacks=self._fallbacks())
+        expert_hits = int(draft.router.counts.sum())  # every expert is resident in vLLM: each activation hits
+        draft = dataclasses.replace(draft, fields={**draft.fields, "expert_hits": expert_hits})
+        self.steps_in_window = 0
+        self.closed += 1
+        self.outbox.put(draft)
+
+    def _fallbacks(self) -> dict[str, int]:
+        out = {f"capture_unbound_{k}": v for k, v in self.capture.unbound.items() if v}
+        out |= {k: v for k, v in self.fallbacks().items() if v}
+        if self.outbox.failed:
+            out["telemetry_build_failed"] = self.outbox.failed
+        return out
+
+    def flush(self) -> None:
+        """Close a partial window (if it saw steps) and wait until every window is built and sunk."""
+        if self.steps_in_window:
+            self.close()
+        self.outbox.join()

