@@ -1,0 +1,91 @@
+"""What the plan lets the vLLM KV connector hold, and where the connector reports back (vLLM scheduler process).
+
+The connector (`connector.py`) is built by vLLM itself, so it cannot be handed its plan through a constructor: the
+plugin's link registers a `KvLimitsSource` here with `set_source`, once per process, and the connector asks
+`current_source()` at every engine step. This one slot is the only process-level state of the adapter; it holds a
+reference, does no work at import time and never talks to the network.
+
+Prefix hashes (`KvLimits.retention`, and the keys the connector stores under) are `prefix_hash(block_hash)`: the
+lower-case hex of vLLM's chained block hash, so equal hashes mean the same tokens at the same prefix position.
+
+`report_kv` counts follow our engine's agent (agent/adapters/reference.py): per block of a prompt the scheduler
+admits, `hits_per_tier["gpu"]` counts blocks vLLM found in its own prefix cache, `misses_per_tier["cpu"|"nvme"]`
+counts blocks the connector loaded back from that tier (a GPU miss served there) and `misses_per_tier["gpu"]`
+blocks found nowhere (computed again). Counts are since the previous call; `blocks_per_tier` is the footprint now
+("gpu": vLLM's blocks in use, "cpu"/"nvme": the connector's). Tier names are controller.protocol's `Tier` values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+TIER_NAMES = ("gpu", "cpu", "nvme")
+
+
+def prefix_hash(block_hash: bytes) -> str:
+    """The prefix hash of one vLLM block hash (its hex): the key of a stored block and of `retention`."""
+    return bytes(block_hash).hex()
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"KvLimits.{name}: expected an int >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KvLimits:
+    """The KV blocks per tier the connector may hold, from the applied plan (`plan_version` 0: none applied yet,
+    the connector then uses its configured defaults), and the prefix hashes to keep first, most important first."""
+
+    plan_version: int
+    cpu_blocks: int
+    nvme_blocks: int
+    retention: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("plan_version", "cpu_blocks", "nvme_blocks"):
+            _check_count(name, getattr(self, name))
+        if not isinstance(self.retention, tuple):
+            got = type(self.retention).__name__
+            raise ValueError(f"KvLimits.retention: expected a tuple of prefix hashes, got {got}")
+        bad = [h for h in self.retention if not isinstance(h, str) or not h]
+        if bad:
+            raise ValueError(f"KvLimits.retention: prefix hashes must be non-empty str, got {bad[:3]!r}")
+        if len(set(self.retention)) != len(self.retention):
+            seen: set[str] = set()
+            dup = next(h for h in self.retention if h in seen or seen.add(h))
+            raise ValueError(f"KvLimits.retention: prefix hash {dup!r} is listed twice (a keep-first order)")
+
+
+@runtime_checkable
+class KvLimitsSource(Protocol):
+    """Implemented by the plugin's link (agent/adapters/vllm/link.py); called from vLLM's scheduler loop, so both
+    methods must return at once (no network on this path)."""
+
+    def kv_limits(self) -> KvLimits | None: ...
+
+    def report_kv(self, hits_per_tier: dict[str, int], misses_per_tier: dict[str, int],
+                  blocks_per_tier: dict[str, int]) -> None: ...
+
+
+class _SourceSlot:
+    """Holds the process's source; a class rather than a bare global so tests can see what is held."""
+
+    def __init__(self) -> None:
+        self.source: KvLimitsSource | None = None
+
+
+_SLOT = _SourceSlot()
+
+
+def set_source(src: KvLimitsSource | None) -> None:
+    """Register the process's source (None unregisters it); a later call replaces the earlier one."""
+    if src is not None and not isinstance(src, KvLimitsSource):
+        raise TypeError(f"set_source: {type(src).__name__} has no kv_limits()/report_kv(); expected a KvLimitsSource")
+    _SLOT.source = src
+
+
+def current_source() -> KvLimitsSource | None:
+    """The registered source, or None (then the connector runs on its configured defaults)."""
+    return _SLOT.source
