@@ -77,7 +77,7 @@ class TierplanConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.books: ConnectorBooks | None = None
         self.worker: KvTierWorker | None = None
-        self._failed_load_block_ids: set[int] = set()
+        self._pending = WorkerReport()  # this step's worker report, taken once vLLM asks for load errors
         if role is KVConnectorRole.SCHEDULER:
             self.books = ConnectorBooks(self.settings, self.block_size)
         else:
@@ -120,15 +120,15 @@ class TierplanConnector(KVConnectorBase_V1):
             self._worker().apply(step)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        # vLLM asks this after the step's loads and saves, then build_connector_worker_meta: one report serves both.
         if self.worker is None:
             return set()
-        self._pending = self.worker.take_report()
+        self._pending = self._pending.merge(self.worker.take_report())
         return set(self._pending.failed_load_block_ids)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        report = getattr(self, "_pending", None)
-        self._pending = WorkerReport()
-        if report is None or (not report.failed_keys and not report.failed_load_block_ids):
+        report, self._pending = self._pending, WorkerReport()
+        if not report.failed_keys and not report.failed_load_block_ids:
             return None
         return TierplanWorkerMetadata(report)
 

@@ -121,12 +121,22 @@ def test_a_repeated_prompt_is_served_from_our_tiers_with_the_same_tokens(engine:
     assert engine.worker.stats.failed_loads == 0 and engine.worker.stats.corrupt_loads == 0
 
 
-def test_mooncake_prefixes_spill_to_nvme_and_load_back_from_cpu_and_nvme(engine: Engine, baseline: dict) -> None:
-    stats = engine.worker.stats
+def test_mooncake_prefixes_spill_to_nvme_and_load_back_from_cpu_and_nvme(
+        engine: Engine, baseline: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    worker, stats, compared = engine.worker, engine.worker.stats, []
     loads_before = dict(stats.loads_per_tier)
-    prompts = mooncake_prompts()
-    for prompt in prompts:
+    real_load = worker.load
+
+    def load_and_compare(loads: Any) -> None:
+        real_load(loads)
+        for ld in loads:  # vLLM's block now holds exactly the stored bytes (read back checked by checksum)
+            assert bytes(worker.gather(ld.block_id).numpy()) == bytes(worker.read_block(ld.key).numpy())
+            compared.append(ld.key)
+
+    monkeypatch.setattr(worker, "load", load_and_compare)
+    for prompt in mooncake_prompts():
         assert engine.generate(prompt) == baseline[tuple(prompt)]
+    assert len(compared) > 0
     loaded = {t: stats.loads_per_tier[t] - loads_before[t] for t in loads_before}
     assert loaded["cpu"] > 0 and loaded["nvme"] > 0, loaded
     assert stats.stores_per_tier["cpu"] > 0 and stats.moves > 0  # stored on CPU, spilled to NVMe
@@ -153,7 +163,7 @@ def test_small_plan_limits_hold_after_every_store(engine: Engine, baseline: dict
     for prompt in mooncake_prompts() + REPEATED:
         assert engine.generate(prompt) == baseline[tuple(prompt)]
     assert len(checked) > 10
-    assert worker.stats.limit_violations == violations == 0
+    assert worker.stats.limit_violations == violations == 0 and worker.stats.failed_stores == 0
     for (_, _, blocks), limits in zip(source.reports, source.limits_at_report, strict=True):
         assert blocks["cpu"] <= limits.cpu_blocks and blocks["nvme"] <= limits.nvme_blocks
     assert source.limits_at_report[-1] == KvLimits(8, 1, 2) and engine.books.stats.plan_version == 8
