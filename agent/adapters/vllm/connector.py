@@ -26,6 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tierplan.agent.adapters.vllm.connector_config import ConnectorSettings
 from tierplan.agent.adapters.vllm.connector_meta import WorkerReport, WorkerStep
 from tierplan.agent.adapters.vllm.connector_scheduler import ConnectorBooks
+from tierplan.agent.adapters.vllm.connector_stats import CounterDeltas, TierplanConnectorStats, flatten
 from tierplan.agent.adapters.vllm.connector_worker import KvTierWorker
 from tierplan.runtime.kv.spec import Tier
 
@@ -78,6 +79,7 @@ class TierplanConnector(KVConnectorBase_V1):
         self.books: ConnectorBooks | None = None
         self.worker: KvTierWorker | None = None
         self._pending = WorkerReport()  # this step's worker report, taken once vLLM asks for load errors
+        self._deltas = CounterDeltas()
         if role is KVConnectorRole.SCHEDULER:
             self.books = ConnectorBooks(self.settings, self.block_size)
         else:
@@ -131,6 +133,25 @@ class TierplanConnector(KVConnectorBase_V1):
         if not report.failed_keys and not report.failed_load_block_ids:
             return None
         return TierplanWorkerMetadata(report)
+
+    def get_kv_connector_stats(self) -> TierplanConnectorStats | None:
+        if self.worker is not None:
+            w = self.worker.stats
+            totals = {**flatten("stores", w.stores_per_tier), **flatten("loads", w.loads_per_tier), "moves": w.moves,
+                      "drops": w.drops, "failed_stores": w.failed_stores, "failed_moves": w.failed_moves,
+                      "failed_loads": w.failed_loads, "corrupt_loads": w.corrupt_loads,
+                      "limit_violations": w.limit_violations}
+        else:
+            b = self._books()
+            totals = {**flatten("hit_blocks", b.stats.hit_blocks_per_tier),
+                      "local_hit_blocks": b.stats.local_hit_blocks, "recomputed_blocks": b.stats.recomputed_blocks,
+                      "source_errors": b.stats.source_errors,
+                      "not_kept": b.catalog.stats.not_kept, "limits_clamped": b.catalog.stats.limits_clamped}
+        return self._deltas.take(totals)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierplanConnectorStats | None:
+        return TierplanConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         if self.worker is not None:
