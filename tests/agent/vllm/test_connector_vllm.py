@@ -222,3 +222,20 @@ def _block_hashes(engine: Engine, prompt: list[int]) -> list[str]:
     req = Request(request_id="hash-probe", prompt_token_ids=list(prompt), sampling_params=SamplingParams(),
                   pooling_params=None, block_hasher=core.request_block_hasher)
     return [prefix_hash(h) for h in req.block_hashes]
+
+
+def test_worker_reports_of_several_workers_merge() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+    from tierplan.agent.adapters.vllm.connector import TierplanWorkerMetadata
+    from tierplan.agent.adapters.vllm.connector_meta import WorkerReport
+
+    class Other(KVConnectorWorkerMetadata):
+        def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+            return self
+
+    a = TierplanWorkerMetadata(WorkerReport({"k1"}, {3}))
+    merged = a.aggregate(TierplanWorkerMetadata(WorkerReport({"k2"}, set())))
+    assert isinstance(merged, TierplanWorkerMetadata) and merged.report == WorkerReport({"k1", "k2"}, {3})
+    with pytest.raises(TypeError, match="TierplanWorkerMetadata.aggregate: got Other"):
+        a.aggregate(Other())
