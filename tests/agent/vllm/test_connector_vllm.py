@@ -237,5 +237,5 @@ def test_worker_reports_of_several_workers_merge() -> None:
     a = TierplanWorkerMetadata(WorkerReport({"k1"}, {3}))
     merged = a.aggregate(TierplanWorkerMetadata(WorkerReport({"k2"}, set())))
     assert isinstance(merged, TierplanWorkerMetadata) and merged.report == WorkerReport({"k1", "k2"}, {3})
-    with pytest.raises(TypeError, match="TierplanWorkerMetadata.aggregate: got Other"):
+    with pytest.raises(TypeError, match=r"TierplanWorkerMetadata\.aggregate: got Other"):
         a.aggregate(Other())
