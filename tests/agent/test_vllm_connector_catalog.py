@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierplan.agent.adapters.vllm.connector_catalog import KvCatalog, OpKind, TierOp
 from tierplan.runtime.kv.spec import Tier
@@ -123,3 +125,46 @@ def test_bad_limits_are_refused_by_name(bad: object) -> None:
     with pytest.raises(ValueError, match="cpu_blocks must be an int >= 0"):
         cat.set_limits(bad, 1)  # type: ignore[arg-type]
     assert cat.limits == {CPU: 2, NVME: 2}
+
+
+class NaiveCatalog(KvCatalog):
+    """The same policy with the victim found by sorting every block of the tier (the definition, O(n log n))."""
+
+    def _victim(self, tier: Tier) -> str:
+        return self.victim_order(tier)[0]
+
+
+step_strategy = st.one_of(
+    st.tuples(st.just("admit"), st.integers(0, 30)),
+    st.tuples(st.just("touch"), st.integers(0, 30)),
+    st.tuples(st.just("forget"), st.integers(0, 30)),
+    st.tuples(st.just("limits"), st.integers(0, 6), st.integers(0, 6),
+              st.lists(st.integers(0, 30), max_size=6, unique=True)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(step_strategy, max_size=80))
+def test_the_fast_victim_search_decides_exactly_as_the_definition(steps: list[tuple]) -> None:
+    fast, naive = KvCatalog({CPU: 5, NVME: 5}), NaiveCatalog({CPU: 5, NVME: 5})
+    where: dict[str, Tier] = {}
+    for step in steps:
+        got = []
+        for cat in (fast, naive):
+            if step[0] == "admit":
+                got.append(cat.admit(f"k{step[1]}"))
+            elif step[0] == "touch":
+                cat.touch([f"k{step[1]}"])
+                got.append([])
+            elif step[0] == "forget":
+                cat.forget(f"k{step[1]}")
+                got.append([])
+            else:
+                got.append(cat.set_limits(step[1], step[2], tuple(f"k{i}" for i in step[3])))
+        assert got[0] == got[1], step
+        if step[0] == "forget":
+            where.pop(f"k{step[1]}", None)
+        replay_footprint(got[0], fast.limits if step[0] != "limits" else {CPU: 5, NVME: 5}, where)
+        where = {k: fast.tier_of(k) for k in [*fast.keys_on(CPU), *fast.keys_on(NVME)]}
+        assert fast.footprint() == naive.footprint()
+        assert all(n <= fast.limits[t] for t, n in fast.footprint().items())

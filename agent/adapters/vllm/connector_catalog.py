@@ -6,11 +6,13 @@ the block the KV reuse predictor wants least (not in `retention`, least recently
 from its end), moved one tier down or dropped. An incoming block that ranks below every block of a full tier goes
 one tier down itself, or is not kept, so a retained block never makes way for a less wanted one. Every decision is
 returned as an ordered list of `TierOp`s for the worker to carry out (`connector_worker.py`); the footprint after
-each op is within the limits. Pure bookkeeping: never touches bytes, torch or vLLM objects.
+each op is within the limits. Finding a victim costs O(log n) (a heap of last uses per tier, stale items skipped)
+plus the retained blocks of the tier. Pure bookkeeping: never touches bytes, torch or vLLM objects.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from enum import Enum
 
@@ -60,9 +62,14 @@ class KvCatalog:
     def __init__(self, capacity: dict[Tier, int]) -> None:
         self.capacity = {t: _check_limit(f"capacity[{t.value}]", capacity.get(t, 0)) for t in STORE_TIERS}
         self._limits = dict(self.capacity)
+        self._asked: tuple[int, int] | None = None
+        self._retention: tuple[str, ...] = ()
         self._rank: dict[str, int] = {}  # retention position: 0 = keep first
         self._entries: dict[str, _Entry] = {}
         self._count = dict.fromkeys(STORE_TIERS, 0)
+        # Per tier: (last_use, key) of its blocks not retained, stale items left in until they reach the top.
+        self._heap: dict[Tier, list[tuple[int, str]]] = {t: [] for t in STORE_TIERS}
+        self._kept: dict[Tier, set[str]] = {t: set() for t in STORE_TIERS}  # its retained blocks
         self._clock = 0
         self.stats = CatalogStats()
 
@@ -107,23 +114,60 @@ class KvCatalog:
         return (1, -rank)
 
     def victim_order(self, tier: Tier) -> list[str]:
-        """The blocks on `tier`, the first to make way first."""
+        """The blocks on `tier`, the first to make way first (O(n log n): for reports and tests)."""
         return sorted(self.keys_on(tier), key=self._victim_key)
+
+    def _victim(self, tier: Tier) -> str:
+        """The first block of `tier` to make way (the tier holds at least one)."""
+        heap = self._heap[tier]
+        while heap:
+            last_use, key = heap[0]
+            entry = self._entries.get(key)
+            if entry is not None and entry.tier is tier and entry.last_use == last_use and key not in self._rank:
+                return key
+            heapq.heappop(heap)
+        return max(self._kept[tier], key=self._rank.__getitem__)
+
+    def _index(self, key: str, entry: _Entry) -> None:
+        if key in self._rank:
+            self._kept[entry.tier].add(key)
+            return
+        heap = self._heap[entry.tier]
+        heapq.heappush(heap, (entry.last_use, key))
+        if len(heap) > 2 * self._count[entry.tier] + 64:  # too many stale items: rebuild from the live ones
+            self._heap[entry.tier] = [(e.last_use, k) for k, e in self._entries.items()
+                                      if e.tier is entry.tier and k not in self._rank]
+            heapq.heapify(self._heap[entry.tier])
+
+    def _reindex(self) -> None:
+        self._heap = {t: [] for t in STORE_TIERS}
+        self._kept = {t: set() for t in STORE_TIERS}
+        for key, entry in self._entries.items():
+            if key in self._rank:
+                self._kept[entry.tier].add(key)
+            else:
+                self._heap[entry.tier].append((entry.last_use, key))
+        for heap in self._heap.values():
+            heapq.heapify(heap)
 
     def set_limits(self, cpu_blocks: int, nvme_blocks: int, retention: tuple[str, ...] = ()) -> list[TierOp]:
         """Install a plan's blocks per tier (held at the capacity) and keep-first order; the ops that bring the
         footprint within them (moves down, then drops), in the order to carry them out."""
         asked = {Tier.CPU: _check_limit("cpu_blocks", cpu_blocks), Tier.NVME: _check_limit("nvme_blocks", nvme_blocks)}
+        if self._asked != (cpu_blocks, nvme_blocks):  # counted once per new limits, not once per step
+            self._asked = (cpu_blocks, nvme_blocks)
+            self.stats.limits_clamped += sum(n > self.capacity[t] for t, n in asked.items())
         for tier, n in asked.items():
-            if n > self.capacity[tier]:
-                self.stats.limits_clamped += 1
             self._limits[tier] = min(n, self.capacity[tier])
-        self._rank = {key: i for i, key in enumerate(retention)}
+        if tuple(retention) != self._retention:
+            self._retention = tuple(retention)
+            self._rank = {key: i for i, key in enumerate(self._retention)}
+            self._reindex()
         ops: list[TierOp] = []
         while self._count[Tier.NVME] > self._limits[Tier.NVME]:
-            self._drop(self.victim_order(Tier.NVME)[0], ops)
+            self._drop(self._victim(Tier.NVME), ops)
         while self._count[Tier.CPU] > self._limits[Tier.CPU]:
-            victim = self.victim_order(Tier.CPU)[0]
+            victim = self._victim(Tier.CPU)
             if not self._place_below(victim, Tier.CPU, ops):
                 self._drop(victim, ops)
         return ops
@@ -135,6 +179,7 @@ class KvCatalog:
             if entry is not None:
                 self._clock += 1
                 entry.last_use = self._clock
+                self._index(key, entry)
 
     def admit(self, key: str) -> list[TierOp]:
         """Keep a block vLLM just computed: the ops that place it (and make room), or [] if it is not kept (or
@@ -152,45 +197,49 @@ class KvCatalog:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._count[entry.tier] -= 1
+            self._kept[entry.tier].discard(key)
             self.stats.forgotten += 1
 
     # ---- placement ----------------------------------------------------------------------------------
+    def _room_for(self, key: str, tier: Tier, ops: list[TierOp]) -> bool:
+        """Make room on `tier` for `key` (incoming or moving down) unless `key` is the block least wanted there."""
+        if not self._limits[tier]:
+            return False
+        if self._count[tier] < self._limits[tier]:
+            return True
+        victim = self._victim(tier)
+        if self._victim_key(key) <= self._victim_key(victim):
+            return False  # `key` is the one least wanted here: try the tier below
+        if not self._place_below(victim, tier, ops):
+            self._drop(victim, ops)
+        return True
+
     def _place(self, key: str, tiers: tuple[Tier, ...], ops: list[TierOp]) -> bool:
         """Store the incoming `key` on the first of `tiers` that takes it."""
         for tier in tiers:
-            if not self._limits[tier]:
+            if not self._room_for(key, tier, ops):
                 continue
-            if self._count[tier] >= self._limits[tier]:
-                victim = min(self.keys_on(tier), key=self._victim_key)
-                if self._victim_key(key) <= self._victim_key(victim):
-                    continue  # the incoming block is the one least wanted here: try the tier below
-                if not self._place_below(victim, tier, ops):
-                    self._drop(victim, ops)
             self._clock += 1
-            self._entries[key] = _Entry(tier, self._clock)
+            entry = self._entries[key] = _Entry(tier, self._clock)
             self._count[tier] += 1
+            self._index(key, entry)
             self.stats.stored += 1
             ops.append(TierOp(OpKind.STORE, key, tier))
             return True
         return False
 
     def _place_below(self, key: str, tier: Tier, ops: list[TierOp]) -> bool:
-        """Move the stored `key` from `tier` down to the next tier with room (making room there by the same
-        order); False if no tier below takes it."""
-        below = STORE_TIERS[STORE_TIERS.index(tier) + 1:]
-        for dst in below:
-            if not self._limits[dst]:
+        """Move the stored `key` from `tier` down to the next tier that takes it (making room there by the same
+        order); False if none does."""
+        for dst in STORE_TIERS[STORE_TIERS.index(tier) + 1:]:
+            if not self._room_for(key, dst, ops):
                 continue
-            if self._count[dst] >= self._limits[dst]:
-                victim = min(self.keys_on(dst), key=self._victim_key)
-                if self._victim_key(key) <= self._victim_key(victim):
-                    continue
-                if not self._place_below(victim, dst, ops):
-                    self._drop(victim, ops)
             entry = self._entries[key]
             self._count[entry.tier] -= 1
+            self._kept[entry.tier].discard(key)
             entry.tier = dst
             self._count[dst] += 1
+            self._index(key, entry)
             self.stats.moved += 1
             ops.append(TierOp(OpKind.MOVE, key, dst))
             return True
@@ -199,5 +248,6 @@ class KvCatalog:
     def _drop(self, key: str, ops: list[TierOp]) -> None:
         entry = self._entries.pop(key)
         self._count[entry.tier] -= 1
+        self._kept[entry.tier].discard(key)
         self.stats.dropped += 1
         ops.append(TierOp(OpKind.DROP, key, entry.tier))
