@@ -38,9 +38,18 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine and worker in this process: tests can reach both
-    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The tiny checkpoint; while this module runs, vLLM keeps engine and worker in this process (tests reach
+    both sides of the connector), as it was before afterwards."""
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        yield build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
 
 
 def _generate(llm: Any, prompt: list[int]) -> list[int]:
