@@ -131,3 +131,21 @@ def test_without_a_plan_the_configured_blocks_are_the_limits(tmp_path: Path) -> 
         assert eng.footprints[-1]["cpu"] == 2 and eng.books.catalog.limits[Tier.CPU] == 2
     finally:
         eng.close()
+
+
+def test_prefix_hits_are_reported_as_reuse_events_with_their_age_and_tier(tmp_path: Path) -> None:
+    settings = ConnectorSettings(cpu_blocks=2, nvme_blocks=4, nvme_dir=str(tmp_path))
+    source = RecordingSource({})
+    eng = FakeEngine(settings, tmp_path / "kv.tpnvme", source=source)
+    try:
+        first = prompt(3, 3, 0)
+        eng.run("a", first)  # t = 0: 3 blocks stored, the first one spilled to NVMe
+        eng.now_s = 5.0
+        eng.run("b", prompt(3, 3, 1))
+        keys = [prefix_hash(h) for h in block_hashes(first)]
+        assert source.reuse == [(keys[0], 5.0, "nvme"), (keys[1], 5.0, "cpu"), (keys[2], 5.0, "cpu")]
+        eng.now_s = 7.5
+        eng.run("c", prompt(3, 1, 2))
+        assert source.reuse[-1] == (keys[0], 2.5, "nvme")  # age since the last hit, not since the store
+    finally:
+        eng.close()

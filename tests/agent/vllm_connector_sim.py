@@ -46,6 +46,7 @@ class RecordingSource:
     reports: list[tuple[dict[str, int], dict[str, int], dict[str, int]]] = field(default_factory=list)
     current: KvLimits | None = None
     limits_at_report: list[KvLimits | None] = field(default_factory=list)
+    reuse: list[tuple[str, float, str]] = field(default_factory=list)
 
     def kv_limits(self) -> KvLimits | None:
         self.current = self.schedule.get(self.calls, self.current)
@@ -56,12 +57,18 @@ class RecordingSource:
         self.reports.append((dict(hits), dict(misses), dict(blocks)))
         self.limits_at_report.append(self.current)
 
+    def report_reuse(self, events: list[tuple[str, float, str]]) -> None:
+        self.reuse.extend(events)
+
 
 class FakeEngine:
     """One prefill step per request, as vLLM's scheduler and runner would make the connector calls."""
 
-    def __init__(self, settings: ConnectorSettings, nvme_path, source=None, num_blocks: int = 64) -> None:
-        self.books = ConnectorBooks(settings, BLOCK_TOKENS, source=(lambda: source))
+    def __init__(self, settings: ConnectorSettings, nvme_path, source=None, num_blocks: int = 64,
+                 clock=None) -> None:
+        self.now_s = 0.0
+        clock = clock or (lambda: self.now_s)  # the test moves time by setting now_s
+        self.books = ConnectorBooks(settings, BLOCK_TOKENS, source=(lambda: source), clock=clock)
         self.worker = KvTierWorker({Tier.CPU: settings.cpu_blocks, Tier.NVME: settings.nvme_blocks}, nvme_path)
         self.caches = {n: torch.zeros(num_blocks, 2, BLOCK_TOKENS, 64, dtype=torch.bfloat16) for n in LAYERS}
         self.worker.register(self.caches)

@@ -13,6 +13,8 @@ plus the retained blocks of the tier. Pure bookkeeping: never touches bytes, tor
 from __future__ import annotations
 
 import heapq
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -37,7 +39,8 @@ class TierOp:
 @dataclass
 class _Entry:
     tier: Tier
-    last_use: int
+    last_use: int  # the catalog's logical clock: orders uses exactly
+    used_s: float  # the clock's time of that use: the age a reuse event reports
 
 
 @dataclass
@@ -59,7 +62,8 @@ def _check_limit(name: str, value: object) -> int:
 class KvCatalog:
     """Prefix hash -> tier for the connector's stored blocks; see the module docstring."""
 
-    def __init__(self, capacity: dict[Tier, int]) -> None:
+    def __init__(self, capacity: dict[Tier, int], clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.capacity = {t: _check_limit(f"capacity[{t.value}]", capacity.get(t, 0)) for t in STORE_TIERS}
         self._limits = dict(self.capacity)
         self._asked: tuple[int, int] | None = None
@@ -172,14 +176,18 @@ class KvCatalog:
                 self._drop(victim, ops)
         return ops
 
-    def touch(self, keys: list[str]) -> None:
-        """These blocks were used now (a prefix hit): they go last in least-recent-use order."""
+    def touch(self, keys: list[str]) -> list[tuple[str, float, Tier]]:
+        """These blocks were used now (a prefix hit): they go last in least-recent-use order. Returns, per block
+        held, (key, seconds since its previous use, its tier): the reuse events of the KV reuse predictor."""
+        now_s, events = self.clock(), []
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None:
+                events.append((key, max(0.0, now_s - entry.used_s), entry.tier))
                 self._clock += 1
-                entry.last_use = self._clock
+                entry.last_use, entry.used_s = self._clock, now_s
                 self._index(key, entry)
+        return events
 
     def admit(self, key: str) -> list[TierOp]:
         """Keep a block vLLM just computed: the ops that place it (and make room), or [] if it is not kept (or
@@ -220,7 +228,7 @@ class KvCatalog:
             if not self._room_for(key, tier, ops):
                 continue
             self._clock += 1
-            entry = self._entries[key] = _Entry(tier, self._clock)
+            entry = self._entries[key] = _Entry(tier, self._clock, self.clock())
             self._count[tier] += 1
             self._index(key, entry)
             self.stats.stored += 1

@@ -11,6 +11,7 @@ is applied; the last good ones, counted, if the source fails). Never touches byt
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,14 @@ from typing import Any
 from tierplan.agent.adapters.vllm.connector_catalog import STORE_TIERS, KvCatalog, OpKind, TierOp
 from tierplan.agent.adapters.vllm.connector_config import ConnectorSettings
 from tierplan.agent.adapters.vllm.connector_meta import BlockLoad, WorkerReport, WorkerStep
-from tierplan.agent.adapters.vllm.kv_limits import TIER_NAMES, KvLimits, KvLimitsSource, current_source, prefix_hash
+from tierplan.agent.adapters.vllm.kv_limits import (
+    TIER_NAMES,
+    KvLimits,
+    KvLimitsSource,
+    ReuseEvent,
+    current_source,
+    prefix_hash,
+)
 from tierplan.runtime.kv.spec import Tier
 
 
@@ -64,12 +72,13 @@ class ConnectorBooks:
     """The connector's scheduler-side state; `connector.py` forwards vLLM's calls here."""
 
     def __init__(self, settings: ConnectorSettings, block_size: int,
-                 source: Callable[[], KvLimitsSource | None] = current_source) -> None:
+                 source: Callable[[], KvLimitsSource | None] = current_source,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"ConnectorBooks: block_size must be an int >= 1, got {block_size!r}")
         self.settings = settings
         self.block_size = block_size
-        self.catalog = KvCatalog({Tier.CPU: settings.cpu_blocks, Tier.NVME: settings.nvme_blocks})
+        self.catalog = KvCatalog({Tier.CPU: settings.cpu_blocks, Tier.NVME: settings.nvme_blocks}, clock)
         self.stats = SchedulerStats()
         self._source = source
         self._limits: KvLimits | None = None  # the limits in force (None: the settings' defaults)
@@ -78,6 +87,7 @@ class ConnectorBooks:
         self._loads: list[BlockLoad] = []
         self._load_tiers: dict[str, list[Tier]] = {}  # this step's hits per request, for vLLM's hit sources
         self._hits, self._misses = _empty_counts(), _empty_counts()
+        self._reuse: list[ReuseEvent] = []  # this step's prefix hits, for a source that takes them
         self.kv_cache_manager: Any = None  # vLLM's KVCacheManager, bound by vLLM
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -119,7 +129,8 @@ class ConnectorBooks:
         hit_keys = keys[look.start_block:look.start_block + n]
         for j, key in enumerate(hit_keys):
             self._loads.append(BlockLoad(key, block_ids[look.start_block + j]))
-        self.catalog.touch(hit_keys)
+        for key, age_s, tier in self.catalog.touch(hit_keys):
+            self._reuse.append((key, age_s, tier.value))
         tiers = look.tiers[:n]
         self._load_tiers[request.request_id] = tiers
         self._hits["gpu"] += look.start_block
@@ -197,6 +208,7 @@ class ConnectorBooks:
     def _report(self) -> None:
         src = self._source()
         if src is None:
+            self._reuse = []
             return
         blocks = _empty_counts()
         for tier, n in self.catalog.footprint().items():
@@ -204,10 +216,13 @@ class ConnectorBooks:
         pool = getattr(self.kv_cache_manager, "block_pool", None)
         if pool is not None:
             blocks["gpu"] = pool.num_gpu_blocks - pool.get_num_free_blocks()
-        hits, misses = self._hits, self._misses
-        self._hits, self._misses = _empty_counts(), _empty_counts()
+        hits, misses, reuse = self._hits, self._misses, self._reuse
+        self._hits, self._misses, self._reuse = _empty_counts(), _empty_counts(), []
         try:
             src.report_kv(hits, misses, blocks)
+            report_reuse = getattr(src, "report_reuse", None)
+            if reuse and report_reuse is not None:
+                report_reuse(reuse)
         except Exception as exc:  # the report is lost (counted); serving goes on
             self.stats.source_errors += 1
             self.stats.last_source_error = f"{type(exc).__name__}: {exc}"

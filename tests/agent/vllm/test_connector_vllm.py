@@ -204,6 +204,8 @@ def test_small_plan_limits_hold_after_every_store(engine: Engine, baseline: dict
     assert source.limits_at_report[-1] == KvLimits(8, 1, 2) and engine.books.stats.plan_version == 8
     served = sum(r[1]["cpu"] + r[1]["nvme"] for r in source.reports)
     assert served > 0 and sum(r[2]["gpu"] for r in source.reports) > 0
+    assert len(source.reuse) == served  # one reuse event (prefix hash, age, tier) per block served
+    assert all(age_s >= 0 and tier in ("cpu", "nvme") for _, age_s, tier in source.reuse)
 
 
 def test_retained_prefix_outlives_a_stream_of_other_prompts(engine: Engine, baseline: dict,
