@@ -207,8 +207,8 @@ class ConnectorBooks:
 
     def _report(self) -> None:
         src = self._source()
-        if src is None:
-            self._reuse = []
+        if src is None:  # nobody to tell: this step's counts go (the next source hears of its own steps only)
+            self._hits, self._misses, self._reuse = _empty_counts(), _empty_counts(), []
             return
         blocks = _empty_counts()
         for tier, n in self.catalog.footprint().items():
