@@ -149,3 +149,17 @@ def test_prefix_hits_are_reported_as_reuse_events_with_their_age_and_tier(tmp_pa
         assert source.reuse[-1] == (keys[0], 2.5, "nvme")  # age since the last hit, not since the store
     finally:
         eng.close()
+
+
+def test_a_reset_serves_no_more_hits_and_frees_every_block_with_the_next_step(settings, tmp_path: Path) -> None:
+    eng = FakeEngine(settings, tmp_path / "kv.tpnvme")
+    try:
+        eng.run("a", prompt(1, 3, 1))
+        assert eng.footprints[-1] == {"cpu": 3, "nvme": 0}
+        eng.books.reset()
+        eng.run("b", prompt(1, 3, 2))  # the same prefix: no hit; its blocks are stored afresh after the drops
+        assert eng.external_blocks == [0, 0]
+        assert eng.worker.stats.drops == 3 and eng.footprints[-1] == {"cpu": 3, "nvme": 0}
+        assert eng.books.stats.resets == 1
+    finally:
+        eng.close()

@@ -7,8 +7,10 @@ Enabled with `kv_transfer_config={"kv_connector": "TierplanConnector", "kv_conne
 what to store under the plan's limits; the worker side (`connector_worker.KvTierWorker`) moves the bytes through our
 runtime, loading a step's hits before its forward and storing the blocks it completed after it (synchronously:
 a load is done before vLLM reads the block, a store before vLLM can free it). Only models with one full-attention
-KV cache group are supported; anything else is refused at start by name. Never decides a plan; never waits on the
-network.
+KV cache group are supported; anything else is refused at start by name. A block that fails to load (its checksum,
+say) is reported to vLLM: with `"kv_load_failure_policy": "recompute"` vLLM computes it again, with vLLM's default
+("fail") the request fails; either way it is counted. `reset_prefix_cache(reset_connector=True)` empties our tiers
+too. Never decides a plan; never waits on the network.
 """
 
 from __future__ import annotations
@@ -190,6 +192,10 @@ class TierplanConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, TierplanWorkerMetadata):
             self._books().on_worker_report(meta.report)
+
+    def reset_cache(self) -> bool:
+        self._books().reset()
+        return True
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._books().finished(request)

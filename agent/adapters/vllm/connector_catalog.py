@@ -200,6 +200,14 @@ class KvCatalog:
             self.stats.not_kept += 1
         return ops
 
+    def clear(self) -> list[TierOp]:
+        """Forget every block (vLLM's reset of the prefix cache): the drops for the worker, in one list."""
+        ops: list[TierOp] = []
+        for key in list(self._entries):
+            self._drop(key, ops)
+        self._heap = {t: [] for t in STORE_TIERS}
+        return ops
+
     def forget(self, key: str) -> None:
         """The worker does not hold this block (a store or move failed): remove it from the books."""
         entry = self._entries.pop(key, None)

@@ -6,7 +6,8 @@ without it): a request's `block_hashes` name its full blocks by prefix, `get_num
 many tokens past vLLM's own prefix-cache hit our tiers hold (whole blocks, the leading run, never the prompt's last
 token), `update_state_after_alloc` turns a hit into loads, and `build_step` turns every block a step completes into
 the catalog's store decisions, under the limits the plan's source gives at that step (its defaults while no plan
-is applied; the last good ones, counted, if the source fails). Never touches bytes; never waits on the network.
+is applied; the last plan's if the source goes away, and, counted, if it fails). Never touches bytes; never waits
+on the network.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class SchedulerStats:
     steps: int = 0
     failed_keys: int = 0  # blocks the worker could not store/move/load (dropped from the books)
     failed_loads: int = 0
+    resets: int = 0
 
 
 def _empty_counts() -> dict[str, int]:
@@ -88,6 +90,7 @@ class ConnectorBooks:
         self._load_tiers: dict[str, list[Tier]] = {}  # this step's hits per request, for vLLM's hit sources
         self._hits, self._misses = _empty_counts(), _empty_counts()
         self._reuse: list[ReuseEvent] = []  # this step's prefix hits, for a source that takes them
+        self._pending_ops: list[TierOp] = []  # decided between steps (a reset), carried out with the next one
         self.kv_cache_manager: Any = None  # vLLM's KVCacheManager, bound by vLLM
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -171,7 +174,8 @@ class ConnectorBooks:
     def build_step(self, scheduler_output: Any) -> WorkerStep:
         """This step's loads (planned at admission) and store decisions for the blocks it completes."""
         self.stats.steps += 1
-        ops = self._refresh_limits()
+        ops, self._pending_ops = self._pending_ops, []
+        ops += self._refresh_limits()
         store_blocks: dict[str, int] = {}
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
@@ -226,6 +230,12 @@ class ConnectorBooks:
         except Exception as exc:  # the report is lost (counted); serving goes on
             self.stats.source_errors += 1
             self.stats.last_source_error = f"{type(exc).__name__}: {exc}"
+
+    def reset(self) -> None:
+        """vLLM reset its prefix cache and asked the connector to do the same: no hit is served from here on; the
+        worker frees the blocks with the next step."""
+        self._pending_ops += self.catalog.clear()
+        self.stats.resets += 1
 
     def on_worker_report(self, report: WorkerReport) -> None:
         """Keys the worker does not hold leave the books (a later lookup misses them instead of failing)."""

@@ -235,6 +235,19 @@ def _block_hashes(engine: Engine, prompt: list[int]) -> list[str]:
     return [prefix_hash(h) for h in req.block_hashes]
 
 
+def test_resetting_vllms_prefix_cache_empties_our_tiers(engine: Engine, baseline: dict) -> None:
+    assert len(engine.books.catalog) > 0
+    assert engine.llm.reset_prefix_cache(reset_connector=True)
+    assert len(engine.books.catalog) == 0
+    hits_before = engine.metric("vllm:external_prefix_cache_hits")
+    prompt = REPEATED[0]  # served from our tiers before the reset
+    assert engine.generate(prompt) == baseline[tuple(prompt)]
+    assert engine.metric("vllm:external_prefix_cache_hits") == hits_before
+    # Everything went with the reset; the tiers hold this prompt's 3 blocks only (under the last plan's 2 + 2).
+    held = engine.worker.blocks_per_tier()
+    assert held == {t.value: n for t, n in engine.books.catalog.footprint().items()} == {"cpu": 2, "nvme": 1}
+
+
 def test_worker_reports_of_several_workers_merge() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
