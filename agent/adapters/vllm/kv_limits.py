@@ -11,8 +11,12 @@ lower-case hex of vLLM's chained block hash, so equal hashes mean the same token
 `report_kv` counts follow our engine's agent (agent/adapters/reference.py): per block of a prompt the scheduler
 admits, `hits_per_tier["gpu"]` counts blocks vLLM found in its own prefix cache, `misses_per_tier["cpu"|"nvme"]`
 counts blocks the connector loaded back from that tier (a GPU miss served there) and `misses_per_tier["gpu"]`
-blocks found nowhere (computed again). Counts are since the previous call; `blocks_per_tier` is the footprint now
-("gpu": vLLM's blocks in use, "cpu"/"nvme": the connector's). Tier names are controller.protocol's `Tier` values.
+blocks found nowhere (computed again). One call per engine step, with that step's counts; `blocks_per_tier` is the
+footprint now ("gpu": vLLM's blocks in use, "cpu"/"nvme": the connector's). Tier names are controller.protocol's
+`Tier` values.
+A source that also has `report_reuse(events)` gets, at the same call, each prefix hit of the step as
+(prefix hash, seconds since that block was last stored or hit, tier it was found on): the `ReuseEvent`s the KV
+reuse predictor learns from. It is optional, so a source with the two methods above stays valid.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ TIER_NAMES = ("gpu", "cpu", "nvme")
 def prefix_hash(block_hash: bytes) -> str:
     """The prefix hash of one vLLM block hash (its hex): the key of a stored block and of `retention`."""
     return bytes(block_hash).hex()
+
+
+ReuseEvent = tuple[str, float, str]  # prefix hash, age in seconds, tier name
 
 
 def _check_count(name: str, value: object) -> None:

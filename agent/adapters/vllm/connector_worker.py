@@ -1,0 +1,272 @@
+"""The byte side of the vLLM KV connector: vLLM's KV blocks into our CPU and NVMe tiers and back (vLLM worker
+process).
+
+One stored block is one vLLM KV block of every attention layer, the layers' bytes laid end to end (padded to the
+4 KiB our tiers need), so one key names one unit of placement, as in our engine's paged cache. The bytes live in
+our runtime's tiers (`KVTierStores`: pinned host memory and an O_DIRECT file), booked by its `KVBlockManager`
+(whose limits are the plan's, so the runtime itself refuses a block past them) and moved by its
+`KVTransferHandler`; every read is checked against the checksum taken when the block was written, so the bytes
+put back into vLLM's cache are the bytes taken out, or the load fails and vLLM computes the block again.
+Carries out the scheduler side's `WorkerStep`s in order; never decides what to keep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tierplan.agent.adapters.vllm.connector_catalog import STORE_TIERS, OpKind, TierOp
+from tierplan.agent.adapters.vllm.connector_meta import BlockLoad, WorkerReport, WorkerStep
+from tierplan.runtime.device import Device, DeviceKind
+from tierplan.runtime.errors import CorruptDataError, RuntimeTierError
+from tierplan.runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
+from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES, align_up
+from tierplan.runtime.transfer import TransferEngine
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """Where each attention layer's part of one vLLM block sits in a stored block."""
+
+    layer_names: tuple[str, ...]
+    bytes_per_layer: tuple[int, ...]
+    block_bytes: int  # the layers' bytes end to end, rounded up to DIRECT_ALIGN_BYTES
+    device_type: str
+
+    @staticmethod
+    def of(kv_caches: dict[str, torch.Tensor]) -> KvLayout:
+        """The layout of vLLM's registered caches: per layer a tensor whose first axis is the block."""
+        if not kv_caches:
+            raise ValueError("TierplanConnector: vLLM registered no KV cache tensors; expected one per attention layer")
+        names = tuple(sorted(kv_caches))
+        sizes, devices, num_blocks = [], set(), set()
+        for name in names:
+            kv = kv_caches[name]
+            if not isinstance(kv, torch.Tensor) or kv.dim() < 2 or not kv[0].is_contiguous():
+                raise ValueError(f"TierplanConnector: KV cache of layer {name!r} is not a tensor with one contiguous "
+                                 "block per index of its first axis; this KV layout is not supported")
+            sizes.append(kv[0].numel() * kv.element_size())
+            devices.add(kv.device.type)
+            num_blocks.add(kv.shape[0])
+        if len(devices) != 1 or len(num_blocks) != 1:
+            raise ValueError(f"TierplanConnector: KV caches span devices {sorted(devices)} and block counts "
+                             f"{sorted(num_blocks)}; expected one device and one block count (one KV cache group)")
+        return KvLayout(names, tuple(sizes), align_up(sum(sizes), DIRECT_ALIGN_BYTES), devices.pop())
+
+
+@dataclass
+class WorkerStats:
+    stores_per_tier: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in STORE_TIERS})
+    loads_per_tier: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in STORE_TIERS})
+    moves: int = 0
+    drops: int = 0
+    failed_stores: int = 0
+    failed_moves: int = 0
+    failed_loads: int = 0
+    corrupt_loads: int = 0
+    limit_violations: int = 0  # a footprint past the installed limits after an op (the books should make it 0)
+    peak_blocks_per_tier: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in STORE_TIERS})
+    footprint_checks: int = 0
+    nvme_fallback_reason: str | None = None
+
+
+class KvTierWorker:
+    """Our CPU/NVMe tiers behind one vLLM worker's KV cache; `register` first, then `load`/`apply` per step."""
+
+    def __init__(self, capacity: dict[Tier, int], nvme_path: Path | None, direct_io: bool = True) -> None:
+        self.capacity = {t: capacity.get(t, 0) for t in STORE_TIERS}
+        if self.capacity[Tier.NVME] and nvme_path is None:
+            raise ValueError("KvTierWorker: an NVMe tier needs a file path")
+        self.nvme_path = nvme_path
+        self.direct_io = direct_io
+        self.stats = WorkerStats()
+        self.layout: KvLayout | None = None
+        self._kv: dict[str, torch.Tensor] = {}
+        self._blocks: dict[str, int] = {}  # key -> our runtime's block id
+        self._limits = dict(self.capacity)
+        self._report = WorkerReport()
+        self._engine: TransferEngine | None = None
+        self._stores: KVTierStores | None = None
+        self.manager: KVBlockManager | None = None
+        self.handler: KVTransferHandler | None = None
+
+    # ---- set-up -------------------------------------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Bind vLLM's per-layer caches and create the tiers for their block size."""
+        self.close()
+        self.layout = KvLayout.of(kv_caches)
+        self._kv = {name: kv_caches[name] for name in self.layout.layer_names}
+        kind = DeviceKind.CUDA if self.layout.device_type == "cuda" else DeviceKind.CPU
+        first = self._kv[self.layout.layer_names[0]]
+        device = Device(kind, first.device.index or 0) if kind is DeviceKind.CUDA else Device(kind)
+        self._engine = TransferEngine(device, disk_workers=1)
+        caps = {Tier.GPU: 0, **self.capacity}
+        try:
+            self._stores = KVTierStores(device, self.layout.block_bytes, caps, self.nvme_path, direct_io=self.direct_io)
+        except BaseException:
+            self._engine.close()
+            self._engine = None
+            raise
+        self.manager = KVBlockManager(caps, verify_tiers=frozenset(STORE_TIERS))  # every read is checked
+        self.handler = KVTransferHandler(self.manager, self._stores, self._engine, num_staging=2)
+        nvme = self._stores.nvme_file
+        self.stats.nvme_fallback_reason = None if nvme is None else nvme.fallback_reason
+        self._buf = torch.zeros(self.layout.block_bytes, dtype=torch.uint8)  # [B] host bytes of one block
+
+    def _require(self) -> tuple[KvLayout, KVBlockManager, KVTransferHandler]:
+        if self.layout is None or self.manager is None or self.handler is None:
+            raise RuntimeError("KvTierWorker: register(kv_caches) was not called")
+        return self.layout, self.manager, self.handler
+
+    # ---- bytes between vLLM's cache and a host buffer -----------------------------------------------
+    def _layer_bytes(self, name: str, block_id: int) -> torch.Tensor:
+        return self._kv[name][block_id].reshape(-1).view(torch.uint8)  # [bytes of one layer's block]
+
+    def gather(self, block_id: int) -> torch.Tensor:
+        """vLLM block `block_id` of every layer, end to end, in a host buffer [block_bytes] (reused per call)."""
+        layout, _, _ = self._require()
+        off = 0
+        for name, n in zip(layout.layer_names, layout.bytes_per_layer, strict=True):
+            self._buf[off:off + n].copy_(self._layer_bytes(name, block_id))
+            off += n
+        return self._buf
+
+    def scatter(self, data: torch.Tensor, block_id: int) -> None:
+        layout, _, _ = self._require()
+        off = 0
+        for name, n in zip(layout.layer_names, layout.bytes_per_layer, strict=True):
+            self._layer_bytes(name, block_id).copy_(data[off:off + n])
+            off += n
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def load(self, loads: tuple[BlockLoad, ...]) -> None:
+        """Put stored blocks into vLLM's cache; a block missing here or failing its checksum is reported (vLLM
+        computes it again) and a corrupt one is dropped."""
+        _, manager, handler = self._require()
+        for ld in loads:
+            bid = self._blocks.get(ld.key)
+            if bid is None:
+                self._fail_load(ld, forget=False)
+                continue
+            tier = manager.location(bid).tier
+            try:
+                data = handler.read(bid)  # [B], checked against the checksum taken at write
+            except CorruptDataError:
+                self.stats.corrupt_loads += 1
+                self._free(ld.key)
+                self._fail_load(ld, forget=True)
+                continue
+            except RuntimeTierError:
+                self._fail_load(ld, forget=False)
+                continue
+            self.scatter(data, ld.block_id)
+            self.stats.loads_per_tier[tier.value] += 1
+
+    def _fail_load(self, ld: BlockLoad, forget: bool) -> None:
+        self.stats.failed_loads += 1
+        self._report.failed_load_block_ids.add(ld.block_id)
+        if forget:
+            self._report.failed_keys.add(ld.key)
+
+    def apply(self, step: WorkerStep) -> None:
+        """Install the step's limits, then carry out its ops in order, checking the footprint after each."""
+        _, manager, _ = self._require()
+        self._limits = {Tier.CPU: step.cpu_blocks, Tier.NVME: step.nvme_blocks}
+        manager.set_limits({t: min(n, self.capacity[t]) for t, n in self._limits.items() if self.capacity[t]})
+        for op in step.ops:
+            before = self.blocks_per_tier()
+            self._do(op, step)
+            self._check_footprint(before)
+
+    def _do(self, op: TierOp, step: WorkerStep) -> None:
+        _, manager, handler = self._require()
+        if op.kind is OpKind.STORE:
+            if op.key in self._blocks or op.key not in step.store_blocks:
+                self.stats.failed_stores += 1
+                self._report.failed_keys.add(op.key)
+                return
+            try:
+                bid = manager.allocate(op.tier)
+            except RuntimeTierError:
+                self.stats.failed_stores += 1
+                self._report.failed_keys.add(op.key)
+                return
+            try:
+                handler.write(bid, self.gather(step.store_blocks[op.key]))
+            except RuntimeTierError:
+                manager.free(bid)
+                self.stats.failed_stores += 1
+                self._report.failed_keys.add(op.key)
+                return
+            self._blocks[op.key] = bid
+            self.stats.stores_per_tier[op.tier.value] += 1
+        elif op.kind is OpKind.MOVE:
+            bid = self._blocks.get(op.key)
+            try:
+                if bid is None:
+                    raise KeyError(op.key)
+                handler.move(bid, op.tier).wait()
+                self.stats.moves += 1
+            except (RuntimeTierError, KeyError):
+                # The block stayed where it was (or never was): drop it so the books and the bytes agree.
+                self.stats.failed_moves += 1
+                self._free(op.key)
+                self._report.failed_keys.add(op.key)
+        else:
+            if self._free(op.key):
+                self.stats.drops += 1
+
+    def _free(self, key: str) -> bool:
+        bid = self._blocks.pop(key, None)
+        if bid is None or self.manager is None:
+            return False
+        self.manager.free(bid)
+        return True
+
+    def _check_footprint(self, before: dict[str, int]) -> None:
+        """A tier that grew past its limit is a broken promise (counted; the runtime should have refused it). A
+        tier still above a smaller plan's limit while the step's drops and moves bring it down is not."""
+        _, manager, _ = self._require()
+        self.stats.footprint_checks += 1
+        for tier in STORE_TIERS:
+            used = manager.num_used(tier)
+            peak = self.stats.peak_blocks_per_tier
+            peak[tier.value] = max(peak[tier.value], used)
+            if used > self._limits[tier] and used > before[tier.value]:
+                self.stats.limit_violations += 1
+
+    # ---- reporting and shutdown ---------------------------------------------------------------------
+    def take_report(self) -> WorkerReport:
+        report, self._report = self._report, WorkerReport()
+        return report
+
+    def blocks_per_tier(self) -> dict[str, int]:
+        if self.manager is None:
+            return {t.value: 0 for t in STORE_TIERS}
+        return {t.value: self.manager.num_used(t) for t in STORE_TIERS}
+
+    def holds(self, key: str) -> bool:
+        return key in self._blocks
+
+    def read_block(self, key: str) -> torch.Tensor:
+        """A checked host copy of a stored block (tests compare it with vLLM's cache)."""
+        _, _, handler = self._require()
+        return handler.read(self._blocks[key])
+
+    def close(self) -> None:
+        """Finish transfers, release host memory and remove the NVMe file (its blocks die with the process)."""
+        if self.handler is not None:
+            self.handler.close()
+        if self._stores is not None:
+            self._stores.close()
+        if self._engine is not None:
+            self._engine.close()
+        if self._stores is not None and self.nvme_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.nvme_path)
+        self.handler = self.manager = self._stores = self._engine = None
+        self._blocks.clear()

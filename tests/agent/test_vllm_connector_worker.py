@@ -1,0 +1,107 @@
+"""KvTierWorker, the KV connector's byte side, on fake vLLM caches: blocks go into our CPU and NVMe tiers and come
+back bit for bit, checksums catch a corrupted file, and the footprint stays within the installed limits after every
+op. No vLLM needed: runs in the main `make test`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierplan.agent.adapters.vllm.connector_catalog import OpKind, TierOp
+from tierplan.agent.adapters.vllm.connector_meta import BlockLoad, WorkerStep
+from tierplan.agent.adapters.vllm.connector_worker import KvLayout, KvTierWorker
+from tierplan.runtime.kv.spec import Tier
+
+CPU, NVME = Tier.CPU, Tier.NVME
+NUM_BLOCKS = 16
+
+
+def fake_caches(seed: int) -> dict[str, torch.Tensor]:
+    """Two layers shaped like the CPU backend's [num_blocks, kv_heads, block_size, 2 * head_size] bf16 caches."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.self_attn.attn": torch.randn(NUM_BLOCKS, 2, 32, 64, generator=g).to(torch.bfloat16)
+            for i in range(2)}
+
+
+def block_bytes(caches: dict[str, torch.Tensor], block_id: int) -> bytes:
+    return b"".join(caches[n][block_id].contiguous().view(torch.uint8).numpy().tobytes() for n in sorted(caches))
+
+
+@pytest.fixture
+def worker(tmp_path: Path):
+    w = KvTierWorker({CPU: 2, NVME: 3}, tmp_path / "kv.tpnvme")
+    yield w
+    w.close()
+
+
+def store(key: str, tier: Tier) -> TierOp:
+    return TierOp(OpKind.STORE, key, tier)
+
+
+def test_layout_lays_the_layers_end_to_end_in_4k_multiples() -> None:
+    layout = KvLayout.of(fake_caches(0))
+    assert layout.bytes_per_layer == (8192, 8192) and layout.block_bytes == 16384
+    odd = {"a": torch.zeros(4, 3, 100, dtype=torch.bfloat16)}
+    assert KvLayout.of(odd).block_bytes == 4096
+    with pytest.raises(ValueError, match="one contiguous block per index"):
+        KvLayout.of({"a": torch.zeros(4, 8, 8).transpose(0, 1)})
+
+
+def test_blocks_stored_on_cpu_and_nvme_load_back_bit_for_bit(worker: KvTierWorker, tmp_path: Path) -> None:
+    src = fake_caches(1)
+    worker.register(src)
+    ops = (store("a", CPU), store("b", CPU), TierOp(OpKind.MOVE, "a", NVME), store("c", NVME))
+    worker.apply(WorkerStep(2, 3, ops=ops, store_blocks={"a": 3, "b": 5, "c": 7}))
+    assert worker.blocks_per_tier() == {"cpu": 1, "nvme": 2}
+    assert worker.stats.stores_per_tier == {"cpu": 2, "nvme": 1} and worker.stats.moves == 1
+    expected = {k: block_bytes(src, b) for k, b in (("a", 3), ("b", 5), ("c", 7))}
+    # Into other blocks of the cache (vLLM gives a later request whatever blocks are free): the bytes come back.
+    worker.load((BlockLoad("a", 0), BlockLoad("b", 9), BlockLoad("c", 15)))
+    for key, bid in (("a", 0), ("b", 9), ("c", 15)):
+        assert block_bytes(src, bid) == expected[key]
+    assert worker.stats.loads_per_tier == {"cpu": 1, "nvme": 2}
+    assert worker.take_report().failed_load_block_ids == set()
+
+
+def test_a_corrupted_nvme_block_fails_its_load_and_is_dropped(worker: KvTierWorker, tmp_path: Path) -> None:
+    caches = fake_caches(3)
+    worker.register(caches)
+    worker.apply(WorkerStep(2, 3, ops=(store("a", NVME),), store_blocks={"a": 1}))
+    path = tmp_path / "kv.tpnvme"
+    raw = bytearray(path.read_bytes())
+    raw[100] ^= 0x01  # one bit of the stored block
+    path.write_bytes(bytes(raw))
+    before = block_bytes(caches, 6)
+    worker.load((BlockLoad("a", 6),))
+    assert block_bytes(caches, 6) == before  # nothing written into vLLM's block
+    report = worker.take_report()
+    assert report.failed_load_block_ids == {6} and report.failed_keys == {"a"}
+    assert worker.stats.corrupt_loads == 1 and not worker.holds("a")
+
+
+def test_a_load_of_a_block_the_worker_does_not_hold_is_reported(worker: KvTierWorker) -> None:
+    worker.register(fake_caches(5))
+    worker.load((BlockLoad("never", 2),))
+    assert worker.take_report().failed_load_block_ids == {2}
+    assert worker.stats.failed_loads == 1
+
+
+def test_the_runtime_refuses_a_store_past_the_installed_limit(worker: KvTierWorker) -> None:
+    worker.register(fake_caches(6))
+    # Books that disagree with the limits (a bug upstream) cannot push the tier past them: the runtime refuses.
+    worker.apply(WorkerStep(1, 0, ops=(store("a", CPU), store("b", CPU)), store_blocks={"a": 0, "b": 1}))
+    assert worker.blocks_per_tier()["cpu"] == 1
+    assert worker.stats.failed_stores == 1 and worker.take_report().failed_keys == {"b"}
+    assert worker.stats.limit_violations == 0 and worker.stats.peak_blocks_per_tier["cpu"] == 1
+
+
+def test_drop_frees_the_block_and_close_removes_the_file(tmp_path: Path) -> None:
+    w = KvTierWorker({CPU: 1, NVME: 1}, tmp_path / "kv.tpnvme")
+    w.register(fake_caches(7))
+    w.apply(WorkerStep(1, 1, ops=(store("a", NVME), TierOp(OpKind.DROP, "a", NVME)), store_blocks={"a": 0}))
+    assert w.blocks_per_tier() == {"cpu": 0, "nvme": 0} and w.stats.drops == 1
+    assert (tmp_path / "kv.tpnvme").exists()
+    w.close()
+    assert not (tmp_path / "kv.tpnvme").exists()
