@@ -90,9 +90,9 @@ class ExpertViews:
         self.gate_up = raw.as_strided((e, 2 * i, h), (es, h, 1), gate.offset_bytes // dt.itemsize)  # [E, 2I, H]
         self.down = raw.as_strided((e, h, i), (es, i, 1), down.offset_bytes // dt.itemsize)  # [E, H, I]
         self.intermediate = i
-        self.ident = torch.arange(e, dtype=torch.int32, device=raw.device)  # [E] expert e at e (the range)
+        self.ident = torch.arange(e, dtype=torch.int64, device=raw.device)  # [E] expert e at e (the range)
         window, table = pool.ranges.window, pool.reads.table
-        self.slots = table[layer] if table is not None else None  # [E] int32 on the device
+        self.slots = table[layer] if table is not None else None  # [E] int64 on the device
         self.win_gate_up = self.win_down = None
         if window is not None:
             win, s = window.view(dt), pool.num_slots

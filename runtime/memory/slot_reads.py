@@ -3,10 +3,12 @@
 `SlotReads` keeps the pool's books on readers: the loads a reader stream is already ordered after
 (`ReadyOrder`: one stream wait per list of numbered loads), the published loads whose copies may still run
 (readers that name no experts wait for them), the last pool-wide read fence, and the slot table. The slot table
-([layers, experts] int32 on the device) says which slot holds each expert: a grouped GEMM that indexes it reads
+([layers, experts] int64 on the device) says which slot holds each expert: a grouped GEMM that indexes it reads
 an expert through the slot window, so a load needs no mapping of the expert's range before such a read. The
-table is written on the reader's stream (`write_table`), in stream order with the kernels that read it; a
-host copy says what the device holds, so an entry is written only when its slot changed. Never decides what
+table is written on the reader's stream (`write_table`), in stream order with the kernels that read it: a
+layer's changed entries go through a ring of pinned staging rows as one host->device copy and one scatter
+(a Python scalar assigned into a CUDA tensor would copy from pageable memory and wait for the stream); a host
+copy says what the device holds, so an entry is written only when its slot changed. Never decides what
 to load or evict; never maps anything.
 """
 
@@ -18,6 +20,8 @@ import numpy as np
 import torch
 
 from tierplan.runtime.device import Device, Event
+
+_STAGING_ROWS = 16  # pinned rows the table's writes rotate through
 
 
 class ReadyOrder:
@@ -57,11 +61,15 @@ class SlotReads:
         self.unsettled: list[Event] = []  # events of published loads whose copy may still run
         self.ready = ReadyOrder()
         self.ready_waits = 0  # stream waits made by wait_ready (one per list of ordered loads, at most)
-        # The slot of each expert as the device's table says ([L, E] int32; -1 on the host: never written).
-        self.table = torch.zeros(num_layers, num_experts, dtype=torch.int32, device=device.torch_device) \
+        # The slot of each expert as the device's table says ([L, E] int64; -1 on the host: never written).
+        self.table = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device.torch_device) \
             if table else None
         self._table_host = np.full((num_layers, num_experts), -1, dtype=np.int64)
-        self.table_writes = 0  # entries written (one small kernel each on a GPU)
+        ring = _STAGING_ROWS if table else 0
+        self._stage = torch.zeros(ring, num_experts, 2, dtype=torch.int64, pin_memory=device.is_cuda)  # [R, E, 2]
+        self._stage_done: list[Event | None] = [None] * ring  # the copy out of each staging row
+        self._next_stage = 0
+        self.table_writes = 0  # entries written
 
     def order_after(self, loads: list[tuple[Event, tuple[object, int] | None]], stream: Any = None) -> None:
         """Order `stream` after every load of `loads` ((event, order) each), skipping the ones it waited past."""
@@ -89,9 +97,19 @@ class SlotReads:
         kernels queued before (they read the old entries), before the ones queued next."""
         if self.table is None:
             raise RuntimeError("write_table: this pool has no slot table (it was made without a slot window)")
-        row, host = self.table[layer], self._table_host[layer]
-        for e, s in slots:
-            if host[e] != s:
-                row[e] = s  # a scalar fill: its value travels in the launch, no host buffer is read later
-                host[e] = s
-                self.table_writes += 1
+        host = self._table_host[layer]
+        changed = [(e, s) for e, s in slots if host[e] != s]
+        if not changed:
+            return
+        i, n = self._next_stage, len(changed)
+        self._next_stage = (i + 1) % len(self._stage_done)
+        done = self._stage_done[i]
+        if done is not None:
+            done.synchronize()  # a staging row is written again only after its last copy (rows ago: done)
+        stage = self._stage[i, :n]  # [n, 2] (expert, slot), pinned
+        stage.numpy()[:] = changed
+        pairs = stage.to(self.table.device, non_blocking=True)  # [n, 2]
+        self._stage_done[i] = self.device.record_event()
+        self.table[layer].index_put_((pairs[:, 0],), pairs[:, 1])
+        host[[e for e, _s in changed]] = [s for _e, s in changed]
+        self.table_writes += n

@@ -67,14 +67,14 @@ def usable(x: torch.Tensor, total_rows: int) -> bool:
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
                  slots: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] rows sorted by expert; w [S, N, K] (K contiguous, any expert/row stride); offs [E] int
-    cumulative row ends (as for torch._grouped_mm); slots [E] int32: group e reads w[slots[e]] (a slot table;
+    cumulative row ends (as for torch._grouped_mm); slots [E] int64: group e reads w[slots[e]] (a slot table;
     None: w[e], E = S) -> [M, N] in x's dtype. Every call indexes through slots (one compiled kernel, whether
     the weights are read through experts' ranges or the slot window: the same bits)."""
     m, k = x.shape
     s_, n, kw = w.shape
     e = offs.shape[0] if offs.dim() == 1 else -1
     if slots is None and e == s_:
-        slots = torch.arange(e, dtype=torch.int32, device=x.device)
+        slots = torch.arange(e, dtype=torch.int64, device=x.device)
     if kw != k or w.stride(-1) != 1 or x.stride(-1) != 1 or slots is None or slots.shape != (e,):
         raise ValueError(f"grouped_gemm: bad shapes/strides x={tuple(x.shape)} w={tuple(w.shape)} "
                          f"offs={tuple(offs.shape)} slots={None if slots is None else tuple(slots.shape)}")
