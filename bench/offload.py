@@ -7,10 +7,11 @@ model), every step returning its tokens to the host. Per point: tok/s, step ms, 
 ms, miss bytes and the link floor (miss bytes / pinned host->device bandwidth measured in this process), the
 all-resident graph step ms of the same (model, B) with forced routing, and the steps per executor. Extra rows:
 unforced all-resident graph decode (live routing, an engine without the table: forced and live decodes are
-interleaved `reps` times and each reports its median), the layer-ahead window at B=64, the F=0.5 B=1 and 16
-points with the piecewise GEMMs reading the experts' ranges instead of the slot table (`reads`), and the scan
-rule vs LRU at Mixtral B=16 F=0.5. Writes offload_<device>.json/.md/.png; `--model DIR` runs one local checkpoint
-whole instead (its real weights, experts streamed once into the pinned store) into offload_<device>_<name>.*.
+interleaved `reps` times and each reports its median), the layer-ahead window at B=64, the B=1 and 16 points
+with misses once more with the piecewise GEMMs reading the experts' ranges instead of the slot table (`reads`),
+and the scan rule vs LRU at Mixtral B=16 F=0.5. Writes offload_<device>.json/.md/.png; `--model DIR` runs one
+local checkpoint whole instead (its real weights, experts streamed once into the pinned store) into
+offload_<device>_<name>.*.
 Bars are ratios within this run. It must never assert on a time or hard-code a figure.
 """
 
@@ -255,7 +256,7 @@ def run_model(name: str, layers: int, dev: Device, sizes: Sizes, bw_gb_s: float,
                         f"kept={r['kept_maps_per_step']:.1f} misses={r['misses_per_step']:.1f} "
                         f"reasons(total)={r['reasons']} "
                         f"capture_error={r['capture_error']}")
-            if frac == 0.5:  # the same points with the GEMMs reading the experts' ranges (B=1 and 16)
+            if frac < 1.0:  # the same points with the GEMMs reading the experts' ranges (B=1 and 16)
                 for b in [b for b in sizes.batches if b in (1, 16)]:
                     rows.append(_range_point(spec, dev, frac, b, sizes, router, graphs, store, seq0, say))
                     seq0 += b
