@@ -152,7 +152,8 @@ def check_exact(
              "faults).")] = False,
     mode: Annotated[str, typer.Option(
         help="Second run's decode steps with experts missing: 'piecewise' (graphs, misses loaded between "
-             "layers), 'lookahead' (piecewise, two layers prefetched ahead), 'eager', or 'all' (each in turn).")
+             "layers, GEMMs through the slot table), 'lookahead' (piecewise, two layers prefetched ahead), "
+             "'range' (piecewise, GEMMs through the experts' ranges), 'eager', or 'all' (each in turn).")
     ] = "piecewise",
     decode_graphs: Annotated[bool | None, typer.Option(
         help="Decode through the graph executors (default: on a GPU; on a CPU the same static buffers run "

@@ -6,9 +6,12 @@ sequences prefilled, then decode steps routed by the bundled routing trace (Forc
 model), every step returning its tokens to the host. Per point: tok/s, step ms, expert hit rate, expert-stall
 ms, miss bytes and the link floor (miss bytes / pinned host->device bandwidth measured in this process), the
 all-resident graph step ms of the same (model, B) with forced routing, and the steps per executor. Extra rows:
-unforced all-resident graph decode (forced vs live routing), the layer-ahead window at B=64, and the scan rule
-vs LRU at Mixtral B=16 F=0.5. Writes offload_<device>.json/.md/.png; `--model DIR` runs one local checkpoint
-whole instead (its real weights, experts streamed once into the pinned store) into offload_<device>_<name>.*.
+unforced all-resident graph decode (live routing, an engine without the table: forced and live decodes are
+interleaved `reps` times and each reports its median), the layer-ahead window at B=64, the B=1 and 16 points
+with misses once more with the piecewise GEMMs reading the experts' ranges instead of the slot table (`reads`),
+and the scan rule vs LRU at Mixtral B=16 F=0.5. Writes offload_<device>.json/.md/.png; `--model DIR` runs one
+local checkpoint whole instead (its real weights, experts streamed once into the pinned store) into
+offload_<device>_<name>.*.
 Bars are ratios within this run. It must never assert on a time or hard-code a figure.
 """
 
@@ -28,7 +31,6 @@ from tierplan.bench.offload_report import write_report
 from tierplan.runtime.device import Device
 from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
 from tierplan.runtime.engine.executor import Executor
-from tierplan.runtime.engine.experts import ScanVictimOrder, lru_victim_order
 from tierplan.runtime.engine.hooks import ModelHooks
 from tierplan.runtime.engine.presets import preset
 from tierplan.runtime.engine.pretrained import (
@@ -39,6 +41,7 @@ from tierplan.runtime.engine.pretrained import (
 )
 from tierplan.runtime.engine.routing_trace import RoutingTrace
 from tierplan.runtime.engine.runner import ForcedRouter
+from tierplan.runtime.engine.victims import ScanVictimOrder, lru_victim_order
 from tierplan.runtime.engine.weights import expert_format
 from tierplan.runtime.errors import ConfigError
 from tierplan.runtime.selfcheck.exact import auto_block_tokens
@@ -56,10 +59,11 @@ class Sizes:
     prompt_tokens: int
     warm_steps: int
     steps: int
+    reps: int  # all-resident points: forced and live decodes interleaved this many times, medians reported
 
 
-FULL = Sizes((("qwen3-30b-a3b", 8), ("mixtral-8x7b", 4)), (1.0, 0.5, 0.25), (1, 16, 64), 16, 4, 16)
-QUICK = Sizes((("tiny", 2),), (1.0, 0.5), (1, 2), 4, 1, 2)
+FULL = Sizes((("qwen3-30b-a3b", 8), ("mixtral-8x7b", 4)), (1.0, 0.5, 0.25), (1, 16, 64), 16, 4, 16, 5)
+QUICK = Sizes((("tiny", 2),), (1.0, 0.5), (1, 2), 4, 1, 2, 2)
 
 
 def _safe(name: str) -> str:
@@ -144,14 +148,50 @@ def _decode(eng: ReferenceEngine, batch: int, sizes: Sizes, seq0: int) -> dict[s
             "capture_error": eng.graphs.last_capture_error if eng.graphs is not None else None}
 
 
+def _median_rep(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repetition with the median step time, with every repetition's step ms (`step_ms_reps`, in run order)
+    and the executors summed over all of them."""
+    mid = sorted(reps, key=lambda r: r["step_ms"])[len(reps) // 2]
+    return {**mid, "step_ms_reps": [round(r["step_ms"], 4) for r in reps], "reps": len(reps),
+            "executors": {x: sum(r["executors"][x] for r in reps) for x in mid["executors"]}}
+
+
+def _resident_pair(eng: ReferenceEngine, live: ReferenceEngine, b: int, sizes: Sizes,
+                   seq0: int) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """All-resident decode at batch b with forced routes (`eng`) and live routing (`live`, no table: the
+    unforced graph), interleaved `sizes.reps` times, the order swapped every repetition; the median of each."""
+    forced: list[dict[str, Any]] = []
+    unforced: list[dict[str, Any]] = []
+    for i in range(sizes.reps):
+        for e, out in ((eng, forced), (live, unforced))[:: 1 if i % 2 == 0 else -1]:
+            out.append(_decode(e, b, sizes, seq0))
+            seq0 += b
+    return _median_rep(forced), _median_rep(unforced), seq0
+
+
 def _engine(spec: Any, dev: Device, frac: float, sizes: Sizes, router: ForcedRouter | None,
-            graphs: bool | None, store: PinnedExpertStore) -> ReferenceEngine:
+            graphs: bool | None, store: PinnedExpertStore, reads: str | None = None) -> ReferenceEngine:
     bt = auto_block_tokens(spec)
     per_seq = -(-(sizes.prompt_tokens + sizes.warm_steps + sizes.steps + 2) // bt)
     cfg = EngineConfig(resident_frac=frac, block_tokens=bt, kv_gpu_blocks=per_seq * max(sizes.batches) + 1,
-                       decode_graphs=graphs, decode_kernel=True if graphs else None)
+                       decode_graphs=graphs, decode_kernel=True if graphs else None,
+                       expert_reads=reads)  # type: ignore[arg-type]
     cfg = engine_config_for(spec, cfg)  # a checkpoint's sliding window: no paged kernel, no graphs
     return ReferenceEngine(spec, dev, cfg, hooks=ModelHooks(forced_routes=router), pinned_store=store)
+
+
+def _range_point(spec: Any, dev: Device, frac: float, b: int, sizes: Sizes, router: ForcedRouter,
+                 graphs: bool | None, store: PinnedExpertStore, seq0: int, say: Any) -> dict[str, Any]:
+    """Batch b at `frac` with expert_reads="range" (each miss waits for its map calls): the slot table's effect."""
+    eng = _engine(spec, dev, frac, sizes, router, graphs, store, reads="range")
+    try:
+        r = _decode(eng, b, sizes, seq0)
+    finally:
+        eng.close()
+    r.update(model=spec.name, frac=frac, victims="lru", lookahead=0, forced=True, reads="range")
+    say(f"{spec.name} F={frac} B={b} reads=range: {r['step_ms']:.2f} ms/step phases={r['phase_ms_per_step']} "
+        f"executors={r['executors']}")
+    return r
 
 
 def _preload(eng: ReferenceEngine) -> None:
@@ -180,10 +220,22 @@ def run_model(name: str, layers: int, dev: Device, sizes: Sizes, bw_gb_s: float,
         f"{time.perf_counter() - t0:.1f} s")
     for frac in sizes.fracs:
         eng = _engine(spec, dev, frac, sizes, router, graphs, store)
+        live = _engine(spec, dev, frac, sizes, None, graphs, store) if frac >= 1.0 else None
         try:
-            if frac >= 1.0:
+            if live is not None:
                 _preload(eng)
+                _preload(live)
             for b in sizes.batches:
+                if live is not None:  # forced vs unforced graph decode, interleaved (medians of sizes.reps)
+                    r, u, seq0 = _resident_pair(eng, live, b, sizes, seq0)
+                    r.update(model=spec.name, frac=frac, victims="lru", lookahead=0, forced=True)
+                    u.update(model=spec.name, frac=frac, victims="lru", lookahead=0, forced=False)
+                    resident_ms[b] = r["step_ms"]
+                    rows += [r, u]
+                    say(f"{spec.name} F={frac} B={b} forced {r['step_ms']:.3f} ms (reps {r['step_ms_reps']}) vs "
+                        f"live {u['step_ms']:.3f} ms (reps {u['step_ms_reps']}): "
+                        f"{r['step_ms'] / u['step_ms'] - 1:+.1%} executors={r['executors']}/{u['executors']}")
+                    continue
                 variants = [("lru", 0)]
                 if frac < 1.0 and b == max(sizes.batches):
                     variants.append(("lru", 2))
@@ -195,9 +247,8 @@ def run_model(name: str, layers: int, dev: Device, sizes: Sizes, bw_gb_s: float,
                     eng.residency.lookahead = lookahead
                     r = _decode(eng, b, sizes, seq0)
                     seq0 += b
-                    r.update(model=spec.name, frac=frac, victims=victims, lookahead=lookahead, forced=True)
-                    if frac >= 1.0:
-                        resident_ms[b] = r["step_ms"]
+                    r.update(model=spec.name, frac=frac, victims=victims, lookahead=lookahead, forced=True,
+                             reads="table" if eng.model.table_reads else "range")
                     rows.append(r)
                     say(f"{spec.name} F={frac} B={b} {victims} lookahead={lookahead}: {r['step_ms']:.2f} ms/step "
                         f"hit={r['hit_rate']:.3f} executors={r['executors']} phases={r['phase_ms_per_step']} "
@@ -205,15 +256,14 @@ def run_model(name: str, layers: int, dev: Device, sizes: Sizes, bw_gb_s: float,
                         f"kept={r['kept_maps_per_step']:.1f} misses={r['misses_per_step']:.1f} "
                         f"reasons(total)={r['reasons']} "
                         f"capture_error={r['capture_error']}")
-                if frac >= 1.0:  # the same graphs' decode with live routing (forced vs unforced)
-                    eng.set_hooks(forced_routes=None)
-                    r = _decode(eng, b, sizes, seq0)
+            if frac < 1.0:  # the same points with the GEMMs reading the experts' ranges (B=1 and 16)
+                for b in [b for b in sizes.batches if b in (1, 16)]:
+                    rows.append(_range_point(spec, dev, frac, b, sizes, router, graphs, store, seq0, say))
                     seq0 += b
-                    r.update(model=spec.name, frac=frac, victims="lru", lookahead=0, forced=False)
-                    rows.append(r)
-                    eng.set_hooks(forced_routes=router)
         finally:
             eng.close()
+            if live is not None:
+                live.close()
     store.close()
     for r in rows:
         base = resident_ms.get(r["batch"])

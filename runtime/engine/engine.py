@@ -26,7 +26,7 @@ from tierplan.runtime.device import Device
 from tierplan.runtime.engine.attention import Segment, build_block_table
 from tierplan.runtime.engine.config import AttentionKind, ModelSpec
 from tierplan.runtime.engine.executor import PADDED, Executor, ExecutorStats, PieceResidency, Reason, known_routes
-from tierplan.runtime.engine.experts import OnDemandExperts, ScanVictimOrder
+from tierplan.runtime.engine.experts import OnDemandExperts
 from tierplan.runtime.engine.graphs import DecodeGraphs
 from tierplan.runtime.engine.hooks import ModelHooks, StepRouting
 from tierplan.runtime.engine.kernels import moe_gemm
@@ -34,6 +34,7 @@ from tierplan.runtime.engine.kv_cache import PagedKVCache, block_shape
 from tierplan.runtime.engine.model import MoEModel
 from tierplan.runtime.engine.pretrained import checkpoint_weights
 from tierplan.runtime.engine.sizing import check_fits
+from tierplan.runtime.engine.victims import ScanVictimOrder
 from tierplan.runtime.engine.weights import expert_format, synthetic_dense_weights
 from tierplan.runtime.errors import ConfigError
 from tierplan.runtime.kv import Tier
@@ -50,6 +51,8 @@ OffloadExec = Literal["piecewise", "eager"]
 OFFLOAD_EXEC: tuple[str, ...] = get_args(OffloadExec)
 VictimRule = Literal["lru", "scan"]
 VICTIM_RULES: tuple[str, ...] = get_args(VictimRule)
+ExpertReads = Literal["table", "range"]
+EXPERT_READS: tuple[str, ...] = get_args(ExpertReads)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,12 @@ class EngineConfig:
     # Decode steps with experts missing: piecewise graphs with each MoE layer's misses loaded between its pieces
     # (the default: graph speed plus the link), or eager over the padded rows (the slow reference).
     offload_exec: OffloadExec = "piecewise"
+    # How piecewise steps' GEMMs find a layer's experts: through the pool's slot table into the slot window
+    # ("table": a miss is ready once its copy is issued; its range is mapped beside, off the step's path), or
+    # through the experts' ranges ("range": each miss waits for its map calls). "table" needs the slot window
+    # (expert_map_in="beside_copy"); None = "table" where there is one. Eager steps and whole-step graphs read the
+    # ranges either way.
+    expert_reads: ExpertReads | None = None
     # Piecewise steps: MoE layers ahead of the current one whose experts start loading while it computes (0: none;
     # 2: FluxMoE's two-layer window). Forced routes are known ahead; live ones are guessed from the last step.
     expert_lookahead_layers: int = 0
@@ -108,6 +117,12 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.expert_publish must be one of {PUBLISH}, got {self.expert_publish!r}")
         if self.offload_exec not in OFFLOAD_EXEC:
             raise ConfigError(f"EngineConfig.offload_exec must be one of {OFFLOAD_EXEC}, got {self.offload_exec!r}")
+        if self.expert_reads is not None and self.expert_reads not in EXPERT_READS:
+            raise ConfigError(f"EngineConfig.expert_reads must be one of {EXPERT_READS}, got {self.expert_reads!r}")
+        if self.expert_reads == "table" and self.expert_map_in != "beside_copy":
+            raise ConfigError(f"EngineConfig.expert_reads='table' reads the slot window, which "
+                              f"expert_map_in={self.expert_map_in!r} does not build: use expert_map_in='beside_copy' "
+                              "or expert_reads='range'")
         if self.expert_victims not in VICTIM_RULES:
             raise ConfigError(f"EngineConfig.expert_victims must be one of {VICTIM_RULES}, got {self.expert_victims!r}")
         if isinstance(self.expert_lookahead_layers, bool) or not isinstance(self.expert_lookahead_layers, int) \
@@ -189,7 +204,8 @@ class ReferenceEngine:
         else:
             decode_kernel = cfg.decode_kernel
         self.model = MoEModel(spec, weights, self.pool, self.experts, self.cache,
-                              replace(hooks or ModelHooks(), decode_kernel=decode_kernel))
+                              replace(hooks or ModelHooks(), decode_kernel=decode_kernel),
+                              table_reads=cfg.expert_reads != "range" and self.pool.reads.table is not None)
         use_graphs = device.is_cuda if cfg.decode_graphs is None else cfg.decode_graphs
         self.graphs = DecodeGraphs(self.model, device, cfg.graph_max_batch,
                                    min(cfg.graph_max_blocks, cfg.kv_gpu_blocks), capture=device.is_cuda

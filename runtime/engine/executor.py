@@ -4,8 +4,10 @@ Runs in the inference process, on the engine thread. `pick` chooses, per step, b
 graph (every expert resident), the piecewise graphs (experts missing: each MoE layer's misses are made
 resident between its pieces) and eager execution (padded to the graph's bucket where the step fits the
 graph's buffers, so which executor runs never changes a bit), and says why with a `Reason`. `PieceResidency`
-is the host work between pieces: the layer's misses loaded as one list (`OnDemandExperts.ensure`), the stream
-ordered after them, their reads recorded, and, as a mode (`lookahead_layers`), the next layers' experts
+is the host work between pieces: the layer's misses loaded as one list (`OnDemandExperts.ensure`; with slot-table
+reads, `EngineConfig.expert_reads="table"`, a miss is ready once its copy is issued, before its range is
+mapped, and the pieces' GEMMs find it through the table), the stream ordered after them, their reads
+recorded, and, as a mode (`lookahead_layers`), the next layers' experts
 started loading while this one computes (FluxMoE's window). Routes come from the forced table's host copy
 when the step is forced (nothing is read back), else from the piece that routed them (one host sync per
 layer); the window's later layers are then predicted by the last step's routes. Never decides placement
@@ -80,6 +82,7 @@ class PieceResidency:
 
     def __init__(self, model: MoEModel, experts: OnDemandExperts, lookahead_layers: int = 0) -> None:
         self.model, self.experts, self.lookahead = model, experts, lookahead_layers
+        self.table = model.table_reads  # the pieces read through the slot table: a miss is ready once issued
         n = len(model.moe_layers)
         self._last: list[list[int] | None] = [None] * n  # last step's routes per MoE layer (the window's guess)
         self._known: list[list[int]] | None = None
@@ -117,7 +120,7 @@ class PieceResidency:
         for q in window:
             soon |= {(self.model.pool_layer[self.model.moe_layers[q]], e) for e in (self._needs(q) or [])}
         self.experts.soon = frozenset(soon)
-        self.experts.ensure(pl, need)
+        self.experts.ensure(pl, need, table=self.table)
         for q in window:
             if q in self._started:
                 continue

@@ -2,8 +2,8 @@
 
 `ensure(layer, experts)` loads every missing expert through the expert loader as one list (`load_many`),
 evicting residents the `victim_order` policy ranks first, ranked once per list (the agent plugs its policy in
-with `set_victim_order`; the default is least-recently-used; `ScanVictimOrder` is the scan rule), never an
-expert the current layer needs, never a pinned one. Hits, misses and the time spent waiting for missing experts
+with `set_victim_order`; the default is least-recently-used; `ScanVictimOrder`, victims.py, is the scan rule),
+never an expert the current layer needs, never a pinned one. Hits, misses and the time spent waiting for missing experts
 (`stalls_ms`, the expert-miss stall) are counted; on a GPU the current stream is ordered after the layer's
 loads (RAW: one wait per list, `ExpertSlotPool.wait_ready`).
 Victims are released, not unmapped (`ExpertSlotPool.release`): the engine thread never waits for the kernels
@@ -25,39 +25,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from tierplan.runtime.engine.victims import ChunkOrder, Key, VictimOrder, lru_victim_order
 from tierplan.runtime.errors import CapacityError, ConfigError
 from tierplan.runtime.future import OpFuture, wait_all
 from tierplan.runtime.memory.slots import ExpertSlotPool, ExpertState
 from tierplan.runtime.transfer import Priority
 from tierplan.runtime.weights.loader import ExpertLoadHandler, StoreKind
-
-Key = tuple[int, int]  # (pool layer, expert)
-VictimOrder = Callable[[list[Key]], list[Key]]
-ChunkOrder = Callable[[int, list[int], int], list[list[int]]]  # (layer, needed ascending, capacity_of) -> groups
-
-
-def lru_victim_order(candidates: list[Key]) -> list[Key]:
-    """The default ranking: candidates already arrive least recently used first."""
-    return candidates
-
-
-class ScanVictimOrder:
-    """A local rule for scans: when the last step asked for more experts than there are slots (every expert is
-    evicted just before it is needed again under LRU), evict the most recently used first, so the experts that
-    stayed resident form a kept subset and the rest stream through the remaining slots; otherwise LRU. An
-    option the engine exposes (EngineConfig.expert_victims="scan") until the agent's policy plugs its own."""
-
-    def __init__(self, experts: OnDemandExperts) -> None:
-        self.experts = experts
-        self.scans = 0  # rankings made most-recently-used first
-
-    def __call__(self, candidates: list[Key]) -> list[Key]:
-        if self.experts.last_union > self.experts.capacity:
-            self.scans += 1
-            return candidates[::-1]
-        return candidates
 
 
 class OnDemandExperts:
@@ -69,6 +44,7 @@ class OnDemandExperts:
         self._num_pinned = 0  # pins made through pin(); each takes a slot away from on-demand use
         self._lru: OrderedDict[Key, None] = OrderedDict()  # least recently used first
         self._inflight: dict[Key, OpFuture] = {}  # loads started by load_async, not yet seen by ensure
+        self._unpublished: dict[Key, OpFuture] = {}  # ensure(table=True)'s loads, maybe not mapped yet
         self.victim_order: VictimOrder = victim_order or lru_victim_order
         self.chunk_order: ChunkOrder | None = None  # None: consecutive runs of capacity_of(layer)
         self.fast_path_layers = 0  # MoE layers computed without ensure (all resident, no host sync)
@@ -151,9 +127,11 @@ class OnDemandExperts:
         self.chunk_order = fn
 
     # ---- what the engine calls --------------------------------------------------------------------
-    def ensure(self, layer: int, experts: list[int]) -> None:
+    def ensure(self, layer: int, experts: list[int], table: bool = False) -> None:
         """Make every listed expert of `layer` resident and order the compute stream after its load. The misses
-        load as one list (`load_many`: one transfer, one future each); loads started ahead are waited for."""
+        load as one list (`load_many`: one transfer, one future each); loads started ahead are waited for.
+        table: the caller reads through the pool's slot table (a piecewise step's GEMMs): a miss is ready once
+        its copy is issued, before its range is mapped, and the table names each listed expert's slot."""
         if len(experts) > self.capacity_of(layer, experts):
             raise CapacityError(f"layer {layer} needs {len(experts)} experts at once; it may hold "
                                 f"{self.capacity_of(layer, experts)} (the pool's free slots and the layer's limit)")
@@ -162,7 +140,7 @@ class OnDemandExperts:
         for e in experts:
             key = (layer, e)
             self._step_keys.add(key)
-            if key in self._inflight or not self.pool.is_resident(layer, e):
+            if key in self._inflight or not self._usable(key, table):
                 missing.append(e)
             else:
                 self.hits += 1
@@ -179,7 +157,7 @@ class OnDemandExperts:
                     else:
                         self.misses += 1
                         todo.append(e)
-                self._load_list(layer, todo, want)
+                self._load_list(layer, todo, want, table)
             finally:
                 self.stalls_ms += (time.perf_counter() - t0) * 1e3
                 self.num_stalls += 1
@@ -187,10 +165,24 @@ class OnDemandExperts:
                 self._lru[(layer, e)] = None
                 self._lru.move_to_end((layer, e))
         t0 = time.perf_counter()
-        self.pool.wait_ready(layer, experts)
+        self.pool.wait_ready(layer, experts, issued_ok=table)
+        if table:
+            self.pool.sync_table(layer, experts)
         self.phase_ms["order"] += (time.perf_counter() - t0) * 1e3
 
-    def _load_list(self, layer: int, experts: list[int], want: set[int]) -> None:
+    def _usable(self, key: Key, table: bool) -> bool:
+        """Whether the expert is resident for this reader: a table reader may read a load of `ensure(table=True)`
+        whose copy is issued; any other reader waits for its publication (a failed one loads again)."""
+        fut = self._unpublished.get(key)
+        if fut is not None:
+            if table and not fut.done():
+                return True
+            del self._unpublished[key]
+            with contextlib.suppress(Exception):  # counted by the loader; the expert is loaded again below
+                fut.wait()
+        return self.pool.is_resident(*key)
+
+    def _load_list(self, layer: int, experts: list[int], want: set[int], table: bool = False) -> None:
         """Free a slot for each of `experts` (victims by the plugged order), then load them as one list."""
         if not experts:
             return
@@ -201,7 +193,11 @@ class OnDemandExperts:
         self._evict_for(layer, want, len(experts) - self.pool.num_free_slots)
         t1 = time.perf_counter()
         loader = self._loader(layer, experts[0])
-        if self.store is StoreKind.PINNED:
+        if self.store is StoreKind.PINNED and table:
+            pub, futs = loader.load_many_issued(layer, experts)  # ready once issued; published later, mapped
+            self._unpublished.update(zip([(layer, e) for e in experts], pub, strict=True))
+            self._own_binds += len(futs)
+        elif self.store is StoreKind.PINNED:
             futs = loader.load_many(layer, experts)
             self._own_binds += len(futs)
         else:
@@ -239,6 +235,7 @@ class OnDemandExperts:
             self.last_union = len(self._step_keys)
         self._step_keys = set()
         self.soon = frozenset()
+        self._unpublished = {k: f for k, f in self._unpublished.items() if not f.done()}
         self.pool.ranges.epoch += 1  # ranges released two steps ago are swept, the last step's kept for reloads
 
     def prefetch(self, layer: int, experts: list[int]) -> int:
@@ -293,8 +290,8 @@ class OnDemandExperts:
         if not same_layer and self.pool.num_free_slots >= free_needed:
             return
         ranked = self._ranked(layer, want, 1, same_layer=same_layer)
-        if not ranked and self._inflight:  # slots held by loads started ahead: once landed they can be evicted
-            for fut in self._inflight.values():
+        if not ranked and (self._inflight or self._unpublished):  # loads in flight: once published, evictable
+            for fut in [*self._inflight.values(), *self._unpublished.values()]:
                 with contextlib.suppress(Exception):  # counted by the loader and whoever started it
                     fut.wait()
             if not same_layer and self.pool.num_free_slots >= free_needed:

@@ -8,8 +8,8 @@ rows do not. Every MoE layer's routes are written into static buffers [L, Bb, k]
 after the replay), and the queries of the layers the attention-mass observer may sample are saved.
 
 Routing inside graphs: the router always runs; a forced-routes table (hooks.py) is gathered through the
-static `trace_rows` buffer and wins where the staged `forced` flag is set, so a forced-routing step replays
-the same graph as a live one.
+static `trace_rows` buffer, once per step for every layer (the first piece does it), and wins where the staged
+`forced` flag is set, so a forced-routing step replays the same graph as a live one.
 
 Two graph kinds per bucket: the whole step (every expert resident: nothing for the host to do mid-step), and
 the step cut at the MoE layers into `model.num_pieces` pieces (piece p = MoE layer p-1's experts through MoE
@@ -63,6 +63,10 @@ class DecodeGraphs:
         n_moe = len(spec.moe_layers)
         self.route_probs = torch.zeros(n_moe, n, max(1, spec.top_k), dtype=torch.float32, device=dev)  # [L, B, k]
         self.route_ids = torch.zeros(n_moe, n, max(1, spec.top_k), dtype=torch.int64, device=dev)  # [L, B, k]
+        # The forced table's rows of the step and the staged flag, gathered once per step by the first piece.
+        self.forced_ids = torch.zeros(n, n_moe, max(1, spec.top_k), dtype=torch.int64, device=dev)  # [B, L, k]
+        self.forced_w = torch.zeros(n, n_moe, max(1, spec.top_k), dtype=torch.float32, device=dev)  # [B, L, k]
+        self.forced_mask = torch.zeros(n, 1, dtype=torch.bool, device=dev)  # [B, 1]
         self._whole: dict[tuple[int, tuple[int, ...]], _Captured | None] = {}  # None: capture failed
         self._pieces: dict[tuple[int, tuple[int, ...]], _Captured | None] = {}
         self._pools = (torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()) if capture else (None, None)
@@ -120,17 +124,33 @@ class DecodeGraphs:
         if not graph_rows:
             return StepRouting(trace_rows=rows, forced=has_table and bool(self._stage_ids[4, 0]))
         return StepRouting(trace_rows=rows if has_table else None,
-                           forced_mask=(self.ids[4, :bb, None] != 0) if has_table else None,
-                           row_src=self.ids[3, :bb], route_out=(self.route_probs[:, :bb], self.route_ids[:, :bb]))
+                           forced_mask=self.forced_mask[:bb] if has_table else None,
+                           row_src=self.ids[3, :bb], route_out=(self.route_probs[:, :bb], self.route_ids[:, :bb]),
+                           forced_rows=(self.forced_ids[:bb], self.forced_w[:bb]) if has_table else None)
+
+    def _gather_forced(self, bb: int) -> None:
+        """The staged rows' routes for every layer and the staged flag, into their static buffers (three kernels
+        a step, where a gather per layer cost a few kernels each)."""
+        table = self.model.forced_routes
+        if table is None:
+            return
+        rows = self.ids[2, :bb]
+        torch.index_select(table.ids, 0, rows, out=self.forced_ids[:bb])
+        torch.index_select(table.weights, 0, rows, out=self.forced_w[:bb])
+        torch.ne(self.ids[4, :bb, None], 0, out=self.forced_mask[:bb])
 
     # ---- pieces ------------------------------------------------------------------------------------
-    def _piece(self, st: FwdState | None, p: int, bb: int, saved_q: dict[int, torch.Tensor]) -> FwdState:
+    def _piece(self, st: FwdState | None, p: int, bb: int, saved_q: dict[int, torch.Tensor],
+               table: bool = False) -> FwdState:
+        """Piece p over the static rows; table: its MoE GEMMs read the slot table, which only the piecewise
+        residency work between pieces keeps in step (the whole step reads the experts' ranges)."""
         m = self.model
         with torch.inference_mode():
             if st is None:
+                self._gather_forced(bb)
                 st = m.start(self.ids[0, :bb], self.ids[1, :bb], self._segments(bb))
             if p:
-                m.finish_moe(st, p - 1, static=True)
+                m.finish_moe(st, p - 1, static=True, table=table)
             m.front(st, p, self._routing(bb, graph_rows=True), QCapture(saved_q))
         return st
 
@@ -139,7 +159,7 @@ class DecodeGraphs:
         for p in range(self.model.num_pieces):
             if p and residency is not None:
                 residency[0](p - 1)
-            st = self._piece(st, p, bb, saved_q)
+            st = self._piece(st, p, bb, saved_q, table=residency is not None)
             if p and residency is not None:
                 residency[1](p - 1)
         assert st is not None
@@ -173,7 +193,7 @@ class DecodeGraphs:
                 g = torch.cuda.CUDAGraph()
                 # thread_local: the transfer engine's threads may sync on their own events meanwhile
                 with torch.cuda.graph(g, pool=self._pools[piecewise], capture_error_mode="thread_local"):
-                    st = self._piece(st, p, bb, saved_q) if piecewise else self._all_pieces(bb, saved_q)
+                    st = self._piece(st, p, bb, saved_q, True) if piecewise else self._all_pieces(bb, saved_q)
                 graphs.append(g)
         except RuntimeError as exc:
             self.capture_failures += 1
@@ -221,7 +241,7 @@ class DecodeGraphs:
             if got.graphs is not None:
                 got.graphs[p].replay()
             else:
-                st = self._piece(st, p, bb, got.saved_q)
+                st = self._piece(st, p, bb, got.saved_q, table=True)
             if p:
                 after_moe(p - 1)
         logits_all = got.logits if got.graphs is not None else (st.logits if st is not None else None)

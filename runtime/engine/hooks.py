@@ -51,10 +51,12 @@ class StepRouting:
     router always runs; where `forced_mask` [N, 1] is set the table's route wins (one captured graph serves
     forced and live steps), and `row_src` [N] gives padding rows a real row's route (so a padded batch needs no
     expert the real rows do not). `route_out` (probs [L, N, k] float32, ids [L, N, k] int64) receives the routes
-    used, for the agent's tap after a replay."""
+    used, for the agent's tap after a replay. `forced_rows` (ids [N, L, k] int64, weights [N, L, k] float32):
+    the table's rows of the step, gathered once for every layer (a step pays one gather, not one per layer)."""
 
     trace_rows: torch.Tensor | None = None  # [N] int64
     forced: bool = False
     forced_mask: torch.Tensor | None = None  # [N, 1] bool
     row_src: torch.Tensor | None = None  # [N] int64
     route_out: tuple[torch.Tensor, torch.Tensor] | None = None
+    forced_rows: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -43,8 +43,12 @@ class FwdState:
 
 class MoEModel:
     def __init__(self, spec: ModelSpec, weights: DenseWeights, pool: ExpertSlotPool, provider: ExpertProvider,
-                 cache: PagedKVCache, hooks: ModelHooks | None = None) -> None:
+                 cache: PagedKVCache, hooks: ModelHooks | None = None, table_reads: bool = False) -> None:
+        """table_reads: static MoE layers (piecewise pieces) read experts through the pool's slot table."""
+        if table_reads and pool.reads.table is None:
+            raise ValueError("MoEModel(table_reads=True) needs a pool with a slot window (its slot table)")
         self.spec, self.w, self.pool, self.provider, self.cache = spec, weights, pool, provider, cache
+        self.table_reads = table_reads
         self.pool_layer = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.moe_layers = sorted(self.pool_layer)
         fmt = expert_format(spec)
@@ -110,16 +114,18 @@ class MoEModel:
         if last:
             st.logits = self._head(st.x, st.segments)
 
-    def finish_moe(self, st: FwdState, p: int, static: bool = False) -> None:
+    def finish_moe(self, st: FwdState, p: int, static: bool = False, table: bool = False) -> None:
         """MoE layer p's routed experts (asked of the provider, unless `static`: the caller made the routed
-        experts resident and ordered, and one grouped GEMM pair over the layer's range reads only those) plus
-        its shared experts, added to the residual."""
+        experts resident and ordered, and one grouped GEMM pair over the layer's range reads only those; with
+        `table` too, through the slot table the caller synced: a piecewise piece) plus its shared experts, added
+        to the residual."""
         i = self.moe_layers[p]
         h, ids, wts = st.h, st.ids, st.wts
         assert h is not None and ids is not None and wts is not None
         n = ids.shape[0]
         out = moe_forward(h[:n], ids, wts, self.views[i], self.pool_layer[i], self.provider,
-                          kernel_rows=h.shape[0] * ids.shape[1], static=static)
+                          kernel_rows=h.shape[0] * ids.shape[1], static=static,
+                          table=static and table and self.table_reads)
         if n < h.shape[0]:
             out = torch.cat([out, out.new_zeros(h.shape[0] - n, out.shape[1])])  # padding rows: no experts
         lw = self.w.layers[i]
@@ -160,11 +166,14 @@ class MoEModel:
         ids, wts = route(h, lw.router, self.spec, out=(probs_out, ids_out), bias=lw.router_bias)
         if r.forced_mask is not None:
             assert table is not None and r.trace_rows is not None
-            f_ids, f_w = table.ids[r.trace_rows, m], table.weights[r.trace_rows, m]  # [N, k]
-            ids = torch.where(r.forced_mask, f_ids, ids)
+            if r.forced_rows is not None:
+                f_ids, f_w = r.forced_rows[0][:, m], r.forced_rows[1][:, m]  # [N, k] views of the step's gather
+            else:
+                f_ids, f_w = table.ids[r.trace_rows, m], table.weights[r.trace_rows, m]  # [N, k]
+            # Three kernels a layer, written in place: the tap's buffers hold the routes used.
+            ids = torch.where(r.forced_mask, f_ids, ids, out=ids_out)
             wts = torch.where(r.forced_mask, f_w, wts)
-            probs_out.copy_(torch.where(r.forced_mask, f_w, probs_out))  # the tap sees the routes used
-            ids_out.copy_(ids)
+            torch.where(r.forced_mask, f_w, probs_out, out=probs_out)
         if r.row_src is not None:
             ids, wts = ids[r.row_src], wts[r.row_src]
         return ids[:n], wts[:n]

@@ -74,7 +74,9 @@ def route(x: torch.Tensor, router: torch.Tensor, spec: ModelSpec,
 
 
 class ExpertViews:
-    """Strided views of one layer's experts inside the slot pool's stable range (built once per layer)."""
+    """Strided views of one layer's experts inside the slot pool's stable range (built once per layer), and, for
+    a pool with a slot window, of every slot in the window with the layer's row of the slot table (`slots`:
+    expert -> slot), which a table reader's GEMM indexes instead of the experts' ranges."""
 
     def __init__(self, pool: ExpertSlotPool, fmt: ExpertFormat, layer: int) -> None:
         gate, up, down = (next(t for t in fmt.tensors if t.name == n) for n in ("gate_proj", "up_proj", "down_proj"))
@@ -88,13 +90,25 @@ class ExpertViews:
         self.gate_up = raw.as_strided((e, 2 * i, h), (es, h, 1), gate.offset_bytes // dt.itemsize)  # [E, 2I, H]
         self.down = raw.as_strided((e, h, i), (es, i, 1), down.offset_bytes // dt.itemsize)  # [E, H, I]
         self.intermediate = i
+        self.ident = torch.arange(e, dtype=torch.int64, device=raw.device)  # [E] expert e at e (the range)
+        window, table = pool.ranges.window, pool.reads.table
+        self.slots = table[layer] if table is not None else None  # [E] int64 on the device
+        self.win_gate_up = self.win_down = None
+        if window is not None:
+            win, s = window.view(dt), pool.num_slots
+            self.win_gate_up = win.as_strided((s, 2 * i, h), (es, h, 1), gate.offset_bytes // dt.itemsize)  # [S,2I,H]
+            self.win_down = win.as_strided((s, h, i), (es, i, 1), down.offset_bytes // dt.itemsize)  # [S, H, I]
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None,
-             triton_gemm: bool = False) -> torch.Tensor:
-    """x [M, K] sorted by expert, w [E, N, K] -> [M, N]; groups given by offs (cumulative) / counts."""
+             triton_gemm: bool = False, slots: torch.Tensor | None = None, table: bool = False) -> torch.Tensor:
+    """x [M, K] sorted by expert, w [E, N, K] -> [M, N]; groups given by offs (cumulative) / counts. slots [E]:
+    group e reads w[slots[e]] (table: w is the slot window [S, N, K]; else the identity over the range)."""
     if triton_gemm:
-        return moe_gemm.grouped_gemm(x, w, offs)
+        return moe_gemm.grouped_gemm(x, w, offs, slots)
+    if table:
+        assert slots is not None
+        w = w.index_select(0, slots)  # [E, N, K]: the CPU twin's torch path (the same bytes as the ranges)
     if HAS_GROUPED_MM:
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     assert counts is not None, "the loop fallback needs the per-expert row counts on the host"
@@ -108,23 +122,27 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[
 
 
 def _expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, intermediate: int,
-                offs: torch.Tensor, counts: list[int] | None, triton_gemm: bool) -> torch.Tensor:
+                offs: torch.Tensor, counts: list[int] | None, triton_gemm: bool, slots: torch.Tensor,
+                table: bool = False) -> torch.Tensor:
     """SwiGLU of sorted rows xs [M, H] through experts gate_up [E', 2I, H] / down [E', H, I] -> [M, H].
     `counts` (host) is only needed where `torch._grouped_mm` is missing; `triton_gemm` picks the Triton
-    grouped GEMM (decided per layer, so every chunk of a layer uses the same kernel)."""
-    gu = _grouped(xs, gate_up, offs, counts, triton_gemm)  # [M, 2I]
+    grouped GEMM (decided per layer, so every chunk of a layer uses the same kernel); slots [E'] say where
+    each group's weights sit (table: in the slot window gate_up [S, 2I, H] / down [S, H, I])."""
+    gu = _grouped(xs, gate_up, offs, counts, triton_gemm, slots, table)  # [M, 2I]
     g, u = gu.split(intermediate, dim=-1)
-    return _grouped(F.silu(g) * u, down, offs, counts, triton_gemm)  # [M, H]
+    return _grouped(F.silu(g) * u, down, offs, counts, triton_gemm, slots, table)  # [M, H]
 
 
 def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views: ExpertViews, layer: int,
-                provider: ExpertProvider, kernel_rows: int | None = None, static: bool = False) -> torch.Tensor:
+                provider: ExpertProvider, kernel_rows: int | None = None, static: bool = False,
+                table: bool = False) -> torch.Tensor:
     """x [T, H], ids/weights [T, k] -> [T, H] (routed experts only).
 
     kernel_rows: the routed rows the GEMM kernel is chosen for (default T*k); a padded batch passes its padded
     count, so it picks the kernel its CUDA-graph twin picks. static: the caller already made every routed expert
     resident and ordered the stream after its load (a piecewise graph): one grouped GEMM pair over the layer's
-    range, which reads only experts with rows (no host sync, no provider call)."""
+    range, which reads only experts with rows (no host sync, no provider call); with `table` the pair reads the
+    slot window through the layer's slot table (the caller synced it: `ensure(table=True)`)."""
     t, k = ids.shape
     e = views.gate_up.shape[0]
     flat = ids.reshape(-1)  # [T*k]
@@ -137,7 +155,13 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
         # Every expert has a slot: one grouped GEMM pair over all experts, offsets on the device, no host sync
         # (CUDA-graph friendly). Per-expert rows are the same as in the chunked path below.
         offs = torch.cumsum(counts_t, 0).to(torch.int32)  # [E]
-        y = _expert_mlp(xs, views.gate_up, views.down, views.intermediate, offs, None, tri)  # [T*k, H]
+        if table and static:
+            assert views.slots is not None and views.win_gate_up is not None and views.win_down is not None
+            y = _expert_mlp(xs, views.win_gate_up, views.win_down, views.intermediate, offs, None, tri, views.slots,
+                            table=True)  # [T*k, H]
+        else:
+            y = _expert_mlp(xs, views.gate_up, views.down, views.intermediate, offs, None, tri, views.ident)
+
         return _combine(y, order, weights, t, k, x.dtype)
     # This host sync also means every earlier layer's GEMMs (all-resident layers record no per-expert
     # readers) have finished before `ensure` below may evict one of their experts.
@@ -156,7 +180,7 @@ def moe_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, views
             sub_counts = counts[e0:e1]
             offs = torch.cumsum(counts_t[e0:e1], 0).to(torch.int32)  # [e1-e0]
             y[r0:r1] = _expert_mlp(xs[r0:r1], views.gate_up[e0:e1], views.down[e0:e1], views.intermediate, offs,
-                                   sub_counts, tri)  # [rows, H]
+                                   sub_counts, tri, views.ident[: e1 - e0])  # [rows, H]
         provider.done_reading(layer, chunk)  # the next chunk may evict these: it must wait for these GEMMs
     return _combine(y, order, weights, t, k, x.dtype)
 

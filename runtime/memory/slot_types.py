@@ -55,6 +55,7 @@ class _Entry:
     mapped: bool = False  # the slot is mapped under the expert's range (LOADING may be reserved only)
     load_order: tuple[object, int] | None = None  # (source, n): the load's place in its source's issue order
     guards: list[Event] | None = None  # LOADING: work still reading the slot's previous expert (the copy follows it)
+    issued: bool = False  # LOADING: its copy is issued (load_event set): slot-table readers may order after it
 
 
 def check_books(entries: list[list[_Entry]], free: list[int], slot_owner: list[tuple[int, int] | None],
@@ -71,33 +72,6 @@ def check_books(entries: list[list[_Entry]], free: list[int], slot_owner: list[t
         n = sum(en.state in (ExpertState.RESIDENT, ExpertState.EVICTING) for en in row)
         assert num_resident[l_] == n, "resident counter disagrees with the entries"
         assert num_bound[l_] == sum(en.slot is not None for en in row), "bound counter disagrees"
-
-
-class ReadyOrder:
-    """Which loads a reader stream is already ordered after (the pool's `wait_ready`). The loads of one source (a
-    loader's copies, issued on one link stream in the order it numbers them) complete in that order, so a stream
-    ordered after load n of a source is ordered after every earlier one: per source, one event to wait for, and
-    none for loads the stream already waited past. Loads without an order are waited for one by one."""
-
-    def __init__(self) -> None:
-        self._upto: dict[tuple[object, object], int] = {}  # (stream, source) -> highest n waited for
-
-    def to_wait(self, stream: object, loads: list[tuple[Event, tuple[object, int] | None]]) -> list[Event]:
-        """The events `stream` must wait for to be ordered after all of `loads` ((event, order) each); records
-        them as waited for (the caller waits right away, under the pool's lock)."""
-        out: list[Event] = []
-        best: dict[object, tuple[int, Event]] = {}
-        for ev, order in loads:
-            if order is None:
-                out.append(ev)
-                continue
-            src, n = order
-            if n > self._upto.get((stream, src), -1) and n > best.get(src, (-1, ev))[0]:
-                best[src] = (n, ev)
-        for src, (n, ev) in best.items():
-            self._upto[(stream, src)] = n
-            out.append(ev)
-        return out
 
 
 class LayerLimits:

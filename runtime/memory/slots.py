@@ -14,7 +14,9 @@ Invariants (each has a test in tests/runtime/test_slots.py):
   I3 RAW: an expert is readable only after its load; `wait_ready` orders the compute stream after the
      load's event, and reading a LOADING or absent expert through `expert_tensor` raises. A load may be
      published while its copy still runs (its event pending): work that reads experts without naming them
-     (an all-resident layer, a CUDA-graph replay) calls `wait_published` first.
+     (an all-resident layer, a CUDA-graph replay) calls `wait_published` first. Readers through the slot table
+     (slot_reads.py; pools with a slot window) may read a LOADING expert once its copy is issued
+     (`note_issued`): `wait_ready(issued_ok=True)` orders them after the copy, before its range is mapped.
   I4 WAR: a slot is written again only after its reader events, its own load copy and the last pool-wide read
      fence (`record_read_all`) completed. `unmap` waits for them on the host; `release` (the engine's evictions)
      returns at once and hands them to the slot's next load (`load_guards`: the loader's copy waits for them on
@@ -33,7 +35,6 @@ Mechanism only: which expert to load or evict is the caller's decision (agent lo
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,43 +44,24 @@ from tierplan.runtime.device import Device, Event, completed_event
 from tierplan.runtime.errors import BusyError, CapacityError, ConfigError, NotResidentError, PinnedError
 from tierplan.runtime.memory.backend import SlotBackend
 from tierplan.runtime.memory.ranges import POISON_BYTE, ExpertRanges
-from tierplan.runtime.memory.slot_types import ExpertLayout, ExpertState, LayerLimits, ReadyOrder, _Entry, check_books
+from tierplan.runtime.memory.slot_books import SlotBooks
+from tierplan.runtime.memory.slot_reads import SlotReads
+from tierplan.runtime.memory.slot_types import ExpertLayout, ExpertState, _Entry
 
 
-class ExpertSlotPool:
-    """See the module docstring for the contract and invariants."""
+class ExpertSlotPool(SlotBooks):
+    """See the module docstring for the contract and invariants (the books and their queries: slot_books.py)."""
 
     def __init__(self, backend: SlotBackend, device: Device, num_layers: int, num_experts: int, expert_bytes: int,
                  num_slots: int, poison_unmapped: bool = False, scrub_on_unmap: bool = False,
                  slot_window: bool = False) -> None:
-        self.layout = ExpertLayout(num_layers, num_experts, expert_bytes, backend.granularity_bytes)
-        if not num_slots > 0:
-            raise ConfigError(f"num_slots must be > 0, got {num_slots}")
+        super().__init__(ExpertLayout(num_layers, num_experts, expert_bytes, backend.granularity_bytes), num_slots)
         self.backend, self.device = backend, device
-        self.num_slots = num_slots
         self.poison_unmapped, self.scrub_on_unmap = poison_unmapped, scrub_on_unmap
-        self._lock = threading.Lock()
-        self._fence: Event | None = None  # last record_read_all: work that may read any slot
-        self._unsettled: list[Event] = []  # events of published loads whose copy may still run
         self.ranges = ExpertRanges(backend, self.layout, num_slots, poison_unmapped, slot_window)  # chunks, mappings
         self._bases, self._tensors, self._slots = self.ranges.bases, self.ranges.tensors, self.ranges.slots
         self._poison, self._window = self.ranges.poison_chunk, self.ranges.window
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._slot_owner: list[tuple[int, int] | None] = [None] * num_slots
-        self._entries = [[_Entry() for _ in range(num_experts)] for _ in range(num_layers)]
-        self._num_resident = [0] * num_layers  # RESIDENT or EVICTING experts per layer (O(1) queries)
-        self._num_bound = [0] * num_layers  # experts holding a slot (LOADING too): what a layer limit bounds
-        self.limits = LayerLimits(num_layers)  # the agent sets a plan's caps; every prepare_load(s) checks them
-        self.remaps = 0
-        self._guards: dict[int, list[Event]] = {}  # released slot -> work that may still read its old expert
-        self._ready = ReadyOrder()
-        self.ready_waits = 0  # stream waits made by wait_ready (one per list of ordered loads, at most)
-
-    def _entry(self, layer: int, expert: int) -> _Entry:
-        if not (0 <= layer < self.layout.num_layers and 0 <= expert < self.layout.num_experts):
-            raise ConfigError(f"expert ({layer}, {expert}) out of range: layers 0..{self.layout.num_layers - 1}, "
-                              f"experts 0..{self.layout.num_experts - 1}")
-        return self._entries[layer][expert]
+        self.reads = SlotReads(device, num_layers, num_experts, table=slot_window)  # RAW/WAR books, slot table
 
     def layer_tensor(self, layer: int) -> torch.Tensor:
         """The whole stable range of a layer: [E * stride_bytes] uint8. Non-resident parts are poison."""
@@ -96,40 +78,6 @@ class ExpertSlotPool:
         if st is not ExpertState.RESIDENT:
             raise NotResidentError(f"expert ({layer}, {expert}) is {st.value}, not resident")
         return self._view(layer, expert)
-
-    def state(self, layer: int, expert: int) -> ExpertState:
-        return self._entry(layer, expert).state
-
-    def is_resident(self, layer: int, expert: int) -> bool:
-        return self.state(layer, expert) is ExpertState.RESIDENT
-
-    def resident_experts(self, layer: int) -> list[int]:
-        with self._lock:
-            self._entry(layer, 0)
-            return [e for e, en in enumerate(self._entries[layer]) if en.state is ExpertState.RESIDENT]
-
-    def num_resident(self, layer: int) -> int:
-        """Experts of the layer that hold a loaded slot (resident, or resident and being evicted)."""
-        self._entry(layer, 0)
-        return self._num_resident[layer]
-
-    def slot_of(self, layer: int, expert: int) -> int | None:
-        return self._entry(layer, expert).slot
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
-
-    def num_bound(self, layer: int) -> int:
-        """Slots the layer's experts hold: loading, resident or being evicted (its real footprint in slots)."""
-        self._entry(layer, 0)
-        return self._num_bound[layer]
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if I2 or I6 does not hold (cheap; tests and self-checks call it)."""
-        with self._lock:
-            check_books(self._entries, self._free, self._slot_owner, self._num_resident, self._num_bound,
-                        self.num_slots)
 
     @property
     def slot_window(self) -> bool:  # every slot also mapped at its own address (copies need no remap first)
@@ -198,14 +146,6 @@ class ExpertSlotPool:
             self._free = [s for s in self._free if s not in taken]
         return [(picked[e], True) if e in picked else (self._free.pop(), False) for e in experts]
 
-    def _bind_slot_locked(self, layer: int, expert: int, en: _Entry, slot: int, mapped: bool) -> None:
-        """Give the expert `slot` (taken off the free list), which becomes LOADING (the caller checked it may)."""
-        self._slot_owner[slot] = (layer, expert)
-        en.state, en.slot, en.readers, en.mapped = ExpertState.LOADING, slot, [], mapped
-        en.guards = [g for g in self._guards.pop(slot, ()) if not g.query()]
-        self._num_bound[layer] += 1
-        self.remaps += 1
-
     def map_reserved(self, layer: int, expert: int) -> None:
         """Map the slot reserved by `prepare_load(map_now=False)`; any thread may call it (the copy worker). The
         driver calls run outside the pool's lock: the engine thread's queries never wait behind them."""
@@ -243,8 +183,8 @@ class ExpertSlotPool:
                 en.state, en.load_event = ExpertState.RESIDENT, event or completed_event()
                 en.load_order, en.guards = (order if event is not None else None), None
                 self._num_resident[layer] += 1
-                if event is not None:  # kept while still copying (wait_published); done ones dropped here too
-                    self._unsettled = [ev for ev in (*self._unsettled, event) if not ev.query()]
+                if event is not None:  # kept while still copying (wait_published)
+                    self.reads.published(event)
                 return
             self._release_locked(layer, expert, en)
 
@@ -255,7 +195,9 @@ class ExpertSlotPool:
             self._num_resident[layer] -= 1
         # A failed load's guards (readers of the slot's previous expert) go back to the slot: no scrub, no unmap
         # touches it before they end (I4).
-        guards = [g for g in en.guards or () if not g.query()] if en.state is ExpertState.LOADING else []
+        # A slot-table reader of the failed load (its copy was issued) counts as well.
+        guards = [g for g in (*(en.guards or ()), *(en.readers or ()), *([en.load_event] if en.load_event else ()))
+                  if not g.query()] if en.state is ExpertState.LOADING else []
         self._guards[slot] = [*self._guards.get(slot, ()), *guards]
         if guards and en.mapped and not self.scrub_on_unmap:
             self.ranges.defer_unmap(layer, expert, slot, guards)
@@ -271,39 +213,55 @@ class ExpertSlotPool:
             self.ranges.unmap(layer, expert)
         self._free_slot_locked(layer, slot, en)
 
-    def _free_slot_locked(self, layer: int, slot: int, en: _Entry) -> None:
-        self._slot_owner[slot] = None
-        self._num_bound[layer] -= 1
-        self._free.append(slot)
-        en.state, en.slot, en.load_event, en.readers, en.mapped = ExpertState.ABSENT, None, None, None, False
-        en.load_order = en.guards = None
-
-    def wait_ready(self, layer: int, experts: Iterable[int], stream: Any = None) -> None:
-        """Order `stream` after the loads of `experts` (RAW); raises NotResidentError for any not resident. Loads
-        numbered by their source (`complete_load(order=)`) cost one stream wait per list, none when the stream
-        already waited past them; the others one each."""
+    def wait_ready(self, layer: int, experts: Iterable[int], stream: Any = None, issued_ok: bool = False) -> None:
+        """Order `stream` after the loads of `experts` (RAW); raises NotResidentError for any not resident (nor,
+        with issued_ok, LOADING with its copy issued: a slot-table reader). Loads numbered by their source
+        (`complete_load(order=)`) cost one stream wait per list, none when the stream already waited past them;
+        the others one each."""
         with self._lock:
-            loads = []
-            for e in experts:
-                en = self._entry(layer, e)
-                if en.state is not ExpertState.RESIDENT:
-                    raise NotResidentError(f"wait_ready: expert ({layer}, {e}) is {en.state.value}")
-                loads.append((en.load_event, en.load_order))
+            loads = [self._readable_locked(layer, e, issued_ok, "wait_ready") for e in experts]
             # Waited for under the lock: the books say the stream waited, so no other caller may skip it first.
-            for ev in self._ready.to_wait(self.device.stream_key(stream), loads):  # type: ignore[arg-type]
-                self.device.stream_wait(ev, stream)
-                self.ready_waits += 1
+            self.reads.order_after(loads, stream)  # type: ignore[arg-type]
+
+    def _readable_locked(self, layer: int, expert: int, issued_ok: bool, what: str) -> tuple[Event | None, Any]:
+        en = self._entry(layer, expert)
+        if en.state is not ExpertState.RESIDENT and not (issued_ok and en.issued):
+            raise NotResidentError(f"{what}: expert ({layer}, {expert}) is {en.state.value}")
+        return en.load_event, en.load_order
+
+    @property
+    def ready_waits(self) -> int:  # stream waits made by wait_ready (one per list of ordered loads, at most)
+        return self.reads.ready_waits
 
     def wait_published(self, stream: Any = None) -> None:
         """Order `stream` after every published load whose copy may still run (I3 for readers that name no
         experts: an all-resident layer, a graph replay). Cheap when none is: one lock, an empty list."""
-        if not self._unsettled:  # read without the lock: a load published meanwhile is not this reader's
+        if not self.reads.unsettled:  # read without the lock: a load published meanwhile is not this reader's
             return
         with self._lock:
-            pending = [ev for ev in self._unsettled if not ev.query()]
-            self._unsettled = pending
+            pending = list(self.reads.unsettled_now())
         for ev in pending:
             self.device.stream_wait(ev, stream)
+
+    def note_issued(self, layer: int, expert: int, event: Event | None, order: tuple[object, int] | None) -> None:
+        """A LOADING expert's copy is issued (event: its end; None: done, on the CPU twin): slot-table readers
+        may read it once ordered after the event (`wait_ready(issued_ok=True)`), before it is published."""
+        with self._lock:
+            en = self._entry(layer, expert)
+            if en.state is not ExpertState.LOADING:
+                raise BusyError(f"note_issued: expert ({layer}, {expert}) is {en.state.value}, not loading")
+            en.issued, en.load_event = True, event or completed_event()
+            en.load_order = order if event is not None else None
+
+    def sync_table(self, layer: int, experts: Iterable[int]) -> None:
+        """Make the slot table name the slots of `layer`'s `experts` (each resident, or loading with its copy
+        issued) for the kernels queued next on the current stream (engine thread)."""
+        with self._lock:
+            pairs = []
+            for e in experts:
+                self._readable_locked(layer, e, True, "sync_table")
+                pairs.append((e, self._entries[layer][e].slot))
+        self.reads.write_table(layer, pairs)  # type: ignore[arg-type]
 
     def record_read(self, layer: int, experts: Iterable[int], event: Event) -> None:
         """Remember that work ending at `event` reads these experts (WAR protection for their slots)."""
@@ -311,7 +269,7 @@ class ExpertSlotPool:
         with self._lock:
             entries = [self._entry(layer, e) for e in experts]
             for e, en in zip(experts, entries, strict=True):  # validate all first: a refusal records nothing
-                if en.state is not ExpertState.RESIDENT:
+                if en.state is not ExpertState.RESIDENT and not en.issued:  # issued: a slot-table reader's
                     raise NotResidentError(f"record_read: expert ({layer}, {e}) is {en.state.value}")
             for en in entries:  # pruned when four pile up, not per read (each query is a driver call)
                 en.readers = [r for r in en.readers if not r.query()] if len(en.readers or ()) >= 4 else en.readers
@@ -321,7 +279,7 @@ class ExpertSlotPool:
         """Work ending at `event` may read any resident expert (a step that skipped per-expert bookkeeping, a graph
         replay): no slot is reused before it ends."""
         with self._lock:  # an eviction checks then clears the fence under the lock: a new one must not slip between
-            self._fence = event
+            self.reads.fence = event
 
     def _evictable_locked(self, layer: int, expert: int, what: str) -> tuple[_Entry, list[Event]]:
         """The entry of a resident, unpinned expert and the events of the work that may still read its slot."""
@@ -331,11 +289,9 @@ class ExpertSlotPool:
             raise err(f"{what}: expert ({layer}, {expert}) is {en.state.value}")
         if en.pinned:
             raise PinnedError(f"{what}: expert ({layer}, {expert}) is pinned")
-        if self._fence is not None and self._fence.query():
-            self._fence = None  # done: not queried again for every eviction
         # The load's own copy counts as in flight too: a slot is never reused under a running copy.
         pending = [*(en.readers or []), *([en.load_event] if en.load_event is not None else []),
-                   *([self._fence] if self._fence is not None else [])]
+                   *self.reads.fence_pending()]
         return en, [r for r in pending if not r.query()]
 
     def release(self, layer: int, expert: int) -> None:
@@ -381,23 +337,6 @@ class ExpertSlotPool:
             raise
         with self._lock:
             self._release_locked(layer, expert, en)
-
-    def pin(self, layer: int, expert: int) -> None:
-        with self._lock:
-            en = self._entry(layer, expert)
-            if en.state is not ExpertState.RESIDENT:
-                raise NotResidentError(f"pin: expert ({layer}, {expert}) is {en.state.value}")
-            en.pinned = True
-
-    def unpin(self, layer: int, expert: int) -> None:
-        with self._lock:
-            en = self._entry(layer, expert)
-            if not en.pinned:
-                raise ConfigError(f"unpin: expert ({layer}, {expert}) is not pinned")
-            en.pinned = False
-
-    def is_pinned(self, layer: int, expert: int) -> bool:
-        return self._entry(layer, expert).pinned  # one attribute read: no lock needed
 
     def close(self) -> None:
         """Wait for readers, then release every mapping, slot and reservation (I6)."""

@@ -8,8 +8,9 @@ loosen the comparison: any difference, however small, fails. Nor can it pass by 
 saying why, unless the second run really missed experts (more than the first run's cold loads), spilled
 KV blocks and fetched them back (e.g. `resident_frac=1.0` offloads no expert: nothing was compared).
 `mode` picks how the second run executes decode steps with experts missing (runtime/engine/executor.py):
-piecewise graphs, piecewise with the layer-ahead window, or eager; the check fails when no decode step ran
-on that executor (the mode was not exercised).
+piecewise graphs (GEMMs through the slot table), piecewise with the layer-ahead window, piecewise reading the
+experts' ranges, or eager; the check fails when no decode step ran on that executor (the mode was not
+exercised).
 """
 
 from __future__ import annotations
@@ -72,10 +73,12 @@ class ExactResult:
         return f"exact: max_abs_diff={self.max_abs_diff} tokens_equal={self.tokens_equal} {verdict}"
 
 
-# mode -> (offload_exec, lookahead layers, the executor its decode steps must run on). Eager counts every eager
-# decode step: a model whose attention has no paged decode kernel (MLA) runs its offloaded steps eagerly too.
-MODES = {"piecewise": ("piecewise", 0, Executor.PIECEWISE), "lookahead": ("piecewise", 2, Executor.PIECEWISE),
-         "eager": ("eager", 0, Executor.EAGER)}
+# mode -> (offload_exec, lookahead layers, expert_reads, the executor its decode steps must run on). Eager counts
+# every eager decode step: a model whose attention has no paged decode kernel (MLA) runs its offloaded steps
+# eagerly too. "range": piecewise, its GEMMs reading the experts' ranges instead of the slot table.
+MODES = {"piecewise": ("piecewise", 0, None, Executor.PIECEWISE),
+         "lookahead": ("piecewise", 2, None, Executor.PIECEWISE),
+         "range": ("piecewise", 0, "range", Executor.PIECEWISE), "eager": ("eager", 0, None, Executor.EAGER)}
 
 
 def _decode_steps_on(executor: Executor, steps: Mapping[Executor, int], reasons: Mapping[Reason, int]) -> int:
@@ -95,9 +98,10 @@ def run_exact_check(spec: ModelSpec, resident_frac: float, device: str = "cpu", 
                     workdir: str | Path | None = None, decode_kernel: bool | None = None,
                     decode_graphs: bool | None = None, expert_map_in: MapIn = "beside_copy",
                     expert_poison: bool = False, expert_publish: Publish = "issued",
-                    mode: str = "piecewise") -> ExactResult:
+                    mode: str = "piecewise", expert_store: StoreKind = StoreKind.NVME) -> ExactResult:
     return run_exact_checks(spec, resident_frac, device, num_prompts, max_prompt_len, new_tokens, seed, workdir,
-                            decode_kernel, decode_graphs, expert_map_in, expert_poison, expert_publish, (mode,))[0]
+                            decode_kernel, decode_graphs, expert_map_in, expert_poison, expert_publish, (mode,),
+                            expert_store)[0]
 
 
 def run_exact_checks(spec: ModelSpec, resident_frac: float, device: str = "cpu", num_prompts: int = 3,
@@ -105,8 +109,10 @@ def run_exact_checks(spec: ModelSpec, resident_frac: float, device: str = "cpu",
                      workdir: str | Path | None = None, decode_kernel: bool | None = None,
                      decode_graphs: bool | None = None, expert_map_in: MapIn = "beside_copy",
                      expert_poison: bool = False, expert_publish: Publish = "issued",
-                     modes: Sequence[str] = ("piecewise",)) -> list[ExactResult]:
-    """One all-resident run, then one tight run per mode, each compared with it."""
+                     modes: Sequence[str] = ("piecewise",), expert_store: StoreKind = StoreKind.NVME
+                     ) -> list[ExactResult]:
+    """One all-resident run, then one tight run per mode, each compared with it (its experts loaded from
+    `expert_store`: NVMe by default, pinned host memory for the loads a slot-table read takes before mapping)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, max_prompt_len))]
                for _ in range(num_prompts)]
@@ -128,12 +134,13 @@ def run_exact_checks(spec: ModelSpec, resident_frac: float, device: str = "cpu",
         for mode in modes:
             t0 = time.perf_counter()
             tight_cfg = EngineConfig(
-                resident_frac=resident_frac, expert_store=StoreKind.NVME, block_tokens=bt,
+                resident_frac=resident_frac, expert_store=expert_store, block_tokens=bt,
                 kv_gpu_blocks=per_seq * num_prompts, kv_cpu_blocks=max(1, per_seq * num_prompts // 2),
                 kv_nvme_blocks=per_seq * num_prompts, spill_kv_every_step=True, seed=seed,
                 decode_kernel=decode_kernel, decode_graphs=decode_graphs, workdir=wd / f"tight-{mode}",
                 expert_map_in=expert_map_in, expert_poison=expert_poison, expert_publish=expert_publish,
-                offload_exec=MODES[mode][0], expert_lookahead_layers=MODES[mode][1])  # type: ignore[arg-type]
+                offload_exec=MODES[mode][0], expert_lookahead_layers=MODES[mode][1],  # type: ignore[arg-type]
+                expert_reads=MODES[mode][2] if expert_map_in == "beside_copy" else "range")  # type: ignore[arg-type]
             eng = ReferenceEngine(spec, dev, tight_cfg)
             try:
                 b = eng.generate(prompts, new_tokens)
@@ -145,6 +152,6 @@ def run_exact_checks(spec: ModelSpec, resident_frac: float, device: str = "cpu",
                 steps=a.logits.shape[0], expert_misses_full=a.expert_misses, expert_misses_tight=b.expert_misses,
                 kv_fetches=b.kv_fetches, kv_spills=b.kv_spills, seconds=full_s + time.perf_counter() - t0,
                 mode=mode, executors={e.value: steps[e] for e in Executor},
-                mode_steps=_decode_steps_on(MODES[mode][2], steps, reasons) if graphs_on and resident_frac < 1.0
+                mode_steps=_decode_steps_on(MODES[mode][3], steps, reasons) if graphs_on and resident_frac < 1.0
                 else None))
     return out

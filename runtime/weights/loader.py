@@ -25,40 +25,15 @@ from __future__ import annotations
 
 import itertools
 import threading
-from enum import Enum
-from typing import Any, Literal, get_args
+from typing import Any
 
 from tierplan.runtime.errors import ConfigError, CorruptDataError
 from tierplan.runtime.future import OpFuture
 from tierplan.runtime.memory.slots import ExpertSlotPool, ExpertState
 from tierplan.runtime.staging import StagingLease, StagingPool
 from tierplan.runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferHandle, TransferRequest
+from tierplan.runtime.weights.load_modes import PUBLISH, MapIn, Publish, StoreKind, map_in_error
 from tierplan.runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
-
-
-class StoreKind(Enum):
-    PINNED = "pinned"
-    NVME = "nvme"
-
-
-MapIn = Literal["beside_copy", "before_copy"]
-MAP_IN: tuple[str, ...] = get_args(MapIn)  # the values, for checks and messages
-_OLD_MAP_IN = {"link": "beside_copy", "worker": "before_copy"}  # old names: refused, naming the new ones
-Publish = Literal["done", "issued"]
-PUBLISH: tuple[str, ...] = get_args(Publish)
-
-
-def map_in_error(where: str, value: object) -> str | None:
-    """Why `value` is not a `map_in` (None when it is one); `where` names the setting in the message (may be "").
-    The old names get a message naming their new ones, so a user's config fails loudly instead of meaning
-    something else."""
-    if value in MAP_IN:
-        return None
-    expected, head = " or ".join(map(repr, MAP_IN)), f"{where} " if where else ""
-    if isinstance(value, str) and value in _OLD_MAP_IN:
-        return (f"{head}{value!r} is an old name, no longer accepted: use {_OLD_MAP_IN[value]!r} "
-                f"(expected {expected})")
-    return f"{head}must be one of {expected}, got {value!r}"
 
 
 class _Load:
@@ -67,11 +42,12 @@ class _Load:
     gives the slot back only once the copy no longer writes it. Concluded (published or refused) once, then
     settled (staging freed, no longer in flight) once its copy has ended."""
 
-    __slots__ = ("concluded", "copy_open", "copy_signaled", "error", "event", "expert", "fut", "layer", "lock",
-                 "order", "parts_left", "premapped", "settled", "staging")
+    __slots__ = ("concluded", "copy_open", "copy_signaled", "error", "event", "expert", "fut", "issued", "layer",
+                 "lock", "order", "parts_left", "premapped", "settled", "staging")
 
     def __init__(self, layer: int, expert: int, fut: OpFuture, parts: int) -> None:
         self.layer, self.expert, self.fut = layer, expert, fut
+        self.issued = OpFuture(f"copy of expert ({layer}, {expert}) issued")  # set before fut (or with its error)
         self.staging: StagingLease | None = None
         self.lock = threading.Lock()
         self.parts_left = parts
@@ -223,6 +199,17 @@ class ExpertLoadHandler:
 
     def load_many(self, layer: int, experts: list[int], priority: Priority = Priority.NORMAL,
                   deadline_s: float | None = None) -> list[OpFuture]:
+        return [ld.fut for ld in self._load_many(layer, experts, priority, deadline_s)]
+
+    def load_many_issued(self, layer: int, experts: list[int], priority: Priority = Priority.NORMAL,
+                         deadline_s: float | None = None) -> tuple[list[OpFuture], list[OpFuture]]:
+        """`load_many`, with a second future per expert, done once its copy is issued (the pool knows the
+        copy's event: `note_issued`), before its range is mapped: a slot-table reader needs no more."""
+        loads = self._load_many(layer, experts, priority, deadline_s)
+        return [ld.fut for ld in loads], [ld.issued for ld in loads]
+
+    def _load_many(self, layer: int, experts: list[int], priority: Priority,
+                   deadline_s: float | None) -> list[_Load]:
         """Load several experts of one layer from the pinned store (a prefetch list), one future each, copied in
         list order. Slots are reserved for all or, if any expert is refused, for none (nothing moves); the copies
         go to the link as one transfer of one segment per expert, so submitting costs a few µs per expert and the
@@ -234,7 +221,7 @@ class ExpertLoadHandler:
             return []
         pinned, n = self.pinned, self.pool.layout.expert_bytes
         loads, dst, dst_offs = self._begin(layer, experts, StoreKind.PINNED)
-        futs = [ld.fut for ld in loads]
+        listed = loads
         guards = self.pool.load_guards(layer, experts)
         segments = [(src_off, off, n) for src_off, off in zip(pinned.offsets(layer, experts), dst_offs, strict=True)]
         if any(guards):  # copies that must wait for a reused slot's readers go last: the rest need not wait
@@ -249,7 +236,7 @@ class ExpertLoadHandler:
             raise
         self._start_maps(loads, priority, deadline_s)
         self._queue_sweep()
-        return futs
+        return listed
 
     def _step(self, ld: _Load, *, copy_issued: bool = False, copy_end: bool = False, map_end: bool = False,
               error: BaseException | None = None, event: Any = None) -> None:
@@ -260,6 +247,9 @@ class ExpertLoadHandler:
         with ld.lock:
             if event is not None:
                 ld.event, ld.order = event, next(self._issued)  # called in issue order, on the link's worker
+            if copy_issued and not ld.issued.done():
+                self.pool.note_issued(ld.layer, ld.expert, ld.event, None if ld.order is None else (self, ld.order))
+                ld.issued.set_result(None)
             if error is not None:
                 if ld.error is None:
                     ld.error = error
@@ -301,6 +291,8 @@ class ExpertLoadHandler:
         error = ld.error
         assert error is not None
         ld.concluded = True
+        if not ld.issued.done():
+            ld.issued.set_result(error)
         try:
             if self.pool.state(ld.layer, ld.expert) is ExpertState.LOADING:
                 self.pool.complete_load(ld.layer, ld.expert, ok=False)

@@ -71,8 +71,8 @@ def _replay(workdir: Path, plan_for: object | None, device: str = "cpu") -> tupl
 
             ensure = eng.experts.ensure
 
-            def ensure_and_sample(layer: int, experts: list[int]) -> None:
-                ensure(layer, experts)
+            def ensure_and_sample(layer: int, experts: list[int], **kw: bool) -> None:
+                ensure(layer, experts, **kw)
                 sample(f"after ensure({layer}, {experts})")
 
             eng.experts.ensure = ensure_and_sample  # type: ignore[method-assign]

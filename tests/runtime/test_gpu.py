@@ -274,7 +274,7 @@ def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, v
     pinned.close()
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "lookahead", "eager"])
+@pytest.mark.parametrize("mode", ["piecewise", "lookahead", "range", "eager"])
 def test_engine_exact_on_cuda_in_each_execution_mode(tmp_path: Path, mode: str) -> None:
     """Piecewise graphs (misses loaded between layers), with the layer-ahead window, and padded eager: the same
     bits as all resident, and the mode really ran."""

@@ -133,7 +133,7 @@ def test_a_padded_eager_step_fetches_experts_only_for_real_rows(tiny, tmp_path: 
     eng = _engine(tiny, tmp_path, "p", decode_graphs=True, resident_frac=0.25, offload_exec="eager")
     seen: list[int] = []
     real = eng.experts.ensure
-    eng.experts.ensure = lambda layer, experts: seen.append(len(experts)) or real(layer, experts)  # type: ignore[method-assign]
+    eng.experts.ensure = lambda layer, experts, **kw: seen.append(len(experts)) or real(layer, experts, **kw)  # type: ignore[method-assign]
     tap = RouterTap(tiny.moe_layers, tiny.num_experts, torch.device("cpu"))
     eng.set_hooks(route_tap=tap)
     eng.generate(PROMPTS[:3], 3)

@@ -11,11 +11,12 @@ import torch
 from tierplan.runtime.device import Device
 from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
 from tierplan.runtime.engine.executor import Executor, Reason
-from tierplan.runtime.engine.experts import OnDemandExperts, ScanVictimOrder
+from tierplan.runtime.engine.experts import OnDemandExperts
 from tierplan.runtime.engine.hooks import ModelHooks
 from tierplan.runtime.engine.presets import preset
 from tierplan.runtime.engine.routing_trace import RoutingTrace
 from tierplan.runtime.engine.runner import ForcedRouter
+from tierplan.runtime.engine.victims import ScanVictimOrder
 from tierplan.runtime.selfcheck.exact import auto_block_tokens, run_exact_check
 
 TRACE = Path(__file__).resolve().parents[2] / "data/routing/flame_moe_290m_sample.npz"
@@ -70,7 +71,7 @@ def test_forced_routes_are_the_ones_used_and_tapped(tiny, tmp_path: Path) -> Non
     eng.close()
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "lookahead", "eager"])
+@pytest.mark.parametrize("mode", ["piecewise", "lookahead", "range", "eager"])
 def test_each_execution_mode_keeps_the_bits_and_really_runs(tiny, tmp_path: Path, mode: str) -> None:
     r = run_exact_check(tiny, 0.5, workdir=tmp_path, num_prompts=2, new_tokens=4, decode_kernel=True,
                         decode_graphs=True, mode=mode)

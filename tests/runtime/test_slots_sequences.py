@@ -169,7 +169,7 @@ def test_wait_published_orders_readers_after_loads_published_while_copying(env, 
     t.join(T)
     assert not t.is_alive() and not errors
     pool.wait_published()  # nothing pending any more: returns at once
-    assert pool._unsettled == []
+    assert pool.reads.unsettled == []
 
 
 def test_all_resident_layers_wait_for_loads_published_while_copying(env, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,12 +195,12 @@ def test_only_loads_still_copying_are_kept_for_wait_published(env, pool) -> None
     for e in range(2):
         pool.prepare_load(0, e)
         pool.complete_load(0, e, True, event=HostEvent(done=True))  # published once its copy was done
-    assert pool._unsettled == []
+    assert pool.reads.unsettled == []
     copying = env.event()
     pool.prepare_load(0, 2)
     pool.complete_load(0, 2, True, event=copying)
-    assert pool._unsettled == [copying]
+    assert pool.reads.unsettled == [copying]
     copying.set()
     pool.prepare_load(0, 3)
     pool.complete_load(0, 3, True, event=HostEvent(done=True))
-    assert pool._unsettled == []
+    assert pool.reads.unsettled == []

@@ -24,12 +24,13 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _grouped_gemm_kernel(x_ptr, w_ptr, offs_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _grouped_gemm_kernel(x_ptr, w_ptr, offs_ptr, slots_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn,
+                             stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              DOT_F32: tl.constexpr, W_ADDR: tl.constexpr):
         if W_ADDR:  # w_ptr is the weights' address as an int64 (its first expert may be unmapped)
             w_ptr = w_ptr.to(tl.pointer_type(x_ptr.dtype.element_ty))
         e = tl.program_id(0)
+        we = tl.load(slots_ptr + e).to(tl.int64)  # where group e's weights sit in w (its slot, or e itself)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < N
         start = tl.load(offs_ptr + e)
@@ -43,7 +44,7 @@ if HAS_TRITON:
                 kmask = k < K
                 a = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :],
                             mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, BK]
-                b = tl.load(w_ptr + e.to(tl.int64) * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None],
+                b = tl.load(w_ptr + we * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None],
                             mask=nmask[None, :] & kmask[:, None], other=0.0)  # [BK, BN]
                 if DOT_F32:
                     a, b = a.to(tl.float32), b.to(tl.float32)
@@ -63,14 +64,20 @@ def usable(x: torch.Tensor, total_rows: int) -> bool:
     return x.is_cuda or (FORCE is True and interpreted())
 
 
-def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [M, K] rows sorted by expert; w [E, N, K] (K contiguous, any expert/row stride); offs [E] int
-    cumulative row ends (as for torch._grouped_mm) -> [M, N] in x's dtype."""
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                 slots: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] rows sorted by expert; w [S, N, K] (K contiguous, any expert/row stride); offs [E] int
+    cumulative row ends (as for torch._grouped_mm); slots [E] int64: group e reads w[slots[e]] (a slot table;
+    None: w[e], E = S) -> [M, N] in x's dtype. Every call indexes through slots (one compiled kernel, whether
+    the weights are read through experts' ranges or the slot window: the same bits)."""
     m, k = x.shape
-    e, n, kw = w.shape
-    if kw != k or w.stride(-1) != 1 or x.stride(-1) != 1 or offs.shape != (e,):
+    s_, n, kw = w.shape
+    e = offs.shape[0] if offs.dim() == 1 else -1
+    if slots is None and e == s_:
+        slots = torch.arange(e, dtype=torch.int64, device=x.device)
+    if kw != k or w.stride(-1) != 1 or x.stride(-1) != 1 or slots is None or slots.shape != (e,):
         raise ValueError(f"grouped_gemm: bad shapes/strides x={tuple(x.shape)} w={tuple(w.shape)} "
-                         f"offs={tuple(offs.shape)}")
+                         f"offs={tuple(offs.shape)} slots={None if slots is None else tuple(slots.shape)}")
     bounds = torch.zeros(e + 1, dtype=torch.int32, device=x.device)  # [E+1] row starts, then the end
     bounds[1:] = offs
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -82,7 +89,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.
     # layer's range may have its first experts absent (unmapped) while only routed experts are read.
     addr = w.is_cuda and not interpreted()
     _grouped_gemm_kernel[(e, triton.cdiv(n, BLOCK_N))](
-        x, w.data_ptr() if addr else w, bounds, out, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        x, w.data_ptr() if addr else w, bounds, slots, out, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_F32=interpreted(), W_ADDR=addr, num_warps=4,
         num_stages=4)
     return out
