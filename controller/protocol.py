@@ -36,6 +36,7 @@ from tierplan.controller.protocol_predictor import (  # noqa: F401 - re-exported
 from tierplan.controller.validation import (  # noqa: F401 - parse, to_json, ProtocolError are this module's API too
     MAX_EXPERTS,
     MAX_FALLBACK_NAMES,
+    MAX_ID_CHARS,
     MAX_ITEMS,
     MAX_LAYERS,
     MAX_PAIRS_PER_LAYER,
