@@ -7,7 +7,7 @@ The engine thread only snapshots (one host copy of the counters); the `Outbox` t
 hands it to `sink` (the ServiceLink's queue). KV numbers come from the connector (`add_kv`, any thread,
 counts since its last call, blocks as a level) or, where no connector reports, from vLLM's own scheduler
 stats (`add_engine_kv`, the stat logger's relay). The connector's prefix hits come as reuse events
-(`add_reuse`: prefix hash, age, tier), the KV reuse predictor's input; at most the protocol's MAX_ITEMS a
+(`add_reuse`: prefix hash, age, tier), the KV reuse predictor's input; at most MAX_REUSE_EVENTS_PER_WINDOW a
 window, the rest and any malformed one counted in the fallbacks. vLLM keeps every expert resident, so every
 routed expert is an expert hit. It must never wait on the sidecar or raise into the engine.
 """
@@ -28,6 +28,9 @@ from tierplan.controller.protocol import MAX_ID_CHARS, MAX_ITEMS, Telemetry, Tie
 
 TIERS = tuple(t.value for t in Tier)
 ReuseEvent = tuple[str, float, str]  # prefix hash, seconds since the block was last stored or hit, tier name
+# ~115 bytes of JSON each with vLLM's 64-hex hashes: 8192 keep a window near 1 MB, well under the service's
+# 4 MiB request limit (the protocol's MAX_ITEMS would not be), and equal to what the controller learns from one.
+MAX_REUSE_EVENTS_PER_WINDOW = 8192
 
 
 def _valid_reuse(event: object) -> ReuseEvent | None:
@@ -49,15 +52,18 @@ def _valid_reuse(event: object) -> ReuseEvent | None:
 class KvBook:
     """KV counts of the current window, fed from other threads; `take()` hands them over and starts anew."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_reuse_events: int = MAX_REUSE_EVENTS_PER_WINDOW) -> None:
+        if not 0 <= max_reuse_events <= MAX_ITEMS:
+            raise ValueError(f"KvBook: max_reuse_events must be in 0..{MAX_ITEMS}, got {max_reuse_events}")
+        self.max_reuse_events = max_reuse_events
         self._lock = threading.Lock()
         self._hits: Counter[str] = Counter()
         self._misses: Counter[str] = Counter()
         self._blocks: dict[str, int] = dict.fromkeys(TIERS, 0)
         self._engine: tuple[int, int, int] | None = None  # gpu hits, misses, blocks from vLLM's stats
-        self._reuse: list[ReuseEvent] = []  # this window's, at most MAX_ITEMS (the protocol's bound)
+        self._reuse: list[ReuseEvent] = []  # this window's, at most max_reuse_events
         self.connector_reports = 0
-        self.reuse_events_over_cap = 0  # events past a window's MAX_ITEMS, counted in the windows' fallbacks
+        self.reuse_events_over_cap = 0  # events past a window's max_reuse_events, counted in the fallbacks
         self.reuse_events_bad = 0  # events that could not be a ReuseEvent (no hash, a bad age or tier)
 
     def add_reuse(self, events: Iterable[object]) -> None:
@@ -70,7 +76,7 @@ class KvBook:
             else:
                 good.append(checked)
         with self._lock:
-            room = MAX_ITEMS - len(self._reuse)
+            room = self.max_reuse_events - len(self._reuse)
             self._reuse.extend(good[:room])
             self.reuse_events_over_cap += max(0, len(good) - room)
 

@@ -15,7 +15,7 @@ from tierplan.agent.adapters.vllm.capture import InPlaceRouterTap, ModelShape, R
 from tierplan.agent.adapters.vllm.kv_limits import KvLimits  # noqa: E402
 from tierplan.agent.adapters.vllm.link import VllmAgent  # noqa: E402
 from tierplan.agent.adapters.vllm.settings import VllmPluginSettings  # noqa: E402
-from tierplan.agent.adapters.vllm.windows import KvBook  # noqa: E402
+from tierplan.agent.adapters.vllm.windows import MAX_REUSE_EVENTS_PER_WINDOW, KvBook  # noqa: E402
 from tierplan.controller.protocol import MAX_ITEMS, AckStatus, Plan, Telemetry, Tier, parse, to_json  # noqa: E402
 
 SHAPE = ModelShape(num_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2, expert_bytes=1024, dense_bytes=4096)
@@ -76,10 +76,13 @@ def test_reuse_events_reach_the_window_in_order_and_bad_ones_are_counted(tmp_pat
     assert [e.prefix_hash for e in second.kv.reuse_events] == ["0c11"]  # a window carries only its own
 
 
-def test_a_window_keeps_at_most_the_protocols_bound_and_counts_the_rest() -> None:
+def test_a_window_keeps_at_most_its_bound_and_counts_the_rest() -> None:
     book = KvBook()
-    book.add_reuse([(f"h{i}", 1.0, "cpu") for i in range(MAX_ITEMS - 1)])
+    assert book.max_reuse_events == MAX_REUSE_EVENTS_PER_WINDOW <= MAX_ITEMS  # a window the service accepts
+    book.add_reuse([(f"h{i}", 1.0, "cpu") for i in range(MAX_REUSE_EVENTS_PER_WINDOW - 1)])
     book.add_reuse([("a", 1.0, "cpu"), ("b", 1.0, "cpu"), ("c", 1.0, "cpu")])
     events = book.take_reuse()
-    assert len(events) == MAX_ITEMS and events[-1][0] == "a" and book.reuse_events_over_cap == 2
+    assert len(events) == MAX_REUSE_EVENTS_PER_WINDOW and events[-1][0] == "a" and book.reuse_events_over_cap == 2
     assert book.take_reuse() == ()
+    with pytest.raises(ValueError, match=r"max_reuse_events must be in 0\.\.65536, got 65537"):
+        KvBook(MAX_ITEMS + 1)
