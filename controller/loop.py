@@ -157,9 +157,11 @@ class Controller:
         return self.shadow.active if self.shadow is not None else self.config.predictor
 
     def stats(self) -> dict[str, int]:
-        """Counters of what the controller did with the plan side: issued, refused by an agent, stale acks."""
+        """Counters of what the controller did with the plan side (issued, refused by an agent, stale acks) and
+        with KV reuse events (fed to the reuse predictor, over a window's cap, windows behind the clock)."""
         return {"plans_issued": self.state.issued_version, "plans_rejected": self.plans_rejected,
-                "stale_acks": self.stale_acks, "applied_version": self.state.applied_version()}
+                "stale_acks": self.stale_acks, "applied_version": self.state.applied_version(),
+                **{f"kv_reuse_{k}": v for k, v in self.kv_reuse.stats().items() if k != "windows"}}
 
     # ---- observe ----------------------------------------------------------------------------------------
     def sync_from(self, telemetry: Telemetry) -> AgentRecord:

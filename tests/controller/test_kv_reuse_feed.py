@@ -75,6 +75,7 @@ def test_a_plan_keeps_the_often_reused_prefix_first_and_says_so() -> None:
     assert parse(Plan, to_json(plan)) == plan and plan.schema_version == 3
     assert "KV retention: 2 prefixes kept first, by accesses so far" in plan.reason
     assert ctl.history[-1].reason == plan.reason
+    assert ctl.stats()["kv_reuse_events_fed"] == 5
 
 
 def test_the_fitted_model_orders_the_plans_retention() -> None:
