@@ -33,7 +33,7 @@ class KvReuseConfig:
     horizon_s: float = 600.0  # "reused" means: found again within this long of its last access
     kind: ScorerKind = ScorerKind.LOGISTIC
     min_fit_events: int = 1_000
-    refit_every_events: int = 10_000
+    refit_every_events: int = 25_000  # each refit reads the whole window: the main cost of feeding an event
     window_events: int = 50_000  # resolved events the model is refitted on (the newest)
     max_events_per_window: int = 8_192  # events of one window fed; the rest counted, not learned from
 
@@ -85,7 +85,7 @@ class KvReuseFeed:
         now_s = self._advance(tel.window_end_s)
         fed = events[: self.config.max_events_per_window]
         for ev in fed:
-            self.predictor.observe(now_s, (ev.prefix_hash,), 0)
+            self.predictor.observe(now_s, (ev.prefix_hash,), 0, score=False)
         self.counts["events_fed"] += len(fed)
         self.counts["events_over_cap"] += len(events) - len(fed)
         return len(fed)

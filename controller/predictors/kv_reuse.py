@@ -214,11 +214,13 @@ class KVReusePredictor:
     def num_resolved_reused(self) -> int:
         return self._num_resolved_reused
 
-    def observe(self, arrival_s: float, hash_ids: Sequence[Hashable], input_tokens: int) -> np.ndarray | None:
-        """Probabilities [len(hash_ids)] that each block is reused within the horizon (None before a fit)."""
+    def observe(self, arrival_s: float, hash_ids: Sequence[Hashable], input_tokens: int,
+                score: bool = True) -> np.ndarray | None:
+        """Probabilities [len(hash_ids)] that each block is reused within the horizon (None before a fit, or
+        when `score` is False: a live feed that only learns skips the model's evaluation)."""
         self._advance(arrival_s)
         raw = self._featurizer.observe(arrival_s, hash_ids, input_tokens)  # [B, NUM_RAW]
-        probs = self._scorer.score(raw) if self._scorer is not None and len(hash_ids) else None
+        probs = self._scorer.score(raw) if score and self._scorer is not None and len(hash_ids) else None
         for j, h in enumerate(hash_ids):
             prev = self._last.get(h)
             if prev is not None and not prev[2]:
