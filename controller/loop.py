@@ -6,7 +6,9 @@ feeds the demand models; it decides nothing. `step_next()` forecasts, values eve
 MoE layer: resident slots; KV: GPU blocks; see valuation.py), solves the knapsack exactly (DP by default,
 the HiGHS MILP on request), holds the current split unless the new one is better by the hysteresis margin,
 and emits a `Plan` with the split, pins and eviction orders from the activation frequencies, the local
-transition table and its prefetch byte budget, and a reason naming the top factors in words.
+transition table and its prefetch byte budget, the KV retention order (prefix hashes, most likely reused
+first, from the reuse predictor `sync_from` feeds live: kv_reuse_feed.py; a kept split is re-issued when
+that order moves by `kv_retention_refresh`), and a reason naming the top factors in words.
 An operator's pinned experts are always in the plan's pins (their layers get the slots for them); `predictor`
 picks the forecast's curve source, and a shadow source is scored beside it (controller/curve_shadow.py),
 promoted only when it predicts better.
@@ -247,7 +249,7 @@ class Controller:
                 f"saves {decision.gain_ms:.3g} ms/step, under {floor_ms:.3g} ms ({cfg.hysteresis:.0%} of the step)"
             reason = explain(cur, cur, now.forecast, fc, val, sol, cur_ms, kv_demand) + self._shadow_note()
             if self._retention_moved(retention):  # the split holds; the plan is re-issued for its KV retention
-                return self._issue(cur, fc, sol, f"kept split ({why}): {reason}", val, retention, cur_choice)
+                return self._issue(cur, fc, sol, f"kept split ({why}): {reason}", val, retention, choice)
             now.history.append(Decision(Outcome.HELD, now.plan.version if now.plan else 0, fc.num_windows,
                                         fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"kept ({why}): {reason}",
                                         self._step_ms(val, choice)))
