@@ -24,6 +24,7 @@ from tierplan.controller.protocol import (
     LayerStats,
     Link,
     LinkStats,
+    ReuseEvent,
     Stall,
     StallCause,
     StepTimings,
@@ -271,6 +272,7 @@ class WindowDraft:
     links: dict[str, dict[str, float]]
     stalls: dict[StallCause, tuple[int, float]]
     steps_ms: tuple[int, float, float, float]  # count, mean, p50, p99
+    reuse: tuple[tuple[str, float, str], ...] = ()  # KV reuse events: prefix hash, age in seconds, tier name
 
     def build(self, between_layers: Callable[[], None] | None = None) -> Telemetry:
         """The Telemetry of this window (any thread). The per-layer parts are checked on the arrays at once
@@ -285,7 +287,8 @@ class WindowDraft:
             kv=KVStats(blocks_per_tier={Tier(k): v for k, v in blocks.items()},
                        hits_per_tier={Tier(k): v for k, v in hits.items()},
                        misses_per_tier={Tier(k): v for k, v in misses.items()},
-                       attention_mass=AttentionMassTap.block_mass(self.mass)),
+                       attention_mass=AttentionMassTap.block_mass(self.mass),
+                       reuse_events=tuple(ReuseEvent(prefix_hash=h, age_s=a, tier=Tier(t)) for h, a, t in self.reuse)),
             links=tuple(LinkStats(link=Link(k), bytes=int(v["bytes"]), queue_delay_ms_mean=v["queue_delay_ms_mean"],
                                   queue_delay_ms_max=max(v["queue_delay_ms_max"], v["queue_delay_ms_mean"]))
                         for k, v in self.links.items()),

@@ -6,7 +6,9 @@ feeds the demand models; it decides nothing. `step_next()` forecasts, values eve
 MoE layer: resident slots; KV: GPU blocks; see valuation.py), solves the knapsack exactly (DP by default,
 the HiGHS MILP on request), holds the current split unless the new one is better by the hysteresis margin,
 and emits a `Plan` with the split, pins and eviction orders from the activation frequencies, the local
-transition table and its prefetch byte budget, and a reason naming the top factors in words.
+transition table and its prefetch byte budget, the KV retention order (prefix hashes, most likely reused
+first, from the reuse predictor `sync_from` feeds live: kv_reuse_feed.py; a kept split is re-issued when
+that order moves by `kv_retention_refresh`), and a reason naming the top factors in words.
 An operator's pinned experts are always in the plan's pins (their layers get the slots for them); `predictor`
 picks the forecast's curve source, and a shadow source is scored beside it (controller/curve_shadow.py),
 promoted only when it predicts better.
@@ -21,11 +23,13 @@ from enum import StrEnum
 from tierplan.controller.costmodel import ComputeParams, CostModel, HardwareSpec
 from tierplan.controller.curve_shadow import CurveShadow
 from tierplan.controller.demand import CurveSource, DemandForecast, DemandModel
+from tierplan.controller.kv_reuse_feed import KvReuseConfig, KvReuseFeed, Retention
 from tierplan.controller.model_shape import ModelShape
 from tierplan.controller.optimizer import Action, HysteresisPolicy, SplitHysteresis, solve
 from tierplan.controller.optimizer.problem import SplitSolution, evaluate
 from tierplan.controller.plan_reason import Split, explain
 from tierplan.controller.protocol import (
+    MAX_RETENTION,
     AckStatus,
     ExpertKey,
     Forecast,
@@ -39,6 +43,8 @@ from tierplan.controller.protocol import (
 )
 from tierplan.controller.state import AgentRecord, ControllerState, ModelInfo
 from tierplan.controller.valuation import SplitSpace, Valuation, build_problem
+
+MAX_REASON_CHARS = 4000  # a plan's reason (the protocol allows a little more)
 
 
 class Solver(StrEnum):  # the optimizer's exact solvers (its greedy is a baseline, not offered here)
@@ -73,6 +79,9 @@ class ControllerConfig:
     predictor: CurveSource = CurveSource.MISS_RATIO  # where the forecast's miss curves come from
     shadow_predictor: CurveSource | None = None  # scored beside `predictor` on every window
     auto_promote: bool = False  # the shadow replaces `predictor` once it predicts better (else only reported)
+    kv_reuse: KvReuseConfig = field(default_factory=KvReuseConfig)  # the live KV reuse predictor
+    kv_retention_max: int = 1024  # prefixes a plan's kv_retention lists (also at most the CPU + NVMe blocks)
+    kv_retention_refresh: float = 0.25  # share of the list that must change to re-issue a kept split for it
 
 
 def pinned_by_layer(shape: ModelShape, pinned: tuple[ExpertKey, ...]) -> dict[int, tuple[int, ...]]:
@@ -126,6 +135,7 @@ class Controller:
         self.state = ControllerState(ModelInfo(shape.name, shape.num_layers, shape.num_experts, shape.moe_layers))
         self.cost = CostModel(shape, config.hardware, compute=config.compute)
         self.demand = DemandModel(shape.moe_layers, shape.num_experts, shape.top_k, block_tokens=shape.block_tokens)
+        self.kv_reuse = KvReuseFeed(config.kv_reuse)
         self._now = _Current()
         self.hysteresis = SplitHysteresis(HysteresisPolicy(rel_margin=config.hysteresis,
                                                            cooldown_windows=config.cooldown_windows))
@@ -149,9 +159,11 @@ class Controller:
         return self.shadow.active if self.shadow is not None else self.config.predictor
 
     def stats(self) -> dict[str, int]:
-        """Counters of what the controller did with the plan side: issued, refused by an agent, stale acks."""
+        """Counters of what the controller did with the plan side (issued, refused by an agent, stale acks) and
+        with KV reuse events (fed to the reuse predictor, over a window's cap, windows behind the clock)."""
         return {"plans_issued": self.state.issued_version, "plans_rejected": self.plans_rejected,
-                "stale_acks": self.stale_acks, "applied_version": self.state.applied_version()}
+                "stale_acks": self.stale_acks, "applied_version": self.state.applied_version(),
+                **{f"kv_reuse_{k}": v for k, v in self.kv_reuse.stats().items() if k != "windows"}}
 
     # ---- observe ----------------------------------------------------------------------------------------
     def sync_from(self, telemetry: Telemetry) -> AgentRecord:
@@ -162,6 +174,7 @@ class Controller:
         if self.config.calibrate:
             self.cost.calibrate(telemetry)
         self.demand.observe(telemetry)
+        self.kv_reuse.observe(telemetry)
         self._created_s = max(self._created_s, telemetry.window_end_s)
         self._fresh = True
         return rec
@@ -188,13 +201,14 @@ class Controller:
 
     def forecast_message(self) -> Forecast:
         """The demand forecast as the protocol's `Forecast` (per MoE layer, P(expert needed within the plan's
-        horizon)); KV reuse scores stay empty until a reuse predictor is fed request prefixes."""
+        horizon); KV reuse scores: the live reuse model's probabilities by prefix hash (empty before its fit)."""
         shape, fc = self.config.shape, self.demand.forecast(self.predictor)
         probs = self.demand.need_probs(fc.batch_tokens, self.config.horizon_steps)
         return Forecast(model=shape.name, num_layers=shape.num_layers, num_experts=shape.num_experts,
                         horizon_steps=self.config.horizon_steps, created_s=self._created_s,
                         layers=tuple(LayerForecast(layer=layer, probs=tuple(float(x) for x in probs[m]))
-                                     for m, layer in enumerate(shape.moe_layers)))
+                                     for m, layer in enumerate(shape.moe_layers)),
+                        kv_reuse_scores=self.kv_reuse.reuse_scores())
 
     # ---- decide -----------------------------------------------------------------------------------------
     def _split_of(self, plan: Plan) -> Split:
@@ -229,10 +243,13 @@ class Controller:
         keep = decision.action is Action.KEEP or (cur_ms is not None and decision.gain_ms <= floor_ms)
         choice = cur_choice if keep and cur_choice is not None else decision.choice
         new = Split(tuple(val.slot_counts[m][j] for m, j in enumerate(choice[:-1])), val.kv_blocks[choice[-1]])
+        retention = self.kv_reuse.retention(self._retention_bound())
         if keep and cur is not None:
             why = decision.reason if decision.action is Action.KEEP else \
                 f"saves {decision.gain_ms:.3g} ms/step, under {floor_ms:.3g} ms ({cfg.hysteresis:.0%} of the step)"
             reason = explain(cur, cur, now.forecast, fc, val, sol, cur_ms, kv_demand) + self._shadow_note()
+            if self._retention_moved(retention):  # the split holds; the plan is re-issued for its KV retention
+                return self._issue(cur, fc, sol, f"kept split ({why}): {reason}", val, retention, choice)
             now.history.append(Decision(Outcome.HELD, now.plan.version if now.plan else 0, fc.num_windows,
                                         fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"kept ({why}): {reason}",
                                         self._step_ms(val, choice)))
@@ -240,15 +257,37 @@ class Controller:
         reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand) + self._shadow_note()
         if cur is not None:
             reason += f"; {decision.reason}"
+        return self._issue(new, fc, sol, reason, val, retention, choice)
+
+    def _issue(self, split: Split, fc: DemandForecast, sol: SplitSolution, reason: str, val: Valuation,
+               retention: Retention, choice: tuple[int, ...]) -> Plan:
+        st, now = self.state, self._now
         if st.last_issued_rejected():
             reason = (f"replaces plan {st.issued_version}, rejected by an agent "
                       f"({st.rejected[st.issued_version].value}); {reason}")
-        plan = self._plan(new, fc, sol, reason, val)
+        note = retention.describe()
+        if note:  # the retention clause is kept whole: a long reason gives way before it
+            reason = f"{reason[:MAX_REASON_CHARS - len(note) - 2]}; {note}"
+        plan = self._plan(split, fc, sol, reason, val, retention.hashes)
         self.state.record_issued(plan)
         now.forecast = fc
-        now.history.append(Decision(Outcome.ISSUED, plan.version, fc.num_windows, fc.batch_tokens, kv_demand, new,
-                                    evaluate(val.problem, choice)[0], reason, self._step_ms(val, choice)))
+        now.history.append(Decision(Outcome.ISSUED, plan.version, fc.num_windows, fc.batch_tokens,
+                                    fc.kv_live_blocks, split, evaluate(val.problem, choice)[0], plan.reason,
+                                    self._step_ms(val, choice)))
         return plan
+
+    def _retention_bound(self) -> int:
+        """A plan lists at most what its CPU and NVMe tiers could hold (more could never be kept)."""
+        cfg = self.config
+        return max(0, min(cfg.kv_retention_max, MAX_RETENTION, cfg.kv_cpu_blocks + cfg.kv_nvme_blocks))
+
+    def _retention_moved(self, retention: Retention) -> bool:
+        """Whether the keep-first list changed enough since the current plan's to be worth a plan of its own."""
+        old = set(self._now.plan.kv_retention) if self._now.plan is not None else set()
+        new = set(retention.hashes)
+        if not new and not old:
+            return False
+        return len(old ^ new) >= self.config.kv_retention_refresh * max(len(old), len(new))
 
     def _shadow_note(self) -> str:
         return "" if self.shadow is None else f"; {self.shadow.describe()}"
@@ -268,7 +307,8 @@ class Controller:
             return None
         return (*choice, val.kv_blocks.index(split.kv_blocks))
 
-    def _plan(self, split: Split, fc: DemandForecast, sol: SplitSolution, reason: str, val: Valuation) -> Plan:
+    def _plan(self, split: Split, fc: DemandForecast, sol: SplitSolution, reason: str, val: Valuation,
+              kv_retention: tuple[str, ...] = ()) -> Plan:
         cfg, shape, space = self.config, self.config.shape, self.config.space
         version = self.state.issued_version + 1
         per_layer = dict(zip(shape.moe_layers, split.slots, strict=True))
@@ -291,5 +331,5 @@ class Controller:
                     expert_bytes_per_layer=expert_bytes,
                     kv_blocks_per_tier={Tier.GPU: split.kv_blocks, Tier.CPU: cfg.kv_cpu_blocks,
                                         Tier.NVME: cfg.kv_nvme_blocks},
-                    pinned_experts=tuple(pinned), eviction_priority=tuple(evictions), reason=reason[:4000],
-                    local_predictor=predictor, prefetch_budget_bytes_per_step=budget)
+                    pinned_experts=tuple(pinned), eviction_priority=tuple(evictions), reason=reason[:MAX_REASON_CHARS],
+                    local_predictor=predictor, prefetch_budget_bytes_per_step=budget, kv_retention=kv_retention)

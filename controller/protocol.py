@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
+from tierplan.controller.protocol_kv import MAX_RETENTION, KvRetention  # noqa: F401 - re-exported
 from tierplan.controller.protocol_predictor import (  # noqa: F401 - re-exported: the agent imports only this module
     MAX_TOP_M,
     MAX_UNION_STEPS,
@@ -27,6 +28,7 @@ from tierplan.controller.protocol_predictor import (  # noqa: F401 - re-exported
     TransitionPair,
     TransitionRow,
     check_predictor,
+    check_since,
     check_transitions,
     check_unions,
     check_v2_only,
@@ -34,6 +36,7 @@ from tierplan.controller.protocol_predictor import (  # noqa: F401 - re-exported
 from tierplan.controller.validation import (  # noqa: F401 - parse, to_json, ProtocolError are this module's API too
     MAX_EXPERTS,
     MAX_FALLBACK_NAMES,
+    MAX_ID_CHARS,
     MAX_ITEMS,
     MAX_LAYERS,
     MAX_PAIRS_PER_LAYER,
@@ -55,12 +58,15 @@ from tierplan.controller.validation import (  # noqa: F401 - parse, to_json, Pro
     parse,
     to_json,
 )
+from tierplan.controller.validation import refuse_repeats as _refuse_repeats
 
 # Version 2 (Telemetry, Plan) adds the local predictor: a plan may carry a transition table and a prefetch
 # byte budget per step, telemetry the cross-layer counts it is trained from. Version 1 is still accepted: a
 # version-1 message is exactly a version-2 one without those fields (a sidecar's cached plan, or an agent
-# not yet upgraded, keeps working), so a version-1 message that carries them is refused.
+# not yet upgraded, keeps working), so a version-1 message that carries them is refused. Plan version 3
+# adds the KV retention order (protocol_kv.py) under the same rule.
 SchemaVersion = Literal[1, 2]
+PlanSchemaVersion = Literal[1, 2, 3]
 
 
 class Tier(StrEnum):
@@ -104,15 +110,6 @@ class ProtocolModel(BaseModel):
 class ExpertKey(ProtocolModel):
     layer: LayerIndex
     expert: ExpertIndex
-
-
-def _refuse_repeats(field: str, keys: Sequence[Any], suffix: str = "") -> None:
-    """Refuse the first key seen twice, naming both places: '<field>.<i><suffix>: <key> repeats ...'."""
-    first_at: dict[Any, int] = {}
-    for i, key in enumerate(keys):
-        if key in first_at:
-            raise _invalid(f"{field}.{i}{suffix}", f"{key} repeats {field}.{first_at[key]}{suffix}")
-        first_at[key] = i
 
 
 def _check_layer_rows(rows: Sequence[Any], vector: str, num_layers: int, num_experts: int) -> None:
@@ -300,7 +297,7 @@ class PrefetchItem(ProtocolModel):
 
 
 class Plan(ProtocolModel):
-    schema_version: SchemaVersion = 2
+    schema_version: PlanSchemaVersion = 3
     plan_id: Id
     version: Version
     base_version: Count  # the applied version this plan was built on; the agent rejects it as STALE otherwise
@@ -316,10 +313,13 @@ class Plan(ProtocolModel):
     # v2: the predictor the agent evaluates one MoE layer ahead, and the bytes it may prefetch per engine step
     local_predictor: LocalPredictor | None = None
     prefetch_budget_bytes_per_step: Count = 0
+    kv_retention: KvRetention = ()  # v3: prefix hashes the KV tiers keep first, most likely reused first
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
         check_v2_only(self, ("local_predictor", "prefetch_budget_bytes_per_step"), "plan")
+        check_since(self, 3, ("kv_retention",), "plan")
+        _refuse_repeats("kv_retention", self.kv_retention)
         if self.local_predictor is not None:
             check_predictor(self.local_predictor, len(self.expert_bytes_per_layer))
         if self.version <= self.base_version:

@@ -93,12 +93,19 @@ class LayerUnions(_Part):
         return self
 
 
-def check_v2_only(msg: BaseModel, names: Sequence[str], kind: str) -> None:
-    """A version-1 message must leave every version-2 field at its default (empty, 0 or None)."""
-    if getattr(msg, "schema_version", 2) == 1:
+def check_since(msg: BaseModel, version: int, names: Sequence[str], kind: str) -> None:
+    """A message older than `version` must leave every field added in `version` at its default (empty, 0 or
+    None): an old reader could not parse it."""
+    got = getattr(msg, "schema_version", version)
+    if got < version:
         for name in names:
             if getattr(msg, name):
-                raise _invalid(name, f"needs schema_version 2 (a version-1 {kind} carries no {name})")
+                raise _invalid(name, f"needs schema_version {version} (a version-{got} {kind} carries no {name})")
+
+
+def check_v2_only(msg: BaseModel, names: Sequence[str], kind: str) -> None:
+    """A version-1 message must leave every version-2 field at its default (empty, 0 or None)."""
+    check_since(msg, 2, names, kind)
 
 
 def check_transitions(rows: Sequence[LayerTransitions], num_layers: int, num_experts: int) -> None:

@@ -5,8 +5,9 @@ sidecar registers the agent it serves (`AgentRegistration`: the model's shape, t
 split is made of, so the service can build that agent's controller), posts telemetry in batches
 (`TelemetryBatch`), polls `Plan`s and posts `PlanAck`s (both in protocol.py). Operators tune an agent group
 with `PolicyUpdate`; the service answers with records (`AgentStatus`, `IngestResult`, `PlanRecord`,
-`PolicyRecord`, `DecisionRecord`). Imported by the inference process (sidecar) and the service alike: plain
-data plus validation; it must never import torch, runtime or agent, touch the network or disk, or keep state.
+`PolicyRecord`, `DecisionRecord`); a vLLM rank's stat logger sends its agent `EngineStats`. Imported by
+the inference process (sidecar) and the service alike: plain data plus validation; it must never import
+torch, runtime or agent, touch the network or disk, or keep state.
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ from tierplan.controller.validation import (
 )
 
 MAX_BATCH_WINDOWS = 256  # telemetry windows in one POST; a sidecar sends more as several batches
+
+
+# ---- vLLM's own stats (its stat logger, API server process -> the rank's agent, engine-core process) ----
+class EngineStats(ProtocolModel):
+    """One datagram of vLLM's scheduler and cache stats: counts since the sender's previous datagram, plus
+    the GPU KV blocks in use now (agent/adapters/vllm/stats_inbox.py carries it)."""
+
+    schema_version: Literal[1] = 1
+    engine_index: Count = 0
+    gpu_hit_blocks: Count  # prompt blocks vLLM found in its prefix cache
+    gpu_miss_blocks: Count  # prompt blocks it looked up and did not find
+    gpu_blocks: Count  # KV blocks in use now
+    num_running_reqs: Count = 0
+    num_waiting_reqs: Count = 0
 
 
 # ---- registration (sidecar -> service, once per agent rank and again after a service restart) ----

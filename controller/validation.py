@@ -57,6 +57,15 @@ def _invalid(path: str, detail: str) -> PydanticCustomError:
     return PydanticCustomError(_INVARIANT, "{path}: {detail}", {"path": path, "detail": detail})
 
 
+def refuse_repeats(field: str, keys: Sequence[Any], suffix: str = "") -> None:
+    """Refuse the first key seen twice, naming both places: '<field>.<i><suffix>: <key> repeats ...'."""
+    first_at: dict[Any, int] = {}
+    for i, key in enumerate(keys):
+        if key in first_at:
+            raise _invalid(f"{field}.{i}{suffix}", f"{key} repeats {field}.{first_at[key]}{suffix}")
+        first_at[key] = i
+
+
 M = TypeVar("M", bound=BaseModel)
 
 

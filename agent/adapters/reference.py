@@ -6,14 +6,15 @@ the local policy's prefetches, and a Telemetry window every `window_steps` steps
 thread, built and handed to `sink` (the sidecar's queue, or a list in a test) by the outbox thread. It
 never waits on the network: plans arrive through `apply`. With `local_predictor=True` it also runs the
 plan's layer-ahead predictor on the route hook (agent/local_predictor.py) and adds its window counts (and
-`queue_probe`'s queued KV blocks) to each Telemetry (schema v2).
+`queue_probe`'s queued KV blocks) to each Telemetry (schema v2). A plan's KV retention order (prefix hashes)
+is not followed here, since these KV blocks carry no prefix hash: the ack says so and the windows count it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ class ReferenceAdapter:
         self.sink = sink or self.telemetry.append
         self.outbox = Outbox(self.sink)
         self.steps = 0
+        self.kv_retention_unsupported = 0  # applied plans whose kv_retention this engine could not follow
         self._warm_up(spec.top_k, engine.device.torch_device)
         self.mass_tap.begin_step(0)
         self._last = self._counters()
@@ -88,6 +90,13 @@ class ReferenceAdapter:
         ack = self.enforcer.apply(plan)
         if self.predictor is not None and ack.status is AckStatus.APPLIED:
             self.predictor.install(plan)
+        retention = plan.get("kv_retention") if isinstance(plan, Mapping) else getattr(plan, "kv_retention", ())
+        if ack.status is AckStatus.APPLIED and retention:
+            # Our engine's KV blocks belong to one sequence each and carry no prefix hash, so a keep-first order
+            # of prefix hashes names nothing its spill order ranks: counted and said, never silently dropped.
+            self.kv_retention_unsupported += 1
+            ack = ack.model_copy(update={"reason": f"KV retention of {len(retention)} prefixes not applied: the "
+                                         "reference engine's KV blocks carry no prefix hash"})
         return ack
 
     def on_step(self, batch: object, step_s: float) -> None:
@@ -121,6 +130,8 @@ class ReferenceAdapter:
             out |= {f"local_prefetch_{k}": self.predictor.counts[k] for k in ("skipped_no_slot", "failed")}
         if self.outbox.failed:
             out["telemetry_build_failed"] = self.outbox.failed
+        if self.kv_retention_unsupported:
+            out["plan_kv_retention_unsupported"] = self.kv_retention_unsupported
         return out
 
     def _close_window(self) -> WindowDraft:

@@ -12,7 +12,7 @@ Pure numpy and Python: must never import torch, runtime or agent, and keeps no s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -92,8 +92,8 @@ class BlockFeaturizer:
         self._alpha = reuse_rate_alpha
         self._forget_after_s = forget_after_s
         self._sweep_every = sweep_every
-        self._count: dict[int, int] = {}
-        self._last_s: dict[int, float] = {}
+        self._count: dict[Hashable, int] = {}
+        self._last_s: dict[Hashable, float] = {}
         self._reuse_rate = 0.0
         self._prev_arrival_s: float | None = None
         self._num_requests = 0
@@ -102,10 +102,10 @@ class BlockFeaturizer:
     def num_tracked_blocks(self) -> int:
         return len(self._last_s)
 
-    def last_seen_s(self, block: int) -> float | None:
+    def last_seen_s(self, block: Hashable) -> float | None:
         return self._last_s.get(block)
 
-    def observe(self, arrival_s: float, hash_ids: Sequence[int], input_tokens: int) -> np.ndarray:
+    def observe(self, arrival_s: float, hash_ids: Sequence[Hashable], input_tokens: int) -> np.ndarray:
         """Raw features [len(hash_ids), NUM_RAW] of this request's blocks, then record the request.
 
         Arrivals must not go back in time (the trace loader guarantees it for files).

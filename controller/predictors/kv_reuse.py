@@ -18,7 +18,7 @@ Pure numpy + scikit-learn + LightGBM: must never import torch, runtime or agent,
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from enum import StrEnum
 from typing import Protocol
 
@@ -188,9 +188,10 @@ class KVReusePredictor:
         self._forget_after_s = max(forget_after_s, self.horizon_s)
         self._featurizer = BlockFeaturizer(forget_after_s=self._forget_after_s)
         self._scorer: ReuseScorer | None = None
-        # The last access of each block is its pending (or resolved) event: [time, raw row, resolved].
-        self._last: dict[int, tuple[float, np.ndarray, bool]] = {}
-        self._deadlines: deque[tuple[float, int]] = deque()  # (access time, block), in time order
+        # The last access of each block is its pending (or resolved) event: [time, raw row, resolved]. Blocks are
+        # a trace's int hash ids, or a live agent's prefix hashes (text).
+        self._last: dict[Hashable, tuple[float, np.ndarray, bool]] = {}
+        self._deadlines: deque[tuple[float, Hashable]] = deque()  # (access time, block), in time order
         self._window_raw = np.empty((window_events, NUM_RAW))  # ring buffer [W, NUM_RAW]
         self._window_reused = np.zeros(window_events, dtype=bool)  # [W]
         self._num_resolved = 0
@@ -213,11 +214,13 @@ class KVReusePredictor:
     def num_resolved_reused(self) -> int:
         return self._num_resolved_reused
 
-    def observe(self, arrival_s: float, hash_ids: Sequence[int], input_tokens: int) -> np.ndarray | None:
-        """Probabilities [len(hash_ids)] that each block is reused within the horizon (None before a fit)."""
+    def observe(self, arrival_s: float, hash_ids: Sequence[Hashable], input_tokens: int,
+                score: bool = True) -> np.ndarray | None:
+        """Probabilities [len(hash_ids)] that each block is reused within the horizon (None before a fit, or
+        when `score` is False: a live feed that only learns skips the model's evaluation)."""
         self._advance(arrival_s)
         raw = self._featurizer.observe(arrival_s, hash_ids, input_tokens)  # [B, NUM_RAW]
-        probs = self._scorer.score(raw) if self._scorer is not None and len(hash_ids) else None
+        probs = self._scorer.score(raw) if score and self._scorer is not None and len(hash_ids) else None
         for j, h in enumerate(hash_ids):
             prev = self._last.get(h)
             if prev is not None and not prev[2]:
@@ -233,21 +236,30 @@ class KVReusePredictor:
         return probs
 
     def reuse_scores(self, now_s: float, max_items: int = MAX_ITEMS) -> dict[str, float]:
-        """`Forecast.kv_reuse_scores`: prefix hash (decimal text) -> P(reused within the horizon of its last
+        """`Forecast.kv_reuse_scores`: prefix hash (as text) -> P(reused within the horizon of its last
         access), for blocks last seen within the horizon before `now_s`, the `max_items` most likely.
 
         Blocks idle longer than the horizon are left out: the model predicts nothing for them (the agent ranks
         unscored blocks below every scored one). Empty before the first fit.
         """
+        ranked, fitted = self.rank(now_s, max_items)
+        return dict(ranked) if fitted else {}
+
+    def rank(self, now_s: float, max_items: int = MAX_ITEMS) -> tuple[list[tuple[str, float]], bool]:
+        """The blocks last seen within the horizon before `now_s`, most likely reused first, at most `max_items`
+        of them, with their scores; and whether the scores are the model's probabilities (True) or, before the
+        first fit, accesses so far (the count rule, which needs no training). Ties go to the most recent."""
         self._advance(now_s)
-        if self._scorer is None:
-            return {}
-        live = [(h, row) for h, (t, row, _) in self._last.items() if now_s - t <= self.horizon_s]
+        live = [(h, t, row) for h, (t, row, _) in self._last.items() if now_s - t <= self.horizon_s]
         if not live:
-            return {}
-        probs = self._scorer.score(np.stack([row for _, row in live]))  # [N]
-        keep = np.argsort(-probs, kind="stable")[:max_items]
-        return {str(live[i][0]): float(np.clip(probs[i], 0.0, 1.0)) for i in keep}
+            return [], self._scorer is not None
+        raw = np.stack([row for _, _, row in live])  # [N, NUM_RAW]
+        # Before a fit: the row holds the last access's features, so accesses before it, plus that one.
+        scores = (np.clip(self._scorer.score(raw), 0.0, 1.0) if self._scorer is not None
+                  else raw[:, Raw.COUNT] + 1.0)  # [N]
+        times = np.array([t for _, t, _ in live])  # [N]
+        keep = np.lexsort((-times, -scores))[:max_items]
+        return [(str(live[i][0]), float(scores[i])) for i in keep], self._scorer is not None
 
     def _advance(self, now_s: float) -> None:
         """Time moves to now_s: events whose horizon has passed unreused resolve as not reused."""

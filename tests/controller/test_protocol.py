@@ -146,7 +146,7 @@ def test_round_trip_through_json_text_bytes_and_dict(kind: type) -> None:
     assert parse(kind, text) == msg
     assert parse(kind, text.encode()) == msg
     assert parse(kind, msg.model_dump(mode="json")) == msg
-    assert msg.schema_version == (2 if kind in (Telemetry, Plan) else 1)  # v2: the local predictor
+    assert msg.schema_version == {Telemetry: 2, Plan: 3}.get(kind, 1)  # v2: the local predictor; v3: KV retention
 
 
 def test_rejected_ack_round_trips() -> None:
@@ -273,7 +273,7 @@ CASES = [
     (Telemetry, _set("rank", "3"), "rank: Input should be a valid integer"),
     (Telemetry, _set("expert_hits", 2.0), "expert_hits: Input should be a valid integer"),
     (Forecast, _set("created_s", float("nan")), "created_s: Input should be a finite number"),
-    (Plan, _set("schema_version", 3), "schema_version: Input should be 1 or 2"),
+    (Plan, _set("schema_version", 4), "schema_version: Input should be 1, 2 or 3"),
     (PlanAck, _set("schema_version", 2), "schema_version: Input should be 1"),
 ]
 # fmt: on

@@ -30,7 +30,7 @@ def telemetry_v2() -> dict[str, Any]:
 
 def test_plan_with_a_predictor_round_trips() -> None:
     plan = parse(Plan, plan_v2())
-    assert plan.schema_version == 2 and plan.prefetch_budget_bytes_per_step == 4096
+    assert plan.schema_version == 3 and plan.prefetch_budget_bytes_per_step == 4096  # the newest by default
     assert isinstance(plan.local_predictor, LocalPredictor)
     assert plan.local_predictor.rows[0].next[0] == Successor(expert=1, prob=0.8)
     assert parse(Plan, to_json(plan)) == plan

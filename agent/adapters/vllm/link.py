@@ -5,7 +5,9 @@ connector.
 served step it registers and opens a `ServiceLink` to the sidecar (vLLM has sized its KV cache by then); every
 `window_steps` steps a window goes to the link, and the newest plan the sidecar pushed is applied between
 steps. What vLLM lets us control is the KV tiering of our connector: the plan's CPU and NVMe blocks become the
-`KvLimits` the connector reads (`kv_limits()`, this object is the process's `KvLimitsSource`). The rest is
+`KvLimits` the connector reads (`kv_limits()`, this object is the process's `KvLimitsSource`), with the
+plan's `kv_retention` (the controller's KV reuse predictor's keep-first order of prefix hashes) as their
+`retention`; the connector's prefix hits come back through `report_reuse` as the windows' reuse events. The rest is
 advisory, with the reason in the PlanAck and a count in the windows' fallbacks: vLLM (main) has no expert
 cache, so the expert part (bytes per layer, pins, eviction order, prefetch, local predictor) is not applied,
 and vLLM sizes its GPU KV cache at start-up, so a different GPU block count is not applied either. A plan built
@@ -131,8 +133,9 @@ class VllmAgent:
             if kv.get(tier, cap) > cap:
                 raise PlanRefused(RejectReason.MALFORMED, f"kv_blocks_per_tier.{tier.value}: {kv[tier]} blocks "
                                                           f"exceed the connector's {tier.value} tier of {cap} blocks")
+        # The KV reuse predictor's keep-first order: the connector's own keys, as its reuse events reported them.
         limits = KvLimits(plan_version=plan.version, cpu_blocks=kv.get(Tier.CPU, caps[Tier.CPU]),
-                          nvme_blocks=kv.get(Tier.NVME, caps[Tier.NVME]), retention=())
+                          nvme_blocks=kv.get(Tier.NVME, caps[Tier.NVME]), retention=tuple(plan.kv_retention))
         held = expert_footprint(shape)
         self.counts["plan_expert_part_advisory"] += 1
         advisory = [f"expert part advisory: vLLM has no expert cache and keeps all {shape.num_experts} experts of "
@@ -144,6 +147,9 @@ class VllmAgent:
             self.counts["plan_gpu_kv_advisory"] += 1
             advisory.append(f"GPU KV advisory: vLLM sized its GPU KV cache at start-up ({gpu_blocks} blocks) and "
                             f"cannot resize it to {kv[Tier.GPU]}")
+        if plan.kv_retention:
+            self.counts["plan_kv_retention_applied"] += 1
+            advisory.append(f"KV retention applied: the connector keeps {len(plan.kv_retention)} prefixes first")
         return limits, advisory
 
     def _ack(self, plan: Plan, status: AckStatus, reason: str, code: RejectReason | None = None) -> PlanAck:
@@ -175,6 +181,10 @@ class VllmAgent:
     def report_kv(self, hits_per_tier: dict[str, int], misses_per_tier: dict[str, int],
                   blocks_per_tier: dict[str, int]) -> None:
         self.windows.kv.add(hits_per_tier, misses_per_tier, blocks_per_tier)
+
+    def report_reuse(self, events: list[tuple[str, float, str]]) -> None:
+        """The connector's prefix hits of one step (prefix hash, age in seconds, tier): into the window."""
+        self.windows.kv.add_reuse(events)
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def flush(self, timeout_s: float = 10.0) -> bool:

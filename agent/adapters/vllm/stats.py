@@ -19,8 +19,9 @@ from typing import Any
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from tierplan.agent.adapters.vllm.settings import VllmPluginSettings
-from tierplan.agent.adapters.vllm.stats_inbox import EngineStats, send_stats, stats_socket
+from tierplan.agent.adapters.vllm.stats_inbox import send_stats, stats_socket
 from tierplan.agent.sidecar import default_socket_path
+from tierplan.controller.protocol_service import EngineStats
 
 
 class TierplanStatLogger(StatLoggerBase):

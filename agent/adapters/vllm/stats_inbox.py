@@ -1,8 +1,8 @@
 """vLLM's own scheduler and cache stats, from the stat logger (API server process) to the rank's agent
 (engine-core process), over one unix datagram socket.
 
-`EngineStats` is the datagram (JSON, pydantic, frozen, unknown fields refused): counts since the sender's
-previous datagram, plus the GPU KV blocks in use now. `StatsInbox` (engine-core process, its own daemon
+The datagram is controller.protocol_service's `EngineStats` (JSON; unknown fields refused): counts since the
+sender's previous datagram, plus the GPU KV blocks in use now. `StatsInbox` (engine-core process, its own daemon
 thread) binds the socket and hands each valid datagram to `on_stats`; a malformed one is counted in `bad`.
 `send_stats` (stat logger) never blocks: the socket is non-blocking and a datagram nobody receives (no agent
 yet, a full buffer) is dropped and counted by the caller. Datagrams keep the message whole or not at all, so
@@ -18,21 +18,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
+
+from tierplan.controller.protocol_service import EngineStats
 
 MAX_DATAGRAM_BYTES = 4096
-
-
-class EngineStats(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    schema_version: int = Field(default=1, ge=1, le=1)
-    engine_index: int = Field(default=0, ge=0)
-    gpu_hit_blocks: int = Field(ge=0)  # prompt blocks vLLM found in its prefix cache
-    gpu_miss_blocks: int = Field(ge=0)  # prompt blocks it looked up and did not find
-    gpu_blocks: int = Field(ge=0)  # KV blocks in use now
-    num_running_reqs: int = Field(default=0, ge=0)
-    num_waiting_reqs: int = Field(default=0, ge=0)
 
 
 def send_stats(sock: socket.socket, path: str, stats: EngineStats) -> None:

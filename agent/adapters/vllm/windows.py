@@ -6,36 +6,85 @@ co-occurrence, router entropy, step timings, KV per tier, fallbacks), closed eve
 The engine thread only snapshots (one host copy of the counters); the `Outbox` thread builds the message and
 hands it to `sink` (the ServiceLink's queue). KV numbers come from the connector (`add_kv`, any thread,
 counts since its last call, blocks as a level) or, where no connector reports, from vLLM's own scheduler
-stats (`add_engine_kv`, the stat logger's relay). vLLM keeps every expert resident, so every routed expert
-is an expert hit. It must never wait on the sidecar or raise into the engine.
+stats (`add_engine_kv`, the stat logger's relay). The connector's prefix hits come as reuse events
+(`add_reuse`: prefix hash, age, tier), the KV reuse predictor's input; at most MAX_REUSE_EVENTS_PER_WINDOW a
+window, the rest and any malformed one counted in the fallbacks. vLLM keeps every expert resident, so every
+routed expert is an expert hit. It must never wait on the sidecar or raise into the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from tierplan.agent.adapters.vllm.capture import RouterCapture
 from tierplan.agent.outbox import Outbox
 from tierplan.agent.taps import TelemetryWindow
-from tierplan.controller.protocol import Telemetry, Tier
+from tierplan.controller.protocol import MAX_ID_CHARS, MAX_ITEMS, Telemetry, Tier
 
 TIERS = tuple(t.value for t in Tier)
+ReuseEvent = tuple[str, float, str]  # prefix hash, seconds since the block was last stored or hit, tier name
+# ~115 bytes of JSON each with vLLM's 64-hex hashes: 8192 keep a window near 1 MB, well under the service's
+# 4 MiB request limit (the protocol's MAX_ITEMS would not be), and equal to what the controller learns from one.
+MAX_REUSE_EVENTS_PER_WINDOW = 8192
+
+
+def _valid_reuse(event: object) -> ReuseEvent | None:
+    """The event as the protocol's ReuseEvent fields, or None where it could not be one (counted by the caller:
+    one bad event must not cost the window that carries it)."""
+    try:
+        key, age_s, tier = event  # type: ignore[misc]
+        age_s = float(age_s)
+    except (TypeError, ValueError):
+        return None
+    if (not isinstance(key, str) or not key or len(key) > MAX_ID_CHARS or any(c.isspace() or not c.isprintable()
+                                                                            for c in key)):
+        return None
+    if not (math.isfinite(age_s) and age_s >= 0) or tier not in TIERS:
+        return None
+    return key, age_s, tier
 
 
 class KvBook:
     """KV counts of the current window, fed from other threads; `take()` hands them over and starts anew."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_reuse_events: int = MAX_REUSE_EVENTS_PER_WINDOW) -> None:
+        if not 0 <= max_reuse_events <= MAX_ITEMS:
+            raise ValueError(f"KvBook: max_reuse_events must be in 0..{MAX_ITEMS}, got {max_reuse_events}")
+        self.max_reuse_events = max_reuse_events
         self._lock = threading.Lock()
         self._hits: Counter[str] = Counter()
         self._misses: Counter[str] = Counter()
         self._blocks: dict[str, int] = dict.fromkeys(TIERS, 0)
         self._engine: tuple[int, int, int] | None = None  # gpu hits, misses, blocks from vLLM's stats
+        self._reuse: list[ReuseEvent] = []  # this window's, at most max_reuse_events
         self.connector_reports = 0
+        self.reuse_events_over_cap = 0  # events past a window's max_reuse_events, counted in the fallbacks
+        self.reuse_events_bad = 0  # events that could not be a ReuseEvent (no hash, a bad age or tier)
+
+    def add_reuse(self, events: Iterable[object]) -> None:
+        """The connector's prefix hits of one step: (prefix hash, age in seconds, tier name) each."""
+        good = []
+        for ev in events:
+            checked = _valid_reuse(ev)
+            if checked is None:
+                self.reuse_events_bad += 1
+            else:
+                good.append(checked)
+        with self._lock:
+            room = self.max_reuse_events - len(self._reuse)
+            self._reuse.extend(good[:room])
+            self.reuse_events_over_cap += max(0, len(good) - room)
+
+    def take_reuse(self) -> tuple[ReuseEvent, ...]:
+        """This window's reuse events, in the order reported; the next window starts empty."""
+        with self._lock:
+            out, self._reuse = tuple(self._reuse), []
+        return out
 
     def add(self, hits: dict[str, int], misses: dict[str, int], blocks: dict[str, int]) -> None:
         with self._lock:
@@ -102,7 +151,8 @@ class VllmWindows:
                                         expert_misses=0, plan_version=self.plan_version(),
                                         fallbacks=self._fallbacks())
         expert_hits = int(draft.router.counts.sum())  # every expert is resident in vLLM: each activation hits
-        draft = dataclasses.replace(draft, fields={**draft.fields, "expert_hits": expert_hits})
+        draft = dataclasses.replace(draft, fields={**draft.fields, "expert_hits": expert_hits},
+                                    reuse=self.kv.take_reuse())
         self.steps_in_window = 0
         self.closed += 1
         self.outbox.put(draft)
@@ -110,6 +160,9 @@ class VllmWindows:
     def _fallbacks(self) -> dict[str, int]:
         out = {f"capture_unbound_{k}": v for k, v in self.capture.unbound.items() if v}
         out |= {k: v for k, v in self.fallbacks().items() if v}
+        for name in ("reuse_events_over_cap", "reuse_events_bad"):
+            if getattr(self.kv, name):
+                out[name] = getattr(self.kv, name)
         if self.outbox.failed:
             out["telemetry_build_failed"] = self.outbox.failed
         return out
