@@ -18,14 +18,16 @@ the engine: an error of ours is counted (`agent_errors`) and the engine goes on.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from tierplan.agent.adapters.vllm.capture import RouterCapture
-from tierplan.agent.adapters.vllm.kv_limits import KvLimits, set_source
+from tierplan.agent.adapters.vllm.kv_limits import KvLimits, current_source, set_source
 from tierplan.agent.adapters.vllm.registration import (
     build_registration,
     expert_footprint,
@@ -41,6 +43,7 @@ from tierplan.agent.sidecar import default_socket_path
 from tierplan.controller.protocol import AckStatus, Footprint, Plan, PlanAck, RejectReason, Telemetry, Tier
 
 MAX_REASON_CHARS = 2000
+CONNECTOR_PREFIX = "kv_connector_"  # the connector's failure counts, as fallbacks
 
 
 class PlanRefused(Exception):
@@ -68,11 +71,19 @@ class VllmAgent:
         self.counts: Counter[str] = Counter()  # plans_applied, plans_rejected, *_advisory, agent_errors
         self.last_ack: PlanAck | None = None
         self.last_error = ""
+        # Set when our connector reads the limits or reports in this process: only then does the plan's KV part
+        # bind anything (no connector, another connector, or a scheduler in another process: advisory).
+        self.connector_seen = False
+        self.closed = False
         self.windows = VllmWindows(capture, settings.agent_id, rank, model_id(str(vllm_config.model_config.model)),
                                    settings.window_steps, sink=self._sink, plan_version=lambda: self.applied_version,
                                    fallbacks=self._fallbacks, clock=clock)
         capture.on_step = self.on_step
         set_source(self)
+        # vLLM never tells a plugin it shuts down: at interpreter exit the partial window and the queued ones are
+        # sent (bounded wait) rather than lost uncounted. A weak reference: the hook must not keep a closed agent.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (agent := ref()) is not None and agent.shutdown())
 
     # ---- engine thread, after each forward --------------------------------------------------------------
     def on_step(self, step_s: float, warmup: bool) -> None:
@@ -147,7 +158,12 @@ class VllmAgent:
             self.counts["plan_gpu_kv_advisory"] += 1
             advisory.append(f"GPU KV advisory: vLLM sized its GPU KV cache at start-up ({gpu_blocks} blocks) and "
                             f"cannot resize it to {kv[Tier.GPU]}")
-        if plan.kv_retention:
+        if not self.connector_seen:
+            self.counts["plan_kv_advisory"] += 1
+            advisory.append("KV part advisory: tierplan's connector has not read the limits in this process (it is "
+                            "not configured, another connector is, or its scheduler runs in another process), so "
+                            f"the plan's CPU {limits.cpu_blocks} / NVMe {limits.nvme_blocks} blocks bind nothing yet")
+        elif plan.kv_retention:
             self.counts["plan_kv_retention_applied"] += 1
             advisory.append(f"KV retention applied: the connector keeps {len(plan.kv_retention)} prefixes first")
         return limits, advisory
@@ -166,8 +182,9 @@ class VllmAgent:
                          total_hbm_bytes=sum(experts) + shape.dense_bytes + gpu_bytes)
 
     def _fallbacks(self) -> dict[str, int]:
-        names = ("plan_expert_part_advisory", "plan_gpu_kv_advisory", "agent_errors")
+        names = ("plan_expert_part_advisory", "plan_gpu_kv_advisory", "plan_kv_advisory", "agent_errors")
         out = {n: self.counts[n] for n in names}
+        out.update({n: c for n, c in self.counts.items() if n.startswith(CONNECTOR_PREFIX)})
         out["capture_hook_errors"] = self.capture.hook_errors
         if self.inbox is not None:
             out["engine_stats_bad"] = self.inbox.bad
@@ -176,15 +193,25 @@ class VllmAgent:
     # ---- KvLimitsSource (the connector, any thread): memory only ----------------------------------------
     def kv_limits(self) -> KvLimits | None:
         with self._lock:
+            self.connector_seen = True
             return self._limits
 
     def report_kv(self, hits_per_tier: dict[str, int], misses_per_tier: dict[str, int],
                   blocks_per_tier: dict[str, int]) -> None:
+        self.connector_seen = True
         self.windows.kv.add(hits_per_tier, misses_per_tier, blocks_per_tier)
 
     def report_reuse(self, events: list[tuple[str, float, str]]) -> None:
         """The connector's prefix hits of one step (prefix hash, age in seconds, tier): into the window."""
         self.windows.kv.add_reuse(events)
+
+    def report_failures(self, counts: dict[str, int]) -> None:
+        """The connector's failures of one step (failed or corrupt loads, failed stores, ...): the windows'
+        fallbacks, as `kv_connector_<name>` totals."""
+        with self._lock:
+            for name, n in counts.items():
+                if n:
+                    self.counts[CONNECTOR_PREFIX + str(name)] += int(n)
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -201,9 +228,22 @@ class VllmAgent:
                 "engine_stats": self.inbox.received if self.inbox is not None else 0}
 
     def close(self) -> None:
+        self.closed = True
         self.windows.outbox.close()
         if self.link is not None:
             self.link.close()
         if self.inbox is not None:
             self.inbox.close()
-        set_source(None)
+        if current_source() is self:  # another engine of this process may hold the slot now: leave it alone
+            set_source(None)
+
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """At exit: send what is left (a bounded wait) and close; errors are swallowed (the process is ending)."""
+        if self.closed:
+            return
+        try:
+            self.flush(timeout_s)
+        except Exception as exc:  # nothing left to report to
+            self.last_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.close()

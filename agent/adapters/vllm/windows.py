@@ -65,6 +65,7 @@ class KvBook:
         self.connector_reports = 0
         self.reuse_events_over_cap = 0  # events past a window's max_reuse_events, counted in the fallbacks
         self.reuse_events_bad = 0  # events that could not be a ReuseEvent (no hash, a bad age or tier)
+        self.kv_entries_unknown_tier = 0  # connector report entries under a name that is no Tier
 
     def add_reuse(self, events: Iterable[object]) -> None:
         """The connector's prefix hits of one step: (prefix hash, age in seconds, tier name) each."""
@@ -87,8 +88,11 @@ class KvBook:
         return out
 
     def add(self, hits: dict[str, int], misses: dict[str, int], blocks: dict[str, int]) -> None:
+        """A connector report; an entry under a name that is no tier of ours is left out and counted."""
+        unknown = sum(1 for d in (hits, misses, blocks) for k in d if k not in TIERS)
         with self._lock:
             self.connector_reports += 1
+            self.kv_entries_unknown_tier += unknown
             self._hits.update({k: int(v) for k, v in hits.items() if k in TIERS})
             self._misses.update({k: int(v) for k, v in misses.items() if k in TIERS})
             self._blocks.update({k: int(v) for k, v in blocks.items() if k in TIERS})
@@ -160,7 +164,7 @@ class VllmWindows:
     def _fallbacks(self) -> dict[str, int]:
         out = {f"capture_unbound_{k}": v for k, v in self.capture.unbound.items() if v}
         out |= {k: v for k, v in self.fallbacks().items() if v}
-        for name in ("reuse_events_over_cap", "reuse_events_bad"):
+        for name in ("reuse_events_over_cap", "reuse_events_bad", "kv_entries_unknown_tier"):
             if getattr(self.kv, name):
                 out[name] = getattr(self.kv, name)
         if self.outbox.failed:

@@ -45,6 +45,7 @@ def plan(kv_retention: tuple[str, ...]) -> Plan:
 def test_the_plans_retention_becomes_the_connectors_keep_first_order(tmp_path: Path) -> None:
     agent, _ = make_agent(tmp_path)
     try:
+        agent.report_kv({}, {}, {})  # our connector runs in this process (it reports each step)
         ack = agent.apply(plan(("9f3a", "0c11", "77e0")))
         assert ack.status is AckStatus.APPLIED
         assert agent.kv_limits() == KvLimits(plan_version=1, cpu_blocks=32, nvme_blocks=256,
