@@ -195,3 +195,11 @@ def test_a_bad_setting_stops_register_with_one_line_and_a_retry_after_the_fix_bi
     monkeypatch.setenv("TIERPLAN_VLLM_WINDOW_STEPS", "3")  # fixed; vLLM never calls register() again
     assert LateLoader().load_model(vllm_config=cfg, model_config=cfg.model_config).name == "model"
     assert [s.window_steps for s in bound] == [3]
+
+
+def test_the_stat_logger_refuses_a_bad_setting_in_the_same_one_line(monkeypatch) -> None:
+    monkeypatch.setenv("TIERPLAN_VLLM_GROUP", "my group!")
+    with pytest.raises(SettingsError) as err:
+        TierplanStatLogger(vllm_config(), engine_index=0)
+    assert str(err.value).startswith("tierplan vLLM plugin: TIERPLAN_VLLM_GROUP='my group!': ")
+    assert err.value.__cause__ is None and err.value.__suppress_context__
