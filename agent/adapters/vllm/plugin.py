@@ -1,11 +1,14 @@
 """Hooks tierplan into vLLM's model loading (every vLLM process that loads the plugin; binds where a model loads).
 
-`install(settings)` wraps vLLM's model loaders' `load_model` so that, when the target model has been loaded and
-its weights processed, and before vLLM compiles or warms it up, `on_model_loaded` binds the router capture
-and builds the rank's `VllmAgent` (kept on the model as `_tierplan_agent`). Both are idempotent: a loader
-already wrapped is left alone (vLLM may load plugins more than once per process) and a model already bound
-is not bound twice. A model without MoE layers, a draft model, or a failure of ours leaves vLLM as it was,
-with a warning in vLLM's log that says why: the engine must never fail to serve because of us.
+`install()` wraps vLLM's model loaders' `load_model` so that, when the target model has been loaded and its
+weights processed, and before vLLM compiles or warms it up, `on_model_loaded` checks the rank's
+`AgentRegistration` as the sidecar will see it (a setting the protocol refuses, such as a group with a space,
+is found here, once, not at every step), binds the router capture and builds the rank's `VllmAgent` (kept on
+the model as `_tierplan_agent`). Both are idempotent: a loader already wrapped is left alone (vLLM may load
+plugins more than once per process) and a model already bound is not bound twice. A model without MoE layers, a draft
+model, a registration the protocol refuses, or a failure of ours leaves vLLM as it was, with one warning in
+vLLM's log that says why: the engine must never fail to serve because of us. A bad `TIERPLAN_VLLM_*`
+setting is the one thing that stops vLLM (`refuse`: one line at ERROR, raised as the `SettingsError`).
 """
 
 from __future__ import annotations
@@ -16,11 +19,20 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from tierplan.agent.adapters.vllm.settings import VllmPluginSettings
+from pydantic import ValidationError
+
+from tierplan.agent.adapters.vllm.settings import SettingsError, VllmPluginSettings
 
 logger = logging.getLogger("vllm.tierplan")  # under vLLM's logger: its handlers and level
 MARK = "__tierplan_wrapped__"
 AGENT_ATTR = "_tierplan_agent"
+
+
+def refuse(exc: SettingsError) -> SettingsError:
+    """Log a bad setting's one line at ERROR; the short exception to raise (`from None`: no traceback of ours)."""
+    line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    logger.error("%s", line)
+    return SettingsError(line)
 
 
 def _loader_classes() -> list[type]:
@@ -54,7 +66,10 @@ def _wrap(load_model: Callable[..., Any]) -> Callable[..., Any]:
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
         model_config = kwargs.get("model_config", args[1] if len(args) > 1 else None)
         if vllm_config is not None and model_config is vllm_config.model_config:  # not a draft model
-            settings = VllmPluginSettings.from_env(os.environ)  # SettingsError: vLLM stops, the message names it
+            try:
+                settings = VllmPluginSettings.from_env(os.environ)
+            except SettingsError as exc:  # vLLM stops; the one line names the variable
+                raise refuse(exc) from None
             if settings.enabled:
                 on_model_loaded(model, vllm_config, settings)
         return model
@@ -64,28 +79,50 @@ def _wrap(load_model: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def on_model_loaded(model: Any, vllm_config: Any, settings: VllmPluginSettings) -> Any:
-    """Bind the capture and build the agent; returns the agent, or None (the reason is logged)."""
+    """Check the registration, bind the capture and build the agent; returns the agent, or None (the reason
+    is logged once)."""
     if getattr(model, AGENT_ATTR, None) is not None:
         return getattr(model, AGENT_ATTR)
     try:
         from tierplan.agent.adapters.vllm.capture import RouterCapture
         from tierplan.agent.adapters.vllm.link import VllmAgent
+        from tierplan.agent.adapters.vllm.registration import build_registration
 
         num_layers = int(vllm_config.model_config.get_total_num_hidden_layers())
         max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        capture = RouterCapture.bind(model, num_layers, max_tokens)
+        capture = RouterCapture.survey(model, num_layers, max_tokens, vllm_config)
         if capture is None:
-            logger.warning("tierplan: %s has no MoE layer with a BaseRouter; nothing to capture, the plugin stays "
-                           "idle", vllm_config.model_config.model)
+            logger.warning("tierplan: %s has no MoE layer; nothing to capture, the plugin stays idle",
+                           vllm_config.model_config.model)
             return None
-        agent = VllmAgent(capture, vllm_config, settings, rank=_rank(vllm_config))
+        rank = _rank(vllm_config)
+        try:  # what the sidecar would refuse at the first step; vLLM's KV block count is not known yet
+            build_registration(capture.shape, vllm_config, settings, rank)
+        except ValidationError as exc:
+            logger.warning("tierplan: the agent's registration is refused (%s); vLLM serves without tierplan",
+                           _first_error(exc))
+            return None
+        capture.attach(model)
+        agent = VllmAgent(capture, vllm_config, settings, rank=rank)
     except Exception:  # never the engine's failure
         logger.exception("tierplan: could not bind to the model; vLLM serves without tierplan")
         return None
     setattr(model, AGENT_ATTR, agent)
-    logger.info("tierplan: capture bound to %d MoE layers (unbound: %s); agent %s -> %s",
-                len(capture.shape.moe_layers), dict(capture.unbound) or "none", settings.agent_id, agent.socket_path)
+    if capture.bound_layers == 0:
+        logger.warning("tierplan: no MoE layer of %s can carry the capture (%s); windows carry step and KV "
+                       "numbers only", vllm_config.model_config.model, dict(capture.unbound))
+    logger.info("tierplan: capture bound to %d of %d MoE layers (unbound: %s); agent %s -> %s",
+                capture.bound_layers, len(capture.shape.moe_layers), dict(capture.unbound) or "none",
+                settings.agent_id, agent.socket_path)
     return agent
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    msg = " ".join(str(err["msg"]).split())
+    if not err["loc"]:  # a check across fields: its message names them
+        return f"{exc.title}: {msg}"
+    return f"{exc.title}.{'.'.join(str(p) for p in err['loc'])}={err.get('input')!r}: {msg}"
 
 
 def _rank(vllm_config: Any) -> int:

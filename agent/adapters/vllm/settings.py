@@ -13,19 +13,23 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tierplan.controller.protocol import Id
+
 ENV_PREFIX = "TIERPLAN_VLLM_"
+MESSAGE_PREFIX = "tierplan vLLM plugin: "
 
 
 class SettingsError(ValueError):
-    """A `TIERPLAN_VLLM_*` variable is unknown or malformed (the message names it)."""
+    """A `TIERPLAN_VLLM_*` variable is unknown or malformed: the message is one line that names it."""
 
 
 class VllmPluginSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     enabled: bool = True  # TIERPLAN_VLLM_ENABLED=0: the plugin loads and does nothing (counted in its log line)
+    # the agent id names the sidecar's socket file too: stricter than the protocol's Id
     agent_id: str = Field(default="vllm-0", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")
-    group: str = Field(default="default", min_length=1, max_length=128)
+    group: Id = "default"  # the registration's policy group: what AgentRegistration accepts, checked here
     socket: str = ""  # the sidecar's unix socket; "" = `tierplan sidecar`'s default for this agent id
     window_steps: int = Field(default=16, ge=1, le=1_000_000)  # engine steps per Telemetry window
     max_queued_windows: int = Field(default=1024, ge=1)
@@ -45,15 +49,16 @@ class VllmPluginSettings(BaseModel):
             if not key.startswith(ENV_PREFIX):
                 continue
             if key not in known:
-                raise SettingsError(f"{key}: unknown setting of the tierplan vLLM plugin; known: "
-                                    f"{', '.join(sorted(known))}")
+                raise SettingsError(f"{MESSAGE_PREFIX}{key}: unknown setting; known: {', '.join(sorted(known))}")
             values[known[key]] = value
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
             err = exc.errors()[0]
             name = ENV_PREFIX + str(err["loc"][0]).upper() if err["loc"] else ENV_PREFIX
-            raise SettingsError(f"{name}={values.get(str(err['loc'][0]), '')!r}: {err['msg']}") from None
+            value = values.get(str(err["loc"][0]), "") if err["loc"] else ""
+            msg = " ".join(str(err["msg"]).split())  # one line, whatever pydantic wrote
+            raise SettingsError(f"{MESSAGE_PREFIX}{name}={value!r}: {msg}") from None
 
     def socket_path(self, default_for: str) -> str:
         return self.socket or default_for

@@ -26,7 +26,13 @@ from tierplan.controller.protocol_service import EngineStats
 
 class TierplanStatLogger(StatLoggerBase):
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-        settings = VllmPluginSettings.from_env(os.environ)
+        from tierplan.agent.adapters.vllm.plugin import refuse
+        from tierplan.agent.adapters.vllm.settings import SettingsError
+
+        try:
+            settings = VllmPluginSettings.from_env(os.environ)
+        except SettingsError as exc:  # the same one line as register()'s, no traceback of ours
+            raise refuse(exc) from None
         self.enabled = settings.enabled
         self.vllm_config, self.engine_index = vllm_config, engine_index
         self.path = settings.stats_socket_path(settings.socket_path(default_socket_path(settings.agent_id)))

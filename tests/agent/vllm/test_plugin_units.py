@@ -51,11 +51,12 @@ def plan(version: int, base: int, kv: dict[Tier, int]) -> Plan:
     ({"TIERPLAN_VLLM_WINDOW_STEPS": "four"}, "TIERPLAN_VLLM_WINDOW_STEPS='four'"),
     ({"TIERPLAN_VLLM_WINDOW_STEPS": "0"}, "TIERPLAN_VLLM_WINDOW_STEPS='0'"),
     ({"TIERPLAN_VLLM_AGENT_ID": "has space"}, "TIERPLAN_VLLM_AGENT_ID='has space'"),
+    ({"TIERPLAN_VLLM_GROUP": "my group!"}, "TIERPLAN_VLLM_GROUP='my group!'"),  # AgentRegistration's Id
 ])
 def test_a_bad_or_unknown_setting_is_refused_by_name(env: dict[str, str], named: str) -> None:
     with pytest.raises(SettingsError) as err:
         VllmPluginSettings.from_env({"PATH": "/bin", "TIERPLAN_TOKEN": "not ours", **env})
-    assert named in str(err.value)
+    assert named in str(err.value) and "\n" not in str(err.value)
 
 
 def test_the_kv_part_is_applied_and_the_expert_part_is_advisory_said_in_the_ack(tmp_path: Path) -> None:
@@ -154,3 +155,51 @@ def test_an_error_in_our_step_hook_never_reaches_vllms_forward() -> None:
     cap.on_step = boom
     cap._after_step(torch.nn.Identity(), (), None)  # returns: the forward goes on
     assert cap.hook_errors == 1 and "a bug of ours" in cap.last_error
+
+
+def test_a_bad_setting_stops_register_with_one_line_and_a_retry_after_the_fix_binds(monkeypatch, caplog) -> None:
+    """vLLM marks its plugins loaded before it calls them: the loader wrapper must be in before we refuse."""
+    import logging
+
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from tierplan.agent.adapters.vllm import plugin, register
+
+    class LateLoader(BaseModelLoader):  # a loader class of this process, not wrapped yet
+        def __init__(self) -> None:
+            pass
+
+        def download_model(self, model_config: object) -> None:
+            pass
+
+        def load_weights(self, model: object, model_config: object) -> None:
+            pass
+
+        def load_model(self, vllm_config: object, model_config: object) -> object:
+            return SimpleNamespace(name="model")
+
+    bound = []
+    monkeypatch.setattr(plugin, "on_model_loaded", lambda model, cfg, settings: bound.append(settings))
+    monkeypatch.setenv("TIERPLAN_VLLM_WINDOW_STEPS", "many")
+    with caplog.at_level(logging.ERROR, logger="vllm.tierplan"), pytest.raises(SettingsError) as err:
+        register()
+    line = str(err.value)
+    assert line == "tierplan vLLM plugin: TIERPLAN_VLLM_WINDOW_STEPS='many': Input should be a valid integer, " \
+                   "unable to parse string as an integer"
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [line]
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # no traceback of our internals
+    assert getattr(LateLoader.__dict__["load_model"], plugin.MARK, False)  # wrapped before the refusal
+    cfg = SimpleNamespace(model_config=object())
+    with pytest.raises(SettingsError, match="TIERPLAN_VLLM_WINDOW_STEPS='many'"):
+        LateLoader().load_model(vllm_config=cfg, model_config=cfg.model_config)  # still bad: vLLM stops
+    monkeypatch.setenv("TIERPLAN_VLLM_WINDOW_STEPS", "3")  # fixed; vLLM never calls register() again
+    assert LateLoader().load_model(vllm_config=cfg, model_config=cfg.model_config).name == "model"
+    assert [s.window_steps for s in bound] == [3]
+
+
+def test_the_stat_logger_refuses_a_bad_setting_in_the_same_one_line(monkeypatch) -> None:
+    monkeypatch.setenv("TIERPLAN_VLLM_GROUP", "my group!")
+    with pytest.raises(SettingsError) as err:
+        TierplanStatLogger(vllm_config(), engine_index=0)
+    assert str(err.value).startswith("tierplan vLLM plugin: TIERPLAN_VLLM_GROUP='my group!': ")
+    assert err.value.__cause__ is None and err.value.__suppress_context__

