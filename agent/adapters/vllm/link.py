@@ -19,6 +19,7 @@ the engine: an error of ours is counted (`agent_errors`) and the engine goes on.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 import weakref
@@ -75,6 +76,7 @@ class VllmAgent:
         # bind anything (no connector, another connector, or a scheduler in another process: advisory).
         self.connector_seen = False
         self.closed = False
+        self._retry_open_s = 0.0  # no link open before this clock reading (back-off after a failure)
         self.windows = VllmWindows(capture, settings.agent_id, rank, model_id(str(vllm_config.model_config.model)),
                                    settings.window_steps, sink=self._sink, plan_version=lambda: self.applied_version,
                                    fallbacks=self._fallbacks, clock=clock)
@@ -88,13 +90,25 @@ class VllmAgent:
     # ---- engine thread, after each forward --------------------------------------------------------------
     def on_step(self, step_s: float, warmup: bool) -> None:
         try:
-            if not warmup and self.link is None:
-                self._open()
+            if not warmup and self.link is None and self.clock() >= self._retry_open_s:
+                self._try_open()
             if self.windows.on_step(step_s, warmup):
                 self._take_plan()
         except Exception as exc:  # ours, never the engine's: counted and kept
             self.counts["agent_errors"] += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
+
+    def _try_open(self) -> None:
+        """Open the link; a failure is counted, logged once, and retried with back-off (not every step)."""
+        try:
+            self._open()
+        except Exception as exc:
+            failures = self.counts["link_open_failures"] = self.counts["link_open_failures"] + 1
+            if failures == 1:
+                logging.getLogger("vllm.tierplan").warning(
+                    "tierplan: cannot open the link to the sidecar (%s); retrying with back-off", exc)
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self._retry_open_s = self.clock() + min(60.0, 0.5 * 2 ** min(failures, 7))
 
     def _open(self) -> None:
         reg = build_registration(self.capture.shape, self.vllm_config, self.settings, self.rank)
@@ -185,6 +199,8 @@ class VllmAgent:
         names = ("plan_expert_part_advisory", "plan_gpu_kv_advisory", "plan_kv_advisory", "agent_errors")
         out = {n: self.counts[n] for n in names}
         out.update({n: c for n, c in self.counts.items() if n.startswith(CONNECTOR_PREFIX)})
+        out["link_open_failures"] = self.counts["link_open_failures"]
+        out["capture_discarded_warmup_steps"] = self.capture.discarded_warmup_steps
         out["capture_hook_errors"] = self.capture.hook_errors
         if self.inbox is not None:
             out["engine_stats_bad"] = self.inbox.bad

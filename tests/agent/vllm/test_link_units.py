@@ -77,3 +77,30 @@ def test_connector_report_entries_under_unknown_tier_names_are_counted(tmp_path:
         assert sent[-1].fallbacks["kv_entries_unknown_tier"] == 1
     finally:
         agent.close()
+
+
+def test_a_link_that_cannot_open_is_counted_logged_once_and_retried_with_back_off(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    agent, sent = make_agent(tmp_path)
+    now = [100.0]
+    attempts = []
+
+    def refuse(path: str, registration: object) -> None:
+        attempts.append(now[0])
+        raise OSError("no sidecar here")
+
+    agent._make_link, agent.clock = refuse, lambda: now[0]  # type: ignore[assignment]
+    try:
+        with caplog.at_level("WARNING", logger="vllm.tierplan"):
+            for _ in range(6):  # six steps within the first back-off: one attempt
+                agent.on_step(0.001, False)
+            now[0] += 1.5  # past the first back-off (1 s)
+            for _ in range(2):
+                agent.on_step(0.001, False)
+        agent.windows.flush()
+        assert attempts == [100.0, 101.5]
+        assert sum("cannot open the link" in r.getMessage() for r in caplog.records) == 1
+        assert len(sent) == 4  # the windows went on closing while the link was refused (two steps each)
+        assert sent[-1].fallbacks["link_open_failures"] == 2 and agent.counts["agent_errors"] == 0
+    finally:
+        agent.close()
