@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from tierplan.agent.adapters.vllm.capture import ModelShape
+from tierplan.agent.adapters.vllm.connector_config import ConnectorSettings
 from tierplan.agent.adapters.vllm.settings import VllmPluginSettings
 from tierplan.controller.protocol import Link
 from tierplan.controller.protocol_service import AgentRegistration, HardwareSheet, ShapeSpec, SplitSheet
@@ -35,14 +36,15 @@ def kv_bytes_per_token(vllm_config: Any) -> int:
 
 
 def tier_capacity(vllm_config: Any, settings: VllmPluginSettings) -> tuple[int, int]:
-    """The connector's CPU and NVMe tier capacity in blocks: its own `kv_connector_extra_config`
-    (`cpu_blocks`, `nvme_blocks`) when our connector is configured, else the settings' (no connector: 0, 0)."""
+    """The connector's CPU and NVMe tier capacity in blocks: its own `kv_connector_extra_config` as the connector
+    reads it (`cpu_blocks`, `nvme_blocks`, its defaults where absent) when our connector is configured, else the
+    settings' (no connector: 0, 0)."""
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {}) if ktc is not None else {}
     if ktc is None or getattr(ktc, "kv_connector", None) != "TierplanConnector":
         return settings.kv_cpu_blocks, settings.kv_nvme_blocks
-    return (int(extra.get("cpu_blocks", settings.kv_cpu_blocks)), int(extra.get("nvme_blocks",
-                                                                               settings.kv_nvme_blocks)))
+    ours = ConnectorSettings.parse(extra)  # the connector's own reading, defaults included (ValueError if bad)
+    return ours.cpu_blocks, ours.nvme_blocks
 
 
 def expert_footprint(shape: ModelShape) -> tuple[int, ...]:

@@ -98,7 +98,8 @@ def test_no_sidecar_and_a_broken_link_cost_the_engine_nothing(tmp_path: Path) ->
     agent._make_link = broken
     try:
         agent.on_step(0.001, warmup=False)  # must not raise into vLLM
-        assert agent.counts["agent_errors"] == 1 and "could not be made" in agent.last_error
+        assert agent.counts["link_open_failures"] == 1 and "could not be made" in agent.last_error
+        assert agent.counts["agent_errors"] == 0  # a refused link is the link's count, not an error of ours
     finally:
         agent.close()
 
@@ -140,7 +141,7 @@ def test_the_tiers_capacity_is_our_connectors_own_config_when_it_is_configured()
     assert tier_capacity(cfg, s) == (64, 256)  # no connector: the settings
     cfg.kv_transfer_config = SimpleNamespace(kv_connector="TierplanConnector",
                                              kv_connector_extra_config={"cpu_blocks": 16})
-    assert tier_capacity(cfg, s) == (16, 256)
+    assert tier_capacity(cfg, s) == (16, 0)  # as the connector reads it: no nvme_blocks given, no NVMe tier
     cfg.kv_transfer_config = SimpleNamespace(kv_connector="ExampleConnector", kv_connector_extra_config={})
     assert tier_capacity(cfg, s) == (64, 256)
 
