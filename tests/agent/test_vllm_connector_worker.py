@@ -54,6 +54,7 @@ def test_blocks_stored_on_cpu_and_nvme_load_back_bit_for_bit(worker: KvTierWorke
     worker.register(src)
     ops = (store("a", CPU), store("b", CPU), TierOp(OpKind.MOVE, "a", NVME), store("c", NVME))
     worker.apply(WorkerStep(2, 3, ops=ops, store_blocks={"a": 3, "b": 5, "c": 7}))
+    worker.finish_spills()  # the move of "a" to NVMe runs in the background
     assert worker.blocks_per_tier() == {"cpu": 1, "nvme": 2}
     assert worker.stats.stores_per_tier == {"cpu": 2, "nvme": 1} and worker.stats.moves == 1
     expected = {k: block_bytes(src, b) for k, b in (("a", 3), ("b", 5), ("c", 7))}

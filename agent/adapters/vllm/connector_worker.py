@@ -21,8 +21,9 @@ import torch
 
 from tierplan.agent.adapters.vllm.connector_catalog import STORE_TIERS, OpKind, TierOp
 from tierplan.agent.adapters.vllm.connector_meta import BlockLoad, WorkerReport, WorkerStep
+from tierplan.agent.adapters.vllm.connector_spills import SpillQueue
 from tierplan.runtime.device import Device, DeviceKind
-from tierplan.runtime.errors import CorruptDataError, RuntimeTierError
+from tierplan.runtime.errors import CapacityError, CorruptDataError, RuntimeTierError
 from tierplan.runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
 from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES, align_up
 from tierplan.runtime.transfer import TransferEngine
@@ -66,8 +67,11 @@ class WorkerStats:
     drops: int = 0
     failed_stores: int = 0
     failed_moves: int = 0
-    failed_loads: int = 0
-    corrupt_loads: int = 0
+    failed_loads: int = 0  # every failed load (missing, corrupt, I/O error): vLLM computed the block again
+    corrupt_loads: int = 0  # of those, a checksum mismatch
+    poisoned_stores: int = 0  # stores skipped: computed at or past a failed load of their request
+    overwrites: int = 0  # stores of a key already held (books that lost track of it): the new bytes replaced it
+    spill_waits: int = 0  # stores that had to wait for spills to free room on their tier
     limit_violations: int = 0  # a footprint past the installed limits after an op (the books should make it 0)
     peak_blocks_per_tier: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in STORE_TIERS})
     footprint_checks: int = 0
@@ -89,6 +93,9 @@ class KvTierWorker:
         self._blocks: dict[str, int] = {}  # key -> our runtime's block id
         self._limits = dict(self.capacity)
         self._report = WorkerReport()
+        self.spills = SpillQueue(self._move_done)
+        self._step_failed: set[int] = set()  # vLLM block ids whose load failed this step
+        self._poisoned: dict[str, int] = {}  # this step: request -> first block index of a failed load
         self._engine: TransferEngine | None = None
         self._stores: KVTierStores | None = None
         self.manager: KVBlockManager | None = None
@@ -143,82 +150,139 @@ class KvTierWorker:
             off += n
 
     # ---- one step -----------------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        """A failure counter: in this worker's stats and in the report the scheduler hears this step."""
+        setattr(self.stats, name, getattr(self.stats, name) + n)
+        self._report.counts[name] = self._report.counts.get(name, 0) + n
+
     def load(self, loads: tuple[BlockLoad, ...]) -> None:
-        """Put stored blocks into vLLM's cache; a block missing here or failing its checksum is reported (vLLM
-        computes it again) and a corrupt one is dropped."""
+        """Put the step's stored blocks into vLLM's cache, as one batch. A block missing here or failing its read
+        (its checksum, or any I/O error) is reported (vLLM computes it again), freed and forgotten; a spill of one
+        of them still in flight is finished first."""
         _, manager, handler = self._require()
+        self.spills.poll()
+        self.spills.settle([ld.key for ld in loads])
         for ld in loads:
             bid = self._blocks.get(ld.key)
             if bid is None:
-                self._fail_load(ld, forget=False)
+                self._fail_load(ld)
                 continue
             tier = manager.location(bid).tier
             try:
                 data = handler.read(bid)  # [B], checked against the checksum taken at write
             except CorruptDataError:
-                self.stats.corrupt_loads += 1
-                self._free(ld.key)
-                self._fail_load(ld, forget=True)
+                self._count("corrupt_loads")
+                self._fail_load(ld)
                 continue
             except RuntimeTierError:
-                self._fail_load(ld, forget=False)
+                self._fail_load(ld)
                 continue
             self.scatter(data, ld.block_id)
             self.stats.loads_per_tier[tier.value] += 1
 
-    def _fail_load(self, ld: BlockLoad, forget: bool) -> None:
-        self.stats.failed_loads += 1
+    def _fail_load(self, ld: BlockLoad) -> None:
+        self._count("failed_loads")
+        self._free(ld.key)
         self._report.failed_load_block_ids.add(ld.block_id)
-        if forget:
-            self._report.failed_keys.add(ld.key)
+        self._report.failed_keys.add(ld.key)
+        self._step_failed.add(ld.block_id)
+        if ld.req_id:
+            self._poisoned[ld.req_id] = min(ld.index, self._poisoned.get(ld.req_id, ld.index))
+
+    def _poisoned_from(self, step: WorkerStep) -> dict[str, int]:
+        """Per request, the first block index computed over a block whose load failed this step."""
+        out = dict(self._poisoned)
+        if self._step_failed:
+            for req_id, ids in step.req_blocks.items():
+                first = next((j for j, b in enumerate(ids) if b in self._step_failed), None)
+                if first is not None:
+                    out[req_id] = min(first, out.get(req_id, first))
+        return out
 
     def apply(self, step: WorkerStep) -> None:
-        """Install the step's limits, then carry out its ops in order, checking the footprint after each."""
+        """Finish the previous step's spills, install the step's limits, then carry out its ops in order,
+        checking the footprint after each. A store at or past a request's failed load is skipped and reported."""
         _, manager, _ = self._require()
+        self.spills.settle_all()
+        poisoned = self._poisoned_from(step)
+        self._step_failed, self._poisoned = set(), {}
+        for req_id, index in poisoned.items():
+            self._report.failed_from[req_id] = min(index, self._report.failed_from.get(req_id, index))
         self._limits = {Tier.CPU: step.cpu_blocks, Tier.NVME: step.nvme_blocks}
         manager.set_limits({t: min(n, self.capacity[t]) for t, n in self._limits.items() if self.capacity[t]})
         for op in step.ops:
             before = self.blocks_per_tier()
+            if op.kind is OpKind.STORE and _is_poisoned(step.store_tags.get(op.key), poisoned):
+                self._count("poisoned_stores")
+                self._report.failed_keys.add(op.key)
+                continue
             self._do(op, step)
             self._check_footprint(before)
+
+    def _fail_store(self, key: str) -> None:
+        self._count("failed_stores")
+        self._report.failed_keys.add(key)
 
     def _do(self, op: TierOp, step: WorkerStep) -> None:
         _, manager, handler = self._require()
         if op.kind is OpKind.STORE:
-            if op.key in self._blocks or op.key not in step.store_blocks:
-                self.stats.failed_stores += 1
-                self._report.failed_keys.add(op.key)
+            if op.key not in step.store_blocks:
+                self._fail_store(op.key)
                 return
+            if op.key in self._blocks:  # books that lost track of it (a late report): the new bytes win
+                self.spills.settle([op.key])
+                self._free(op.key)
+                self.stats.overwrites += 1
             try:
-                bid = manager.allocate(op.tier)
+                bid = self._allocate(op.tier)
             except RuntimeTierError:
-                self.stats.failed_stores += 1
-                self._report.failed_keys.add(op.key)
+                self._fail_store(op.key)
                 return
             try:
                 handler.write(bid, self.gather(step.store_blocks[op.key]))
             except RuntimeTierError:
                 manager.free(bid)
-                self.stats.failed_stores += 1
-                self._report.failed_keys.add(op.key)
+                self._fail_store(op.key)
                 return
             self._blocks[op.key] = bid
             self.stats.stores_per_tier[op.tier.value] += 1
         elif op.kind is OpKind.MOVE:
+            self.spills.settle([op.key])
             bid = self._blocks.get(op.key)
             try:
                 if bid is None:
                     raise KeyError(op.key)
-                handler.move(bid, op.tier).wait()
-                self.stats.moves += 1
+                self.spills.start(op.key, handler.move(bid, op.tier))  # its bytes stay safe where they are
             except (RuntimeTierError, KeyError):
-                # The block stayed where it was (or never was): drop it so the books and the bytes agree.
-                self.stats.failed_moves += 1
-                self._free(op.key)
-                self._report.failed_keys.add(op.key)
+                self._move_failed(op.key)
         else:
+            self.spills.settle([op.key])
             if self._free(op.key):
                 self.stats.drops += 1
+
+    def _allocate(self, tier: Tier) -> int:
+        """A block on `tier`; a tier still full of blocks spilling out of it waits for those spills once."""
+        _, manager, _ = self._require()
+        try:
+            return manager.allocate(tier)
+        except CapacityError:
+            if not self.spills.pending():
+                raise
+            self.stats.spill_waits += 1
+            self.spills.settle_all()
+            return manager.allocate(tier)
+
+    def _move_done(self, key: str, error: BaseException | None) -> None:
+        if error is None:
+            self.stats.moves += 1
+        else:
+            self._move_failed(key)
+
+    def _move_failed(self, key: str) -> None:
+        # The block stayed where it was (or never was): drop it so the books and the bytes agree.
+        self._count("failed_moves")
+        self._free(key)
+        self._report.failed_keys.add(key)
 
     def _free(self, key: str) -> bool:
         bid = self._blocks.pop(key, None)
@@ -238,6 +302,10 @@ class KvTierWorker:
             peak[tier.value] = max(peak[tier.value], used)
             if used > self._limits[tier] and used > before[tier.value]:
                 self.stats.limit_violations += 1
+
+    def finish_spills(self) -> None:
+        """Wait for every spill in flight (the next step's ops do it anyway; tests and shutdown call it)."""
+        self.spills.settle_all()
 
     # ---- reporting and shutdown ---------------------------------------------------------------------
     def take_report(self) -> WorkerReport:
@@ -260,6 +328,7 @@ class KvTierWorker:
     def close(self) -> None:
         """Finish transfers, release host memory and remove the NVMe file (its blocks die with the process)."""
         if self.handler is not None:
+            self.spills.settle_all()
             self.handler.close()
         if self._stores is not None:
             self._stores.close()
@@ -270,3 +339,10 @@ class KvTierWorker:
                 os.unlink(self.nvme_path)
         self.handler = self.manager = self._stores = self._engine = None
         self._blocks.clear()
+
+
+def _is_poisoned(tag: tuple[str, int] | None, poisoned: dict[str, int]) -> bool:
+    if tag is None:
+        return False
+    req_id, index = tag
+    return req_id in poisoned and index >= poisoned[req_id]
