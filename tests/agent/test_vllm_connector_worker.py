@@ -4,6 +4,7 @@ op. No vLLM needed: runs in the main `make test`."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,37 @@ def test_drop_frees_the_block_and_close_removes_the_file(tmp_path: Path) -> None
     assert (tmp_path / "kv.tpnvme").exists()
     w.close()
     assert not (tmp_path / "kv.tpnvme").exists()
+
+
+def test_a_spill_runs_in_the_background_counted_on_both_tiers_until_the_next_step(worker: KvTierWorker) -> None:
+    src = fake_caches(8)
+    worker.register(src)
+    worker.apply(WorkerStep(2, 3, ops=(store("a", CPU), store("b", CPU)), store_blocks={"a": 1, "b": 2}))
+    gate, nvme = threading.Event(), worker._stores.nvme_file
+    real_write = nvme.write_from
+
+    def held_write(offset_bytes, data):
+        gate.wait(timeout=30)  # the disk is slow: the spill stays in flight until the test lets it go
+        real_write(offset_bytes, data)
+
+    nvme.write_from = held_write
+    worker.apply(WorkerStep(2, 3, ops=(TierOp(OpKind.MOVE, "a", NVME),)))
+    assert worker.spills.pending() == 1  # the engine thread went on
+    assert worker.blocks_per_tier() == {"cpu": 2, "nvme": 1}  # in flight: on both tiers, within both limits
+    gate.set()
+    worker.apply(WorkerStep(2, 3))  # the next step finishes it first
+    assert worker.spills.pending() == 0 and worker.stats.moves == 1
+    assert worker.blocks_per_tier() == {"cpu": 1, "nvme": 1}
+    worker.load((BlockLoad("a", 9),))
+    assert block_bytes(src, 9) == block_bytes(src, 1)
+
+
+def test_a_store_of_a_key_already_held_replaces_its_bytes(worker: KvTierWorker) -> None:
+    src = fake_caches(9)
+    worker.register(src)
+    worker.apply(WorkerStep(2, 3, ops=(store("a", CPU),), store_blocks={"a": 1}))
+    worker.apply(WorkerStep(2, 3, ops=(store("a", CPU),), store_blocks={"a": 2}))  # books that lost track of it
+    assert worker.stats.overwrites == 1 and worker.stats.failed_stores == 0
+    assert worker.blocks_per_tier() == {"cpu": 1, "nvme": 0}
+    worker.load((BlockLoad("a", 9),))
+    assert block_bytes(src, 9) == block_bytes(src, 2)

@@ -323,6 +323,7 @@ class KvTierWorker:
     def read_block(self, key: str) -> torch.Tensor:
         """A checked host copy of a stored block (tests compare it with vLLM's cache)."""
         _, _, handler = self._require()
+        self.spills.settle([key])
         return handler.read(self._blocks[key])
 
     def close(self) -> None:
