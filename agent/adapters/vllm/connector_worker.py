@@ -340,6 +340,7 @@ class KvTierWorker:
                 os.unlink(self.nvme_path)
         self.handler = self.manager = self._stores = self._engine = None
         self._blocks.clear()
+        self._kv = {}  # vLLM's cache tensors: theirs to free
 
 
 def _is_poisoned(tag: tuple[str, int] | None, poisoned: dict[str, int]) -> bool:
