@@ -93,7 +93,9 @@ def test_a_store_failing_on_one_of_two_workers_leaves_both_and_the_books_in_step
 
         monkeypatch.setattr(rank0.handler, "write", fail_once)
         eng.run("a", P1)  # rank 0 fails block 0's store, rank 1 stores it: the books forget it
-        assert eng.books.catalog.footprint()[next(iter(eng.books.catalog.footprint()))] <= 1
+        eng.idle_step()  # and every worker drops it with the next step
+        books = {t.value: n for t, n in eng.books.catalog.footprint().items()}
+        assert eng.workers[0].blocks_per_tier() == eng.workers[1].blocks_per_tier() == books == {"cpu": 1, "nvme": 0}
         for i in range(3):
             eng.run(f"again{i}", P1)
         eng.run("x", [(i * 13 + 1) % 500 for i in range(BLOCK_TOKENS + 3)])
@@ -135,3 +137,55 @@ def test_vllms_default_failure_policy_is_refused_by_name() -> None:
     for bad in ("fail", None):
         with pytest.raises(ValueError, match=r"kv_transfer_config\.kv_load_failure_policy is .*needs 'recompute'"):
             check_failure_policy(bad)
+
+
+class _TwoMethodSource:
+    """A source with only the two required methods; its first report raises."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def kv_limits(self):
+        return None
+
+    def report_kv(self, hits, misses, blocks) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("sidecar socket closed")
+
+
+def test_report_failures_is_optional_and_carries_each_steps_own_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = _TwoMethodSource()
+    eng = FakeEngine(ConnectorSettings(cpu_blocks=16), None, source=plain)
+    try:
+        eng.run("p1", P1)
+        _corrupt(eng, _keys(P1)[0])
+        eng.run("p1-again", P1)  # a failure, and a source without report_failures: serving goes on
+        assert eng.books.stats.source_errors == 1 and eng.worker.stats.corrupt_loads == 1
+    finally:
+        eng.close()
+    source = RecordingSource({})
+    eng = FakeEngine(ConnectorSettings(cpu_blocks=16), None, source=source)
+    monkeypatch.setattr(source, "report_kv", _TwoMethodSource().report_kv)  # raises once
+    try:
+        eng.run("p1", P1)
+        eng.idle_step()
+        _corrupt(eng, _keys(P1)[0])
+        eng.run("p1-again", P1)
+        eng.idle_step()
+        assert source.failures == [{"source_errors": 1}, {"failed_loads": 1, "corrupt_loads": 1}]
+    finally:
+        eng.close()
+
+
+def test_clear_source_clears_only_its_own_registration() -> None:
+    from tierplan.agent.adapters.vllm import kv_limits
+
+    a, b = RecordingSource({}), RecordingSource({})
+    kv_limits.set_source(a)
+    try:
+        kv_limits.set_source(b)  # a second engine in this process registers its own
+        assert not kv_limits.clear_source(a) and kv_limits.current_source() is b  # the first going away keeps b
+        assert kv_limits.clear_source(b) and kv_limits.current_source() is None
+    finally:
+        kv_limits.set_source(None)

@@ -6,7 +6,10 @@ One stored block is one vLLM KV block of every attention layer, the layers' byte
 our runtime's tiers (`KVTierStores`: pinned host memory and an O_DIRECT file), booked by its `KVBlockManager`
 (whose limits are the plan's, so the runtime itself refuses a block past them) and moved by its
 `KVTransferHandler`; every read is checked against the checksum taken when the block was written, so the bytes
-put back into vLLM's cache are the bytes taken out, or the load fails and vLLM computes the block again.
+put back into vLLM's cache are the bytes taken out, or the load fails (any read error: the block is freed and
+forgotten) and vLLM computes the block again; a store the step computed at or past a failed load of its request is
+skipped, so nothing computed over wrong bytes is ever kept. Spills (CPU tier to NVMe file) run in the background
+(`connector_spills.py`) and finish by the next step's ops; loads, stores and drops run on the engine thread.
 Carries out the scheduler side's `WorkerStep`s in order; never decides what to keep.
 """
 
