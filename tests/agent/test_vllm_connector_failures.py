@@ -59,23 +59,25 @@ def test_blocks_computed_over_a_failed_load_are_never_stored_or_served(tmp_path:
         eng.close()
 
 
-def test_any_read_failure_frees_and_forgets_the_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    eng = FakeEngine(ConnectorSettings(cpu_blocks=16), None)
+def test_any_read_failure_frees_and_forgets_the_block(tmp_path: Path) -> None:
+    eng = FakeEngine(ConnectorSettings(cpu_blocks=0, nvme_blocks=8, nvme_dir=str(tmp_path)), tmp_path / "kv.tpnvme")
     try:
         keys = _keys(P1)
-        eng.run("p1", P1)
+        eng.run("p1", P1)  # both blocks into the NVMe file
         old_bid = eng.worker._blocks[keys[0]]
-        real = eng.worker.handler.read
+        nvme = eng.worker._stores.nvme_file
+        real = nvme.read_into
 
-        def fail_once(bid: int):
-            monkeypatch.setattr(eng.worker.handler, "read", real)
-            raise TransferError("EIO reading the block")
+        def fail_once(offset_bytes, dst):
+            nvme.read_into = real
+            raise OSError(errno.EIO, "Input/output error")
 
-        monkeypatch.setattr(eng.worker.handler, "read", fail_once)
+        nvme.read_into = fail_once
         eng.run("p1-again", P1)
         assert eng.recomputed_from == [0] and eng.worker.stats.corrupt_loads == 0
+        assert eng.worker.stats.failed_loads == 1
         assert old_bid not in eng.worker.manager.blocks()  # freed, not kept under its key
-        assert eng.worker.blocks_per_tier()["cpu"] == eng.books.catalog.footprint()[eng.books.catalog.tier_of(keys[0])]
+        assert eng.worker.blocks_per_tier() == {t.value: n for t, n in eng.books.catalog.footprint().items()}
         assert all(eng.stored_blocks_exact().values())
     finally:
         eng.close()

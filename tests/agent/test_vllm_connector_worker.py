@@ -64,6 +64,7 @@ def test_blocks_stored_on_cpu_and_nvme_load_back_bit_for_bit(worker: KvTierWorke
     for key, bid in (("a", 0), ("b", 9), ("c", 15)):
         assert block_bytes(src, bid) == expected[key]
     assert worker.stats.loads_per_tier == {"cpu": 1, "nvme": 2}
+    assert (worker._reader.num_batches, worker._reader.num_disk_reads) == (1, 2)  # the NVMe reads went as one list
     assert worker.take_report().failed_load_block_ids == set()
 
 

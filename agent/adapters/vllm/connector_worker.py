@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from tierplan.agent.adapters.vllm.connector_catalog import STORE_TIERS, OpKind, TierOp
+from tierplan.agent.adapters.vllm.connector_loads import BatchReader
 from tierplan.agent.adapters.vllm.connector_meta import BlockLoad, WorkerReport, WorkerStep
 from tierplan.agent.adapters.vllm.connector_spills import SpillQueue
 from tierplan.runtime.device import Device, DeviceKind
@@ -103,6 +104,7 @@ class KvTierWorker:
         self._stores: KVTierStores | None = None
         self.manager: KVBlockManager | None = None
         self.handler: KVTransferHandler | None = None
+        self._reader: BatchReader | None = None
 
     # ---- set-up -------------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -113,7 +115,7 @@ class KvTierWorker:
         kind = DeviceKind.CUDA if self.layout.device_type == "cuda" else DeviceKind.CPU
         first = self._kv[self.layout.layer_names[0]]
         device = Device(kind, first.device.index or 0) if kind is DeviceKind.CUDA else Device(kind)
-        self._engine = TransferEngine(device, disk_workers=1)
+        self._engine = TransferEngine(device, disk_workers=2)  # a step's NVMe loads are read two at a time
         caps = {Tier.GPU: 0, **self.capacity}
         try:
             self._stores = KVTierStores(device, self.layout.block_bytes, caps, self.nvme_path, direct_io=self.direct_io)
@@ -123,6 +125,7 @@ class KvTierWorker:
             raise
         self.manager = KVBlockManager(caps, verify_tiers=frozenset(STORE_TIERS))  # every read is checked
         self.handler = KVTransferHandler(self.manager, self._stores, self._engine, num_staging=2)
+        self._reader = BatchReader(self.manager, self._stores, self._engine, device)
         nvme = self._stores.nvme_file
         self.stats.nvme_fallback_reason = None if nvme is None else nvme.fallback_reason
         self._buf = torch.zeros(self.layout.block_bytes, dtype=torch.uint8)  # [B] host bytes of one block
@@ -159,29 +162,35 @@ class KvTierWorker:
         self._report.counts[name] = self._report.counts.get(name, 0) + n
 
     def load(self, loads: tuple[BlockLoad, ...]) -> None:
-        """Put the step's stored blocks into vLLM's cache, as one batch. A block missing here or failing its read
-        (its checksum, or any I/O error) is reported (vLLM computes it again), freed and forgotten; a spill of one
-        of them still in flight is finished first."""
-        _, manager, handler = self._require()
+        """Put the step's stored blocks into vLLM's cache, read as one batch (`connector_loads.py`). A block missing
+        here or failing its read (its checksum, or any I/O error) is reported (vLLM computes it again), freed and
+        forgotten; a spill of one of them still in flight is finished first."""
+        _, manager, _ = self._require()
         self.spills.poll()
         self.spills.settle([ld.key for ld in loads])
+        todo: list[tuple[BlockLoad, int, Tier]] = []
+        failed: list[BlockLoad] = []
         for ld in loads:
             bid = self._blocks.get(ld.key)
             if bid is None:
-                self._fail_load(ld)
-                continue
-            tier = manager.location(bid).tier
-            try:
-                data = handler.read(bid)  # [B], checked against the checksum taken at write
-            except CorruptDataError:
-                self._count("corrupt_loads")
-                self._fail_load(ld)
-                continue
-            except RuntimeTierError:
-                self._fail_load(ld)
-                continue
-            self.scatter(data, ld.block_id)
+                failed.append(ld)
+            else:
+                todo.append((ld, bid, manager.location(bid).tier))
+
+        def sink(i: int, got: torch.Tensor | RuntimeTierError) -> None:
+            ld, _, tier = todo[i]
+            if isinstance(got, RuntimeTierError):
+                if isinstance(got, CorruptDataError):
+                    self._count("corrupt_loads")
+                failed.append(ld)  # freed below, once the reader let go of it
+                return
+            self.scatter(got, ld.block_id)
             self.stats.loads_per_tier[tier.value] += 1
+
+        if self._reader is not None:
+            self._reader.read([bid for _, bid, _ in todo], sink)
+        for ld in failed:
+            self._fail_load(ld)
 
     def _fail_load(self, ld: BlockLoad) -> None:
         self._count("failed_loads")
@@ -334,6 +343,8 @@ class KvTierWorker:
         if self.handler is not None:
             self.spills.settle_all()
             self.handler.close()
+        if self._reader is not None:
+            self._reader.close()
         if self._stores is not None:
             self._stores.close()
         if self._engine is not None:
@@ -341,7 +352,7 @@ class KvTierWorker:
         if self._stores is not None and self.nvme_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.nvme_path)
-        self.handler = self.manager = self._stores = self._engine = None
+        self.handler = self.manager = self._stores = self._engine = self._reader = None
         self._blocks.clear()
         self._kv = {}  # vLLM's cache tensors: theirs to free
 
