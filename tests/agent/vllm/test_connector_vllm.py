@@ -310,6 +310,24 @@ def test_a_block_failing_to_load_is_computed_again_and_nothing_computed_over_it_
     assert sum(c.get("corrupt_loads", 0) for c in source.failures) == 1
 
 
+def test_a_full_disk_is_counted_and_every_request_served_right(engine: Engine, baseline: dict,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    worker = engine.worker
+
+    def enospc(offset_bytes: int, src: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(worker._stores.nvme_file, "write_from", enospc)
+    failed_moves = worker.stats.failed_moves
+    for prompt in mooncake_prompts():
+        assert engine.generate(prompt) == baseline[tuple(prompt)]
+    worker.finish_spills()
+    assert worker.stats.failed_moves > failed_moves  # spills into the full file failed, counted
+    assert worker.blocks_per_tier() == {t.value: n for t, n in engine.books.catalog.footprint().items()}
+
+
 def test_vllms_prefix_cache_and_our_tiers_serve_one_prompt_together(engine: Engine, baseline: dict,
                                                                     model_dir: Path) -> None:
     """Runs last: it stops the module's engine (vLLM keeps one connector per process) and starts its own with
