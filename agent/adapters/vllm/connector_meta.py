@@ -15,28 +15,31 @@ from tierplan.agent.adapters.vllm.connector_catalog import TierOp
 @dataclass(frozen=True)
 class BlockLoad:
     """Copy the stored block `key` into vLLM's KV block `block_id` before this step's forward; it is block
-    `index` of request `req_id` (a failed load poisons that request's blocks from `index` on)."""
+    `index` of request `req_id` in its generation `gen` (a failed load poisons that request's blocks from `index`
+    on, until the scheduler, told of it, starts the request's next generation)."""
 
     key: str
     block_id: int
     req_id: str = ""
     index: int = 0
+    gen: int = 0
 
 
 @dataclass(frozen=True)
 class WorkerStep:
     """One engine step's work: `loads` before the forward; after it, the plan's limits (blocks per tier) are
     installed and `ops` carried out in order (each STORE copies vLLM's block `store_blocks[key]`, block
-    `store_tags[key] = (req_id, index)` of a request). `req_blocks` (only in a step with loads) lists, per request
-    that stores, its vLLM block ids up to its last store: a store at or past a block whose load failed in this
-    step (the request's own load or a block it shares) was computed over wrong bytes and is never kept."""
+    `store_tags[key] = (req_id, index, generation)` of a request). `req_blocks` (only in a step with loads)
+    lists, per request that stores, its vLLM block ids up to its last store: a store at or past a block whose load
+    failed in this step (the request's own load or a block it shares) was computed over wrong bytes and is never
+    kept."""
 
     cpu_blocks: int
     nvme_blocks: int
     loads: tuple[BlockLoad, ...] = ()
     ops: tuple[TierOp, ...] = ()
     store_blocks: dict[str, int] = field(default_factory=dict)
-    store_tags: dict[str, tuple[str, int]] = field(default_factory=dict)
+    store_tags: dict[str, tuple[str, int, int]] = field(default_factory=dict)
     req_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:

@@ -43,6 +43,7 @@ class _ReqState:
     request: Any
     keys: list[str] = field(default_factory=list)  # prefix hashes of request.block_hashes, as far as computed
     next_store: int = 0  # first block index not yet offered to the catalog
+    gen: int = 0  # bumped when a load of this request failed: stores of older generations may be poisoned
 
     def key_list(self) -> list[str]:
         hashes = self.request.block_hashes
@@ -133,7 +134,7 @@ class ConnectorBooks:
         hit_keys = keys[look.start_block:look.start_block + n]
         for j, key in enumerate(hit_keys):
             index = look.start_block + j
-            self._loads.append(BlockLoad(key, block_ids[index], request.request_id, index))
+            self._loads.append(BlockLoad(key, block_ids[index], request.request_id, index, self._state(request).gen))
         for key, age_s, tier in self.catalog.touch(hit_keys):
             self._reuse.append((key, age_s, tier.value))
         tiers = look.tiers[:n]
@@ -178,7 +179,7 @@ class ConnectorBooks:
         ops, self._pending_ops = self._pending_ops, []
         ops += self._refresh_limits()
         store_blocks: dict[str, int] = {}
-        store_tags: dict[str, tuple[str, int]] = {}
+        store_tags: dict[str, tuple[str, int, int]] = {}
         req_blocks: dict[str, tuple[int, ...]] = {}
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
@@ -200,7 +201,7 @@ class ConnectorBooks:
                 for op in self.catalog.admit(keys[j]):
                     if op.kind is OpKind.STORE and op.key == keys[j]:
                         store_blocks[op.key] = block_ids[j]
-                        store_tags[op.key] = (req_id, j)
+                        store_tags[op.key] = (req_id, j, st.gen)
                     ops.append(op)
             if self._loads and end > st.next_store:  # a failed load this step poisons what was computed over it
                 req_blocks[req_id] = tuple(block_ids[:end])
@@ -265,6 +266,7 @@ class ConnectorBooks:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.next_store = min(st.next_store, index)
+                st.gen += 1
         for name, n in report.counts.items():
             self._failures[name] = self._failures.get(name, 0) + n
         self.stats.failed_keys += len(report.failed_keys)

@@ -99,7 +99,11 @@ class KvTierWorker:
         self._report = WorkerReport()
         self.spills = SpillQueue(self._move_done)
         self._step_failed: set[int] = set()  # vLLM block ids whose load failed this step
-        self._poisoned: dict[str, int] = {}  # this step: request -> first block index of a failed load
+        self._poisoned: dict[str, tuple[int, int]] = {}  # this step's failed loads: request -> (index, generation)
+        # Requests with a failed load: (first poisoned index, the request's generation then). Kept across steps: a
+        # step scheduled before the scheduler heard of the failure (async scheduling) still carries stores of that
+        # generation, computed over the bad block; the scheduler's next generation of the request stores anew.
+        self._held_poison: dict[str, tuple[int, int]] = {}
         self._engine: TransferEngine | None = None
         self._stores: KVTierStores | None = None
         self.manager: KVBlockManager | None = None
@@ -199,32 +203,44 @@ class KvTierWorker:
         self._report.failed_keys.add(ld.key)
         self._step_failed.add(ld.block_id)
         if ld.req_id:
-            self._poisoned[ld.req_id] = min(ld.index, self._poisoned.get(ld.req_id, ld.index))
+            self._poisoned[ld.req_id] = min((ld.index, ld.gen), self._poisoned.get(ld.req_id, (ld.index, ld.gen)))
 
-    def _poisoned_from(self, step: WorkerStep) -> dict[str, int]:
-        """Per request, the first block index computed over a block whose load failed this step."""
+    def _poisoned_from(self, step: WorkerStep) -> dict[str, tuple[int, int]]:
+        """Per request, (the first block index computed over a block whose load failed this step, generation)."""
         out = dict(self._poisoned)
         if self._step_failed:
+            gens = {req_id: gen for req_id, _, gen in step.store_tags.values()}
             for req_id, ids in step.req_blocks.items():
                 first = next((j for j, b in enumerate(ids) if b in self._step_failed), None)
                 if first is not None:
-                    out[req_id] = min(first, out.get(req_id, first))
+                    out[req_id] = min((first, gens.get(req_id, 0)), out.get(req_id, (first, gens.get(req_id, 0))))
         return out
+
+    def _is_poisoned(self, tag: tuple[str, int, int] | None) -> bool:
+        if tag is None or tag[0] not in self._held_poison:
+            return False
+        req_id, index, gen = tag
+        first, bad_gen = self._held_poison[req_id]
+        if gen > bad_gen:  # the scheduler heard of it: this generation is computed anew
+            del self._held_poison[req_id]
+            return False
+        return index >= first
 
     def apply(self, step: WorkerStep) -> None:
         """Finish the previous step's spills, install the step's limits, then carry out its ops in order,
         checking the footprint after each. A store at or past a request's failed load is skipped and reported."""
         _, manager, _ = self._require()
         self.spills.settle_all()
-        poisoned = self._poisoned_from(step)
-        self._step_failed, self._poisoned = set(), {}
-        for req_id, index in poisoned.items():
+        for req_id, (index, gen) in self._poisoned_from(step).items():
+            held = self._held_poison.get(req_id)
+            self._held_poison[req_id] = (index, gen) if held is None or gen > held[1] else (min(index, held[0]), gen)
             self._report.failed_from[req_id] = min(index, self._report.failed_from.get(req_id, index))
+        self._step_failed, self._poisoned = set(), {}
         self._limits = {Tier.CPU: step.cpu_blocks, Tier.NVME: step.nvme_blocks}
         manager.set_limits({t: min(n, self.capacity[t]) for t, n in self._limits.items() if self.capacity[t]})
         for op in step.ops:
             before = self.blocks_per_tier()
-            if op.kind is OpKind.STORE and _is_poisoned(step.store_tags.get(op.key), poisoned):
+            if op.kind is OpKind.STORE and self._is_poisoned(step.store_tags.get(op.key)):
                 self._count("poisoned_stores")
                 self._report.failed_keys.add(op.key)
                 continue
@@ -356,9 +372,3 @@ class KvTierWorker:
         self._blocks.clear()
         self._kv = {}  # vLLM's cache tensors: theirs to free
 
-
-def _is_poisoned(tag: tuple[str, int] | None, poisoned: dict[str, int]) -> bool:
-    if tag is None:
-        return False
-    req_id, index = tag
-    return req_id in poisoned and index >= poisoned[req_id]
