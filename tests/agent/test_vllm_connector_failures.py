@@ -123,7 +123,8 @@ def test_a_full_disk_is_counted_and_serving_stays_exact(tmp_path: Path) -> None:
         prompts = [[(i * k + 1) % 500 for i in range(2 * BLOCK_TOKENS + 5)] for k in (3, 5, 7)]
         for n, p in enumerate(prompts * 2):
             eng.run(f"r{n}", p)  # every spill to the NVMe file fails
-        eng.idle_step()  # the last step's failures reach the source with the next step
+        for _ in range(2):  # a spill failing after its step: the books hear with the next step, the source after
+            eng.idle_step()
         w = eng.worker
         assert w.stats.failed_moves > 0 and w.stats.moves == 0
         assert w.stats.failed_loads == 0  # a failed spill leaves the books: never a hit on a block not held

@@ -159,3 +159,35 @@ def test_stores_scheduled_before_the_books_heard_of_a_failed_load_are_still_skip
     # The books heard of it: generation 1 recomputes from block 1 and stores it.
     worker.apply(WorkerStep(2, 3, ops=(store("k1", CPU),), store_blocks={"k1": 4}, store_tags={"k1": ("r", 1, 1)}))
     assert worker.holds("k1") and worker.stats.poisoned_stores == 2
+
+
+def test_a_store_needing_the_room_of_a_spill_in_flight_waits_in_a_buffer_not_on_the_engine_thread(
+        tmp_path: Path) -> None:
+    w = KvTierWorker({CPU: 1, NVME: 2}, tmp_path / "kv.tpnvme")
+    try:
+        src = fake_caches(11)
+        w.register(src)
+        w.apply(WorkerStep(1, 2, ops=(store("a", CPU),), store_blocks={"a": 1}))
+        gate, nvme = threading.Event(), w._stores.nvme_file
+        real_write = nvme.write_from
+
+        def held_write(offset_bytes, data):
+            gate.wait(timeout=30)  # the disk is slow: the spill stays in flight until the test lets it go
+            real_write(offset_bytes, data)
+
+        nvme.write_from = held_write
+        # The books: "a" makes way for "b" (moved to NVMe), "b" takes its CPU room.
+        w.apply(WorkerStep(1, 2, ops=(TierOp(OpKind.MOVE, "a", NVME), store("b", CPU)), store_blocks={"b": 2}))
+        assert w.stats.deferred_stores == 1 and w.stats.spill_waits == 0 and w.spills.num_waited == 0
+        assert w.holds("b") and w.blocks_per_tier() == {"cpu": 1, "nvme": 1}  # within both limits meanwhile
+        stored_b = block_bytes(src, 2)
+        src["model.layers.0.self_attn.attn"][2].zero_()  # vLLM reuses block 2: the store kept its own copy
+        gate.set()
+        w.apply(WorkerStep(1, 2))  # the next step finishes the spill, then the store
+        assert w.blocks_per_tier() == {"cpu": 1, "nvme": 1} and w.stats.stores_per_tier["cpu"] == 2
+        before = block_bytes(src, 1)
+        w.load((BlockLoad("a", 9), BlockLoad("b", 10)))
+        assert block_bytes(src, 9) == before and w.stats.limit_violations == 0
+        assert block_bytes(src, 10) == stored_b  # the bytes as they were at the store
+    finally:
+        w.close()

@@ -17,69 +17,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from tierplan.agent.adapters.vllm.connector_catalog import STORE_TIERS, OpKind, TierOp
+from tierplan.agent.adapters.vllm.connector_layout import KvLayout, WorkerStats
 from tierplan.agent.adapters.vllm.connector_loads import BatchReader
 from tierplan.agent.adapters.vllm.connector_meta import BlockLoad, WorkerReport, WorkerStep
 from tierplan.agent.adapters.vllm.connector_spills import SpillQueue
-from tierplan.runtime.device import Device, DeviceKind
+from tierplan.runtime.device import AlignedHostBuffer, Device, DeviceKind
 from tierplan.runtime.errors import CapacityError, CorruptDataError, RuntimeTierError
 from tierplan.runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
-from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES, align_up
 from tierplan.runtime.transfer import TransferEngine
 
-
-@dataclass(frozen=True)
-class KvLayout:
-    """Where each attention layer's part of one vLLM block sits in a stored block."""
-
-    layer_names: tuple[str, ...]
-    bytes_per_layer: tuple[int, ...]
-    block_bytes: int  # the layers' bytes end to end, rounded up to DIRECT_ALIGN_BYTES
-    device_type: str
-
-    @staticmethod
-    def of(kv_caches: dict[str, torch.Tensor]) -> KvLayout:
-        """The layout of vLLM's registered caches: per layer a tensor whose first axis is the block."""
-        if not kv_caches:
-            raise ValueError("TierplanConnector: vLLM registered no KV cache tensors; expected one per attention layer")
-        names = tuple(sorted(kv_caches))
-        sizes, devices, num_blocks = [], set(), set()
-        for name in names:
-            kv = kv_caches[name]
-            if not isinstance(kv, torch.Tensor) or kv.dim() < 2 or not kv[0].is_contiguous():
-                raise ValueError(f"TierplanConnector: KV cache of layer {name!r} is not a tensor with one contiguous "
-                                 "block per index of its first axis; this KV layout is not supported")
-            sizes.append(kv[0].numel() * kv.element_size())
-            devices.add(kv.device.type)
-            num_blocks.add(kv.shape[0])
-        if len(devices) != 1 or len(num_blocks) != 1:
-            raise ValueError(f"TierplanConnector: KV caches span devices {sorted(devices)} and block counts "
-                             f"{sorted(num_blocks)}; expected one device and one block count (one KV cache group)")
-        return KvLayout(names, tuple(sizes), align_up(sum(sizes), DIRECT_ALIGN_BYTES), devices.pop())
-
-
-@dataclass
-class WorkerStats:
-    stores_per_tier: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in STORE_TIERS})
-    loads_per_tier: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in STORE_TIERS})
-    moves: int = 0
-    drops: int = 0
-    failed_stores: int = 0
-    failed_moves: int = 0
-    failed_loads: int = 0  # every failed load (missing, corrupt, I/O error): vLLM computed the block again
-    corrupt_loads: int = 0  # of those, a checksum mismatch
-    poisoned_stores: int = 0  # stores skipped: computed at or past a failed load of their request
-    overwrites: int = 0  # stores of a key already held (books that lost track of it): the new bytes replaced it
-    spill_waits: int = 0  # stores that had to wait for spills to free room on their tier
-    limit_violations: int = 0  # a footprint past the installed limits after an op (the books should make it 0)
-    peak_blocks_per_tier: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in STORE_TIERS})
-    footprint_checks: int = 0
-    nvme_fallback_reason: str | None = None
+NUM_DEFERRED = 8  # host buffers for stores waiting on a spill (blocks outside the tiers, beside the staging buffers)
 
 
 class KvTierWorker:
@@ -104,6 +56,9 @@ class KvTierWorker:
         # step scheduled before the scheduler heard of the failure (async scheduling) still carries stores of that
         # generation, computed over the bad block; the scheduler's next generation of the request stores anew.
         self._held_poison: dict[str, tuple[int, int]] = {}
+        # Stores whose room a spill in flight still holds: their bytes wait in a host buffer of ours until it is done.
+        self._deferred: dict[str, tuple[Tier, AlignedHostBuffer]] = {}
+        self._free_bufs: list[AlignedHostBuffer] = []
         self._engine: TransferEngine | None = None
         self._stores: KVTierStores | None = None
         self.manager: KVBlockManager | None = None
@@ -133,6 +88,8 @@ class KvTierWorker:
         nvme = self._stores.nvme_file
         self.stats.nvme_fallback_reason = None if nvme is None else nvme.fallback_reason
         self._buf = torch.zeros(self.layout.block_bytes, dtype=torch.uint8)  # [B] host bytes of one block
+        if self.capacity[Tier.NVME]:  # spills happen: stores waiting on them need somewhere to wait
+            self._free_bufs = [device.alloc_host(self.layout.block_bytes) for _ in range(NUM_DEFERRED)]
 
     def _require(self) -> tuple[KvLayout, KVBlockManager, KVTransferHandler]:
         if self.layout is None or self.manager is None or self.handler is None:
@@ -171,7 +128,9 @@ class KvTierWorker:
         forgotten; a spill of one of them still in flight is finished first."""
         _, manager, _ = self._require()
         self.spills.poll()
-        self.spills.settle([ld.key for ld in loads])
+        if self._deferred and not self.spills.pending():
+            self._complete_deferred()
+        self._settle([ld.key for ld in loads])
         todo: list[tuple[BlockLoad, int, Tier]] = []
         failed: list[BlockLoad] = []
         for ld in loads:
@@ -230,7 +189,7 @@ class KvTierWorker:
         """Finish the previous step's spills, install the step's limits, then carry out its ops in order,
         checking the footprint after each. A store at or past a request's failed load is skipped and reported."""
         _, manager, _ = self._require()
-        self.spills.settle_all()
+        self._settle_all()
         for req_id, (index, gen) in self._poisoned_from(step).items():
             held = self._held_poison.get(req_id)
             self._held_poison[req_id] = (index, gen) if held is None or gen > held[1] else (min(index, held[0]), gen)
@@ -257,25 +216,20 @@ class KvTierWorker:
             if op.key not in step.store_blocks:
                 self._fail_store(op.key)
                 return
-            if op.key in self._blocks:  # books that lost track of it (a late report): the new bytes win
-                self.spills.settle([op.key])
-                self._free(op.key)
+            if op.key in self._blocks or op.key in self._deferred:  # books that lost track of it: new bytes win
+                self._discard(op.key)
                 self.stats.overwrites += 1
             try:
-                bid = self._allocate(op.tier)
+                bid = manager.allocate(op.tier)
+            except CapacityError:
+                self._store_after_spills(op, step)
+                return
             except RuntimeTierError:
                 self._fail_store(op.key)
                 return
-            try:
-                handler.write(bid, self.gather(step.store_blocks[op.key]))
-            except RuntimeTierError:
-                manager.free(bid)
-                self._fail_store(op.key)
-                return
-            self._blocks[op.key] = bid
-            self.stats.stores_per_tier[op.tier.value] += 1
+            self._write(op.key, op.tier, bid, self.gather(step.store_blocks[op.key]))
         elif op.kind is OpKind.MOVE:
-            self.spills.settle([op.key])
+            self._settle([op.key])
             bid = self._blocks.get(op.key)
             try:
                 if bid is None:
@@ -283,22 +237,77 @@ class KvTierWorker:
                 self.spills.start(op.key, handler.move(bid, op.tier))  # its bytes stay safe where they are
             except (RuntimeTierError, KeyError):
                 self._move_failed(op.key)
-        else:
-            self.spills.settle([op.key])
-            if self._free(op.key):
-                self.stats.drops += 1
+        elif self._discard(op.key):
+            self.stats.drops += 1
 
-    def _allocate(self, tier: Tier) -> int:
-        """A block on `tier`; a tier still full of blocks spilling out of it waits for those spills once."""
-        _, manager, _ = self._require()
+    def _write(self, key: str, tier: Tier, bid: int, data: torch.Tensor) -> None:
+        _, manager, handler = self._require()
         try:
-            return manager.allocate(tier)
-        except CapacityError:
-            if not self.spills.pending():
-                raise
-            self.stats.spill_waits += 1
-            self.spills.settle_all()
-            return manager.allocate(tier)
+            handler.write(bid, data)
+        except RuntimeTierError:
+            manager.free(bid)
+            self._fail_store(key)
+            return
+        self._blocks[key] = bid
+        self.stats.stores_per_tier[tier.value] += 1
+
+    def _store_after_spills(self, op: TierOp, step: WorkerStep) -> None:
+        """The tier is full: of blocks spilling out of it (their room comes free once the spill is done), or of
+        blocks the books did not count (a failure). The bytes wait in a buffer of ours, or for the spills."""
+        _, manager, _ = self._require()
+        if not self.spills.pending():
+            self._fail_store(op.key)
+            return
+        if self._free_bufs:
+            buf = self._free_bufs.pop()
+            buf.tensor[:self._buf.numel()].copy_(self.gather(step.store_blocks[op.key]))
+            self._deferred[op.key] = (op.tier, buf)
+            self.stats.deferred_stores += 1
+            return
+        self.stats.spill_waits += 1
+        self._settle_all()
+        try:
+            bid = manager.allocate(op.tier)
+        except RuntimeTierError:
+            self._fail_store(op.key)
+            return
+        self._write(op.key, op.tier, bid, self.gather(step.store_blocks[op.key]))
+
+    def _complete_deferred(self) -> None:
+        """Stores waiting on spills, in order, once those are done (their room is free now, or they fail)."""
+        _, manager, _ = self._require()
+        for key, (tier, buf) in list(self._deferred.items()):
+            del self._deferred[key]
+            try:
+                try:
+                    bid = manager.allocate(tier)
+                except RuntimeTierError:
+                    self._fail_store(key)
+                    continue
+                self._write(key, tier, bid, buf.tensor[:self._buf.numel()])
+            finally:
+                self._free_bufs.append(buf)
+
+    def _settle(self, keys: list[str]) -> None:
+        """Finish what these keys wait on: their spills, or every spill if one of them is a deferred store."""
+        if any(k in self._deferred for k in keys):
+            self._settle_all()
+        else:
+            self.spills.settle(keys)
+
+    def _settle_all(self) -> None:
+        self.spills.settle_all()
+        if self._deferred:
+            self._complete_deferred()
+
+    def _discard(self, key: str) -> bool:
+        """Forget the key's bytes wherever they are (a deferred store's buffer goes back)."""
+        held = self._deferred.pop(key, None)
+        if held is not None:
+            self._free_bufs.append(held[1])
+            return True
+        self.spills.settle([key])
+        return self._free(key)
 
     def _move_done(self, key: str, error: BaseException | None) -> None:
         if error is None:
@@ -332,8 +341,8 @@ class KvTierWorker:
                 self.stats.limit_violations += 1
 
     def finish_spills(self) -> None:
-        """Wait for every spill in flight (the next step's ops do it anyway; tests and shutdown call it)."""
-        self.spills.settle_all()
+        """Wait for every spill in flight and the stores waiting on them (the next step's ops do it anyway)."""
+        self._settle_all()
 
     # ---- reporting and shutdown ---------------------------------------------------------------------
     def take_report(self) -> WorkerReport:
@@ -346,18 +355,18 @@ class KvTierWorker:
         return {t.value: self.manager.num_used(t) for t in STORE_TIERS}
 
     def holds(self, key: str) -> bool:
-        return key in self._blocks
+        return key in self._blocks or key in self._deferred
 
     def read_block(self, key: str) -> torch.Tensor:
         """A checked host copy of a stored block (tests compare it with vLLM's cache)."""
         _, _, handler = self._require()
-        self.spills.settle([key])
+        self._settle([key])
         return handler.read(self._blocks[key])
 
     def close(self) -> None:
         """Finish transfers, release host memory and remove the NVMe file (its blocks die with the process)."""
         if self.handler is not None:
-            self.spills.settle_all()
+            self._settle_all()
             self.handler.close()
         if self._reader is not None:
             self._reader.close()
@@ -371,4 +380,7 @@ class KvTierWorker:
         self.handler = self.manager = self._stores = self._engine = self._reader = None
         self._blocks.clear()
         self._kv = {}  # vLLM's cache tensors: theirs to free
+        for buf in self._free_bufs + [b for _, b in self._deferred.values()]:
+            buf.close()
+        self._free_bufs, self._deferred = [], {}
 
