@@ -149,6 +149,7 @@ class TierplanConnector(KVConnectorBase_V1):
                       "poisoned_stores": w.poisoned_stores, "overwrites": w.overwrites,
                       "spills_started": self.worker.spills.num_started,
                       "spills_waited": self.worker.spills.num_waited, "spill_waits": w.spill_waits,
+                      "deferred_stores": w.deferred_stores,
                       "limit_violations": w.limit_violations}
         else:
             b = self._books()

@@ -4,7 +4,8 @@ process).
 A spill's bytes are already safe in our CPU tier, and the runtime holds the block where it is until the move
 completes (no read, no free; its CPU index and its NVMe index both count against their tiers), so the engine
 thread starts it and goes on. `KvTierWorker` finishes the spills it needs (a load, drop, move or overwrite of that
-key, or room on the tier it leaves) and every spill of a step by the next step's ops. Never decides what to
+key) and every spill of a step by the next step's ops; a store that needs the room a spill still holds waits in a
+host buffer of the worker's meanwhile (the engine thread waits only when all of those are taken). Never decides what to
 spill; never waits except where a caller needs a spill done.
 """
 

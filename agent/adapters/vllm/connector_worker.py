@@ -9,7 +9,9 @@ our runtime's tiers (`KVTierStores`: pinned host memory and an O_DIRECT file), b
 put back into vLLM's cache are the bytes taken out, or the load fails (any read error: the block is freed and
 forgotten) and vLLM computes the block again; a store the step computed at or past a failed load of its request is
 skipped, so nothing computed over wrong bytes is ever kept. Spills (CPU tier to NVMe file) run in the background
-(`connector_spills.py`) and finish by the next step's ops; loads, stores and drops run on the engine thread.
+(`connector_spills.py`) and finish by the next step's ops (a store needing the room one still holds waits in
+one of `NUM_DEFERRED` host buffers); a step's loads are read as one batch (`connector_loads.py`) before its
+forward, and stores into the tiers, drops and the copies out of vLLM's cache run on the engine thread.
 Carries out the scheduler side's `WorkerStep`s in order; never decides what to keep.
 """
 

@@ -173,6 +173,7 @@ def test_mooncake_prefixes_spill_to_nvme_and_load_back_from_cpu_and_nvme(
     loaded = {t: stats.loads_per_tier[t] - loads_before[t] for t in loads_before}
     assert loaded["cpu"] > 0 and loaded["nvme"] > 0, loaded
     assert stats.stores_per_tier["cpu"] > 0 and stats.moves > 0  # stored on CPU, spilled to NVMe
+    assert worker.spills.num_started >= stats.moves  # the spills ran in the background
     assert stats.peak_blocks_per_tier == {"cpu": CPU_BLOCKS, "nvme": stats.peak_blocks_per_tier["nvme"]}
     assert 0 < stats.peak_blocks_per_tier["nvme"] <= NVME_BLOCKS
     assert stats.failed_loads == stats.corrupt_loads == stats.failed_stores == 0
