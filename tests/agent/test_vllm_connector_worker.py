@@ -4,6 +4,7 @@ op. No vLLM needed: runs in the main `make test`."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,7 @@ def test_blocks_stored_on_cpu_and_nvme_load_back_bit_for_bit(worker: KvTierWorke
     worker.register(src)
     ops = (store("a", CPU), store("b", CPU), TierOp(OpKind.MOVE, "a", NVME), store("c", NVME))
     worker.apply(WorkerStep(2, 3, ops=ops, store_blocks={"a": 3, "b": 5, "c": 7}))
+    worker.finish_spills()  # the move of "a" to NVMe runs in the background
     assert worker.blocks_per_tier() == {"cpu": 1, "nvme": 2}
     assert worker.stats.stores_per_tier == {"cpu": 2, "nvme": 1} and worker.stats.moves == 1
     expected = {k: block_bytes(src, b) for k, b in (("a", 3), ("b", 5), ("c", 7))}
@@ -62,6 +64,7 @@ def test_blocks_stored_on_cpu_and_nvme_load_back_bit_for_bit(worker: KvTierWorke
     for key, bid in (("a", 0), ("b", 9), ("c", 15)):
         assert block_bytes(src, bid) == expected[key]
     assert worker.stats.loads_per_tier == {"cpu": 1, "nvme": 2}
+    assert (worker._reader.num_batches, worker._reader.num_disk_reads) == (1, 2)  # the NVMe reads went as one list
     assert worker.take_report().failed_load_block_ids == set()
 
 
@@ -105,3 +108,86 @@ def test_drop_frees_the_block_and_close_removes_the_file(tmp_path: Path) -> None
     assert (tmp_path / "kv.tpnvme").exists()
     w.close()
     assert not (tmp_path / "kv.tpnvme").exists()
+
+
+def test_a_spill_runs_in_the_background_counted_on_both_tiers_until_the_next_step(worker: KvTierWorker) -> None:
+    src = fake_caches(8)
+    worker.register(src)
+    worker.apply(WorkerStep(2, 3, ops=(store("a", CPU), store("b", CPU)), store_blocks={"a": 1, "b": 2}))
+    gate, nvme = threading.Event(), worker._stores.nvme_file
+    real_write = nvme.write_from
+
+    def held_write(offset_bytes, data):
+        gate.wait(timeout=30)  # the disk is slow: the spill stays in flight until the test lets it go
+        real_write(offset_bytes, data)
+
+    nvme.write_from = held_write
+    worker.apply(WorkerStep(2, 3, ops=(TierOp(OpKind.MOVE, "a", NVME),)))
+    assert worker.spills.pending() == 1  # the engine thread went on
+    assert worker.blocks_per_tier() == {"cpu": 2, "nvme": 1}  # in flight: on both tiers, within both limits
+    gate.set()
+    worker.apply(WorkerStep(2, 3))  # the next step finishes it first
+    assert worker.spills.pending() == 0 and worker.stats.moves == 1
+    assert worker.blocks_per_tier() == {"cpu": 1, "nvme": 1}
+    worker.load((BlockLoad("a", 9),))
+    assert block_bytes(src, 9) == block_bytes(src, 1)
+
+
+def test_a_store_of_a_key_already_held_replaces_its_bytes(worker: KvTierWorker) -> None:
+    src = fake_caches(9)
+    worker.register(src)
+    worker.apply(WorkerStep(2, 3, ops=(store("a", CPU),), store_blocks={"a": 1}))
+    worker.apply(WorkerStep(2, 3, ops=(store("a", CPU),), store_blocks={"a": 2}))  # books that lost track of it
+    assert worker.stats.overwrites == 1 and worker.stats.failed_stores == 0
+    assert worker.blocks_per_tier() == {"cpu": 1, "nvme": 0}
+    worker.load((BlockLoad("a", 9),))
+    assert block_bytes(src, 9) == block_bytes(src, 2)
+
+
+def test_stores_scheduled_before_the_books_heard_of_a_failed_load_are_still_skipped(worker: KvTierWorker) -> None:
+    """Async scheduling: vLLM builds the next step before the failure's report reaches the scheduler."""
+    src = fake_caches(10)
+    worker.register(src)
+    worker.apply(WorkerStep(2, 3, ops=(store("k0", CPU),), store_blocks={"k0": 0}))
+    worker.load((BlockLoad("gone", 4, "r", 1, gen=0),))  # block 1 of request r: not held, the load fails
+    worker.apply(WorkerStep(2, 3, ops=(store("k2", CPU),), store_blocks={"k2": 5}, store_tags={"k2": ("r", 2, 0)}))
+    report = worker.take_report()
+    assert report.failed_from == {"r": 1} and report.failed_keys == {"gone", "k2"}
+    # The next step was scheduled before that report: still generation 0, computed over the bad block.
+    worker.apply(WorkerStep(2, 3, ops=(store("k3", CPU),), store_blocks={"k3": 6}, store_tags={"k3": ("r", 3, 0)}))
+    assert worker.take_report().failed_keys == {"k3"} and not worker.holds("k3")
+    # The books heard of it: generation 1 recomputes from block 1 and stores it.
+    worker.apply(WorkerStep(2, 3, ops=(store("k1", CPU),), store_blocks={"k1": 4}, store_tags={"k1": ("r", 1, 1)}))
+    assert worker.holds("k1") and worker.stats.poisoned_stores == 2
+
+
+def test_a_store_needing_the_room_of_a_spill_in_flight_waits_in_a_buffer_not_on_the_engine_thread(
+        tmp_path: Path) -> None:
+    w = KvTierWorker({CPU: 1, NVME: 2}, tmp_path / "kv.tpnvme")
+    try:
+        src = fake_caches(11)
+        w.register(src)
+        w.apply(WorkerStep(1, 2, ops=(store("a", CPU),), store_blocks={"a": 1}))
+        gate, nvme = threading.Event(), w._stores.nvme_file
+        real_write = nvme.write_from
+
+        def held_write(offset_bytes, data):
+            gate.wait(timeout=30)  # the disk is slow: the spill stays in flight until the test lets it go
+            real_write(offset_bytes, data)
+
+        nvme.write_from = held_write
+        # The books: "a" makes way for "b" (moved to NVMe), "b" takes its CPU room.
+        w.apply(WorkerStep(1, 2, ops=(TierOp(OpKind.MOVE, "a", NVME), store("b", CPU)), store_blocks={"b": 2}))
+        assert w.stats.deferred_stores == 1 and w.stats.spill_waits == 0 and w.spills.num_waited == 0
+        assert w.holds("b") and w.blocks_per_tier() == {"cpu": 1, "nvme": 1}  # within both limits meanwhile
+        stored_b = block_bytes(src, 2)
+        src["model.layers.0.self_attn.attn"][2].zero_()  # vLLM reuses block 2: the store kept its own copy
+        gate.set()
+        w.apply(WorkerStep(1, 2))  # the next step finishes the spill, then the store
+        assert w.blocks_per_tier() == {"cpu": 1, "nvme": 1} and w.stats.stores_per_tier["cpu"] == 2
+        before = block_bytes(src, 1)
+        w.load((BlockLoad("a", 9), BlockLoad("b", 10)))
+        assert block_bytes(src, 9) == before and w.stats.limit_violations == 0
+        assert block_bytes(src, 10) == stored_b  # the bytes as they were at the store
+    finally:
+        w.close()

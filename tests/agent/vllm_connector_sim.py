@@ -1,8 +1,11 @@
 """A stand-in for vLLM's scheduler and model runner around the KV connector's two sides (test process).
 
-Drives `ConnectorBooks` and `KvTierWorker` through the calls vLLM makes for one prefill step per request, on fake
-requests (chained block hashes over token ids) and a fake paged cache whose block content is a pure function of
-the block's prefix hash: a block loaded by the connector must hold exactly what computing it would write. No vLLM.
+Drives `ConnectorBooks` and one or more `KvTierWorker`s (tensor-parallel ranks) through the calls vLLM makes for
+one prefill step per request, on fake requests (chained block hashes over token ids) and fake paged caches whose
+block content is a pure function of the block's prefix hash, provided every block before it holds what it should:
+the forward computes a block over the blocks before it (as attention does), so a block computed over a wrong one
+is wrong too. A load that fails is handled as vLLM's "recompute" policy does: the request is scheduled again from
+the failed block. A block loaded by the connector must hold exactly what computing it writes. No vLLM.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from tierplan.agent.adapters.vllm.connector_config import ConnectorSettings
+from tierplan.agent.adapters.vllm.connector_meta import WorkerReport
 from tierplan.agent.adapters.vllm.connector_scheduler import ConnectorBooks
 from tierplan.agent.adapters.vllm.connector_worker import KvTierWorker
 from tierplan.agent.adapters.vllm.kv_limits import KvLimits, prefix_hash
@@ -47,6 +51,7 @@ class RecordingSource:
     current: KvLimits | None = None
     limits_at_report: list[KvLimits | None] = field(default_factory=list)
     reuse: list[tuple[str, float, str]] = field(default_factory=list)
+    failures: list[dict[str, int]] = field(default_factory=list)
 
     def kv_limits(self) -> KvLimits | None:
         self.current = self.schedule.get(self.calls, self.current)
@@ -60,32 +65,77 @@ class RecordingSource:
     def report_reuse(self, events: list[tuple[str, float, str]]) -> None:
         self.reuse.extend(events)
 
+    def report_failures(self, counts: dict[str, int]) -> None:
+        self.failures.append(dict(counts))
+
 
 class FakeEngine:
-    """One prefill step per request, as vLLM's scheduler and runner would make the connector calls."""
+    """One prefill step per request (and one more from a failed load on), as vLLM's scheduler and runner would
+    make the connector calls; `num_workers` ranks, each with its own cache and tiers."""
 
     def __init__(self, settings: ConnectorSettings, nvme_path, source=None, num_blocks: int = 64,
-                 clock=None) -> None:
+                 clock=None, num_workers: int = 1) -> None:
         self.now_s = 0.0
         clock = clock or (lambda: self.now_s)  # the test moves time by setting now_s
         self.books = ConnectorBooks(settings, BLOCK_TOKENS, source=(lambda: source), clock=clock)
-        self.worker = KvTierWorker({Tier.CPU: settings.cpu_blocks, Tier.NVME: settings.nvme_blocks}, nvme_path)
-        self.caches = {n: torch.zeros(num_blocks, 2, BLOCK_TOKENS, 64, dtype=torch.bfloat16) for n in LAYERS}
-        self.worker.register(self.caches)
+        caps = {Tier.CPU: settings.cpu_blocks, Tier.NVME: settings.nvme_blocks}
+        self.workers = [KvTierWorker(caps, None if nvme_path is None else nvme_path.with_suffix(f".rank{r}"))
+                        for r in range(num_workers)]
+        self.worker = self.workers[0]
+        self.caches_per_rank = [{n: torch.zeros(num_blocks, 2, BLOCK_TOKENS, 64, dtype=torch.bfloat16) for n in LAYERS}
+                                for _ in self.workers]
+        self.caches = self.caches_per_rank[0]
+        for w, caches in zip(self.workers, self.caches_per_rank, strict=True):
+            w.register(caches)
         self.num_blocks = num_blocks
         self._next_block = 0
         self._ids: dict[str, list[int]] = {}
         self.books.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: (self._ids[rid],))
         self.external_blocks: list[int] = []  # per request
         self.footprints: list[dict[str, int]] = []
+        self.recomputed_from: list[int] = []  # per failed load: the block vLLM computed the request again from
+        self.hash_of: dict[str, bytes] = {}  # every key seen -> its block hash
 
     def _alloc(self, n: int) -> list[int]:
         ids = [(self._next_block + i) % self.num_blocks for i in range(n)]  # reuse blocks round-robin
         self._next_block += n
         return ids
 
+    def _forward(self, caches: dict, ids: list[int], hashes: list[bytes], start: int) -> None:
+        """Compute blocks `start..`: right only if every block before holds what computing it writes."""
+        good = all(torch.equal(caches[n][ids[j]].view(torch.uint8), computed_block(hashes[j])[i].view(torch.uint8))
+                   for j in range(start) for i, n in enumerate(LAYERS))
+        for j in range(start, len(hashes)):
+            content = computed_block(hashes[j]) if good else computed_block(hashes[j]) + 1  # over a wrong block
+            for i, name in enumerate(LAYERS):
+                caches[name][ids[j]] = content[i]
+
+    def _step(self, out: SimpleNamespace, req_id: str, hashes: list[bytes], start: int) -> WorkerReport:
+        step = self.books.build_step(out)
+        ids = self._ids[req_id]
+        for ld in step.loads:  # the scheduler names each load by its prefix hash
+            assert ld.key in {prefix_hash(h) for h in hashes}
+        report = WorkerReport()
+        for w, caches in zip(self.workers, self.caches_per_rank, strict=True):
+            w.load(step.loads)
+            self._forward(caches, ids, hashes, start)
+            w.apply(step)
+            report = report.merge(w.take_report())
+        for j, h in enumerate(hashes[:start]):  # exactness: a loaded block holds what computing it writes
+            if ids[j] in report.failed_load_block_ids:
+                continue
+            for caches in self.caches_per_rank:
+                for i, name in enumerate(LAYERS):
+                    got = caches[name][ids[j]].view(torch.uint8)
+                    assert torch.equal(got, computed_block(h)[i].view(torch.uint8)), f"block {j} of {req_id}"
+        self.worker.finish_spills()  # (the next step would): a spill in flight counts on both tiers until done
+        self.footprints.append(self.worker.blocks_per_tier())
+        self.books.on_worker_report(report)
+        return report
+
     def run(self, req_id: str, tokens: list[int]) -> None:
         hashes = block_hashes(tokens)
+        self.hash_of.update({prefix_hash(h): h for h in hashes})
         req = SimpleNamespace(request_id=req_id, block_hashes=hashes, num_tokens=len(tokens))
         self.books.new_request(req)
         ext = self.books.num_new_matched_tokens(req, 0)
@@ -96,23 +146,43 @@ class FakeEngine:
             scheduled_new_reqs=[SimpleNamespace(req_id=req_id, num_computed_tokens=ext)],
             scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
             num_scheduled_tokens={req_id: len(tokens) - ext}, scheduled_spec_decode_tokens={})
-        step = self.books.build_step(out)
-        for ld in step.loads:  # the scheduler names each load by its prefix hash
-            assert ld.key in {prefix_hash(h) for h in hashes}
-        self.worker.load(step.loads)
         n_ext = ext // BLOCK_TOKENS
-        for j, h in enumerate(hashes):  # the forward: computes every block the connector did not load
-            if j >= n_ext:
-                for i, name in enumerate(LAYERS):
-                    self.caches[name][ids[j]] = computed_block(h)[i]
-        for j, h in enumerate(hashes[:n_ext]):  # exactness: a loaded block holds what computing it writes
-            for i, name in enumerate(LAYERS):
-                assert torch.equal(self.caches[name][ids[j]].view(torch.uint8), computed_block(h)[i].view(torch.uint8))
-        self.worker.apply(step)
-        self.footprints.append(self.worker.blocks_per_tier())
-        self.books.on_worker_report(self.worker.take_report())
+        report = self._step(out, req_id, hashes, n_ext)
+        if report.failed_load_block_ids:  # vLLM's "recompute": computed again from the first failed block on
+            first = min(j for j, b in enumerate(ids) if b in report.failed_load_block_ids)
+            self.recomputed_from.append(first)
+            done = first * BLOCK_TOKENS
+            out = SimpleNamespace(
+                scheduled_new_reqs=[],
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[req_id], num_computed_tokens=[done]),
+                num_scheduled_tokens={req_id: len(tokens) - done}, scheduled_spec_decode_tokens={})
+            self._step(out, req_id, hashes, first)
         self.books.finished(req)
         self.external_blocks.append(n_ext)
 
+    def idle_step(self) -> None:
+        """A step that schedules nothing (vLLM's steps go on): carries out pending ops, reports to the source."""
+        out = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, scheduled_spec_decode_tokens={},
+                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
+        step = self.books.build_step(out)
+        report = WorkerReport()
+        for w in self.workers:
+            w.apply(step)
+            report = report.merge(w.take_report())
+        self.books.on_worker_report(report)
+
+    def stored_blocks_exact(self) -> dict[str, bool]:
+        """Per key any worker holds: does every worker's stored copy equal what computing the block writes?"""
+        out = {}
+        for w in self.workers:
+            w.finish_spills()
+            for key in list(w._blocks):
+                want = b"".join(computed_block(self.hash_of[key])[i].contiguous().view(torch.uint8).numpy().tobytes()
+                                for i in range(len(LAYERS)))
+                got = bytes(w.read_block(key).numpy())[:len(want)]
+                out[key] = out.get(key, True) and got == want
+        return out
+
     def close(self) -> None:
-        self.worker.close()
+        for w in self.workers:
+            w.close()

@@ -5,11 +5,14 @@ Enabled with `kv_transfer_config={"kv_connector": "TierplanConnector", "kv_conne
 "tierplan.agent.adapters.vllm.connector", "kv_role": "kv_both", "kv_connector_extra_config": {...}}` (keys:
 `connector_config.py`). The scheduler side (`connector_scheduler.ConnectorBooks`) answers prefix hits and decides
 what to store under the plan's limits; the worker side (`connector_worker.KvTierWorker`) moves the bytes through our
-runtime, loading a step's hits before its forward and storing the blocks it completed after it (synchronously:
-a load is done before vLLM reads the block, a store before vLLM can free it). Only models with one full-attention
+runtime, loading a step's hits before its forward and storing the blocks it completed after it (a load is done
+before vLLM reads the block, a store before vLLM can free it; spills from our CPU tier to the NVMe file run in the
+background and finish by the next step). Only models with one full-attention
 KV cache group are supported; anything else is refused at start by name. A block that fails to load (its checksum,
-say) is reported to vLLM: with `"kv_load_failure_policy": "recompute"` vLLM computes it again, with vLLM's default
-("fail") the request fails; either way it is counted. `reset_prefix_cache(reset_connector=True)` empties our tiers
+say) is reported to vLLM, which computes it again: the connector needs `"kv_load_failure_policy": "recompute"` in
+`kv_transfer_config` and refuses vLLM's default ("fail", which would fail the user's request) at start. Blocks
+computed over a failed load are never kept. Failures are counted in vLLM's connector stats and told to the plan's
+source (`kv_limits.report_failures`). `reset_prefix_cache(reset_connector=True)` empties our tiers
 too. Never decides a plan; never waits on the network.
 """
 
@@ -25,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tierplan.agent.adapters.vllm.connector_config import ConnectorSettings
+from tierplan.agent.adapters.vllm.connector_config import ConnectorSettings, check_failure_policy
 from tierplan.agent.adapters.vllm.connector_meta import WorkerReport, WorkerStep
 from tierplan.agent.adapters.vllm.connector_scheduler import ConnectorBooks
 from tierplan.agent.adapters.vllm.connector_stats import CounterDeltas, TierplanConnectorStats, flatten
@@ -76,6 +79,7 @@ class TierplanConnector(KVConnectorBase_V1):
                  ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = ConnectorSettings.parse(self._kv_transfer_config.kv_connector_extra_config)
+        check_failure_policy(getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail"))
         _check_kv_cache_config(kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         self.books: ConnectorBooks | None = None
@@ -132,7 +136,7 @@ class TierplanConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         report, self._pending = self._pending, WorkerReport()
-        if not report.failed_keys and not report.failed_load_block_ids:
+        if report.is_empty():
             return None
         return TierplanWorkerMetadata(report)
 
@@ -142,6 +146,10 @@ class TierplanConnector(KVConnectorBase_V1):
             totals = {**flatten("stores", w.stores_per_tier), **flatten("loads", w.loads_per_tier), "moves": w.moves,
                       "drops": w.drops, "failed_stores": w.failed_stores, "failed_moves": w.failed_moves,
                       "failed_loads": w.failed_loads, "corrupt_loads": w.corrupt_loads,
+                      "poisoned_stores": w.poisoned_stores, "overwrites": w.overwrites,
+                      "spills_started": self.worker.spills.num_started,
+                      "spills_waited": self.worker.spills.num_waited, "spill_waits": w.spill_waits,
+                      "deferred_stores": w.deferred_stores,
                       "limit_violations": w.limit_violations}
         else:
             b = self._books()

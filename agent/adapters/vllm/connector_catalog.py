@@ -208,13 +208,16 @@ class KvCatalog:
         self._heap = {t: [] for t in STORE_TIERS}
         return ops
 
-    def forget(self, key: str) -> None:
-        """The worker does not hold this block (a store or move failed): remove it from the books."""
+    def forget(self, key: str) -> Tier | None:
+        """A worker does not hold this block (a store, move or load failed): remove it from the books; the tier it
+        was booked on, or None if it was not."""
         entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._count[entry.tier] -= 1
-            self._kept[entry.tier].discard(key)
-            self.stats.forgotten += 1
+        if entry is None:
+            return None
+        self._count[entry.tier] -= 1
+        self._kept[entry.tier].discard(key)
+        self.stats.forgotten += 1
+        return entry.tier
 
     # ---- placement ----------------------------------------------------------------------------------
     def _room_for(self, key: str, tier: Tier, ops: list[TierOp]) -> bool:

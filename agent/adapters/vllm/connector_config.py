@@ -60,3 +60,12 @@ class ConnectorSettings(BaseModel):
         if not self.nvme_blocks or self.nvme_dir is None:
             return None
         return Path(self.nvme_dir) / f"tierplan-kv-{engine_id}-rank{rank}-pid{os.getpid()}.tpnvme"
+
+
+def check_failure_policy(policy: Any) -> None:
+    """vLLM's `kv_transfer_config.kv_load_failure_policy` must be "recompute": a block of ours that fails to load
+    (a checksum mismatch, an I/O error) is then computed again; vLLM's default "fail" would fail the request."""
+    if policy != "recompute":
+        raise ValueError(f"kv_transfer_config.kv_load_failure_policy is {policy!r}; TierplanConnector needs "
+                         "'recompute' (a block that fails to load is computed again instead of failing the request): "
+                         'add "kv_load_failure_policy": "recompute" to kv_transfer_config')

@@ -43,6 +43,7 @@ class _ReqState:
     request: Any
     keys: list[str] = field(default_factory=list)  # prefix hashes of request.block_hashes, as far as computed
     next_store: int = 0  # first block index not yet offered to the catalog
+    gen: int = 0  # bumped when a load of this request failed: stores of older generations may be poisoned
 
     def key_list(self) -> list[str]:
         hashes = self.request.block_hashes
@@ -90,6 +91,7 @@ class ConnectorBooks:
         self._load_tiers: dict[str, list[Tier]] = {}  # this step's hits per request, for vLLM's hit sources
         self._hits, self._misses = _empty_counts(), _empty_counts()
         self._reuse: list[ReuseEvent] = []  # this step's prefix hits, for a source that takes them
+        self._failures: dict[str, int] = {}  # failures since the last report (workers' and the source's own)
         self._pending_ops: list[TierOp] = []  # decided between steps (a reset), carried out with the next one
         self.kv_cache_manager: Any = None  # vLLM's KVCacheManager, bound by vLLM
 
@@ -131,7 +133,8 @@ class ConnectorBooks:
         keys = self._state(request).key_list()
         hit_keys = keys[look.start_block:look.start_block + n]
         for j, key in enumerate(hit_keys):
-            self._loads.append(BlockLoad(key, block_ids[look.start_block + j]))
+            index = look.start_block + j
+            self._loads.append(BlockLoad(key, block_ids[index], request.request_id, index, self._state(request).gen))
         for key, age_s, tier in self.catalog.touch(hit_keys):
             self._reuse.append((key, age_s, tier.value))
         tiers = look.tiers[:n]
@@ -160,8 +163,7 @@ class ConnectorBooks:
                     raise TypeError(f"kv_limits() returned {type(got).__name__}, expected KvLimits or None")
                 limits = got
             except Exception as exc:  # fail-static: keep the limits in force, count it, never break vLLM's step
-                self.stats.source_errors += 1
-                self.stats.last_source_error = f"{type(exc).__name__}: {exc}"
+                self._source_error(exc)
         if limits is None or limits.plan_version == 0:
             cpu, nvme = self.settings.cpu_blocks, self.settings.nvme_blocks
             retention = limits.retention if limits is not None else ()
@@ -177,6 +179,8 @@ class ConnectorBooks:
         ops, self._pending_ops = self._pending_ops, []
         ops += self._refresh_limits()
         store_blocks: dict[str, int] = {}
+        store_tags: dict[str, tuple[str, int, int]] = {}
+        req_blocks: dict[str, tuple[int, ...]] = {}
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
@@ -192,14 +196,19 @@ class ConnectorBooks:
             if full <= st.next_store:
                 continue
             block_ids = self._block_ids(req_id)
-            for j in range(st.next_store, min(full, len(block_ids))):
+            end = min(full, len(block_ids))
+            for j in range(st.next_store, end):
                 for op in self.catalog.admit(keys[j]):
                     if op.kind is OpKind.STORE and op.key == keys[j]:
                         store_blocks[op.key] = block_ids[j]
+                        store_tags[op.key] = (req_id, j, st.gen)
                     ops.append(op)
+            if self._loads and end > st.next_store:  # a failed load this step poisons what was computed over it
+                req_blocks[req_id] = tuple(block_ids[:end])
             st.next_store = full
         limits = self.catalog.limits
-        step = WorkerStep(limits[Tier.CPU], limits[Tier.NVME], tuple(self._loads), tuple(ops), store_blocks)
+        step = WorkerStep(limits[Tier.CPU], limits[Tier.NVME], tuple(self._loads), tuple(ops), store_blocks,
+                          store_tags, req_blocks)
         self._loads, self._load_tiers = [], {}
         self._report()
         return step
@@ -212,7 +221,7 @@ class ConnectorBooks:
     def _report(self) -> None:
         src = self._source()
         if src is None:  # nobody to tell: this step's counts go (the next source hears of its own steps only)
-            self._hits, self._misses, self._reuse = _empty_counts(), _empty_counts(), []
+            self._hits, self._misses, self._reuse, self._failures = _empty_counts(), _empty_counts(), [], {}
             return
         blocks = _empty_counts()
         for tier, n in self.catalog.footprint().items():
@@ -221,15 +230,23 @@ class ConnectorBooks:
         if pool is not None:
             blocks["gpu"] = pool.num_gpu_blocks - pool.get_num_free_blocks()
         hits, misses, reuse = self._hits, self._misses, self._reuse
-        self._hits, self._misses, self._reuse = _empty_counts(), _empty_counts(), []
+        failures = {k: n for k, n in self._failures.items() if n}
+        self._hits, self._misses, self._reuse, self._failures = _empty_counts(), _empty_counts(), [], {}
         try:
             src.report_kv(hits, misses, blocks)
             report_reuse = getattr(src, "report_reuse", None)
             if reuse and report_reuse is not None:
                 report_reuse(reuse)
+            report_failures = getattr(src, "report_failures", None)
+            if failures and report_failures is not None:
+                report_failures(failures)
         except Exception as exc:  # the report is lost (counted); serving goes on
-            self.stats.source_errors += 1
-            self.stats.last_source_error = f"{type(exc).__name__}: {exc}"
+            self._source_error(exc)
+
+    def _source_error(self, exc: Exception) -> None:
+        self.stats.source_errors += 1
+        self.stats.last_source_error = f"{type(exc).__name__}: {exc}"
+        self._failures["source_errors"] = self._failures.get("source_errors", 0) + 1
 
     def reset(self) -> None:
         """vLLM reset its prefix cache and asked the connector to do the same: no hit is served from here on; the
@@ -238,8 +255,19 @@ class ConnectorBooks:
         self.stats.resets += 1
 
     def on_worker_report(self, report: WorkerReport) -> None:
-        """Keys the worker does not hold leave the books (a later lookup misses them instead of failing)."""
-        for key in report.failed_keys:
-            self.catalog.forget(key)
+        """Keys a worker does not hold leave the books, and every worker drops them with the next step (with
+        several workers, or a late report, another may hold them); a request whose load failed is offered for
+        storing again from the failed block on, once vLLM has computed it anew. The failures are counted and told
+        to the source with the next step."""
+        for key in sorted(report.failed_keys):
+            tier = self.catalog.forget(key)
+            self._pending_ops.append(TierOp(OpKind.DROP, key, tier or Tier.CPU))
+        for req_id, index in report.failed_from.items():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.next_store = min(st.next_store, index)
+                st.gen += 1
+        for name, n in report.counts.items():
+            self._failures[name] = self._failures.get(name, 0) + n
         self.stats.failed_keys += len(report.failed_keys)
         self.stats.failed_loads += len(report.failed_load_block_ids)

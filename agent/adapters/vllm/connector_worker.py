@@ -6,7 +6,12 @@ One stored block is one vLLM KV block of every attention layer, the layers' byte
 our runtime's tiers (`KVTierStores`: pinned host memory and an O_DIRECT file), booked by its `KVBlockManager`
 (whose limits are the plan's, so the runtime itself refuses a block past them) and moved by its
 `KVTransferHandler`; every read is checked against the checksum taken when the block was written, so the bytes
-put back into vLLM's cache are the bytes taken out, or the load fails and vLLM computes the block again.
+put back into vLLM's cache are the bytes taken out, or the load fails (any read error: the block is freed and
+forgotten) and vLLM computes the block again; a store the step computed at or past a failed load of its request is
+skipped, so nothing computed over wrong bytes is ever kept. Spills (CPU tier to NVMe file) run in the background
+(`connector_spills.py`) and finish by the next step's ops (a store needing the room one still holds waits in
+one of `NUM_DEFERRED` host buffers); a step's loads are read as one batch (`connector_loads.py`) before its
+forward, and stores into the tiers, drops and the copies out of vLLM's cache run on the engine thread.
 Carries out the scheduler side's `WorkerStep`s in order; never decides what to keep.
 """
 
@@ -14,64 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from tierplan.agent.adapters.vllm.connector_catalog import STORE_TIERS, OpKind, TierOp
+from tierplan.agent.adapters.vllm.connector_layout import KvLayout, WorkerStats
+from tierplan.agent.adapters.vllm.connector_loads import BatchReader
 from tierplan.agent.adapters.vllm.connector_meta import BlockLoad, WorkerReport, WorkerStep
-from tierplan.runtime.device import Device, DeviceKind
-from tierplan.runtime.errors import CorruptDataError, RuntimeTierError
+from tierplan.agent.adapters.vllm.connector_spills import SpillQueue
+from tierplan.runtime.device import AlignedHostBuffer, Device, DeviceKind
+from tierplan.runtime.errors import CapacityError, CorruptDataError, RuntimeTierError
 from tierplan.runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
-from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES, align_up
 from tierplan.runtime.transfer import TransferEngine
 
-
-@dataclass(frozen=True)
-class KvLayout:
-    """Where each attention layer's part of one vLLM block sits in a stored block."""
-
-    layer_names: tuple[str, ...]
-    bytes_per_layer: tuple[int, ...]
-    block_bytes: int  # the layers' bytes end to end, rounded up to DIRECT_ALIGN_BYTES
-    device_type: str
-
-    @staticmethod
-    def of(kv_caches: dict[str, torch.Tensor]) -> KvLayout:
-        """The layout of vLLM's registered caches: per layer a tensor whose first axis is the block."""
-        if not kv_caches:
-            raise ValueError("TierplanConnector: vLLM registered no KV cache tensors; expected one per attention layer")
-        names = tuple(sorted(kv_caches))
-        sizes, devices, num_blocks = [], set(), set()
-        for name in names:
-            kv = kv_caches[name]
-            if not isinstance(kv, torch.Tensor) or kv.dim() < 2 or not kv[0].is_contiguous():
-                raise ValueError(f"TierplanConnector: KV cache of layer {name!r} is not a tensor with one contiguous "
-                                 "block per index of its first axis; this KV layout is not supported")
-            sizes.append(kv[0].numel() * kv.element_size())
-            devices.add(kv.device.type)
-            num_blocks.add(kv.shape[0])
-        if len(devices) != 1 or len(num_blocks) != 1:
-            raise ValueError(f"TierplanConnector: KV caches span devices {sorted(devices)} and block counts "
-                             f"{sorted(num_blocks)}; expected one device and one block count (one KV cache group)")
-        return KvLayout(names, tuple(sizes), align_up(sum(sizes), DIRECT_ALIGN_BYTES), devices.pop())
-
-
-@dataclass
-class WorkerStats:
-    stores_per_tier: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in STORE_TIERS})
-    loads_per_tier: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in STORE_TIERS})
-    moves: int = 0
-    drops: int = 0
-    failed_stores: int = 0
-    failed_moves: int = 0
-    failed_loads: int = 0
-    corrupt_loads: int = 0
-    limit_violations: int = 0  # a footprint past the installed limits after an op (the books should make it 0)
-    peak_blocks_per_tier: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in STORE_TIERS})
-    footprint_checks: int = 0
-    nvme_fallback_reason: str | None = None
+NUM_DEFERRED = 8  # host buffers for stores waiting on a spill (blocks outside the tiers, beside the staging buffers)
 
 
 class KvTierWorker:
@@ -89,10 +51,21 @@ class KvTierWorker:
         self._blocks: dict[str, int] = {}  # key -> our runtime's block id
         self._limits = dict(self.capacity)
         self._report = WorkerReport()
+        self.spills = SpillQueue(self._move_done)
+        self._step_failed: set[int] = set()  # vLLM block ids whose load failed this step
+        self._poisoned: dict[str, tuple[int, int]] = {}  # this step's failed loads: request -> (index, generation)
+        # Requests with a failed load: (first poisoned index, the request's generation then). Kept across steps: a
+        # step scheduled before the scheduler heard of the failure (async scheduling) still carries stores of that
+        # generation, computed over the bad block; the scheduler's next generation of the request stores anew.
+        self._held_poison: dict[str, tuple[int, int]] = {}
+        # Stores whose room a spill in flight still holds: their bytes wait in a host buffer of ours until it is done.
+        self._deferred: dict[str, tuple[Tier, AlignedHostBuffer]] = {}
+        self._free_bufs: list[AlignedHostBuffer] = []
         self._engine: TransferEngine | None = None
         self._stores: KVTierStores | None = None
         self.manager: KVBlockManager | None = None
         self.handler: KVTransferHandler | None = None
+        self._reader: BatchReader | None = None
 
     # ---- set-up -------------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -103,7 +76,7 @@ class KvTierWorker:
         kind = DeviceKind.CUDA if self.layout.device_type == "cuda" else DeviceKind.CPU
         first = self._kv[self.layout.layer_names[0]]
         device = Device(kind, first.device.index or 0) if kind is DeviceKind.CUDA else Device(kind)
-        self._engine = TransferEngine(device, disk_workers=1)
+        self._engine = TransferEngine(device, disk_workers=2)  # a step's NVMe loads are read two at a time
         caps = {Tier.GPU: 0, **self.capacity}
         try:
             self._stores = KVTierStores(device, self.layout.block_bytes, caps, self.nvme_path, direct_io=self.direct_io)
@@ -113,9 +86,12 @@ class KvTierWorker:
             raise
         self.manager = KVBlockManager(caps, verify_tiers=frozenset(STORE_TIERS))  # every read is checked
         self.handler = KVTransferHandler(self.manager, self._stores, self._engine, num_staging=2)
+        self._reader = BatchReader(self.manager, self._stores, self._engine, device)
         nvme = self._stores.nvme_file
         self.stats.nvme_fallback_reason = None if nvme is None else nvme.fallback_reason
         self._buf = torch.zeros(self.layout.block_bytes, dtype=torch.uint8)  # [B] host bytes of one block
+        if self.capacity[Tier.NVME]:  # spills happen: stores waiting on them need somewhere to wait
+            self._free_bufs = [device.alloc_host(self.layout.block_bytes) for _ in range(NUM_DEFERRED)]
 
     def _require(self) -> tuple[KvLayout, KVBlockManager, KVTransferHandler]:
         if self.layout is None or self.manager is None or self.handler is None:
@@ -143,82 +119,209 @@ class KvTierWorker:
             off += n
 
     # ---- one step -----------------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        """A failure counter: in this worker's stats and in the report the scheduler hears this step."""
+        setattr(self.stats, name, getattr(self.stats, name) + n)
+        self._report.counts[name] = self._report.counts.get(name, 0) + n
+
     def load(self, loads: tuple[BlockLoad, ...]) -> None:
-        """Put stored blocks into vLLM's cache; a block missing here or failing its checksum is reported (vLLM
-        computes it again) and a corrupt one is dropped."""
-        _, manager, handler = self._require()
+        """Put the step's stored blocks into vLLM's cache, read as one batch (`connector_loads.py`). A block missing
+        here or failing its read (its checksum, or any I/O error) is reported (vLLM computes it again), freed and
+        forgotten; a spill of one of them still in flight is finished first."""
+        _, manager, _ = self._require()
+        self.spills.poll()
+        if self._deferred and not self.spills.pending():
+            self._complete_deferred()
+        self._settle([ld.key for ld in loads])
+        todo: list[tuple[BlockLoad, int, Tier]] = []
+        failed: list[BlockLoad] = []
         for ld in loads:
             bid = self._blocks.get(ld.key)
             if bid is None:
-                self._fail_load(ld, forget=False)
-                continue
-            tier = manager.location(bid).tier
-            try:
-                data = handler.read(bid)  # [B], checked against the checksum taken at write
-            except CorruptDataError:
-                self.stats.corrupt_loads += 1
-                self._free(ld.key)
-                self._fail_load(ld, forget=True)
-                continue
-            except RuntimeTierError:
-                self._fail_load(ld, forget=False)
-                continue
-            self.scatter(data, ld.block_id)
+                failed.append(ld)
+            else:
+                todo.append((ld, bid, manager.location(bid).tier))
+
+        def sink(i: int, got: torch.Tensor | RuntimeTierError) -> None:
+            ld, _, tier = todo[i]
+            if isinstance(got, RuntimeTierError):
+                if isinstance(got, CorruptDataError):
+                    self._count("corrupt_loads")
+                failed.append(ld)  # freed below, once the reader let go of it
+                return
+            self.scatter(got, ld.block_id)
             self.stats.loads_per_tier[tier.value] += 1
 
-    def _fail_load(self, ld: BlockLoad, forget: bool) -> None:
-        self.stats.failed_loads += 1
+        if self._reader is not None:
+            self._reader.read([bid for _, bid, _ in todo], sink)
+        for ld in failed:
+            self._fail_load(ld)
+
+    def _fail_load(self, ld: BlockLoad) -> None:
+        self._count("failed_loads")
+        self._free(ld.key)
         self._report.failed_load_block_ids.add(ld.block_id)
-        if forget:
-            self._report.failed_keys.add(ld.key)
+        self._report.failed_keys.add(ld.key)
+        self._step_failed.add(ld.block_id)
+        if ld.req_id:
+            self._poisoned[ld.req_id] = min((ld.index, ld.gen), self._poisoned.get(ld.req_id, (ld.index, ld.gen)))
+
+    def _poisoned_from(self, step: WorkerStep) -> dict[str, tuple[int, int]]:
+        """Per request, (the first block index computed over a block whose load failed this step, generation)."""
+        out = dict(self._poisoned)
+        if self._step_failed:
+            gens = {req_id: gen for req_id, _, gen in step.store_tags.values()}
+            for req_id, ids in step.req_blocks.items():
+                first = next((j for j, b in enumerate(ids) if b in self._step_failed), None)
+                if first is not None:
+                    out[req_id] = min((first, gens.get(req_id, 0)), out.get(req_id, (first, gens.get(req_id, 0))))
+        return out
+
+    def _is_poisoned(self, tag: tuple[str, int, int] | None) -> bool:
+        if tag is None or tag[0] not in self._held_poison:
+            return False
+        req_id, index, gen = tag
+        first, bad_gen = self._held_poison[req_id]
+        if gen > bad_gen:  # the scheduler heard of it: this generation is computed anew
+            del self._held_poison[req_id]
+            return False
+        return index >= first
 
     def apply(self, step: WorkerStep) -> None:
-        """Install the step's limits, then carry out its ops in order, checking the footprint after each."""
+        """Finish the previous step's spills, install the step's limits, then carry out its ops in order,
+        checking the footprint after each. A store at or past a request's failed load is skipped and reported."""
         _, manager, _ = self._require()
+        self._settle_all()
+        for req_id, (index, gen) in self._poisoned_from(step).items():
+            held = self._held_poison.get(req_id)
+            self._held_poison[req_id] = (index, gen) if held is None or gen > held[1] else (min(index, held[0]), gen)
+            self._report.failed_from[req_id] = min(index, self._report.failed_from.get(req_id, index))
+        self._step_failed, self._poisoned = set(), {}
         self._limits = {Tier.CPU: step.cpu_blocks, Tier.NVME: step.nvme_blocks}
         manager.set_limits({t: min(n, self.capacity[t]) for t, n in self._limits.items() if self.capacity[t]})
         for op in step.ops:
             before = self.blocks_per_tier()
+            if op.kind is OpKind.STORE and self._is_poisoned(step.store_tags.get(op.key)):
+                self._count("poisoned_stores")
+                self._report.failed_keys.add(op.key)
+                continue
             self._do(op, step)
             self._check_footprint(before)
+
+    def _fail_store(self, key: str) -> None:
+        self._count("failed_stores")
+        self._report.failed_keys.add(key)
 
     def _do(self, op: TierOp, step: WorkerStep) -> None:
         _, manager, handler = self._require()
         if op.kind is OpKind.STORE:
-            if op.key in self._blocks or op.key not in step.store_blocks:
-                self.stats.failed_stores += 1
-                self._report.failed_keys.add(op.key)
+            if op.key not in step.store_blocks:
+                self._fail_store(op.key)
                 return
+            if op.key in self._blocks or op.key in self._deferred:  # books that lost track of it: new bytes win
+                self._discard(op.key)
+                self.stats.overwrites += 1
             try:
                 bid = manager.allocate(op.tier)
-            except RuntimeTierError:
-                self.stats.failed_stores += 1
-                self._report.failed_keys.add(op.key)
+            except CapacityError:
+                self._store_after_spills(op, step)
                 return
-            try:
-                handler.write(bid, self.gather(step.store_blocks[op.key]))
             except RuntimeTierError:
-                manager.free(bid)
-                self.stats.failed_stores += 1
-                self._report.failed_keys.add(op.key)
+                self._fail_store(op.key)
                 return
-            self._blocks[op.key] = bid
-            self.stats.stores_per_tier[op.tier.value] += 1
+            self._write(op.key, op.tier, bid, self.gather(step.store_blocks[op.key]))
         elif op.kind is OpKind.MOVE:
+            self._settle([op.key])
             bid = self._blocks.get(op.key)
             try:
                 if bid is None:
                     raise KeyError(op.key)
-                handler.move(bid, op.tier).wait()
-                self.stats.moves += 1
+                self.spills.start(op.key, handler.move(bid, op.tier))  # its bytes stay safe where they are
             except (RuntimeTierError, KeyError):
-                # The block stayed where it was (or never was): drop it so the books and the bytes agree.
-                self.stats.failed_moves += 1
-                self._free(op.key)
-                self._report.failed_keys.add(op.key)
+                self._move_failed(op.key)
+        elif self._discard(op.key):
+            self.stats.drops += 1
+
+    def _write(self, key: str, tier: Tier, bid: int, data: torch.Tensor) -> None:
+        _, manager, handler = self._require()
+        try:
+            handler.write(bid, data)
+        except RuntimeTierError:
+            manager.free(bid)
+            self._fail_store(key)
+            return
+        self._blocks[key] = bid
+        self.stats.stores_per_tier[tier.value] += 1
+
+    def _store_after_spills(self, op: TierOp, step: WorkerStep) -> None:
+        """The tier is full: of blocks spilling out of it (their room comes free once the spill is done), or of
+        blocks the books did not count (a failure). The bytes wait in a buffer of ours, or for the spills."""
+        _, manager, _ = self._require()
+        if not self.spills.pending():
+            self._fail_store(op.key)
+            return
+        if self._free_bufs:
+            buf = self._free_bufs.pop()
+            buf.tensor[:self._buf.numel()].copy_(self.gather(step.store_blocks[op.key]))
+            self._deferred[op.key] = (op.tier, buf)
+            self.stats.deferred_stores += 1
+            return
+        self.stats.spill_waits += 1
+        self._settle_all()
+        try:
+            bid = manager.allocate(op.tier)
+        except RuntimeTierError:
+            self._fail_store(op.key)
+            return
+        self._write(op.key, op.tier, bid, self.gather(step.store_blocks[op.key]))
+
+    def _complete_deferred(self) -> None:
+        """Stores waiting on spills, in order, once those are done (their room is free now, or they fail)."""
+        _, manager, _ = self._require()
+        for key, (tier, buf) in list(self._deferred.items()):
+            del self._deferred[key]
+            try:
+                try:
+                    bid = manager.allocate(tier)
+                except RuntimeTierError:
+                    self._fail_store(key)
+                    continue
+                self._write(key, tier, bid, buf.tensor[:self._buf.numel()])
+            finally:
+                self._free_bufs.append(buf)
+
+    def _settle(self, keys: list[str]) -> None:
+        """Finish what these keys wait on: their spills, or every spill if one of them is a deferred store."""
+        if any(k in self._deferred for k in keys):
+            self._settle_all()
         else:
-            if self._free(op.key):
-                self.stats.drops += 1
+            self.spills.settle(keys)
+
+    def _settle_all(self) -> None:
+        self.spills.settle_all()
+        if self._deferred:
+            self._complete_deferred()
+
+    def _discard(self, key: str) -> bool:
+        """Forget the key's bytes wherever they are (a deferred store's buffer goes back)."""
+        held = self._deferred.pop(key, None)
+        if held is not None:
+            self._free_bufs.append(held[1])
+            return True
+        self.spills.settle([key])
+        return self._free(key)
+
+    def _move_done(self, key: str, error: BaseException | None) -> None:
+        if error is None:
+            self.stats.moves += 1
+        else:
+            self._move_failed(key)
+
+    def _move_failed(self, key: str) -> None:
+        # The block stayed where it was (or never was): drop it so the books and the bytes agree.
+        self._count("failed_moves")
+        self._free(key)
+        self._report.failed_keys.add(key)
 
     def _free(self, key: str) -> bool:
         bid = self._blocks.pop(key, None)
@@ -239,6 +342,10 @@ class KvTierWorker:
             if used > self._limits[tier] and used > before[tier.value]:
                 self.stats.limit_violations += 1
 
+    def finish_spills(self) -> None:
+        """Wait for every spill in flight and the stores waiting on them (the next step's ops do it anyway)."""
+        self._settle_all()
+
     # ---- reporting and shutdown ---------------------------------------------------------------------
     def take_report(self) -> WorkerReport:
         report, self._report = self._report, WorkerReport()
@@ -250,17 +357,21 @@ class KvTierWorker:
         return {t.value: self.manager.num_used(t) for t in STORE_TIERS}
 
     def holds(self, key: str) -> bool:
-        return key in self._blocks
+        return key in self._blocks or key in self._deferred
 
     def read_block(self, key: str) -> torch.Tensor:
         """A checked host copy of a stored block (tests compare it with vLLM's cache)."""
         _, _, handler = self._require()
+        self._settle([key])
         return handler.read(self._blocks[key])
 
     def close(self) -> None:
         """Finish transfers, release host memory and remove the NVMe file (its blocks die with the process)."""
         if self.handler is not None:
+            self._settle_all()
             self.handler.close()
+        if self._reader is not None:
+            self._reader.close()
         if self._stores is not None:
             self._stores.close()
         if self._engine is not None:
@@ -268,5 +379,10 @@ class KvTierWorker:
         if self._stores is not None and self.nvme_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.nvme_path)
-        self.handler = self.manager = self._stores = self._engine = None
+        self.handler = self.manager = self._stores = self._engine = self._reader = None
         self._blocks.clear()
+        self._kv = {}  # vLLM's cache tensors: theirs to free
+        for buf in self._free_bufs + [b for _, b in self._deferred.values()]:
+            buf.close()
+        self._free_bufs, self._deferred = [], {}
+

@@ -17,6 +17,12 @@ footprint now ("gpu": vLLM's blocks in use, "cpu"/"nvme": the connector's). Tier
 A source that also has `report_reuse(events)` gets, at the same call, each prefix hit of the step as
 (prefix hash, seconds since that block was last stored or hit, tier it was found on): the `ReuseEvent`s the KV
 reuse predictor learns from. It is optional, so a source with the two methods above stays valid.
+So is `report_failures(counts)`: at the same call, a step's failures by name, only when there are any (each
+call carries the failures since the previous one, never a total): `failed_loads` (blocks vLLM computed again;
+`corrupt_loads` of them failed their checksum), `failed_stores`, `failed_moves`, `poisoned_stores` (blocks
+computed over a failed load, never kept), `source_errors` (this source raised). Each is a fallback to count.
+Two engines in one process each register their own source; `clear_source(src)` at shutdown clears the slot only if
+it still holds `src`, so one engine going away never unregisters the other's.
 """
 
 from __future__ import annotations
@@ -91,6 +97,14 @@ def set_source(src: KvLimitsSource | None) -> None:
     if src is not None and not isinstance(src, KvLimitsSource):
         raise TypeError(f"set_source: {type(src).__name__} has no kv_limits()/report_kv(); expected a KvLimitsSource")
     _SLOT.source = src
+
+
+def clear_source(src: KvLimitsSource) -> bool:
+    """Unregister `src` if it is the registered source (True); another engine's source stays (False)."""
+    if _SLOT.source is src:
+        _SLOT.source = None
+        return True
+    return False
 
 
 def current_source() -> KvLimitsSource | None:
