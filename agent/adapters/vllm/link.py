@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tierplan.agent.adapters.vllm.capture import RouterCapture
-from tierplan.agent.adapters.vllm.kv_limits import KvLimits, current_source, set_source
+from tierplan.agent.adapters.vllm.kv_limits import KvLimits, clear_source, set_source
 from tierplan.agent.adapters.vllm.registration import (
     build_registration,
     expert_footprint,
@@ -250,8 +250,7 @@ class VllmAgent:
             self.link.close()
         if self.inbox is not None:
             self.inbox.close()
-        if current_source() is self:  # another engine of this process may hold the slot now: leave it alone
-            set_source(None)
+        clear_source(self)  # only if the slot still holds this agent: another engine of the process keeps its own
 
     def shutdown(self, timeout_s: float = 2.0) -> None:
         """At exit: send what is left (a bounded wait) and close; errors are swallowed (the process is ending)."""
