@@ -8,11 +8,16 @@ import errno
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.agent.vllm_connector_sim import BLOCK_TOKENS, FakeEngine, RecordingSource, block_hashes
+from tierplan.agent.adapters.vllm.connector_catalog import OpKind, TierOp
 from tierplan.agent.adapters.vllm.connector_config import ConnectorSettings, check_failure_policy
+from tierplan.agent.adapters.vllm.connector_meta import BlockLoad, WorkerStep
+from tierplan.agent.adapters.vllm.connector_worker import KvTierWorker
 from tierplan.agent.adapters.vllm.kv_limits import prefix_hash
 from tierplan.runtime.errors import TransferError
+from tierplan.runtime.kv.spec import Tier
 
 HEAD = [(i * 7 + 3) % 509 for i in range(2 * BLOCK_TOKENS)]
 P1 = HEAD + [(i * 5 + 1) % 500 for i in range(9)]  # two full blocks and a tail
@@ -192,3 +197,81 @@ def test_clear_source_clears_only_its_own_registration() -> None:
         assert kv_limits.clear_source(b) and kv_limits.current_source() is None
     finally:
         kv_limits.set_source(None)
+
+
+P3 = HEAD + [(i * 13 + 4) % 503 for i in range(3 * BLOCK_TOKENS + 5)]  # HEAD, three other blocks, a tail
+
+
+def _fail_p2_while(eng: FakeEngine, sharer_tokens_in_step_n: int) -> None:
+    """Request a loads HEAD's blocks from our tiers and block 1 fails its checksum (step N). Sharer b holds a's
+    blocks 0 and 1 through vLLM's own prefix cache: scheduled in step N with `sharer_tokens_in_step_n` tokens
+    (completing no block), or from step N+1 on, which async scheduling builds before step N's report arrives."""
+    eng.run("p1", P1)
+    _corrupt(eng, _keys(P1)[1])
+    _stale(eng)
+    a = eng.admit("a", P2)
+    b = eng.admit("b", P3, shared=a, local_blocks=2)
+    first = {"a": len(P2) - a.computed}
+    if sharer_tokens_in_step_n:
+        first["b"] = sharer_tokens_in_step_n
+    report_n = eng.step(first)
+    assert report_n.failed_load_block_ids == {a.ids[1]}
+    report_n1 = eng.step({"b": len(P3) - b.computed})  # b's blocks 2..4, computed over the bad block 1
+    eng.deliver(report_n)
+    eng.deliver(report_n1)
+    assert a.computed == b.computed == BLOCK_TOKENS  # vLLM computes both again from block 1
+    eng.step({"a": len(P2) - a.computed, "b": len(P3) - b.computed})
+    eng.books.finished(a.req)
+    eng.books.finished(b.req)
+
+
+@pytest.mark.parametrize("sharer_tokens_in_step_n", [0, 10])
+def test_a_failed_load_pauses_every_store_until_the_scheduler_heard_of_it(sharer_tokens_in_step_n: int) -> None:
+    eng = FakeEngine(ConnectorSettings(cpu_blocks=32), None)
+    try:
+        _fail_p2_while(eng, sharer_tokens_in_step_n)
+        # Skipped in step N+1; offered again only if the books rewound b too (it shared the block in step N).
+        assert [eng.worker.holds(k) for k in _keys(P3)[2:5]] == [bool(sharer_tokens_in_step_n)] * 3
+        assert eng.worker.stats.poisoned_stores == 6  # a's blocks 2..4 (step N), b's 2..4 (step N+1)
+        assert all(eng.stored_blocks_exact().values())
+        assert all(eng.worker.holds(k) for k in _keys(P2))  # a stored again from block 1 once the books heard
+        _stale(eng)
+        eng.run("p3", P3)  # hits HEAD's blocks; every loaded block is checked against computing it
+        eng.run("p2-again", P2)
+        assert eng.external_blocks[-1] == 5 and all(eng.stored_blocks_exact().values())
+    finally:
+        eng.close()
+
+
+def test_the_reviewers_probe_a_sharer_without_a_store_in_the_failing_step() -> None:
+    """Step N: a's load of block 3 fails while b shares it but stores nothing; step N+1, built before the report,
+    stores a block of b computed over it."""
+    w = KvTierWorker({Tier.CPU: 8, Tier.NVME: 0}, None)
+    try:
+        w.register({f"l{i}": torch.randn(16, 2, 32, 64).to(torch.bfloat16) for i in range(2)})
+        step_n = WorkerStep(8, 0, loads=(BlockLoad("kA0", 3, "A", 0),), req_blocks={"B": (3, 4)}, seq=7)
+        w.load(step_n.loads)
+        w.apply(step_n)
+        report = w.take_report()
+        assert report.epoch == 7 and report.failed_from == {"A": 0, "B": 0}
+        store_b2 = TierOp(OpKind.STORE, "kB2", Tier.CPU)
+        w.apply(WorkerStep(8, 0, ops=(store_b2,), store_blocks={"kB2": 5}, seq=8, ack_epoch=0))
+        assert not w.holds("kB2") and w.stats.poisoned_stores == 1 and w.take_report().failed_keys == {"kB2"}
+        w.apply(WorkerStep(8, 0, ops=(store_b2,), store_blocks={"kB2": 5}, seq=9, ack_epoch=7))  # heard of it
+        assert w.holds("kB2") and w.stats.poisoned_stores == 1
+    finally:
+        w.close()
+
+
+def test_no_request_record_outlives_its_request() -> None:
+    eng = FakeEngine(ConnectorSettings(cpu_blocks=32), None)
+    try:
+        _fail_p2_while(eng, 10)
+        aborted = eng.admit("aborted", P1)  # looked up and allocated, aborted before its first step
+        eng.books.finished(aborted.req)
+        eng.run("p3", P3)
+        assert eng.books._reqs == {} and eng.books._lookups == {}
+        eng.idle_step()
+        assert eng.worker.take_report().is_empty()  # nothing of a finished request is carried in the worker
+    finally:
+        eng.close()

@@ -145,20 +145,21 @@ def test_a_store_of_a_key_already_held_replaces_its_bytes(worker: KvTierWorker) 
 
 
 def test_stores_scheduled_before_the_books_heard_of_a_failed_load_are_still_skipped(worker: KvTierWorker) -> None:
-    """Async scheduling: vLLM builds the next step before the failure's report reaches the scheduler."""
+    """Async scheduling: vLLM builds the next step before the failure's report reaches the scheduler; every store
+    (of any request) waits until a step acknowledges the failure's epoch."""
     src = fake_caches(10)
     worker.register(src)
-    worker.apply(WorkerStep(2, 3, ops=(store("k0", CPU),), store_blocks={"k0": 0}))
-    worker.load((BlockLoad("gone", 4, "r", 1, gen=0),))  # block 1 of request r: not held, the load fails
-    worker.apply(WorkerStep(2, 3, ops=(store("k2", CPU),), store_blocks={"k2": 5}, store_tags={"k2": ("r", 2, 0)}))
+    worker.apply(WorkerStep(2, 3, ops=(store("k0", CPU),), store_blocks={"k0": 0}, seq=1))
+    worker.load((BlockLoad("gone", 4, "r", 1),))  # block 1 of request r: not held, the load fails
+    worker.apply(WorkerStep(2, 3, ops=(store("k2", CPU),), store_blocks={"k2": 5}, req_blocks={"s": (4, 7)}, seq=2))
     report = worker.take_report()
-    assert report.failed_from == {"r": 1} and report.failed_keys == {"gone", "k2"}
-    # The next step was scheduled before that report: still generation 0, computed over the bad block.
-    worker.apply(WorkerStep(2, 3, ops=(store("k3", CPU),), store_blocks={"k3": 6}, store_tags={"k3": ("r", 3, 0)}))
-    assert worker.take_report().failed_keys == {"k3"} and not worker.holds("k3")
-    # The books heard of it: generation 1 recomputes from block 1 and stores it.
-    worker.apply(WorkerStep(2, 3, ops=(store("k1", CPU),), store_blocks={"k1": 4}, store_tags={"k1": ("r", 1, 1)}))
-    assert worker.holds("k1") and worker.stats.poisoned_stores == 2
+    assert report.failed_from == {"r": 1, "s": 0} and report.failed_keys == {"gone", "k2"} and report.epoch == 2
+    # Scheduled before that report: another request's store, too, may be computed over the bad block.
+    worker.apply(WorkerStep(2, 3, ops=(store("k3", CPU), store("x", CPU)), store_blocks={"k3": 6, "x": 8}, seq=3))
+    assert worker.take_report().failed_keys == {"k3", "x"} and not worker.holds("k3") and not worker.holds("x")
+    # The books heard of it (and rewound r): stores go on.
+    worker.apply(WorkerStep(2, 3, ops=(store("k1", CPU),), store_blocks={"k1": 4}, seq=4, ack_epoch=2))
+    assert worker.holds("k1") and worker.stats.poisoned_stores == 3
 
 
 def test_a_store_needing_the_room_of_a_spill_in_flight_waits_in_a_buffer_not_on_the_engine_thread(

@@ -5,7 +5,9 @@ one prefill step per request, on fake requests (chained block hashes over token 
 block content is a pure function of the block's prefix hash, provided every block before it holds what it should:
 the forward computes a block over the blocks before it (as attention does), so a block computed over a wrong one
 is wrong too. A load that fails is handled as vLLM's "recompute" policy does: the request is scheduled again from
-the failed block. A block loaded by the connector must hold exactly what computing it writes. No vLLM.
+the failed block. A block loaded by the connector must hold exactly what computing it writes. `admit`/`step`/
+`deliver` drive several requests per step (chunks, blocks shared through vLLM's own prefix cache) and hand a step's
+report to the scheduler only when the test says (async scheduling builds the next step first). No vLLM.
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ def computed_block(h: bytes) -> torch.Tensor:
     """What 'computing' the block with prefix hash `h` writes, per layer: [L, 2, 32, 64] bf16."""
     g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little"))
     return torch.randn(len(LAYERS), 2, BLOCK_TOKENS, 64, generator=g).to(torch.bfloat16)
+
+
+@dataclass
+class SimRequest:
+    req: SimpleNamespace
+    hashes: list[bytes]
+    ids: list[int]
+    computed: int  # vLLM's num_computed_tokens
+    new: bool = True
 
 
 @dataclass
@@ -95,6 +106,7 @@ class FakeEngine:
         self.footprints: list[dict[str, int]] = []
         self.recomputed_from: list[int] = []  # per failed load: the block vLLM computed the request again from
         self.hash_of: dict[str, bytes] = {}  # every key seen -> its block hash
+        self.sim_reqs: dict[str, SimRequest] = {}  # requests `admit` let in
 
     def _alloc(self, n: int) -> list[int]:
         ids = [(self._next_block + i) % self.num_blocks for i in range(n)]  # reuse blocks round-robin
@@ -159,6 +171,75 @@ class FakeEngine:
             self._step(out, req_id, hashes, first)
         self.books.finished(req)
         self.external_blocks.append(n_ext)
+
+    def admit(self, req_id: str, tokens: list[int], shared: SimRequest | None = None, local_blocks: int = 0,
+              ) -> SimRequest:
+        """vLLM admits a request; its first `local_blocks` blocks are vLLM's own prefix hit on `shared`'s blocks."""
+        hashes = block_hashes(tokens)
+        self.hash_of.update({prefix_hash(h): h for h in hashes})
+        req = SimpleNamespace(request_id=req_id, block_hashes=hashes, num_tokens=len(tokens))
+        self.books.new_request(req)
+        start = local_blocks * BLOCK_TOKENS
+        ext = self.books.num_new_matched_tokens(req, start)
+        own = self._alloc(-(-len(tokens) // BLOCK_TOKENS) - local_blocks)
+        ids = (shared.ids[:local_blocks] if shared else []) + own
+        self._ids[req_id] = ids
+        self.books.after_alloc(req, ids, ext)
+        self.sim_reqs[req_id] = SimRequest(req, hashes, ids, start + ext)
+        return self.sim_reqs[req_id]
+
+    def _compute(self, caches: dict, r: SimRequest, num_tokens: int) -> None:
+        """Tokens [computed, computed + num_tokens) of `r`: each block touched is right only if every block before
+        it is, and (if begun earlier) its own first part is."""
+        def right(j: int) -> bool:
+            return all(torch.equal(caches[n][r.ids[j]].view(torch.uint8), computed_block(r.hashes[j])[i].view(
+                torch.uint8)) for i, n in enumerate(LAYERS))
+
+        end = r.computed + num_tokens
+        for j in range(r.computed // BLOCK_TOKENS, min(-(-end // BLOCK_TOKENS), len(r.hashes))):
+            good = all(right(k) for k in range(j)) and (r.computed <= j * BLOCK_TOKENS or right(j))
+            content = computed_block(r.hashes[j]) + (0 if good else 1)
+            for i, name in enumerate(LAYERS):
+                caches[name][r.ids[j]] = content[i]
+
+    def step(self, num_tokens: dict[str, int]) -> WorkerReport:
+        """One engine step scheduling `num_tokens[req_id]` tokens of admitted requests; returns its report, which
+        reaches the scheduler only through `deliver`."""
+        reqs = {rid: self.sim_reqs[rid] for rid in num_tokens}
+        new = [rid for rid, r in reqs.items() if r.new]
+        cached = [rid for rid, r in reqs.items() if not r.new]
+        out = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=rid, num_computed_tokens=reqs[rid].computed) for rid in new],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=cached,
+                                                  num_computed_tokens=[reqs[rid].computed for rid in cached]),
+            num_scheduled_tokens=dict(num_tokens), scheduled_spec_decode_tokens={})
+        step = self.books.build_step(out)
+        report = WorkerReport()
+        for w, caches in zip(self.workers, self.caches_per_rank, strict=True):
+            w.load(step.loads)
+            failed = w._report.failed_load_block_ids
+            for ld in step.loads:  # exactness: a loaded block holds what computing it writes
+                if ld.block_id not in failed:
+                    got = caches[LAYERS[0]][ld.block_id].view(torch.uint8)
+                    assert torch.equal(got, computed_block(self.hash_of[ld.key])[0].view(torch.uint8)), ld.key
+            for rid, n in num_tokens.items():
+                self._compute(caches, reqs[rid], n)
+            w.apply(step)
+            report = report.merge(w.take_report())
+        for rid, n in num_tokens.items():
+            reqs[rid].computed += n
+            reqs[rid].new = False
+        return report
+
+    def deliver(self, report: WorkerReport) -> None:
+        """The scheduler hears a step's report; vLLM's "recompute" sends back every request holding a failed block
+        in its computed part to that block."""
+        self.books.on_worker_report(report)
+        for r in self.sim_reqs.values():
+            bad = [j for j, b in enumerate(r.ids[:-(-r.computed // BLOCK_TOKENS)]) if b in report.failed_load_block_ids]
+            if bad:
+                r.computed = min(r.computed, bad[0] * BLOCK_TOKENS)
+                self.recomputed_from.append(bad[0])
 
     def idle_step(self) -> None:
         """A step that schedules nothing (vLLM's steps go on): carries out pending ops, reports to the source."""

@@ -55,7 +55,7 @@ class WorkerStats:
     failed_moves: int = 0
     failed_loads: int = 0  # every failed load (missing, corrupt, I/O error): vLLM computed the block again
     corrupt_loads: int = 0  # of those, a checksum mismatch
-    poisoned_stores: int = 0  # stores skipped: computed at or past a failed load of their request
+    poisoned_stores: int = 0  # stores skipped: made while a failed load was not yet acknowledged
     overwrites: int = 0  # stores of a key already held (books that lost track of it): the new bytes replaced it
     spill_waits: int = 0  # stores that had to wait for spills to free room on their tier (no buffer left)
     deferred_stores: int = 0  # stores held in a host buffer until the spill freeing their room was done

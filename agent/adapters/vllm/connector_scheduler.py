@@ -43,7 +43,6 @@ class _ReqState:
     request: Any
     keys: list[str] = field(default_factory=list)  # prefix hashes of request.block_hashes, as far as computed
     next_store: int = 0  # first block index not yet offered to the catalog
-    gen: int = 0  # bumped when a load of this request failed: stores of older generations may be poisoned
 
     def key_list(self) -> list[str]:
         hashes = self.request.block_hashes
@@ -93,6 +92,7 @@ class ConnectorBooks:
         self._reuse: list[ReuseEvent] = []  # this step's prefix hits, for a source that takes them
         self._failures: dict[str, int] = {}  # failures since the last report (workers' and the source's own)
         self._pending_ops: list[TierOp] = []  # decided between steps (a reset), carried out with the next one
+        self._acked_epoch = 0  # the highest worker failure epoch whose report was processed (echoed every step)
         self.kv_cache_manager: Any = None  # vLLM's KVCacheManager, bound by vLLM
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ class ConnectorBooks:
         hit_keys = keys[look.start_block:look.start_block + n]
         for j, key in enumerate(hit_keys):
             index = look.start_block + j
-            self._loads.append(BlockLoad(key, block_ids[index], request.request_id, index, self._state(request).gen))
+            self._loads.append(BlockLoad(key, block_ids[index], request.request_id, index))
         for key, age_s, tier in self.catalog.touch(hit_keys):
             self._reuse.append((key, age_s, tier.value))
         tiers = look.tiers[:n]
@@ -179,7 +179,6 @@ class ConnectorBooks:
         ops, self._pending_ops = self._pending_ops, []
         ops += self._refresh_limits()
         store_blocks: dict[str, int] = {}
-        store_tags: dict[str, tuple[str, int, int]] = {}
         req_blocks: dict[str, tuple[int, ...]] = {}
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         scheduled = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
@@ -201,14 +200,13 @@ class ConnectorBooks:
                 for op in self.catalog.admit(keys[j]):
                     if op.kind is OpKind.STORE and op.key == keys[j]:
                         store_blocks[op.key] = block_ids[j]
-                        store_tags[op.key] = (req_id, j, st.gen)
                     ops.append(op)
-            if self._loads and end > st.next_store:  # a failed load this step poisons what was computed over it
+            if self._loads and end > st.next_store:  # a sharer of a block whose load fails is stored again from it
                 req_blocks[req_id] = tuple(block_ids[:end])
             st.next_store = full
         limits = self.catalog.limits
         step = WorkerStep(limits[Tier.CPU], limits[Tier.NVME], tuple(self._loads), tuple(ops), store_blocks,
-                          store_tags, req_blocks)
+                          req_blocks, seq=self.stats.steps, ack_epoch=self._acked_epoch)
         self._loads, self._load_tiers = [], {}
         self._report()
         return step
@@ -257,7 +255,8 @@ class ConnectorBooks:
     def on_worker_report(self, report: WorkerReport) -> None:
         """Keys a worker does not hold leave the books, and every worker drops them with the next step (with
         several workers, or a late report, another may hold them); a request whose load failed is offered for
-        storing again from the failed block on, once vLLM has computed it anew. The failures are counted and told
+        storing again from the failed block on, once vLLM has computed it anew, and the report's failure epoch is
+        acknowledged to the workers (their stores pause until then). The failures are counted and told
         to the source with the next step."""
         for key in sorted(report.failed_keys):
             tier = self.catalog.forget(key)
@@ -266,7 +265,8 @@ class ConnectorBooks:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.next_store = min(st.next_store, index)
-                st.gen += 1
+        # Its keys forgotten and requests rewound: the workers may store again from the next step on.
+        self._acked_epoch = max(self._acked_epoch, report.epoch)
         for name, n in report.counts.items():
             self._failures[name] = self._failures.get(name, 0) + n
         self.stats.failed_keys += len(report.failed_keys)

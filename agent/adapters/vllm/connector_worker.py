@@ -7,9 +7,11 @@ our runtime's tiers (`KVTierStores`: pinned host memory and an O_DIRECT file), b
 (whose limits are the plan's, so the runtime itself refuses a block past them) and moved by its
 `KVTransferHandler`; every read is checked against the checksum taken when the block was written, so the bytes
 put back into vLLM's cache are the bytes taken out, or the load fails (any read error: the block is freed and
-forgotten) and vLLM computes the block again; a store the step computed at or past a failed load of its request is
-skipped, so nothing computed over wrong bytes is ever kept. Spills (CPU tier to NVMe file) run in the background
-(`connector_spills.py`) and finish by the next step's ops (a store needing the room one still holds waits in
+forgotten) and vLLM computes the block again. A step with a failed load starts a failure epoch: every store, of
+every request, is skipped (counted) from that step until a step's `ack_epoch` says the scheduler processed the
+failure's report (async scheduling builds a step or more before it does), so nothing computed over wrong bytes is
+ever kept; the scheduler's rewind then governs what is stored again. Spills (CPU tier to NVMe file) run in the
+background (`connector_spills.py`) and finish by the next step's ops (a store needing the room one still holds waits in
 one of `NUM_DEFERRED` host buffers); a step's loads are read as one batch (`connector_loads.py`) before its
 forward, and stores into the tiers, drops and the copies out of vLLM's cache run on the engine thread.
 Carries out the scheduler side's `WorkerStep`s in order; never decides what to keep.
@@ -53,11 +55,10 @@ class KvTierWorker:
         self._report = WorkerReport()
         self.spills = SpillQueue(self._move_done)
         self._step_failed: set[int] = set()  # vLLM block ids whose load failed this step
-        self._poisoned: dict[str, tuple[int, int]] = {}  # this step's failed loads: request -> (index, generation)
-        # Requests with a failed load: (first poisoned index, the request's generation then). Kept across steps: a
-        # step scheduled before the scheduler heard of the failure (async scheduling) still carries stores of that
-        # generation, computed over the bad block; the scheduler's next generation of the request stores anew.
-        self._held_poison: dict[str, tuple[int, int]] = {}
+        # The step of this worker's latest failed load (or one more than the last epoch, for unnumbered steps).
+        # Per-request tracking cannot see every block computed over a bad one (a sharer, a step already scheduled),
+        # so every store waits until the scheduler acknowledges the epoch.
+        self.epoch = 0
         # Stores whose room a spill in flight still holds: their bytes wait in a host buffer of ours until it is done.
         self._deferred: dict[str, tuple[Tier, AlignedHostBuffer]] = {}
         self._free_bufs: list[AlignedHostBuffer] = []
@@ -164,44 +165,34 @@ class KvTierWorker:
         self._report.failed_keys.add(ld.key)
         self._step_failed.add(ld.block_id)
         if ld.req_id:
-            self._poisoned[ld.req_id] = min((ld.index, ld.gen), self._poisoned.get(ld.req_id, (ld.index, ld.gen)))
+            self._report.failed_from[ld.req_id] = min(ld.index, self._report.failed_from.get(ld.req_id, ld.index))
 
-    def _poisoned_from(self, step: WorkerStep) -> dict[str, tuple[int, int]]:
-        """Per request, (the first block index computed over a block whose load failed this step, generation)."""
-        out = dict(self._poisoned)
-        if self._step_failed:
-            gens = {req_id: gen for req_id, _, gen in step.store_tags.values()}
-            for req_id, ids in step.req_blocks.items():
-                first = next((j for j, b in enumerate(ids) if b in self._step_failed), None)
-                if first is not None:
-                    out[req_id] = min((first, gens.get(req_id, 0)), out.get(req_id, (first, gens.get(req_id, 0))))
-        return out
-
-    def _is_poisoned(self, tag: tuple[str, int, int] | None) -> bool:
-        if tag is None or tag[0] not in self._held_poison:
-            return False
-        req_id, index, gen = tag
-        first, bad_gen = self._held_poison[req_id]
-        if gen > bad_gen:  # the scheduler heard of it: this generation is computed anew
-            del self._held_poison[req_id]
-            return False
-        return index >= first
+    def _note_failures(self, step: WorkerStep) -> None:
+        """This step's failed loads: a new epoch, and per request the first block index computed over one."""
+        if not self._step_failed:
+            return
+        self.epoch = max(self.epoch + 1, step.seq)
+        self._report.epoch = self.epoch
+        failed_from = self._report.failed_from
+        for req_id, ids in step.req_blocks.items():
+            first = next((j for j, b in enumerate(ids) if b in self._step_failed), None)
+            if first is not None:
+                failed_from[req_id] = min(first, failed_from.get(req_id, first))
+        self._step_failed = set()
 
     def apply(self, step: WorkerStep) -> None:
         """Finish the previous step's spills, install the step's limits, then carry out its ops in order,
-        checking the footprint after each. A store at or past a request's failed load is skipped and reported."""
+        checking the footprint after each. While a failure epoch is not acknowledged, every store is skipped and
+        reported (the books forget its key)."""
         _, manager, _ = self._require()
         self._settle_all()
-        for req_id, (index, gen) in self._poisoned_from(step).items():
-            held = self._held_poison.get(req_id)
-            self._held_poison[req_id] = (index, gen) if held is None or gen > held[1] else (min(index, held[0]), gen)
-            self._report.failed_from[req_id] = min(index, self._report.failed_from.get(req_id, index))
-        self._step_failed, self._poisoned = set(), {}
+        self._note_failures(step)
+        paused = self.epoch > step.ack_epoch
         self._limits = {Tier.CPU: step.cpu_blocks, Tier.NVME: step.nvme_blocks}
         manager.set_limits({t: min(n, self.capacity[t]) for t, n in self._limits.items() if self.capacity[t]})
         for op in step.ops:
             before = self.blocks_per_tier()
-            if op.kind is OpKind.STORE and self._is_poisoned(step.store_tags.get(op.key)):
+            if op.kind is OpKind.STORE and paused:
                 self._count("poisoned_stores")
                 self._report.failed_keys.add(op.key)
                 continue
