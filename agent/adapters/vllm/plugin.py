@@ -87,6 +87,7 @@ def on_model_loaded(model: Any, vllm_config: Any, settings: VllmPluginSettings) 
         from tierplan.agent.adapters.vllm.capture import RouterCapture
         from tierplan.agent.adapters.vllm.link import VllmAgent
         from tierplan.agent.adapters.vllm.registration import build_registration
+        from tierplan.agent.sidecar import default_socket_path
 
         num_layers = int(vllm_config.model_config.get_total_num_hidden_layers())
         max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
@@ -96,6 +97,12 @@ def on_model_loaded(model: Any, vllm_config: Any, settings: VllmPluginSettings) 
                            vllm_config.model_config.model)
             return None
         rank = _rank(vllm_config)
+        dp_rank, dp_size = _data_parallel(vllm_config)
+        try:
+            settings = settings.for_engine(dp_rank, dp_size, default_socket_path(settings.agent_id))
+        except SettingsError as exc:
+            logger.error("%s; vLLM serves without tierplan", exc)
+            return None
         try:  # what the sidecar would refuse at the first step; vLLM's KV block count is not known yet
             build_registration(capture.shape, vllm_config, settings, rank)
         except ValidationError as exc:
@@ -127,3 +134,9 @@ def _first_error(exc: ValidationError) -> str:
 
 def _rank(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+
+
+def _data_parallel(vllm_config: Any) -> tuple[int, int]:
+    """(this engine's data-parallel rank, the number of data-parallel engines)."""
+    pc = vllm_config.parallel_config
+    return int(getattr(pc, "data_parallel_rank", 0) or 0), int(getattr(pc, "data_parallel_size", 1) or 1)

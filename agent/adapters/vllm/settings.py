@@ -63,5 +63,22 @@ class VllmPluginSettings(BaseModel):
     def socket_path(self, default_for: str) -> str:
         return self.socket or default_for
 
+    def for_engine(self, dp_rank: int, dp_size: int, default_socket: str) -> VllmPluginSettings:
+        """The settings of one data-parallel engine. Each of `dp_size` > 1 engines is its own agent
+        (`<agent_id>-dp<rank>`: windows of two engines never share a sequence) with its own stats socket
+        (`<stats socket>.dp<rank>`: the API server's stat logger of engine `rank` sends there), all through the one
+        sidecar socket of the configured agent id (`default_socket`: the sidecar's default for that id)."""
+        if dp_size <= 1:
+            return self
+        sock = self.socket_path(default_socket)
+        values = {**self.model_dump(), "agent_id": f"{self.agent_id}-dp{dp_rank}", "socket": sock,
+                  "stats_socket": f"{self.stats_socket_path(sock)}.dp{dp_rank}"}
+        try:
+            return type(self).model_validate(values)
+        except ValidationError as exc:  # an agent id at its length limit cannot take the suffix
+            raise SettingsError(f"{MESSAGE_PREFIX}{ENV_PREFIX}AGENT_ID={self.agent_id!r}: with data parallel "
+                                f"engine {dp_rank} it becomes {values['agent_id']!r}, which is refused "
+                                f"({exc.errors()[0]['msg']})") from None
+
     def stats_socket_path(self, socket_path: str) -> str:
         return self.stats_socket or str(Path(socket_path).with_name(Path(socket_path).name + ".stats"))

@@ -35,6 +35,11 @@ class TierplanStatLogger(StatLoggerBase):
             raise refuse(exc) from None
         self.enabled = settings.enabled
         self.vllm_config, self.engine_index = vllm_config, engine_index
+        dp_size = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+        try:
+            settings = settings.for_engine(engine_index, dp_size, default_socket_path(settings.agent_id))
+        except SettingsError as exc:
+            raise refuse(exc) from None
         self.path = settings.stats_socket_path(settings.socket_path(default_socket_path(settings.agent_id)))
         self.block_tokens = max(1, int(vllm_config.cache_config.block_size))
         self.sent = 0

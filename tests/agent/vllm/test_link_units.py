@@ -104,3 +104,17 @@ def test_a_link_that_cannot_open_is_counted_logged_once_and_retried_with_back_of
         assert sent[-1].fallbacks["link_open_failures"] == 2 and agent.counts["agent_errors"] == 0
     finally:
         agent.close()
+
+
+def test_each_data_parallel_engine_is_its_own_agent_through_the_one_sidecar() -> None:
+    from tierplan.agent.adapters.vllm.settings import SettingsError, VllmPluginSettings
+
+    s = VllmPluginSettings(agent_id="vllm-a")
+    assert s.for_engine(0, 1, "/run/tierplan/vllm-a.sock") is s  # one engine: nothing changes
+    engines = [s.for_engine(r, 2, "/run/tierplan/vllm-a.sock") for r in range(2)]
+    assert [e.agent_id for e in engines] == ["vllm-a-dp0", "vllm-a-dp1"]  # windows never share a sequence
+    assert {e.socket_path("unused") for e in engines} == {"/run/tierplan/vllm-a.sock"}  # the sidecar of vllm-a
+    stats = [e.stats_socket_path(e.socket_path("unused")) for e in engines]
+    assert stats == ["/run/tierplan/vllm-a.sock.stats.dp0", "/run/tierplan/vllm-a.sock.stats.dp1"]
+    with pytest.raises(SettingsError, match=r"TIERPLAN_VLLM_AGENT_ID=.*with data parallel engine 1"):
+        VllmPluginSettings(agent_id="a" * 127).for_engine(1, 2, "/tmp/x.sock")

@@ -204,3 +204,13 @@ def test_the_stat_logger_refuses_a_bad_setting_in_the_same_one_line(monkeypatch)
         TierplanStatLogger(vllm_config(), engine_index=0)
     assert str(err.value).startswith("tierplan vLLM plugin: TIERPLAN_VLLM_GROUP='my group!': ")
     assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_the_stat_logger_of_data_parallel_engine_k_sends_to_engine_ks_agent(tmp_path: Path, monkeypatch) -> None:
+    sock = str(tmp_path / "a.sock")
+    monkeypatch.setenv("TIERPLAN_VLLM_SOCKET", sock)
+    cfg = vllm_config()
+    cfg.parallel_config = SimpleNamespace(rank=0, data_parallel_rank=1, data_parallel_size=2)
+    logger = TierplanStatLogger(cfg, engine_index=1)
+    engine_1 = VllmPluginSettings(socket=sock).for_engine(1, 2, "unused")
+    assert logger.path == engine_1.stats_socket_path(engine_1.socket_path("unused")) == sock + ".stats.dp1"
