@@ -10,28 +10,29 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.agent.vllm.test_retention_units import make_agent, plan
+from tests.agent.vllm.agent_fixtures import make_agent, plan, sent_windows
 from tierplan.agent.adapters.vllm.kv_limits import current_source
 from tierplan.controller.protocol import AckStatus
 
 
 def test_without_our_connector_in_the_process_the_kv_part_is_advisory_and_said(tmp_path: Path) -> None:
-    agent, _ = make_agent(tmp_path)
+    agent = make_agent(tmp_path)
     try:
-        ack = agent.apply(plan(("9f3a",)))
+        ack = agent.apply(plan(kv_retention=("9f3a",)))
         assert ack.status is AckStatus.APPLIED  # the plan is taken (versions move on) ...
         assert "KV part advisory: tierplan's connector has not read the limits in this process" in ack.reason
         assert "KV retention applied" not in ack.reason  # ... but nothing claims the KV part binds
         assert agent._fallbacks()["plan_kv_advisory"] == 1
         assert agent.kv_limits() is not None  # a connector that starts later still gets the plan's limits
-        second = agent.apply(plan(("9f3a",)).model_copy(update={"version": 2, "base_version": 1, "plan_id": "p2"}))
+        second = agent.apply(plan(2, 1, kv_retention=("9f3a",)))
         assert "KV part advisory" not in second.reason and "KV retention applied" in second.reason
     finally:
         agent.close()
 
 
 def test_the_connectors_failures_are_fallbacks_of_the_next_window(tmp_path: Path) -> None:
-    agent, sent = make_agent(tmp_path)
+    agent = make_agent(tmp_path)
+    sent = sent_windows(agent)
     try:
         agent.report_failures({"failed_loads": 2, "corrupt_loads": 1, "failed_stores": 0})
         agent.report_failures({"failed_loads": 1})
@@ -46,8 +47,8 @@ def test_the_connectors_failures_are_fallbacks_of_the_next_window(tmp_path: Path
 
 
 def test_an_agent_closing_leaves_another_agents_connector_slot_alone(tmp_path: Path) -> None:
-    a, _ = make_agent(tmp_path / "a")
-    b, _ = make_agent(tmp_path / "b")
+    a = make_agent(tmp_path / "a")
+    b = make_agent(tmp_path / "b")
     try:
         assert current_source() is b
         a.close()
@@ -59,7 +60,8 @@ def test_an_agent_closing_leaves_another_agents_connector_slot_alone(tmp_path: P
 
 
 def test_at_exit_the_partial_window_is_sent_and_a_closed_agent_is_left_alone(tmp_path: Path) -> None:
-    agent, sent = make_agent(tmp_path)
+    agent = make_agent(tmp_path)
+    sent = sent_windows(agent)
     agent.on_step(0.001, False)  # one step of a two-step window
     agent.shutdown(timeout_s=0.5)
     assert len(sent) == 1 and agent.closed
@@ -68,7 +70,8 @@ def test_at_exit_the_partial_window_is_sent_and_a_closed_agent_is_left_alone(tmp
 
 
 def test_connector_report_entries_under_unknown_tier_names_are_counted(tmp_path: Path) -> None:
-    agent, sent = make_agent(tmp_path)
+    agent = make_agent(tmp_path)
+    sent = sent_windows(agent)
     try:
         agent.report_kv({"cpu": 1, "ssd": 2}, {}, {"gpu": 3})
         for _ in range(2):
@@ -81,7 +84,8 @@ def test_connector_report_entries_under_unknown_tier_names_are_counted(tmp_path:
 
 def test_a_link_that_cannot_open_is_counted_logged_once_and_retried_with_back_off(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    agent, sent = make_agent(tmp_path)
+    agent = make_agent(tmp_path)
+    sent = sent_windows(agent)
     now = [100.0]
     attempts = []
 

@@ -86,7 +86,7 @@ def fake_model(monkeypatch, runners: list[FakeRunner]) -> torch.nn.Module:
 @pytest.mark.parametrize("parallel", [{"dp_size": 2}, {"sp": True}, {"pcp_size": 2}])
 def test_rows_gathered_across_ranks_are_not_bound_and_the_windows_say_why(monkeypatch, tmp_path: Path,
                                                                           parallel: dict) -> None:
-    from tests.agent.vllm.test_plugin_units import vllm_config
+    from tests.agent.vllm.agent_fixtures import vllm_config
     from tierplan.agent.adapters.vllm.link import VllmAgent
 
     runners = [FakeRunner(0, router(), **parallel), FakeRunner(1, router(), **parallel)]
@@ -150,7 +150,7 @@ def test_a_router_whose_scoring_we_cannot_repeat_is_counted() -> None:
 
 def test_a_registration_the_protocol_refuses_is_found_at_model_load_and_vllm_is_left_alone(monkeypatch,
                                                                                            caplog) -> None:
-    from tests.agent.vllm.test_plugin_units import vllm_config
+    from tests.agent.vllm.agent_fixtures import vllm_config
 
     runners = [FakeRunner(0, router()), FakeRunner(3, router())]  # layer 3 of a 2-layer model (e.g. an MTP layer)
     model = fake_model(monkeypatch, runners)

