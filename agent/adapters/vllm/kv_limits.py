@@ -30,7 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-TIER_NAMES = ("gpu", "cpu", "nvme")
+from tierplan.controller.protocol import Tier
+
+TIER_NAMES = tuple(t.value for t in Tier)  # the protocol's tier names: the keys of every per-tier count
 
 
 def prefix_hash(block_hash: bytes) -> str:

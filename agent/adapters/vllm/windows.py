@@ -22,12 +22,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from tierplan.agent.adapters.vllm.capture import RouterCapture
+from tierplan.agent.adapters.vllm.kv_limits import TIER_NAMES, ReuseEvent
 from tierplan.agent.outbox import Outbox
 from tierplan.agent.taps import TelemetryWindow
-from tierplan.controller.protocol import MAX_ID_CHARS, MAX_ITEMS, Telemetry, Tier
+from tierplan.controller.protocol import MAX_ID_CHARS, MAX_ITEMS, Telemetry
 
-TIERS = tuple(t.value for t in Tier)
-ReuseEvent = tuple[str, float, str]  # prefix hash, seconds since the block was last stored or hit, tier name
 # ~115 bytes of JSON each with vLLM's 64-hex hashes: 8192 keep a window near 1 MB, well under the service's
 # 4 MiB request limit (the protocol's MAX_ITEMS would not be), and equal to what the controller learns from one.
 MAX_REUSE_EVENTS_PER_WINDOW = 8192
@@ -44,7 +43,7 @@ def _valid_reuse(event: object) -> ReuseEvent | None:
     if (not isinstance(key, str) or not key or len(key) > MAX_ID_CHARS or any(c.isspace() or not c.isprintable()
                                                                             for c in key)):
         return None
-    if not (math.isfinite(age_s) and age_s >= 0) or tier not in TIERS:
+    if not (math.isfinite(age_s) and age_s >= 0) or tier not in TIER_NAMES:
         return None
     return key, age_s, tier
 
@@ -59,7 +58,7 @@ class KvBook:
         self._lock = threading.Lock()
         self._hits: Counter[str] = Counter()
         self._misses: Counter[str] = Counter()
-        self._blocks: dict[str, int] = dict.fromkeys(TIERS, 0)
+        self._blocks: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
         self._engine: tuple[int, int, int] | None = None  # gpu hits, misses, blocks from vLLM's stats
         self._reuse: list[ReuseEvent] = []  # this window's, at most max_reuse_events
         self.connector_reports = 0
@@ -89,13 +88,13 @@ class KvBook:
 
     def add(self, hits: dict[str, int], misses: dict[str, int], blocks: dict[str, int]) -> None:
         """A connector report; an entry under a name that is no tier of ours is left out and counted."""
-        unknown = sum(1 for d in (hits, misses, blocks) for k in d if k not in TIERS)
+        unknown = sum(1 for d in (hits, misses, blocks) for k in d if k not in TIER_NAMES)
         with self._lock:
             self.connector_reports += 1
             self.kv_entries_unknown_tier += unknown
-            self._hits.update({k: int(v) for k, v in hits.items() if k in TIERS})
-            self._misses.update({k: int(v) for k, v in misses.items() if k in TIERS})
-            self._blocks.update({k: int(v) for k, v in blocks.items() if k in TIERS})
+            self._hits.update({k: int(v) for k, v in hits.items() if k in TIER_NAMES})
+            self._misses.update({k: int(v) for k, v in misses.items() if k in TIER_NAMES})
+            self._blocks.update({k: int(v) for k, v in blocks.items() if k in TIER_NAMES})
 
     def add_engine(self, gpu_hit_blocks: int, gpu_miss_blocks: int, gpu_blocks: int) -> None:
         with self._lock:
@@ -116,8 +115,8 @@ class KvBook:
             self._hits.clear()
             self._misses.clear()
             self._engine = None if self._engine is None else (0, 0, self._engine[2])
-        return ({t: blocks.get(t, 0) for t in TIERS}, {t: hits.get(t, 0) for t in TIERS},
-                {t: misses.get(t, 0) for t in TIERS})
+        return ({t: blocks.get(t, 0) for t in TIER_NAMES}, {t: hits.get(t, 0) for t in TIER_NAMES},
+                {t: misses.get(t, 0) for t in TIER_NAMES})
 
 
 class VllmWindows:
