@@ -43,6 +43,7 @@ from tierplan.runtime.memory.slots import ExpertSlotPool
 from tierplan.runtime.staging import StagingPool
 from tierplan.runtime.transfer import TransferEngine
 from tierplan.runtime.weights.format import dtype_from_name
+from tierplan.runtime.weights.load_modes import WINDOWED
 from tierplan.runtime.weights.loader import PUBLISH, ExpertLoadHandler, MapIn, Publish, StoreKind, map_in_error
 from tierplan.runtime.weights.sources import SyntheticExpertSource
 from tierplan.runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
@@ -119,10 +120,14 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.offload_exec must be one of {OFFLOAD_EXEC}, got {self.offload_exec!r}")
         if self.expert_reads is not None and self.expert_reads not in EXPERT_READS:
             raise ConfigError(f"EngineConfig.expert_reads must be one of {EXPERT_READS}, got {self.expert_reads!r}")
-        if self.expert_reads == "table" and self.expert_map_in != "beside_copy":
+        if self.expert_reads == "table" and self.expert_map_in not in WINDOWED:
             raise ConfigError(f"EngineConfig.expert_reads='table' reads the slot window, which "
                               f"expert_map_in={self.expert_map_in!r} does not build: use expert_map_in='beside_copy' "
-                              "or expert_reads='range'")
+                              "or 'on_read', or expert_reads='range'")
+        if self.expert_map_in == "on_read" and self.expert_reads == "range":
+            raise ConfigError("EngineConfig.expert_map_in='on_read' leaves loaded experts' ranges unmapped until a "
+                              "range reader maps them, so the piecewise GEMMs must read the slot table: use "
+                              "expert_reads='table' (or None), or expert_map_in='beside_copy' with 'range'")
         if self.expert_victims not in VICTIM_RULES:
             raise ConfigError(f"EngineConfig.expert_victims must be one of {VICTIM_RULES}, got {self.expert_victims!r}")
         if isinstance(self.expert_lookahead_layers, bool) or not isinstance(self.expert_lookahead_layers, int) \
@@ -181,7 +186,8 @@ class ReferenceEngine:
             1, math.ceil(cfg.resident_frac * n_moe * spec.num_experts))
         self.pool = ExpertSlotPool(make_backend(device), device, n_moe, spec.num_experts, fmt.num_bytes, num_slots,
                                    poison_unmapped=cfg.expert_poison,
-                                   slot_window=host and cfg.expert_map_in == "beside_copy")
+                                   slot_window=host and cfg.expert_map_in in WINDOWED,
+                                   maps_on_read=host and cfg.expert_map_in == "on_read")
         # One staging pool serves the loader's NVMe reads and the KV handler's hops: buffers fit either.
         block_bytes = math.prod(block_shape(spec, cfg.block_tokens)) * dtype_from_name(spec.dtype).itemsize
         self.staging = StagingPool(device, max(block_bytes, self.nvme.records.record_bytes if self.nvme else 0), 8)

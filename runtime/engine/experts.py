@@ -115,6 +115,7 @@ class OnDemandExperts:
             return False
         if self.pool.num_resident(layer) == self.pool.layout.num_experts:
             self.fast_path_layers += 1
+            self.pool.map_for_read(layer, range(self.pool.layout.num_experts))  # the layer is read through its range
             self.pool.wait_published()  # a load published once issued may still be copying (I3)
             return True
         return False
@@ -168,6 +169,8 @@ class OnDemandExperts:
         self.pool.wait_ready(layer, experts, issued_ok=table)
         if table:
             self.pool.sync_table(layer, experts)
+        else:  # a reader through the ranges (maps_on_read pools publish loads unmapped)
+            self.pool.map_for_read(layer, experts)
         self.phase_ms["order"] += (time.perf_counter() - t0) * 1e3
 
     def _usable(self, key: Key, table: bool) -> bool:

@@ -211,6 +211,7 @@ class DecodeGraphs:
     # ---- running a staged step ---------------------------------------------------------------------
     def replay(self, seqs: list[int], starts: list[int], bb: int) -> torch.Tensor | None:
         """The whole-step graph over the staged rows: logits [B, V] (a fresh tensor), None if capture failed."""
+        self.model.pool.map_all_for_read()  # the graph (and its capture's warm-up) reads every expert's range
         got = self._get(bb, self._watched(), piecewise=False)
         if got is None:
             return None

@@ -30,6 +30,7 @@ class SlotBooks:
         self.limits = LayerLimits(num_layers)  # the agent sets a plan's caps; every prepare_load(s) checks them
         self.remaps = 0
         self._guards: dict[int, list[Event]] = {}  # released slot -> work that may still read its old expert
+        self._unmapped: set[tuple[int, int]] = set()  # resident experts whose range is not mapped (maps_on_read)
 
     def _entry(self, layer: int, expert: int) -> _Entry:
         if not (0 <= layer < self.layout.num_layers and 0 <= expert < self.layout.num_experts):
@@ -80,6 +81,9 @@ class SlotBooks:
         self.remaps += 1
 
     def _free_slot_locked(self, layer: int, slot: int, en: _Entry) -> None:
+        owner = self._slot_owner[slot]
+        if owner is not None:
+            self._unmapped.discard(owner)
         self._slot_owner[slot] = None
         self._num_bound[layer] -= 1
         self._free.append(slot)

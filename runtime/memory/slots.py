@@ -6,7 +6,9 @@ Loading is two-phase: `prepare_load` reserves a free slot (and maps it, unless `
 then calls `map_reserved`, off the submitting thread), the caller moves the bytes, `complete_load(ok, event)`
 publishes them. With `slot_window=True` every slot is also mapped at its own address in one extra range for the
 pool's lifetime: `prepare_load(..., via_window=True)` returns that view, so the copy starts at once and the
-expert's range is mapped beside it. Kernels only ever read through expert ranges.
+expert's range is mapped beside it, or, with `maps_on_read=True`, not at all until a range reader asks
+(`map_for_read`): kernels that find experts through the slot table (slot_reads.py) read the window, so only
+readers through the ranges (eager layers, whole-step graphs, `expert_tensor`) need an expert's range mapped.
 
 Invariants (each has a test in tests/runtime/test_slots.py):
   I1 stable address: `layer_tensor(l).data_ptr()` never changes between construction and close.
@@ -54,7 +56,10 @@ class ExpertSlotPool(SlotBooks):
 
     def __init__(self, backend: SlotBackend, device: Device, num_layers: int, num_experts: int, expert_bytes: int,
                  num_slots: int, poison_unmapped: bool = False, scrub_on_unmap: bool = False,
-                 slot_window: bool = False) -> None:
+                 slot_window: bool = False, maps_on_read: bool = False) -> None:
+        if maps_on_read and not slot_window:
+            raise ConfigError("ExpertSlotPool(maps_on_read=True) needs slot_window=True (loads copy through the "
+                              "window)")
         super().__init__(ExpertLayout(num_layers, num_experts, expert_bytes, backend.granularity_bytes), num_slots)
         self.backend, self.device = backend, device
         self.poison_unmapped, self.scrub_on_unmap = poison_unmapped, scrub_on_unmap
@@ -62,6 +67,9 @@ class ExpertSlotPool(SlotBooks):
         self._bases, self._tensors, self._slots = self.ranges.bases, self.ranges.tensors, self.ranges.slots
         self._poison, self._window = self.ranges.poison_chunk, self.ranges.window
         self.reads = SlotReads(device, num_layers, num_experts, table=slot_window)  # RAW/WAR books, slot table
+        # Loads are published without their range mapped; range readers map what they read (`map_for_read`).
+        self.maps_on_read = maps_on_read
+        self.read_maps = 0  # ranges mapped by map_for_read
 
     def layer_tensor(self, layer: int) -> torch.Tensor:
         """The whole stable range of a layer: [E * stride_bytes] uint8. Non-resident parts are poison."""
@@ -77,6 +85,7 @@ class ExpertSlotPool(SlotBooks):
         st = self._entry(layer, expert).state  # single attribute reads need no lock (here and below)
         if st is not ExpertState.RESIDENT:
             raise NotResidentError(f"expert ({layer}, {expert}) is {st.value}, not resident")
+        self.map_for_read(layer, [expert])
         return self._view(layer, expert)
 
     @property
@@ -161,6 +170,44 @@ class ExpertSlotPool(SlotBooks):
                 en.mapped = False
             raise
 
+    def map_for_read(self, layer: int, experts: Iterable[int]) -> int:
+        """Map the ranges of these resident experts that are not mapped yet (a pool with maps_on_read: its loads
+        leave them unmapped), for a reader through the ranges that runs next; how many were mapped. Called by
+        the thread that evicts (the engine thread), so none of them is released meanwhile. Costs one lookup
+        when nothing is unmapped."""
+        if not self._unmapped:
+            return 0
+        todo = []
+        with self._lock:
+            for e in experts:
+                en = self._entry(layer, e)
+                if en.state is ExpertState.RESIDENT and not en.mapped:
+                    en.mapped = True
+                    self._unmapped.discard((layer, e))
+                    todo.append((e, en))
+        for i, (e, en) in enumerate(todo):
+            try:
+                self.ranges.map(layer, e, self._slots[en.slot])  # type: ignore[index]
+            except BaseException:
+                with self._lock:
+                    for e2, en2 in todo[i:]:
+                        en2.mapped = False
+                        self._unmapped.add((layer, e2))
+                raise
+        self.read_maps += len(todo)
+        return len(todo)
+
+    def map_all_for_read(self) -> int:
+        """`map_for_read` over every resident expert whose range is unmapped (a whole-step graph reads them all)."""
+        if not self._unmapped:
+            return 0
+        with self._lock:
+            keys = sorted(self._unmapped)
+        layers: dict[int, list[int]] = {}
+        for layer, e in keys:
+            layers.setdefault(layer, []).append(e)
+        return sum(self.map_for_read(layer, es) for layer, es in layers.items())
+
     def mapped(self, layer: int, experts: list[int]) -> list[bool]:
         """Per loading expert, whether its range maps its slot already (kept from `release`: no map needed)."""
         return [self._entry(layer, e).mapped for e in experts]
@@ -177,9 +224,11 @@ class ExpertSlotPool(SlotBooks):
             en = self._entry(layer, expert)
             if en.state is not ExpertState.LOADING:
                 raise BusyError(f"complete_load: expert ({layer}, {expert}) is {en.state.value}, not loading")
-            if ok and not en.mapped:
+            if ok and not en.mapped and not self.maps_on_read:
                 raise BusyError(f"complete_load: expert ({layer}, {expert}) was never mapped (map_reserved)")
             if ok:
+                if not en.mapped:
+                    self._unmapped.add((layer, expert))
                 en.state, en.load_event = ExpertState.RESIDENT, event or completed_event()
                 en.load_order, en.guards = (order if event is not None else None), None
                 self._num_resident[layer] += 1

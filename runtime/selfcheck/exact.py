@@ -30,6 +30,7 @@ from tierplan.runtime.engine.kv_cache import block_shape
 from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES
 from tierplan.runtime.selfcheck.common import workdir_for
 from tierplan.runtime.weights.format import dtype_from_name
+from tierplan.runtime.weights.load_modes import WINDOWED
 from tierplan.runtime.weights.loader import MapIn, Publish, StoreKind
 
 
@@ -75,10 +76,26 @@ class ExactResult:
 
 # mode -> (offload_exec, lookahead layers, expert_reads, the executor its decode steps must run on). Eager counts
 # every eager decode step: a model whose attention has no paged decode kernel (MLA) runs its offloaded steps
-# eagerly too. "range": piecewise, its GEMMs reading the experts' ranges instead of the slot table.
+# eagerly too. "range": piecewise, its GEMMs reading the experts' ranges instead of the slot table. "on_read":
+# piecewise through the slot table with loads that map no range (expert_map_in="on_read"; eager prefills map what
+# they read).
 MODES = {"piecewise": ("piecewise", 0, None, Executor.PIECEWISE),
          "lookahead": ("piecewise", 2, None, Executor.PIECEWISE),
-         "range": ("piecewise", 0, "range", Executor.PIECEWISE), "eager": ("eager", 0, None, Executor.EAGER)}
+         "range": ("piecewise", 0, "range", Executor.PIECEWISE), "eager": ("eager", 0, None, Executor.EAGER),
+         "on_read": ("piecewise", 0, "table", Executor.PIECEWISE)}
+
+
+def mode_map_in(mode: str, map_in: MapIn) -> tuple[MapIn, str | None]:
+    """The (expert_map_in, expert_reads) a mode's tight run uses, from the map-in asked for: "on_read" maps no
+    range at load; reads through the ranges need them mapped beside the copies; "before_copy" builds no window."""
+    reads = MODES[mode][2]
+    if mode == "on_read":
+        return "on_read", "table"
+    if map_in not in WINDOWED:
+        return map_in, "range"
+    if reads == "range" and map_in == "on_read":
+        return "beside_copy", "range"
+    return map_in, reads
 
 
 def _decode_steps_on(executor: Executor, steps: Mapping[Executor, int], reasons: Mapping[Reason, int]) -> int:
@@ -138,9 +155,10 @@ def run_exact_checks(spec: ModelSpec, resident_frac: float, device: str = "cpu",
                 kv_gpu_blocks=per_seq * num_prompts, kv_cpu_blocks=max(1, per_seq * num_prompts // 2),
                 kv_nvme_blocks=per_seq * num_prompts, spill_kv_every_step=True, seed=seed,
                 decode_kernel=decode_kernel, decode_graphs=decode_graphs, workdir=wd / f"tight-{mode}",
-                expert_map_in=expert_map_in, expert_poison=expert_poison, expert_publish=expert_publish,
-                offload_exec=MODES[mode][0], expert_lookahead_layers=MODES[mode][1],  # type: ignore[arg-type]
-                expert_reads=MODES[mode][2] if expert_map_in == "beside_copy" else "range")  # type: ignore[arg-type]
+                expert_map_in=mode_map_in(mode, expert_map_in)[0], expert_poison=expert_poison,
+                expert_publish=expert_publish, offload_exec=MODES[mode][0],  # type: ignore[arg-type]
+                expert_lookahead_layers=MODES[mode][1],
+                expert_reads=mode_map_in(mode, expert_map_in)[1])  # type: ignore[arg-type]
             eng = ReferenceEngine(spec, dev, tight_cfg)
             try:
                 b = eng.generate(prompts, new_tokens)

@@ -14,7 +14,8 @@ class StoreKind(Enum):
     NVME = "nvme"
 
 
-MapIn = Literal["beside_copy", "before_copy"]
+MapIn = Literal["beside_copy", "before_copy", "on_read"]
+WINDOWED: tuple[str, ...] = ("beside_copy", "on_read")  # copies go through the slot window
 MAP_IN: tuple[str, ...] = get_args(MapIn)  # the values, for checks and messages
 _OLD_MAP_IN = {"link": "beside_copy", "worker": "before_copy"}  # old names: refused, naming the new ones
 Publish = Literal["done", "issued"]
@@ -27,7 +28,8 @@ def map_in_error(where: str, value: object) -> str | None:
     something else."""
     if value in MAP_IN:
         return None
-    expected, head = " or ".join(map(repr, MAP_IN)), f"{where} " if where else ""
+    names = list(map(repr, MAP_IN))
+    expected, head = f"{', '.join(names[:-1])} or {names[-1]}", f"{where} " if where else ""
     if isinstance(value, str) and value in _OLD_MAP_IN:
         return (f"{head}{value!r} is an old name, no longer accepted: use {_OLD_MAP_IN[value]!r} "
                 f"(expected {expected})")

@@ -11,6 +11,10 @@ When the host->device link's worker maps the expert's range (`map_in`):
     its waits for the copies, in (priority, deadline, arrival) order: a remap costs host time comparable to a
     copy's link time (bench/results/design_notes.md). A range the pool kept mapped to its slot needs no map.
   "before_copy": the worker maps the range right before issuing the copy, which then writes through the range.
+  "on_read": the copy goes through the slot window and nothing maps the range: readers through the pool's slot
+    table need none, and a reader through the ranges maps what it reads first (`ExpertSlotPool.map_for_read`,
+    on its own thread). The link's worker then makes no driver call but the copies (needs a pool made with
+    `maps_on_read=True`).
 When a load is published (`publish`):
   "done": once its copy is done (and its range mapped): then any reader may use it.
   "issued": once its copy is issued (and its range mapped), with the copy's event: readers order their stream
@@ -32,7 +36,7 @@ from tierplan.runtime.future import OpFuture
 from tierplan.runtime.memory.slots import ExpertSlotPool, ExpertState
 from tierplan.runtime.staging import StagingLease, StagingPool
 from tierplan.runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferHandle, TransferRequest
-from tierplan.runtime.weights.load_modes import PUBLISH, MapIn, Publish, StoreKind, map_in_error
+from tierplan.runtime.weights.load_modes import PUBLISH, WINDOWED, MapIn, Publish, StoreKind, map_in_error
 from tierplan.runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
 
 
@@ -78,10 +82,13 @@ class ExpertLoadHandler:
             raise ConfigError(why)
         if publish not in PUBLISH:
             raise ConfigError(f"ExpertLoadHandler.publish must be 'done' or 'issued', got {publish!r}")
-        if map_in == "beside_copy" and not pool.slot_window:
+        if map_in in WINDOWED and not pool.slot_window:
             raise ConfigError(f"ExpertLoadHandler(map_in={map_in!r}) needs a pool made with slot_window=True "
-                              "(copies go through the slot window while the range is mapped beside them); "
-                              "map_in='before_copy' needs none")
+                              "(copies go through the slot window); map_in='before_copy' needs none")
+        if (map_in == "on_read") != pool.maps_on_read:
+            raise ConfigError(f"ExpertLoadHandler(map_in={map_in!r}) and a pool made with maps_on_read="
+                              f"{pool.maps_on_read}: map_in='on_read' goes with maps_on_read=True, any other with "
+                              "False")
         if pinned is None and nvme is None:
             raise ConfigError("ExpertLoadHandler needs a pinned store, an NVMe store, or both")
         for store in (pinned, nvme):
@@ -120,13 +127,13 @@ class ExpertLoadHandler:
     def _begin(self, layer: int, experts: list[int], store: StoreKind) -> tuple[list[_Load], Any, list[int]]:
         """Reserve slots for all of `experts` or none (refusals raise, nothing moves); the loads, the range the
         copies write (the layer's range or the slot window) and each one's byte offset in it."""
-        windowed = self.map_in == "beside_copy"
+        windowed = self.map_in in WINDOWED
         with self._cv:
             if self._closed:
                 raise ConfigError("load: the expert loader is closed")
             dsts = self.pool.prepare_loads(layer, experts, via_window=windowed)
             self._inflight += len(experts)
-        src, parts = store.value, 1 + windowed
+        src, parts = store.value, 1 + (self.map_in == "beside_copy")  # the copy, and the map beside it
         loads = [_Load(layer, e, OpFuture(f"load of expert ({layer}, {e}) from {src}"), parts) for e in experts]
         for ld, mapped in zip(loads, self.pool.mapped(layer, experts), strict=True):
             ld.premapped = mapped
@@ -326,7 +333,7 @@ class ExpertLoadHandler:
         """map_in="beside_copy": map the expert ranges beside their copies, as idle jobs of the host->device worker: one
         job maps loads[i]'s range and queues the next, so a list costs one queued job at a time and a more urgent
         list's maps still go first. Ranges that map their slot already need none."""
-        if self.map_in == "before_copy":
+        if self.map_in != "beside_copy":
             return
         if i == 0 and any(ld.premapped for ld in loads):
             for ld in (ld for ld in loads if ld.premapped):

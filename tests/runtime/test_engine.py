@@ -74,7 +74,8 @@ def test_bad_input_is_refused_with_the_field_named(tiny, tmp_path: Path) -> None
         EngineConfig(resident_frac=0.0)
     with pytest.raises(ConfigError, match="spill_kv_every_step"):
         EngineConfig(spill_kv_every_step=True)
-    with pytest.raises(ConfigError, match=r"expert_map_in must be one of 'beside_copy' or 'before_copy', got 'gpu'"):
+    with pytest.raises(ConfigError, match=r"expert_map_in must be one of 'beside_copy', 'before_copy' or 'on_read', "
+                                          r"got 'gpu'"):
         EngineConfig(expert_map_in="gpu")  # type: ignore[arg-type]
     for old, new in (("link", "beside_copy"), ("worker", "before_copy")):  # renamed, refused: never an alias
         with pytest.raises(ConfigError, match=rf"expert_map_in '{old}' is an old name, no longer accepted: "

@@ -81,7 +81,8 @@ def test_loader_detects_flipped_nvme_bytes_and_gives_the_slot_back(tmp_path: Pat
 
 def test_loader_rejects_an_unknown_map_in_and_a_windowed_map_without_a_slot_window(tmp_path: Path, dev: Device,
                                                                              engine) -> None:
-    with pytest.raises(ConfigError, match=r"map_in must be one of 'beside_copy' or 'before_copy', got 'gpu'"):
+    with pytest.raises(ConfigError, match=r"map_in must be one of 'beside_copy', 'before_copy' or 'on_read', got "
+                                          r"'gpu'"):
         _rig(tmp_path, dev, engine, map_in="gpu")
     for old, new in (("link", "beside_copy"), ("worker", "before_copy")):  # renamed, refused: never an alias
         with pytest.raises(ConfigError, match=rf"map_in '{old}' is an old name, no longer accepted: use '{new}'"):

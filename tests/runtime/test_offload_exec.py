@@ -71,7 +71,7 @@ def test_forced_routes_are_the_ones_used_and_tapped(tiny, tmp_path: Path) -> Non
     eng.close()
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "lookahead", "range", "eager"])
+@pytest.mark.parametrize("mode", ["piecewise", "lookahead", "range", "eager", "on_read"])
 def test_each_execution_mode_keeps_the_bits_and_really_runs(tiny, tmp_path: Path, mode: str) -> None:
     r = run_exact_check(tiny, 0.5, workdir=tmp_path, num_prompts=2, new_tokens=4, decode_kernel=True,
                         decode_graphs=True, mode=mode)

@@ -66,7 +66,7 @@ def test_a_failed_load_keeps_its_table_readers_as_the_slots_guards(pool: ExpertS
     pool.check_invariants()
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "range"])
+@pytest.mark.parametrize("mode", ["piecewise", "range", "on_read"])
 def test_decoding_through_the_table_from_pinned_memory_keeps_the_bits(tmp_path: Path, mode: str,
                                                                       monkeypatch) -> None:
     monkeypatch.setattr(moe_gemm, "FORCE", True)  # the Triton GEMM (interpreted), as on a GPU
