@@ -17,6 +17,11 @@ Changes from PHASE_CONTRACT.md's sketch (the runner must know these):
 - Caps never exceed `engine.pool.num_slots`: the runner builds each engine's slot pool large enough
   (`resident_frac=1.0` always is), with `kv_gpu_blocks` >= the point's largest GPU KV share.
 - A plan's versions start at 1 on base 0: the runner applies `initial_plan` to a fresh enforcer.
+- Order per run: build the engine (EngineConfig with `engine_options`), the Scheduler and the Runner with its
+  ForcedRouter (so the forced routes are set), THEN `start(engine, ctx)`, then apply `initial_plan` through
+  the adapter's enforcer, plug `victim_order`, run. Baselines that count routes (static_lfru, oracle) wrap
+  the engine's forced routes in `start` (`observe_routes`); static ones read a warm-up window of the table.
+- `bench.baselines.replay.run_point` does exactly this on one point (the tests use it; the runner may too).
 """
 
 from __future__ import annotations
@@ -83,19 +88,31 @@ class ExpertFuture:
         return uses[i] if i < len(uses) else math.inf
 
 
-class FutureRecorder:
-    """A `ForcedRoutes` wrapper for the recording pass: forwards the table, and for every forward (the engine
-    asks `trace_rows` once per step) keeps the experts each MoE layer uses. `future(kv_gpu_blocks)` at the end."""
+StepExperts = tuple[frozenset[int], ...]  # per MoE (pool) layer: the experts one forward uses
 
-    def __init__(self, router: ForcedRoutes) -> None:
-        self.router = router
+
+class FutureRecorder:
+    """A `ForcedRoutes` wrapper: forwards the table unchanged, and for every forward (the engine asks
+    `trace_rows` once per step, before the step runs) keeps the experts each MoE layer uses and hands them to
+    `listener` (a policy's bookkeeping). The recording pass passes it as the Runner's router and reads
+    `future(kv_gpu_blocks)` at the end; a baseline installs one with `observe_routes`."""
+
+    def __init__(self, router: ForcedRoutes, listener: Callable[[StepExperts], None] | None = None) -> None:
+        self.router, self.listener = router, listener
         self.ids, self.weights, self.ids_host = router.ids, router.weights, router.ids_host
-        self._steps: list[tuple[frozenset[int], ...]] = []
+        self._steps: list[StepExperts] = []
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._steps)
 
     def trace_rows(self, seqs: Sequence[int], starts: Sequence[int], num_tokens: Sequence[int]) -> list[int]:
         rows = self.router.trace_rows(seqs, starts, num_tokens)
         ids = self.ids_host[np.asarray(rows, dtype=np.int64)]  # [N, L, k]
-        self._steps.append(tuple(frozenset(int(e) for e in np.unique(ids[:, m])) for m in range(ids.shape[1])))
+        used = tuple(frozenset(int(e) for e in np.unique(ids[:, m])) for m in range(ids.shape[1]))
+        self._steps.append(used)
+        if self.listener is not None:
+            self.listener(used)
         return rows
 
     def future(self, kv_gpu_blocks: int) -> ExpertFuture:
@@ -159,6 +176,29 @@ class Baseline(Protocol):
 
 
 # ---- helpers every baseline uses ------------------------------------------------------------------------
+def observe_routes(engine: ReferenceEngine, listener: Callable[[StepExperts], None]) -> FutureRecorder:
+    """Wrap the engine's forced routes (set by the Runner, which the runner builds before `start`) so that
+    `listener` sees each step's experts per MoE layer before the step runs; ValueError without forced routes."""
+    table = engine.model.forced_routes
+    if table is None:
+        raise ValueError("this baseline reads the step's routes from the forced routing table: build the Runner "
+                         "(ForcedRouter) before calling start()")
+    rec = FutureRecorder(table, listener)
+    engine.set_hooks(forced_routes=rec)
+    return rec
+
+
+def warmup_counts(engine: ReferenceEngine, num_tokens: int = 256) -> np.ndarray | None:
+    """Expert activation counts [L_moe, E] over the routing table's first `num_tokens` tokens (a warm-up window,
+    as agent/static_plan.py uses), or None without forced routes."""
+    table = engine.model.forced_routes
+    if table is None:
+        return None
+    ids = table.ids_host[:num_tokens]  # [T, L, k]
+    e = engine.pool.layout.num_experts
+    return np.stack([np.bincount(ids[:, m].reshape(-1), minlength=e) for m in range(ids.shape[1])])
+
+
 def kv_floor_blocks(ctx: PointContext) -> int:
     """GPU KV blocks the largest request needs whole (the scheduler refuses one that could never fit), plus one."""
     need = max((-(-(r.prompt_len + r.output_len) // ctx.block_tokens) for r in ctx.requests), default=1)
