@@ -82,15 +82,22 @@ class InProcessLoop:
                 self._apply(plan)
         self._trim()
 
-    def _apply(self, plan: Plan) -> None:
+    def apply_initial(self, plan: Plan) -> PlanAck:
+        """Apply a plan the source did not issue (a policy's starting split, before the first step): through the
+        enforcer and the loop's books like any other, but its ack is not handed to the source."""
+        return self._apply(plan, tell_source=False)
+
+    def _apply(self, plan: Plan, tell_source: bool = True) -> PlanAck:
         ack = self.adapter.apply(plan)
         self.plans.append(plan)
         self.acks.append(ack)
-        self.source.record_ack(ack)
+        if tell_source:
+            self.source.record_ack(ack)
         if ack.status is AckStatus.APPLIED:
             self._applied = plan
             if self.on_applied is not None:
                 self.on_applied(plan)
+        return ack
 
     def _trim(self) -> None:
         if self._applied is None:
