@@ -60,8 +60,8 @@ FULL = Sizes(
     activation_bytes_per_token=64 << 10, quick=False)
 # CPU smoke sizes: the tiny preset (2 layers, 8 experts, top-2); few steps, so its figures are no result.
 QUICK = Sizes(
-    models=(ModelSweep("tiny", 2, 2, budget_fracs=(0.45, 0.8)),),
-    batches=(1, 6), contexts=(64, 192), max_output_tokens=16, requests_per_batch=1.5, warm_steps=4,
+    models=(ModelSweep("tiny", 2, 2, budget_fracs=(0.4, 0.7, 1.0)),),
+    batches=(1, 4, 12), contexts=(64, 256), max_output_tokens=32, requests_per_batch=1.5, warm_steps=8,
     virtual_step_s=0.005, kv_cpu_gib=1.0, kv_nvme_gib=1.0, oracle_max_splits=3, activation_bytes_per_token=0,
     quick=True)
 

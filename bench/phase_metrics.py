@@ -115,7 +115,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "link_bytes": _sum(timed, "link_bytes"),
         "plan_changes": max(0, applied - 1), "plans_rejected": len(outcome.acks) - applied,
         "planner_errors": outcome.loop_stats.get("planner_errors", 0),
-        "over_budget_bytes_peak": outcome.loop_stats.get("peak_over_budget_bytes", 0),
+        "peak_hbm_bytes": outcome.extra.get("peak_hbm_bytes"), "over_budget_steps": outcome.extra.get("over_budget_steps"),
         "initial_expert_bytes": sum(plan.expert_bytes_per_layer),
         "initial_kv_gpu_blocks": int(plan.kv_blocks_per_tier.get("gpu", 0)),
         "preemptions": sum(r.preemptions for r in rep.requests),

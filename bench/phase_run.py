@@ -22,7 +22,7 @@ import torch
 
 from tierplan.agent.closed_loop import InProcessLoop
 from tierplan.bench.phase_grid import GIB, ROUTING, Point, Sizes, point_requests
-from tierplan.bench.phase_standin import PointContext, PolicyRun
+from tierplan.bench.baselines.base import PointContext, PolicyRun
 from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
 from tierplan.runtime.device import Device
 from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
@@ -118,7 +118,7 @@ def point_context(h: ModelHandle, point: Point, sizes: Sizes) -> PointContext:
         expert_stride_bytes=h.stride_bytes, moe_layers=tuple(h.spec.moe_layers), num_experts=h.spec.num_experts,
         kv_cpu_blocks=max(1, min(total_blocks, tier_cap)),
         kv_nvme_blocks=max(1, min(total_blocks, int(sizes.kv_nvme_gib * GIB * point.kept_frac) // h.kv_block_bytes)),
-        link_bytes_per_s=h.link_bytes_per_s, requests=reqs)
+        link_bytes_per_s=h.link_bytes_per_s, requests=reqs, num_layers=h.spec.num_layers, top_k=h.spec.top_k)
 
 
 def engine_config(h: ModelHandle, ctx: PointContext, options: dict[str, Any], workdir: Path) -> EngineConfig:
@@ -209,9 +209,11 @@ class _Recorder:
         self._last = now
 
 
-def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdir: Path) -> Outcome:
-    """Run `policy` at `ctx` once. RunRefused: its initial plan was refused (the ack's reason), or a request
-    can never fit the GPU KV share it left."""
+def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdir: Path,
+            router: Any = None) -> Outcome:
+    """Run `policy` at `ctx` once (`router`: the model's forced router unless given, e.g. the oracle's
+    recording wrapper). RunRefused: its initial plan was refused (the ack's reason), or a request can never fit
+    the GPU KV share it left. The footprint (experts + GPU KV) is checked against the budget after every step."""
     eng = ReferenceEngine(h.spec, h.dev, engine_config(h, ctx, policy.engine_options(ctx), workdir),
                           pinned_store=h.store)
     try:
@@ -229,15 +231,13 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
         loop = InProcessLoop(eng, run.source if run.source is not None else _Hold(), window_steps=run.window_steps,
                              hbm_budget_bytes=ctx.hbm_budget_bytes, queue_probe=queued_blocks)
         try:
-            # The initial plan goes the way every plan goes (enforcer, predictor install, the source's ack, the
-            # between-steps trim over its caps), only before the first step.
-            loop._apply(run.initial_plan)
-            ack = loop.acks[-1]
+            ack = loop.apply_initial(run.initial_plan)  # enforcer, predictor, the between-steps trim over its caps
             if ack.status is not AckStatus.APPLIED:
                 raise RunRefused(f"initial plan {ack.status.value}: {ack.reason}")
             if run.victim_order is not None:
                 eng.experts.set_victim_order(run.victim_order)
             rec = _Recorder(eng)
+            enforcer, seen = loop.adapter.enforcer, {"peak": 0, "over": 0}
 
             def hook(batch: Batch, step_s: float) -> None:
                 virtual["t"] = max([virtual["t"] + sizes.virtual_step_s, *(s.arrival_s for s in batch.prefills)])
@@ -245,16 +245,20 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                 if run.on_step is not None:
                     run.on_step(batch, step_s)
                 rec.after_step(batch, step_s)
+                total = enforcer.footprint().total_hbm_bytes
+                seen["peak"] = max(seen["peak"], total)
+                seen["over"] += total > ctx.hbm_budget_bytes
 
             try:
-                report = Runner(eng, sched, h.router, on_step=hook, virtual_step_s=sizes.virtual_step_s).run(
+                report = Runner(eng, sched, router or h.router, on_step=hook, virtual_step_s=sizes.virtual_step_s).run(
                     list(ctx.requests), block_tokens_for_prefixes=ctx.block_tokens)
             except ConfigError as exc:  # e.g. a request longer than the GPU KV share the plan left
                 raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
         finally:
             loop.finish()
         return Outcome(report, rec.steps, list(loop.telemetry), list(loop.acks), loop.stats(), run.initial_plan,
-                       run.notes, run.window_steps)
+                       run.notes, run.window_steps, {"peak_hbm_bytes": seen["peak"], "over_budget_steps": seen["over"],
+                                                     "split": run.split})
     finally:
         eng.close()
         if h.dev.is_cuda:
