@@ -116,12 +116,12 @@ def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -
               "| batch | context | budget | best baseline | tok/s | tierplan tok/s | tierplan / best | oracle tok/s | "
               "tierplan / oracle | cause (below 0.95x) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in per:
-        lines.append(f"| {p['batch']} | {p['context']} | {p['budget']} | {p['best'] or '—'} | {_f(p['best_tok_s'], '.1f')}"
-                     f" | {_f(p['tierplan_tok_s'], '.1f')} | {_f(p['vs_best'])} | {_f(p['oracle_tok_s'], '.1f')} | "
+        lines.append(f"| {p['batch']} | {p['context']} | {p['budget']} | {p['best'] or '—'} | "
+                     f"{_f(p['best_tok_s'], '.1f')} | {_f(p['tierplan_tok_s'], '.1f')} | {_f(p['vs_best'])} | {_f(p['oracle_tok_s'], '.1f')} | "
                      f"{_f(p['vs_oracle'])} | {p['cause']} |")
     lines += ["", "## Every run", "",
-              "| batch | ctx | budget | policy | tok/s | TPOT p50/p99 ms | TTFT p50 ms | hit | stall ms/step exp/kv/both "
-              "| step ms pred/meas | plan changes | KV hits gpu/cpu/nvme | notes |",
+              "| batch | ctx | budget | policy | tok/s | TPOT p50/p99 ms | TTFT p50 ms | hit | "
+              "stall ms/step exp/kv/both | step ms pred/meas | plan changes | KV hits gpu/cpu/nvme | notes |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("status") != "ok":

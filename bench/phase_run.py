@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from tierplan.agent.closed_loop import InProcessLoop
-from tierplan.bench.phase_grid import GIB, ROUTING, Point, Sizes, point_requests
 from tierplan.bench.baselines.base import PointContext, PolicyRun
+from tierplan.bench.phase_grid import GIB, ROUTING, Point, Sizes, point_requests
 from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
 from tierplan.runtime.device import Device
 from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
@@ -217,11 +217,15 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
     eng = ReferenceEngine(h.spec, h.dev, engine_config(h, ctx, policy.engine_options(ctx), workdir),
                           pinned_store=h.store)
     try:
-        run: PolicyRun = policy.start(eng, ctx)
         cap_blocks = eng.cache.manager.capacity[Tier.GPU]
         sched = Scheduler(cap_blocks, ctx.block_tokens, max_batch=ctx.batch,
                           max_prefill_tokens=max(2048, ctx.context_tokens + 1), preempt=PreemptMode.SWAP)
         virtual = {"t": 0.0}
+        hooks: list[Any] = []
+        # The runner first: it plugs the forced routes into the engine, which a policy may read when it starts.
+        runner = Runner(eng, sched, router or h.router, on_step=lambda b, s: [f(b, s) for f in hooks],
+                        virtual_step_s=sizes.virtual_step_s)
+        run: PolicyRun = policy.start(eng, ctx)
 
         def queued_blocks() -> int:  # the KV a larger GPU share would let run now (the controller's telemetry)
             room = max(0, ctx.batch - len(sched.running) - len(sched.swapped))
@@ -249,9 +253,9 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                 seen["peak"] = max(seen["peak"], total)
                 seen["over"] += total > ctx.hbm_budget_bytes
 
+            hooks.append(hook)
             try:
-                report = Runner(eng, sched, router or h.router, on_step=hook, virtual_step_s=sizes.virtual_step_s).run(
-                    list(ctx.requests), block_tokens_for_prefixes=ctx.block_tokens)
+                report = runner.run(list(ctx.requests), block_tokens_for_prefixes=ctx.block_tokens)
             except ConfigError as exc:  # e.g. a request longer than the GPU KV share the plan left
                 raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
         finally:
