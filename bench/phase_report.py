@@ -117,7 +117,8 @@ def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -
               "tierplan / oracle | cause (below 0.95x) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in per:
         lines.append(f"| {p['batch']} | {p['context']} | {p['budget']} | {p['best'] or '—'} | "
-                     f"{_f(p['best_tok_s'], '.1f')} | {_f(p['tierplan_tok_s'], '.1f')} | {_f(p['vs_best'])} | {_f(p['oracle_tok_s'], '.1f')} | "
+                     f"{_f(p['best_tok_s'], '.1f')} | {_f(p['tierplan_tok_s'], '.1f')} | {_f(p['vs_best'])} | "
+                     f"{_f(p['oracle_tok_s'], '.1f')} | "
                      f"{_f(p['vs_oracle'])} | {p['cause']} |")
     lines += ["", "## Every run", "",
               "| batch | ctx | budget | policy | tok/s | TPOT p50/p99 ms | TTFT p50 ms | hit | "
