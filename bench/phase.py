@@ -53,7 +53,7 @@ def _tok_s(outcome: Outcome, warm_steps: int) -> float:
     return sum(s.tokens_out for s in timed) / wall if wall else 0.0
 
 
-def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, say: Any) -> Outcome:
+def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, prefix_tokens: int) -> Outcome:
     """Each candidate split recorded once and run with Belady eviction from its own future; the best tok/s."""
     best: tuple[float, Outcome] | None = None
     tried: list[str] = []
@@ -61,9 +61,9 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, say:
         rec = FutureRecorder(h.router)
         label = f"{split.expert_slots} slots/{split.kv_gpu_blocks} KV"
         try:
-            measure(h, ctx, _Recording(split), sizes, workdir, router=rec)
+            measure(h, ctx, _Recording(split), sizes, workdir, prefix_tokens, router=rec)
             out = measure(h, dataclasses.replace(ctx, future=rec.future(split.kv_gpu_blocks), split=split),
-                          make("oracle"), sizes, workdir)
+                          make("oracle"), sizes, workdir, prefix_tokens)
         except RunRefused as exc:
             tried.append(f"{label}: refused ({exc})")
             continue
@@ -93,13 +93,13 @@ def _base_row(point: Point, ctx: PointContext | None, policy: str, device: str, 
             "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def _one(h: ModelHandle, point: Point, ctx: PointContext, policy: str, sizes: Sizes, predictor: Predictor,
+def _one(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, sizes: Sizes, predictor: Predictor,
          base: dict[str, Any], say: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tierplan-phase-") as tmp:
         try:
             baseline = make(policy)
-            out = (_oracle(h, ctx, sizes, Path(tmp), say) if baseline.needs_future
-                   else measure(h, ctx, baseline, sizes, Path(tmp)))
+            out = (_oracle(h, ctx, sizes, Path(tmp), prefix_tokens) if baseline.needs_future
+                   else measure(h, ctx, baseline, sizes, Path(tmp), prefix_tokens))
         except RunRefused as exc:
             return refused_row(base, str(exc))
         except ImportError as exc:  # e.g. the controller's solver stack absent on the device image
@@ -147,13 +147,26 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
         plan[m] = (path, rows, pts)
     if on_total is not None:
         on_total(todo)
+    import torch
+
+    threads = torch.get_num_threads()
+    if not dev.is_cuda:  # a tiny model's ops are too small to share: one thread keeps a busy CPU from stalling them
+        torch.set_num_threads(1)
+    try:
+        _sweep(plan, pols, sizes, dev, dev_name, code, say, progress)
+    finally:
+        torch.set_num_threads(threads)
+    return {m: v[0] for m, v in plan.items()}
+
+
+def _sweep(plan: dict[str, tuple[Path, list[dict[str, Any]], list[Point]]], pols: tuple[str, ...], sizes: Sizes,
+           dev: Any, dev_name: str, code: str, say: Any, progress: Callable[[int], None] | None) -> None:
     for m, (path, rows, pts) in plan.items():
         done = {run_key(r) for r in rows}
         if any((p.key, pol, dev_name, code) not in done for p in pts for pol in pols):
             _sweep_model(m, pts, pols, sizes, dev, dev_name, code, path, rows, done, say, progress)
         write_report(latest(rows, dev_name), path.with_suffix(""), sizes, dev_name)
         say(f"{m}: {len(rows)} rows in {path}")
-    return {m: v[0] for m, v in plan.items()}
 
 
 def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor, say: Any) -> None:
@@ -161,7 +174,8 @@ def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor,
     first runs' predictions start from this machine's step times rather than the priors."""
     try:
         with tempfile.TemporaryDirectory(prefix="tierplan-phase-") as tmp:
-            out = measure(h, point_context(h, point, sizes), make("resident"), sizes, Path(tmp))
+            ctx, prefix_tokens = point_context(h, point, sizes)
+            out = measure(h, ctx, make("resident"), sizes, Path(tmp), prefix_tokens)
     except (RunRefused, ConfigError) as exc:
         say(f"{h.spec.name}: no calibration pass ({exc}); the cost model starts from its priors")
         return
@@ -180,15 +194,17 @@ def _sweep_model(m: str, pts: list[Point], pols: tuple[str, ...], sizes: Sizes, 
             left = [pol for pol in pols if (p.key, pol, dev_name, code) not in done]
             if not left:
                 continue
+            ctx: PointContext | None = None
+            prefix_tokens, why = 0, ""
             try:
-                ctx: PointContext | None = point_context(h, p, sizes)
-                why = ""
+                ctx, prefix_tokens = point_context(h, p, sizes)
             except ConfigError as exc:
-                ctx, why = None, str(exc)
+                why = str(exc)
             for pol in left:
                 t0 = time.perf_counter()
                 base = _base_row(p, ctx, pol, dev_name, code, sizes)
-                row = refused_row(base, why) if ctx is None else _one(h, p, ctx, pol, sizes, predictor, base, say)
+                row = (refused_row(base, why) if ctx is None
+                       else _one(h, ctx, prefix_tokens, pol, sizes, predictor, base, say))
                 row["run_s"] = time.perf_counter() - t0
                 rows.append(row)
                 write_rows(path, rows)

@@ -13,11 +13,12 @@ the same regimes (everything fits / experts or KV must give) at CPU sizes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierplan.runtime.engine.workloads import Request, load_mooncake, scale_requests
+from tierplan.runtime.engine.workloads import MOONCAKE_BLOCK_TOKENS, Request, load_mooncake
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 MOONCAKE = DATA / "requests" / "mooncake_conversation_sample.jsonl"
@@ -38,7 +39,8 @@ class ModelSweep:
 class Sizes:
     models: tuple[ModelSweep, ...]
     batches: tuple[int, ...]
-    contexts: tuple[int, ...]  # the longest prompt of a point, tokens (the Mooncake lengths scaled to it)
+    contexts: tuple[int, ...]  # the mean prompt of a point, tokens (the Mooncake lengths scaled to it)
+    mean_output_tokens: int
     max_output_tokens: int
     requests_per_batch: float  # requests of a point = ceil(batch * this): the batch fills, then drains
     warm_steps: int  # steps not measured (the first prefills, the caches filling)
@@ -55,13 +57,15 @@ class Sizes:
 FULL = Sizes(
     models=(ModelSweep("qwen3-30b-a3b", 8, 48, budgets_gib=(24.0, 40.0, 56.0)),
             ModelSweep("mixtral-8x7b", 8, 32, budgets_gib=(32.0, 56.0, 80.0))),
-    batches=(1, 8, 32, 128, 256), contexts=(1024, 4096, 16384), max_output_tokens=256, requests_per_batch=1.5,
+    batches=(1, 8, 32, 128, 256), contexts=(1024, 4096, 16384), mean_output_tokens=96, max_output_tokens=256,
+    requests_per_batch=1.25,
     warm_steps=16, virtual_step_s=0.02, kv_cpu_gib=192.0, kv_nvme_gib=192.0, oracle_max_splits=5,
     activation_bytes_per_token=64 << 10, quick=False)
 # CPU smoke sizes: the tiny preset (2 layers, 8 experts, top-2); few steps, so its figures are no result.
 QUICK = Sizes(
     models=(ModelSweep("tiny", 2, 2, budget_fracs=(0.4, 0.7, 1.0)),),
-    batches=(1, 4, 12), contexts=(64, 256), max_output_tokens=32, requests_per_batch=1.5, warm_steps=8,
+    batches=(1, 4, 12), contexts=(32, 128), mean_output_tokens=16, max_output_tokens=32, requests_per_batch=1.5,
+    warm_steps=8,
     virtual_step_s=0.005, kv_cpu_gib=1.0, kv_nvme_gib=1.0, oracle_max_splits=3, activation_bytes_per_token=0,
     quick=True)
 
@@ -130,16 +134,27 @@ def select_points(all_points: list[Point], spec: str) -> list[Point]:
     return picked
 
 
-def point_requests(point: Point, sizes: Sizes, block_tokens: int) -> tuple[Request, ...]:
-    """The point's requests: the first ceil(batch * requests_per_batch) Mooncake conversations, prompt lengths
-    scaled so the longest is the point's context and outputs so the longest is `max_output_tokens`; arrivals keep
-    the trace's order and relative gaps, compressed so the offered load is about twice the batch (the batch
-    fills, as a serving engine under load would see it), on the virtual step clock."""
-    num = max(1, -(-int(point.batch * sizes.requests_per_batch * 1000) // 1000))
+def point_requests(point: Point, sizes: Sizes) -> tuple[tuple[Request, ...], int]:
+    """The point's requests and the tokens each Mooncake prefix id covers after scaling. The first
+    ceil(batch * requests_per_batch) Mooncake conversations, prompt lengths scaled by one factor so their mean
+    is the point's context (each capped at twice it: the trace's long tail would otherwise set the KV need
+    alone), outputs by one factor so their mean is `mean_output_tokens` (capped at `max_output_tokens`); a
+    prefix id then covers 512 x the prompt factor tokens, so requests sharing leading ids share leading tokens.
+    Arrivals keep the trace's order and relative gaps, compressed so the offered load is about twice the batch
+    (the batch fills, as a serving engine under load sees it), on the virtual step clock."""
+    num = max(1, math.ceil(point.batch * sizes.requests_per_batch))
     base = load_mooncake(MOONCAKE, limit=max(num, 2))[:num]
-    reqs = scale_requests(base, point.context, sizes.max_output_tokens, block_tokens=block_tokens)
+    p_factor = point.context / (sum(r.prompt_len for r in base) / len(base))
+    o_factor = sizes.mean_output_tokens / (sum(r.output_len for r in base) / len(base))
+    prefix_tokens = max(1, round(MOONCAKE_BLOCK_TOKENS * p_factor))
+    reqs = []
+    for r in base:
+        prompt = min(2 * point.context, max(1, round(r.prompt_len * p_factor)))
+        out = min(sizes.max_output_tokens, max(1, round(r.output_len * o_factor)))
+        reqs.append(dataclasses.replace(r, prompt_len=prompt, output_len=out,
+                                        prefix_block_ids=r.prefix_block_ids[:math.ceil(prompt / prefix_tokens)]))
     mean_out = sum(r.output_len for r in reqs) / len(reqs)
     span_s = len(reqs) * mean_out * sizes.virtual_step_s / (2 * point.batch)
-    last = reqs[-1].arrival_s or 1.0
-    return tuple(dataclasses.replace(r, request_id=i, arrival_s=r.arrival_s / last * span_s if reqs[-1].arrival_s
-                                     else i * span_s / len(reqs)) for i, r in enumerate(reqs))
+    last = reqs[-1].arrival_s
+    return tuple(dataclasses.replace(r, request_id=i, arrival_s=r.arrival_s / last * span_s if last
+                                     else i * span_s / len(reqs)) for i, r in enumerate(reqs)), prefix_tokens

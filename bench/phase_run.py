@@ -97,11 +97,13 @@ def _blocks(tokens: int, bt: int) -> int:
     return -(-tokens // bt)
 
 
-def point_context(h: ModelHandle, point: Point, sizes: Sizes) -> PointContext:
-    """The point as a policy sees it: its budget (scaled by the kept layers, workspace out), sizes and requests."""
-    reqs = point_requests(point, sizes, h.block_tokens)
+def point_context(h: ModelHandle, point: Point, sizes: Sizes) -> tuple[PointContext, int]:
+    """The point as a policy sees it (its budget scaled by the kept layers, workspace out; sizes; requests), and
+    the tokens a prefix id covers (the runner's prompts share leading tokens by it)."""
+    reqs, prefix_tokens = point_requests(point, sizes)
     num_experts_all = len(h.spec.moe_layers) * h.spec.num_experts
-    need_kv_blocks = point.batch * _blocks(point.context + sizes.max_output_tokens, h.block_tokens)
+    per_request = sorted((_blocks(r.prompt_len + r.output_len, h.block_tokens) for r in reqs), reverse=True)
+    need_kv_blocks = sum(per_request[: point.batch])  # the batch's largest requests at once
     if point.budget_frac is not None:  # quick: a fraction of what the point could use at most
         budget = int(point.budget_frac * (num_experts_all * h.stride_bytes + need_kv_blocks * h.kv_block_bytes))
     else:
@@ -118,7 +120,8 @@ def point_context(h: ModelHandle, point: Point, sizes: Sizes) -> PointContext:
         expert_stride_bytes=h.stride_bytes, moe_layers=tuple(h.spec.moe_layers), num_experts=h.spec.num_experts,
         kv_cpu_blocks=max(1, min(total_blocks, tier_cap)),
         kv_nvme_blocks=max(1, min(total_blocks, int(sizes.kv_nvme_gib * GIB * point.kept_frac) // h.kv_block_bytes)),
-        link_bytes_per_s=h.link_bytes_per_s, requests=reqs, num_layers=h.spec.num_layers, top_k=h.spec.top_k)
+        link_bytes_per_s=h.link_bytes_per_s, requests=reqs, num_layers=h.spec.num_layers,
+        top_k=h.spec.top_k), prefix_tokens
 
 
 def engine_config(h: ModelHandle, ctx: PointContext, options: dict[str, Any], workdir: Path) -> EngineConfig:
@@ -209,11 +212,12 @@ class _Recorder:
         self._last = now
 
 
-def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdir: Path,
+def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdir: Path, prefix_tokens: int,
             router: Any = None) -> Outcome:
-    """Run `policy` at `ctx` once (`router`: the model's forced router unless given, e.g. the oracle's
-    recording wrapper). RunRefused: its initial plan was refused (the ack's reason), or a request can never fit
-    the GPU KV share it left. The footprint (experts + GPU KV) is checked against the budget after every step."""
+    """Run `policy` at `ctx` once (`prefix_tokens`: see `point_context`; `router`: the model's forced router
+    unless given, e.g. the oracle's recording wrapper). RunRefused: its initial plan was refused (the ack's
+    reason), or a request can never fit the GPU KV share it left. The footprint (experts + GPU KV) is checked
+    against the budget after every step."""
     eng = ReferenceEngine(h.spec, h.dev, engine_config(h, ctx, policy.engine_options(ctx), workdir),
                           pinned_store=h.store)
     try:
@@ -255,7 +259,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
 
             hooks.append(hook)
             try:
-                report = runner.run(list(ctx.requests), block_tokens_for_prefixes=ctx.block_tokens)
+                report = runner.run(list(ctx.requests), block_tokens_for_prefixes=prefix_tokens)
             except ConfigError as exc:  # e.g. a request longer than the GPU KV share the plan left
                 raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
         finally:

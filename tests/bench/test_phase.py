@@ -23,7 +23,7 @@ from tierplan.bench.phase_store import load_rows, write_rows
 ISSUE_FIELDS = ("model", "layers", "batch", "context", "hbm_budget_gib", "policy", "decode_tok_s", "tpot_p50_ms",
                 "tpot_p99_ms", "ttft_p50_ms", "expert_hit_rate", "stall_ms_expert", "stall_ms_kv", "stall_ms_both",
                 "predicted_step_ms", "measured_step_ms", "device")
-POINT = "b4c64f0.7"
+POINT = "b4c32f0.7"
 
 
 def _run(*args: str) -> object:
@@ -48,7 +48,7 @@ def test_every_policy_has_a_row_with_every_field_of_the_issue(swept: tuple[Path,
         missing = [f for f in ISSUE_FIELDS if f not in r]
         assert not missing, (r["policy"], missing)
         assert r["status"] != "error", (r["policy"], r["notes"])  # an error row is a bug in a policy or the runner
-        assert r["model"] == "tiny" and r["batch"] == 4 and r["context"] == 64 and r["quick"] is True
+        assert r["model"] == "tiny" and r["batch"] == 4 and r["context"] == 32 and r["quick"] is True
         if r["status"] == "ok":
             empty = [f for f in ISSUE_FIELDS if r[f] is None]
             assert not empty, (r["policy"], empty)
@@ -79,7 +79,7 @@ def test_a_rerun_skips_what_is_measured_and_adds_what_is_not(swept: tuple[Path, 
     assert res.exit_code == 0, res.output
     (path,) = out.glob("phase_tiny_*.json")
     assert json.loads(path.read_text()) == rows  # nothing run twice, nothing lost
-    res = _run("--points", "b1c64f0.7", "--policies", "resident", "--out-dir", str(out))
+    res = _run("--points", "b1c32f0.7", "--policies", "resident", "--out-dir", str(out))
     assert res.exit_code == 0, res.output
     after = json.loads(path.read_text())
     assert after[: len(rows)] == rows and [(r["batch"], r["policy"]) for r in after[len(rows):]] == [(1, "resident")]
@@ -88,7 +88,7 @@ def test_a_rerun_skips_what_is_measured_and_adds_what_is_not(swept: tuple[Path, 
 @pytest.mark.parametrize(("args", "says"), [
     (["--policies", "resident,nosuch"], "unknown policy ['nosuch']"),
     (["--models", "qwen3-30b-a3b"], "unknown model ['qwen3-30b-a3b']"),
-    (["--points", "b3c64"], "'b3c64' matches no point"),
+    (["--points", "b3c32"], "'b3c32' matches no point"),
     (["--points", "batch=4"], "is not [model:]b<batch>"),
     (["--device", "tpu"], "expected cpu or cuda"),
 ])
@@ -108,9 +108,9 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path: Path) -> None:
 def test_point_patterns_select_from_the_grid() -> None:
     grid = points(QUICK)
     assert len(grid) == len(QUICK.batches) * len(QUICK.contexts) * len(QUICK.models[0].budget_fracs)
-    picked = select_points(grid, "b1, tiny:b4c256f1")
+    picked = select_points(grid, "b1, tiny:b4c128f1")
     assert {(p.batch, p.context, p.budget_frac) for p in picked} == (
-        {(1, c, f) for c in QUICK.contexts for f in QUICK.models[0].budget_fracs} | {(4, 256, 1.0)})
+        {(1, c, f) for c in QUICK.contexts for f in QUICK.models[0].budget_fracs} | {(4, 128, 1.0)})
 
 
 def test_the_json_is_replaced_whole_and_a_broken_one_is_named(tmp_path: Path) -> None:
