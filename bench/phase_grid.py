@@ -59,7 +59,7 @@ FULL = Sizes(
             ModelSweep("mixtral-8x7b", 8, 32, budgets_gib=(32.0, 56.0, 80.0))),
     batches=(1, 8, 32, 128, 256), contexts=(1024, 4096, 16384), mean_output_tokens=96, max_output_tokens=256,
     requests_per_batch=1.25,
-    warm_steps=16, virtual_step_s=0.02, kv_cpu_gib=192.0, kv_nvme_gib=192.0, oracle_max_splits=5,
+    warm_steps=16, virtual_step_s=0.02, kv_cpu_gib=24.0, kv_nvme_gib=48.0, oracle_max_splits=5,
     activation_bytes_per_token=64 << 10, quick=False)
 # CPU smoke sizes: the tiny preset (2 layers, 8 experts, top-2); few steps, so its figures are no result.
 QUICK = Sizes(

@@ -118,7 +118,8 @@ def point_context(h: ModelHandle, point: Point, sizes: Sizes) -> tuple[PointCont
         model=point.model, layers=point.layers, batch=point.batch, context_tokens=point.context,
         hbm_budget_bytes=budget, block_tokens=h.block_tokens, kv_block_bytes=h.kv_block_bytes,
         expert_stride_bytes=h.stride_bytes, moe_layers=tuple(h.spec.moe_layers), num_experts=h.spec.num_experts,
-        kv_cpu_blocks=max(1, min(total_blocks, tier_cap)),
+        # Swaps park at most the GPU share on the CPU: the tier holds that much at least, whatever the cap.
+        kv_cpu_blocks=max(1, min(total_blocks, max(tier_cap, budget // h.kv_block_bytes))),
         kv_nvme_blocks=max(1, min(total_blocks, int(sizes.kv_nvme_gib * GIB * point.kept_frac) // h.kv_block_bytes)),
         link_bytes_per_s=h.link_bytes_per_s, requests=reqs, num_layers=h.spec.num_layers,
         top_k=h.spec.top_k), prefix_tokens

@@ -57,7 +57,7 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def latest(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any]]:
-    """One row per (point, policy) on `device`: the newest written (later rows win), in first-seen order."""
+    """One row per (point, policy) on `device`: the newest written (later rows win), in the order last written."""
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
         if r["device"] == device:
