@@ -13,7 +13,7 @@ import pytest
 
 from tests.bench import baseline_point as bp
 from tierplan.bench.baselines import make, oracle_splits
-from tierplan.bench.baselines.base import ExpertFuture, Split, fits, kv_demand_blocks, make_plan
+from tierplan.bench.baselines.base import ExpertFuture, Split, fits, kv_demand_blocks, kv_floor_blocks, make_plan
 from tierplan.bench.baselines.kv_tiering import static_pins
 from tierplan.bench.baselines.lfru import LFRUOrder
 from tierplan.bench.baselines.oracle import BeladyOrder
@@ -185,3 +185,42 @@ def test_make_plan_refuses_a_split_over_the_budget(tmp_path: Path) -> None:
     eng.close()
     with pytest.raises(ValueError, match="over the point's hbm_budget_bytes"):
         make_plan(ctx, Split((8, 8), 1), "x", "too many experts")
+
+
+# ---- resident and static_lru -----------------------------------------------------------------------------
+def test_resident_holds_every_expert_when_they_fit_and_static_lru_its_fixed_share(tmp_path: Path) -> None:
+    eng, ctx = bp.context(tmp_path)
+    try:
+        roomy = dataclasses.replace(ctx, hbm_budget_bytes=64 * bp.UNIT_BYTES)
+        res = make("resident").start(eng, roomy).split
+        assert res.expert_slots_per_layer == (8, 8) and res.kv_gpu_blocks == 64 - 48  # KV takes the rest
+        tight = make("resident").start(eng, ctx).split  # 40 units: the experts do not all fit beside the KV
+        assert tight.expert_slots < 16  # as many as fit beside the KV floor: what is left is under a slot
+        assert kv_floor_blocks(ctx) <= tight.kv_gpu_blocks < kv_floor_blocks(ctx) + 3
+        lru = make("static_lru").start(eng, ctx).split
+    finally:
+        eng.close()
+    share = 0.75 * ctx.hbm_budget_bytes
+    assert share - ctx.num_moe * ctx.expert_stride_bytes < lru.expert_slots * ctx.expert_stride_bytes <= share
+    assert max(lru.expert_slots_per_layer) - min(lru.expert_slots_per_layer) <= 1  # an even share per layer
+
+
+# ---- the live policies' version shift ----------------------------------------------------------------------
+def test_after_initial_plan_shifts_versions_between_agent_and_controller() -> None:
+    from tierplan.bench.baselines.tierplan_live import AfterInitialPlan
+    from tierplan.controller.protocol import AckStatus, Footprint, Plan, PlanAck
+
+    issued = Plan(plan_id="c-1", version=1, base_version=0, created_s=0.0, hbm_budget_bytes=10,
+                  expert_bytes_per_layer=(0,), kv_blocks_per_tier={Tier.GPU: 1}, reason="r")
+    seen: list[object] = []
+    ctl = SimpleNamespace(step_next=lambda: issued, record_ack=seen.append, sync_from=seen.append)
+    src = AfterInitialPlan(ctl)
+    out = src.step_next()
+    assert (out.version, out.base_version) == (2, 1)  # on top of the starting plan the agent applied (v1)
+    fp = Footprint(expert_bytes_per_layer=(0,), kv_blocks_per_tier={Tier.GPU: 1}, total_hbm_bytes=0)
+    src.record_ack(PlanAck(agent_id="a", rank=0, plan_id="c-1", version=2, status=AckStatus.APPLIED, applied_s=0.0,
+                           footprint=fp))
+    assert seen[-1].version == 1
+    src.record_ack(PlanAck(agent_id="a", rank=0, plan_id="x", version=1, status=AckStatus.APPLIED, applied_s=0.0,
+                           footprint=fp))
+    assert src.unshiftable_acks == 1 and len(seen) == 1  # the starting plan's ack: counted, not forwarded
