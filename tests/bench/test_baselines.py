@@ -14,6 +14,15 @@ from tierplan.bench.baselines import BASELINES, make, oracle_splits
 from tierplan.controller.protocol import AckStatus
 
 
+def _baseline(name: str) -> Any:
+    """The registry's baseline; a live one plans from its cost model's priors (calibrate off), so no wall-clock
+    time enters a decision and its plans are the same on every machine."""
+    b = make(name)
+    if hasattr(b, "calibrate"):
+        b.calibrate = False
+    return b
+
+
 def _oracle(workdir: Path) -> Any:
     from tierplan.bench.baselines.oracle import RecordingPass
 
@@ -33,7 +42,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if name == "oracle":
             out[name], out["oracle_recording"] = _oracle(wd)
         else:
-            out[name] = bp.run(make(name), wd)
+            out[name] = bp.run(_baseline(name), wd)
     return out
 
 
