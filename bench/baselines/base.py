@@ -8,12 +8,15 @@ bytes itself, load or evict outside a plan's rules, or change what a kernel comp
 
 Changes from PHASE_CONTRACT.md's sketch (the runner must know these):
 - `PointContext.split`: the split the oracle runs at (one of `oracle_splits(ctx)`); None for every other run.
+  `PointContext.num_layers` (the run's model layers, expert_bytes_per_layer's length) and `top_k` added;
+  `PolicyRun.split` added (the initial plan's split, for the cost model's predicted step of static rows).
 - `ExpertFuture` records per step and per MoE (pool) layer the experts a step used, and the `kv_gpu_blocks` it
   was recorded under. The scheduler's admission follows the applied plan's GPU KV blocks (the runner clamps
   `Scheduler.gpu_blocks` to the KV manager's GPU limit every step), so the KV split DOES change the schedule:
   the runner records one future per oracle split, with that split's `kv_gpu_blocks` applied (any expert
-  policy will do: expert placement never changes which sequences run), by passing `FutureRecorder(router)`
-  as the Runner's router; the oracle refuses a future recorded under other KV blocks.
+  policy will do: expert placement never changes which sequences run), with `oracle.RecordingPass(split)`
+  as the baseline (its `future()` after the run); the oracle refuses a future recorded under other KV blocks.
+  The record counts engine steps: warm-up steps run before the replay must run in the recording pass too.
 - Caps never exceed `engine.pool.num_slots`: the runner builds each engine's slot pool large enough
   (`resident_frac=1.0` always is), with `kv_gpu_blocks` >= the point's largest GPU KV share.
 - A plan's versions start at 1 on base 0: the runner applies `initial_plan` to a fresh enforcer.
@@ -21,6 +24,10 @@ Changes from PHASE_CONTRACT.md's sketch (the runner must know these):
   ForcedRouter (so the forced routes are set), THEN `start(engine, ctx)`, then apply `initial_plan` through
   the adapter's enforcer, plug `victim_order`, run. Baselines that count routes (static_lfru, oracle) wrap
   the engine's forced routes in `start` (`observe_routes`); static ones read a warm-up window of the table.
+- A run with `source` goes through `agent.closed_loop.InProcessLoop(engine, run.source, window_steps=
+  run.window_steps, hbm_budget_bytes=budget)`: its new `apply_initial(plan)` applies the starting plan (the
+  source never issued it, so its ack is not handed on); `loop.on_step` is the step hook, `loop.finish()` after.
+  Planner errors and refused telemetry are counted in `loop.stats()`: put them in the row's notes.
 - `bench.baselines.replay.run_point` does exactly this on one point (the tests use it; the runner may too).
 """
 
