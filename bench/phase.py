@@ -176,8 +176,9 @@ def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor,
         with tempfile.TemporaryDirectory(prefix="tierplan-phase-") as tmp:
             ctx, prefix_tokens = point_context(h, point, sizes)
             out = measure(h, ctx, make("resident"), sizes, Path(tmp), prefix_tokens)
-    except (RunRefused, ConfigError) as exc:
-        say(f"{h.spec.name}: no calibration pass ({exc}); the cost model starts from its priors")
+    except Exception as exc:  # the sweep still runs: its first predictions then lean on the priors
+        say(f"{h.spec.name}: no calibration pass ({type(exc).__name__}: {exc}); the cost model starts from its "
+            "priors")
         return
     predictor.calibrate(out.telemetry)
 

@@ -101,6 +101,11 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
     fetch = _sum(timed, "kv_fetch")
     plan = outcome.initial_plan
     measured = wall_s / len(timed) * 1e3 if timed else 0.0
+    notes, status = outcome.notes, "ok"
+    errors = outcome.extra.get("planner_errors") or []
+    if errors:  # the live planner failed some windows: the plan held there, so this is not the policy's result
+        status = "degraded"
+        notes = f"{len(errors)} window(s) the planner failed, first: {errors[0]}" + (f" | {notes}" if notes else "")
     return {
         **base,
         "decode_tok_s": sum(s.tokens_out for s in timed) / wall_s if wall_s else 0.0,
@@ -110,7 +115,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "stall_ms_expert": stalls["expert"], "stall_ms_kv": stalls["kv"], "stall_ms_both": stalls["both"],
         "predicted_step_ms": predicted, "measured_step_ms": measured,
         "predicted_over_measured": predicted / measured if measured else None,
-        "status": "ok", "measured_steps": len(timed), "warm_steps": warm, "requests": len(rep.requests),
+        "status": status, "measured_steps": len(timed), "warm_steps": warm, "requests": len(rep.requests),
         "kv_hits": {"gpu": sum(s.kv_gpu_hits for s in timed), **fetch},
         "link_bytes": _sum(timed, "link_bytes"),
         "plan_changes": max(0, applied - 1), "plans_rejected": len(outcome.acks) - applied,
@@ -120,7 +125,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "initial_expert_bytes": sum(plan.expert_bytes_per_layer),
         "initial_kv_gpu_blocks": int(plan.kv_blocks_per_tier.get("gpu", 0)),
         "preemptions": sum(r.preemptions for r in rep.requests),
-        "notes": outcome.notes,
+        "notes": notes,
     }
 
 

@@ -125,7 +125,7 @@ def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -
               "stall ms/step exp/kv/both | step ms pred/meas | plan changes | KV hits gpu/cpu/nvme | notes |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r.get("status") != "ok":
+        if r.get("decode_tok_s") is None:
             lines.append(f"| {r['batch']} | {r['context']} | {_budget(r)} | {r['policy']} | {r.get('status')} |"
                          f" | | | | | | | {r.get('notes', '')} |")
             continue
@@ -135,7 +135,8 @@ def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -
             f"{r['tpot_p50_ms']:.2f}/{r['tpot_p99_ms']:.2f} | {r['ttft_p50_ms']:.1f} | {r['expert_hit_rate']:.3f} | "
             f"{r['stall_ms_expert']:.2f}/{r['stall_ms_kv']:.2f}/{r['stall_ms_both']:.2f} | "
             f"{r['predicted_step_ms']:.2f}/{r['measured_step_ms']:.2f} | {r['plan_changes']} | "
-            f"{kv.get('gpu', 0)}/{kv.get('cpu', 0)}/{kv.get('nvme', 0)} | {r.get('notes', '')} |")
+            f"{kv.get('gpu', 0)}/{kv.get('cpu', 0)}/{kv.get('nvme', 0)} | "
+            f"{'' if r.get('status') == 'ok' else r.get('status', '') + ': '}{r.get('notes', '')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -267,7 +267,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
             loop.finish()
         return Outcome(report, rec.steps, list(loop.telemetry), list(loop.acks), loop.stats(), run.initial_plan,
                        run.notes, run.window_steps, {"peak_hbm_bytes": seen["peak"], "over_budget_steps": seen["over"],
-                                                     "split": run.split})
+                                                     "split": run.split, "planner_errors": list(loop.planner_errors)})
     finally:
         eng.close()
         if h.dev.is_cuda:

@@ -124,3 +124,49 @@ def test_the_json_is_replaced_whole_and_a_broken_one_is_named(tmp_path: Path) ->
     path.write_text('{"rows": []}')
     with pytest.raises(ValueError, match="expected a list of phase rows"):
         load_rows(path)
+
+
+class _FailingSource:
+    """A live policy's source whose planner fails every window (a solver missing on the device image, say)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def sync_from(self, telemetry: object) -> object:
+        return self.inner.sync_from(telemetry)  # type: ignore[attr-defined]
+
+    def step_next(self) -> None:
+        raise RuntimeError("no solver here")
+
+    def record_ack(self, ack: object) -> None:
+        self.inner.record_ack(ack)  # type: ignore[attr-defined]
+
+
+def test_a_live_planner_that_fails_gives_a_degraded_row_never_a_result(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierplan.bench.phase as phase
+
+    real = phase.make
+
+    def make(name: str) -> object:
+        baseline = real(name)
+        start = baseline.start
+
+        def failing_start(engine: object, ctx: object) -> object:
+            run = start(engine, ctx)
+            if run.source is not None:
+                run.source = _FailingSource(run.source)
+            return run
+
+        baseline.start = failing_start  # type: ignore[method-assign]
+        return baseline
+
+    monkeypatch.setattr(phase, "make", make)
+    res = _run("--points", POINT, "--policies", "tierplan", "--out-dir", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(next(tmp_path.glob("phase_tiny_*.json")).read_text())
+    assert row["status"] == "degraded" and row["planner_errors"] > 0
+    assert "RuntimeError: no solver here" in row["notes"]
+    md = next(tmp_path.glob("phase_tiny_*.md")).read_text()
+    assert "degraded: " in md and "| tierplan tok/s |" in md
+    assert "at >= 1 point | — | no points |" in md  # not counted as tierplan's figure
