@@ -6,8 +6,8 @@ Runs in the bench process (`tierplan bench phase`); pure Python, never torch. It
 Budgets are given at full depth (the issue's GiB: experts + KV + workspace) and scaled by the kept fraction of
 layers; the runner takes the workspace (dense weights of the kept layers plus an activation allowance) out
 before a policy sees the budget. `--quick` uses the `tiny` preset, whose budgets are fractions of what the point
-could use at most (every expert plus the KV of its whole batch at its context), so that the smoke run crosses
-the same regimes (everything fits / experts or KV must give) at CPU sizes.
+could use at most (every expert plus the KV of its `batch` largest requests at once), so that the smoke run
+crosses the same regimes (everything fits / experts or KV must give) at CPU sizes.
 """
 
 from __future__ import annotations
