@@ -36,6 +36,9 @@ def register(bench_app: typer.Typer) -> None:
                                                  "skipping runs already measured by this code on this device).")
                          ] = False,
         out_dir: Annotated[Path, typer.Option(help="Where the JSON, Markdown and PNG go.")] = RESULTS,
+        requests_per_batch: Annotated[float | None, typer.Option(
+            help="Requests per point = ceil(batch x this) (default: the sweep's; fewer make large-batch runs "
+                 "shorter; rows at other sizes are not reused).")] = None,
     ) -> None:
         """Every policy on the same engine, traces and budget: tok/s, TPOT, TTFT, stalls by cause, predicted vs
         measured step time; writes phase_<model>_<date>.json/.md/.png."""
@@ -71,6 +74,7 @@ def register(bench_app: typer.Typer) -> None:
             with bar:
                 run_phase_bench(out_dir, device, quick=quick, point_spec=points, policies=_split(policies),
                                 models=_split(models), fresh=fresh, console=bar.console,
-                                progress=lambda n: bar.advance(task["id"], n), on_total=on_total)
+                                progress=lambda n: bar.advance(task["id"], n), on_total=on_total,
+                                requests_per_batch=requests_per_batch)
         except (ValueError, ConfigError, ProtocolError) as exc:
             fail(str(exc))

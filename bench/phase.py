@@ -113,12 +113,19 @@ def _one(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, siz
 def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, point_spec: str = "",
                     policies: tuple[str, ...] = (), models: tuple[str, ...] = (), fresh: bool = False,
                     console: Any = None, progress: Callable[[int], None] | None = None,
-                    on_total: Callable[[int], None] | None = None) -> dict[str, Path]:
+                    on_total: Callable[[int], None] | None = None,
+                    requests_per_batch: float | None = None) -> dict[str, Path]:
     """Run the sweep (module docstring); returns {model: its JSON path}. ValueError for an unknown policy,
-    model or point (nothing run). `on_total(n)` is told the number of runs still to do before the first."""
+    model or point (nothing run). `on_total(n)` is told the number of runs still to do before the first.
+    `requests_per_batch` overrides the sizes' (fewer requests: shorter runs at large batches); rows measured at
+    other sizes are not reused (the sizes are part of a row's code id)."""
     from tierplan.runtime.device import Device
 
     sizes = QUICK if quick else FULL
+    if requests_per_batch is not None:
+        if not requests_per_batch > 0:
+            raise ValueError(f"--requests-per-batch must be > 0, got {requests_per_batch}")
+        sizes = dataclasses.replace(sizes, requests_per_batch=requests_per_batch)
     say = console.print if console is not None else print
     bad = [p for p in policies if p not in BASELINES]
     if bad:
@@ -132,7 +139,7 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
         grid = select_points(grid, point_spec)
     pols = policies or BASELINES
     dev = Device(device)
-    dev_name, code, day = _device_name(dev), code_id(), time.strftime("%Y%m%d")
+    dev_name, code, day = _device_name(dev), code_id(repr(sizes)), time.strftime("%Y%m%d")
     plan: dict[str, tuple[Path, list[dict[str, Any]], list[Point]]] = {}
     todo = 0
     for m in dict.fromkeys(p.model for p in grid):

@@ -3,7 +3,8 @@
 Runs in the bench process; pure Python. A row is keyed by (point, policy, device, code): a rerun skips the
 runs whose key is already in the file (same code and device: the sweep may be spread over several calls), and
 keeps every other row, so runs of earlier code or on another device stay in the file and the report chooses.
-`code_id` fingerprints the package's Python sources (a user's clone may have no git). It never edits a figure.
+`code_id` fingerprints the package's Python sources (a user's clone may have no git) and the sweep's sizes.
+It never edits a figure.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 PACKAGE = Path(__file__).resolve().parents[1]
 
 
-def code_id() -> str:
-    """sha256 (first 12 hex) over the package's .py files (tests excluded), path and bytes."""
-    h = hashlib.sha256()
+def code_id(extra: str = "") -> str:
+    """sha256 (first 12 hex) over the package's .py files (tests excluded), path and bytes, and `extra` (the
+    sweep's sizes: a run at other sizes is another measurement)."""
+    h = hashlib.sha256(extra.encode())
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
         if rel.startswith(("tests/", ".venv")) or "/." in f"/{rel}":

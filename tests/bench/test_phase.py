@@ -170,3 +170,14 @@ def test_a_live_planner_that_fails_gives_a_degraded_row_never_a_result(tmp_path:
     md = next(tmp_path.glob("phase_tiny_*.md")).read_text()
     assert "degraded: " in md and "| tierplan tok/s |" in md
     assert "at >= 1 point | — | no points |" in md  # not counted as tierplan's figure
+
+
+def test_other_sizes_are_another_measurement(tmp_path: Path) -> None:
+    args = ("--points", "b1c32f0.4", "--policies", "resident", "--out-dir", str(tmp_path))
+    assert _run(*args).exit_code == 0
+    res = _run(*args, "--requests-per-batch", "3")
+    assert res.exit_code == 0, res.output
+    rows = json.loads(next(tmp_path.glob("phase_tiny_*.json")).read_text())
+    assert [r["requests"] for r in rows] == [2, 3] and rows[0]["code"] != rows[1]["code"]
+    res = _run(*args, "--requests-per-batch", "0")
+    assert res.exit_code == 2 and "--requests-per-batch must be > 0" in res.output
