@@ -7,7 +7,9 @@ the adapter's enforcer, and hands the ack back (`record_ack`). Waiting for the b
 deterministic (the same plans at the same steps on every run); it costs the engine a window build per window,
 acceptable in process, never over a network. Telemetry the source refuses is counted, never dropped silently;
 so is any exception its planner raises (`planner_errors`, with the type name).
-After an applied plan `on_applied(plan)` runs (the demo's scheduler follows the plan's GPU KV blocks there).
+A policy's starting plan, which the source never issued, goes in with `apply_initial` before the first step
+(applied and booked like any other; its ack stays with the loop). After an applied plan `on_applied(plan)`
+runs (the demo's scheduler follows the plan's GPU KV blocks there).
 Between steps, experts over an applied plan's per-layer caps are evicted (`trimmed` counts them): the budget
 a plan sets must hold until the next one, whatever the engine loaded on demand during the step.
 
@@ -82,15 +84,22 @@ class InProcessLoop:
                 self._apply(plan)
         self._trim()
 
-    def _apply(self, plan: Plan) -> None:
+    def apply_initial(self, plan: Plan) -> PlanAck:
+        """Apply a plan the source did not issue (a policy's starting split, before the first step): through the
+        enforcer and the loop's books like any other, but its ack is not handed to the source."""
+        return self._apply(plan, tell_source=False)
+
+    def _apply(self, plan: Plan, tell_source: bool = True) -> PlanAck:
         ack = self.adapter.apply(plan)
         self.plans.append(plan)
         self.acks.append(ack)
-        self.source.record_ack(ack)
+        if tell_source:
+            self.source.record_ack(ack)
         if ack.status is AckStatus.APPLIED:
             self._applied = plan
             if self.on_applied is not None:
                 self.on_applied(plan)
+        return ack
 
     def _trim(self) -> None:
         if self._applied is None:

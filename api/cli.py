@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tierplan.api import (
     cli_bench_api,
+    cli_bench_phase,
     cli_dashboards,
     cli_db,
     cli_eval_kv,
@@ -312,6 +313,7 @@ cli_sim.register(app)
 cli_generate.register(app)
 cli_dashboards.register(app)
 cli_bench_api.register(bench_app)
+cli_bench_phase.register(bench_app)
 cli_db.register(app)
 cli_serve.register(app)
 cli_sidecar.register(app)

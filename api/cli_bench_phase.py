@@ -1,0 +1,80 @@
+"""`tierplan bench phase`: the phase diagram (every policy on one engine, batch x context x HBM budget).
+
+Runs in the user's shell; the sweep itself is bench/phase.py. Bad input (an unknown policy, model or point;
+`--device cuda` where torch sees no CUDA device) prints `error: ...` and exits 2 before any work. A rich
+progress bar counts the runs (only when stderr is a terminal); every run's line goes to stderr too.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def _split(value: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in value.split(",") if x.strip())
+
+
+def register(bench_app: typer.Typer) -> None:
+    """Add `phase` to the `bench` group (called at the bottom of api/cli.py)."""
+
+    @bench_app.command("phase")
+    def bench_phase(
+        quick: Annotated[bool, typer.Option(help="CPU smoke sizes (the tiny preset, a few steps): every policy and "
+                                                 "every output, no figure to quote.")] = False,
+        device: Annotated[str, typer.Option(help="cpu or cuda (one GPU).")] = "cpu",
+        points: Annotated[str, typer.Option(help="Only these points: comma-separated [model:]b<batch>[c<context>]"
+                                                 "[g<GiB>|f<frac>], e.g. b32c4096g24.")] = "",
+        policies: Annotated[str, typer.Option(help="Only these policies (comma-separated; default: all).")] = "",
+        models: Annotated[str, typer.Option(help="Only these models (comma-separated; default: the sweep's).")] = "",
+        fresh: Annotated[bool, typer.Option(help="Ignore the rows already in today's JSON (default: resume, "
+                                                 "skipping runs already measured by this code on this device).")
+                         ] = False,
+        out_dir: Annotated[Path, typer.Option(help="Where the JSON, Markdown and PNG go.")] = RESULTS,
+        requests_per_batch: Annotated[float | None, typer.Option(
+            help="Requests per point = ceil(batch x this) (default: the sweep's; fewer make large-batch runs "
+                 "shorter; rows at other sizes are not reused).")] = None,
+    ) -> None:
+        """Every policy on the same engine, traces and budget: tok/s, TPOT, TTFT, stalls by cause, predicted vs
+        measured step time; writes phase_<model>_<date>.json/.md/.png."""
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        err = Console(stderr=True, highlight=False)
+
+        def fail(msg: str) -> None:
+            err.print(f"error: {msg}", markup=False)
+            raise typer.Exit(2)
+
+        if device not in ("cpu", "cuda"):
+            fail(f"--device {device!r}: expected cpu or cuda")
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                fail(f"--device cuda: torch {torch.__version__} sees no CUDA device here "
+                     "(torch.cuda.is_available() is False); run with --device cpu")
+        from tierplan.bench.phase import run_phase_bench
+        from tierplan.controller.protocol import ProtocolError
+        from tierplan.runtime.errors import ConfigError
+
+        bar = Progress(TextColumn("phase"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
+                       disable=not sys.stderr.isatty())
+        task: dict[str, Any] = {}
+
+        def on_total(n: int) -> None:
+            task["id"] = bar.add_task("phase", total=n)
+
+        try:
+            with bar:
+                run_phase_bench(out_dir, device, quick=quick, point_spec=points, policies=_split(policies),
+                                models=_split(models), fresh=fresh, console=bar.console,
+                                progress=lambda n: bar.advance(task["id"], n), on_total=on_total,
+                                requests_per_batch=requests_per_batch)
+        except (ValueError, ConfigError, ProtocolError) as exc:
+            fail(str(exc))

@@ -1,0 +1,132 @@
+"""`tierplan`: the live controller (its predictors, cost model and MCKP optimizer) re-planning every window.
+
+Bench driver code. Builds the controller exactly as the service would for this engine (`api.hub_config.
+controller_config` from the engine's `AgentRegistration` and the group's knobs, then `controller.loop.
+Controller`, as api/demo_loop.py's `_controller` does) and hands it to the runner as the plan source. The run
+starts from a neutral split (`initial_split`: the same one `mv_wsa` starts from) that the enforcer applies
+before the first step, so the budget holds from step one; the controller never issued that plan, so
+`AfterInitialPlan` shifts plan versions between the agent and the controller by one. `mv_wsa` and `fluxmoe`
+reuse this with another allocator. It must never move bytes or build a plan itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from tierplan.bench.baselines.base import PointContext, PolicyRun, Split, kv_floor_blocks, make_plan
+from tierplan.bench.baselines.static import fixed_split
+
+if TYPE_CHECKING:
+    from tierplan.controller.protocol import Plan, PlanAck, Telemetry
+    from tierplan.runtime.engine.engine import ReferenceEngine
+
+WINDOW_STEPS = 4
+HORIZON_WINDOWS = 4  # plans are expected to hold this many windows (the demo's knob)
+INITIAL_EXPERT_SHARE = 0.5  # the neutral starting split: half the budget to experts
+
+
+def registration(engine: ReferenceEngine, ctx: PointContext, agent_id: str = "controller") -> Any:
+    """The engine's `AgentRegistration`: its shape, the point's link figure and budget, the KV tiers. The
+    compute sheet is a prior the windows correct when the controller calibrates."""
+    from tierplan.controller.protocol import Link
+    from tierplan.controller.protocol_service import (
+        AgentRegistration,
+        ComputeSheet,
+        HardwareSheet,
+        ShapeSpec,
+        SplitSheet,
+    )
+    from tierplan.runtime.kv import Tier
+
+    spec = engine.spec
+    return AgentRegistration(
+        agent_id=agent_id, group="phase", engine="tierplan-reference", registered_s=0.0,
+        shape=ShapeSpec(name=spec.name, num_layers=spec.num_layers, moe_layers=tuple(spec.moe_layers),
+                        num_experts=spec.num_experts, top_k=spec.top_k, expert_bytes=ctx.expert_stride_bytes,
+                        dense_bytes=0, kv_bytes_per_token=max(1, ctx.kv_block_bytes // ctx.block_tokens),
+                        block_tokens=ctx.block_tokens),
+        hardware=HardwareSheet(name="phase point", link_bytes_per_s=dict.fromkeys(Link, ctx.link_bytes_per_s),
+                               transfer_overhead_s=2e-4, hbm_bytes=ctx.hbm_budget_bytes),
+        split=SplitSheet(hbm_budget_bytes=ctx.hbm_budget_bytes, dense_bytes=0, workspace_bytes=0,
+                         slot_bytes=ctx.expert_stride_bytes, kv_block_bytes=ctx.kv_block_bytes,
+                         kv_gpu_blocks_max=engine.cache.manager.capacity[Tier.GPU],
+                         kv_gpu_blocks_min=kv_floor_blocks(ctx), kv_block_tokens=ctx.block_tokens,
+                         kv_cpu_blocks=ctx.kv_cpu_blocks, kv_nvme_blocks=ctx.kv_nvme_blocks),
+        compute=ComputeSheet(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01, moe_ms_per_token=0.01,
+                             moe_ms_per_active_expert=0.05))
+
+
+def controller_config(engine: ReferenceEngine, ctx: PointContext, calibrate: bool) -> Any:
+    """The group's ControllerConfig for this point (ValueError if the knobs do not fit the registration)."""
+    from tierplan.api.hub_config import controller_config as hub_controller_config
+    from tierplan.controller.protocol_service import PolicyKnobs
+
+    knobs = PolicyKnobs(min_slots_per_layer=max(1, min(ctx.top_k, ctx.num_experts)),
+                        horizon_steps=HORIZON_WINDOWS * WINDOW_STEPS, calibrate=calibrate)
+    cfg = hub_controller_config(registration(engine, ctx), knobs)
+    # The local predictor's prior recall until measured, as the demo's in-process controller has it.
+    return dataclasses.replace(cfg, space=dataclasses.replace(cfg.space, prefetch_recall=0.3))
+
+
+def initial_split(ctx: PointContext, engine: ReferenceEngine) -> Split:
+    return fixed_split(ctx, engine, int(INITIAL_EXPERT_SHARE * ctx.hbm_budget_bytes))
+
+
+class AfterInitialPlan:
+    """A `PlanSource` in front of a controller that did not issue the plan the agent applied first: versions
+    seen by the agent are the controller's plus `offset` (telemetry and acks shifted down, plans up)."""
+
+    def __init__(self, source: Any, offset: int = 1) -> None:
+        self.source, self.offset = source, offset
+        self.unshiftable_acks = 0  # acks for versions the controller never issued (counted, not forwarded)
+
+    def sync_from(self, telemetry: Telemetry) -> Any:
+        v = max(0, telemetry.applied_plan_version - self.offset)
+        return self.source.sync_from(telemetry.model_copy(update={"applied_plan_version": v}))
+
+    def step_next(self) -> Plan | None:
+        plan = self.source.step_next()
+        if plan is None:
+            return None
+        return plan.model_copy(update={"version": plan.version + self.offset,
+                                       "base_version": plan.base_version + self.offset})
+
+    def record_ack(self, ack: PlanAck) -> None:
+        if ack.version <= self.offset:
+            self.unshiftable_acks += 1
+            return
+        self.source.record_ack(ack.model_copy(update={"version": ack.version - self.offset}))
+
+    @property
+    def history(self) -> list[Any]:
+        return list(getattr(self.source, "history", []))
+
+
+def controller_class() -> type:
+    from tierplan.controller.loop import Controller
+
+    return Controller
+
+
+class TierplanLive:
+    name = "tierplan"
+    needs_future = False
+    allocator = "the MCKP optimizer (exact DP) over the predictors' miss-ratio curves and the cost model"
+
+    def __init__(self, calibrate: bool = True) -> None:
+        self.calibrate = calibrate  # False: priors only, so no wall-clock time enters a decision (tests)
+        self.controller: Any = None
+
+    def engine_options(self, ctx: PointContext) -> dict[str, Any]:
+        return {}
+
+    def make_controller(self, engine: ReferenceEngine, ctx: PointContext) -> Any:
+        return controller_class()(controller_config(engine, ctx, self.calibrate))
+
+    def start(self, engine: ReferenceEngine, ctx: PointContext) -> PolicyRun:
+        self.controller = self.make_controller(engine, ctx)
+        split = initial_split(ctx, engine)
+        plan = make_plan(ctx, split, self.name, f"starting split before the first window; then {self.allocator}")
+        return PolicyRun(plan, source=AfterInitialPlan(self.controller), window_steps=WINDOW_STEPS, split=split,
+                         notes=f"live: {self.allocator}")

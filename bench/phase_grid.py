@@ -1,0 +1,160 @@
+"""The phase diagram's grid: which (model, layers, batch, context, budget) points a sweep runs, and each point's
+requests (bundled Mooncake conversations, lengths scaled to the point's context, arrivals on the virtual clock).
+
+Runs in the bench process (`tierplan bench phase`); pure Python, never torch. It decides no placement.
+
+Budgets are given at full depth (the issue's GiB: experts + KV + workspace) and scaled by the kept fraction of
+layers; the runner takes the workspace (dense weights of the kept layers plus an activation allowance) out
+before a policy sees the budget. `--quick` uses the `tiny` preset, whose budgets are fractions of what the point
+could use at most (every expert plus the KV of its `batch` largest requests at once), so that the smoke run
+crosses the same regimes (everything fits / experts or KV must give) at CPU sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierplan.runtime.engine.workloads import MOONCAKE_BLOCK_TOKENS, Request, load_mooncake
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+MOONCAKE = DATA / "requests" / "mooncake_conversation_sample.jsonl"
+ROUTING = DATA / "routing" / "flame_moe_290m_sample.npz"
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelSweep:
+    name: str  # preset
+    layers: int  # layers kept (the preset's first ones)
+    full_layers: int  # the preset's depth (the budgets' scale)
+    budgets_gib: tuple[float, ...] = ()  # full-depth budgets; empty: `budget_fracs` of the point's need
+    budget_fracs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Sizes:
+    models: tuple[ModelSweep, ...]
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]  # the mean prompt of a point, tokens (the Mooncake lengths scaled to it)
+    mean_output_tokens: int
+    max_output_tokens: int
+    requests_per_batch: float  # requests of a point = ceil(batch * this): the batch fills, then drains
+    warm_steps: int  # steps not measured (the first prefills, the caches filling)
+    virtual_step_s: float
+    kv_cpu_gib: float  # CPU / NVMe KV tier capacity cap (full depth; the point's need is used when smaller)
+    kv_nvme_gib: float
+    oracle_max_splits: int  # candidate splits the oracle's search may try
+    activation_bytes_per_token: int  # workspace allowance per batch token, taken out of the budget
+    quick: bool
+
+
+# The issue's grid. qwen3-30b-a3b: 128 experts of 9 MiB in each of 48 layers (~54 GiB), mixtral: 8 of 336 MiB
+# in 32 (~84 GiB); both cut to 8 layers so each point's engine builds in seconds and fits beside the store.
+FULL = Sizes(
+    models=(ModelSweep("qwen3-30b-a3b", 8, 48, budgets_gib=(24.0, 40.0, 56.0)),
+            ModelSweep("mixtral-8x7b", 8, 32, budgets_gib=(32.0, 56.0, 80.0))),
+    batches=(1, 8, 32, 128, 256), contexts=(1024, 4096, 16384), mean_output_tokens=96, max_output_tokens=256,
+    requests_per_batch=1.25,
+    warm_steps=16, virtual_step_s=0.02, kv_cpu_gib=24.0, kv_nvme_gib=48.0, oracle_max_splits=5,
+    activation_bytes_per_token=64 << 10, quick=False)
+# CPU smoke sizes: the tiny preset (2 layers, 8 experts, top-2); few steps, so its figures are no result.
+QUICK = Sizes(
+    models=(ModelSweep("tiny", 2, 2, budget_fracs=(0.4, 0.7, 1.0)),),
+    batches=(1, 4, 12), contexts=(32, 128), mean_output_tokens=16, max_output_tokens=32, requests_per_batch=1.5,
+    warm_steps=8,
+    virtual_step_s=0.005, kv_cpu_gib=1.0, kv_nvme_gib=1.0, oracle_max_splits=3, activation_bytes_per_token=0,
+    quick=True)
+
+
+@dataclass(frozen=True)
+class Point:
+    model: str
+    layers: int
+    full_layers: int
+    batch: int
+    context: int
+    budget_label_gib: float  # the full-depth budget the row names (quick: the scaled budget itself)
+    budget_frac: float | None  # quick: the budget as a fraction of the point's need (resolved by the runner)
+
+    @property
+    def key(self) -> str:
+        b = f"f{self.budget_frac:g}" if self.budget_frac is not None else f"g{self.budget_label_gib:g}"
+        return f"{self.model}/L{self.layers}/b{self.batch}/c{self.context}/{b}"
+
+    @property
+    def kept_frac(self) -> float:
+        return self.layers / self.full_layers
+
+
+def points(sizes: Sizes, models: tuple[str, ...] = ()) -> list[Point]:
+    """Every point of the grid (only `models` when given), in sweep order: model, budget, context, batch."""
+    out = []
+    for m in sizes.models:
+        if models and m.name not in models:
+            continue
+        budgets: list[tuple[float, float | None]] = ([(g, None) for g in m.budgets_gib] if m.budgets_gib
+                                                     else [(0.0, f) for f in m.budget_fracs])
+        for gib, frac in budgets:
+            for ctx in sizes.contexts:
+                for b in sizes.batches:
+                    out.append(Point(m.name, m.layers, m.full_layers, b, ctx, gib, frac))
+    return out
+
+
+_POINT_RE = re.compile(r"^(?:(?P<model>[A-Za-z0-9._-]+):)?b(?P<batch>\d+)(?:c(?P<ctx>\d+))?(?:g(?P<gib>[\d.]+))?"
+                       r"(?:f(?P<frac>[\d.]+))?$")
+
+
+def select_points(all_points: list[Point], spec: str) -> list[Point]:
+    """`--points`: comma-separated patterns `[model:]b<batch>[c<context>][g<GiB>|f<frac>]`, e.g.
+    `b1c64,tiny:b6c192f0.8`; each must match at least one grid point. ValueError names a bad pattern and the
+    grid's values."""
+    picked: list[Point] = []
+    for raw in (x.strip() for x in spec.split(",")):
+        if not raw:
+            continue
+        m = _POINT_RE.match(raw)
+        if m is None:
+            raise ValueError(f"--points: {raw!r} is not [model:]b<batch>[c<context>][g<GiB>|f<frac>] "
+                             "(e.g. b32c4096g24)")
+        hits = [p for p in all_points
+                if (m["model"] is None or p.model == m["model"]) and p.batch == int(m["batch"])
+                and (m["ctx"] is None or p.context == int(m["ctx"]))
+                and (m["gib"] is None or abs(p.budget_label_gib - float(m["gib"])) < 1e-9)
+                and (m["frac"] is None or (p.budget_frac is not None and abs(p.budget_frac - float(m["frac"])) < 1e-9))]
+        if not hits:
+            grid = sorted({(p.model, p.batch, p.context, p.budget_frac or p.budget_label_gib) for p in all_points})
+            raise ValueError(f"--points: {raw!r} matches no point of this grid; its (model, batch, context, "
+                             f"budget) are {grid}")
+        picked += [p for p in hits if p not in picked]
+    return picked
+
+
+def point_requests(point: Point, sizes: Sizes) -> tuple[tuple[Request, ...], int]:
+    """The point's requests and the tokens each Mooncake prefix id covers after scaling. The first
+    ceil(batch * requests_per_batch) Mooncake conversations, prompt lengths scaled by one factor so their mean
+    is the point's context (each capped at twice it: the trace's long tail would otherwise set the KV need
+    alone), outputs by one factor so their mean is `mean_output_tokens` (capped at `max_output_tokens`); a
+    prefix id then covers 512 x the prompt factor tokens, so requests sharing leading ids share leading tokens.
+    Arrivals keep the trace's order and relative gaps, compressed so the offered load is about twice the batch
+    (the batch fills, as a serving engine under load sees it), on the virtual step clock."""
+    num = max(1, math.ceil(point.batch * sizes.requests_per_batch))
+    base = load_mooncake(MOONCAKE, limit=max(num, 2))[:num]
+    p_factor = point.context / (sum(r.prompt_len for r in base) / len(base))
+    o_factor = sizes.mean_output_tokens / (sum(r.output_len for r in base) / len(base))
+    prefix_tokens = max(1, round(MOONCAKE_BLOCK_TOKENS * p_factor))
+    reqs = []
+    for r in base:
+        prompt = min(2 * point.context, max(1, round(r.prompt_len * p_factor)))
+        out = min(sizes.max_output_tokens, max(1, round(r.output_len * o_factor)))
+        reqs.append(dataclasses.replace(r, prompt_len=prompt, output_len=out,
+                                        prefix_block_ids=r.prefix_block_ids[:math.ceil(prompt / prefix_tokens)]))
+    mean_out = sum(r.output_len for r in reqs) / len(reqs)
+    span_s = len(reqs) * mean_out * sizes.virtual_step_s / (2 * point.batch)
+    last = reqs[-1].arrival_s
+    return tuple(dataclasses.replace(r, request_id=i, arrival_s=r.arrival_s / last * span_s if last
+                                     else i * span_s / len(reqs)) for i, r in enumerate(reqs)), prefix_tokens

@@ -1,0 +1,274 @@
+"""One run of the phase diagram: a (point, policy) pair on a fresh engine over the model's shared pinned store.
+
+Runs in the bench process (`tierplan bench phase`), on one device. `open_model` builds what every run of a
+model shares (the truncated spec, the pinned expert store with synthetic weights at true shapes, the forced
+router over the bundled routing trace, the slot stride and KV block size); `point_context` turns a grid point
+into what a policy sees; `measure` builds the run's engine, lets the policy start (its initial plan is applied
+through the agent's enforcer before the first step; a live policy re-plans through `InProcessLoop`), replays
+the point's requests with the `Runner` on the virtual step clock, and records every step after warm-up.
+It decides no placement itself and never changes a policy's plan: a plan the enforcer refuses ends the run
+with the refusal as its outcome, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierplan.agent.closed_loop import InProcessLoop
+from tierplan.bench.baselines.base import PointContext, PolicyRun
+from tierplan.bench.phase_grid import GIB, ROUTING, Point, Sizes, point_requests
+from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
+from tierplan.runtime.device import Device
+from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.presets import preset
+from tierplan.runtime.engine.routing_trace import RoutingTrace
+from tierplan.runtime.engine.runner import ForcedRouter, Runner, RunReport
+from tierplan.runtime.engine.scheduler import Batch, PreemptMode, Scheduler
+from tierplan.runtime.engine.weights import expert_format
+from tierplan.runtime.errors import ConfigError
+from tierplan.runtime.kv import Tier
+from tierplan.runtime.selfcheck.exact import auto_block_tokens
+from tierplan.runtime.weights.stores import PinnedExpertStore
+
+CPU_LINK_BYTES_PER_S = 2e9  # the CPU twin's nominal host->device figure (a memcpy; not measured per run)
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+class RunRefused(Exception):
+    """The policy's initial plan was refused, or the point cannot run under it: the row's outcome."""
+
+
+@dataclass
+class ModelHandle:
+    """What every run of one model shares in this process."""
+
+    name: str
+    spec: Any  # ModelSpec, truncated to the kept layers
+    dev: Device
+    store: PinnedExpertStore
+    router: ForcedRouter
+    block_tokens: int
+    stride_bytes: int
+    kv_block_bytes: int
+    link_bytes_per_s: float
+    dense_bytes: int  # dense weights of the kept layers (taken out of the budget with the activations)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _dense_bytes(name: str, kept_frac: float) -> int:
+    from tierplan.controller.model_shape import BUILTIN_CONFIGS, builtin_shape
+
+    return int(builtin_shape(name).dense_bytes * kept_frac) if name in BUILTIN_CONFIGS else 0
+
+
+def open_model(name: str, layers: int, full_layers: int, dev: Device, say: Any) -> ModelHandle:
+    """The store, router and sizes of `name` cut to `layers` (one probe engine reads the slot stride and block
+    bytes the pool and cache really use on this device)."""
+    from tierplan.bench.offload import DeviceRandomSource, link_gb_s
+
+    spec = preset(name).truncated(layers) if layers < preset(name).num_layers else preset(name)
+    t0 = time.perf_counter()
+    src = DeviceRandomSource(expert_format(spec), len(spec.moe_layers), spec.num_experts, dev.torch_device)
+    store = PinnedExpertStore(dev, src)
+    bt = auto_block_tokens(spec)
+    probe = ReferenceEngine(spec, dev, EngineConfig(resident_frac=1 / (len(spec.moe_layers) * spec.num_experts),
+                                                    block_tokens=bt, kv_gpu_blocks=1), pinned_store=store)
+    try:
+        stride, kv_block = probe.pool.layout.stride_bytes, probe.cache.block_bytes
+    finally:
+        probe.close()
+    bw = link_gb_s(dev, 256 << 20) * 1e9 if dev.is_cuda else CPU_LINK_BYTES_PER_S
+    router = ForcedRouter(RoutingTrace.load(ROUTING), spec=spec, device=dev.torch_device)
+    say(f"{spec.name}: pinned store {store.records.total_bytes / GIB:.2f} GiB in {time.perf_counter() - t0:.1f} s; "
+        f"slot {stride} B, KV block {kv_block} B ({bt} tokens), h2d {bw / 1e9:.1f} GB/s")
+    return ModelHandle(name, spec, dev, store, router, bt, stride, kv_block, bw,
+                       _dense_bytes(name, layers / full_layers))
+
+
+def _blocks(tokens: int, bt: int) -> int:
+    return -(-tokens // bt)
+
+
+def point_context(h: ModelHandle, point: Point, sizes: Sizes) -> tuple[PointContext, int]:
+    """The point as a policy sees it (its budget scaled by the kept layers, workspace out; sizes; requests), and
+    the tokens a prefix id covers (the runner's prompts share leading tokens by it)."""
+    reqs, prefix_tokens = point_requests(point, sizes)
+    num_experts_all = len(h.spec.moe_layers) * h.spec.num_experts
+    per_request = sorted((_blocks(r.prompt_len + r.output_len, h.block_tokens) for r in reqs), reverse=True)
+    need_kv_blocks = sum(per_request[: point.batch])  # the batch's largest requests at once
+    if point.budget_frac is not None:  # quick: a fraction of what the point could use at most
+        budget = int(point.budget_frac * (num_experts_all * h.stride_bytes + need_kv_blocks * h.kv_block_bytes))
+    else:
+        workspace = h.dense_bytes + sizes.activation_bytes_per_token * max(point.batch, point.context)
+        budget = int(point.budget_label_gib * GIB * point.kept_frac) - workspace
+    if budget < h.kv_block_bytes + h.spec.top_k * len(h.spec.moe_layers) * h.stride_bytes:
+        raise ConfigError(f"point {point.key}: HBM budget of {budget} bytes (after the workspace) cannot hold "
+                          f"top_k slots per MoE layer and one KV block")
+    total_blocks = sum(_blocks(r.prompt_len + r.output_len, h.block_tokens) for r in reqs) + point.batch
+    tier_cap = int(sizes.kv_cpu_gib * GIB * point.kept_frac) // h.kv_block_bytes
+    return PointContext(
+        model=point.model, layers=point.layers, batch=point.batch, context_tokens=point.context,
+        hbm_budget_bytes=budget, block_tokens=h.block_tokens, kv_block_bytes=h.kv_block_bytes,
+        expert_stride_bytes=h.stride_bytes, moe_layers=tuple(h.spec.moe_layers), num_experts=h.spec.num_experts,
+        # Swaps park at most the GPU share on the CPU: the tier holds that much at least, whatever the cap.
+        kv_cpu_blocks=max(1, min(total_blocks, max(tier_cap, budget // h.kv_block_bytes))),
+        kv_nvme_blocks=max(1, min(total_blocks, int(sizes.kv_nvme_gib * GIB * point.kept_frac) // h.kv_block_bytes)),
+        link_bytes_per_s=h.link_bytes_per_s, requests=reqs, num_layers=h.spec.num_layers,
+        top_k=h.spec.top_k), prefix_tokens
+
+
+def engine_config(h: ModelHandle, ctx: PointContext, options: dict[str, Any], workdir: Path) -> EngineConfig:
+    """The run's engine: a slot pool no larger than the budget could ever hold, a GPU KV tier as large as any
+    plan within the budget could ask; the policy's overrides on top (an unknown key refused by name)."""
+    bad = sorted(set(options) - _CONFIG_FIELDS)
+    if bad:
+        raise ConfigError(f"engine_options: unknown EngineConfig field(s) {bad}")
+    owned = {"resident_frac", "block_tokens", "kv_gpu_blocks", "kv_cpu_blocks", "kv_nvme_blocks", "workdir"}
+    if owned & set(options):
+        raise ConfigError(f"engine_options: {sorted(owned & set(options))} are the runner's (sizes of the point)")
+    total = len(ctx.moe_layers) * ctx.num_experts
+    slots = min(total, ctx.hbm_budget_bytes // ctx.expert_stride_bytes)
+    frac = 1.0 if slots >= total else (slots - 0.5) / total  # the engine rounds up: exactly `slots` slots
+    return EngineConfig(resident_frac=frac, block_tokens=ctx.block_tokens,
+                        kv_gpu_blocks=max(1, ctx.hbm_budget_bytes // ctx.kv_block_bytes),
+                        kv_cpu_blocks=ctx.kv_cpu_blocks, kv_nvme_blocks=ctx.kv_nvme_blocks, workdir=workdir,
+                        **options)
+
+
+class _Hold:
+    """The plan source of a static policy: it takes every window and never re-plans (the initial plan holds)."""
+
+    def sync_from(self, telemetry: Telemetry) -> None:
+        return None
+
+    def step_next(self) -> Plan | None:
+        return None
+
+    def record_ack(self, ack: PlanAck) -> None:
+        return None
+
+
+@dataclass
+class StepRecord:
+    step_s: float
+    tokens_out: int  # one per sequence in the step
+    batch_tokens: int  # tokens computed (prompts + one per decode)
+    context_tokens: int  # tokens attention read
+    expert_hits: int
+    expert_misses: int
+    expert_stall_ms: float
+    kv_stall_ms: float
+    kv_gpu_hits: int
+    kv_fetch: dict[str, int]  # blocks fetched back, by the tier they were on
+    link_bytes: dict[str, int]
+
+
+@dataclass
+class Outcome:
+    report: RunReport
+    steps: list[StepRecord]
+    telemetry: list[Telemetry]
+    acks: list[PlanAck]
+    loop_stats: dict[str, Any]
+    initial_plan: Plan
+    notes: str
+    window_steps: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Recorder:
+    """Counters of the engine before and after each step (the runner's hook, after the agent's)."""
+
+    def __init__(self, eng: ReferenceEngine) -> None:
+        self.eng = eng
+        self.steps: list[StepRecord] = []
+        self._last = self._snap()
+
+    def _snap(self) -> dict[str, Any]:
+        e, c = self.eng.experts, self.eng.cache
+        links = self.eng.transfer.stats()["links"]
+        return {"hits": e.hits, "misses": e.misses, "stall_ms": e.stalls_ms, "kv_s": c.fetch_s, "kv_hits": c.gpu_hits,
+                "fetch": {t.value: v for t, v in c.misses_by_tier.items()},
+                "links": {k: int(v["bytes"]) for k, v in links.items()}}
+
+    def after_step(self, batch: Batch, step_s: float) -> None:
+        now, last = self._snap(), self._last
+        run = batch.prefills + batch.decodes
+        self.steps.append(StepRecord(
+            step_s=step_s, tokens_out=len(run),
+            batch_tokens=sum(len(s.prompt) for s in batch.prefills) + len(batch.decodes),
+            context_tokens=sum(len(s.tokens) for s in run), expert_hits=now["hits"] - last["hits"],
+            expert_misses=now["misses"] - last["misses"], expert_stall_ms=now["stall_ms"] - last["stall_ms"],
+            kv_stall_ms=(now["kv_s"] - last["kv_s"]) * 1e3, kv_gpu_hits=now["kv_hits"] - last["kv_hits"],
+            kv_fetch={t: now["fetch"][t] - last["fetch"][t] for t in now["fetch"]},
+            link_bytes={k: now["links"][k] - last["links"].get(k, 0) for k in now["links"]}))
+        self._last = now
+
+
+def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdir: Path, prefix_tokens: int,
+            router: Any = None) -> Outcome:
+    """Run `policy` at `ctx` once (`prefix_tokens`: see `point_context`; `router`: the model's forced router
+    unless given, e.g. the oracle's recording wrapper). RunRefused: its initial plan was refused (the ack's
+    reason), or a request can never fit the GPU KV share it left. The footprint (experts + GPU KV) is checked
+    against the budget after every step."""
+    eng = ReferenceEngine(h.spec, h.dev, engine_config(h, ctx, policy.engine_options(ctx), workdir),
+                          pinned_store=h.store)
+    try:
+        cap_blocks = eng.cache.manager.capacity[Tier.GPU]
+        sched = Scheduler(cap_blocks, ctx.block_tokens, max_batch=ctx.batch,
+                          max_prefill_tokens=max(2048, ctx.context_tokens + 1), preempt=PreemptMode.SWAP)
+        virtual = {"t": 0.0}
+        hooks: list[Any] = []
+        # The runner first: it plugs the forced routes into the engine, which a policy may read when it starts.
+        runner = Runner(eng, sched, router or h.router, on_step=lambda b, s: [f(b, s) for f in hooks],
+                        virtual_step_s=sizes.virtual_step_s)
+        run: PolicyRun = policy.start(eng, ctx)
+
+        def queued_blocks() -> int:  # the KV a larger GPU share would let run now (the controller's telemetry)
+            room = max(0, ctx.batch - len(sched.running) - len(sched.swapped))
+            waiting = [s for s in sched.waiting if s.arrival_s <= virtual["t"]][:room]
+            return sum(_blocks(len(s.tokens) + 1, ctx.block_tokens) for s in [*waiting, *sched.swapped])
+
+        loop = InProcessLoop(eng, run.source if run.source is not None else _Hold(), window_steps=run.window_steps,
+                             hbm_budget_bytes=ctx.hbm_budget_bytes, queue_probe=queued_blocks)
+        try:
+            ack = loop.apply_initial(run.initial_plan)  # enforcer, predictor, the between-steps trim over its caps
+            if ack.status is not AckStatus.APPLIED:
+                raise RunRefused(f"initial plan {ack.status.value}: {ack.reason}")
+            if run.victim_order is not None:
+                eng.experts.set_victim_order(run.victim_order)
+            rec = _Recorder(eng)
+            enforcer, seen = loop.adapter.enforcer, {"peak": 0, "over": 0}
+
+            def hook(batch: Batch, step_s: float) -> None:
+                virtual["t"] = max([virtual["t"] + sizes.virtual_step_s, *(s.arrival_s for s in batch.prefills)])
+                loop.on_step(batch, step_s)
+                if run.on_step is not None:
+                    run.on_step(batch, step_s)
+                rec.after_step(batch, step_s)
+                total = enforcer.footprint().total_hbm_bytes
+                seen["peak"] = max(seen["peak"], total)
+                seen["over"] += total > ctx.hbm_budget_bytes
+
+            hooks.append(hook)
+            try:
+                report = runner.run(list(ctx.requests), block_tokens_for_prefixes=prefix_tokens)
+            except ConfigError as exc:  # e.g. a request longer than the GPU KV share the plan left
+                raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
+        finally:
+            loop.finish()
+        return Outcome(report, rec.steps, list(loop.telemetry), list(loop.acks), loop.stats(), run.initial_plan,
+                       run.notes, run.window_steps, {"peak_hbm_bytes": seen["peak"], "over_budget_steps": seen["over"],
+                                                     "split": run.split, "planner_errors": list(loop.planner_errors)})
+    finally:
+        eng.close()
+        if h.dev.is_cuda:
+            torch.cuda.empty_cache()

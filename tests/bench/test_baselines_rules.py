@@ -1,0 +1,226 @@
+"""Each baseline's own rule, checked where it decides: LFRU's frequency-weighted recency, Belady's farthest next
+use, FluxMoE's rho rule with its dead zone, WiSP's equal marginal benefit per byte, kv_tiering's static pins
+and KV tiers, and the interface's guards (budget, recorded future)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from tests.bench import baseline_point as bp
+from tierplan.bench.baselines import make, oracle_splits
+from tierplan.bench.baselines.base import ExpertFuture, Split, fits, kv_demand_blocks, kv_floor_blocks, make_plan
+from tierplan.bench.baselines.kv_tiering import static_pins
+from tierplan.bench.baselines.lfru import LFRUOrder
+from tierplan.bench.baselines.oracle import BeladyOrder
+from tierplan.controller.optimizer.problem import Group, GroupKind, SplitProblem
+from tierplan.controller.protocol import Tier
+
+
+# ---- static_lfru -----------------------------------------------------------------------------------------
+def test_lfru_evicts_by_frequency_weighted_recency_not_by_recency() -> None:
+    order = LFRUOrder()
+    hot, fresh, cold = (0, 1), (0, 2), (0, 3)
+    for _ in range(5):
+        order.observe((frozenset({1}), frozenset()))  # `hot`: five uses, ...
+    for _ in range(3):
+        order.observe((frozenset({3}), frozenset()))  # ... `cold` three uses, `hot` now 3 steps old
+    order.observe((frozenset({2}), frozenset()))  # `fresh`: one use, just now
+    # score = uses / (1 + age): hot 5/5 = 1.0, cold 3/2 = 1.5, fresh 1/1 = 1.0, never used 0.
+    assert order.score(hot) == pytest.approx(1.0) and order.score(cold) == pytest.approx(1.5)
+    lru_first = [hot, (0, 4), fresh, cold]  # candidates arrive least recently used first
+    ranked = order(lru_first)
+    assert ranked[0] == (0, 4)  # never used: first out
+    assert ranked[-1] == cold  # plain LRU would keep `fresh` last; LFRU keeps the frequent-and-recent one
+    assert ranked.index(hot) < ranked.index(fresh)  # equal scores: least recently used first (stable)
+
+
+# ---- oracle ----------------------------------------------------------------------------------------------
+def test_belady_evicts_the_farthest_next_use_first_and_the_soonest_last() -> None:
+    steps = tuple((frozenset(s), frozenset()) for s in ({0, 1}, {2}, {1}, {0}))
+    order = BeladyOrder(ExpertFuture(steps, kv_gpu_blocks=4))
+    order.observe(steps[0])
+    order.observe(steps[1])  # step 1 runs now
+    assert order([(0, 0), (0, 1), (0, 3)]) == [(0, 3), (0, 0), (0, 1)]  # never again, step 3, step 2
+    assert order.diverged_steps == 0
+    order.observe((frozenset({5}), frozenset()))  # the run left its record: said, never hidden
+    assert order.diverged_steps == 1
+
+
+def test_belady_never_ranks_the_soonest_used_expert_before_another() -> None:
+    rng = np.random.default_rng(7)
+    steps = tuple((frozenset(rng.choice(8, 2, replace=False).tolist()),) for _ in range(40))
+    fut = ExpertFuture(steps, kv_gpu_blocks=1)
+    order = BeladyOrder(fut)
+    for t in range(30):
+        order.observe(steps[t])
+        cands = [(0, int(e)) for e in rng.permutation(8)[:5]]
+        ranked = order(cands)
+        uses = [fut.next_use(0, e, t) for _, e in ranked]
+        assert uses == sorted(uses, reverse=True), (t, ranked, uses)  # farthest first, soonest last
+
+
+def test_the_oracle_refuses_a_future_recorded_under_another_kv_split(tmp_path: Path) -> None:
+    eng, ctx = bp.context(tmp_path)
+    try:
+        split = oracle_splits(ctx)[0]
+        with pytest.raises(ValueError, match="recorded under 3 GPU KV blocks"):
+            make("oracle").start(eng, dataclasses.replace(ctx, split=split, future=ExpertFuture((), 3)))
+        with pytest.raises(ValueError, match=r"ctx\.future is None"):
+            make("oracle").start(eng, ctx)
+    finally:
+        eng.close()
+
+
+def test_oracle_splits_are_distinct_fit_the_budget_and_span_kv_demand_to_most_experts(tmp_path: Path) -> None:
+    eng, ctx = bp.context(tmp_path)
+    eng.close()
+    splits = oracle_splits(ctx)
+    assert 1 < len(splits) <= 5 and len(set(splits)) == len(splits)
+    assert all(fits(ctx, s) for s in splits)
+    assert splits[0].expert_slots < splits[-1].expert_slots
+
+
+# ---- fluxmoe ---------------------------------------------------------------------------------------------
+LINK_BYTES_PER_MS = 2e6  # the tiny point's nominal 2 GB/s
+SLOT_LINK_BYTES = 200_000  # each absent slot streams 0.1 ms a step
+
+
+def _rho_problem() -> SplitProblem:
+    experts = [Group.from_arrays(f"layer{m}", np.arange(9), 10.0 - np.arange(9),
+                                 (8 - np.arange(9)) * SLOT_LINK_BYTES) for m in range(2)]
+    kv = Group.from_arrays("kv", np.arange(17), 20.0 - np.arange(17), kind=GroupKind.KV)
+    return SplitProblem((*experts, kv), capacity_units=16, unit_bytes=1)
+
+
+@pytest.fixture
+def flux_controller(tmp_path: Path) -> object:
+    eng, ctx = bp.context(tmp_path)
+    try:
+        run = make("fluxmoe").start(eng, ctx)
+        return run.source.source
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize(("compute_ms", "expert_units", "why"), [
+    (0.75, 8, "half split: rho = 0.75 / 0.8 = 0.94, inside the dead zone: held"),
+    (0.4, 12, "rho 0.5 < 0.9: KV -> experts until rho = 0.4 / 0.4 = 1.0"),
+    (2.0, 0, "rho 2.5 > 1.0: experts -> KV while it stays above the zone"),
+])
+def test_fluxmoe_rho_rule_with_dead_zone(flux_controller: object, compute_ms: float, expert_units: int,
+                                          why: str) -> None:
+    problem = _rho_problem()
+    sol = flux_controller._solve(SimpleNamespace(problem=problem, step_ms=compute_ms))  # type: ignore[attr-defined]
+    assert sol.solver == "fluxmoe"
+    units = sum(int(problem.groups[g].arrays.units[sol.choice[g]]) for g in range(2))
+    assert units == expert_units, why
+    assert problem.groups[0].arrays.units[sol.choice[0]] == problem.groups[1].arrays.units[sol.choice[1]]  # even
+
+
+def test_fluxmoe_streams_with_the_two_layer_window_and_starts_kv_first(tmp_path: Path) -> None:
+    flux = make("fluxmoe")
+    eng, ctx = bp.context(tmp_path)
+    try:
+        assert flux.engine_options(ctx) == {"expert_lookahead_layers": 2}
+        run = flux.start(eng, ctx)
+    finally:
+        eng.close()
+    demand = kv_demand_blocks(ctx)  # KV first: the batch's whole demand, experts the rest
+    assert demand < 32 and run.split.kv_gpu_blocks >= demand
+    assert run.split.expert_slots == (ctx.hbm_budget_bytes - demand * ctx.kv_block_bytes) // ctx.expert_stride_bytes
+    assert "no expert compression" in run.notes
+
+
+# ---- mv_wsa ----------------------------------------------------------------------------------------------
+def test_mv_wsa_equalises_marginal_benefit_per_byte(tmp_path: Path) -> None:
+    eng, ctx = bp.context(tmp_path)
+    try:
+        ctl = make("mv_wsa").start(eng, ctx).source.source
+    finally:
+        eng.close()
+    u = np.arange(11)
+    groups = (Group.from_arrays("layer0", u[:7], 10 * 0.5 ** u[:7]),
+              Group.from_arrays("layer1", u[:7], 6 * 0.6 ** u[:7]), Group.from_arrays("kv", u, 8 * 0.7 ** u,
+                                                                                      kind=GroupKind.KV))
+    problem = SplitProblem(groups, capacity_units=10, unit_bytes=4096)
+    sol = ctl._solve(SimpleNamespace(problem=problem, step_ms=1.0))
+    assert sol.solver == "greedy" and sol.units_used == 10
+    cost = [g.arrays.cost_ms for g in groups]
+    pos = list(sol.choice)
+    last_taken = [cost[g][pos[g] - 1] - cost[g][pos[g]] for g in range(3) if pos[g] > 0]
+    next_step = [cost[g][pos[g]] - cost[g][pos[g] + 1] for g in range(3) if pos[g] + 1 < len(cost[g])]
+    assert len(last_taken) == 3  # every group got bytes: no side starved
+    # Equal marginal benefit per byte: no untaken step is worth more than the least valuable step taken.
+    assert min(last_taken) >= max(next_step)
+
+
+# ---- kv_tiering ------------------------------------------------------------------------------------------
+def test_kv_tiering_pins_the_hottest_experts_and_leaves_a_streaming_slot() -> None:
+    counts = np.array([[5, 9, 1, 9], [0, 0, 3, 2]])
+    assert static_pins(counts, (3, 4), 4) == [(0, 1), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
+    assert static_pins(None, (3, 4), 4) == []
+
+
+def test_kv_tiering_keeps_experts_static_and_spills_kv(tmp_path: Path) -> None:
+    long_outputs = [dataclasses.replace(r, arrival_s=0.0, output_len=40) for r in bp.requests(6)]
+    r = bp.run(make("kv_tiering"), tmp_path, long_outputs)
+    plan = r.run.initial_plan
+    slots = r.run.split.expert_slots_per_layer
+    assert len(plan.pinned_experts) == sum(slots) - len(slots)  # all but one slot a layer: static
+    assert r.stats["policy"]["num_pinned"] == len(plan.pinned_experts)
+    assert plan.kv_blocks_per_tier[Tier.CPU] == bp.POINT["kv_cpu_blocks"]
+    assert plan.kv_blocks_per_tier[Tier.NVME] == bp.POINT["kv_nvme_blocks"]
+    assert r.report.kv_peak_blocks["cpu"] > 0  # the GPU share overflowed to the CPU tier
+    assert r.over_budget_steps == 0
+
+
+# ---- the interface's guards ------------------------------------------------------------------------------
+def test_make_plan_refuses_a_split_over_the_budget(tmp_path: Path) -> None:
+    eng, ctx = bp.context(tmp_path)
+    eng.close()
+    with pytest.raises(ValueError, match="over the point's hbm_budget_bytes"):
+        make_plan(ctx, Split((8, 8), 1), "x", "too many experts")
+
+
+# ---- resident and static_lru -----------------------------------------------------------------------------
+def test_resident_holds_every_expert_when_they_fit_and_static_lru_its_fixed_share(tmp_path: Path) -> None:
+    eng, ctx = bp.context(tmp_path)
+    try:
+        roomy = dataclasses.replace(ctx, hbm_budget_bytes=64 * bp.UNIT_BYTES)
+        res = make("resident").start(eng, roomy).split
+        assert res.expert_slots_per_layer == (8, 8) and res.kv_gpu_blocks == 64 - 48  # KV takes the rest
+        tight = make("resident").start(eng, ctx).split  # 40 units: the experts do not all fit beside the KV
+        assert tight.expert_slots < 16  # as many as fit beside the KV floor: what is left is under a slot
+        assert kv_floor_blocks(ctx) <= tight.kv_gpu_blocks < kv_floor_blocks(ctx) + 3
+        lru = make("static_lru").start(eng, ctx).split
+    finally:
+        eng.close()
+    share = 0.75 * ctx.hbm_budget_bytes
+    assert share - ctx.num_moe * ctx.expert_stride_bytes < lru.expert_slots * ctx.expert_stride_bytes <= share
+    assert max(lru.expert_slots_per_layer) - min(lru.expert_slots_per_layer) <= 1  # an even share per layer
+
+
+# ---- the live policies' version shift ----------------------------------------------------------------------
+def test_after_initial_plan_shifts_versions_between_agent_and_controller() -> None:
+    from tierplan.bench.baselines.tierplan_live import AfterInitialPlan
+    from tierplan.controller.protocol import AckStatus, Footprint, Plan, PlanAck
+
+    issued = Plan(plan_id="c-1", version=1, base_version=0, created_s=0.0, hbm_budget_bytes=10,
+                  expert_bytes_per_layer=(0,), kv_blocks_per_tier={Tier.GPU: 1}, reason="r")
+    seen: list[object] = []
+    ctl = SimpleNamespace(step_next=lambda: issued, record_ack=seen.append, sync_from=seen.append)
+    src = AfterInitialPlan(ctl)
+    out = src.step_next()
+    assert (out.version, out.base_version) == (2, 1)  # on top of the starting plan the agent applied (v1)
+    fp = Footprint(expert_bytes_per_layer=(0,), kv_blocks_per_tier={Tier.GPU: 1}, total_hbm_bytes=0)
+    src.record_ack(PlanAck(agent_id="a", rank=0, plan_id="c-1", version=2, status=AckStatus.APPLIED, applied_s=0.0,
+                           footprint=fp))
+    assert seen[-1].version == 1
+    src.record_ack(PlanAck(agent_id="a", rank=0, plan_id="x", version=1, status=AckStatus.APPLIED, applied_s=0.0,
+                           footprint=fp))
+    assert src.unshiftable_acks == 1 and len(seen) == 1  # the starting plan's ack: counted, not forwarded
