@@ -15,6 +15,7 @@ Pure arithmetic: it decides nothing (the solver does) and never imports torch, r
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -22,9 +23,11 @@ import numpy as np
 
 from tierplan.controller.costmodel import CostModel
 from tierplan.controller.demand import DemandForecast
+from tierplan.controller.optimizer import least_link_bytes
 from tierplan.controller.optimizer.problem import (
     Group,
     GroupKind,
+    InfeasibleError,
     Option,
     SplitProblem,
     capacity_units_of,
@@ -160,10 +163,15 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     bytes_per_s = cost.link_bytes_per_s(Link.H2D)  # inf when the fit finds no per-byte cost: no link budget
     link_budget = (int(space.link_share * bytes_per_s * max(step_ms, 1e-3) / 1e3) if math.isfinite(bytes_per_s)
                    else None)
-    # The link caps what a plan streams, but never below the least any split must stream (then it only ranks).
-    floor = sum(min(o.link_bytes for o in g.options) for g in groups)
     move_ms_per_unit = cost.transfer_ms(Link.H2D, unit, unit / space.slot_bytes) / max(1, horizon_steps)
-    problem = SplitProblem(tuple(groups), capacity, unit,
-                           link_budget_bytes_per_step=None if link_budget is None else max(link_budget, floor),
-                           migration_ms_per_unit=move_ms_per_unit)
+    problem = SplitProblem(tuple(groups), capacity, unit, migration_ms_per_unit=move_ms_per_unit)
+    if link_budget is not None:
+        # The link caps what a plan streams, but never below the least a split within the HBM capacity must
+        # stream (then it only ranks). The floor is over whole splits: each group's own least (all its slots)
+        # need not fit together, and a budget under the joint floor would leave no split at all.
+        try:
+            floor = least_link_bytes(problem)
+        except InfeasibleError:  # no split fits the capacity at all: the solver says so, naming the cause
+            floor = 0
+        problem = dataclasses.replace(problem, link_budget_bytes_per_step=max(link_budget, floor))
     return Valuation(problem, tuple(slot_counts), tuple(grid), step_ms, tuple(stalls))

@@ -97,3 +97,23 @@ def test_vectorised_layer_stall_is_the_cost_models() -> None:
     theirs = [cost.layer_stall_ms(a, b, batch_tokens=batch, window_layers=1.0) for a, b in zip(missed, streamed,
                                                                                                 strict=True)]
     assert ours == pytest.approx(theirs)
+
+
+def test_the_link_budget_never_falls_below_what_a_split_within_the_capacity_must_stream(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the experts do not all fit (40 units: 16 slots of 3 units beside at least 10 KV blocks), every split
+    streams some experts; a slow link's budget under that joint floor must be raised to it (it then only
+    ranks), never left to make every split infeasible (each group's own least, all its slots, is 0)."""
+    from tierplan.controller.optimizer import least_link_bytes, solve
+
+    ctl, win = make_controller(), Windows()
+    ctl.config = dataclasses.replace(ctl.config, space=dataclasses.replace(ctl.config.space,
+                                                                          hbm_budget_bytes=40 * 4096))
+    for _ in range(3):
+        ctl.sync_from(win.next(batch=8, kv_live=20))
+    monkeypatch.setattr(ctl.cost, "link_bytes_per_s", lambda link: 1e3)  # a budget of about a byte a step
+    val = build_problem(ctl.demand.forecast(), ctl.cost, ctl.config.space, None, None, 32, 30.0)
+    p = val.problem
+    floor = least_link_bytes(dataclasses.replace(p, link_budget_bytes_per_step=None))
+    assert floor > 0 and p.link_budget_bytes_per_step == floor
+    assert solve(p).link_bytes_used <= floor

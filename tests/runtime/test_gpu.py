@@ -152,7 +152,9 @@ def test_engine_links_on_cuda_are_exact_and_urgent_overtakes(dev: Device, tmp_pa
 @pytest.mark.parametrize(("map_in", "poison", "publish"), [("beside_copy", False, "issued"),
                                                             ("before_copy", False, "issued"),
                                                             ("beside_copy", True, "issued"),
-                                                            ("beside_copy", False, "done")])
+                                                            ("beside_copy", False, "done"),
+                                                            ("on_read", False, "issued"),
+                                                            ("on_read", True, "issued")])
 def test_engine_exact_on_cuda_with_the_paged_kernel(tmp_path: Path, map_in: str, poison: bool, publish: str) -> None:
     from tierplan.runtime.engine.presets import preset
     from tierplan.runtime.selfcheck.exact import run_exact_check
