@@ -145,16 +145,18 @@ def check_exact(
     device: Dev = DeviceOpt.cpu,
     workdir: Workdir = None,
     expert_map_in: Annotated[str, typer.Option(
-        help="Second run: when the link worker maps a loading expert's range: 'beside_copy' (in its waits "
-             "beside the copy through the slot window; the default) or 'before_copy' (before issuing the "
-             "copy).")] = "beside_copy",
+        help="Second run: when a loading expert's range is mapped: 'beside_copy' (by the link worker in its "
+             "waits, beside the copy through the slot window; the default), 'before_copy' (before issuing the "
+             "copy) or 'on_read' (never at load: a reader through the ranges maps what it reads). With "
+             "--mode all, each mode runs with the map-in it needs (each result line names it).")] = "beside_copy",
     expert_poison: Annotated[bool, typer.Option(
         help="Second run: absent experts' ranges read as NaN poison instead of unmapped (a stray read "
              "faults).")] = False,
     mode: Annotated[str, typer.Option(
         help="Second run's decode steps with experts missing: 'piecewise' (graphs, misses loaded between "
              "layers, GEMMs through the slot table), 'lookahead' (piecewise, two layers prefetched ahead), "
-             "'range' (piecewise, GEMMs through the experts' ranges), 'eager', or 'all' (each in turn).")
+             "'range' (piecewise, GEMMs through the experts' ranges), 'eager', 'on_read' (piecewise through "
+             "the slot table, loads mapping no range), or 'all' (each in turn).")
     ] = "piecewise",
     decode_graphs: Annotated[bool | None, typer.Option(
         help="Decode through the graph executors (default: on a GPU; on a CPU the same static buffers run "
@@ -202,7 +204,7 @@ def check_exact(
     for r in results:
         _io.out.print(f"model={spec.name} mode={r.mode} steps={r.steps} expert_misses full={r.expert_misses_full} "
                       f"tight={r.expert_misses_tight} kv_fetches={r.kv_fetches} kv_spills={r.kv_spills} "
-                      f"executors={r.executors} mode_steps={r.mode_steps} device={device.value} "
+                      f"map_in={r.map_in} executors={r.executors} mode_steps={r.mode_steps} device={device.value} "
                       f"seconds={r.seconds:.1f}")
         _io.out.print(r.line())
     if not all(r.ok for r in results):

@@ -124,6 +124,9 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.expert_reads='table' reads the slot window, which "
                               f"expert_map_in={self.expert_map_in!r} does not build: use expert_map_in='beside_copy' "
                               "or 'on_read', or expert_reads='range'")
+        if self.expert_map_in == "on_read" and self.experts_on_device:
+            raise ConfigError("EngineConfig.expert_map_in='on_read' is a way to load experts; experts_on_device=True "
+                              "generates every expert in its slot and loads none: drop one of them")
         if self.expert_map_in == "on_read" and self.expert_reads == "range":
             raise ConfigError("EngineConfig.expert_map_in='on_read' leaves loaded experts' ranges unmapped until a "
                               "range reader maps them, so the piecewise GEMMs must read the slot table: use "

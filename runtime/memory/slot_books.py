@@ -71,6 +71,10 @@ class SlotBooks:
         with self._lock:
             check_books(self._entries, self._free, self._slot_owner, self._num_resident, self._num_bound,
                         self.num_slots)
+            unmapped = {(l_, e) for l_, row in enumerate(self._entries) for e, en in enumerate(row)
+                        if en.state is ExpertState.RESIDENT and not en.mapped}
+            # Only maps_on_read pools publish loads unmapped; each such expert is listed for map_for_read.
+            assert self._unmapped == unmapped, "the experts listed for map_for_read are not the resident unmapped ones"
 
     def _bind_slot_locked(self, layer: int, expert: int, en: _Entry, slot: int, mapped: bool) -> None:
         """Give the expert `slot` (taken off the free list), which becomes LOADING (the caller checked it may)."""

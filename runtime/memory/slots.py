@@ -29,7 +29,8 @@ Invariants (each has a test in tests/runtime/test_slots.py):
      else once its readers are done (`sweep_stale`); with poison off a released range stays mapped until it is
      mapped again, so a reload into its old slot needs no driver call, and it may show the slot's next
      expert meanwhile. Reads of absent or LOADING experts are refused by I3 throughout; `scrub_on_unmap`
-     poisons a slot's old contents before reuse.
+     poisons a slot's old contents before reuse. With maps_on_read, a RESIDENT expert's range is unmapped (or
+     still stale, showing its old slot) until `map_for_read` maps it: range readers call it first.
   I6 recycled: free + bound slots == num_slots at every step; close() releases every backend object.
 
 Mechanism only: which expert to load or evict is the caller's decision (agent local policy).
@@ -172,30 +173,26 @@ class ExpertSlotPool(SlotBooks):
 
     def map_for_read(self, layer: int, experts: Iterable[int]) -> int:
         """Map the ranges of these resident experts that are not mapped yet (a pool with maps_on_read: its loads
-        leave them unmapped), for a reader through the ranges that runs next; how many were mapped. Called by
-        the thread that evicts (the engine thread), so none of them is released meanwhile. Costs one lookup
-        when nothing is unmapped."""
+        leave them unmapped), for a reader through the ranges that runs next; how many were mapped. Every id is
+        checked before anything changes. The maps run under the pool's lock (which the link's worker also takes
+        to release a load whose copy failed after publishing), so no expert is released between the check and
+        its map; the cost is paid only by range readers of a maps_on_read pool. One lookup when nothing is
+        unmapped."""
         if not self._unmapped:
             return 0
-        todo = []
+        experts = list(experts)
+        num = 0
         with self._lock:
-            for e in experts:
-                en = self._entry(layer, e)
-                if en.state is ExpertState.RESIDENT and not en.mapped:
-                    en.mapped = True
-                    self._unmapped.discard((layer, e))
-                    todo.append((e, en))
-        for i, (e, en) in enumerate(todo):
-            try:
-                self.ranges.map(layer, e, self._slots[en.slot])  # type: ignore[index]
-            except BaseException:
-                with self._lock:
-                    for e2, en2 in todo[i:]:
-                        en2.mapped = False
-                        self._unmapped.add((layer, e2))
-                raise
-        self.read_maps += len(todo)
-        return len(todo)
+            entries = [self._entry(layer, e) for e in experts]  # validate all first: a refusal maps nothing
+            for e, en in zip(experts, entries, strict=True):
+                if en.state is not ExpertState.RESIDENT or en.mapped:
+                    continue
+                self.ranges.map(layer, e, self._slots[en.slot])  # type: ignore[index]  # raises: books unchanged
+                en.mapped = True
+                self._unmapped.discard((layer, e))
+                num += 1
+        self.read_maps += num
+        return num
 
     def map_all_for_read(self) -> int:
         """`map_for_read` over every resident expert whose range is unmapped (a whole-step graph reads them all)."""

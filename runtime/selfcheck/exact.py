@@ -27,6 +27,7 @@ from tierplan.runtime.engine.config import ModelSpec
 from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
 from tierplan.runtime.engine.executor import Executor, Reason
 from tierplan.runtime.engine.kv_cache import block_shape
+from tierplan.runtime.errors import ConfigError
 from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES
 from tierplan.runtime.selfcheck.common import workdir_for
 from tierplan.runtime.weights.format import dtype_from_name
@@ -47,6 +48,7 @@ class ExactResult:
     mode: str = "piecewise"
     executors: dict[str, int] | None = None  # the second run's steps by executor
     mode_steps: int | None = None  # of which on the mode's executor (None: not asked)
+    map_in: str = "beside_copy"  # the second run's expert_map_in (the mode's own where it needs one)
 
     @property
     def problems(self) -> list[str]:
@@ -85,10 +87,15 @@ MODES = {"piecewise": ("piecewise", 0, None, Executor.PIECEWISE),
          "on_read": ("piecewise", 0, "table", Executor.PIECEWISE)}
 
 
-def mode_map_in(mode: str, map_in: MapIn) -> tuple[MapIn, str | None]:
+def mode_map_in(mode: str, map_in: MapIn, strict: bool = False) -> tuple[MapIn, str | None]:
     """The (expert_map_in, expert_reads) a mode's tight run uses, from the map-in asked for: "on_read" maps no
-    range at load; reads through the ranges need them mapped beside the copies; "before_copy" builds no window."""
+    range at load; reads through the ranges need them mapped beside the copies; "before_copy" builds no window.
+    strict (one mode asked for by name): a map-in the mode cannot run with is refused instead of replaced."""
     reads = MODES[mode][2]
+    if strict and ((mode == "on_read" and map_in == "before_copy") or (reads == "range" and map_in == "on_read")):
+        raise ConfigError(f"mode {mode!r} cannot run with expert_map_in={map_in!r}: mode 'on_read' needs the slot "
+                          "window ('beside_copy' or 'on_read'), mode 'range' needs ranges mapped at load "
+                          "('beside_copy' or 'before_copy')")
     if mode == "on_read":
         return "on_read", "table"
     if map_in not in WINDOWED:
@@ -130,6 +137,8 @@ def run_exact_checks(spec: ModelSpec, resident_frac: float, device: str = "cpu",
                      ) -> list[ExactResult]:
     """One all-resident run, then one tight run per mode, each compared with it (its experts loaded from
     `expert_store`: NVMe by default, pinned host memory for the loads a slot-table read takes before mapping)."""
+    for mode in modes:  # refused before anything is built
+        mode_map_in(mode, expert_map_in, strict=len(modes) == 1)
     rng = random.Random(seed)
     prompts = [[rng.randrange(spec.vocab_size) for _ in range(rng.randint(1, max_prompt_len))]
                for _ in range(num_prompts)]
@@ -169,7 +178,7 @@ def run_exact_checks(spec: ModelSpec, resident_frac: float, device: str = "cpu",
                 max_abs_diff=float((a.logits - b.logits).abs().max()), tokens_equal=a.tokens == b.tokens,
                 steps=a.logits.shape[0], expert_misses_full=a.expert_misses, expert_misses_tight=b.expert_misses,
                 kv_fetches=b.kv_fetches, kv_spills=b.kv_spills, seconds=full_s + time.perf_counter() - t0,
-                mode=mode, executors={e.value: steps[e] for e in Executor},
+                mode=mode, executors={e.value: steps[e] for e in Executor}, map_in=tight_cfg.expert_map_in,
                 mode_steps=_decode_steps_on(MODES[mode][3], steps, reasons) if graphs_on and resident_frac < 1.0
                 else None))
     return out

@@ -20,7 +20,7 @@ from tierplan.runtime.engine.presets import preset
 from tierplan.runtime.errors import ConfigError
 from tierplan.runtime.memory.host import HostBackend
 from tierplan.runtime.memory.slots import ExpertSlotPool, ExpertState
-from tierplan.runtime.selfcheck.exact import auto_block_tokens
+from tierplan.runtime.selfcheck.exact import auto_block_tokens, run_exact_check
 from tierplan.runtime.transfer import TransferEngine
 from tierplan.runtime.weights.loader import ExpertLoadHandler
 from tierplan.runtime.weights.sources import SyntheticExpertSource
@@ -45,13 +45,23 @@ def test_a_load_is_published_unmapped_and_mapped_only_for_a_range_reader(pool: E
     pool.check_invariants()
 
 
+def test_a_bad_expert_id_maps_nothing_and_changes_nothing(pool: ExpertSlotPool) -> None:
+    pool.prepare_loads(0, [0], via_window=True)
+    pool.complete_load(0, 0, True, HostEvent(done=True))
+    with pytest.raises(ConfigError, match=r"expert \(0, 99\) out of range"):
+        pool.map_for_read(0, [0, 99])
+    assert pool.mapped(0, [0]) == [False] and pool.read_maps == 0
+    pool.check_invariants()  # the expert is still listed for its map
+    assert pool.map_for_read(0, [0]) == 1
+
+
 def test_an_unmapped_expert_is_evicted_without_a_stale_range(pool: ExpertSlotPool) -> None:
     pool.prepare_loads(0, [2], via_window=True)
     pool.complete_load(0, 2, True, HostEvent(done=True))
+    pool.check_invariants()  # listed for map_for_read while resident and unmapped
     pool.release(0, 2)
     assert pool.state(0, 2) is ExpertState.ABSENT and pool.num_stale == 0
-    assert pool.map_all_for_read() == 0, "a released expert is no longer waiting for a map"
-    pool.check_invariants()
+    pool.check_invariants()  # and no longer once released
 
 
 def test_the_loader_maps_nothing_and_expert_tensor_maps_on_demand() -> None:
@@ -76,6 +86,11 @@ def test_the_loader_maps_nothing_and_expert_tensor_maps_on_demand() -> None:
 def test_on_read_needs_the_table_readers_and_a_matching_pool() -> None:
     with pytest.raises(ConfigError, match=r"expert_map_in='on_read' leaves loaded experts' ranges unmapped"):
         EngineConfig(expert_map_in="on_read", expert_reads="range")
+    with pytest.raises(ConfigError, match=r"experts_on_device=True generates every expert in its slot"):
+        EngineConfig(expert_map_in="on_read", experts_on_device=True)
+    for mode, map_in in (("range", "on_read"), ("on_read", "before_copy")):
+        with pytest.raises(ConfigError, match=rf"mode '{mode}' cannot run with expert_map_in='{map_in}'"):
+            run_exact_check(preset("tiny"), 0.5, mode=mode, expert_map_in=map_in)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"maps_on_read=True\) needs slot_window=True"):
         ExpertSlotPool(HostBackend(), Device("cpu"), L, E, EB, S, maps_on_read=True)
     plain = ExpertSlotPool(HostBackend(), Device("cpu"), L, E, EB, S, slot_window=True)
@@ -113,3 +128,12 @@ def test_range_readers_map_what_they_read_and_keep_the_bits(tmp_path: Path, grap
     assert torch.equal(out["beside_copy"].logits, out["on_read"].logits)
     assert not torch.isnan(out["on_read"].logits).any()
     assert out["beside_copy"].tokens == out["on_read"].tokens
+
+
+def test_eager_offloaded_steps_map_what_they_read(tmp_path: Path) -> None:
+    """F=0.5, decode steps eager over the padded rows (mode "eager" with on_read loads), poisoned ranges: each
+    layer's misses are mapped by `ensure` before the layer reads them, or the logits show NaN."""
+    r = run_exact_check(preset("tiny"), 0.5, workdir=tmp_path, num_prompts=2, new_tokens=4, decode_kernel=True,
+                        decode_graphs=True, mode="eager", expert_map_in="on_read", expert_poison=True)
+    assert r.map_in == "on_read" and r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok"
+    assert r.mode_steps == 3 and r.expert_misses_tight > r.expert_misses_full
