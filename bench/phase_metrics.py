@@ -226,7 +226,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "planner_errors": outcome.loop_stats.get("planner_errors", 0),
         "peak_hbm_bytes": outcome.extra.get("peak_hbm_bytes"),
         "over_budget_steps": outcome.extra.get("over_budget_steps"),
-        "diverged_steps": diverged,
+        "diverged_steps": diverged, "local_predictor": outcome.extra.get("local_predictor"),
         "initial_expert_bytes": sum(plan.expert_bytes_per_layer),
         "initial_kv_gpu_blocks": int(plan.kv_blocks_per_tier.get("gpu", 0)),
         "preemptions": sum(r.preemptions for r in rep.requests),

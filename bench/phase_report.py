@@ -53,6 +53,13 @@ def _per_token(r: dict[str, Any], stall_ms_per_step: float) -> float:
     return stall_ms_per_step / max(1e-9, r.get("mean_running_batch") or 1.0)
 
 
+def _between(r: dict[str, Any]) -> float:
+    """Wall time outside the forward per output token (0 for rows without the engine's own step time)."""
+    if r.get("engine_step_ms") is None:
+        return 0.0
+    return _per_token(r, max(0.0, r["measured_step_ms"] - r["engine_step_ms"]))
+
+
 def _cause(tp: dict[str, Any], best: dict[str, Any]) -> str:
     """What the stall breakdown says about tierplan's shortfall against `best`, per output token."""
     pred = tp.get("predicted_over_measured")
@@ -71,6 +78,9 @@ def _cause(tp: dict[str, Any], best: dict[str, Any]) -> str:
         why = f"split: KV short ({tp['preemptions']} vs {best['preemptions']} preemptions)"
     elif run_tp and run_b and run_tp < 0.9 * run_b:
         why = f"split: KV short ({run_tp:.1f} vs {run_b:.1f} sequences per step)"
+    elif _between(tp) > _between(best) + 0.1 * tpt:
+        why = (f"engine overhead between steps (planner solves, spills, hooks): {_between(tp):.3f} vs "
+               f"{_between(best):.3f} ms/token outside the forward")
     else:
         why = (f"engine overhead (stalls alike, {tpt:.3f} vs {tpt_b:.3f} ms/token; "
                f"{h2d / max(1, tp.get('output_tokens') or 1) / 2**20:.2f} MiB h2d per token)")

@@ -6,9 +6,10 @@ router over the bundled routing trace, the slot stride and KV block size); `poin
 into what a policy sees (refusing a point whose budget cannot hold top_k slots per MoE layer plus the largest
 request's KV, the rule the policies use); `measure` builds the run's engine, lets the policy start (its initial
 plan is applied through the agent's enforcer before the first step; a live policy re-plans through
-`InProcessLoop`), replays the point's requests with the `Runner` on the virtual step clock, and records every
-step: its engine time, and its cycle (wall time since the previous step ended: the step plus everything the
-runner, the agent and the planner did between the two, spills, solves and prefetch issue included).
+`InProcessLoop`; the agent's layer-ahead predictor is attached only where the policy uses it), replays the
+point's requests with the `Runner` on the virtual step clock, and records every step: its engine time, and its
+cycle (wall time since the previous step ended: the step plus everything the runner, the agent and the planner
+did between the two, spills, solves and prefetch issue included).
 It decides no placement itself and never changes a policy's plan: a plan the enforcer refuses ends the run
 with the refusal as its outcome, never a silent fallback.
 """
@@ -257,6 +258,12 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
 
         loop = InProcessLoop(eng, run.source if run.source is not None else _Hold(), window_steps=run.window_steps,
                              hbm_budget_bytes=ctx.hbm_budget_bytes, queue_probe=queued_blocks)
+        # The agent's layer-ahead predictor (a per-layer host copy of the routes) only where the policy uses it:
+        # `PolicyRun.local_predictor` where the baselines define it, else the live policies (a plan source).
+        local = bool(getattr(run, "local_predictor", run.source is not None))
+        if not local and loop.adapter.predictor is not None:  # InProcessLoop attaches it: detach, as at attach
+            loop.adapter.predictor = None
+            eng.set_hooks(route_tap=loop.adapter.tap)
         try:
             ack = loop.apply_initial(run.initial_plan)  # enforcer, predictor, the between-steps trim over its caps
             if ack.status is not AckStatus.APPLIED:
@@ -293,7 +300,8 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                                                      "split": run.split, "planner_errors": list(loop.planner_errors),
                                                      "diverged_steps": getattr(run.victim_order, "diverged_steps",
                                                                                None),
-                                                     "decisions": _decisions(run.source)})
+                                                     "decisions": _decisions(run.source),
+                                                     "local_predictor": loop.adapter.predictor is not None})
     finally:
         eng.close()
         if h.dev.is_cuda:

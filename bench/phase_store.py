@@ -4,7 +4,7 @@ Runs in the bench process; pure Python. A row is keyed by (point, policy, device
 whose key already has a result in the file ("ok" or "degraded": a degraded run is a measurement); "error" and
 "refused" rows are retried (a one-off OOM or a missing wheel must not stick), and "candidate" rows are the
 oracle's finished candidate splits (its search resumes from them). Every write re-reads the file and appends
-under an exclusive `fcntl` lock on a sidecar `.lock` file, so two processes sharing one JSON never lose a row.
+under an exclusive `fcntl` lock on its folder, so two processes sharing one JSON never lose a row.
 `latest` pairs rows of one code id only at each point (the newest), so a report never sets a new tierplan row
 against old-code baselines. `code_id` fingerprints the Python files a run imports: with a git checkout, the
 ones git tracks or would add (`git ls-files -co --exclude-standard`: what the device copy of the working tree
@@ -114,14 +114,15 @@ def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """An exclusive lock for read-merge-write of `path` (a sidecar `.<name>.lock`, held until the block ends)."""
+    """An exclusive lock for read-merge-write of `path`, held until the block ends. It locks the folder (the
+    file itself is replaced by each write, and a sidecar lock file would litter bench/results/)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.lock"), "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
 
 
 def append_row(path: Path, row: dict[str, Any], seed: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:

@@ -79,6 +79,8 @@ def test_rows_time_the_whole_measured_span_and_name_the_batch(swept: tuple[Path,
         assert r["decode_step_ms"] is None or r["decode_step_ms"] > 0
         assert r["predicted_step_ms_measured_misses"] > 0
     by = {r["policy"]: r for r in rows}
+    # Only a live policy pays for the agent's layer-ahead predictor (its per-layer host copy of the routes).
+    assert {p for p, r in by.items() if r["local_predictor"]} == {"fluxmoe", "mv_wsa", "tierplan"}
     assert by["tierplan"]["predicted_from"].startswith("plan: ")
     assert by["resident"]["predicted_from"].startswith("split: ")
     oracle = by["oracle"]

@@ -74,3 +74,7 @@ def test_the_cause_compares_per_token_figures() -> None:
     rows = [_row("resident", 200.0, running=8.0), _row("tierplan", 100.0, running=4.0)]  # no stall either
     (p,), _ = summarize(rows)
     assert p["cause"].startswith("split: KV short (4.0 vs 8.0 sequences per step)")
+    rows = [_row("resident", 200.0, running=2.0, engine_step_ms=9.0),
+            _row("tierplan", 100.0, running=2.0, step_ms=20.0, engine_step_ms=9.5)]  # 10.5 ms/step between steps
+    (p,), _ = summarize(rows)
+    assert p["cause"].startswith("engine overhead between steps (planner solves, spills, hooks): 5.250 vs 0.500")
