@@ -64,6 +64,8 @@ def test_error_rows_run_again_on_a_rerun(tmp_path: Path, monkeypatch: pytest.Mon
     assert [r["status"] for r in _rows(tmp_path)] == ["error", "ok"]
     assert _run(*args).exit_code == 0
     assert len(_rows(tmp_path)) == 2  # the ok row is a result: not run a third time
+    assert _run(*args, "--fresh").exit_code == 0  # measured again; the rows already there stay
+    assert [r["status"] for r in _rows(tmp_path)] == ["error", "ok", "ok"]
     md = next(tmp_path.glob("phase_tiny_*.md")).read_text()
     assert "| resident | ok |" in md and "| resident | error |" not in md
 
