@@ -32,9 +32,10 @@ def register(bench_app: typer.Typer) -> None:
                                                  "[g<GiB>|f<frac>], e.g. b32c4096g24.")] = "",
         policies: Annotated[str, typer.Option(help="Only these policies (comma-separated; default: all).")] = "",
         models: Annotated[str, typer.Option(help="Only these models (comma-separated; default: the sweep's).")] = "",
-        fresh: Annotated[bool, typer.Option(help="Ignore the rows already in today's JSON (default: resume, "
-                                                 "skipping runs already measured by this code on this device).")
-                         ] = False,
+        fresh: Annotated[bool, typer.Option(help="Measure every selected run again (default: resume, skipping "
+                                                 "runs this code measured on this device, ok or degraded; error "
+                                                 "and refused ones run again). Rows already in the JSON stay; the "
+                                                 "newest of a run is the report's.")] = False,
         out_dir: Annotated[Path, typer.Option(help="Where the JSON, Markdown and PNG go.")] = RESULTS,
         requests_per_batch: Annotated[float | None, typer.Option(
             help="Requests per point = ceil(batch x this) (default: the sweep's; fewer make large-batch runs "

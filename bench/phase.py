@@ -2,17 +2,20 @@
 
 Runs in one process on one device (`--quick`: the CPU smoke sizes of bench/phase_grid.py, no figure to quote).
 Per model: the pinned store, router and sizes are built once (bench/phase_run.py `open_model`) and shared by
-every run's engine; per point, each policy runs once on a fresh engine (the oracle: one recording pass and one
-run per candidate split, the best kept); after every run the model's JSON is rewritten (atomic rename), so a
-sweep killed midway keeps what it measured and a rerun skips it (bench/phase_store.py). At the end of each
-model: the Markdown table and the plots (bench/phase_report.py). A policy that cannot run (a plan refused, a
-solver missing) gets a row with its reason; a policy that fails gets an "error" row and the sweep goes on.
-It never asserts on a figure or hard-codes one.
+every run's engine; per point, each policy runs once on a fresh engine (the oracle: per candidate split one
+recording pass and one run, the best kept). After every run its row is merged into the model's JSON under a
+file lock (bench/phase_store.py), the oracle's candidate splits each as they finish, so a sweep killed midway
+keeps what it measured and a rerun resumes it, inside the oracle's search too; rows with a result (ok or
+degraded) are skipped on a rerun, error and refused rows run again. At the end of each model: the Markdown
+table and the plots (bench/phase_report.py). A policy that cannot run (a plan refused, a solver missing, a
+point below the least any policy needs) gets a row with its reason; a policy that fails gets an "error" row
+and the sweep goes on. Every run's line names its seconds. It never asserts on a figure or hard-codes one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import tempfile
 import time
@@ -26,8 +29,8 @@ from tierplan.bench.baselines.base import FutureRecorder, PointContext, PolicyRu
 from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, Sizes, points, select_points
 from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
 from tierplan.bench.phase_report import write_report
-from tierplan.bench.phase_run import ModelHandle, Outcome, RunRefused, measure, open_model, point_context
-from tierplan.bench.phase_store import code_id, latest, load_rows, run_key, write_rows
+from tierplan.bench.phase_run import ModelHandle, RunRefused, measure, open_model, point_context
+from tierplan.bench.phase_store import CANDIDATE, append_row, code_id, done_keys, latest, load_rows
 from tierplan.runtime.errors import ConfigError
 
 
@@ -47,35 +50,68 @@ class _Recording:
         return PolicyRun(make_plan(ctx, split, "record", "the oracle's recording pass"), split=split)
 
 
-def _tok_s(outcome: Outcome, warm_steps: int) -> float:
-    timed = outcome.steps[min(warm_steps, max(0, len(outcome.steps) - 1)):]
-    wall = sum(s.step_s for s in timed)
-    return sum(s.tokens_out for s in timed) / wall if wall else 0.0
+class _Store:
+    """One model's JSON as this process sees it: every row is merged into the file under its lock, and the
+    file's rows (other writers' included) come back."""
+
+    def __init__(self, path: Path, rows: list[dict[str, Any]], seed: list[dict[str, Any]], fresh: bool) -> None:
+        self.path, self.rows, self.seed = path, rows, seed
+        self.done = set() if fresh else done_keys(rows)
+        self.run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"  # this process's rows
+        self.fresh = fresh
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows = append_row(self.path, {**row, "run_id": self.run_id}, self.seed)
+
+    def candidates(self, point: str, device: str, code: str) -> dict[str, dict[str, Any]]:
+        """The oracle's finished candidate splits at `point` (by split label; --fresh: this process's only)."""
+        return {r["oracle_split"]: r for r in self.rows
+                if r.get("status") == CANDIDATE and (r["point"], r["device"], r["code"]) == (point, device, code)
+                and (not self.fresh or r.get("run_id") == self.run_id)}
 
 
-def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, prefix_tokens: int) -> Outcome:
-    """Each candidate split recorded once and run with Belady eviction from its own future; the best tok/s."""
-    best: tuple[float, Outcome] | None = None
+def _split_label(split: Split) -> str:
+    return f"{split.expert_slots} slots {list(split.expert_slots_per_layer)}/{split.kv_gpu_blocks} KV"
+
+
+def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, prefix_tokens: int,
+            predictor: Predictor, base: dict[str, Any], store: _Store, say: Any) -> dict[str, Any]:
+    """Each candidate split recorded once and run with Belady eviction from its own future, its row saved as it
+    finishes (a candidate already in the file is not run again); the row of the best tok/s."""
+    done = store.candidates(base["point"], base["device"], base["code"])
+    best: dict[str, Any] | None = None
     tried: list[str] = []
     for split in oracle_splits(ctx, sizes.oracle_max_splits):
-        rec = FutureRecorder(h.router)
-        label = f"{split.expert_slots} slots/{split.kv_gpu_blocks} KV"
-        try:
-            measure(h, ctx, _Recording(split), sizes, workdir, prefix_tokens, router=rec)
-            out = measure(h, dataclasses.replace(ctx, future=rec.future(split.kv_gpu_blocks), split=split),
-                          make("oracle"), sizes, workdir, prefix_tokens)
-        except RunRefused as exc:
-            tried.append(f"{label}: refused ({exc})")
-            continue
-        tok_s = _tok_s(out, sizes.warm_steps)
-        tried.append(f"{label}: {tok_s:.1f} tok/s")
-        if best is None or tok_s > best[0]:
-            best = (tok_s, out)
+        label = _split_label(split)
+        row = done.get(label)
+        if row is None:
+            t0 = time.perf_counter()
+            rec = FutureRecorder(h.router)
+            try:
+                measure(h, ctx, _Recording(split), sizes, workdir, prefix_tokens, router=rec)
+                out = measure(h, dataclasses.replace(ctx, future=rec.future(split.kv_gpu_blocks), split=split),
+                              make("oracle"), sizes, workdir, prefix_tokens)
+            except RunRefused as exc:
+                tried.append(f"{label}: refused ({exc})")
+                continue
+            row = measured_row(base, out, sizes.warm_steps, predictor)
+            row = {**row, "candidate_status": row["status"], "status": CANDIDATE, "oracle_split": label,
+                   "run_s": time.perf_counter() - t0}
+            store.add(row)
+            say(f"{base['point']} oracle candidate {label}: {row['decode_tok_s']:.1f} tok/s ({row['run_s']:.1f} s)")
+            tried.append(f"{label}: {row['decode_tok_s']:.1f} tok/s")
+        else:
+            tried.append(f"{label}: {row['decode_tok_s']:.1f} tok/s (saved)")
+        if best is None or row["decode_tok_s"] > best["decode_tok_s"]:
+            best = row
     if best is None:
         raise RunRefused("no candidate split could run: " + "; ".join(tried))
-    out = best[1]
-    out.notes = (out.notes + " | " if out.notes else "") + "splits tried: " + "; ".join(tried)
-    return out
+    out_row = {k: v for k, v in best.items() if k not in ("candidate_status", "run_id", "run_s")}
+    out_row["status"] = best["candidate_status"]
+    out_row["search_s"] = sum(r.get("run_s", 0.0) for r in store.candidates(base["point"], base["device"],
+                                                                             base["code"]).values())
+    out_row["notes"] = (best["notes"] + " | " if best["notes"] else "") + "splits tried: " + "; ".join(tried)
+    return out_row
 
 
 def _device_name(dev: Any) -> str:
@@ -94,12 +130,13 @@ def _base_row(point: Point, ctx: PointContext | None, policy: str, device: str, 
 
 
 def _one(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, sizes: Sizes, predictor: Predictor,
-         base: dict[str, Any], say: Any) -> dict[str, Any]:
+         base: dict[str, Any], store: _Store, say: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tierplan-phase-") as tmp:
         try:
             baseline = make(policy)
-            out = (_oracle(h, ctx, sizes, Path(tmp), prefix_tokens) if baseline.needs_future
-                   else measure(h, ctx, baseline, sizes, Path(tmp), prefix_tokens))
+            if baseline.needs_future:
+                return _oracle(h, ctx, sizes, Path(tmp), prefix_tokens, predictor, base, store, say)
+            out = measure(h, ctx, baseline, sizes, Path(tmp), prefix_tokens)
         except RunRefused as exc:
             return refused_row(base, str(exc))
         except ImportError as exc:  # e.g. the controller's solver stack absent on the device image
@@ -140,18 +177,18 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
     pols = policies or BASELINES
     dev = Device(device)
     dev_name, code, day = _device_name(dev), code_id(repr(sizes)), time.strftime("%Y%m%d")
-    plan: dict[str, tuple[Path, list[dict[str, Any]], list[Point]]] = {}
+    plan: dict[str, tuple[_Store, list[Point]]] = {}
     todo = 0
     for m in dict.fromkeys(p.model for p in grid):
         path = out_dir / f"phase_{m}_{day}.json"
-        rows = [] if fresh else load_rows(path)
-        if not rows and not fresh:  # carry an earlier day's rows over (the sweep may span days)
+        rows, seed = load_rows(path), []
+        if not path.exists():  # carry an earlier day's rows over (the sweep may span days)
             older = sorted(out_dir.glob(f"phase_{m}_*.json"))
-            rows = load_rows(older[-1]) if older else []
+            rows = seed = load_rows(older[-1]) if older else []
+        store = _Store(path, rows, seed, fresh)
         pts = [p for p in grid if p.model == m]
-        done = {run_key(r) for r in rows}
-        todo += sum((p.key, pol, dev_name, code) not in done for p in pts for pol in pols)
-        plan[m] = (path, rows, pts)
+        todo += sum((p.key, pol, dev_name, code) not in store.done for p in pts for pol in pols)
+        plan[m] = (store, pts)
     if on_total is not None:
         on_total(todo)
     import torch
@@ -163,17 +200,17 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
         _sweep(plan, pols, sizes, dev, dev_name, code, say, progress)
     finally:
         torch.set_num_threads(threads)
-    return {m: v[0] for m, v in plan.items()}
+    return {m: v[0].path for m, v in plan.items()}
 
 
-def _sweep(plan: dict[str, tuple[Path, list[dict[str, Any]], list[Point]]], pols: tuple[str, ...], sizes: Sizes,
-           dev: Any, dev_name: str, code: str, say: Any, progress: Callable[[int], None] | None) -> None:
-    for m, (path, rows, pts) in plan.items():
-        done = {run_key(r) for r in rows}
-        if any((p.key, pol, dev_name, code) not in done for p in pts for pol in pols):
-            _sweep_model(m, pts, pols, sizes, dev, dev_name, code, path, rows, done, say, progress)
-        write_report(latest(rows, dev_name), path.with_suffix(""), sizes, dev_name)
-        say(f"{m}: {len(rows)} rows in {path}")
+def _sweep(plan: dict[str, tuple[_Store, list[Point]]], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str,
+           code: str, say: Any, progress: Callable[[int], None] | None) -> None:
+    for m, (store, pts) in plan.items():
+        if any((p.key, pol, dev_name, code) not in store.done for p in pts for pol in pols):
+            _sweep_model(m, pts, pols, sizes, dev, dev_name, code, store, say, progress)
+        if store.rows:
+            write_report(latest(store.rows, dev_name), store.path.with_suffix(""), sizes, dev_name)
+        say(f"{m}: {len(store.rows)} rows in {store.path}")
 
 
 def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor, say: Any) -> None:
@@ -191,15 +228,14 @@ def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor,
 
 
 def _sweep_model(m: str, pts: list[Point], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str, code: str,
-                 path: Path, rows: list[dict[str, Any]], done: set, say: Any,
-                 progress: Callable[[int], None] | None) -> None:
+                 store: _Store, say: Any, progress: Callable[[int], None] | None) -> None:
     sweep = next(s for s in sizes.models if s.name == m)
     h = open_model(m, sweep.layers, sweep.full_layers, dev, say)
     predictor = Predictor.for_model(h)
     try:
         _calibrate(h, pts[0], sizes, predictor, say)
         for p in pts:
-            left = [pol for pol in pols if (p.key, pol, dev_name, code) not in done]
+            left = [pol for pol in pols if (p.key, pol, dev_name, code) not in store.done]
             if not left:
                 continue
             ctx: PointContext | None = None
@@ -212,10 +248,9 @@ def _sweep_model(m: str, pts: list[Point], pols: tuple[str, ...], sizes: Sizes, 
                 t0 = time.perf_counter()
                 base = _base_row(p, ctx, pol, dev_name, code, sizes)
                 row = (refused_row(base, why) if ctx is None
-                       else _one(h, ctx, prefix_tokens, pol, sizes, predictor, base, say))
+                       else _one(h, ctx, prefix_tokens, pol, sizes, predictor, base, store, say))
                 row["run_s"] = time.perf_counter() - t0
-                rows.append(row)
-                write_rows(path, rows)
+                store.add(row)
                 if progress is not None:
                     progress(1)
                 tok = f"{row['decode_tok_s']:.1f} tok/s" if row["decode_tok_s"] is not None else row["status"]

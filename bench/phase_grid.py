@@ -54,12 +54,15 @@ class Sizes:
 
 # The grid. qwen3-30b-a3b: 128 experts of 9 MiB in each of 48 layers (~54 GiB), mixtral: 8 of 336 MiB
 # in 32 (~84 GiB); both cut to 8 layers so each point's engine builds in seconds and fits beside the store.
+# Outputs of 64 tokens on average (at most 128) and 1.25 requests per batch slot: a run at full concurrency is
+# 121-150 steps (>= 100 measured after the 16 warm-up ones); a policy that runs fewer sequences at once takes
+# more. Three oracle candidates: each costs a recording pass and a run.
 FULL = Sizes(
     models=(ModelSweep("qwen3-30b-a3b", 8, 48, budgets_gib=(24.0, 40.0, 56.0)),
             ModelSweep("mixtral-8x7b", 8, 32, budgets_gib=(32.0, 56.0, 80.0))),
-    batches=(1, 8, 32, 128, 256), contexts=(1024, 4096, 16384), mean_output_tokens=96, max_output_tokens=256,
+    batches=(1, 8, 32, 128, 256), contexts=(1024, 4096, 16384), mean_output_tokens=64, max_output_tokens=128,
     requests_per_batch=1.25,
-    warm_steps=16, virtual_step_s=0.02, kv_cpu_gib=24.0, kv_nvme_gib=48.0, oracle_max_splits=5,
+    warm_steps=16, virtual_step_s=0.02, kv_cpu_gib=24.0, kv_nvme_gib=48.0, oracle_max_splits=3,
     activation_bytes_per_token=64 << 10, quick=False)
 # CPU smoke sizes: the tiny preset (2 layers, 8 experts, top-2); few steps, so its figures are no result.
 QUICK = Sizes(

@@ -1,22 +1,38 @@
 """A phase-diagram row from one run's measurements, and the cost model's prediction of its step time.
 
-Runs in the bench process; pure Python over the runner's records (no torch). Every figure is over the steps
-after warm-up: decode tok/s (tokens the measured steps produced over their wall time), TPOT p50/p99 and TTFT
-p50 over the run's requests (wall time, from the `Runner`), expert hit rate, stall ms per measured step by
-cause (a step that waited on both expert loads and KV fetches counts all of its stall as "both", as the
-agent's telemetry does), KV hits per tier, bytes per link, plan changes. `predicted_step_ms` is the controller's
-cost model (`tierplan.controller.costmodel`) for the loads the policy's split caused (each measured step's
-tokens, context, expert misses and KV fetches), calibrated only on windows it has not to predict: the earlier
-runs of the model in this process and this run's warm-up windows. It never asserts on a figure.
+Runs in the bench process; pure Python + numpy over the runner's records (no torch). Every figure is over the
+measured steps (those after warm-up):
+- `decode_tok_s`: output tokens of the measured steps over their wall time, from the end of the last warm-up
+  step to the end of the last step: every step's cycle (the forward, and everything between two steps:
+  preemption spills, the planner's solve, prefetch issue, the agent's hooks). `measured_step_ms` is that wall
+  time over the measured steps; `ms_per_token` its inverse per output token: the figure to compare policies
+  by (runs of one point differ in how many sequences share a step). `decode_step_ms`: the mean cycle of the
+  measured steps with no prefill; `engine_step_ms`: the forward alone; `mean_running_batch`: sequences per
+  measured step.
+- TPOT p50/p99 and TTFT p50 over the run's requests (wall time, from the `Runner`), expert hit rate, stall ms
+  per measured step by cause (a step that waited on both expert loads and KV fetches counts all of its stall
+  as "both", as the agent's telemetry does), KV hits per tier, bytes per link, plan changes.
+- `predicted_step_ms`: the cost model's step time for what the policy planned, never for what it measured.
+  A live policy (a controller re-planning): the plan's own prediction, the controller's `Decision.step_ms` of
+  the split in force at each measured step (steps before its first decision: as a static split). A static
+  split: the cost model (`tierplan.controller.costmodel`, calibrated on earlier runs of the model in this
+  process and this run's warm-up windows) over each measured step's tokens, context and KV fetches with the
+  expert misses the routing trace's LRU miss-ratio curve predicts at the split's slots per layer
+  (`controller.predictors.miss_ratio`, the decode walk of `ForcedRouter` at the step's batch).
+  `predicted_step_ms_measured_misses` prices the measured misses instead (time per byte, no miss prediction).
+It never asserts on a figure.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from tierplan.controller.costmodel import CostModel, HardwareSpec, StepLoad
 from tierplan.controller.model_shape import ModelShape
+from tierplan.controller.predictors.miss_ratio import MissRatioCurves
 from tierplan.controller.protocol import AckStatus, Link
 
 # The issue's row, in its order: every row carries these (the rest are extra columns).
@@ -24,14 +40,34 @@ ROW_FIELDS = ("model", "layers", "batch", "context", "hbm_budget_gib", "policy",
               "tpot_p99_ms", "ttft_p50_ms", "expert_hit_rate", "stall_ms_expert", "stall_ms_kv", "stall_ms_both",
               "predicted_step_ms", "measured_step_ms", "device")
 TRANSFER_OVERHEAD_PRIOR_S = 1e-4  # per record, before calibration (the cost model fits it from the windows)
+CURVE_MAX_BATCH = 256  # the miss-ratio curves' largest tracked batch (a larger step uses this one)
+CURVE_ACCESSES = 16384  # expert accesses per layer a curve is built from (steps = this / the batch's union)
+
+
+def timing(steps: list[Any]) -> dict[str, float | None]:
+    """The measured steps' wall-time figures (module docstring); zeros / None without steps."""
+    wall_s = sum(s.cycle_s for s in steps)
+    tokens = sum(s.tokens_out for s in steps)
+    decode = [s.cycle_s for s in steps if s.num_prefills == 0]
+    n = len(steps)
+    return {"decode_tok_s": tokens / wall_s if wall_s else 0.0,
+            "measured_step_ms": wall_s / n * 1e3 if n else 0.0,
+            "ms_per_token": wall_s / tokens * 1e3 if tokens else None,
+            "decode_step_ms": sum(decode) / len(decode) * 1e3 if decode else None,
+            "engine_step_ms": sum(s.step_s for s in steps) / n * 1e3 if n else None,
+            "mean_running_batch": sum(s.num_prefills + s.num_decodes for s in steps) / n if n else None,
+            "measured_wall_s": wall_s}
 
 
 @dataclass
 class Predictor:
-    """One cost model per model in this process, calibrated as the runs go."""
+    """One cost model per model in this process, calibrated as the runs go, and the routing trace's LRU
+    miss-ratio curves per tracked batch (built on first use)."""
 
     cost: CostModel
     kv_block_bytes: int
+    ids_host: np.ndarray | None = None  # the forced router's table [T, L_moe, k]
+    _curves: dict[int, MissRatioCurves] = field(default_factory=dict)
 
     @classmethod
     def for_model(cls, h: Any) -> Predictor:
@@ -41,25 +77,87 @@ class Predictor:
                            kv_bytes_per_token=max(1, h.kv_block_bytes // h.block_tokens), block_tokens=h.block_tokens)
         hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, h.link_bytes_per_s),
                           transfer_overhead_s=TRANSFER_OVERHEAD_PRIOR_S, hbm_bytes=0, name=str(h.dev.torch_device))
-        return cls(CostModel(shape, hw), h.kv_block_bytes)
+        return cls(CostModel(shape, hw), h.kv_block_bytes, getattr(h.router, "ids_host", None))
 
     def calibrate(self, windows: list[Any]) -> None:
         for tel in windows:
             self.cost.calibrate(tel)
 
+    def curve(self, batch: int) -> MissRatioCurves:
+        """The trace's LRU curves at `batch` (a power of two, <= CURVE_MAX_BATCH): `batch` sequences walking the
+        table as `ForcedRouter` has decodes do (sequence s at step t reads row (s * 997 + t) % T)."""
+        if batch not in self._curves:
+            if self.ids_host is None:
+                raise ValueError("Predictor: no routing table to build miss-ratio curves from")
+            ids = self.ids_host
+            t_rows, num_moe = ids.shape[0], ids.shape[1]
+            curves = MissRatioCurves(num_moe, self.cost.shape.num_experts, (batch,))
+            seqs = np.arange(batch, dtype=np.int64) * 997
+            union = min(self.cost.shape.num_experts, batch * self.cost.shape.top_k)
+            for t in range(max(32, CURVE_ACCESSES // union)):
+                rows = ids[(seqs + t) % t_rows]  # [B, L, k]
+                for m in range(num_moe):
+                    curves.observe_step(m, rows[:, m].reshape(-1), batch)
+            self._curves[batch] = curves
+        return self._curves[batch]
+
+    def predicted_misses(self, slots: tuple[int, ...], tokens: int) -> tuple[float, ...]:
+        """Per MoE layer: the misses per step an LRU cache of `slots[m]` slots makes at a step of `tokens`."""
+        b = 1 << (max(1, min(tokens, CURVE_MAX_BATCH)).bit_length() - 1)
+        c = self.curve(b)
+        # Every expert resident: no miss (the curve's cold misses belong to the warm-up, which fills the slots).
+        return tuple(0.0 if s >= c.num_experts else float(c.expected_misses_per_step(m, b)[s])
+                     for m, s in enumerate(slots))
+
+    def _load(self, s: Any, misses: tuple[float, ...]) -> StepLoad:
+        cpu, nvme = s.kv_fetch.get("cpu", 0), s.kv_fetch.get("nvme", 0)
+        return StepLoad(batch_tokens=max(1, s.batch_tokens), context_tokens=s.context_tokens, miss_count=misses,
+                        kv_fetch_bytes=cpu * self.kv_block_bytes, kv_fetch_count=cpu,
+                        kv_disk_read_bytes=nvme * self.kv_block_bytes, kv_disk_read_count=nvme)
+
     def step_ms(self, steps: list[Any]) -> float:
-        """Mean predicted step time over `steps` (StepRecords), each from its own load."""
+        """Mean predicted step time over `steps` (StepRecords), each priced at its measured misses."""
         m = self.cost.shape.num_moe_layers
         total = 0.0
         for s in steps:
             per, extra = divmod(s.expert_misses, m)
-            misses = tuple(per + (1 if j < extra else 0) for j in range(m))
-            cpu, nvme = s.kv_fetch.get("cpu", 0), s.kv_fetch.get("nvme", 0)
-            load = StepLoad(batch_tokens=max(1, s.batch_tokens), context_tokens=s.context_tokens, miss_count=misses,
-                            kv_fetch_bytes=cpu * self.kv_block_bytes, kv_fetch_count=cpu,
-                            kv_disk_read_bytes=nvme * self.kv_block_bytes, kv_disk_read_count=nvme)
-            total += self.cost.step_time_ms(load).total_ms
+            total += self.cost.step_time_ms(self._load(s, tuple(per + (1 if j < extra else 0)
+                                                               for j in range(m)))).total_ms
         return total / len(steps) if steps else 0.0
+
+    def split_step_ms(self, steps: list[Any], slots: tuple[int, ...]) -> float:
+        """Mean predicted step time over `steps` at a static split of `slots` per MoE layer: each step's
+        tokens, context and KV fetches, the misses the miss-ratio curve predicts."""
+        total = sum(self.cost.step_time_ms(self._load(s, self.predicted_misses(slots, s.batch_tokens))).total_ms
+                    for s in steps)
+        return total / len(steps) if steps else 0.0
+
+
+def plan_slots(plan: Any, shape: ModelShape) -> tuple[int, ...]:
+    """Expert slots per MoE layer that a plan's caps allow."""
+    return tuple(plan.expert_bytes_per_layer[layer] // shape.expert_bytes for layer in shape.moe_layers)
+
+
+def predict(predictor: Predictor, outcome: Any, warm: int, timed: list[Any]) -> tuple[float, str]:
+    """`predicted_step_ms` of the run (module docstring) and where it came from."""
+    decisions = sorted(outcome.extra.get("decisions") or [])
+    static_ms = predictor.split_step_ms(timed, plan_slots(outcome.initial_plan, predictor.cost.shape))
+    if not decisions:
+        return static_ms, "split: cost model over the trace's LRU miss curve"
+    ws = max(1, outcome.window_steps)
+    total, before = 0.0, 0
+    for i in range(warm, warm + len(timed)):
+        active = [ms for w, ms in decisions if w * ws <= i]
+        if active:
+            total += active[-1]
+        else:
+            before += 1
+    if before:  # steps before the first decision ran the initial split
+        total += before * static_ms
+    return (total / len(timed) if timed else 0.0,
+            "plan: the controller's predicted step of the split in force" + (f" ({before} steps before its first "
+                                                                             "decision: as a static split)"
+                                                                             if before else ""))
 
 
 def _stalls(steps: list[Any]) -> dict[str, float]:
@@ -89,43 +187,50 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
     steps = outcome.steps
     warm = min(warm_steps, max(0, len(steps) - 1))  # a run shorter than the warm-up still measures its last step
     timed = steps[warm:]
-    wall_s = sum(s.step_s for s in timed)
     hits, misses = sum(s.expert_hits for s in timed), sum(s.expert_misses for s in timed)
     n_warm_windows = warm // outcome.window_steps
     predictor.calibrate(outcome.telemetry[:n_warm_windows])
-    predicted = predictor.step_ms(timed)
+    predicted, source = predict(predictor, outcome, warm, timed)
+    priced = predictor.step_ms(timed)
     predictor.calibrate(outcome.telemetry[n_warm_windows:])
     rep = outcome.report
     stalls = _stalls(timed)
     applied = sum(a.status is AckStatus.APPLIED for a in outcome.acks)
     fetch = _sum(timed, "kv_fetch")
     plan = outcome.initial_plan
-    measured = wall_s / len(timed) * 1e3 if timed else 0.0
+    tm = timing(timed)
+    measured = tm["measured_step_ms"]
     notes, status = outcome.notes, "ok"
     errors = outcome.extra.get("planner_errors") or []
     if errors:  # the live planner failed some windows: the plan held there, so this is not the policy's result
         status = "degraded"
         notes = f"{len(errors)} window(s) the planner failed, first: {errors[0]}" + (f" | {notes}" if notes else "")
+    diverged = outcome.extra.get("diverged_steps")
+    if diverged is not None:
+        notes += f" | diverged_steps {diverged} (steps whose experts differed from the recording)"
     return {
         **base,
-        "decode_tok_s": sum(s.tokens_out for s in timed) / wall_s if wall_s else 0.0,
+        **tm,
         "tpot_p50_ms": rep.pct("tpot_s", 0.5) * 1e3, "tpot_p99_ms": rep.pct("tpot_s", 0.99) * 1e3,
         "ttft_p50_ms": rep.pct("ttft_s", 0.5) * 1e3,
         "expert_hit_rate": hits / (hits + misses) if hits + misses else 1.0,
         "stall_ms_expert": stalls["expert"], "stall_ms_kv": stalls["kv"], "stall_ms_both": stalls["both"],
-        "predicted_step_ms": predicted, "measured_step_ms": measured,
+        "predicted_step_ms": predicted, "predicted_from": source,
+        "predicted_step_ms_measured_misses": priced,
         "predicted_over_measured": predicted / measured if measured else None,
         "status": status, "measured_steps": len(timed), "warm_steps": warm, "requests": len(rep.requests),
+        "output_tokens": sum(s.tokens_out for s in timed),
         "kv_hits": {"gpu": sum(s.kv_gpu_hits for s in timed), **fetch},
         "link_bytes": _sum(timed, "link_bytes"),
         "plan_changes": max(0, applied - 1), "plans_rejected": len(outcome.acks) - applied,
         "planner_errors": outcome.loop_stats.get("planner_errors", 0),
         "peak_hbm_bytes": outcome.extra.get("peak_hbm_bytes"),
         "over_budget_steps": outcome.extra.get("over_budget_steps"),
+        "diverged_steps": diverged, "local_predictor": outcome.extra.get("local_predictor"),
         "initial_expert_bytes": sum(plan.expert_bytes_per_layer),
         "initial_kv_gpu_blocks": int(plan.kv_blocks_per_tier.get("gpu", 0)),
         "preemptions": sum(r.preemptions for r in rep.requests),
-        "notes": notes,
+        "notes": notes.lstrip(" |"),
     }
 
 

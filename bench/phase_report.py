@@ -3,9 +3,12 @@
 Runs in the bench process after a sweep (and on every rerun: the report is rebuilt from the JSON). Per point:
 tierplan's tok/s over the best non-oracle baseline's and over the oracle's, the Acceptance targets reported met /
 not met, and where tierplan falls short of the best baseline the cause the stall breakdown names (prediction,
-split, link contention or engine overhead). Plots: tok/s against batch (one panel per context x budget, one line
-per policy) and the winning policy over batch x context (one panel per budget). Ratios are within one run of
-the sweep; it never hard-codes a figure.
+split, link contention or engine overhead). Nothing is left out quietly: every baseline row that produced a
+throughput competes for "best" (a degraded one is marked), and a point where tierplan's row is not "ok"
+(degraded, refused, error, absent) counts as missed, with its reason. Policies are compared by time per output
+token (tok/s), never by step time: runs of one point differ in how many sequences share a step. Plots: tok/s
+against batch (one panel per context x budget, one line per policy) and the winning policy over batch x context
+(one panel per budget). Ratios are within one run of the sweep; it never hard-codes a figure.
 """
 
 from __future__ import annotations
@@ -17,8 +20,13 @@ ORACLE, TIERPLAN = "oracle", "tierplan"
 PRED_TOLERANCE = 0.15
 
 
-def _ok(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if r.get("status") == "ok" and r.get("decode_tok_s")]
+def _ran(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows that produced a throughput (ok or degraded)."""
+    return [r for r in rows if r.get("decode_tok_s")]
+
+
+def _ok(r: dict[str, Any] | None) -> bool:
+    return r is not None and r.get("status") == "ok" and bool(r.get("decode_tok_s"))
 
 
 def _by_point(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -32,65 +40,129 @@ def _budget(r: dict[str, Any]) -> str:
     return f"{r['hbm_budget_gib']:g} GiB" if r.get("budget_frac") is None else f"{r['budget_frac']:g}x need"
 
 
+def _mark(r: dict[str, Any]) -> str:
+    return "" if r.get("status") == "ok" else f" ({r.get('status')})"
+
+
+def _ms_per_token(r: dict[str, Any]) -> float:
+    return r.get("ms_per_token") or 1e3 / r["decode_tok_s"]
+
+
+def _per_token(r: dict[str, Any], stall_ms_per_step: float) -> float:
+    """A per-step figure per output token (a step makes one token per running sequence)."""
+    return stall_ms_per_step / max(1e-9, r.get("mean_running_batch") or 1.0)
+
+
+def _between(r: dict[str, Any]) -> float:
+    """Wall time outside the forward per output token (0 for rows without the engine's own step time)."""
+    if r.get("engine_step_ms") is None:
+        return 0.0
+    return _per_token(r, max(0.0, r["measured_step_ms"] - r["engine_step_ms"]))
+
+
 def _cause(tp: dict[str, Any], best: dict[str, Any]) -> str:
-    """What the stall breakdown says about tierplan's shortfall against `best`."""
+    """What the stall breakdown says about tierplan's shortfall against `best`, per output token."""
     pred = tp.get("predicted_over_measured")
-    exp_tp, exp_b = tp["stall_ms_expert"] + tp["stall_ms_both"], best["stall_ms_expert"] + best["stall_ms_both"]
-    kv_tp, kv_b = tp["stall_ms_kv"] + tp["stall_ms_both"], best["stall_ms_kv"] + best["stall_ms_both"]
-    step = tp["measured_step_ms"] or 0.0
+    exp_tp = _per_token(tp, tp["stall_ms_expert"] + tp["stall_ms_both"])
+    exp_b = _per_token(best, best["stall_ms_expert"] + best["stall_ms_both"])
+    kv_tp = _per_token(tp, tp["stall_ms_kv"] + tp["stall_ms_both"])
+    kv_b = _per_token(best, best["stall_ms_kv"] + best["stall_ms_both"])
+    tpt, tpt_b = _ms_per_token(tp), _ms_per_token(best)
+    run_tp, run_b = tp.get("mean_running_batch"), best.get("mean_running_batch")
     h2d = (tp.get("link_bytes") or {}).get("h2d", 0)
-    if exp_tp > exp_b + 0.1 * step:
-        why = f"split: experts short (expert stall {exp_tp:.2f} vs {exp_b:.2f} ms/step)"
-    elif kv_tp > kv_b + 0.1 * step:
-        why = f"split: KV short (KV stall {kv_tp:.2f} vs {kv_b:.2f} ms/step)"
-    elif tp.get("preemptions", 0) > best.get("preemptions", 0):
+    if exp_tp > exp_b + 0.1 * tpt:
+        why = f"split: experts short (expert stall {exp_tp:.3f} vs {exp_b:.3f} ms/token)"
+    elif kv_tp > kv_b + 0.1 * tpt:
+        why = f"split: KV short (KV stall {kv_tp:.3f} vs {kv_b:.3f} ms/token)"
+    elif (tp.get("preemptions") or 0) > (best.get("preemptions") or 0):
         why = f"split: KV short ({tp['preemptions']} vs {best['preemptions']} preemptions)"
+    elif run_tp and run_b and run_tp < 0.9 * run_b:
+        why = f"split: KV short ({run_tp:.1f} vs {run_b:.1f} sequences per step)"
+    elif _between(tp) > _between(best) + 0.1 * tpt:
+        why = (f"engine overhead between steps (planner solves, spills, hooks): {_between(tp):.3f} vs "
+               f"{_between(best):.3f} ms/token outside the forward")
     else:
-        why = (f"engine overhead (stalls alike, step {step:.2f} vs {best['measured_step_ms']:.2f} ms; "
-               f"{h2d / max(1, tp.get('measured_steps') or 1) / 2**20:.1f} MiB h2d per step)")
+        why = (f"engine overhead (stalls alike, {tpt:.3f} vs {tpt_b:.3f} ms/token; "
+               f"{h2d / max(1, tp.get('output_tokens') or 1) / 2**20:.2f} MiB h2d per token)")
     if pred is not None and abs(pred - 1) > PRED_TOLERANCE:
         why += f"; prediction off by {pred - 1:+.0%}"
     return why
 
 
+def _why_not(tp: dict[str, Any] | None) -> str:
+    if tp is None:
+        return "missed: no tierplan row"
+    return f"missed: tierplan {tp.get('status')}: {(tp.get('notes') or '')[:160]}"
+
+
 def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per point: tierplan / best non-oracle baseline and / oracle (tok/s); and the Acceptance targets."""
     per: list[dict[str, Any]] = []
-    for key, pol in _by_point(_ok(rows)).items():
-        others = {k: v for k, v in pol.items() if k not in (ORACLE, TIERPLAN)}
-        best = max(others.values(), key=lambda r: r["decode_tok_s"]) if others else None
+    for key, pol in _by_point(rows).items():
+        others = [v for k, v in pol.items() if k not in (ORACLE, TIERPLAN) and v.get("decode_tok_s")]
+        best = max(others, key=lambda r: r["decode_tok_s"]) if others else None
         tp, orc = pol.get(TIERPLAN), pol.get(ORACLE)
+        tp_tok = tp.get("decode_tok_s") if tp else None
+        orc_tok = orc.get("decode_tok_s") if orc else None
         any_r = next(iter(pol.values()))
+        vs_best = tp_tok / best["decode_tok_s"] if tp_tok and best else None
+        cause = ""
+        if not _ok(tp):
+            cause = _why_not(tp)
+        elif best and vs_best is not None and vs_best < 0.95:
+            cause = _cause(tp, best)
         per.append({
             "point": key, "batch": any_r["batch"], "context": any_r["context"], "budget": _budget(any_r),
-            "best": best["policy"] if best else None, "best_tok_s": best["decode_tok_s"] if best else None,
-            "tierplan_tok_s": tp["decode_tok_s"] if tp else None, "oracle_tok_s": orc["decode_tok_s"] if orc else None,
-            "vs_best": tp["decode_tok_s"] / best["decode_tok_s"] if tp and best else None,
-            "vs_oracle": tp["decode_tok_s"] / orc["decode_tok_s"] if tp and orc else None,
-            "oracle_over_tierplan_step": (orc["measured_step_ms"] / tp["measured_step_ms"]
-                                          if tp and orc and tp["measured_step_ms"] else None),
-            "cause": _cause(tp, best) if tp and best and tp["decode_tok_s"] < 0.95 * best["decode_tok_s"] else "",
+            "best": best["policy"] + _mark(best) if best else None,
+            "best_tok_s": best["decode_tok_s"] if best else None,
+            "tierplan_ok": _ok(tp), "tierplan_status": tp.get("status") if tp else "absent",
+            "tierplan_tok_s": tp_tok, "oracle_tok_s": orc_tok, "oracle_status": orc.get("status") if orc else None,
+            "vs_best": vs_best, "vs_oracle": tp_tok / orc_tok if tp_tok and orc_tok else None,
+            # time per output token, oracle over tierplan (= tierplan tok/s over the oracle's)
+            "oracle_over_tierplan_tpt": tp_tok / orc_tok if tp_tok and orc_tok else None,
+            "cause": cause,
         })
-    vs_best = [p["vs_best"] for p in per if p["vs_best"] is not None]
-    steps = [p["oracle_over_tierplan_step"] for p in per if p["oracle_over_tierplan_step"] is not None]
-    preds = [r["predicted_over_measured"] for r in _ok(rows) if r.get("predicted_over_measured") is not None]
+    return per, _targets(per, rows)
+
+
+def _targets(per: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, tuple[bool | None, str]]:
+    not_ok = [p for p in per if not p["tierplan_ok"]]
+    miss = f"; tierplan not ok at {len(not_ok)} of {len(per)} points (missed)" if not_ok else ""
+    compared = [p for p in per if p["tierplan_ok"] and p["vs_best"] is not None]
+    vs_best = [p["vs_best"] for p in compared]
+    below = sum(v < 0.95 for v in vs_best)
+    no_base = sum(p["tierplan_ok"] and p["best"] is None for p in per)
+    with_oracle = [p for p in per if p["oracle_tok_s"]]
+    tpt = [p["oracle_over_tierplan_tpt"] for p in with_oracle if p["tierplan_ok"]]
+    tpt_missed = sum(not p["tierplan_ok"] for p in with_oracle)
+    no_oracle = len(per) - len(with_oracle)
+    mean_tpt = sum(tpt) / len(tpt) if tpt else None
+    ran = _ran(rows)
+    preds = [r["predicted_over_measured"] for r in ran if r.get("predicted_over_measured") is not None]
     within = sum(abs(x - 1) <= PRED_TOLERANCE for x in preds)
-    mean_step = sum(steps) / len(steps) if steps else None
-    targets = {
+    unmeasured = len(rows) - len(ran)
+    return {
         "tierplan >= 1.5x the best non-oracle baseline at >= 1 point":
-            (max(vs_best) >= 1.5 if vs_best else None, f"max {max(vs_best):.2f}x" if vs_best else "no points"),
+            (max(vs_best) >= 1.5 if vs_best else False if per else None,
+             (f"max {max(vs_best):.2f}x" if vs_best else "no point where tierplan ran ok") + miss
+             if per else "no points"),
         "tierplan >= 0.95x the best static baseline at every point":
-            (min(vs_best) >= 0.95 if vs_best else None,
-             f"min {min(vs_best):.2f}x, {sum(v < 0.95 for v in vs_best)} of {len(vs_best)} points below"
-             if vs_best else "no points"),
-        "mean oracle step / tierplan step >= 1/1.10":
-            (mean_step >= 1 / 1.10 if mean_step is not None else None,
-             f"{mean_step:.3f} (>= {1 / 1.10:.3f})" if mean_step is not None else "no points"),
+            (not not_ok and below == 0 and bool(compared) if per else None,
+             (f"min {min(vs_best):.2f}x, {below} of {len(compared)} compared points below" if vs_best
+              else "no point compared") + miss + (f"; {no_base} point(s) with no baseline that ran" if no_base
+                                                  else "") if per else "no points"),
+        "mean oracle / tierplan time per output token >= 1/1.10":
+            ((mean_tpt is not None and mean_tpt >= 1 / 1.10 and not tpt_missed) if with_oracle else None,
+             (f"{mean_tpt:.3f} (>= {1 / 1.10:.3f}) over {len(tpt)} points" if mean_tpt is not None
+              else "no point with both")
+             + (f"; tierplan not ok at {tpt_missed} point(s) with an oracle row (missed)" if tpt_missed else "")
+             + (f"; no oracle throughput at {no_oracle} point(s)" if no_oracle else "") if with_oracle
+             else "no oracle rows"),
         "cost model within 15% of the measured step at >= 90% of runs":
             (within >= 0.9 * len(preds) if preds else None,
-             f"{within} of {len(preds)} runs ({within / len(preds):.0%})" if preds else "no runs"),
+             (f"{within} of {len(preds)} runs ({within / len(preds):.0%})" if preds else "no runs")
+             + (f"; {unmeasured} run(s) without a measurement" if unmeasured else "")),
     }
-    return per, targets
 
 
 def _f(v: Any, fmt: str = ".2f") -> str:
@@ -99,7 +171,7 @@ def _f(v: Any, fmt: str = ".2f") -> str:
 
 def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -> str:
     per, targets = summarize(rows)
-    ok = _ok(rows)
+    ran = _ran(rows)
     r0 = rows[0] if rows else {}
     lines = [f"# {title}", ""]
     if quick:
@@ -107,36 +179,43 @@ def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -
                   "that every policy runs end to end and every output is written; its figures are no result.", ""]
     lines += [f"Device: {device}. Model {r0.get('model')} with {r0.get('layers')} of {r0.get('full_layers')} layers "
               "(budgets scaled by the kept fraction; the workspace is taken out before a policy sees them). "
-              f"Rows: {len(rows)} ({len(ok)} ran). Code: {', '.join(sorted({r['code'] for r in rows}))}.", "",
+              f"Rows: {len(rows)} ({len(ran)} ran, {sum(r.get('status') == 'ok' for r in rows)} ok). "
+              f"Code: {', '.join(sorted({r['code'] for r in rows}))}.", "",
               "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     for name, (met, fig) in targets.items():
         lines.append(f"| {name} | {'—' if met is None else 'met' if met else 'not met'} | {fig} |")
-    lines += ["", "Static baselines: every policy here but tierplan and the oracle.", "",
+    lines += ["", "Static baselines: every policy here but tierplan and the oracle; each row that produced a "
+              "throughput competes (degraded ones marked). A point where tierplan is not ok counts as missed. "
+              "tok/s is output tokens over the wall time of the measured steps, everything between them "
+              "included.", "",
               "## tierplan per point", "",
               "| batch | context | budget | best baseline | tok/s | tierplan tok/s | tierplan / best | oracle tok/s | "
-              "tierplan / oracle | cause (below 0.95x) |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "tierplan / oracle | cause (below 0.95x or missed) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in per:
+        tp_mark = "" if p["tierplan_status"] == "ok" else f" ({p['tierplan_status']})"
+        orc_mark = "" if p["oracle_status"] in (None, "ok") else f" ({p['oracle_status']})"
         lines.append(f"| {p['batch']} | {p['context']} | {p['budget']} | {p['best'] or '—'} | "
-                     f"{_f(p['best_tok_s'], '.1f')} | {_f(p['tierplan_tok_s'], '.1f')} | {_f(p['vs_best'])} | "
-                     f"{_f(p['oracle_tok_s'], '.1f')} | "
-                     f"{_f(p['vs_oracle'])} | {p['cause']} |")
+                     f"{_f(p['best_tok_s'], '.1f')} | {_f(p['tierplan_tok_s'], '.1f')}{tp_mark} | {_f(p['vs_best'])} | "
+                     f"{_f(p['oracle_tok_s'], '.1f')}{orc_mark} | {_f(p['vs_oracle'])} | {p['cause']} |")
     lines += ["", "## Every run", "",
-              "| batch | ctx | budget | policy | tok/s | TPOT p50/p99 ms | TTFT p50 ms | hit | "
-              "stall ms/step exp/kv/both | step ms pred/meas | plan changes | KV hits gpu/cpu/nvme | notes |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| batch | ctx | budget | policy | status | tok/s | ms/token | seqs/step | TPOT p50/p99 ms | "
+              "TTFT p50 ms | hit | stall ms/step exp/kv/both | step ms pred/meas (decode-only) | plan changes | "
+              "KV hits gpu/cpu/nvme | run s | notes |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("decode_tok_s") is None:
             lines.append(f"| {r['batch']} | {r['context']} | {_budget(r)} | {r['policy']} | {r.get('status')} |"
-                         f" | | | | | | | {r.get('notes', '')} |")
+                         f" | | | | | | | | | | {_f(r.get('run_s'), '.0f')} | {r.get('notes', '')} |")
             continue
         kv = r.get("kv_hits") or {}
         lines.append(
-            f"| {r['batch']} | {r['context']} | {_budget(r)} | {r['policy']} | {r['decode_tok_s']:.1f} | "
+            f"| {r['batch']} | {r['context']} | {_budget(r)} | {r['policy']} | {r.get('status')} | "
+            f"{r['decode_tok_s']:.1f} | {_ms_per_token(r):.3f} | {_f(r.get('mean_running_batch'), '.1f')} | "
             f"{r['tpot_p50_ms']:.2f}/{r['tpot_p99_ms']:.2f} | {r['ttft_p50_ms']:.1f} | {r['expert_hit_rate']:.3f} | "
             f"{r['stall_ms_expert']:.2f}/{r['stall_ms_kv']:.2f}/{r['stall_ms_both']:.2f} | "
-            f"{r['predicted_step_ms']:.2f}/{r['measured_step_ms']:.2f} | {r['plan_changes']} | "
-            f"{kv.get('gpu', 0)}/{kv.get('cpu', 0)}/{kv.get('nvme', 0)} | "
-            f"{'' if r.get('status') == 'ok' else r.get('status', '') + ': '}{r.get('notes', '')} |")
+            f"{r['predicted_step_ms']:.2f}/{r['measured_step_ms']:.2f} ({_f(r.get('decode_step_ms'))}) | "
+            f"{r['plan_changes']} | {kv.get('gpu', 0)}/{kv.get('cpu', 0)}/{kv.get('nvme', 0)} | "
+            f"{_f(r.get('run_s'), '.0f')} | {r.get('notes', '')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -147,7 +226,7 @@ def plot(rows: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = _ok(rows)
+    ok = _ran(rows)  # degraded rows too (the winner map marks them with *)
     if not ok:
         return []
     budgets = sorted({_budget(r) for r in ok}, key=lambda b: float(b.split()[0].rstrip("x")))
@@ -186,17 +265,18 @@ def plot(rows: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
             r0 = next(iter(pol.values()))
             if _budget(r0) != b:
                 continue
-            win = max(pol.values(), key=lambda r: r["decode_tok_s"])["policy"]
+            top = max(pol.values(), key=lambda r: r["decode_tok_s"])
+            win = top["policy"]
             grid[contexts.index(r0["context"])][batches.index(r0["batch"])] = colors[win]
-            ax.text(batches.index(r0["batch"]), contexts.index(r0["context"]), win, ha="center", va="center",
-                    fontsize=7)
+            ax.text(batches.index(r0["batch"]), contexts.index(r0["context"]),
+                    win + ("" if top.get("status") == "ok" else "*"), ha="center", va="center", fontsize=7)
         ax.imshow(grid, cmap=cmap, vmin=-0.5, vmax=len(policies) - 0.5, origin="lower", aspect="auto")
         ax.set_xticks(range(len(batches)), [str(x) for x in batches])
         ax.set_yticks(range(len(contexts)), [str(c) for c in contexts])
         ax.set_xlabel("batch")
         ax.set_ylabel("context")
         ax.set_title(f"budget {b}", fontsize=9)
-    fig.suptitle(f"{title}: the winning policy (highest tok/s)")
+    fig.suptitle(f"{title}: the winning policy (highest tok/s; * degraded)")
     fig.tight_layout()
     out.append(stem.with_name(stem.name + "_winner.png"))
     fig.savefig(out[1], dpi=110)

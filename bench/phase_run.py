@@ -3,9 +3,13 @@
 Runs in the bench process (`tierplan bench phase`), on one device. `open_model` builds what every run of a
 model shares (the truncated spec, the pinned expert store with synthetic weights at true shapes, the forced
 router over the bundled routing trace, the slot stride and KV block size); `point_context` turns a grid point
-into what a policy sees; `measure` builds the run's engine, lets the policy start (its initial plan is applied
-through the agent's enforcer before the first step; a live policy re-plans through `InProcessLoop`), replays
-the point's requests with the `Runner` on the virtual step clock, and records every step after warm-up.
+into what a policy sees (refusing a point whose budget cannot hold top_k slots per MoE layer plus the largest
+request's KV, the rule the policies use); `measure` builds the run's engine, lets the policy start (its initial
+plan is applied through the agent's enforcer before the first step; a live policy re-plans through
+`InProcessLoop`; the agent's layer-ahead predictor is attached only where the policy uses it), replays the
+point's requests with the `Runner` on the virtual step clock, and records every step: its engine time, and its
+cycle (wall time since the previous step ended: the step plus everything the runner, the agent and the planner
+did between the two, spills, solves and prefetch issue included).
 It decides no placement itself and never changes a policy's plan: a plan the enforcer refuses ends the run
 with the refusal as its outcome, never a silent fallback.
 """
@@ -109,9 +113,13 @@ def point_context(h: ModelHandle, point: Point, sizes: Sizes) -> tuple[PointCont
     else:
         workspace = h.dense_bytes + sizes.activation_bytes_per_token * max(point.batch, point.context)
         budget = int(point.budget_label_gib * GIB * point.kept_frac) - workspace
-    if budget < h.kv_block_bytes + h.spec.top_k * len(h.spec.moe_layers) * h.stride_bytes:
-        raise ConfigError(f"point {point.key}: HBM budget of {budget} bytes (after the workspace) cannot hold "
-                          f"top_k slots per MoE layer and one KV block")
+    floor_kv_blocks = per_request[0] + 1  # the largest request whole, plus one (base.kv_floor_blocks)
+    floor = h.spec.top_k * len(h.spec.moe_layers) * h.stride_bytes + floor_kv_blocks * h.kv_block_bytes
+    if budget < floor:
+        raise ConfigError(f"point {point.key}: infeasible: the HBM budget of {budget} bytes (after the workspace) is "
+                          f"below {floor} bytes, the least any policy needs: top_k={h.spec.top_k} slots in each of "
+                          f"{len(h.spec.moe_layers)} MoE layers ({h.stride_bytes} B a slot) plus the largest "
+                          f"request's {floor_kv_blocks} KV blocks ({h.kv_block_bytes} B a block)")
     total_blocks = sum(_blocks(r.prompt_len + r.output_len, h.block_tokens) for r in reqs) + point.batch
     tier_cap = int(sizes.kv_cpu_gib * GIB * point.kept_frac) // h.kv_block_bytes
     return PointContext(
@@ -143,6 +151,13 @@ def engine_config(h: ModelHandle, ctx: PointContext, options: dict[str, Any], wo
                         **options)
 
 
+def _decisions(source: Any) -> list[tuple[int, float]]:
+    """A live policy's decisions as (windows seen when it decided, its plan's predicted step ms): the
+    controller's `Decision.step_ms` for the split it issued or kept; [] for a static policy."""
+    history = getattr(source, "history", None) or []
+    return [(int(d.window), float(d.step_ms)) for d in history if getattr(d, "step_ms", 0.0) > 0]
+
+
 class _Hold:
     """The plan source of a static policy: it takes every window and never re-plans (the initial plan holds)."""
 
@@ -158,7 +173,10 @@ class _Hold:
 
 @dataclass
 class StepRecord:
-    step_s: float
+    step_s: float  # the engine's forward alone (Runner's step timer)
+    cycle_s: float  # wall time since the previous step ended (its hooks, spills, solves, this step)
+    num_prefills: int
+    num_decodes: int
     tokens_out: int  # one per sequence in the step
     batch_tokens: int  # tokens computed (prompts + one per decode)
     context_tokens: int  # tokens attention read
@@ -199,11 +217,12 @@ class _Recorder:
                 "fetch": {t.value: v for t, v in c.misses_by_tier.items()},
                 "links": {k: int(v["bytes"]) for k, v in links.items()}}
 
-    def after_step(self, batch: Batch, step_s: float) -> None:
+    def after_step(self, batch: Batch, step_s: float, cycle_s: float) -> None:
         now, last = self._snap(), self._last
         run = batch.prefills + batch.decodes
         self.steps.append(StepRecord(
-            step_s=step_s, tokens_out=len(run),
+            step_s=step_s, cycle_s=cycle_s, num_prefills=len(batch.prefills), num_decodes=len(batch.decodes),
+            tokens_out=len(run),
             batch_tokens=sum(len(s.prompt) for s in batch.prefills) + len(batch.decodes),
             context_tokens=sum(len(s.tokens) for s in run), expert_hits=now["hits"] - last["hits"],
             expert_misses=now["misses"] - last["misses"], expert_stall_ms=now["stall_ms"] - last["stall_ms"],
@@ -239,6 +258,12 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
 
         loop = InProcessLoop(eng, run.source if run.source is not None else _Hold(), window_steps=run.window_steps,
                              hbm_budget_bytes=ctx.hbm_budget_bytes, queue_probe=queued_blocks)
+        # The agent's layer-ahead predictor (a per-layer host copy of the routes) only where the policy uses it:
+        # `PolicyRun.local_predictor` where the baselines define it, else the live policies (a plan source).
+        local = bool(getattr(run, "local_predictor", run.source is not None))
+        if not local and loop.adapter.predictor is not None:  # InProcessLoop attaches it: detach, as at attach
+            loop.adapter.predictor = None
+            eng.set_hooks(route_tap=loop.adapter.tap)
         try:
             ack = loop.apply_initial(run.initial_plan)  # enforcer, predictor, the between-steps trim over its caps
             if ack.status is not AckStatus.APPLIED:
@@ -247,19 +272,24 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                 eng.experts.set_victim_order(run.victim_order)
             rec = _Recorder(eng)
             enforcer, seen = loop.adapter.enforcer, {"peak": 0, "over": 0}
+            clock = {"last": 0.0}
 
             def hook(batch: Batch, step_s: float) -> None:
+                # The step's cycle ends here, before this step's own hooks (they belong to the next cycle).
+                t = time.perf_counter()
+                cycle_s, clock["last"] = t - clock["last"], t
                 virtual["t"] = max([virtual["t"] + sizes.virtual_step_s, *(s.arrival_s for s in batch.prefills)])
                 loop.on_step(batch, step_s)
                 if run.on_step is not None:
                     run.on_step(batch, step_s)
-                rec.after_step(batch, step_s)
+                rec.after_step(batch, step_s, cycle_s)
                 total = enforcer.footprint().total_hbm_bytes
                 seen["peak"] = max(seen["peak"], total)
                 seen["over"] += total > ctx.hbm_budget_bytes
 
             hooks.append(hook)
             try:
+                clock["last"] = time.perf_counter()
                 report = runner.run(list(ctx.requests), block_tokens_for_prefixes=prefix_tokens)
             except ConfigError as exc:  # e.g. a request longer than the GPU KV share the plan left
                 raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
@@ -267,7 +297,11 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
             loop.finish()
         return Outcome(report, rec.steps, list(loop.telemetry), list(loop.acks), loop.stats(), run.initial_plan,
                        run.notes, run.window_steps, {"peak_hbm_bytes": seen["peak"], "over_budget_steps": seen["over"],
-                                                     "split": run.split, "planner_errors": list(loop.planner_errors)})
+                                                     "split": run.split, "planner_errors": list(loop.planner_errors),
+                                                     "diverged_steps": getattr(run.victim_order, "diverged_steps",
+                                                                               None),
+                                                     "decisions": _decisions(run.source),
+                                                     "local_predictor": loop.adapter.predictor is not None})
     finally:
         eng.close()
         if h.dev.is_cuda:

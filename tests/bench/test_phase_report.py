@@ -1,0 +1,80 @@
+"""The phase report's targets and table over made-up rows: nothing that is not "ok" is dropped quietly, and
+policies are compared by time per output token, never by step time across runs of different concurrency."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tierplan.bench.phase_report import markdown, summarize
+
+
+def _row(policy: str, tok_s: float | None, status: str = "ok", point: str = "p1", batch: int = 8,
+         step_ms: float = 10.0, running: float = 4.0, **extra: Any) -> dict[str, Any]:
+    ran = tok_s is not None
+    return {"model": "m", "layers": 2, "full_layers": 2, "batch": batch, "context": 32, "hbm_budget_gib": 1.0,
+            "budget_frac": None, "policy": policy, "device": "cpu", "point": point, "code": "c", "status": status,
+            "decode_tok_s": tok_s, "ms_per_token": 1e3 / tok_s if ran else None,
+            "tpot_p50_ms": 1.0 if ran else None, "tpot_p99_ms": 1.0 if ran else None,
+            "ttft_p50_ms": 1.0 if ran else None, "expert_hit_rate": 0.5 if ran else None,
+            "stall_ms_expert": 0.0 if ran else None, "stall_ms_kv": 0.0 if ran else None,
+            "stall_ms_both": 0.0 if ran else None, "predicted_step_ms": step_ms if ran else None,
+            "measured_step_ms": step_ms if ran else None, "predicted_over_measured": 1.0 if ran else None,
+            "mean_running_batch": running if ran else None, "plan_changes": 0, "kv_hits": {}, "link_bytes": {},
+            "notes": extra.pop("notes", ""), **extra}
+
+
+def test_a_degraded_tierplan_counts_as_missed_with_its_reason() -> None:
+    rows = [_row("resident", 100.0), _row("tierplan", 40.0, "degraded", notes="19 window(s) the planner failed"),
+            _row("resident", 100.0, point="p2"), _row("tierplan", 160.0, point="p2")]
+    per, targets = summarize(rows)
+    at_every = targets["tierplan >= 0.95x the best static baseline at every point"]
+    assert at_every[0] is False and "tierplan not ok at 1 of 2 points (missed)" in at_every[1]
+    p1 = next(p for p in per if p["point"] == "p1")
+    assert p1["cause"].startswith("missed: tierplan degraded: 19 window(s)")
+    assert p1["tierplan_tok_s"] == 40.0 and not p1["tierplan_ok"]
+    assert "| 40.0 (degraded) |" in markdown(rows, "t", False, "cpu")
+
+
+def test_refused_error_and_absent_tierplan_rows_are_missed_points() -> None:
+    rows = [_row("resident", 100.0), _row("tierplan", None, "refused", notes="no solver"),
+            _row("resident", 100.0, point="p2"), _row("tierplan", None, "error", point="p2", notes="OOM"),
+            _row("resident", 100.0, point="p3")]
+    per, targets = summarize(rows)
+    assert [p["cause"] for p in per] == ["missed: tierplan refused: no solver", "missed: tierplan error: OOM",
+                                         "missed: no tierplan row"]
+    met, fig = targets["tierplan >= 1.5x the best non-oracle baseline at >= 1 point"]
+    assert met is False and "tierplan not ok at 3 of 3 points" in fig
+
+
+def test_a_degraded_baseline_stays_in_best_and_is_marked() -> None:
+    rows = [_row("resident", 100.0), _row("mv_wsa", 300.0, "degraded"), _row("tierplan", 160.0)]
+    per, targets = summarize(rows)
+    assert per[0]["best"] == "mv_wsa (degraded)" and per[0]["vs_best"] == 160.0 / 300.0
+    assert targets["tierplan >= 1.5x the best non-oracle baseline at >= 1 point"][0] is False
+    assert "| mv_wsa (degraded) | 300.0 |" in markdown(rows, "t", False, "cpu")
+
+
+def test_the_oracle_target_compares_time_per_token_not_step_time() -> None:
+    # The oracle runs 8 sequences a step at 16 ms, tierplan 2 at 8 ms: the oracle's step is twice as long, yet
+    # its time per token is half tierplan's (tok/s 500 vs 250).
+    rows = [_row("resident", 250.0), _row("tierplan", 250.0, step_ms=8.0, running=2.0),
+            _row("oracle", 500.0, step_ms=16.0, running=8.0)]
+    per, targets = summarize(rows)
+    assert per[0]["oracle_over_tierplan_tpt"] == 0.5
+    met, fig = targets["mean oracle / tierplan time per output token >= 1/1.10"]
+    assert met is False and fig.startswith("0.500")
+
+
+def test_the_cause_compares_per_token_figures() -> None:
+    # Same expert stall per step, but tierplan runs half as many sequences a step: its stall per token doubles.
+    rows = [_row("resident", 200.0, running=8.0, stall_ms_expert=20.0, preemptions=0),
+            _row("tierplan", 100.0, running=4.0, stall_ms_expert=20.0, preemptions=0)]
+    (p,), _ = summarize(rows)
+    assert p["cause"].startswith("split: experts short (expert stall 5.000 vs 2.500 ms/token)")
+    rows = [_row("resident", 200.0, running=8.0), _row("tierplan", 100.0, running=4.0)]  # no stall either
+    (p,), _ = summarize(rows)
+    assert p["cause"].startswith("split: KV short (4.0 vs 8.0 sequences per step)")
+    rows = [_row("resident", 200.0, running=2.0, engine_step_ms=9.0),
+            _row("tierplan", 100.0, running=2.0, step_ms=20.0, engine_step_ms=9.5)]  # 10.5 ms/step between steps
+    (p,), _ = summarize(rows)
+    assert p["cause"].startswith("engine overhead between steps (planner solves, spills, hooks): 5.250 vs 0.500")

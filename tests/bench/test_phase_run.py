@@ -1,0 +1,131 @@
+"""The phase runner's run-level rules: the feasibility floor every policy shares, retrying failed runs, the
+oracle's search resuming from its saved candidates, the prediction of a static split, the H200 sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from tierplan.api.cli import app
+from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, point_requests, points
+from tierplan.runtime.errors import ConfigError
+
+
+def _run(*args: str) -> Any:
+    return CliRunner().invoke(app, ["bench", "phase", "--quick", *args])
+
+
+def _rows(out: Path) -> list[dict[str, Any]]:
+    return json.loads(next(out.glob("phase_tiny_*.json")).read_text())
+
+
+def test_a_point_below_what_every_policy_needs_is_refused_by_the_shared_rule() -> None:
+    from tierplan.bench.phase_run import open_model, point_context
+    from tierplan.runtime.device import Device
+
+    h = open_model("tiny", 2, 2, Device("cpu"), lambda *_: None)
+    try:
+        p = Point("tiny", 2, 2, 4, 32, 0.0, None)
+        reqs, _ = point_requests(p, QUICK)
+        largest = max(-(-(r.prompt_len + r.output_len) // h.block_tokens) for r in reqs)
+        slots = h.spec.top_k * len(h.spec.moe_layers) * h.stride_bytes
+        # The old floor (top_k slots and ONE KV block) passes here; the policies' rule needs the largest request.
+        def at(budget: int) -> Point:  # the budget a policy sees, the workspace (dense weights here) on top
+            return dataclasses.replace(p, budget_label_gib=(budget + h.dense_bytes + 0.5) / GIB)
+
+        for budget in (slots + h.kv_block_bytes, slots + largest * h.kv_block_bytes):
+            with pytest.raises(ConfigError, match=r"infeasible: .* plus the largest request's \d+ KV blocks"):
+                point_context(h, at(budget), QUICK)
+        ctx, _ = point_context(h, at(slots + (largest + 1) * h.kv_block_bytes), QUICK)
+        assert ctx.hbm_budget_bytes == slots + (largest + 1) * h.kv_block_bytes
+    finally:
+        h.close()
+
+
+def test_error_rows_run_again_on_a_rerun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierplan.bench.phase as phase
+
+    real = phase.make
+
+    def broken(name: str) -> Any:
+        raise MemoryError("out of memory, once")
+
+    args = ("--points", "b1c32f0.7", "--policies", "resident", "--out-dir", str(tmp_path))
+    monkeypatch.setattr(phase, "make", broken)
+    assert _run(*args).exit_code == 0
+    monkeypatch.setattr(phase, "make", real)
+    assert _run(*args).exit_code == 0
+    assert [r["status"] for r in _rows(tmp_path)] == ["error", "ok"]
+    assert _run(*args).exit_code == 0
+    assert len(_rows(tmp_path)) == 2  # the ok row is a result: not run a third time
+    assert _run(*args, "--fresh").exit_code == 0  # measured again; the rows already there stay
+    assert [r["status"] for r in _rows(tmp_path)] == ["error", "ok", "ok"]
+    md = next(tmp_path.glob("phase_tiny_*.md")).read_text()
+    assert "| resident | ok |" in md and "| resident | error |" not in md
+
+
+def test_the_oracle_resumes_its_search_from_the_candidates_it_saved(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierplan.bench.phase as phase
+
+    real, calls = phase.measure, []
+
+    def measure(h: Any, ctx: Any, policy: Any, *a: Any, **kw: Any) -> Any:
+        if policy.name == "oracle":
+            calls.append(ctx.split)
+            if len(calls) == 2 and fail["on"]:
+                raise RuntimeError("the call's time ran out")
+        return real(h, ctx, policy, *a, **kw)
+
+    fail = {"on": True}
+    monkeypatch.setattr(phase, "measure", measure)
+    args = ("--points", "b4c32f0.7", "--policies", "oracle", "--out-dir", str(tmp_path))
+    assert _run(*args).exit_code == 0
+    rows = _rows(tmp_path)
+    assert [r["status"] for r in rows] == ["candidate", "error"]
+    first = calls[0]
+    fail["on"], calls[:] = False, []
+    assert _run(*args).exit_code == 0
+    assert first not in calls and len(calls) == QUICK.oracle_max_splits - 1  # the saved candidate is not rerun
+    rows = _rows(tmp_path)
+    assert [r["status"] for r in rows] == ["candidate", "error", "candidate", "candidate", "ok"]
+    assert "(saved)" in rows[-1]["notes"] and rows[-1]["oracle_split"] in rows[-1]["notes"]
+
+
+def test_a_static_split_is_predicted_from_the_miss_curve_not_the_measured_misses() -> None:
+    from tierplan.bench.phase_metrics import Predictor
+    from tierplan.bench.phase_run import StepRecord
+
+    h = type("H", (), {})()
+    h.spec = type("S", (), {"name": "t", "num_layers": 2, "moe_layers": (0, 1), "num_experts": 8, "top_k": 2})()
+    h.stride_bytes, h.kv_block_bytes, h.block_tokens, h.link_bytes_per_s = 4096, 1024, 16, 1e9
+    h.dev = type("D", (), {"torch_device": "cpu"})()
+    h.router = type("R", (), {"ids_host": np.random.default_rng(0).integers(0, 8, (512, 2, 2))})()
+    pred = Predictor.for_model(h)
+
+    def step(misses: int) -> StepRecord:
+        return StepRecord(step_s=0.01, cycle_s=0.01, num_prefills=0, num_decodes=4, tokens_out=4, batch_tokens=4,
+                          context_tokens=64, expert_hits=0, expert_misses=misses, expert_stall_ms=0.0,
+                          kv_stall_ms=0.0, kv_gpu_hits=0, kv_fetch={}, link_bytes={})
+
+    few, many = [step(0)] * 4, [step(64)] * 4
+    assert pred.split_step_ms(few, (4, 4)) == pred.split_step_ms(many, (4, 4))
+    assert pred.step_ms(few) < pred.step_ms(many)
+    # Fewer slots: the curve predicts more misses, so a longer step; every expert resident: no miss at all.
+    assert pred.split_step_ms(few, (2, 2)) > pred.split_step_ms(few, (4, 4)) > pred.split_step_ms(few, (8, 8))
+    assert pred.predicted_misses((8, 8), 4) == (0.0, 0.0)
+
+
+def test_h200_sizes_measure_at_least_100_steps_at_every_point() -> None:
+    # Whatever the concurrency, a run takes at least as many steps as its longest request has output tokens,
+    # and at least its output tokens over the batch (one token per running sequence a step).
+    for p in points(FULL):
+        reqs, _ = point_requests(p, FULL)
+        least = max(max(r.output_len for r in reqs), sum(r.output_len for r in reqs) / p.batch)
+        assert least >= FULL.warm_steps + 100, p.key

@@ -1,0 +1,91 @@
+"""The phase JSON's store: what a rerun skips, which rows a report pairs, what the code id hashes, and that
+writers sharing one file never lose a row."""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierplan.bench.phase_store import append_row, code_files, code_id, done_keys, latest, load_rows, write_rows
+
+
+def _r(policy: str, status: str = "ok", point: str = "p", code: str = "new", **extra: Any) -> dict[str, Any]:
+    return {"point": point, "policy": policy, "device": "cpu", "code": code, "status": status, **extra}
+
+
+def test_error_and_refused_rows_are_retried_degraded_ones_are_results() -> None:
+    rows = [_r("resident"), _r("tierplan", "degraded"), _r("mv_wsa", "error"), _r("fluxmoe", "refused"),
+            _r("oracle", "candidate")]
+    assert {k[1] for k in done_keys(rows)} == {"resident", "tierplan"}
+
+
+def test_latest_pairs_rows_of_one_code_at_a_point() -> None:
+    rows = [_r("resident", code="old"), _r("tierplan", code="old"), _r("resident", point="q", code="old"),
+            _r("tierplan", code="new", decode_tok_s=1.0), _r("oracle", "candidate", code="new")]
+    got = latest(rows, "cpu")
+    # At p the newest row is new-code: old-code baselines there are left out; q has only old-code rows.
+    assert sorted((r["point"], r["policy"], r["code"]) for r in got) == [("p", "tierplan", "new"),
+                                                                         ("q", "resident", "old")]
+    later = [*rows, _r("tierplan", "error", code="new")]
+    # The newest run of a key is the one shown.
+    assert [r["status"] for r in latest(later, "cpu") if r["point"] == "p"] == ["error"]
+
+
+def _git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="no git here")
+def test_code_id_hashes_what_git_would_carry_never_ignored_build_files(tmp_path: Path) -> None:
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "build" / "lib").mkdir(parents=True)
+    (tmp_path / ".gitignore").write_text("build/\n")
+    (tmp_path / "bench" / "a.py").write_text("x = 1\n")
+    (tmp_path / "build" / "lib" / "stale.py").write_text("old = 1\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("pass\n")
+    no_git = code_id(root=tmp_path)
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "bench/a.py", ".gitignore")
+    assert code_files(tmp_path) == ["bench/a.py"]
+    assert code_id(root=tmp_path) == no_git  # the device's copy (no .git) hashes the same files
+    (tmp_path / "build" / "lib" / "stale.py").write_text("old = 2\n")
+    (tmp_path / "tests" / "t.py").write_text("pass  # changed\n")
+    assert code_id(root=tmp_path) == no_git
+    shutil.rmtree(tmp_path / ".git")
+    assert code_id(root=tmp_path) == no_git
+    (tmp_path / "bench" / "a.py").write_text("x = 2\n")
+    assert code_id(root=tmp_path) != no_git
+
+
+def _append_many(path: str, who: int) -> None:
+    for i in range(20):
+        append_row(Path(path), _r(f"w{who}", point=f"p{i}"))
+
+
+def test_writers_sharing_one_file_lose_no_row(tmp_path: Path) -> None:
+    path = tmp_path / "phase_m_20000101.json"
+    mine = [_r("resident")]
+    write_rows(path, mine)
+    append_row(path, _r("other"))  # another process wrote after this one read the file
+    assert [r["policy"] for r in append_row(path, _r("tierplan"))] == ["resident", "other", "tierplan"]
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_append_many, args=(str(path), w)) for w in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    assert all(p.exitcode == 0 for p in procs)
+    assert len(load_rows(path)) == 3 + 3 * 20
+
+
+def test_a_new_file_starts_from_the_seed(tmp_path: Path) -> None:
+    path = tmp_path / "phase_m_20000102.json"
+    seed = [_r("resident", code="older-day")]
+    assert append_row(path, _r("tierplan"), seed) == [*seed, _r("tierplan")]
+    assert append_row(path, _r("oracle"), seed)[-2:] == [_r("tierplan"), _r("oracle")]
