@@ -8,8 +8,9 @@ window at the controller's, where more KV blocks stop lowering the predicted cos
 up to every expert; rho < 0.9 (loads cannot hide behind compute) moves memory from KV to experts, rho > 1.0
 moves it back only while KV is under its cap (experts never shrink to give KV memory it cannot use), and
 inside the dead zone [0.9, 1.0] the split holds (`controller.optimizer.greedy.fluxmoe_split`, run to its
-fixed point each window on the live loop's cost model, with an even expert share per layer). Not modelled: FluxMoE's expert compression (the paper's smaller expert format); our
-experts move at full size. It must never move bytes or build a plan itself.
+fixed point each window on the live loop's cost model, with an even expert share per layer). Not modelled:
+FluxMoE's expert compression (the paper's smaller expert format); our experts move at full size. It must
+never move bytes or build a plan itself.
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ def run_point(baseline: Baseline, spec: ModelSpec, device: Device, trace: Routin
         if run.on_step is not None:
             hooks.append(run.on_step)
         report = runner.run(requests)
-        stats: dict[str, Any] = {"policy": adapter.policy.stats(), "enforcer": adapter.enforcer.stats()}
+        stats: dict[str, Any] = {"policy": adapter.policy.stats(), "enforcer": adapter.enforcer.stats(),
+                                 "local_predictor": adapter.predictor is not None}
         if loop is not None:
             loop.finish()
             stats["loop"] = loop.stats()
