@@ -28,6 +28,11 @@ Changes from PHASE_CONTRACT.md's sketch (the runner must know these):
   run.window_steps, hbm_budget_bytes=budget)`: its new `apply_initial(plan)` applies the starting plan (the
   source never issued it, so its ack is not handed on); `loop.on_step` is the step hook, `loop.finish()` after.
   Planner errors and refused telemetry are counted in `loop.stats()`: put them in the row's notes.
+- `PolicyRun.local_predictor` (added; default False): whether the run uses the plan's layer-ahead local
+  predictor (agent/local_predictor.py), whose route hook copies every MoE layer's routes to the host. Only the
+  live policies (tierplan, mv_wsa, fluxmoe: their controller trains on its window counts) set it; a static
+  baseline's run must attach the agent without it (`ReferenceAdapter(local_predictor=False)`), so it never
+  pays tierplan's per-layer host copy.
 - `bench.baselines.replay.run_point` does exactly this on one point (the tests use it; the runner may too).
 """
 
@@ -169,6 +174,7 @@ class PolicyRun:
     on_step: Callable[[Batch, float], None] | None = None  # per-step bookkeeping (LFRU counts, oracle's clock)
     notes: str = ""  # what this baseline simplifies (the table says it)
     split: Split | None = None  # the split the initial plan sets (for the cost model's predicted step)
+    local_predictor: bool = False  # attach the agent's layer-ahead predictor (live policies only; see the top)
 
 
 class Baseline(Protocol):

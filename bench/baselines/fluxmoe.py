@@ -2,12 +2,15 @@
 
 Bench driver code. FluxMoE gives the KV cache priority and streams experts layer by layer, loading the next
 two layers' experts while one computes (`EngineConfig.expert_lookahead_layers=2`), and balances residency by
-bandwidth: rho = compute time per step / expert load time per step; rho < 0.9 (loads cannot hide behind
-compute) moves memory from KV to experts, rho > 1.0 moves it back, and inside the dead zone [0.9, 1.0] the
-split holds (`controller.optimizer.greedy.fluxmoe_split`, run to its fixed point each window on the live
-loop's cost model, with an even expert share per layer). The run starts KV first: the KV the batch needs,
-experts the rest. Not modelled: FluxMoE's expert compression (the paper's smaller expert format); our
-experts move at full size. It must never move bytes or build a plan itself.
+bandwidth: rho = compute time per step / expert load time per step. KV first: the GPU KV share is capped at
+what the batch's KV demand needs (the run starts at the point's: its `batch` largest requests whole; each
+window at the controller's, where more KV blocks stop lowering the predicted cost) and experts get the rest,
+up to every expert; rho < 0.9 (loads cannot hide behind compute) moves memory from KV to experts, rho > 1.0
+moves it back only while KV is under its cap (experts never shrink to give KV memory it cannot use), and
+inside the dead zone [0.9, 1.0] the split holds (`controller.optimizer.greedy.fluxmoe_split`, run to its
+fixed point each window on the live loop's cost model, with an even expert share per layer). Not modelled:
+FluxMoE's expert compression (the paper's smaller expert format); our experts move at full size. It must
+never move bytes or build a plan itself.
 """
 
 from __future__ import annotations
@@ -61,4 +64,5 @@ class FluxMoE(TierplanLive):
         plan = make_plan(ctx, split, self.name, f"KV first ({split.kv_gpu_blocks} GPU blocks for the batch), experts "
                          f"the rest; then {self.allocator}")
         return PolicyRun(plan, source=AfterInitialPlan(self.controller), window_steps=WINDOW_STEPS, split=split,
-                         notes="no expert compression (FluxMoE compresses experts; ours move at full size)")
+                         notes="KV capped at its demand, experts the rest, rho rule in between; no expert "
+                         "compression (FluxMoE compresses experts; ours move at full size)", local_predictor=True)

@@ -6,7 +6,10 @@ the same starting split; only the allocator differs: the controller's equal-marg
 slots, or the GPU KV blocks) buys the most predicted step time per byte of HBM until no step fits or helps.
 At its end no group's next step is worth more per byte than the last step any group took, up to the grid of
 options. It stops short of a cliff in a miss-ratio curve (a flat stretch has no marginal benefit), which is
-why it is a baseline and not how tierplan plans. It must never move bytes or build a plan itself.
+why it is a baseline and not how tierplan plans. WiSP's allocator has no link budget: the controller's only
+ranks its steps, and a split the greedy ends over it is kept, the overage named in the solution's detail (the
+window is planned, never failed for a constraint the rule does not model); the HBM capacity stays a hard
+limit. It must never move bytes or build a plan itself.
 """
 
 from __future__ import annotations

@@ -107,6 +107,7 @@ class RecordingPass:
 class Oracle:
     name = "oracle"
     needs_future = True
+    order: BeladyOrder | None = None  # the run's victim order after start (its diverged_steps, rankings)
 
     def engine_options(self, ctx: PointContext) -> dict[str, Any]:
         return {}
@@ -123,7 +124,7 @@ class Oracle:
         if clamped != split:
             raise ValueError(f"oracle: split {split} does not fit this engine (pool {engine.pool.num_slots} slots, "
                              f"GPU KV capacity): build the engine with room for it")
-        order = BeladyOrder(ctx.future)
+        order = self.order = BeladyOrder(ctx.future)
         observe_routes(engine, order.observe)
         why = (f"static split in hindsight: {split.expert_slots_per_layer} expert slots per layer, "
                f"{split.kv_gpu_blocks} GPU KV blocks; Belady eviction from a {ctx.future.num_steps}-step record")

@@ -96,7 +96,8 @@ def run_point(baseline: Baseline, spec: ModelSpec, device: Device, trace: Routin
             acks = loop.acks
             hooks.append(loop.on_step)
         else:
-            adapter = ReferenceAdapter(eng, hbm_budget_bytes=budget, window_steps=run.window_steps)
+            adapter = ReferenceAdapter(eng, hbm_budget_bytes=budget, window_steps=run.window_steps,
+                                       local_predictor=run.local_predictor)
             acks = [adapter.apply(run.initial_plan)]
             hooks.append(adapter.on_step)
         if acks[0].status is AckStatus.APPLIED and run.victim_order is not None:
@@ -104,7 +105,8 @@ def run_point(baseline: Baseline, spec: ModelSpec, device: Device, trace: Routin
         if run.on_step is not None:
             hooks.append(run.on_step)
         report = runner.run(requests)
-        stats: dict[str, Any] = {"policy": adapter.policy.stats(), "enforcer": adapter.enforcer.stats()}
+        stats: dict[str, Any] = {"policy": adapter.policy.stats(), "enforcer": adapter.enforcer.stats(),
+                                 "local_predictor": adapter.predictor is not None}
         if loop is not None:
             loop.finish()
             stats["loop"] = loop.stats()

@@ -129,4 +129,4 @@ class TierplanLive:
         split = initial_split(ctx, engine)
         plan = make_plan(ctx, split, self.name, f"starting split before the first window; then {self.allocator}")
         return PolicyRun(plan, source=AfterInitialPlan(self.controller), window_steps=WINDOW_STEPS, split=split,
-                         notes=f"live: {self.allocator}")
+                         notes=f"live: {self.allocator}", local_predictor=True)

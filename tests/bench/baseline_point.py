@@ -7,6 +7,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from tierplan.bench.baselines.base import observe_routes
+from tierplan.bench.baselines.kv_tiering import KVTiering
+
 DATA = Path(__file__).resolve().parents[2] / "data"
 UNIT_BYTES = 4096  # tiny's KV block; its expert slot is 3 units
 BUDGET_BYTES = 40 * UNIT_BYTES  # 16 experts would take 48 units: they never all fit beside the KV
@@ -48,8 +51,30 @@ def context(workdir: Path, reqs: list[Any] | None = None, **extra: Any) -> Any:
         kv_gpu_blocks=POINT["kv_gpu_blocks"], kv_cpu_blocks=POINT["kv_cpu_blocks"],
         kv_nvme_blocks=POINT["kv_nvme_blocks"], workdir=workdir))
     try:
-        return eng, point_context(eng, reqs or requests(), POINT["batch"], POINT["context_tokens"], BUDGET_BYTES,
-                                  **extra)
+        batch = extra.pop("batch", POINT["batch"])
+        return eng, point_context(eng, reqs or requests(), batch, POINT["context_tokens"],
+                                  extra.pop("hbm_budget_bytes", BUDGET_BYTES), **extra)
     except BaseException:
         eng.close()
         raise
+
+
+class CheckedKVTiering(KVTiering):
+    """kv_tiering with a route listener: for every decode step, a layer whose experts the step uses could not
+    fit its slots at once beside the pins (`capacity_of`, the executor's `fits` test) is kept."""
+
+    def start(self, engine: Any, ctx: Any) -> Any:
+        self.engine, self.over, self._now = engine, [], []
+        run = super().start(engine, ctx)
+
+        def check(used: Any) -> None:
+            self._now = [(m, len(u)) for m, u in enumerate(used)
+                         if len(u) > engine.experts.capacity_of(m, sorted(u))]  # pool layer m
+
+        def on_step(batch: Any, step_s: float) -> None:
+            if not batch.prefills:
+                self.over += self._now
+
+        observe_routes(engine, check)
+        run.on_step = on_step
+        return run

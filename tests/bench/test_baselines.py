@@ -94,3 +94,13 @@ def test_the_oracle_follows_its_record_and_beats_lru_at_its_split(results: dict[
     # The recording pass ran LRU at the same split: Belady's order misses no more often.
     assert oracle.report.expert_hit_rate >= recorded.report.expert_hit_rate
     assert oracle.report.expert_misses < recorded.report.expert_misses
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_only_live_policies_attach_the_local_predictor(results: dict[str, Any], name: str) -> None:
+    """The layer-ahead predictor copies every MoE layer's routes to the host: only the policies whose controller
+    trains on it and issues its table ask for it; a static baseline never pays tierplan's host copy."""
+    live = name in ("tierplan", "mv_wsa", "fluxmoe")
+    r = results[name]
+    assert r.run.local_predictor is live
+    assert r.stats["local_predictor"] is live

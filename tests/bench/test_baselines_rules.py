@@ -5,6 +5,7 @@ and KV tiers, and the interface's guards (budget, recorded future)."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,12 +14,20 @@ import pytest
 
 from tests.bench import baseline_point as bp
 from tierplan.bench.baselines import make, oracle_splits
-from tierplan.bench.baselines.base import ExpertFuture, Split, fits, kv_demand_blocks, kv_floor_blocks, make_plan
-from tierplan.bench.baselines.kv_tiering import static_pins
+from tierplan.bench.baselines.base import (
+    ExpertFuture,
+    Split,
+    fits,
+    kv_demand_blocks,
+    kv_floor_blocks,
+    make_plan,
+)
+from tierplan.bench.baselines.kv_tiering import static_pins, union_first_slots, union_room
 from tierplan.bench.baselines.lfru import LFRUOrder
 from tierplan.bench.baselines.oracle import BeladyOrder
 from tierplan.controller.optimizer.problem import Group, GroupKind, SplitProblem
 from tierplan.controller.protocol import Tier
+from tierplan.runtime.kv import Tier as KVTier
 
 
 # ---- static_lfru -----------------------------------------------------------------------------------------
@@ -122,6 +131,30 @@ def test_fluxmoe_rho_rule_with_dead_zone(flux_controller: object, compute_ms: fl
     assert problem.groups[0].arrays.units[sol.choice[0]] == problem.groups[1].arrays.units[sol.choice[1]]  # even
 
 
+def _kv_demand_problem(capacity_units: int, kv_demand_units: int = 4) -> SplitProblem:
+    """Two layers of 8 slots (each absent slot streams); KV's cost falls until its demand, then is flat."""
+    experts = [Group.from_arrays(f"layer{m}", np.arange(9), 10.0 - np.arange(9),
+                                 (8 - np.arange(9)) * SLOT_LINK_BYTES) for m in range(2)]
+    units = np.arange(17)
+    kv = Group.from_arrays("kv", units, 5.0 * np.maximum(0, kv_demand_units - units), kind=GroupKind.KV)
+    return SplitProblem((*experts, kv), capacity_units=capacity_units, unit_bytes=1)
+
+
+@pytest.mark.parametrize(("capacity", "compute_ms", "experts", "kv", "why"), [
+    (24, 1e3, 16, 8, "everything fits, rho >> 1: every expert stays, KV takes the rest (nothing unused)"),
+    (14, 1e3, 10, 4, "rho >> 1 and KV at its demand: experts keep what KV cannot use"),
+    (14, 1e-3, 14, 0, "rho << 0.9: loads exposed, experts take KV down to its least"),
+    (14, 0.75, 14 - 4, 4, "the start (KV at demand, experts the rest) has rho = 0.75/0.6 > 1: held at KV's cap"),
+])
+def test_fluxmoe_is_kv_first_and_never_gives_kv_memory_it_cannot_use(
+        flux_controller: object, capacity: int, compute_ms: float, experts: int, kv: int, why: str) -> None:
+    problem = _kv_demand_problem(capacity)
+    sol = flux_controller._solve(SimpleNamespace(problem=problem, step_ms=compute_ms))  # type: ignore[attr-defined]
+    units = [int(problem.groups[g].arrays.units[sol.choice[g]]) for g in range(3)]
+    assert (units[0] + units[1], units[2]) == (experts, kv), why
+    assert sol.units_used == capacity, why  # no budget left unused
+
+
 def test_fluxmoe_streams_with_the_two_layer_window_and_starts_kv_first(tmp_path: Path) -> None:
     flux = make("fluxmoe")
     eng, ctx = bp.context(tmp_path)
@@ -160,23 +193,62 @@ def test_mv_wsa_equalises_marginal_benefit_per_byte(tmp_path: Path) -> None:
 
 
 # ---- kv_tiering ------------------------------------------------------------------------------------------
-def test_kv_tiering_pins_the_hottest_experts_and_leaves_a_streaming_slot() -> None:
+def test_kv_tiering_pins_the_hottest_experts_beyond_each_layers_union_room() -> None:
     counts = np.array([[5, 9, 1, 9], [0, 0, 3, 2]])
-    assert static_pins(counts, (3, 4), 4) == [(0, 1), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
-    assert static_pins(None, (3, 4), 4) == []
+    # Layer 0: 3 slots, union room 2 -> one pin (the hottest, lower id on ties); layer 1 holds all 4: all pinned.
+    assert static_pins(counts, (3, 4), (2, 2), 4) == [(0, 1), (1, 0), (1, 1), (1, 2), (1, 3)]
+    assert static_pins(counts, (2, 2), (2, 2), 4) == []  # no slot beyond the room: nothing pinned
+    assert static_pins(None, (3, 4), (2, 2), 4) == []
+    assert union_first_slots(10, (3, 2), 4) == (4, 4)  # the rooms first, then the rest evenly, at most E each
+    assert union_first_slots(9, (3, 2), 8) == (5, 4)
+    assert union_first_slots(4, (3, 2), 8) is None  # the rooms alone do not fit
 
 
-def test_kv_tiering_keeps_experts_static_and_spills_kv(tmp_path: Path) -> None:
+def test_union_room_is_the_largest_batch_union_plus_a_token_capped_at_top_k_times_batch() -> None:
+    ids = np.zeros((64, 2, 2), dtype=np.int64)
+    ids[:, 0] = [0, 1]  # layer 0: every token routes to experts 0 and 1
+    ids[:, 1, 0], ids[:, 1, 1] = np.arange(64) % 16, 16 + np.arange(64) % 16  # layer 1: 2 distinct per token
+    room = union_room(ids, batch=3, top_k=2, num_experts=32)
+    assert room == (4, 6)  # layer 0: union 2 + top_k; layer 1: 3 tokens x 2 = 6, the top_k x batch cap
+    assert union_room(ids, batch=1, top_k=2, num_experts=32) == (2, 2)
+    assert union_room(None, 3, 2, 32) is None
+
+
+def test_kv_tiering_fits_every_decode_union_beside_its_pins_and_swaps_kv_to_the_cpu(tmp_path: Path) -> None:
     long_outputs = [dataclasses.replace(r, arrival_s=0.0, output_len=40) for r in bp.requests(6)]
-    r = bp.run(make("kv_tiering"), tmp_path, long_outputs)
-    plan = r.run.initial_plan
-    slots = r.run.split.expert_slots_per_layer
-    assert len(plan.pinned_experts) == sum(slots) - len(slots)  # all but one slot a layer: static
-    assert r.stats["policy"]["num_pinned"] == len(plan.pinned_experts)
+    tiering = bp.CheckedKVTiering()
+    r = bp.run(tiering, tmp_path / "t", long_outputs, batch=2)
+    plan, split = r.run.initial_plan, r.run.split
+    eng, ctx = bp.context(tmp_path / "c", long_outputs, batch=2)
+    eng.close()
+    assert split.kv_gpu_blocks == kv_floor_blocks(ctx)  # a small GPU share: HBM goes to experts
+    assert plan.pinned_experts and r.stats["policy"]["num_pinned"] == len(plan.pinned_experts)
+    pins = Counter(k.layer for k in plan.pinned_experts)
+    for m, layer in enumerate(ctx.moe_layers):  # room for a step's union (2 sequences x top-2) beside the pins
+        assert split.expert_slots_per_layer[m] - pins[layer] >= 4
+    assert tiering.over == []  # no decode step's experts over a layer's slots: never the chunked eager path
     assert plan.kv_blocks_per_tier[Tier.CPU] == bp.POINT["kv_cpu_blocks"]
     assert plan.kv_blocks_per_tier[Tier.NVME] == bp.POINT["kv_nvme_blocks"]
-    assert r.report.kv_peak_blocks["cpu"] > 0  # the GPU share overflowed to the CPU tier
+    assert r.report.kv_peak_blocks["cpu"] > 0  # sequences beyond the GPU share were kept on the CPU tier ...
+    assert tiering.engine.cache.misses_by_tier[KVTier.CPU] > 0  # ... and fetched back to run again
     assert r.over_budget_steps == 0
+    resident = bp.run(make("resident"), tmp_path / "r", long_outputs, batch=2)
+    assert resident.run.initial_plan.pinned_experts == ()  # the same bytes, but resident's LRU pins nothing
+    assert resident.outputs == r.outputs
+
+
+def test_kv_tiering_gives_kv_the_rest_only_where_every_expert_is_resident(tmp_path: Path) -> None:
+    from tierplan.runtime.engine.runner import ForcedRouter
+
+    eng, ctx = bp.context(tmp_path)
+    try:
+        eng.set_hooks(forced_routes=ForcedRouter(bp.trace(), eng))  # the warm-up window the pins are read from
+        roomy = dataclasses.replace(ctx, hbm_budget_bytes=64 * bp.UNIT_BYTES)
+        run = make("kv_tiering").start(eng, roomy)
+    finally:
+        eng.close()
+    assert run.split.expert_slots_per_layer == (8, 8) and len(run.initial_plan.pinned_experts) == 16
+    assert run.split.kv_gpu_blocks == 64 - 48  # nothing left unused: no expert could take it
 
 
 # ---- the interface's guards ------------------------------------------------------------------------------

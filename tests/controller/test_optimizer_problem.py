@@ -55,11 +55,28 @@ def test_capacity_below_the_smallest_options_is_infeasible(solver: str) -> None:
         solve(problem, solver)
 
 
-@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("solver", ["dp", "milp"])
 def test_link_budget_below_what_must_stream_is_infeasible(solver: str) -> None:
     problem = SplitProblem((_group(n=3),), capacity_units=10, unit_bytes=1, link_budget_bytes_per_step=50)
     with pytest.raises(InfeasibleError, match="link budget 50 bytes/step"):
         solve(problem, solver)
+
+
+def test_the_greedy_keeps_its_split_over_a_link_budget_and_names_the_overage() -> None:
+    # WiSP's allocator has no link budget: ours only ranks its steps by it. Unreachable (50 < 100 even with
+    # every slot) or reachable only by a split the greedy does not find (A's 3 units, not B's 2), the greedy
+    # answers its split within the HBM capacity and says by how much it streams over the budget.
+    unreachable = SplitProblem((_group(n=3),), capacity_units=10, unit_bytes=1, link_budget_bytes_per_step=50)
+    sol = solve(unreachable, "greedy")
+    assert sol.units_used <= 10 and sol.link_bytes_used == 100
+    assert "50 over the link budget of 50" in sol.detail
+    a = Group("A", (Option(0, 2.0, 100), Option(3, 1.0, 0)))
+    b = Group("B", (Option(0, 2.0, 100), Option(1, 1.5, 60), Option(2, 1.2, 30)))
+    missed = SplitProblem((a, b), capacity_units=3, unit_bytes=1, link_budget_bytes_per_step=100)
+    assert solve(missed, "dp").link_bytes_used == 100  # the budget is reachable ...
+    greedy = solve(missed, "greedy")  # ... but not by the greedy's link-per-unit ranking
+    assert greedy.units_used <= 3 and greedy.link_bytes_used == 130
+    assert "30 over the link budget of 100" in greedy.detail
 
 
 @pytest.mark.parametrize("solver", ["dp", "milp"])
