@@ -5,8 +5,12 @@ plan it answers with is applied between steps (inference process, engine thread;
 built and handed to the source (`sync_from`, then `step_next`), applies the plan it returned (if any) through
 the adapter's enforcer, and hands the ack back (`record_ack`). Waiting for the build keeps the loop
 deterministic (the same plans at the same steps on every run); it costs the engine a window build per window,
-acceptable in process, never over a network. Telemetry the source refuses is counted, never dropped silently;
-so is any exception its planner raises (`planner_errors`, with the type name).
+acceptable in process, never over a network. With `wait_for_plans=False` the engine never waits: the window is
+built and planned on the outbox thread while decode goes on, and a plan is applied at the first window end after
+it is ready (a window later, as a sidecar's plans arrive); every call into the source then runs on the outbox
+thread (acks are queued and handed over before the next window), so the source needs no lock. Plans then
+depend on timing: runs are not repeatable step for step. Telemetry the source refuses is counted, never
+dropped silently; so is any exception its planner raises (`planner_errors`, with the type name).
 A policy's starting plan, which the source never issued, goes in with `apply_initial` before the first step
 (applied and booked like any other; its ack stays with the loop). After an applied plan `on_applied(plan)`
 runs (the demo's scheduler follows the plan's GPU KV blocks there).
@@ -40,10 +44,14 @@ class InProcessLoop:
     """See the module docstring. `adapter_kwargs` go to `ReferenceAdapter` (budget, clock, agent id...)."""
 
     def __init__(self, engine: ReferenceEngine, source: PlanSource, window_steps: int = 8,
-                 on_applied: Callable[[Plan], None] | None = None, **adapter_kwargs: Any) -> None:
-        self.source, self.on_applied = source, on_applied
+                 on_applied: Callable[[Plan], None] | None = None, wait_for_plans: bool = True,
+                 local_predictor: bool = True, **adapter_kwargs: Any) -> None:
+        """local_predictor: attach the agent's layer-ahead predictor (a per-layer host copy of the routes; only
+        policies whose plans carry its table use it)."""
+        self.source, self.on_applied, self.wait_for_plans = source, on_applied, wait_for_plans
         self._lock = threading.Lock()
         self._pending: Plan | None = None
+        self._acks_out: list[PlanAck] = []  # wait_for_plans=False: acks for the outbox thread to hand over
         self.telemetry: list[Telemetry] = []
         self.refused: list[str] = []  # telemetry the source refused (its messages)
         self.planner_errors: list[str] = []  # windows the source could not plan from (e.g. an infeasible budget)
@@ -51,13 +59,17 @@ class InProcessLoop:
         self.acks: list[PlanAck] = []
         self.trimmed = 0
         self.peak_over_budget_bytes = 0  # most bytes a between-steps footprint exceeded the applied plan's budget
-        self.adapter = ReferenceAdapter(engine, window_steps=window_steps, sink=self._sink, local_predictor=True,
-                                        **adapter_kwargs)
+        self.adapter = ReferenceAdapter(engine, window_steps=window_steps, sink=self._sink,
+                                        local_predictor=local_predictor, **adapter_kwargs)
         self._applied: Plan | None = None
 
     def _sink(self, tel: Telemetry) -> None:
         """Outbox thread: the window goes to the source; a plan it answers with waits for the engine thread."""
         self.telemetry.append(tel)
+        with self._lock:
+            acks, self._acks_out = self._acks_out, []
+        for ack in acks:  # wait_for_plans=False: the engine thread's acks, in order, before the next window
+            self.source.record_ack(ack)
         try:
             self.source.sync_from(tel)
         except ValueError as exc:  # TelemetryRejected and ProtocolError are ValueErrors: counted, kept
@@ -77,7 +89,8 @@ class InProcessLoop:
         a = self.adapter
         a.on_step(batch, step_s)
         if a.steps % a.window_steps == 0:
-            a.outbox.join()  # the window just closed is built and with the source now
+            if self.wait_for_plans:
+                a.outbox.join()  # the window just closed is built and with the source now
             with self._lock:
                 plan, self._pending = self._pending, None
             if plan is not None:
@@ -93,8 +106,11 @@ class InProcessLoop:
         ack = self.adapter.apply(plan)
         self.plans.append(plan)
         self.acks.append(ack)
-        if tell_source:
+        if tell_source and self.wait_for_plans:
             self.source.record_ack(ack)
+        elif tell_source:
+            with self._lock:
+                self._acks_out.append(ack)
         if ack.status is AckStatus.APPLIED:
             self._applied = plan
             if self.on_applied is not None:

@@ -256,14 +256,14 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
             waiting = [s for s in sched.waiting if s.arrival_s <= virtual["t"]][:room]
             return sum(_blocks(len(s.tokens) + 1, ctx.block_tokens) for s in [*waiting, *sched.swapped])
 
-        loop = InProcessLoop(eng, run.source if run.source is not None else _Hold(), window_steps=run.window_steps,
-                             hbm_budget_bytes=ctx.hbm_budget_bytes, queue_probe=queued_blocks)
         # The agent's layer-ahead predictor (a per-layer host copy of the routes) only where the policy uses it:
         # `PolicyRun.local_predictor` where the baselines define it, else the live policies (a plan source).
+        # A live planner runs as it would beside a deployed engine: on its own thread while decode goes on, its
+        # plan applied at the first window end after it is ready (the engine never waits for a solve).
         local = bool(getattr(run, "local_predictor", run.source is not None))
-        if not local and loop.adapter.predictor is not None:  # InProcessLoop attaches it: detach, as at attach
-            loop.adapter.predictor = None
-            eng.set_hooks(route_tap=loop.adapter.tap)
+        loop = InProcessLoop(eng, run.source if run.source is not None else _Hold(), window_steps=run.window_steps,
+                             hbm_budget_bytes=ctx.hbm_budget_bytes, queue_probe=queued_blocks,
+                             wait_for_plans=False, local_predictor=local)
         try:
             ack = loop.apply_initial(run.initial_plan)  # enforcer, predictor, the between-steps trim over its caps
             if ack.status is not AckStatus.APPLIED:

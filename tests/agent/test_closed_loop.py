@@ -53,3 +53,74 @@ def test_any_planner_exception_is_a_counted_planner_error(tmp_path: Path, exc: E
     assert loop.planner_errors == [f"{type(exc).__name__}: {exc}"] * windows
     st = loop.stats()
     assert st["planner_errors"] == windows and st["plans"] == 0 and st["telemetry_refused"] == 0
+
+
+class ThreadRecordingSource:
+    """Issues one plan (after the first window), blocks its first `step_next` until `release` is set, and
+    records which thread made each call into it."""
+
+    def __init__(self, plan: Plan) -> None:
+        import threading
+
+        self.plan, self.release, self.calls = plan, threading.Event(), []
+        self.acks: list[PlanAck] = []
+        self.issued = False
+
+    def _note(self, name: str) -> None:
+        import threading
+
+        self.calls.append((name, threading.current_thread() is threading.main_thread()))
+
+    def sync_from(self, telemetry: Telemetry) -> None:
+        self._note("sync_from")
+
+    def step_next(self) -> Plan | None:
+        self._note("step_next")
+        if not self.release.wait(30):
+            raise AssertionError("the test never released the planner")
+        if self.issued:
+            return None
+        self.issued = True
+        return self.plan
+
+    def record_ack(self, ack: PlanAck) -> None:
+        self._note("record_ack")
+        self.acks.append(ack)
+
+
+def _tiny_plan(eng) -> Plan:
+    from tierplan.controller.protocol import Tier
+
+    stride, block = eng.pool.layout.stride_bytes, eng.cache.block_bytes
+    return Plan(plan_id="p1", version=1, base_version=0, created_s=0.0,
+                hbm_budget_bytes=eng.pool.num_slots * stride + 8 * block,
+                expert_bytes_per_layer=tuple(4 * stride if m in eng.spec.moe_layers else 0
+                                             for m in range(eng.spec.num_layers)),
+                kv_blocks_per_tier={Tier.GPU: 8, Tier.CPU: 8, Tier.NVME: 16}, reason="test plan")
+
+
+def test_without_waiting_for_plans_the_engine_runs_on_while_the_planner_is_busy(tmp_path: Path) -> None:
+    """wait_for_plans=False: the whole replay runs while the planner is stuck on the first window (waiting would
+    hang here); every call into the source is made on the outbox thread, acks included, and the plan issued
+    once the planner is released is applied at a later window end and acked."""
+    eng = tiny_engine(tmp_path)
+    bt = eng.cfg.block_tokens
+    source = ThreadRecordingSource(_tiny_plan(eng))
+    try:
+        loop = InProcessLoop(eng, source, window_steps=2, wait_for_plans=False,
+                             hbm_budget_bytes=_tiny_plan(eng).hbm_budget_bytes)
+        reqs = [Request(i, 0.0, 10 + 3 * i, 6, (), "test") for i in range(4)]
+        router = ForcedRouter(flame_trace(), eng)
+        runner = Runner(eng, Scheduler(8, bt, max_batch=4), router, on_step=loop.on_step)
+        runner.run(reqs)  # the planner is still blocked on window 1: the engine did not wait for it
+        assert loop.plans == [] and len(source.calls) <= 2
+        source.release.set()
+        later = Runner(eng, Scheduler(8, bt, max_batch=4), router, on_step=loop.on_step)
+        later.run([Request(10 + i, 0.0, 8, 6, (), "test") for i in range(3)])  # its window ends apply the plan
+        before_finish = list(source.calls)
+        loop.finish()  # the last partial window is handed over here, on the calling thread
+    finally:
+        eng.close()
+    assert [p.plan_id for p in loop.plans] == ["p1"] and loop.acks[0].status.value == "applied"
+    assert [a.plan_id for a in source.acks] == ["p1"], "the ack reached the source"
+    assert before_finish and not any(on_main for _name, on_main in before_finish), before_finish
