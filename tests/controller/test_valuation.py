@@ -117,3 +117,24 @@ def test_the_link_budget_never_falls_below_what_a_split_within_the_capacity_must
     floor = least_link_bytes(dataclasses.replace(p, link_budget_bytes_per_step=None))
     assert floor > 0 and p.link_budget_bytes_per_step == floor
     assert solve(p).link_bytes_used <= floor
+
+
+def test_the_link_floor_is_the_exact_least_whether_or_not_the_experts_all_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Budgets from 'every expert fits beside the KV floor' (the floor is each group's least summed, no DP pass)
+    down to 'they do not' (the exact DP pass): the budget is always max(the link's own, the exact floor)."""
+    from tierplan.controller.optimizer import least_link_bytes
+
+    floors = []
+    for units in (64, 56, 48, 40):
+        ctl, win = make_controller(), Windows()
+        ctl.config = dataclasses.replace(ctl.config, space=dataclasses.replace(ctl.config.space,
+                                                                              hbm_budget_bytes=units * 4096))
+        for _ in range(3):
+            ctl.sync_from(win.next(batch=8, kv_live=20))
+        monkeypatch.setattr(ctl.cost, "link_bytes_per_s", lambda link: 1e3)  # a budget of a few bytes a step
+        val = build_problem(ctl.demand.forecast(), ctl.cost, ctl.config.space, None, None, 32, 30.0)
+        exact = least_link_bytes(dataclasses.replace(val.problem, link_budget_bytes_per_step=None))
+        own = int(ctl.config.space.link_share * 1e3 * max(val.step_ms, 1e-3) / 1e3)
+        assert val.problem.link_budget_bytes_per_step == max(own, exact), units
+        floors.append(exact)
+    assert floors[0] == 0 < floors[-1], floors  # both paths were taken
