@@ -3,10 +3,12 @@
 Bench driver code. Builds the controller exactly as the service would for this engine (`api.hub_config.
 controller_config` from the engine's `AgentRegistration` and the group's knobs, then `controller.loop.
 Controller`, as api/demo_loop.py's `_controller` does) and hands it to the runner as the plan source. The run
-starts from a neutral split (`initial_split`: the same one `mv_wsa` starts from) that the enforcer applies
-before the first step, so the budget holds from step one; the controller never issued that plan, so
-`AfterInitialPlan` shifts plan versions between the agent and the controller by one. `mv_wsa` and `fluxmoe`
-reuse this with another allocator. It must never move bytes or build a plan itself.
+starts from the split most engines default to (`initial_split`: every expert that fits, KV the rest, never
+under the KV floor; `mv_wsa` and `fluxmoe` start there too), which the enforcer applies before the first step,
+so the budget holds from step one and the controller moves away from it only where its model says it pays.
+The controller never issued that plan, so `AfterInitialPlan` shifts plan versions between the agent and the
+controller by one. `mv_wsa` and `fluxmoe` reuse this with another allocator. It must never move bytes or
+build a plan itself.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from tierplan.bench.baselines.base import PointContext, PolicyRun, Split, kv_floor_blocks, make_plan
-from tierplan.bench.baselines.static import fixed_split
+from tierplan.bench.baselines.static import all_experts_bytes, fixed_split
 
 if TYPE_CHECKING:
     from tierplan.controller.protocol import Plan, PlanAck, Telemetry
     from tierplan.runtime.engine.engine import ReferenceEngine
 
-WINDOW_STEPS = 4
-HORIZON_WINDOWS = 4  # plans are expected to hold this many windows (the demo's knob)
-INITIAL_EXPERT_SHARE = 0.5  # the neutral starting split: half the budget to experts
+# Telemetry windows of 8 steps and plans expected to hold 8 windows: a migration is priced over 64 steps, so a
+# transient (a prefill burst) does not move experts that the next windows want back (4 and 4 churned on the
+# quick sweep: 3-5 plan changes in a 30-step run).
+WINDOW_STEPS = 8
+HORIZON_WINDOWS = 8
 
 
 def registration(engine: ReferenceEngine, ctx: PointContext, agent_id: str = "controller") -> Any:
@@ -70,7 +74,7 @@ def controller_config(engine: ReferenceEngine, ctx: PointContext, calibrate: boo
 
 
 def initial_split(ctx: PointContext, engine: ReferenceEngine) -> Split:
-    return fixed_split(ctx, engine, int(INITIAL_EXPERT_SHARE * ctx.hbm_budget_bytes))
+    return fixed_split(ctx, engine, all_experts_bytes(ctx))
 
 
 class AfterInitialPlan:
