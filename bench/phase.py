@@ -3,7 +3,9 @@
 Runs in one process on one device (`--quick`: the CPU smoke sizes of bench/phase_grid.py, no figure to quote).
 Per model: the pinned store, router and sizes are built once (bench/phase_run.py `open_model`) and shared by
 every run's engine; per point, each policy runs once on a fresh engine (the oracle: per candidate split one
-recording pass and one run, the best kept). After every run its row is merged into the model's JSON under a
+run, the best kept, on the access stream a CPU replay of the runner's scheduler records for that split,
+bench/baselines/dry_record.py; `OracleRecording.ENGINE` records it on an engine instead, and checks the replay
+against it in the row's notes). After every run its row is merged into the model's JSON under a
 file lock (bench/phase_store.py), the oracle's candidate splits each as they finish, so a sweep killed midway
 keeps what it measured and a rerun resumes it, inside the oracle's search too; rows with a result (ok or
 degraded) are skipped on a rerun, error and refused rows run again. At the end of each model: the Markdown
@@ -21,15 +23,25 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from tierplan.bench.baselines import BASELINES, make, oracle_splits
-from tierplan.bench.baselines.base import FutureRecorder, PointContext, PolicyRun, Split, clamp_split, make_plan
+from tierplan.bench.baselines.base import (
+    ExpertFuture,
+    FutureRecorder,
+    PointContext,
+    PolicyRun,
+    Split,
+    clamp_split,
+    make_plan,
+)
+from tierplan.bench.baselines.dry_record import difference, dry_record
 from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, Sizes, points, select_points
 from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
 from tierplan.bench.phase_report import write_report
-from tierplan.bench.phase_run import ModelHandle, RunRefused, measure, open_model, point_context
+from tierplan.bench.phase_run import ModelHandle, RunRefused, engine_config, measure, open_model, point_context
 from tierplan.bench.phase_store import CANDIDATE, append_row, code_id, done_keys, latest, load_rows
 from tierplan.runtime.errors import ConfigError
 
@@ -48,6 +60,32 @@ class _Recording:
     def start(self, engine: Any, ctx: PointContext) -> PolicyRun:
         split = clamp_split(ctx, self.split, engine)
         return PolicyRun(make_plan(ctx, split, "record", "the oracle's recording pass"), split=split)
+
+
+class OracleRecording(Enum):
+    """How the oracle gets each candidate split's access stream."""
+
+    DRY = "dry"  # replayed on the CPU (bench/baselines/dry_record.py): no engine run
+    ENGINE = "engine"  # recorded on an engine run (the check): the replay is compared to it, the notes say how
+
+
+def _future(h: ModelHandle, ctx: PointContext, split: Split, sizes: Sizes, workdir: Path, prefix_tokens: int,
+            how: OracleRecording) -> tuple[ExpertFuture, str]:
+    """The access stream at `split`, and what the row's notes say about it (the check's verdict; "" for DRY).
+    RunRefused where the run could not take place under the split (the runner's ConfigError)."""
+    try:
+        dry = dry_record(ctx, split, h.router, virtual_step_s=sizes.virtual_step_s,
+                         engine_gpu_blocks=engine_config(h, ctx, {}, workdir).kv_gpu_blocks)
+    except ConfigError as exc:
+        raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
+    if how is OracleRecording.DRY:
+        return dry, ""
+    rec = FutureRecorder(h.router)
+    measure(h, ctx, _Recording(split), sizes, workdir, prefix_tokens, router=rec)
+    recorded = rec.future(split.kv_gpu_blocks)
+    diff = difference(dry, recorded)
+    return recorded, ("engine recording; the dry replay equals it" if diff is None
+                      else f"engine recording; the dry replay DIFFERS: {diff}")
 
 
 class _Store:
@@ -75,9 +113,10 @@ def _split_label(split: Split) -> str:
 
 
 def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, prefix_tokens: int,
-            predictor: Predictor, base: dict[str, Any], store: _Store, say: Any) -> dict[str, Any]:
-    """Each candidate split recorded once and run with Belady eviction from its own future, its row saved as it
-    finishes (a candidate already in the file is not run again); the row of the best tok/s."""
+            predictor: Predictor, base: dict[str, Any], store: _Store, say: Any,
+            how: OracleRecording = OracleRecording.DRY) -> dict[str, Any]:
+    """Each candidate split's future recorded once (`how`) and run with Belady eviction from it, its row saved
+    as it finishes (a candidate already in the file is not run again); the row of the best tok/s."""
     done = store.candidates(base["point"], base["device"], base["code"])
     best: dict[str, Any] | None = None
     tried: list[str] = []
@@ -86,15 +125,16 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, pref
         row = done.get(label)
         if row is None:
             t0 = time.perf_counter()
-            rec = FutureRecorder(h.router)
             try:
-                measure(h, ctx, _Recording(split), sizes, workdir, prefix_tokens, router=rec)
-                out = measure(h, dataclasses.replace(ctx, future=rec.future(split.kv_gpu_blocks), split=split),
-                              make("oracle"), sizes, workdir, prefix_tokens)
+                future, checked = _future(h, ctx, split, sizes, workdir, prefix_tokens, how)
+                out = measure(h, dataclasses.replace(ctx, future=future, split=split), make("oracle"), sizes, workdir,
+                              prefix_tokens)
             except RunRefused as exc:
                 tried.append(f"{label}: refused ({exc})")
                 continue
             row = measured_row(base, out, sizes.warm_steps, predictor)
+            if checked:
+                row["notes"] = (row["notes"] + " | " if row["notes"] else "") + checked
             row = {**row, "candidate_status": row["status"], "status": CANDIDATE, "oracle_split": label,
                    "run_s": time.perf_counter() - t0}
             store.add(row)
@@ -130,12 +170,12 @@ def _base_row(point: Point, ctx: PointContext | None, policy: str, device: str, 
 
 
 def _one(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, sizes: Sizes, predictor: Predictor,
-         base: dict[str, Any], store: _Store, say: Any) -> dict[str, Any]:
+         base: dict[str, Any], store: _Store, say: Any, how: OracleRecording) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tierplan-phase-") as tmp:
         try:
             baseline = make(policy)
             if baseline.needs_future:
-                return _oracle(h, ctx, sizes, Path(tmp), prefix_tokens, predictor, base, store, say)
+                return _oracle(h, ctx, sizes, Path(tmp), prefix_tokens, predictor, base, store, say, how)
             out = measure(h, ctx, baseline, sizes, Path(tmp), prefix_tokens)
         except RunRefused as exc:
             return refused_row(base, str(exc))
@@ -151,11 +191,13 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
                     policies: tuple[str, ...] = (), models: tuple[str, ...] = (), fresh: bool = False,
                     console: Any = None, progress: Callable[[int], None] | None = None,
                     on_total: Callable[[int], None] | None = None,
-                    requests_per_batch: float | None = None) -> dict[str, Path]:
+                    requests_per_batch: float | None = None,
+                    oracle_recording: OracleRecording = OracleRecording.DRY) -> dict[str, Path]:
     """Run the sweep (module docstring); returns {model: its JSON path}. ValueError for an unknown policy,
     model or point (nothing run). `on_total(n)` is told the number of runs still to do before the first.
     `requests_per_batch` overrides the sizes' (fewer requests: shorter runs at large batches); rows measured at
-    other sizes are not reused (the sizes are part of a row's code id)."""
+    other sizes are not reused (the sizes are part of a row's code id). `oracle_recording`: how the oracle's
+    candidate futures are recorded (`OracleRecording.ENGINE`: on an engine, the dry replay checked against it)."""
     from tierplan.runtime.device import Device
 
     sizes = QUICK if quick else FULL
@@ -197,17 +239,17 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
     if not dev.is_cuda:  # a tiny model's ops are too small to share: one thread keeps a busy CPU from stalling them
         torch.set_num_threads(1)
     try:
-        _sweep(plan, pols, sizes, dev, dev_name, code, say, progress)
+        _sweep(plan, pols, sizes, dev, dev_name, code, say, progress, oracle_recording)
     finally:
         torch.set_num_threads(threads)
     return {m: v[0].path for m, v in plan.items()}
 
 
 def _sweep(plan: dict[str, tuple[_Store, list[Point]]], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str,
-           code: str, say: Any, progress: Callable[[int], None] | None) -> None:
+           code: str, say: Any, progress: Callable[[int], None] | None, how: OracleRecording) -> None:
     for m, (store, pts) in plan.items():
         if any((p.key, pol, dev_name, code) not in store.done for p in pts for pol in pols):
-            _sweep_model(m, pts, pols, sizes, dev, dev_name, code, store, say, progress)
+            _sweep_model(m, pts, pols, sizes, dev, dev_name, code, store, say, progress, how)
         if store.rows:
             write_report(latest(store.rows, dev_name), store.path.with_suffix(""), sizes, dev_name)
         say(f"{m}: {len(store.rows)} rows in {store.path}")
@@ -228,7 +270,7 @@ def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor,
 
 
 def _sweep_model(m: str, pts: list[Point], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str, code: str,
-                 store: _Store, say: Any, progress: Callable[[int], None] | None) -> None:
+                 store: _Store, say: Any, progress: Callable[[int], None] | None, how: OracleRecording) -> None:
     sweep = next(s for s in sizes.models if s.name == m)
     h = open_model(m, sweep.layers, sweep.full_layers, dev, say)
     predictor = Predictor.for_model(h)
@@ -248,7 +290,7 @@ def _sweep_model(m: str, pts: list[Point], pols: tuple[str, ...], sizes: Sizes, 
                 t0 = time.perf_counter()
                 base = _base_row(p, ctx, pol, dev_name, code, sizes)
                 row = (refused_row(base, why) if ctx is None
-                       else _one(h, ctx, prefix_tokens, pol, sizes, predictor, base, store, say))
+                       else _one(h, ctx, prefix_tokens, pol, sizes, predictor, base, store, say, how))
                 row["run_s"] = time.perf_counter() - t0
                 store.add(row)
                 if progress is not None:
