@@ -24,13 +24,15 @@ from tierplan.runtime.errors import ConfigError
 
 # Batch 1/4/12, contexts 32/128, budgets from "KV must give" (0.4: preemptions at every batch > 1) to "it all fits".
 POINTS = "b1c32f0.4,b4c32f0.4,b12c32f0.4,b4c128f0.4,b12c128f0.7,b1c128f1,b12c32f1"
-# The grid's requests all arrive within a few steps; these points' also come in late waves (quiet gaps the
-# runner's clock jumps over, arrivals between two steps' ticks).
+# The grid's requests all arrive within a few steps; these points' come in waves of three instead, after quiet
+# gaps the runner's clock jumps over exactly to the next arrival, the wave's others half a tick apart (a clock
+# that stepped over the gap by ticks would admit two of them in one step).
 GAPS = ("b4c32f0.4", "b12c128f0.7")
 
 
 def _with_gaps(ctx: Any) -> Any:
-    reqs = [dataclasses.replace(r, arrival_s=r.arrival_s + (i // 3) * 0.7013) for i, r in enumerate(ctx.requests)]
+    reqs = [dataclasses.replace(r, arrival_s=(i // 3) * 0.7013 + (i % 3) * QUICK.virtual_step_s / 2)
+            for i, r in enumerate(ctx.requests)]
     return dataclasses.replace(ctx, requests=tuple(reqs))
 
 
