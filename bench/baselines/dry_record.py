@@ -43,8 +43,8 @@ def dry_record(ctx: PointContext, split: Split, router: ForcedRoutes, *, engine_
     if not virtual_step_s > 0:  # a wall clock makes the schedule depend on host speed: no replay can know it
         raise ConfigError(f"dry_record: virtual_step_s must be > 0, got {virtual_step_s}")
     if ctx.kv_cpu_blocks < 1:
-        raise ConfigError("Runner: preemption by SWAP needs CPU KV blocks (EngineConfig.kv_cpu_blocks > 0); "
-                          "use PreemptMode.RECOMPUTE or give the CPU tier capacity")
+        raise ConfigError(f"dry_record: the run's Runner would refuse it: preemption by SWAP needs CPU KV blocks, "
+                          f"got ctx.kv_cpu_blocks={ctx.kv_cpu_blocks}")
     sched = Scheduler(engine_gpu_blocks, ctx.block_tokens, max_batch=ctx.batch,
                       max_prefill_tokens=max_prefill_tokens or max_prefill_tokens_for(ctx), preempt=PreemptMode.SWAP)
     # The applied plan's GPU KV limit: the split's blocks within the engine's tier, 1 at least (clamp_split).
