@@ -60,11 +60,7 @@ def dry_record(ctx: PointContext, split: Split, router: ForcedRoutes, *, engine_
         t_sched = steps * virtual_step_s + offset
         batch = sched.schedule(t_sched)  # SWAP: the preempted park their blocks, nothing the stream sees
         if batch.empty:
-            nxt = sched.next_arrival_s()
-            if nxt is None or nxt <= t_sched:
-                raise RuntimeError(f"scheduler made no progress with {len(sched.waiting)} request(s) waiting and "
-                                   f"{len(sched.swapped)} swapped out")
-            offset += nxt - t_sched
+            offset += sched.idle_gap_s(t_sched)  # as the runner: raises at a dead end
             continue
         run = batch.prefills + batch.decodes
         rec.trace_rows([s.seq_id for s in run], [s.num_computed for s in run],

@@ -155,11 +155,7 @@ class Runner:
                 else:
                     cache.free(s.seq_id)
             if batch.empty:
-                nxt = self.sched.next_arrival_s()
-                if nxt is None or nxt <= t_sched:  # nothing runnable, nothing new to wait for: a dead end
-                    raise RuntimeError(f"scheduler made no progress with {len(self.sched.waiting)} request(s) "
-                                       f"waiting and {len(self.sched.swapped)} swapped out")
-                offset += nxt - t_sched
+                offset += self.sched.idle_gap_s(t_sched)  # raises at a dead end
                 continue
             run = batch.prefills + batch.decodes
             toks = [s.tokens[s.num_computed :] for s in run]

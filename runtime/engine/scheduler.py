@@ -156,3 +156,12 @@ class Scheduler:
 
     def next_arrival_s(self) -> float | None:
         return self.waiting[0].arrival_s if self.waiting and not self.running and not self.swapped else None
+
+    def idle_gap_s(self, now_s: float) -> float:
+        """After an empty batch at `now_s`: how far the clock must jump to the next arrival. RuntimeError when
+        nothing is runnable and nothing new will arrive (a dead end the caller must not loop on)."""
+        nxt = self.next_arrival_s()
+        if nxt is None or nxt <= now_s:
+            raise RuntimeError(f"scheduler made no progress with {len(self.waiting)} request(s) waiting and "
+                               f"{len(self.swapped)} swapped out")
+        return nxt - now_s
