@@ -40,6 +40,10 @@ def register(bench_app: typer.Typer) -> None:
         requests_per_batch: Annotated[float | None, typer.Option(
             help="Requests per point = ceil(batch x this) (default: the sweep's; fewer make large-batch runs "
                  "shorter; rows at other sizes are not reused).")] = None,
+        oracle_recording: Annotated[str, typer.Option(
+            help="How the oracle gets each candidate split's expert access stream: 'dry' (replayed on the CPU "
+                 "from the scheduler and the routing table; no engine run) or 'engine' (recorded on an engine "
+                 "run, the replay compared with it and the result in the candidate's notes: the check).")] = "dry",
     ) -> None:
         """Every policy on the same engine, traces and budget: tok/s, TPOT, TTFT, stalls by cause, predicted vs
         measured step time; writes phase_<model>_<date>.json/.md/.png."""
@@ -60,7 +64,11 @@ def register(bench_app: typer.Typer) -> None:
             if not torch.cuda.is_available():
                 fail(f"--device cuda: torch {torch.__version__} sees no CUDA device here "
                      "(torch.cuda.is_available() is False); run with --device cpu")
-        from tierplan.bench.phase import run_phase_bench
+        from tierplan.bench.phase import OracleRecording, run_phase_bench
+
+        recordings = {r.value: r for r in OracleRecording}
+        if oracle_recording not in recordings:
+            fail(f"--oracle-recording {oracle_recording!r}: expected one of {', '.join(map(repr, recordings))}")
         from tierplan.controller.protocol import ProtocolError
         from tierplan.runtime.errors import ConfigError
 
@@ -76,6 +84,7 @@ def register(bench_app: typer.Typer) -> None:
                 run_phase_bench(out_dir, device, quick=quick, point_spec=points, policies=_split(policies),
                                 models=_split(models), fresh=fresh, console=bar.console,
                                 progress=lambda n: bar.advance(task["id"], n), on_total=on_total,
-                                requests_per_batch=requests_per_batch)
+                                requests_per_batch=requests_per_batch,
+                                oracle_recording=recordings[oracle_recording])
         except (ValueError, ConfigError, ProtocolError) as exc:
             fail(str(exc))

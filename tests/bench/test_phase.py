@@ -119,6 +119,7 @@ def test_a_rerun_skips_what_is_measured_and_adds_what_is_not(swept: tuple[Path, 
     (["--points", "b3c32"], "'b3c32' matches no point"),
     (["--points", "batch=4"], "is not [model:]b<batch>"),
     (["--device", "tpu"], "expected cpu or cuda"),
+    (["--oracle-recording", "gpu"], "--oracle-recording 'gpu': expected one of 'dry', 'engine'"),
 ])
 def test_bad_input_is_refused_by_name_before_any_work(tmp_path: Path, args: list[str], says: str) -> None:
     res = _run(*args, "--out-dir", str(tmp_path))
@@ -212,3 +213,14 @@ def test_other_sizes_are_another_measurement(tmp_path: Path) -> None:
     assert [r["requests"] for r in rows] == [2, 3] and rows[0]["code"] != rows[1]["code"]
     res = _run(*args, "--requests-per-batch", "0")
     assert res.exit_code == 2 and "--requests-per-batch must be > 0" in res.output
+
+
+def test_the_oracle_recording_option_reaches_the_sweep(tmp_path: Path) -> None:
+    """`--oracle-recording engine`: each candidate's access stream is recorded on an engine run and the CPU replay
+    is checked against it (the candidates' notes say so); the default replays without recording."""
+    res = _run("--points", "b1c32f0.7", "--policies", "oracle", "--oracle-recording", "engine",
+               "--out-dir", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    (path,) = tmp_path.glob("phase_tiny_*.json")
+    notes = [r["notes"] for r in json.loads(path.read_text()) if r.get("status") == "candidate"]
+    assert notes and all("engine recording; the dry replay equals it" in n for n in notes), notes
