@@ -168,15 +168,10 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     if link_budget is not None:
         # The link caps what a plan streams, but never below the least a split within the HBM capacity must
         # stream (then it only ranks). The floor is over whole splits: each group's own least (all its slots)
-        # need not fit together, and a budget under the joint floor would leave no split at all. Where they do fit
-        # together (every expert fits beside the KV floor), their sum is that floor, and no DP pass is needed.
-        least = [min(g.options, key=lambda o: (o.link_bytes, o.units)) for g in groups]
-        if sum(o.units for o in least) <= capacity:
-            floor = sum(o.link_bytes for o in least)
-        else:
-            try:
-                floor = least_link_bytes(problem)
-            except InfeasibleError:  # no split fits the capacity at all: the solver says so, naming the cause
-                floor = 0
+        # need not fit together, and a budget under the joint floor would leave no split at all.
+        try:
+            floor = least_link_bytes(problem)
+        except InfeasibleError:  # no split fits the capacity at all: the solver says so, naming the cause
+            floor = 0
         problem = dataclasses.replace(problem, link_budget_bytes_per_step=max(link_budget, floor))
     return Valuation(problem, tuple(slot_counts), tuple(grid), step_ms, tuple(stalls))

@@ -178,9 +178,19 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
 
 
 def least_link_bytes(problem: SplitProblem) -> int:
-    """The fewest link bytes per step any split within the HBM capacity streams (exact; one DP pass): the floor
-    below which a link budget makes the problem infeasible. Raises InfeasibleError if no split fits the capacity."""
+    """The fewest link bytes per step any split within the HBM capacity streams (exact): the floor below which a
+    link budget makes the problem infeasible. Where every group's own least (fewest units among ties) fits the
+    capacity together, their sum is that floor; otherwise one DP pass finds it. Raises InfeasibleError if no
+    split fits the capacity."""
     SplitProblem(problem.groups, problem.capacity_units, problem.unit_bytes).check_feasible()
+    least = [min(g.options, key=lambda o: (o.link_bytes, o.units)) for g in problem.groups]
+    if sum(o.units for o in least) <= problem.capacity_units:
+        return sum(o.link_bytes for o in least)
+    return least_link_bytes_dp(problem)
+
+
+def least_link_bytes_dp(problem: SplitProblem) -> int:
+    """`least_link_bytes` by the DP pass alone (the capacity checked by the caller)."""
     arrs = group_arrays(problem)
     link_only = [GroupArrays(a.units, a.link_bytes, a.link_bytes) for a in arrs]
     found = halves(link_only, [Layout.of_group(g) for g in problem.groups], 0.0, problem.capacity_units)

@@ -109,3 +109,25 @@ def test_least_link_is_the_exact_floor_of_the_link_budget() -> None:
     assert solve(problem).link_bytes_used == 100
     with pytest.raises(InfeasibleError):
         solve(SplitProblem(g, 3, 1, link_budget_bytes_per_step=99))
+
+
+def test_the_least_link_shortcut_equals_the_dp_pass() -> None:
+    """Where every group's own least fits the capacity together, `least_link_bytes` sums them; elsewhere it runs
+    the DP. On random problems on both sides of that line, it equals the DP pass alone."""
+    from tierplan.controller.optimizer import least_link_bytes
+    from tierplan.controller.optimizer.dp import least_link_bytes_dp
+
+    rng = np.random.default_rng(7)
+    summed = 0
+    for _ in range(60):
+        groups = []
+        for i in range(int(rng.integers(1, 5))):
+            units = sorted({int(u) for u in rng.integers(0, 6, size=int(rng.integers(1, 5)))})
+            groups.append(Group(f"g{i}", tuple(Option(u, float(rng.random()), int(rng.integers(0, 50)))
+                                               for u in units)))
+        capacity = int(rng.integers(sum(min(o.units for o in g.options) for g in groups), 20))
+        problem = SplitProblem(tuple(groups), capacity_units=capacity, unit_bytes=1)
+        least = [min(g.options, key=lambda o: (o.link_bytes, o.units)) for g in groups]
+        summed += sum(o.units for o in least) <= capacity
+        assert least_link_bytes(problem) == least_link_bytes_dp(problem), problem
+    assert 0 < summed < 60  # both branches were taken
