@@ -159,15 +159,15 @@ def run_exact_checks(spec: ModelSpec, resident_frac: float, device: str = "cpu",
         full_s = time.perf_counter() - t0
         for mode in modes:
             t0 = time.perf_counter()
+            map_in, reads = mode_map_in(mode, expert_map_in)
             tight_cfg = EngineConfig(
                 resident_frac=resident_frac, expert_store=expert_store, block_tokens=bt,
                 kv_gpu_blocks=per_seq * num_prompts, kv_cpu_blocks=max(1, per_seq * num_prompts // 2),
                 kv_nvme_blocks=per_seq * num_prompts, spill_kv_every_step=True, seed=seed,
                 decode_kernel=decode_kernel, decode_graphs=decode_graphs, workdir=wd / f"tight-{mode}",
-                expert_map_in=mode_map_in(mode, expert_map_in)[0], expert_poison=expert_poison,
-                expert_publish=expert_publish, offload_exec=MODES[mode][0],  # type: ignore[arg-type]
-                expert_lookahead_layers=MODES[mode][1],
-                expert_reads=mode_map_in(mode, expert_map_in)[1])  # type: ignore[arg-type]
+                expert_map_in=map_in, expert_poison=expert_poison, expert_publish=expert_publish,
+                offload_exec=MODES[mode][0], expert_lookahead_layers=MODES[mode][1],  # type: ignore[arg-type]
+                expert_reads=reads)  # type: ignore[arg-type]
             eng = ReferenceEngine(spec, dev, tight_cfg)
             try:
                 b = eng.generate(prompts, new_tokens)
