@@ -24,7 +24,7 @@ from tierplan.runtime.future import OpFuture, wait_all
 from tierplan.runtime.memory.backend import make_backend
 from tierplan.runtime.memory.slots import ExpertSlotPool
 from tierplan.runtime.transfer import Link, TrafficClass, TransferEngine, TransferRequest
-from tierplan.runtime.weights.load_modes import WINDOWED
+from tierplan.runtime.weights.load_modes import pool_modes
 from tierplan.runtime.weights.loader import ExpertLoadHandler, StoreKind
 from tierplan.runtime.weights.stores import PinnedExpertStore
 
@@ -79,8 +79,7 @@ def _gated_loader(dev: Device, store: PinnedExpertStore, batch: int) -> Iterator
     held back by a gate, so only submission runs, then lets the worker go, waits for the loads and evicts them."""
     cfg = EngineConfig()
     pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, store.format.num_bytes, batch,
-                          poison_unmapped=cfg.expert_poison, slot_window=cfg.expert_map_in in WINDOWED,
-                          maps_on_read=cfg.expert_map_in == "on_read")
+                          poison_unmapped=cfg.expert_poison, **pool_modes(cfg.expert_map_in))
     engine = TransferEngine(dev, retire_thread=cfg.transfer_retire_thread)
     loader = ExpertLoadHandler(pool, engine, pinned=store, map_in=cfg.expert_map_in, publish=cfg.expert_publish)
     gate_src, gate_dst = torch.zeros(4096, dtype=torch.uint8), dev.alloc(4096)

@@ -32,7 +32,7 @@ from tierplan.runtime.nvme import DirectFile, align_up
 from tierplan.runtime.selfcheck.common import workdir_for
 from tierplan.runtime.transfer import Link, Priority, TrafficClass, TransferEngine, TransferRequest
 from tierplan.runtime.weights.format import ExpertFormat
-from tierplan.runtime.weights.load_modes import WINDOWED
+from tierplan.runtime.weights.load_modes import pool_modes
 from tierplan.runtime.weights.loader import ExpertLoadHandler, MapIn, Publish, StoreKind
 from tierplan.runtime.weights.sources import SyntheticExpertSource
 from tierplan.runtime.weights.stores import PinnedExpertStore
@@ -108,7 +108,7 @@ def expert_load_gbps(dev: Device, engine: TransferEngine, store: PinnedExpertSto
     fmt = store.format
     n = fmt.num_bytes
     pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, n, batch, poison_unmapped=poison_unmapped,
-                          slot_window=map_in in WINDOWED, maps_on_read=map_in == "on_read")
+                          **pool_modes(map_in))
     loader = ExpertLoadHandler(pool, engine, pinned=store, map_in=map_in, publish=publish)
     srcs = [store.buffer[off : off + n] for off in store.offsets(0, list(range(batch)))]  # [n] each
     dsts = dev.alloc(n * batch).view(batch, n)  # [batch, n]

@@ -43,7 +43,7 @@ from tierplan.runtime.memory.slots import ExpertSlotPool
 from tierplan.runtime.staging import StagingPool
 from tierplan.runtime.transfer import TransferEngine
 from tierplan.runtime.weights.format import dtype_from_name
-from tierplan.runtime.weights.load_modes import WINDOWED
+from tierplan.runtime.weights.load_modes import WINDOWED, pool_modes
 from tierplan.runtime.weights.loader import PUBLISH, ExpertLoadHandler, MapIn, Publish, StoreKind, map_in_error
 from tierplan.runtime.weights.sources import SyntheticExpertSource
 from tierplan.runtime.weights.stores import NvmeExpertStore, PinnedExpertStore
@@ -189,8 +189,7 @@ class ReferenceEngine:
             1, math.ceil(cfg.resident_frac * n_moe * spec.num_experts))
         self.pool = ExpertSlotPool(make_backend(device), device, n_moe, spec.num_experts, fmt.num_bytes, num_slots,
                                    poison_unmapped=cfg.expert_poison,
-                                   slot_window=host and cfg.expert_map_in in WINDOWED,
-                                   maps_on_read=host and cfg.expert_map_in == "on_read")
+                                   **(pool_modes(cfg.expert_map_in) if host else {}))
         # One staging pool serves the loader's NVMe reads and the KV handler's hops: buffers fit either.
         block_bytes = math.prod(block_shape(spec, cfg.block_tokens)) * dtype_from_name(spec.dtype).itemsize
         self.staging = StagingPool(device, max(block_bytes, self.nvme.records.record_bytes if self.nvme else 0), 8)

@@ -17,6 +17,12 @@ class StoreKind(Enum):
 MapIn = Literal["beside_copy", "before_copy", "on_read"]
 WINDOWED: tuple[str, ...] = ("beside_copy", "on_read")  # copies go through the slot window
 MAP_IN: tuple[str, ...] = get_args(MapIn)  # the values, for checks and messages
+
+
+def pool_modes(map_in: str) -> dict[str, bool]:
+    """The `ExpertSlotPool` arguments a loader with this `map_in` needs: the slot window its copies go through,
+    and whether its loads are published unmapped (`maps_on_read`)."""
+    return {"slot_window": map_in in WINDOWED, "maps_on_read": map_in == "on_read"}
 _OLD_MAP_IN = {"link": "beside_copy", "worker": "before_copy"}  # old names: refused, naming the new ones
 Publish = Literal["done", "issued"]
 PUBLISH: tuple[str, ...] = get_args(Publish)
