@@ -37,6 +37,19 @@ def worker(tmp_path: Path):
     w.close()
 
 
+def hold_nvme_writes(w: KvTierWorker) -> threading.Event:
+    """Make the worker's NVMe writes wait (a slow disk) until the returned gate is set: spills stay in flight."""
+    gate, nvme = threading.Event(), w._stores.nvme_file
+    real_write = nvme.write_from
+
+    def held_write(offset_bytes, data):
+        gate.wait(timeout=30)  # the test lets it go; a bound, so a broken test fails instead of hanging
+        real_write(offset_bytes, data)
+
+    nvme.write_from = held_write
+    return gate
+
+
 def store(key: str, tier: Tier) -> TierOp:
     return TierOp(OpKind.STORE, key, tier)
 
@@ -114,14 +127,7 @@ def test_a_spill_runs_in_the_background_counted_on_both_tiers_until_the_next_ste
     src = fake_caches(8)
     worker.register(src)
     worker.apply(WorkerStep(2, 3, ops=(store("a", CPU), store("b", CPU)), store_blocks={"a": 1, "b": 2}))
-    gate, nvme = threading.Event(), worker._stores.nvme_file
-    real_write = nvme.write_from
-
-    def held_write(offset_bytes, data):
-        gate.wait(timeout=30)  # the disk is slow: the spill stays in flight until the test lets it go
-        real_write(offset_bytes, data)
-
-    nvme.write_from = held_write
+    gate = hold_nvme_writes(worker)
     worker.apply(WorkerStep(2, 3, ops=(TierOp(OpKind.MOVE, "a", NVME),)))
     assert worker.spills.pending() == 1  # the engine thread went on
     assert worker.blocks_per_tier() == {"cpu": 2, "nvme": 1}  # in flight: on both tiers, within both limits
@@ -169,14 +175,7 @@ def test_a_store_needing_the_room_of_a_spill_in_flight_waits_in_a_buffer_not_on_
         src = fake_caches(11)
         w.register(src)
         w.apply(WorkerStep(1, 2, ops=(store("a", CPU),), store_blocks={"a": 1}))
-        gate, nvme = threading.Event(), w._stores.nvme_file
-        real_write = nvme.write_from
-
-        def held_write(offset_bytes, data):
-            gate.wait(timeout=30)  # the disk is slow: the spill stays in flight until the test lets it go
-            real_write(offset_bytes, data)
-
-        nvme.write_from = held_write
+        gate = hold_nvme_writes(w)
         # The books: "a" makes way for "b" (moved to NVMe), "b" takes its CPU room.
         w.apply(WorkerStep(1, 2, ops=(TierOp(OpKind.MOVE, "a", NVME), store("b", CPU)), store_blocks={"b": 2}))
         assert w.stats.deferred_stores == 1 and w.stats.spill_waits == 0 and w.spills.num_waited == 0
