@@ -26,6 +26,7 @@ import torch
 
 from tierplan.agent.closed_loop import InProcessLoop
 from tierplan.bench.baselines.base import PointContext, PolicyRun
+from tierplan.bench.baselines.dry_record import point_scheduler
 from tierplan.bench.phase_grid import GIB, ROUTING, Point, Sizes, point_requests
 from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
 from tierplan.runtime.device import Device
@@ -33,7 +34,7 @@ from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
 from tierplan.runtime.engine.presets import preset
 from tierplan.runtime.engine.routing_trace import RoutingTrace
 from tierplan.runtime.engine.runner import ForcedRouter, Runner, RunReport
-from tierplan.runtime.engine.scheduler import Batch, PreemptMode, Scheduler
+from tierplan.runtime.engine.scheduler import Batch
 from tierplan.runtime.engine.weights import expert_format
 from tierplan.runtime.errors import ConfigError
 from tierplan.runtime.kv import Tier
@@ -242,8 +243,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                           pinned_store=h.store)
     try:
         cap_blocks = eng.cache.manager.capacity[Tier.GPU]
-        sched = Scheduler(cap_blocks, ctx.block_tokens, max_batch=ctx.batch,
-                          max_prefill_tokens=max(2048, ctx.context_tokens + 1), preempt=PreemptMode.SWAP)
+        sched = point_scheduler(ctx, cap_blocks)
         virtual = {"t": 0.0}
         hooks: list[Any] = []
         # The runner first: it plugs the forced routes into the engine, which a policy may read when it starts.

@@ -26,16 +26,19 @@ if TYPE_CHECKING:
     from tierplan.runtime.engine.hooks import ForcedRoutes
 
 
-def max_prefill_tokens_for(ctx: PointContext) -> int:
-    """The prefill-token limit the phase runner gives a point's scheduler (bench/phase_run.py `measure`)."""
-    return max(2048, ctx.context_tokens + 1)
+def point_scheduler(ctx: PointContext, gpu_blocks: int) -> Scheduler:
+    """The scheduler of a point's run over an engine GPU KV tier of `gpu_blocks` (bench/phase_run.py `measure`
+    and the replay here build it alike): the point's batch, a prefill-token limit that admits its longest
+    context, preemption by SWAP."""
+    return Scheduler(gpu_blocks, ctx.block_tokens, max_batch=ctx.batch,
+                     max_prefill_tokens=max(2048, ctx.context_tokens + 1), preempt=PreemptMode.SWAP)
 
 
 def dry_record(ctx: PointContext, split: Split, router: ForcedRoutes, *, engine_gpu_blocks: int,
-               virtual_step_s: float, max_prefill_tokens: int | None = None) -> ExpertFuture:
+               virtual_step_s: float) -> ExpertFuture:
     """The access stream a run of `ctx.requests` at `split` takes (module docstring), recorded under
     `split.kv_gpu_blocks`. `engine_gpu_blocks`: the run's engine GPU KV tier (EngineConfig.kv_gpu_blocks, the
-    scheduler's own budget); `max_prefill_tokens`: the scheduler's, `max_prefill_tokens_for(ctx)` unless given.
+    scheduler's own budget: `point_scheduler`).
     ConfigError where the runner would refuse the run (a request that can never fit the GPU KV share, no CPU
     tier to swap to, a bad size); RuntimeError where its scheduler would make no progress."""
     if engine_gpu_blocks < 1:
@@ -45,8 +48,7 @@ def dry_record(ctx: PointContext, split: Split, router: ForcedRoutes, *, engine_
     if ctx.kv_cpu_blocks < 1:
         raise ConfigError(f"dry_record: the run's Runner would refuse it: preemption by SWAP needs CPU KV blocks, "
                           f"got ctx.kv_cpu_blocks={ctx.kv_cpu_blocks}")
-    sched = Scheduler(engine_gpu_blocks, ctx.block_tokens, max_batch=ctx.batch,
-                      max_prefill_tokens=max_prefill_tokens or max_prefill_tokens_for(ctx), preempt=PreemptMode.SWAP)
+    sched = point_scheduler(ctx, engine_gpu_blocks)
     # The applied plan's GPU KV limit: the split's blocks within the engine's tier, 1 at least (clamp_split).
     limit = max(1, min(split.kv_gpu_blocks, engine_gpu_blocks))
     sched_blocks = sched.gpu_blocks
