@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from tierplan.agent.closed_loop import InProcessLoop
-from tierplan.bench.baselines.base import PointContext, PolicyRun
+from tierplan.bench.baselines.base import PointContext, PolicyRun, request_kv_blocks
 from tierplan.bench.baselines.dry_record import point_scheduler
 from tierplan.bench.phase_grid import GIB, ROUTING, Point, Sizes, point_requests
 from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
@@ -107,7 +107,7 @@ def point_context(h: ModelHandle, point: Point, sizes: Sizes) -> tuple[PointCont
     the tokens a prefix id covers (the runner's prompts share leading tokens by it)."""
     reqs, prefix_tokens = point_requests(point, sizes)
     num_experts_all = len(h.spec.moe_layers) * h.spec.num_experts
-    per_request = sorted((_blocks(r.prompt_len + r.output_len, h.block_tokens) for r in reqs), reverse=True)
+    per_request = request_kv_blocks(reqs, h.block_tokens)
     need_kv_blocks = sum(per_request[: point.batch])  # the batch's largest requests at once
     if point.budget_frac is not None:  # quick: a fraction of what the point could use at most
         budget = int(point.budget_frac * (num_experts_all * h.stride_bytes + need_kv_blocks * h.kv_block_bytes))
@@ -121,7 +121,7 @@ def point_context(h: ModelHandle, point: Point, sizes: Sizes) -> tuple[PointCont
                           f"below {floor} bytes, the least any policy needs: top_k={h.spec.top_k} slots in each of "
                           f"{len(h.spec.moe_layers)} MoE layers ({h.stride_bytes} B a slot) plus the largest "
                           f"request's {floor_kv_blocks} KV blocks ({h.kv_block_bytes} B a block)")
-    total_blocks = sum(_blocks(r.prompt_len + r.output_len, h.block_tokens) for r in reqs) + point.batch
+    total_blocks = sum(per_request) + point.batch
     tier_cap = int(sizes.kv_cpu_gib * GIB * point.kept_frac) // h.kv_block_bytes
     return PointContext(
         model=point.model, layers=point.layers, batch=point.batch, context_tokens=point.context,

@@ -212,16 +212,19 @@ def warmup_counts(engine: ReferenceEngine, num_tokens: int = 256) -> np.ndarray 
     return np.stack([np.bincount(ids[:, m].reshape(-1), minlength=e) for m in range(ids.shape[1])])
 
 
+def request_kv_blocks(requests: Sequence[Request], block_tokens: int) -> list[int]:
+    """KV blocks each request needs whole (prompt and output), largest first."""
+    return sorted((-(-(r.prompt_len + r.output_len) // block_tokens) for r in requests), reverse=True)
+
+
 def kv_floor_blocks(ctx: PointContext) -> int:
     """GPU KV blocks the largest request needs whole (the scheduler refuses one that could never fit), plus one."""
-    need = max((-(-(r.prompt_len + r.output_len) // ctx.block_tokens) for r in ctx.requests), default=1)
-    return need + 1
+    return (request_kv_blocks(ctx.requests, ctx.block_tokens) or [1])[0] + 1
 
 
 def kv_demand_blocks(ctx: PointContext) -> int:
     """GPU KV blocks that would hold the `batch` largest requests at once (the KV share that never preempts)."""
-    sizes = sorted((-(-(r.prompt_len + r.output_len) // ctx.block_tokens) for r in ctx.requests), reverse=True)
-    return max(kv_floor_blocks(ctx), sum(sizes[: ctx.batch]))
+    return max(kv_floor_blocks(ctx), sum(request_kv_blocks(ctx.requests, ctx.block_tokens)[: ctx.batch]))
 
 
 def even_slots(ctx: PointContext, total_slots: int, min_per_layer: int = 1) -> tuple[int, ...]:
