@@ -197,11 +197,12 @@ class OnDemandExperts:
         t1 = time.perf_counter()
         loader = self._loader(layer, experts[0])
         if self.store is StoreKind.PINNED and table:
-            pub, futs = loader.load_many_issued(layer, experts)  # ready once issued; published later, mapped
+            # at_once: the step waits for the whole list, so none of it waits behind the link's in-flight bound.
+            pub, futs = loader.load_many_issued(layer, experts, at_once=True)  # ready once issued; published later
             self._unpublished.update(zip([(layer, e) for e in experts], pub, strict=True))
             self._own_binds += len(futs)
         elif self.store is StoreKind.PINNED:
-            futs = loader.load_many(layer, experts)
+            futs = loader.load_many(layer, experts, at_once=True)
             self._own_binds += len(futs)
         else:
             futs = []

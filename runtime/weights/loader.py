@@ -148,13 +148,14 @@ class ExpertLoadHandler:
             self._cv.notify_all()
 
     def _h2d_request(self, loads: list[_Load], src: Any, dst: Any, segments: list[tuple[int, int, int]],
-                     priority: Priority, deadline_s: float | None, guards: list[list[Any]]) -> TransferRequest:
+                     priority: Priority, deadline_s: float | None, guards: list[list[Any]],
+                     at_once: bool = False) -> TransferRequest:
         """One host->device transfer whose segment i fills loads[i] (with map_in="before_copy", maps it first),
-        ordered after guards[i] (the work still reading its slot's old expert)."""
+        ordered after guards[i] (the work still reading its slot's old expert); at_once: `TransferRequest`'s."""
         pool = self.pool
         return TransferRequest(
             Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s, segments=segments,
-            segment_after=guards if any(guards) else None,
+            segment_after=guards if any(guards) else None, at_once=at_once,
             before_segment=None if self.map_in != "before_copy" else
             (lambda i: None if loads[i].premapped else pool.map_reserved(loads[i].layer, loads[i].expert)),
             on_segment_issued=lambda i, ev: self._step(loads[i], copy_issued=True, event=ev),
@@ -205,18 +206,20 @@ class ExpertLoadHandler:
         return ld.fut
 
     def load_many(self, layer: int, experts: list[int], priority: Priority = Priority.NORMAL,
-                  deadline_s: float | None = None) -> list[OpFuture]:
-        return [ld.fut for ld in self._load_many(layer, experts, priority, deadline_s)]
+                  deadline_s: float | None = None, at_once: bool = False) -> list[OpFuture]:
+        """at_once: the caller waits for the whole list (a step's misses): `TransferRequest.at_once`."""
+        return [ld.fut for ld in self._load_many(layer, experts, priority, deadline_s, at_once)]
 
     def load_many_issued(self, layer: int, experts: list[int], priority: Priority = Priority.NORMAL,
-                         deadline_s: float | None = None) -> tuple[list[OpFuture], list[OpFuture]]:
+                         deadline_s: float | None = None, at_once: bool = False
+                         ) -> tuple[list[OpFuture], list[OpFuture]]:
         """`load_many`, with a second future per expert, done once its copy is issued (the pool knows the
         copy's event: `note_issued`), before its range is mapped: a slot-table reader needs no more."""
-        loads = self._load_many(layer, experts, priority, deadline_s)
+        loads = self._load_many(layer, experts, priority, deadline_s, at_once)
         return [ld.fut for ld in loads], [ld.issued for ld in loads]
 
     def _load_many(self, layer: int, experts: list[int], priority: Priority,
-                   deadline_s: float | None) -> list[_Load]:
+                   deadline_s: float | None, at_once: bool = False) -> list[_Load]:
         """Load several experts of one layer from the pinned store (a prefetch list), one future each, copied in
         list order. Slots are reserved for all or, if any expert is refused, for none (nothing moves); the copies
         go to the link as one transfer of one segment per expert, so submitting costs a few µs per expert and the
@@ -236,7 +239,7 @@ class ExpertLoadHandler:
             idx = sorted(range(len(loads)), key=lambda i: bool(guards[i]))
             loads, segments, guards = [loads[i] for i in idx], [segments[i] for i in idx], [guards[i] for i in idx]
         try:
-            req = self._h2d_request(loads, pinned.buffer, dst, segments, priority, deadline_s, guards)
+            req = self._h2d_request(loads, pinned.buffer, dst, segments, priority, deadline_s, guards, at_once)
             self.engine.submit(req)
         except Exception:  # refused before any byte moved: give every slot back
             self._abandon(loads)

@@ -113,6 +113,30 @@ def test_a_layers_misses_load_as_one_list_and_the_window_prefetches(tiny, tmp_pa
         eng.close()
 
 
+def test_a_steps_misses_go_to_the_link_at_once_and_a_prefetch_does_not(tiny, tmp_path: Path) -> None:
+    """The list a layer waits for is issued whole (`TransferRequest.at_once`: none of it waits behind the link's
+    in-flight bound); the window's prefetch stays bounded, so more urgent traffic still passes it."""
+    for lookahead in (0, 1):
+        eng = _engine(tiny, tmp_path, f"a{lookahead}", hooks=ModelHooks(forced_routes=_router(tiny)),
+                      decode_graphs=True, resident_frac=0.5, expert_lookahead_layers=lookahead)
+        assert eng.loader is not None
+        flags: list[bool] = []
+        real_submit = eng.transfer.submit
+
+        def submit(req, _r=real_submit, _f=flags):
+            _f.append(req.at_once)
+            return _r(req)
+
+        eng.transfer.submit = submit  # type: ignore[method-assign]
+        eng.generate(PROMPTS[:2], 4)
+        assert eng.experts.misses > 0 and True in flags
+        if lookahead:
+            assert eng.experts.prefetched > 0 and False in flags
+        else:
+            assert False not in flags
+        eng.close()
+
+
 def test_scan_rule_keeps_a_subset_where_lru_hits_nothing(tiny, tmp_path: Path) -> None:
     """Mixtral's B=16, F=0.5 geometry scaled down: four groups of 2 experts, each needed whole, in a cycle through
     4 slots (half the union). LRU evicts every expert just before its next use; the scan rule keeps a subset."""

@@ -168,6 +168,67 @@ def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.Monk
     assert sorted(ran) == list(range(0, 120, 3))  # every idle job ran once, all before close() returned
 
 
+@pytest.mark.parametrize("at_once", [False, True])
+def test_at_once_list_is_issued_whole_past_the_inflight_bound(monkeypatch: pytest.MonkeyPatch, at_once: bool) -> None:
+    """Copies that complete only when a gate opens: a bounded list has its first two chunks issued (the bound's
+    floor) and the rest only as those land; an `at_once` list (a step's misses, which its caller waits for in full)
+    has every chunk issued while none has landed. Both complete byte-exact once the gate opens."""
+    import threading
+    import time as _time
+
+    gate = threading.Event()
+
+    class GateEvent:
+        def query(self) -> bool:
+            return gate.is_set()
+
+        def synchronize(self) -> None:
+            gate.wait(T)
+
+    class GateDevice(Device):
+        def __init__(self) -> None:
+            super().__init__("cpu")
+
+        @property
+        def is_cuda(self) -> bool:  # type: ignore[override]
+            return True
+
+        def new_stream(self, priority: int = 0):
+            return object()
+
+        def bind_thread(self, stream=None) -> None:
+            pass
+
+        def stream_wait(self, ev, stream=None) -> None:
+            pass
+
+        def copy(self, dst, src, stream=None, stream_is_current=False):
+            dst.copy_(src)
+            return GateEvent()
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)
+    eng = TransferEngine(GateDevice(), chunk_bytes=CHUNK, max_inflight_bytes=CHUNK)
+    monkeypatch.setattr(eng, "_validate", lambda r, _checked=None: r.segments)
+    num = 6
+    src = torch.randint(0, 255, (num * CHUNK,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    issued: list[int] = []
+    try:
+        h = eng.submit(TransferRequest(Link.H2D, TrafficClass.EXPERT, src, dst, at_once=at_once,
+                                       segments=[(i * CHUNK, i * CHUNK, CHUNK) for i in range(num)],
+                                       on_segment_issued=lambda i, _ev: issued.append(i)))
+        want = num if at_once else 2
+        wait_until(lambda: len(issued) >= want, T)
+        _time.sleep(0.05)  # the worker had time to issue more, were it allowed to
+        assert sorted(issued) == list(range(want))
+        gate.set()
+        h.wait(T)
+        assert h.error is None and torch.equal(src, dst) and sorted(issued) == list(range(num))
+    finally:
+        gate.set()
+        eng.close()
+
+
 def test_idle_jobs_run_in_priority_order_are_counted_and_refused_after_close(cpu, rand, retire_thread):
     eng = TransferEngine(cpu, chunk_bytes=CHUNK, retire_thread=retire_thread)
     gate = HostEvent()
