@@ -294,13 +294,15 @@ class OnDemandExperts:
         if not same_layer and self.pool.num_free_slots >= free_needed:
             return
         ranked = self._ranked(layer, want, 1, same_layer=same_layer)
-        if not ranked and (self._inflight or self._unpublished):  # loads in flight: once published, evictable
-            for fut in [*self._inflight.values(), *self._unpublished.values()]:
-                with contextlib.suppress(Exception):  # counted by the loader and whoever started it
-                    fut.wait()
+        # Loads in flight are evictable once published: wait for them oldest first, only until one will do (the
+        # whole set can be a layer's list of misses whose ranges are still being mapped).
+        for fut in [] if ranked else [*self._unpublished.values(), *self._inflight.values()]:
+            with contextlib.suppress(Exception):  # counted by the loader and whoever started it
+                fut.wait()
             if not same_layer and self.pool.num_free_slots >= free_needed:
                 return
-            ranked = self._ranked(layer, want, 1, same_layer=same_layer)
+            if ranked := self._ranked(layer, want, 1, same_layer=same_layer):
+                break
         if not ranked:  # `soon` is a preference: a layer's own needs come first
             ranked = self._ranked(layer, want, 1, honor_soon=False, same_layer=same_layer)
         if not ranked:
