@@ -180,11 +180,12 @@ class Device:
         return self.record_event(stream)
 
     def copy_range(self, dst: torch.Tensor, dst_offset_bytes: int, src: torch.Tensor, src_offset_bytes: int,
-                   num_bytes: int, stream: Any = None, stream_is_current: bool = False) -> Event:
+                   num_bytes: int, stream: Any = None, stream_is_current: bool = False, record: bool = True) -> Event:
         """Copy `num_bytes` from byte `src_offset_bytes` of `src` to byte `dst_offset_bytes` of `dst` (both
         contiguous; the caller checked the ranges). On a GPU with cuda-python this is one driver call by address
         (cuMemcpyAsync, a third of the host time of torch's copy_: bench/results/design_notes.md), no tensor
-        views; otherwise byte views and `copy`."""
+        views; otherwise byte views and `copy`. record=False: no event is recorded (one driver call less; the
+        caller orders by stream), and a completed one is returned."""
         if self._cu is None:
             return self.copy(byte_range(dst, dst_offset_bytes, num_bytes), byte_range(src, src_offset_bytes,
                              num_bytes), stream, stream_is_current)
@@ -199,7 +200,7 @@ class Device:
                                cu.CUdeviceptr(src.data_ptr() + src_offset_bytes), num_bytes, cu_stream)[0]
         if err != cu.CUresult.CUDA_SUCCESS:
             raise CudaError(f"cuMemcpyAsync of {num_bytes} bytes failed: {err}")
-        return self.record_event(stream)
+        return self.record_event(stream) if record else completed_event()
 
     def synchronize(self) -> None:
         if self.is_cuda:

@@ -79,7 +79,7 @@ class SlotBooks:
     def _bind_slot_locked(self, layer: int, expert: int, en: _Entry, slot: int, mapped: bool) -> None:
         """Give the expert `slot` (taken off the free list), which becomes LOADING (the caller checked it may)."""
         self._slot_owner[slot] = (layer, expert)
-        en.state, en.slot, en.readers, en.mapped, en.issued = ExpertState.LOADING, slot, [], mapped, False
+        en.state, en.slot, en.readers, en.mapped, en.issued = ExpertState.LOADING, slot, {}, mapped, False
         en.guards = [g for g in self._guards.pop(slot, ()) if not g.query()]
         self._num_bound[layer] += 1
         self.remaps += 1

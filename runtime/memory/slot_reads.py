@@ -5,11 +5,12 @@
 (readers that name no experts wait for them), the last pool-wide read fence, and the slot table. The slot table
 ([layers, experts] int64 on the device) says which slot holds each expert: a grouped GEMM that indexes it reads
 an expert through the slot window, so a load needs no mapping of the expert's range before such a read. The
-table is written on the reader's stream (`write_table`), in stream order with the kernels that read it: a
-layer's changed entries go through a ring of pinned staging rows as one host->device copy and one scatter
-(a Python scalar assigned into a CUDA tensor would copy from pageable memory and wait for the stream); a host
-copy says what the device holds, so an entry is written only when its slot changed. Never decides what
-to load or evict; never maps anything.
+table is written on the reader's stream (`write_table`), in stream order with the kernels that read it; a host
+copy says what the device holds, so an entry is written only when its slot changed (a layer's misses). Each
+changed entry is one 8-byte host->device copy from a pinned array that holds every slot number, which never
+changes: no staging buffer to recycle, no scatter kernel, no event (a Python scalar assigned into a CUDA tensor
+would copy from pageable memory and wait for the stream). Never decides what to load or evict; never maps
+anything.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import numpy as np
 import torch
 
 from tierplan.runtime.device import Device, Event
-
-_STAGING_ROWS = 16  # pinned rows the table's writes rotate through
 
 
 class ReadyOrder:
@@ -55,7 +54,7 @@ class SlotReads:
     """The reader books of one pool (see the module docstring); the pool calls it under its lock, except
     `wait_published`'s first look and `write_table` (the engine thread alone writes the table)."""
 
-    def __init__(self, device: Device, num_layers: int, num_experts: int, table: bool) -> None:
+    def __init__(self, device: Device, num_layers: int, num_experts: int, num_slots: int, table: bool) -> None:
         self.device = device
         self.fence: Event | None = None  # last record_read_all: work that may read any slot
         self.unsettled: list[Event] = []  # events of published loads whose copy may still run
@@ -65,10 +64,8 @@ class SlotReads:
         self.table = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device.torch_device) \
             if table else None
         self._table_host = np.full((num_layers, num_experts), -1, dtype=np.int64)
-        ring = _STAGING_ROWS if table else 0
-        self._stage = torch.zeros(ring, num_experts, 2, dtype=torch.int64, pin_memory=device.is_cuda)  # [R, E, 2]
-        self._stage_done: list[Event | None] = [None] * ring  # the copy out of each staging row
-        self._next_stage = 0
+        # Slot s's number at element s, the source of every entry's copy (read by copies still queued: never written).
+        self._slot_ids = torch.arange(num_slots if table else 0, dtype=torch.int64, pin_memory=device.is_cuda)  # [S]
         self.table_writes = 0  # entries written
 
     def order_after(self, loads: list[tuple[Event, tuple[object, int] | None]], stream: Any = None) -> None:
@@ -101,15 +98,11 @@ class SlotReads:
         changed = [(e, s) for e, s in slots if host[e] != s]
         if not changed:
             return
-        i, n = self._next_stage, len(changed)
-        self._next_stage = (i + 1) % len(self._stage_done)
-        done = self._stage_done[i]
-        if done is not None:
-            done.synchronize()  # a staging row is written again only after its last copy (rows ago: done)
-        stage = self._stage[i, :n]  # [n, 2] (expert, slot), pinned
-        stage.numpy()[:] = changed
-        pairs = stage.to(self.table.device, non_blocking=True)  # [n, 2]
-        self._stage_done[i] = self.device.record_event()
-        self.table[layer].index_put_((pairs[:, 0],), pairs[:, 1])
+        if not self.device.is_cuda:
+            self.table[layer, [e for e, _s in changed]] = torch.tensor([s for _e, s in changed])
+        else:
+            stream, row = torch.cuda.current_stream(self.device.torch_device), layer * self.table.shape[1]
+            for e, s in changed:
+                self.device.copy_range(self.table, (row + e) * 8, self._slot_ids, s * 8, 8, stream, record=False)
         host[[e for e, _s in changed]] = [s for _e, s in changed]
-        self.table_writes += n
+        self.table_writes += len(changed)

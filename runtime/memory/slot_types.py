@@ -51,7 +51,8 @@ class _Entry:
     slot: int | None = None
     pinned: bool = False
     load_event: Event | None = None
-    readers: list[Event] | None = None
+    # Work reading the slot, as the last reader event recorded on each stream (a stream's events complete in order).
+    readers: dict[object, Event] | None = None
     mapped: bool = False  # the slot is mapped under the expert's range (LOADING may be reserved only)
     load_order: tuple[object, int] | None = None  # (source, n): the load's place in its source's issue order
     guards: list[Event] | None = None  # LOADING: work still reading the slot's previous expert (the copy follows it)

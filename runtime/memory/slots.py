@@ -67,7 +67,7 @@ class ExpertSlotPool(SlotBooks):
         self.ranges = ExpertRanges(backend, self.layout, num_slots, poison_unmapped, slot_window)  # chunks, mappings
         self._bases, self._tensors, self._slots = self.ranges.bases, self.ranges.tensors, self.ranges.slots
         self._poison, self._window = self.ranges.poison_chunk, self.ranges.window
-        self.reads = SlotReads(device, num_layers, num_experts, table=slot_window)  # RAW/WAR books, slot table
+        self.reads = SlotReads(device, num_layers, num_experts, num_slots, table=slot_window)  # RAW/WAR, slot table
         # Loads are published without their range mapped; range readers map what they read (`map_for_read`).
         self.maps_on_read = maps_on_read
         self.read_maps = 0  # ranges mapped by map_for_read
@@ -242,7 +242,8 @@ class ExpertSlotPool(SlotBooks):
         # A failed load's guards (readers of the slot's previous expert) go back to the slot: no scrub, no unmap
         # touches it before they end (I4).
         # A slot-table reader of the failed load (its copy was issued) counts as well.
-        guards = [g for g in (*(en.guards or ()), *(en.readers or ()), *([en.load_event] if en.load_event else ()))
+        guards = [g for g in (*(en.guards or ()), *(en.readers or {}).values(),
+                              *([en.load_event] if en.load_event else ()))
                   if not g.query()] if en.state is ExpertState.LOADING else []
         self._guards[slot] = [*self._guards.get(slot, ()), *guards]
         if guards and en.mapped and not self.scrub_on_unmap:
@@ -309,17 +310,24 @@ class ExpertSlotPool(SlotBooks):
                 pairs.append((e, self._entries[layer][e].slot))
         self.reads.write_table(layer, pairs)  # type: ignore[arg-type]
 
-    def record_read(self, layer: int, experts: Iterable[int], event: Event) -> None:
-        """Remember that work ending at `event` reads these experts (WAR protection for their slots)."""
+    def record_read(self, layer: int, experts: Iterable[int], event: Event, stream: Any = None) -> None:
+        """Remember that work ending at `event`, recorded on `stream` (None: the current one) after the earlier
+        events passed for that stream, reads these experts (WAR protection for their slots). On a GPU each slot
+        keeps the last such event per stream: the stream's earlier ones complete before it, so none is queried."""
         experts = list(experts)
+        key = self.device.stream_key(stream)
         with self._lock:
             entries = [self._entry(layer, e) for e in experts]
             for e, en in zip(experts, entries, strict=True):  # validate all first: a refusal records nothing
                 if en.state is not ExpertState.RESIDENT and not en.issued:  # issued: a slot-table reader's
                     raise NotResidentError(f"record_read: expert ({layer}, {e}) is {en.state.value}")
-            for en in entries:  # pruned when four pile up, not per read (each query is a driver call)
-                en.readers = [r for r in en.readers if not r.query()] if len(en.readers or ()) >= 4 else en.readers
-                en.readers.append(event)  # type: ignore[union-attr]
+            for en in entries:
+                if key is None:  # the CPU twin: host events end in any order; each is kept until done
+                    if len(en.readers) >= 4:  # type: ignore[arg-type]
+                        en.readers = {k: r for k, r in en.readers.items() if not r.query()}  # type: ignore[union-attr]
+                    en.readers[id(event)] = event  # type: ignore[index]
+                else:
+                    en.readers[key] = event  # type: ignore[index]
 
     def record_read_all(self, event: Event) -> None:
         """Work ending at `event` may read any resident expert (a step that skipped per-expert bookkeeping, a graph
@@ -336,7 +344,7 @@ class ExpertSlotPool(SlotBooks):
         if en.pinned:
             raise PinnedError(f"{what}: expert ({layer}, {expert}) is pinned")
         # The load's own copy counts as in flight too: a slot is never reused under a running copy.
-        pending = [*(en.readers or []), *([en.load_event] if en.load_event is not None else []),
+        pending = [*(en.readers or {}).values(), *([en.load_event] if en.load_event is not None else []),
                    *self.reads.fence_pending()]
         return en, [r for r in pending if not r.query()]
 
@@ -389,7 +397,7 @@ class ExpertSlotPool(SlotBooks):
         self.sweep_stale(block=True)
         with self._lock:
             pending = [r for row in self._entries for en in row
-                       for r in [*(en.readers or []), *([en.load_event] if en.load_event is not None else [])]]
+                       for r in [*(en.readers or {}).values(), *([en.load_event] if en.load_event is not None else [])]]
         for r in pending:
             r.synchronize()
         self._tensors.clear()

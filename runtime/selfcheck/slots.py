@@ -71,7 +71,7 @@ def run_slot_check(remaps: int, seed: int, device: str = "cpu", workdir: str | P
                 with torch.cuda.stream(stream):
                     got.append(fingerprint(view))
                 if expect != poison_fp:
-                    pool.record_read(layer, [e], dev.record_event(stream))
+                    pool.record_read(layer, [e], dev.record_event(stream), stream)
             else:
                 got.append(fingerprint(view))
             want.append(expect)

@@ -291,3 +291,43 @@ def test_a_pool_full_of_loads_being_published_waits_for_the_oldest_only(dev: Dev
         eng.close()
         pool.close()
         pinned.close()
+
+
+def test_a_slot_keeps_each_streams_last_reader_and_its_next_load_follows_them(dev: Device) -> None:
+    """On a GPU a stream's events end in the order they were recorded, so a slot keeps only the last reader of each
+    stream (no event is queried per read): the next load of the slot is guarded by that last reader of every
+    stream that read it, and not by an earlier one the last supersedes. On the CPU twin (no streams) each reader
+    is kept until it is done."""
+
+    class Streams(Device):  # the CPU twin with named streams, as a GPU keys its readers
+        def stream_key(self, stream=None):  # type: ignore[override]
+            return stream or "compute"
+
+    pool = ExpertSlotPool(HostBackend(), Streams("cpu"), 1, 4, MIXED.num_bytes, 1)
+    data = torch.zeros(MIXED.num_bytes, dtype=torch.uint8)
+    try:
+        load(pool, 0, 0, data)
+        first, last, side = Kernel(), Kernel(), Kernel()
+        pool.record_read(0, [0], first)
+        pool.record_read(0, [0], last)
+        pool.record_read(0, [0], side, stream="side")
+        pool.release(0, 0)
+        pool.prepare_loads(0, [1])
+        assert pool.load_guards(0, [1]) == [[last, side]]
+    finally:
+        for k in (first, last, side):
+            k.set()
+        pool.close()
+    cpu = ExpertSlotPool(HostBackend(), dev, 1, 4, MIXED.num_bytes, 1)
+    try:
+        load(cpu, 0, 0, data)
+        first, last = Kernel(), Kernel()
+        cpu.record_read(0, [0], first)
+        cpu.record_read(0, [0], last)
+        cpu.release(0, 0)
+        cpu.prepare_loads(0, [1])
+        assert cpu.load_guards(0, [1]) == [[first, last]]
+    finally:
+        first.set()
+        last.set()
+        cpu.close()
