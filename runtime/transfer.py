@@ -7,9 +7,9 @@ arrival). A transfer of at least 2 x chunk_bytes is cut into even chunks of chun
 an urgent small transfer waits behind at most the chunks already in flight, never behind a whole 1 GiB stream.
 On a GPU each memory link owns a CUDA stream and keeps issued at most `max_inflight_bytes` (always at least two
 chunks) and `max_inflight_chunks`, so many small KV copies pipeline deeply while an urgent one never waits
-behind more than ~16 MiB (a request marked `at_once`, a list its caller waits for in full, is issued whole);
-on the CPU twin a worker thread does the copy. Disk links are
-worker threads doing aligned O_DIRECT I/O.
+behind more than ~16 MiB (a request marked `at_once`, a list its caller waits for in full, is issued whole, and
+`submit_now` issues one on the caller's thread, ahead of the queue); on the CPU twin a worker thread does the copy.
+Disk links are worker threads doing aligned O_DIRECT I/O.
 
 Memory-link copies go by address (`Device.copy_range`: one cuMemcpyAsync on a GPU). A memory link's finished
 chunks are accounted, and `on_done` callbacks run, in order on its worker (the default, as in the reference
@@ -25,6 +25,7 @@ Never decides what to move: callers (the agent, the KV handler, the expert loade
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import time
@@ -159,6 +160,21 @@ class TransferEngine:
             raise TransferError("transfer engine is closed")
         if not reqs:
             return []
+        prepared = self._prepare(reqs)
+        q = self._queues[reqs[0].link]
+        with q.cv:
+            if self._closing:  # re-checked under the queue lock: a worker may be exiting on an empty queue
+                raise TransferError("transfer engine is closed")
+            for _h, qt in prepared:
+                heapq.heappush(q.heap, qt)
+            q.cv.notify_all()  # disk links have several workers: a multi-chunk transfer should wake them all
+        return [h for h, _qt in prepared]
+
+    def _prepare(self, reqs: list[TransferRequest]) -> list[tuple[TransferHandle, QueuedTransfer]]:
+        """Check every request of one link (ConfigError, nothing made, for a malformed one); a handle and a queue
+        entry each."""
+        if self._closing:
+            raise TransferError("transfer engine is closed")
         link = reqs[0].link
         all_segs: list[list[tuple[int, int, int]]] = []
         checked: set[tuple[int, int]] = set()
@@ -175,25 +191,29 @@ class TransferEngine:
                 raise ConfigError(f"submit_many: request {i} has {len(req.segment_after)} segment_after lists for "
                                   f"{len(req.segments or [None])} segment(s)")
             all_segs.append(self._validate(req, checked))
-        now = self.clock()
-        handles, queued = [], []
-        cb = self.chunk_bytes
+        now, cb = self.clock(), self.chunk_bytes
+        out = []
         for req, segs in zip(reqs, all_segs, strict=True):
             seg_chunks = [num_chunks(n, cb) for _s, _d, n in segs]
             total_chunks = sum(seg_chunks)
             h = TransferHandle(req, sum(n for _s, _d, n in segs), total_chunks, now,
                                seg_chunks if req.segments is not None else None)
-            handles.append(h)
-            queued.append((h, segs, total_chunks, int(req.priority),
-                           float("inf") if req.deadline_s is None else req.deadline_s))
-        q = self._queues[link]
-        with q.cv:
-            if self._closing:  # re-checked under the queue lock: a worker may be exiting on an empty queue
-                raise TransferError("transfer engine is closed")
-            for h, segs, n, prio, deadline in queued:
-                heapq.heappush(q.heap, QueuedTransfer((prio, deadline, next(self._seq)), h, segs, cb, n))
-            q.cv.notify_all()  # disk links have several workers: a multi-chunk transfer should wake them all
-        return handles
+            key = (int(req.priority), float("inf") if req.deadline_s is None else req.deadline_s, next(self._seq))
+            out.append((h, QueuedTransfer(key, h, segs, cb, total_chunks)))
+        return out
+
+    def submit_now(self, req: TransferRequest) -> TransferHandle:
+        """Issue a memory-link transfer on the calling thread, every chunk at once on the link's bulk stream,
+        ahead of what is queued (`LinkWorker.issue_now`; the worker retires it): for a list the caller waits for in
+        full, whose hand-off to the worker would cost a wake-up per list. On the CPU twin, where a copy blocks
+        its thread, it is queued `at_once` instead. ConfigError (nothing issued) for a malformed request."""
+        if req.link not in MEMORY_LINKS:
+            raise ConfigError(f"submit_now: {req.link.value} is not a memory link (disk links run parallel workers)")
+        if not self.device.is_cuda:
+            return self.submit(dataclasses.replace(req, at_once=True))
+        h, qt = self._prepare([req])[0]
+        self._workers[req.link].issue_now(qt)
+        return h
 
     def submit_idle(self, link: Link, job: Callable[[], None], priority: Priority = Priority.NORMAL,
                     deadline_s: float | None = None) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tierplan.runtime.device import Device, Event
+from tierplan.runtime.errors import TransferError
 from tierplan.runtime.transfer_handle import Chunk, QueuedTransfer, TransferHandle, byte_slice
 from tierplan.runtime.transfer_types import ClassStats, Link, LinkStats, Priority, TrafficClass
 
@@ -39,6 +40,8 @@ class LinkQueue:
         self.idle: list[tuple[int, float, int, Callable[[], None]]] = []  # (priority, deadline, seq, job)
         self.cv = threading.Condition()
         self.closing = False  # set under cv by the engine: finish what is queued, then stop
+        self.direct: deque[tuple[Chunk, Event]] = deque()  # chunks callers issued (`issue_now`): the worker retires
+        self.direct_busy = 0  # callers issuing now: the worker does not stop before they hand their chunks over
 
 
 class TransferStats:
@@ -75,6 +78,9 @@ class LinkWorker:
         self._retire_queue: queue.SimpleQueue[tuple[Chunk, BaseException | None] | None] | None = (
             queue.SimpleQueue() if retire_thread and link in MEMORY_LINKS else None)
         self._threads: list[threading.Thread] = []
+        # One issuer at a time on the bulk stream (the worker, or a caller's `issue_now`): copies leave in the order
+        # their `on_segment_issued` sees them, which numbers loads in stream order (`ReadyOrder`).
+        self.issue_lock = threading.Lock()
 
     def start(self) -> None:
         jobs: list[tuple[Callable[[], None], str]] = [(self._run, f"tierplan-{self.link.value}-{i}")
@@ -109,7 +115,9 @@ class LinkWorker:
                 ls.idle_s += dt
 
     # ---- workers ----------------------------------------------------------------------------------
-    def _issue(self, ch: Chunk, first: bool) -> Event | None:
+    def _issue(self, ch: Chunk, first: bool, caller: bool = False) -> Event | None:
+        """One chunk's hooks, waits and copy; caller: on a caller's thread (`issue_now`), whose current stream is
+        not the link's."""
         link, req = self.link, ch.handle.request
         if first and req.before_issue is not None:
             t0 = time.perf_counter()
@@ -128,7 +136,7 @@ class LinkWorker:
                 for ev in req.segment_after[ch.seg]:
                     self.device.stream_wait(ev, stream)
             ev = self.device.copy_range(req.dst, ch.dst_offset_bytes, req.src, ch.src_offset_bytes, ch.length_bytes,
-                                        stream, stream_is_current=not urgent)  # _run made the bulk stream current
+                                        stream, stream_is_current=not urgent and not caller)  # _run made it current
             return ev if self.device.is_cuda else None
         src = byte_slice(req.src, ch.src_offset_bytes, ch.length_bytes)
         dst = byte_slice(req.dst, ch.dst_offset_bytes, ch.length_bytes)
@@ -249,8 +257,64 @@ class LinkWorker:
                 cs.deadline_misses += 1
         h.settle()
 
+    def _issue_chunk(self, ch: Chunk, caller: bool = False) -> Event | None:
+        """Issue one chunk (under `issue_lock`): its event, or None once the chunk is retired here (skipped after an
+        earlier failure, failed, or copied already: the CPU twin)."""
+        h = ch.handle
+        if h.error is not None or (h.segment_errors and ch.seg in h.segment_errors):
+            self._retire(ch, None, h.error)  # an earlier chunk failed: skip the copy, still account
+            return None
+        with self.stats.lock:
+            first = h.start(self.clock())
+        t0 = time.perf_counter()
+        req = h.request
+        try:
+            ev = self._issue(ch, first, caller)
+        except _SegmentFailed:
+            self.stats.add_time(self.link, "issue_s", time.perf_counter() - t0)
+            self._retire(ch, None, None)  # the segment failed alone: its error is in h.segment_errors
+            return None
+        except Exception as exc:
+            self.stats.add_time(self.link, "issue_s", time.perf_counter() - t0)
+            self._retire(ch, None, exc)
+            return None
+        if ch.last and req.on_segment_issued is not None:
+            try:
+                req.on_segment_issued(ch.seg, ev)
+            except Exception as exc:  # the bytes still move; the segment reports the error when done
+                h.segment_errors.setdefault(ch.seg, exc)
+        self.stats.add_time(self.link, "issue_s", time.perf_counter() - t0)  # hooks included; hook_s says how much
+        with self.stats.lock:
+            h.chunk_issued(ev)
+        if ev is None:
+            self._retire(ch, None, None)
+        return ev
+
+    def issue_now(self, qt: QueuedTransfer) -> None:
+        """Issue every chunk of a memory-link transfer on the calling thread, on the link's bulk stream, ahead of
+        its queue and outside the in-flight bound (the caller waits for the whole list: a step's misses), then hand
+        them to the worker, which retires them in its waits. The caller's thread needs no hand-off to the worker
+        (one wake-up and the GIL back and forth per list). TransferError, nothing issued, once the link closes."""
+        q = self.queue
+        with q.cv:
+            if q.closing:
+                raise TransferError("transfer engine is closed")
+            q.direct_busy += 1
+        issued: list[tuple[Chunk, Event]] = []
+        try:
+            with self.issue_lock:
+                while qt.left:
+                    ch = qt.take()
+                    if (ev := self._issue_chunk(ch, caller=True)) is not None:
+                        issued.append((ch, ev))
+        finally:
+            with q.cv:
+                q.direct.extend(issued)
+                q.direct_busy -= 1
+                q.cv.notify_all()
+
     def _run(self) -> None:
-        link, q = self.link, self.queue
+        q = self.queue
         self.device.bind_thread(self.stream)  # hooks' driver calls need the context; bulk copies
         inflight: deque[tuple[Chunk, Event]] = deque()
         urgent: deque[tuple[Chunk, Event]] = deque()  # on the urgent stream: retired on their own
@@ -258,8 +322,12 @@ class LinkWorker:
         while True:
             ch: Chunk | None = None
             with q.cv:
-                while not q.heap and not inflight and not urgent and not q.idle and not q.closing:
+                while not q.heap and not inflight and not urgent and not q.idle and not q.closing and not q.direct:
                     q.cv.wait()
+                while q.direct:  # issued by a caller, in stream order after what it found in flight
+                    done_ch, ev = q.direct.popleft()
+                    inflight.append((done_ch, ev))
+                    inflight_bytes += done_ch.length_bytes
                 # Always two in flight: the next request's before_issue hook (a slot remap, ~60 µs) then runs
                 # while the link is still busy with the previous one.
                 if q.heap and (
@@ -276,6 +344,9 @@ class LinkWorker:
                     if not top.left:
                         heapq.heappop(q.heap)
                 elif not q.heap and not inflight and not urgent and not q.idle:
+                    if q.direct_busy:  # closing while a caller still issues: its chunks come next
+                        q.cv.wait()
+                        continue
                     if self._retire_queue is not None:
                         self._retire_queue.put(None)  # the retire thread ends after what is queued
                     return  # closing and drained
@@ -295,35 +366,11 @@ class LinkWorker:
                     inflight_bytes -= done_ch.length_bytes
                 self._retire(done_ch, ev, None)
                 continue
-            h = ch.handle
-            if h.error is not None or (h.segment_errors and ch.seg in h.segment_errors):
-                self._retire(ch, None, h.error)  # an earlier chunk failed: skip the copy, still account
-                continue
-            with self.stats.lock:
-                first = h.start(self.clock())
-            t0 = time.perf_counter()
-            req = h.request
-            try:
-                ev = self._issue(ch, first)
-            except _SegmentFailed:
-                self.stats.add_time(link, "issue_s", time.perf_counter() - t0)
-                self._retire(ch, None, None)  # the segment failed alone: its error is in h.segment_errors
-                continue
-            except Exception as exc:
-                self.stats.add_time(link, "issue_s", time.perf_counter() - t0)
-                self._retire(ch, None, exc)
-                continue
-            if ch.last and req.on_segment_issued is not None:
-                try:
-                    req.on_segment_issued(ch.seg, ev)
-                except Exception as exc:  # the bytes still move; the segment reports the error when done
-                    h.segment_errors.setdefault(ch.seg, exc)
-            self.stats.add_time(link, "issue_s", time.perf_counter() - t0)  # hooks included; hook_s says how much
-            with self.stats.lock:
-                h.chunk_issued(ev)
+            with self.issue_lock:
+                ev = self._issue_chunk(ch)
             if ev is None:
-                self._retire(ch, None, None)
-            elif self._bypasses(ch):
+                continue
+            if self._bypasses(ch):
                 urgent.append((ch, ev))
             else:
                 inflight.append((ch, ev))

@@ -20,9 +20,11 @@ When a load is published (`publish`):
   "issued": once its copy is issued (and its range mapped), with the copy's event: readers order their stream
     with `ExpertSlotPool.wait_ready`, which the engine always does; the host never waits for the bytes.
 Copies are numbered as issued (all on the host->device link's bulk stream, in that order: expert chunks never take
-the urgent stream), so `wait_ready` orders a reader once per list. A slot released while work still read its old
-expert (`ExpertSlotPool.release`) is copied into only after that work (its `load_guards` order the link's stream;
-such segments go last), and the pool's stale ranges are swept on the link's worker (`sweep_stale`).
+the urgent stream), so `wait_ready` orders a reader once per list. A list its caller waits for in full (`at_once`:
+a step's misses) is issued on the caller's thread (`TransferEngine.submit_now`), the rest by the link's worker.
+A slot released while work still read its old expert (`ExpertSlotPool.release`) is copied into only after that work
+(its `load_guards` order the link's stream; such segments go last), and the pool's stale ranges are swept on the
+link's worker (`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -240,7 +242,7 @@ class ExpertLoadHandler:
             loads, segments, guards = [loads[i] for i in idx], [segments[i] for i in idx], [guards[i] for i in idx]
         try:
             req = self._h2d_request(loads, pinned.buffer, dst, segments, priority, deadline_s, guards, at_once)
-            self.engine.submit(req)
+            (self.engine.submit_now if at_once else self.engine.submit)(req)  # at_once: issued on this thread
         except Exception:  # refused before any byte moved: give every slot back
             self._abandon(loads)
             raise

@@ -154,8 +154,9 @@ def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.Monk
             n = rng.choice([4096, 3 * MiB, 9 * MiB])
             src = torch.randint(0, 255, (n,), dtype=torch.uint8)
             dst = torch.empty_like(src)
-            h = eng.submit(TransferRequest(rng.choice([Link.H2D, Link.D2H]), rng.choice(list(TrafficClass)), src,
-                                           dst, rng.choice(list(Priority))))
+            r = TransferRequest(rng.choice([Link.H2D, Link.D2H]), rng.choice(list(TrafficClass)), src, dst,
+                                rng.choice(list(Priority)))
+            h = eng.submit_now(r) if i % 4 == 1 else eng.submit(r)  # some issued on this thread, among the queue
             jobs.append((h, src, dst))
             if i % 3 == 0:  # host work for the workers' waits, among the copies
                 eng.submit_idle(rng.choice([Link.H2D, Link.D2H]), lambda i=i: ran.append(i), rng.choice(list(Priority)))
@@ -226,6 +227,90 @@ def test_at_once_list_is_issued_whole_past_the_inflight_bound(monkeypatch: pytes
         assert h.error is None and torch.equal(src, dst) and sorted(issued) == list(range(num))
     finally:
         gate.set()
+        eng.close()
+
+
+def test_submit_now_issues_every_chunk_on_the_callers_thread_and_the_worker_retires_them(
+        monkeypatch: pytest.MonkeyPatch, retire_thread: bool) -> None:
+    """`submit_now` (a step's misses on a GPU): every chunk is issued, its `on_segment_issued` run, on the calling
+    thread before it returns, while none has landed and past the in-flight bound; the link's worker retires them
+    once they land (byte-exact, counted). After close it raises and issues nothing."""
+    import threading
+
+    gate = threading.Event()
+
+    class GateEvent:
+        def query(self) -> bool:
+            return gate.is_set()
+
+        def synchronize(self) -> None:
+            gate.wait(T)
+
+    class GateDevice(Device):
+        def __init__(self) -> None:
+            super().__init__("cpu")
+
+        @property
+        def is_cuda(self) -> bool:  # type: ignore[override]
+            return True
+
+        def new_stream(self, priority: int = 0):
+            return object()
+
+        def bind_thread(self, stream=None) -> None:
+            pass
+
+        def stream_wait(self, ev, stream=None) -> None:
+            pass
+
+        def copy(self, dst, src, stream=None, stream_is_current=False):
+            dst.copy_(src)
+            return GateEvent()
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)
+    eng = TransferEngine(GateDevice(), chunk_bytes=CHUNK, max_inflight_bytes=CHUNK, retire_thread=retire_thread)
+    monkeypatch.setattr(eng, "_validate", lambda r, _checked=None: r.segments)
+    num = 6
+    src = torch.randint(0, 255, (num * CHUNK,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    issued_on: list[tuple[int, str]] = []
+    done: list[int] = []
+    segs = [(i * CHUNK, i * CHUNK, CHUNK) for i in range(num)]
+    try:
+        h = eng.submit_now(TransferRequest(
+            Link.H2D, TrafficClass.EXPERT, src, dst, segments=segs,
+            on_segment_issued=lambda i, _ev: issued_on.append((i, threading.current_thread().name)),
+            on_segment_done=lambda i, _err: done.append(i)))
+        me = threading.current_thread().name
+        assert issued_on == [(i, me) for i in range(num)] and not done and not h.done()
+        gate.set()
+        h.wait(T)
+        assert h.error is None and torch.equal(src, dst) and sorted(done) == list(range(num))
+        assert link_stats(eng, Link.H2D).bytes == num * CHUNK
+    finally:
+        gate.set()
+        eng.close()
+    with pytest.raises(TransferError):
+        eng.submit_now(TransferRequest(Link.H2D, TrafficClass.EXPERT, src, dst, segments=segs))
+
+
+def test_submit_now_on_the_cpu_twin_is_queued_at_once(cpu, rand) -> None:
+    """On the CPU twin a copy blocks its thread, so `submit_now` queues the transfer (`at_once`) for the link's
+    worker, which issues it; disk links are refused by name."""
+    import threading
+
+    eng = TransferEngine(cpu, chunk_bytes=CHUNK)
+    src, dst = rand(3 * CHUNK), torch.zeros(3 * CHUNK, dtype=torch.uint8)
+    names: list[str] = []
+    try:
+        h = eng.submit_now(req(Link.H2D, src, dst, on_segment_issued=lambda _i, _ev: names.append(
+            threading.current_thread().name)))
+        h.wait(T)
+        assert h.error is None and torch.equal(src, dst) and h.request.at_once
+        assert names and threading.current_thread().name not in names
+        with pytest.raises(ConfigError, match="not a memory link"):
+            eng.submit_now(req(Link.DISK2H, src, dst))
+    finally:
         eng.close()
 
 
