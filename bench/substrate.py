@@ -265,7 +265,7 @@ class LoadConfig:
     max_inflight_bytes: int
     poison_unmapped: bool = _ENGINE.expert_poison  # False: absent experts are unmapped (a read faults)
     urgent_stream: bool = False  # urgent KV copies on their own stream, so the bulk bound can be deep
-    map_in: MapIn = _ENGINE.expert_map_in  # when the link worker maps a slot: beside the copy, or before it
+    map_in: MapIn = "beside_copy"  # when the link worker maps a slot (a pool read through its ranges, as here)
     submit: str = "list"  # a prefetch list as one load_many call ("list") or one load() per expert ("each")
     retire_thread: bool = _ENGINE.transfer_retire_thread  # finished copies accounted on a retire thread
     publish: Publish = _ENGINE.expert_publish  # a load is published once its copy is done, or once issued

@@ -60,12 +60,13 @@ EXPERT_READS: tuple[str, ...] = get_args(ExpertReads)
 class EngineConfig:
     resident_frac: float = 1.0
     expert_store: StoreKind = StoreKind.PINNED
-    # When the link worker maps a loading expert's range and when it is published (runtime/weights/loader.py): by
-    # default the copy goes through the slot window at once, the worker maps the range in its waits beside it
-    # ("beside_copy"), and the expert is published once its copy is issued, with the copy's event (readers order
-    # their stream on it: wait_ready, wait_published), so no host wake-up waits for the bytes. These were the
-    # faster pair on the H200 (figures: bench/results/design_notes.md, "Expert map-in and publish defaults").
-    expert_map_in: MapIn = "beside_copy"
+    # When a loading expert's range is mapped and when it is published (runtime/weights/loader.py). The copy goes
+    # through the slot window at once and the expert is published once its copy is issued, with the copy's event
+    # (readers order their stream on it: wait_ready, wait_published), so no host wake-up waits for the bytes. None
+    # (the `map_in` property): with slot-table reads "on_read", no range is mapped until a reader through the ranges
+    # needs it, so a published load is evictable at once; with range reads "beside_copy", the link's worker maps the
+    # range in its waits beside the copy. Figures: bench/results/offload_h200.md (runs 20-22) and design_notes.md.
+    expert_map_in: MapIn | None = None
     expert_publish: Publish = "issued"
     # Absent experts' ranges (runtime/memory/slots.py I5): unmapped (False), so a stray read faults with an illegal
     # address and a load maps with two driver calls; or mapped to a read-only NaN poison page (True), so a stray
@@ -97,8 +98,8 @@ class EngineConfig:
     # How piecewise steps' GEMMs find a layer's experts: through the pool's slot table into the slot window
     # ("table": a miss is ready once its copy is issued; its range is mapped beside, off the step's path), or
     # through the experts' ranges ("range": each miss waits for its map calls). "table" needs the slot window
-    # (expert_map_in="beside_copy"); None = "table" where there is one. Eager steps and whole-step graphs read the
-    # ranges either way.
+    # (expert_map_in "on_read" or "beside_copy"); None = "table" where there is one. Eager steps and whole-step
+    # graphs read the ranges either way (with "on_read" they map what they read first).
     expert_reads: ExpertReads | None = None
     # Piecewise steps: MoE layers ahead of the current one whose experts start loading while it computes (0: none;
     # 2: FluxMoE's two-layer window). Forced routes are known ahead; live ones are guessed from the last step.
@@ -111,8 +112,16 @@ class EngineConfig:
     seed: int = 0
     workdir: Path | None = None
 
+    @property
+    def map_in(self) -> MapIn:
+        """`expert_map_in`, or where None the default its reads take (the field's comment)."""
+        if self.expert_map_in is not None:
+            return self.expert_map_in
+        return "beside_copy" if self.expert_reads == "range" or self.experts_on_device else "on_read"
+
     def __post_init__(self) -> None:
-        if (why := map_in_error("EngineConfig.expert_map_in", self.expert_map_in)) is not None:
+        if self.expert_map_in is not None and (why := map_in_error("EngineConfig.expert_map_in",
+                                                                    self.expert_map_in)) is not None:
             raise ConfigError(why)
         if self.expert_publish not in PUBLISH:
             raise ConfigError(f"EngineConfig.expert_publish must be one of {PUBLISH}, got {self.expert_publish!r}")
@@ -120,7 +129,7 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.offload_exec must be one of {OFFLOAD_EXEC}, got {self.offload_exec!r}")
         if self.expert_reads is not None and self.expert_reads not in EXPERT_READS:
             raise ConfigError(f"EngineConfig.expert_reads must be one of {EXPERT_READS}, got {self.expert_reads!r}")
-        if self.expert_reads == "table" and self.expert_map_in not in WINDOWED:
+        if self.expert_reads == "table" and self.map_in not in WINDOWED:
             raise ConfigError(f"EngineConfig.expert_reads='table' reads the slot window, which "
                               f"expert_map_in={self.expert_map_in!r} does not build: use expert_map_in='beside_copy' "
                               "or 'on_read', or expert_reads='range'")
@@ -189,11 +198,11 @@ class ReferenceEngine:
             1, math.ceil(cfg.resident_frac * n_moe * spec.num_experts))
         self.pool = ExpertSlotPool(make_backend(device), device, n_moe, spec.num_experts, fmt.num_bytes, num_slots,
                                    poison_unmapped=cfg.expert_poison,
-                                   **(pool_modes(cfg.expert_map_in) if host else {}))
+                                   **(pool_modes(cfg.map_in) if host else {}))
         # One staging pool serves the loader's NVMe reads and the KV handler's hops: buffers fit either.
         block_bytes = math.prod(block_shape(spec, cfg.block_tokens)) * dtype_from_name(spec.dtype).itemsize
         self.staging = StagingPool(device, max(block_bytes, self.nvme.records.record_bytes if self.nvme else 0), 8)
-        self.loader = (ExpertLoadHandler(self.pool, self.transfer, self.pinned, self.nvme, map_in=cfg.expert_map_in,
+        self.loader = (ExpertLoadHandler(self.pool, self.transfer, self.pinned, self.nvme, map_in=cfg.map_in,
                                          publish=cfg.expert_publish, staging=self.staging)
                        if host else None)
         if not host:
