@@ -241,6 +241,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
     against the budget after every step."""
     eng = ReferenceEngine(h.spec, h.dev, engine_config(h, ctx, policy.engine_options(ctx), workdir),
                           pinned_store=h.store)
+    run: PolicyRun | None = None
     try:
         cap_blocks = eng.cache.manager.capacity[Tier.GPU]
         sched = point_scheduler(ctx, cap_blocks)
@@ -249,7 +250,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
         # The runner first: it plugs the forced routes into the engine, which a policy may read when it starts.
         runner = Runner(eng, sched, router or h.router, on_step=lambda b, s: [f(b, s) for f in hooks],
                         virtual_step_s=sizes.virtual_step_s)
-        run: PolicyRun = policy.start(eng, ctx)
+        run = policy.start(eng, ctx)
 
         def queued_blocks() -> int:  # the KV a larger GPU share would let run now (the controller's telemetry)
             room = max(0, ctx.batch - len(sched.running) - len(sched.swapped))
@@ -258,7 +259,8 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
 
         # The agent's layer-ahead predictor (a per-layer host copy of the routes) only where the policy uses it:
         # `PolicyRun.local_predictor` where the baselines define it, else the live policies (a plan source).
-        # A live planner runs as it would beside a deployed engine: on its own thread while decode goes on, its
+        # A live planner runs as it would beside a deployed engine: in its own process (the live baselines'
+        # default, bench/baselines/plan_process.py) reached from the loop's outbox thread while decode goes on, its
         # plan applied at the first window end after it is ready (the engine never waits for a solve).
         local = bool(getattr(run, "local_predictor", run.source is not None))
         loop = InProcessLoop(eng, run.source if run.source is not None else _Hold(), window_steps=run.window_steps,
@@ -303,6 +305,9 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                                                      "decisions": _decisions(run.source),
                                                      "local_predictor": loop.adapter.predictor is not None})
     finally:
+        close = getattr(run.source, "close", None) if run is not None else None
+        if close is not None:  # a controller in a child process stops (its history was read above)
+            close()
         eng.close()
         if h.dev.is_cuda:
             torch.cuda.empty_cache()

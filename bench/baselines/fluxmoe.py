@@ -23,7 +23,6 @@ from tierplan.bench.baselines.tierplan_live import (
     AfterInitialPlan,
     TierplanLive,
     controller_class,
-    controller_config,
 )
 
 if TYPE_CHECKING:
@@ -54,8 +53,7 @@ class FluxMoE(TierplanLive):
     def engine_options(self, ctx: PointContext) -> dict[str, Any]:
         return {"expert_lookahead_layers": LOOKAHEAD_LAYERS}
 
-    def make_controller(self, engine: ReferenceEngine, ctx: PointContext) -> Any:
-        return rho_controller(controller_config(engine, ctx, self.calibrate))
+    factory = staticmethod(rho_controller)
 
     def start(self, engine: ReferenceEngine, ctx: PointContext) -> PolicyRun:
         self.controller = self.make_controller(engine, ctx)

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tierplan.bench.baselines.tierplan_live import TierplanLive, controller_class, controller_config
+from tierplan.bench.baselines.tierplan_live import TierplanLive, controller_class
 
 if TYPE_CHECKING:
-    from tierplan.bench.baselines.base import PointContext
-    from tierplan.runtime.engine.engine import ReferenceEngine
+    pass
 
 
 def greedy_controller(config: Any) -> Any:
@@ -38,5 +37,4 @@ class MarginalWSA(TierplanLive):
     name = "mv_wsa"
     allocator = "the equal-marginal greedy (WiSP MV-WSA): most step time saved per byte first"
 
-    def make_controller(self, engine: ReferenceEngine, ctx: PointContext) -> Any:
-        return greedy_controller(controller_config(engine, ctx, self.calibrate))
+    factory = staticmethod(greedy_controller)

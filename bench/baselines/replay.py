@@ -73,6 +73,7 @@ def run_point(baseline: Baseline, spec: ModelSpec, device: Device, trace: Routin
     finally:
         probe.close()
     eng = ReferenceEngine(spec, device, dataclasses.replace(cfg, **baseline.engine_options(ctx)))
+    run = None
     try:
         sched = Scheduler(kv_gpu_blocks, cfg.block_tokens, max_batch=batch, preempt=PreemptMode.SWAP)
         hooks: list[Any] = []
@@ -115,4 +116,7 @@ def run_point(baseline: Baseline, spec: ModelSpec, device: Device, trace: Routin
         return PointResult(baseline.name, report, {s.seq_id: list(s.output) for s in sched.finished}, list(acks),
                            seen["peak"], seen["over"], run, stats)
     finally:
+        close = getattr(run.source, "close", None) if run is not None else None
+        if close is not None:  # a controller in a child process stops
+            close()
         eng.close()

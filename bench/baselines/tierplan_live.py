@@ -106,6 +106,11 @@ class AfterInitialPlan:
     def history(self) -> list[Any]:
         return list(getattr(self.source, "history", []))
 
+    def close(self) -> None:  # a controller in a child process stops (an in-process one has nothing to close)
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+
 
 def controller_class() -> type:
     from tierplan.controller.loop import Controller
@@ -113,20 +118,39 @@ def controller_class() -> type:
     return Controller
 
 
+def mckp_controller(config: Any) -> Any:
+    """The controller as the service runs it: the MCKP optimizer (in the controller's process)."""
+    return controller_class()(config)
+
+
+PLANNERS = ("process", "thread")
+
+
 class TierplanLive:
     name = "tierplan"
     needs_future = False
     allocator = "the MCKP optimizer (exact DP) over the predictors' miss-ratio curves and the cost model"
+    factory = staticmethod(mckp_controller)  # config -> controller; module-level, so a child process can build it
 
-    def __init__(self, calibrate: bool = True) -> None:
+    def __init__(self, calibrate: bool = True, planner: str = "process") -> None:
+        """planner: "process" runs the controller in a child process (plan_process.py), as a deployed one runs
+        beside the engine; "thread" in the engine's process, on the loop's outbox thread."""
+        if planner not in PLANNERS:
+            raise ValueError(f"{self.name}: planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
         self.calibrate = calibrate  # False: priors only, so no wall-clock time enters a decision (tests)
+        self.planner = planner
         self.controller: Any = None
 
     def engine_options(self, ctx: PointContext) -> dict[str, Any]:
         return {}
 
     def make_controller(self, engine: ReferenceEngine, ctx: PointContext) -> Any:
-        return controller_class()(controller_config(engine, ctx, self.calibrate))
+        config = controller_config(engine, ctx, self.calibrate)
+        if self.planner == "process":
+            from tierplan.bench.baselines.plan_process import ProcessPlanSource
+
+            return ProcessPlanSource(type(self).factory, config)
+        return type(self).factory(config)
 
     def start(self, engine: ReferenceEngine, ctx: PointContext) -> PolicyRun:
         self.controller = self.make_controller(engine, ctx)

@@ -8,6 +8,7 @@ import dataclasses
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -106,11 +107,18 @@ def _rho_problem() -> SplitProblem:
     return SplitProblem((*experts, kv), capacity_units=16, unit_bytes=1)
 
 
+def _in_process(name: str) -> Any:
+    """A live baseline whose controller is built in this process (its allocator is called directly here)."""
+    b = make(name)
+    b.planner = "thread"  # type: ignore[attr-defined]
+    return b
+
+
 @pytest.fixture
 def flux_controller(tmp_path: Path) -> object:
     eng, ctx = bp.context(tmp_path)
     try:
-        run = make("fluxmoe").start(eng, ctx)
+        run = _in_process("fluxmoe").start(eng, ctx)
         return run.source.source
     finally:
         eng.close()
@@ -156,7 +164,7 @@ def test_fluxmoe_is_kv_first_and_never_gives_kv_memory_it_cannot_use(
 
 
 def test_fluxmoe_streams_with_the_two_layer_window_and_starts_kv_first(tmp_path: Path) -> None:
-    flux = make("fluxmoe")
+    flux = _in_process("fluxmoe")
     eng, ctx = bp.context(tmp_path)
     try:
         assert flux.engine_options(ctx) == {"expert_lookahead_layers": 2}
@@ -173,7 +181,7 @@ def test_fluxmoe_streams_with_the_two_layer_window_and_starts_kv_first(tmp_path:
 def test_mv_wsa_equalises_marginal_benefit_per_byte(tmp_path: Path) -> None:
     eng, ctx = bp.context(tmp_path)
     try:
-        ctl = make("mv_wsa").start(eng, ctx).source.source
+        ctl = _in_process("mv_wsa").start(eng, ctx).source.source
     finally:
         eng.close()
     u = np.arange(11)
