@@ -44,6 +44,11 @@ def register(bench_app: typer.Typer) -> None:
             help="How the oracle gets each candidate split's expert access stream: 'dry' (replayed on the CPU "
                  "from the scheduler and the routing table; no engine run) or 'engine' (recorded on an engine "
                  "run, the replay compared with it and the result in the candidate's notes: the check).")] = "dry",
+        gpus: Annotated[int, typer.Option(min=1, help="Spread the points over this many GPUs of this host: one bench "
+                                                      "process per GPU, all writing the same JSON, one report at "
+                                                      "the end (needs --device cuda).")] = 1,
+        report: Annotated[bool, typer.Option(help="Write the Markdown and plots at the end (--no-report: rows "
+                                                  "only, as each process of a --gpus sweep does).")] = True,
     ) -> None:
         """Every policy on the same engine, traces and budget: tok/s, TPOT, TTFT, stalls by cause, predicted vs
         measured step time; writes phase_<model>_<date>.json/.md/.png."""
@@ -72,6 +77,20 @@ def register(bench_app: typer.Typer) -> None:
         from tierplan.controller.protocol import ProtocolError
         from tierplan.runtime.errors import ConfigError
 
+        if gpus > 1:
+            if device != "cuda":
+                fail(f"--gpus {gpus} spreads the sweep over GPUs: it needs --device cuda")
+            import torch
+
+            if torch.cuda.device_count() < gpus:
+                fail(f"--gpus {gpus}: torch sees {torch.cuda.device_count()} CUDA device(s) here")
+            try:
+                _sharded(err, out_dir, gpus, quick, points, policies, models, fresh, requests_per_batch,
+                         oracle_recording, report)
+            except ValueError as exc:
+                fail(str(exc))
+            return
+
         bar = Progress(TextColumn("phase"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
                        disable=not sys.stderr.isatty())
         task: dict[str, Any] = {}
@@ -85,6 +104,33 @@ def register(bench_app: typer.Typer) -> None:
                                 models=_split(models), fresh=fresh, console=bar.console,
                                 progress=lambda n: bar.advance(task["id"], n), on_total=on_total,
                                 requests_per_batch=requests_per_batch,
-                                oracle_recording=recordings[oracle_recording])
+                                oracle_recording=recordings[oracle_recording], report=report)
         except (ValueError, ConfigError, ProtocolError) as exc:
             fail(str(exc))
+
+
+def _sharded(err: Any, out_dir: Path, gpus: int, quick: bool, points: str, policies: str, models: str, fresh: bool,
+             requests_per_batch: float | None, oracle_recording: str, report: bool) -> None:
+    """`--gpus N`: the sweep's points over N worker processes, one per GPU (bench/phase_shards.py), then one
+    report; exit code 1 if a worker failed (its rows stay: a rerun resumes)."""
+    from tierplan.bench.phase import sweep_grid, write_reports
+    from tierplan.bench.phase_shards import run_workers
+
+    sizes, grid = sweep_grid(quick, points, _split(policies), _split(models), requests_per_batch)
+    args = ["--device", "cuda", "--oracle-recording", oracle_recording, *(["--quick"] if quick else []),
+            *(["--fresh"] if fresh else []), *(["--policies", policies] if policies else []),
+            *(["--models", models] if models else []),
+            *(["--requests-per-batch", str(requests_per_batch)] if requests_per_batch is not None else [])]
+    err.print(f"phase: {len(grid)} point(s) over {gpus} GPU(s); each worker's output in {out_dir}/phase_worker*.log",
+              markup=False)
+
+    def done(r: Any) -> None:
+        state = "done" if r.returncode == 0 else f"FAILED (exit code {r.returncode})"
+        err.print(f"worker {r.index} (GPU {r.device}, {len(r.points)} point(s)) {state}: {r.last_line}", markup=False)
+
+    results = run_workers(grid, gpus, args, out_dir, cuda=True, on_done=done)
+    if report:
+        for m, path in write_reports(out_dir, list(dict.fromkeys(p.model for p in grid)), sizes, "cuda").items():
+            err.print(f"{m}: report from {path}", markup=False)
+    if any(r.returncode for r in results):
+        raise typer.Exit(1)

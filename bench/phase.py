@@ -192,30 +192,17 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
                     console: Any = None, progress: Callable[[int], None] | None = None,
                     on_total: Callable[[int], None] | None = None,
                     requests_per_batch: float | None = None,
-                    oracle_recording: OracleRecording = OracleRecording.DRY) -> dict[str, Path]:
+                    oracle_recording: OracleRecording = OracleRecording.DRY, report: bool = True) -> dict[str, Path]:
     """Run the sweep (module docstring); returns {model: its JSON path}. ValueError for an unknown policy,
     model or point (nothing run). `on_total(n)` is told the number of runs still to do before the first.
     `requests_per_batch` overrides the sizes' (fewer requests: shorter runs at large batches); rows measured at
     other sizes are not reused (the sizes are part of a row's code id). `oracle_recording`: how the oracle's
-    candidate futures are recorded (`OracleRecording.ENGINE`: on an engine, the dry replay checked against it)."""
+    candidate futures are recorded (`OracleRecording.ENGINE`: on an engine, the dry replay checked against it).
+    report=False: rows only (a worker of a sweep over several GPUs, phase_shards.py, whose parent reports)."""
     from tierplan.runtime.device import Device
 
-    sizes = QUICK if quick else FULL
-    if requests_per_batch is not None:
-        if not requests_per_batch > 0:
-            raise ValueError(f"--requests-per-batch must be > 0, got {requests_per_batch}")
-        sizes = dataclasses.replace(sizes, requests_per_batch=requests_per_batch)
+    sizes, grid = sweep_grid(quick, point_spec, policies, models, requests_per_batch)
     say = console.print if console is not None else print
-    bad = [p for p in policies if p not in BASELINES]
-    if bad:
-        raise ValueError(f"unknown policy {bad}; expected some of {', '.join(BASELINES)}")
-    known = tuple(m.name for m in sizes.models)
-    if [m for m in models if m not in known]:
-        raise ValueError(f"unknown model {[m for m in models if m not in known]} for this sweep; expected some of "
-                         f"{', '.join(known)}" + ("" if quick else " (--quick runs 'tiny')"))
-    grid = points(sizes, models)
-    if point_spec:
-        grid = select_points(grid, point_spec)
     pols = policies or BASELINES
     dev = Device(device)
     dev_name, code, day = _device_name(dev), code_id(repr(sizes)), time.strftime("%Y%m%d")
@@ -239,18 +226,53 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
     if not dev.is_cuda:  # a tiny model's ops are too small to share: one thread keeps a busy CPU from stalling them
         torch.set_num_threads(1)
     try:
-        _sweep(plan, pols, sizes, dev, dev_name, code, say, progress, oracle_recording)
+        _sweep(plan, pols, sizes, dev, dev_name, code, say, progress, oracle_recording, report)
     finally:
         torch.set_num_threads(threads)
     return {m: v[0].path for m, v in plan.items()}
 
 
+def sweep_grid(quick: bool = False, point_spec: str = "", policies: tuple[str, ...] = (),
+               models: tuple[str, ...] = (), requests_per_batch: float | None = None) -> tuple[Sizes, list[Point]]:
+    """The sweep's sizes and its points (`--points` / `--models` applied); ValueError for an unknown policy,
+    model or point, or a bad `requests_per_batch` (nothing run)."""
+    sizes = QUICK if quick else FULL
+    if requests_per_batch is not None:
+        if not requests_per_batch > 0:
+            raise ValueError(f"--requests-per-batch must be > 0, got {requests_per_batch}")
+        sizes = dataclasses.replace(sizes, requests_per_batch=requests_per_batch)
+    bad = [p for p in policies if p not in BASELINES]
+    if bad:
+        raise ValueError(f"unknown policy {bad}; expected some of {', '.join(BASELINES)}")
+    known = tuple(m.name for m in sizes.models)
+    if [m for m in models if m not in known]:
+        raise ValueError(f"unknown model {[m for m in models if m not in known]} for this sweep; expected some of "
+                         f"{', '.join(known)}" + ("" if quick else " (--quick runs 'tiny')"))
+    grid = points(sizes, models)
+    return sizes, select_points(grid, point_spec) if point_spec else grid
+
+
+def write_reports(out_dir: Path, models: list[str], sizes: Sizes, device: str) -> dict[str, Path]:
+    """Each model's report from today's JSON (the rows every worker of a sweep merged into it)."""
+    from tierplan.runtime.device import Device
+
+    dev_name, day, out = _device_name(Device(device)), time.strftime("%Y%m%d"), {}
+    for m in models:
+        path = out_dir / f"phase_{m}_{day}.json"
+        rows = load_rows(path)
+        if rows:
+            write_report(latest(rows, dev_name), path.with_suffix(""), sizes, dev_name)
+            out[m] = path
+    return out
+
+
 def _sweep(plan: dict[str, tuple[_Store, list[Point]]], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str,
-           code: str, say: Any, progress: Callable[[int], None] | None, how: OracleRecording) -> None:
+           code: str, say: Any, progress: Callable[[int], None] | None, how: OracleRecording,
+           report: bool = True) -> None:
     for m, (store, pts) in plan.items():
         if any((p.key, pol, dev_name, code) not in store.done for p in pts for pol in pols):
             _sweep_model(m, pts, pols, sizes, dev, dev_name, code, store, say, progress, how)
-        if store.rows:
+        if store.rows and report:
             write_report(latest(store.rows, dev_name), store.path.with_suffix(""), sizes, dev_name)
         say(f"{m}: {len(store.rows)} rows in {store.path}")
 
