@@ -63,7 +63,7 @@ def run_workers(points: Sequence[Point], num_workers: int, args: list[str], out_
     procs = []
     for i, (part, dev) in enumerate(zip(parts, devices, strict=True)):
         specs = [point_spec(p) for p in part]
-        env = dict(os.environ)
+        env = {**os.environ, "COLUMNS": os.environ.get("COLUMNS", "250")}  # a log's lines unwrapped by rich
         if dev is not None:
             env["CUDA_VISIBLE_DEVICES"] = dev
         log = out_dir / f"phase_worker{i}.log"

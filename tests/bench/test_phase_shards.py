@@ -54,4 +54,4 @@ def test_two_cpu_workers_write_one_json_and_one_report(tmp_path: Path) -> None:
 def test_a_failing_worker_is_reported_with_its_exit_code_and_last_line(tmp_path: Path) -> None:
     _sizes, grid = sweep_grid(quick=True, point_spec="b1c32f0.4")
     (r,) = run_workers(grid, 2, ["--device", "cpu", "--quick", "--policies", "nope"], tmp_path, cuda=False)
-    assert r.returncode == 2 and "unknown policy" in r.last_line
+    assert r.returncode == 2 and "unknown policy" in r.last_line and "nope" in r.log.read_text()
