@@ -152,6 +152,10 @@ def check_exact(
     expert_poison: Annotated[bool, typer.Option(
         help="Second run: absent experts' ranges read as NaN poison instead of unmapped (a stray read "
              "faults).")] = False,
+    expert_store: Annotated[str, typer.Option(
+        help="Second run: where missing experts load from: 'nvme' (disk, then pinned staging; the default) or "
+             "'pinned' (pinned host memory, the engine's default store: a step's misses are issued on the "
+             "engine thread).")] = "nvme",
     mode: Annotated[str, typer.Option(
         help="Second run's decode steps with experts missing: 'piecewise' (graphs, misses loaded between "
              "layers, GEMMs through the slot table), 'lookahead' (piecewise, two layers prefetched ahead), "
@@ -167,7 +171,7 @@ def check_exact(
     from tierplan.runtime.engine.presets import preset as load_preset
     from tierplan.runtime.errors import ConfigError
     from tierplan.runtime.selfcheck.exact import MODES, run_exact_checks
-    from tierplan.runtime.weights.loader import map_in_error
+    from tierplan.runtime.weights.loader import StoreKind, map_in_error
 
     check_device(device)
     named = [f"{flag} {value}" for flag, value in (("--preset", preset), ("--config", config), ("--model", model))
@@ -188,6 +192,10 @@ def check_exact(
             spec = spec.truncated(layers)
         if (why := map_in_error("", expert_map_in)) is not None:
             raise typer.BadParameter(why, param_hint="--expert-map-in")
+        stores = {k.value: k for k in StoreKind}
+        if expert_store not in stores:
+            raise typer.BadParameter(f"{expert_store!r}; expected one of {', '.join(map(repr, stores))}",
+                                     param_hint="--expert-store")
         modes = list(MODES) if mode == "all" else [mode]
         if any(m not in MODES for m in modes):
             raise typer.BadParameter(f"{mode!r}; expected one of {', '.join(map(repr, [*MODES, 'all']))}",
@@ -195,7 +203,7 @@ def check_exact(
         window = spec.sliding_window > 0  # the reference attention path: not the paged kernel or graphs
         results = run_exact_checks(spec, resident_frac, device.value, num_prompts=prompts, new_tokens=new_tokens,
                                    seed=seed, workdir=workdir, expert_map_in=expert_map_in,  # type: ignore[arg-type]
-                                   expert_poison=expert_poison, modes=modes,
+                                   expert_poison=expert_poison, modes=modes, expert_store=stores[expert_store],
                                    decode_graphs=False if window else decode_graphs,
                                    decode_kernel=False if window else (True if decode_graphs else None))
     except ConfigError as exc:

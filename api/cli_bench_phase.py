@@ -85,10 +85,12 @@ def register(bench_app: typer.Typer) -> None:
             if torch.cuda.device_count() < gpus:
                 fail(f"--gpus {gpus}: torch sees {torch.cuda.device_count()} CUDA device(s) here")
             try:
-                _sharded(err, out_dir, gpus, quick, points, policies, models, fresh, requests_per_batch,
-                         oracle_recording, report)
+                failed = sharded(err, out_dir, gpus, "cuda", quick, points, policies, models, fresh,
+                                 requests_per_batch, oracle_recording, report)
             except ValueError as exc:
                 fail(str(exc))
+            if failed:
+                raise typer.Exit(1)
             return
 
         bar = Progress(TextColumn("phase"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
@@ -109,28 +111,33 @@ def register(bench_app: typer.Typer) -> None:
             fail(str(exc))
 
 
-def _sharded(err: Any, out_dir: Path, gpus: int, quick: bool, points: str, policies: str, models: str, fresh: bool,
-             requests_per_batch: float | None, oracle_recording: str, report: bool) -> None:
-    """`--gpus N`: the sweep's points over N worker processes, one per GPU (bench/phase_shards.py), then one
-    report; exit code 1 if a worker failed (its rows stay: a rerun resumes)."""
+def sharded(err: Any, out_dir: Path, gpus: int, device: str, quick: bool, points: str, policies: str, models: str,
+            fresh: bool, requests_per_batch: float | None, oracle_recording: str, report: bool) -> bool:
+    """`--gpus N`: the sweep's points over N worker processes, one per GPU on `device` "cuda" (on "cpu" the
+    same workers without GPUs: the CPU test of this path), then one report. True if a worker failed (its rows
+    stay: a rerun resumes). ValueError for a bad option, before any worker starts."""
+    import time
+
     from tierplan.bench.phase import sweep_grid, write_reports
     from tierplan.bench.phase_shards import run_workers
 
     sizes, grid = sweep_grid(quick, points, _split(policies), _split(models), requests_per_batch)
-    args = ["--device", "cuda", "--oracle-recording", oracle_recording, *(["--quick"] if quick else []),
+    day = time.strftime("%Y%m%d")  # the workers' JSON is named by the day they start (before midnight, say)
+    args = ["--device", device, "--oracle-recording", oracle_recording, *(["--quick"] if quick else []),
             *(["--fresh"] if fresh else []), *(["--policies", policies] if policies else []),
             *(["--models", models] if models else []),
             *(["--requests-per-batch", str(requests_per_batch)] if requests_per_batch is not None else [])]
-    err.print(f"phase: {len(grid)} point(s) over {gpus} GPU(s); each worker's output in {out_dir}/phase_worker*.log",
+    err.print(f"phase: {len(grid)} point(s) over {gpus} worker(s); each one's output in {out_dir}/phase_worker*.log",
               markup=False)
 
     def done(r: Any) -> None:
         state = "done" if r.returncode == 0 else f"FAILED (exit code {r.returncode})"
         err.print(f"worker {r.index} (GPU {r.device}, {len(r.points)} point(s)) {state}: {r.last_line}", markup=False)
 
-    results = run_workers(grid, gpus, args, out_dir, cuda=True, on_done=done)
+    results = run_workers(grid, gpus, args, out_dir, cuda=device == "cuda", on_done=done)
     if report:
-        for m, path in write_reports(out_dir, list(dict.fromkeys(p.model for p in grid)), sizes, "cuda").items():
-            err.print(f"{m}: report from {path}", markup=False)
-    if any(r.returncode for r in results):
-        raise typer.Exit(1)
+        models_run = list(dict.fromkeys(p.model for p in grid))
+        written = write_reports(out_dir, models_run, sizes, device, day)
+        for m in models_run:
+            err.print(f"{m}: report from {written[m]}" if m in written else f"{m}: no rows to report", markup=False)
+    return any(r.returncode for r in results)

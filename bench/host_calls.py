@@ -78,10 +78,11 @@ def _gated_loader(dev: Device, store: PinnedExpertStore, batch: int) -> Iterator
     Yields `gated(submit)`: it runs `submit(loader)` (which returns the load futures) while the link's worker is
     held back by a gate, so only submission runs, then lets the worker go, waits for the loads and evicts them."""
     cfg = EngineConfig()
+    map_in = cfg.map_in_for(graphs=dev.is_cuda)
     pool = ExpertSlotPool(make_backend(dev), dev, 1, batch, store.format.num_bytes, batch,
-                          poison_unmapped=cfg.expert_poison, **pool_modes(cfg.map_in))
+                          poison_unmapped=cfg.expert_poison, **pool_modes(map_in))
     engine = TransferEngine(dev, retire_thread=cfg.transfer_retire_thread)
-    loader = ExpertLoadHandler(pool, engine, pinned=store, map_in=cfg.map_in, publish=cfg.expert_publish)
+    loader = ExpertLoadHandler(pool, engine, pinned=store, map_in=map_in, publish=cfg.expert_publish)
     gate_src, gate_dst = torch.zeros(4096, dtype=torch.uint8), dev.alloc(4096)
 
     def gated(submit: Submit) -> None:

@@ -252,11 +252,12 @@ def sweep_grid(quick: bool = False, point_spec: str = "", policies: tuple[str, .
     return sizes, select_points(grid, point_spec) if point_spec else grid
 
 
-def write_reports(out_dir: Path, models: list[str], sizes: Sizes, device: str) -> dict[str, Path]:
-    """Each model's report from today's JSON (the rows every worker of a sweep merged into it)."""
+def write_reports(out_dir: Path, models: list[str], sizes: Sizes, device: str, day: str) -> dict[str, Path]:
+    """Each model's report from its JSON of `day` (YYYYMMDD: the day the sweep's workers started, whose JSON
+    every worker merged its rows into)."""
     from tierplan.runtime.device import Device
 
-    dev_name, day, out = _device_name(Device(device)), time.strftime("%Y%m%d"), {}
+    dev_name, out = _device_name(Device(device)), {}
     for m in models:
         path = out_dir / f"phase_{m}_{day}.json"
         rows = load_rows(path)

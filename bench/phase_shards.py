@@ -63,7 +63,7 @@ def run_workers(points: Sequence[Point], num_workers: int, args: list[str], out_
     procs = []
     for i, (part, dev) in enumerate(zip(parts, devices, strict=True)):
         specs = [point_spec(p) for p in part]
-        env = {**os.environ, "COLUMNS": os.environ.get("COLUMNS", "250")}  # a log's lines unwrapped by rich
+        env = {**os.environ, "COLUMNS": "250"}  # rich leaves a log's lines unwrapped: the last one is the error
         if dev is not None:
             env["CUDA_VISIBLE_DEVICES"] = dev
         log = out_dir / f"phase_worker{i}.log"

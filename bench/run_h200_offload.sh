@@ -14,6 +14,8 @@ want pytest && step 240 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cachepr
   tests/runtime/test_gpu.py tests/runtime/test_kv.py
 want exact && step 200 exact_qwen3_2L.log python3 -m tierplan.api.cli check exact --preset qwen3-30b-a3b --layers 2 \
   --resident-frac 0.25 --device cuda --mode all
+want exact && step 230 exact_qwen3_2L_pinned.log python3 -m tierplan.api.cli check exact --preset qwen3-30b-a3b \
+  --layers 2 --resident-frac 0.25 --device cuda --mode all --expert-store pinned
 want exact && step 330 exact_mixtral_2L.log python3 -m tierplan.api.cli check exact --preset mixtral-8x7b --layers 2 \
   --resident-frac 0.5 --device cuda --mode all
 # shellcheck disable=SC2086  # OFFLOAD_ARGS is split into words on purpose

@@ -184,8 +184,8 @@ class Device:
         """Copy `num_bytes` from byte `src_offset_bytes` of `src` to byte `dst_offset_bytes` of `dst` (both
         contiguous; the caller checked the ranges). On a GPU with cuda-python this is one driver call by address
         (cuMemcpyAsync, a third of the host time of torch's copy_: bench/results/design_notes.md), no tensor
-        views; otherwise byte views and `copy`. record=False: no event is recorded (one driver call less; the
-        caller orders by stream), and a completed one is returned."""
+        views; otherwise byte views and `copy`. record=False (with cuda-python): no event is recorded (one driver
+        call less; the caller orders by stream), and a completed one is returned."""
         if self._cu is None:
             return self.copy(byte_range(dst, dst_offset_bytes, num_bytes), byte_range(src, src_offset_bytes,
                              num_bytes), stream, stream_is_current)

@@ -13,8 +13,10 @@ Disk links are worker threads doing aligned O_DIRECT I/O.
 
 Memory-link copies go by address (`Device.copy_range`: one cuMemcpyAsync on a GPU). A memory link's finished
 chunks are accounted, and `on_done` callbacks run, in order on its worker (the default, as in the reference
-engine's `EngineConfig.transfer_retire_thread`) or on its retire thread (`retire_thread=True`). `submit_many`
-queues a list of one link's transfers with one lock and one wake-up.
+engine's `EngineConfig.transfer_retire_thread`) or on its retire thread (`retire_thread=True`); a `submit_now`
+chunk that is done when issued (the CPU twin, or a failure) is accounted right there, on the caller's thread
+(or handed to the retire thread). `submit_many` queues a list of one link's transfers with one lock and one
+wake-up.
 
 Accounting per traffic class: transfers, bytes, queueing delay (submit -> first chunk issued), latency
 (submit -> done), deadline misses, failures. Accounting per link: bytes and chunks. Nothing is dropped: a
@@ -25,7 +27,6 @@ Never decides what to move: callers (the agent, the KV handler, the expert loade
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import time
@@ -203,14 +204,13 @@ class TransferEngine:
         return out
 
     def submit_now(self, req: TransferRequest) -> TransferHandle:
-        """Issue a memory-link transfer on the calling thread, every chunk at once on the link's bulk stream,
-        ahead of what is queued (`LinkWorker.issue_now`; the worker retires it): for a list the caller waits for in
-        full, whose hand-off to the worker would cost a wake-up per list. On the CPU twin, where a copy blocks
-        its thread, it is queued `at_once` instead. ConfigError (nothing issued) for a malformed request."""
+        """Issue a memory-link transfer on the calling thread, every chunk at once on the link's bulk stream (an
+        urgent KV chunk too), ahead of what is queued (`LinkWorker.issue_now`; the worker retires what is still
+        copying): for a list the caller waits for in full, whose hand-off to the worker would cost a wake-up per
+        list. On the CPU twin the caller does the copies (and waits for `segment_after` events), and the chunks are
+        retired before this returns. ConfigError (nothing issued) for a malformed request."""
         if req.link not in MEMORY_LINKS:
             raise ConfigError(f"submit_now: {req.link.value} is not a memory link (disk links run parallel workers)")
-        if not self.device.is_cuda:
-            return self.submit(dataclasses.replace(req, at_once=True))
         h, qt = self._prepare([req])[0]
         self._workers[req.link].issue_now(qt)
         return h

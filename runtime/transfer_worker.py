@@ -33,7 +33,8 @@ class _SegmentFailed(Exception):
 
 
 class LinkQueue:
-    """One link's queue: transfers by (priority, deadline, arrival), idle jobs, and the closing flag."""
+    """One link's queue: transfers by (priority, deadline, arrival), idle jobs, the chunks callers issued
+    themselves (`direct`, for the worker to retire; `direct_busy`: callers issuing now), and the closing flag."""
 
     def __init__(self) -> None:
         self.heap: list[QueuedTransfer] = []  # transfers; each gives its chunks one at a time (`take`)
@@ -126,7 +127,7 @@ class LinkWorker:
             finally:
                 self.stats.add_time(link, "hook_s", time.perf_counter() - t0)
         if link is Link.H2D or link is Link.D2H:  # by address on a GPU: no views made per chunk
-            urgent = self._bypasses(ch)
+            urgent = self._bypasses(ch) and not caller  # a caller's chunks all go on the bulk stream
             stream = self.urgent_stream if urgent else self.stream
             if first and req.after is not None:
                 self.device.stream_wait(req.after, stream)
@@ -361,8 +362,9 @@ class LinkWorker:
                         if not (q.heap and self._bypasses(q.heap[0].head)):
                             q.cv.wait(URGENT_POLL_S)
                     continue
-                done_ch, ev = (urgent or inflight).popleft()  # an urgent copy is short: wait for it first
-                if not self._bypasses(done_ch):
+                from_urgent = bool(urgent)  # an urgent copy is short: wait for it first
+                done_ch, ev = (urgent or inflight).popleft()
+                if not from_urgent:  # what counts against the bound is what sits in `inflight`
                     inflight_bytes -= done_ch.length_bytes
                 self._retire(done_ch, ev, None)
                 continue

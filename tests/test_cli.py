@@ -42,6 +42,8 @@ def test_bad_arguments_are_refused_with_a_reason() -> None:
     assert r.exit_code == 2 and "'gpu'" in r.output and "'beside_copy'" in r.output
     r = runner.invoke(app, ["check", "exact", "--expert-map-in", "link"])  # the old name: refused, never aliased
     assert r.exit_code == 2 and "old name" in r.output and "use 'beside_copy'" in r.output
+    r = runner.invoke(app, ["check", "exact", "--expert-store", "disk"])
+    assert r.exit_code == 2 and "'disk'" in r.output and "'pinned'" in r.output
     r = runner.invoke(app, ["bench", "substrate", "--load-configs", "fastest"])
     assert r.exit_code == 2 and "'fastest'" in r.output and "'map-in'" in r.output
 

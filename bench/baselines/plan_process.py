@@ -7,22 +7,41 @@ and the controller's config) and answers `sync_from`, `step_next` and `record_ac
 (`InProcessLoop(wait_for_plans=False)`): a controller in that process holds the GIL for its whole solve, which
 the engine thread then waits out between its kernel launches; over the pipe the outbox thread waits in a system
 call instead. The constructor returns once the child has built the controller (its imports are no window's
-delay). An exception the child raises comes back and is raised here (unpicklable ones as RuntimeError
-with their type name), so the loop counts it as it would the controller's own; a child that died is reported
-with its exit code. `history` (the controller's decisions) is fetched on read, and at `close`, which stops the
-child. It must never build a plan itself.
+delay). Calls are serialised (one lock: a reply never goes to another thread's call).
+
+Nothing is lost silently: an exception the child raises comes back and is raised here as itself, or, if it does
+not survive pickling, as a ValueError (a ValueError's kind: the loop counts refused telemetry by it) or a
+RuntimeError naming its type; a call that gets no answer within `timeout_s` kills the child and raises
+TimeoutError; a child that died is reported with its exit code; `close` returns why it could not stop the child
+cleanly (None when it did). The child stops by itself once its parent is gone. `history` (the controller's
+decisions) is fetched on read, and at `close`. It must never build a plan itself.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
+import threading
 from collections.abc import Callable
 from typing import Any
 
+PARENT_CHECK_S = 2.0  # how often an idle child looks whether its parent is still there
 
-def _serve(conn: Any, factory: Callable[[Any], Any], config: Any) -> None:
-    """The child: build the controller, say so, then answer (name, argument) requests until told to stop."""
+
+def portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives a pickle round trip (what the pipe does), else a stand-in of the same broad kind."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        kind = ValueError if isinstance(exc, ValueError) else RuntimeError
+        return kind(f"{type(exc).__name__}: {exc}")
+
+
+def _serve(conn: Any, factory: Callable[[Any], Any], config: Any, parent_pid: int) -> None:
+    """The child: build the controller, say so, then answer (name, arguments) requests until told to stop or
+    its parent is gone."""
     try:
         source = factory(config)
     except BaseException as exc:  # the parent's first request gets it
@@ -32,8 +51,12 @@ def _serve(conn: Any, factory: Callable[[Any], Any], config: Any) -> None:
     conn.send(("ready", None))
     while True:
         try:
-            name, arg = conn.recv()
-        except EOFError:  # the parent is gone
+            if not conn.poll(PARENT_CHECK_S):
+                if os.getppid() != parent_pid:  # orphaned (the parent was killed): nobody will ask again
+                    return
+                continue
+            name, args = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
             return
         if name == "stop":
             conn.send(("ok", None))
@@ -44,50 +67,59 @@ def _serve(conn: Any, factory: Callable[[Any], Any], config: Any) -> None:
             if name == "history":
                 result = list(getattr(source, "history", []))
             else:
-                result = getattr(source, name)(*(() if arg is None else (arg,)))
+                result = getattr(source, name)(*args)
                 result = None if name == "sync_from" else result  # the loop ignores it; it need not pickle
             conn.send(("ok", result))
         except BaseException as exc:
-            try:
-                pickle.dumps(exc)
-                conn.send(("err", exc))
-            except Exception:
-                conn.send(("err", RuntimeError(f"{type(exc).__name__}: {exc}")))
+            conn.send(("err", portable(exc)))
 
 
 class ProcessPlanSource:
     """A `PlanSource` (agent/closed_loop.py) over a controller in a child process (see the module docstring)."""
 
-    def __init__(self, factory: Callable[[Any], Any], config: Any) -> None:
+    def __init__(self, factory: Callable[[Any], Any], config: Any, timeout_s: float = 120.0) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, factory, config), name="tierplan-controller",
-                                 daemon=True)
-        self._proc.start()
-        child.close()
+        self._proc = ctx.Process(target=_serve, args=(child, factory, config, os.getpid()),
+                                 name="tierplan-controller", daemon=True)
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
         self._history: list[Any] = []
         self._closed = False
-        self.close_error: str | None = None  # why close could not stop the child cleanly (it had died, say)
+        self._proc.start()
+        child.close()
         try:  # built before the run starts: the controller's imports and set-up are no window's delay
-            self._conn.recv()
-        except EOFError:
-            self._proc.join(timeout=5.0)
+            self._answer("start")
+        except BaseException:
             self._closed = True
-            raise RuntimeError(f"the controller's process ended while starting (exit code {self._proc.exitcode})") \
-                from None
+            raise
 
-    def _call(self, name: str, arg: Any = None) -> Any:
-        if self._closed:
-            raise RuntimeError(f"{name}: the controller's process was closed")
+    def _answer(self, name: str) -> Any:
+        """The child's reply to the request just sent (under the lock): its value, or its error raised."""
+        if not self._conn.poll(self.timeout_s):
+            self._stop(kill=True)
+            raise TimeoutError(f"{name}: the controller's process gave no answer within {self.timeout_s:g} s "
+                               "(killed)")
         try:
-            self._conn.send((name, arg))
             status, value = self._conn.recv()
-        except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
+        except (EOFError, OSError) as exc:
             self._proc.join(timeout=5.0)
             raise RuntimeError(f"{name}: the controller's process ended (exit code {self._proc.exitcode})") from exc
         if status == "err":
             raise value
         return value
+
+    def _call(self, name: str, *args: Any) -> Any:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{name}: the controller's process was closed")
+            try:
+                self._conn.send((name, args))
+            except (BrokenPipeError, ConnectionResetError, OSError) as exc:
+                self._proc.join(timeout=5.0)
+                raise RuntimeError(f"{name}: the controller's process ended (exit code "
+                                   f"{self._proc.exitcode})") from exc
+            return self._answer(name)
 
     def sync_from(self, telemetry: Any) -> None:
         self._call("sync_from", telemetry)
@@ -105,22 +137,30 @@ class ProcessPlanSource:
             self._history = self._call("history")
         return list(self._history)
 
-    def close(self) -> None:
-        """Fetch the history, stop the child and wait for it (killed if it does not stop within 10 s)."""
+    def _stop(self, kill: bool = False) -> None:
+        self._closed = True
+        self._conn.close()
+        if not kill:
+            self._proc.join(timeout=10.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+    def close(self) -> str | None:
+        """Fetch the history, stop the child and wait for it (killed if it does not stop within 10 s). Returns
+        why it could not do so cleanly (the child had died, say), None when it did; a second close returns None."""
         if self._closed:
-            return
+            return None
+        error = None
         try:
             _ = self.history
             self._call("stop")
-        except Exception as exc:  # a child that died already: kept, with its exit code, for the run's notes
-            self.close_error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # the child died or hung: what is left to report
+            error = f"{type(exc).__name__}: {exc}"
         finally:
-            self._closed = True
-            self._conn.close()
-            self._proc.join(timeout=10.0)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join()
+            if not self._closed:
+                self._stop()
+        return error
 
     def __del__(self) -> None:  # a run that failed before its close: never leave the child behind
         if not getattr(self, "_closed", True):

@@ -105,14 +105,17 @@ def run_point(baseline: Baseline, spec: ModelSpec, device: Device, trace: Routin
             eng.experts.set_victim_order(run.victim_order)
         if run.on_step is not None:
             hooks.append(run.on_step)
-        report = runner.run(requests)
+        try:
+            report = runner.run(requests)
+        finally:  # the outbox's calls into the source end before the source is closed below
+            if loop is not None:
+                loop.finish()
+            else:
+                adapter.close()
         stats: dict[str, Any] = {"policy": adapter.policy.stats(), "enforcer": adapter.enforcer.stats(),
                                  "local_predictor": adapter.predictor is not None}
         if loop is not None:
-            loop.finish()
             stats["loop"] = loop.stats()
-        else:
-            adapter.close()
         return PointResult(baseline.name, report, {s.seq_id: list(s.output) for s in sched.finished}, list(acks),
                            seen["peak"], seen["over"], run, stats)
     finally:

@@ -106,10 +106,10 @@ class AfterInitialPlan:
     def history(self) -> list[Any]:
         return list(getattr(self.source, "history", []))
 
-    def close(self) -> None:  # a controller in a child process stops (an in-process one has nothing to close)
+    def close(self) -> str | None:
+        """A controller in a child process stops (an in-process one has nothing to close): why not cleanly, or None."""
         close = getattr(self.source, "close", None)
-        if close is not None:
-            close()
+        return close() if close is not None else None
 
 
 def controller_class() -> type:

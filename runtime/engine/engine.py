@@ -63,9 +63,10 @@ class EngineConfig:
     # When a loading expert's range is mapped and when it is published (runtime/weights/loader.py). The copy goes
     # through the slot window at once and the expert is published once its copy is issued, with the copy's event
     # (readers order their stream on it: wait_ready, wait_published), so no host wake-up waits for the bytes. None
-    # (the `map_in` property): with slot-table reads "on_read", no range is mapped until a reader through the ranges
-    # needs it, so a published load is evictable at once; with range reads "beside_copy", the link's worker maps the
-    # range in its waits beside the copy. Figures: bench/results/offload_h200.md (runs 20-22) and design_notes.md.
+    # (`map_in_for`): where steps with misses run as piecewise graphs through the slot table, "on_read": no range is
+    # mapped until a reader through the ranges needs it, so a published load is evictable at once; where they read
+    # the ranges (range reads, eager execution, no graphs) "beside_copy": the link's worker maps the range in its
+    # waits beside the copy. Figures: bench/results/offload_h200.md (runs 20-24) and design_notes.md.
     expert_map_in: MapIn | None = None
     expert_publish: Publish = "issued"
     # Absent experts' ranges (runtime/memory/slots.py I5): unmapped (False), so a stray read faults with an illegal
@@ -112,12 +113,13 @@ class EngineConfig:
     seed: int = 0
     workdir: Path | None = None
 
-    @property
-    def map_in(self) -> MapIn:
-        """`expert_map_in`, or where None the default its reads take (the field's comment)."""
+    def map_in_for(self, graphs: bool) -> MapIn:
+        """`expert_map_in`, or where None the default for how this engine reads missing experts (the field's
+        comment); graphs: whether it decodes through CUDA graphs (`decode_graphs`, resolved for its device)."""
         if self.expert_map_in is not None:
             return self.expert_map_in
-        return "beside_copy" if self.expert_reads == "range" or self.experts_on_device else "on_read"
+        table = graphs and self.offload_exec == "piecewise" and self.expert_reads != "range"
+        return "on_read" if table and not self.experts_on_device else "beside_copy"
 
     def __post_init__(self) -> None:
         if self.expert_map_in is not None and (why := map_in_error("EngineConfig.expert_map_in",
@@ -129,7 +131,7 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.offload_exec must be one of {OFFLOAD_EXEC}, got {self.offload_exec!r}")
         if self.expert_reads is not None and self.expert_reads not in EXPERT_READS:
             raise ConfigError(f"EngineConfig.expert_reads must be one of {EXPERT_READS}, got {self.expert_reads!r}")
-        if self.expert_reads == "table" and self.map_in not in WINDOWED:
+        if self.expert_reads == "table" and self.expert_map_in is not None and self.expert_map_in not in WINDOWED:
             raise ConfigError(f"EngineConfig.expert_reads='table' reads the slot window, which "
                               f"expert_map_in={self.expert_map_in!r} does not build: use expert_map_in='beside_copy' "
                               "or 'on_read', or expert_reads='range'")
@@ -194,15 +196,17 @@ class ReferenceEngine:
                                        else None)
         self.nvme = (NvmeExpertStore.build(wd / "experts.tpnvme", src, device)
                      if host and cfg.expert_store is StoreKind.NVME else None)
+        use_graphs = device.is_cuda if cfg.decode_graphs is None else cfg.decode_graphs
+        self.map_in = cfg.map_in_for(use_graphs)  # when a loading expert's range is mapped (EngineConfig's comment)
         num_slots = n_moe * spec.num_experts if cfg.resident_frac >= 1.0 else max(
             1, math.ceil(cfg.resident_frac * n_moe * spec.num_experts))
         self.pool = ExpertSlotPool(make_backend(device), device, n_moe, spec.num_experts, fmt.num_bytes, num_slots,
                                    poison_unmapped=cfg.expert_poison,
-                                   **(pool_modes(cfg.map_in) if host else {}))
+                                   **(pool_modes(self.map_in) if host else {}))
         # One staging pool serves the loader's NVMe reads and the KV handler's hops: buffers fit either.
         block_bytes = math.prod(block_shape(spec, cfg.block_tokens)) * dtype_from_name(spec.dtype).itemsize
         self.staging = StagingPool(device, max(block_bytes, self.nvme.records.record_bytes if self.nvme else 0), 8)
-        self.loader = (ExpertLoadHandler(self.pool, self.transfer, self.pinned, self.nvme, map_in=cfg.map_in,
+        self.loader = (ExpertLoadHandler(self.pool, self.transfer, self.pinned, self.nvme, map_in=self.map_in,
                                          publish=cfg.expert_publish, staging=self.staging)
                        if host else None)
         if not host:
@@ -223,7 +227,6 @@ class ReferenceEngine:
         self.model = MoEModel(spec, weights, self.pool, self.experts, self.cache,
                               replace(hooks or ModelHooks(), decode_kernel=decode_kernel),
                               table_reads=cfg.expert_reads != "range" and self.pool.reads.table is not None)
-        use_graphs = device.is_cuda if cfg.decode_graphs is None else cfg.decode_graphs
         self.graphs = DecodeGraphs(self.model, device, cfg.graph_max_batch,
                                    min(cfg.graph_max_blocks, cfg.kv_gpu_blocks), capture=device.is_cuda
                                    ) if use_graphs else None

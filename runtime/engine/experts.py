@@ -196,19 +196,15 @@ class OnDemandExperts:
         self._evict_for(layer, want, len(experts) - self.pool.num_free_slots)
         t1 = time.perf_counter()
         loader = self._loader(layer, experts[0])
-        if self.store is StoreKind.PINNED and table:
-            # at_once: the step waits for the whole list, so none of it waits behind the link's in-flight bound.
-            pub, futs = loader.load_many_issued(layer, experts, at_once=True)  # ready once issued; published later
+        # at_once: the step waits for the whole list, issued here whole (no in-flight bound, no hand-off).
+        if self.store is StoreKind.PINNED and table:  # ready once issued; published later
+            pub, futs = loader.load_many_issued(layer, experts, at_once=True)
             self._unpublished.update(zip([(layer, e) for e in experts], pub, strict=True))
-            self._own_binds += len(futs)
         elif self.store is StoreKind.PINNED:
             futs = loader.load_many(layer, experts, at_once=True)
-            self._own_binds += len(futs)
         else:
-            futs = []
-            for e in experts:
-                futs.append(loader.load(layer, e, self.store))
-                self._own_binds += 1
+            futs = [loader.load(layer, e, self.store) for e in experts]
+        self._own_binds += len(futs)
         t2 = time.perf_counter()
         wait_all(futs)  # the last first: one wake-up per list, not one per expert (each takes the worker's GIL)
         t3 = time.perf_counter()
@@ -294,8 +290,8 @@ class OnDemandExperts:
         if not same_layer and self.pool.num_free_slots >= free_needed:
             return
         ranked = self._ranked(layer, want, 1, same_layer=same_layer)
-        # Loads in flight are evictable once published: wait for them oldest first, only until one will do (the
-        # whole set can be a layer's list of misses whose ranges are still being mapped).
+        # Loads in flight are evictable once published: wait for them (this class's step lists, then prefetches,
+        # each oldest first) only until one will do: the whole set can be a layer's misses still being mapped.
         for fut in [] if ranked else [*self._unpublished.values(), *self._inflight.values()]:
             with contextlib.suppress(Exception):  # counted by the loader and whoever started it
                 fut.wait()

@@ -23,6 +23,20 @@ import torch
 from tierplan.runtime.device import Device, Event
 
 
+def add_reader(readers: dict[object, Event], key: object, event: Event) -> dict[object, Event]:
+    """A slot's readers with `event` added, recorded on the stream `key` names (`Device.stream_key`) after the
+    events passed for it before: on a GPU only the last event of each stream is kept (a stream's events end in
+    order, so none is queried per read); on the CPU twin (key None: host events end in any order) each one until
+    it is done, the done ones pruned when four pile up."""
+    if key is not None:
+        readers[key] = event
+        return readers
+    if len(readers) >= 4:
+        readers = {k: r for k, r in readers.items() if not r.query()}
+    readers[id(event)] = event
+    return readers
+
+
 class ReadyOrder:
     """Which loads a reader stream is already ordered after (the pool's `wait_ready`). The loads of one source (a
     loader's copies, issued on one link stream in the order it numbers them) complete in that order, so a stream

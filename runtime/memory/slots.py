@@ -48,7 +48,7 @@ from tierplan.runtime.errors import BusyError, CapacityError, ConfigError, NotRe
 from tierplan.runtime.memory.backend import SlotBackend
 from tierplan.runtime.memory.ranges import POISON_BYTE, ExpertRanges
 from tierplan.runtime.memory.slot_books import SlotBooks
-from tierplan.runtime.memory.slot_reads import SlotReads
+from tierplan.runtime.memory.slot_reads import SlotReads, add_reader
 from tierplan.runtime.memory.slot_types import ExpertLayout, ExpertState, _Entry
 
 
@@ -312,8 +312,7 @@ class ExpertSlotPool(SlotBooks):
 
     def record_read(self, layer: int, experts: Iterable[int], event: Event, stream: Any = None) -> None:
         """Remember that work ending at `event`, recorded on `stream` (None: the current one) after the earlier
-        events passed for that stream, reads these experts (WAR protection for their slots). On a GPU each slot
-        keeps the last such event per stream: the stream's earlier ones complete before it, so none is queried."""
+        events passed for that stream, reads these experts (WAR protection for their slots; `add_reader`)."""
         experts = list(experts)
         key = self.device.stream_key(stream)
         with self._lock:
@@ -322,12 +321,7 @@ class ExpertSlotPool(SlotBooks):
                 if en.state is not ExpertState.RESIDENT and not en.issued:  # issued: a slot-table reader's
                     raise NotResidentError(f"record_read: expert ({layer}, {e}) is {en.state.value}")
             for en in entries:
-                if key is None:  # the CPU twin: host events end in any order; each is kept until done
-                    if len(en.readers) >= 4:  # type: ignore[arg-type]
-                        en.readers = {k: r for k, r in en.readers.items() if not r.query()}  # type: ignore[union-attr]
-                    en.readers[id(event)] = event  # type: ignore[index]
-                else:
-                    en.readers[key] = event  # type: ignore[index]
+                en.readers = add_reader(en.readers or {}, key, event)
 
     def record_read_all(self, event: Event) -> None:
         """Work ending at `event` may read any resident expert (a step that skipped per-expert bookkeeping, a graph

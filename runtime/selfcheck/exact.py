@@ -171,14 +171,14 @@ def run_exact_checks(spec: ModelSpec, resident_frac: float, device: str = "cpu",
             eng = ReferenceEngine(spec, dev, tight_cfg)
             try:
                 b = eng.generate(prompts, new_tokens)
-                steps, reasons = eng.executors.steps, eng.executors.reasons
+                steps, reasons, tight_map_in = eng.executors.steps, eng.executors.reasons, eng.map_in
             finally:
                 eng.close()
             out.append(ExactResult(
                 max_abs_diff=float((a.logits - b.logits).abs().max()), tokens_equal=a.tokens == b.tokens,
                 steps=a.logits.shape[0], expert_misses_full=a.expert_misses, expert_misses_tight=b.expert_misses,
                 kv_fetches=b.kv_fetches, kv_spills=b.kv_spills, seconds=full_s + time.perf_counter() - t0,
-                mode=mode, executors={e.value: steps[e] for e in Executor}, map_in=tight_cfg.map_in,
+                mode=mode, executors={e.value: steps[e] for e in Executor}, map_in=tight_map_in,
                 mode_steps=_decode_steps_on(MODES[mode][3], steps, reasons) if graphs_on and resident_frac < 1.0
                 else None))
     return out

@@ -110,7 +110,7 @@ class ExpertLoadHandler:
         self._cv = threading.Condition()
         self.map_in, self.publish = map_in, publish
         self._inflight = 0  # loads started and not yet settled (close() waits for them)
-        self._issued = itertools.count()  # numbers copies as the link's worker issues them
+        self._issued = itertools.count()  # numbers copies as they are issued (worker or submit_now, one lock)
         self._sweep_queued = False  # a sweep of the pool's stale ranges waits among the link's idle jobs
         self._closed = False
         self._stats = dict.fromkeys(("loads_ok", "loads_failed", "corrupt_detected", "bytes", "failed_after_publish",
@@ -222,11 +222,9 @@ class ExpertLoadHandler:
 
     def _load_many(self, layer: int, experts: list[int], priority: Priority,
                    deadline_s: float | None, at_once: bool = False) -> list[_Load]:
-        """Load several experts of one layer from the pinned store (a prefetch list), one future each, copied in
-        list order. Slots are reserved for all or, if any expert is refused, for none (nothing moves); the copies
-        go to the link as one transfer of one segment per expert, so submitting costs a few µs per expert and the
-        link's worker starts at once; with map_in="beside_copy", one map job at a time walks the list beside the
-        copies."""
+        """Load several experts of one layer from the pinned store, one future each, copied in list order: slots
+        reserved for all or none (nothing moves on a refusal), the copies one transfer of one segment per expert
+        (issued here with at_once, else queued); with map_in="beside_copy" one map job at a time follows them."""
         if self.pinned is None:
             raise ConfigError("load_many: no pinned store configured")
         if not experts:
@@ -252,13 +250,12 @@ class ExpertLoadHandler:
 
     def _step(self, ld: _Load, *, copy_issued: bool = False, copy_end: bool = False, map_end: bool = False,
               error: BaseException | None = None, event: Any = None) -> None:
-        """A part of a load ended (on the link's worker or retire thread): publish it once every
-        part before publishing has, give the slot back on failure once the copy is over, settle it at the end.
-        Whatever fails here, the future completes exactly once, the slot is never left LOADING, and it is
-        counted."""
+        """A part of a load ended (on the link's worker, its retire thread or a submit_now caller): publish it once
+        every part before publishing has, give the slot back on failure once the copy is over, settle it at the
+        end. Whatever fails here, the future completes exactly once, the slot is never left LOADING, it is counted."""
         with ld.lock:
             if event is not None:
-                ld.event, ld.order = event, next(self._issued)  # called in issue order, on the link's worker
+                ld.event, ld.order = event, next(self._issued)  # in issue order: under the link's issue lock
             if copy_issued and not ld.issued.done():
                 self.pool.note_issued(ld.layer, ld.expert, ld.event, None if ld.order is None else (self, ld.order))
                 ld.issued.set_result(None)

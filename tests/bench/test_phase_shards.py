@@ -37,17 +37,34 @@ def test_each_worker_sees_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_two_cpu_workers_write_one_json_and_one_report(tmp_path: Path) -> None:
-    sizes, grid = sweep_grid(quick=True, point_spec="b1c32f0.4,b4c32f0.4", policies=("resident", "static_lru"))
-    args = ["--device", "cpu", "--quick", "--policies", "resident,static_lru"]
-    results = run_workers(grid, 2, args, tmp_path, cuda=False)
-    assert [r.returncode for r in results] == [0, 0], [r.log.read_text()[-2000:] for r in results]
-    assert all(r.log.exists() and len(r.points) == 1 for r in results)
+    """The `--gpus` path (api/cli_bench_phase.py `sharded`) with CPU workers: every run once in one JSON, the
+    workers' rows only, then one report; each worker's line names how it ended."""
+    from rich.console import Console
+
+    from tierplan.api.cli_bench_phase import sharded
+
+    console = Console(record=True, width=250)
+    failed = sharded(console, tmp_path, 2, "cpu", True, "b1c32f0.4,b4c32f0.4", "resident,static_lru", "", False,
+                     None, "dry", True)
+    text = console.export_text()
+    assert not failed, text + "".join(p.read_text()[-2000:] for p in tmp_path.glob("phase_worker*.log"))
+    assert text.count(" done: ") == 2 and "tiny: report from" in text
     (json_path,) = tmp_path.glob("phase_tiny_*.json")
     rows = [r for r in load_rows(json_path) if r["status"] == "ok"]
     assert sorted((r["batch"], r["policy"]) for r in rows) == [(1, "resident"), (1, "static_lru"),
                                                                (4, "resident"), (4, "static_lru")]
+    assert json_path.with_suffix(".md").exists() and len(list(tmp_path.glob("phase_worker*.log"))) == 2
+
+
+def test_workers_write_rows_only_and_the_report_reads_their_days_json(tmp_path: Path) -> None:
+    sizes, grid = sweep_grid(quick=True, point_spec="b1c32f0.4", policies=("resident",))
+    (r,) = run_workers(grid, 2, ["--device", "cpu", "--quick", "--policies", "resident"], tmp_path, cuda=False)
+    assert r.returncode == 0 and len(r.points) == 1
     assert not list(tmp_path.glob("*.md"))  # the workers wrote rows only
-    assert write_reports(tmp_path, ["tiny"], sizes, "cpu") == {"tiny": json_path}
+    (json_path,) = tmp_path.glob("phase_tiny_*.json")
+    day = json_path.stem.rsplit("_", 1)[1]
+    assert write_reports(tmp_path, ["tiny"], sizes, "cpu", "19990101") == {}  # another day's JSON: none
+    assert write_reports(tmp_path, ["tiny"], sizes, "cpu", day) == {"tiny": json_path}
     assert json_path.with_suffix(".md").exists()
 
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tierplan.bench.baselines.plan_process import ProcessPlanSource
+from tierplan.bench.baselines.plan_process import ProcessPlanSource, portable
 from tierplan.bench.baselines.tierplan_live import TierplanLive
 
 
@@ -38,7 +38,7 @@ def test_a_controller_that_cannot_be_built_fails_its_first_call() -> None:
 
 
 def test_a_child_that_dies_is_reported_with_its_exit_code() -> None:
-    with pytest.raises(RuntimeError, match=r"ended while starting \(exit code 3\)"):
+    with pytest.raises(RuntimeError, match=r"start: the controller's process ended \(exit code 3\)"):
         ProcessPlanSource(os._exit, 3)
     assert not mp.active_children()
 
@@ -58,3 +58,82 @@ def test_the_controller_is_built_before_the_constructor_returns(tmp_path) -> Non
         assert made.is_dir()
     finally:
         src.close()
+
+
+class _Refused(ValueError):
+    """A ValueError whose constructor takes more than its message (as the controller's TelemetryRejected): it
+    pickles but does not unpickle."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+
+
+def test_an_error_that_does_not_unpickle_keeps_its_kind() -> None:
+    """The loop counts refused telemetry by ValueError: a stand-in must stay one, and name the original."""
+    err = portable(_Refused("malformed", "stale window"))
+    assert type(err) is ValueError and str(err) == "_Refused: malformed: stale window"
+    assert type(portable(KeyError("x"))) is KeyError  # one that survives the pipe comes back as itself
+    assert type(portable(_Unpicklable())) is RuntimeError
+
+
+class _Unpicklable(Exception):
+    def __reduce__(self):  # type: ignore[override]
+        raise TypeError("no")
+
+
+class _Stub:
+    """A controller stand-in built in the child (this module is importable there: spawn passes sys.path)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def sync_from(self, telemetry: object) -> None:
+        if self.how == "hang":
+            import time
+
+            time.sleep(3600)
+        raise _Refused("malformed", "stale window")
+
+
+def test_a_refusal_that_does_not_unpickle_still_arrives_as_a_value_error() -> None:
+    src = ProcessPlanSource(_Stub, "refuse")
+    try:
+        with pytest.raises(ValueError, match="_Refused: malformed: stale window"):
+            src.sync_from(None)
+    finally:
+        assert src.close() is None
+
+
+def test_a_call_with_no_answer_times_out_and_the_child_is_killed() -> None:
+    src = ProcessPlanSource(_Stub, "hang", timeout_s=1.0)
+    with pytest.raises(TimeoutError, match="no answer within 1 s"):
+        src.sync_from(None)
+    assert not mp.active_children()
+    with pytest.raises(RuntimeError, match="closed"):
+        src.step_next()
+    assert src.close() is None  # already stopped
+
+
+def test_concurrent_calls_each_get_their_own_reply() -> None:
+    """Calls from two threads (the loop's outbox and a closing run) are serialised: no reply is swapped."""
+    import threading
+
+    src = ProcessPlanSource(dict, {})
+    errors: list[BaseException] = []
+
+    def hammer() -> None:
+        try:
+            for _ in range(200):
+                assert src.history == []
+                with pytest.raises(AttributeError):
+                    src.step_next()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    src.close()
+    assert errors == []

@@ -111,11 +111,13 @@ def test_the_layers_below_the_engine_default_to_its_config() -> None:
 
     cfg = EngineConfig()
     assert default(ExpertSlotPool, "poison_unmapped") is cfg.expert_poison
-    # A hand-built loader reads through the ranges, as the engine does with range reads; the engine's slot-table
-    # reads (its default) map no range at load.
-    assert default(ExpertLoadHandler, "map_in") == EngineConfig(expert_reads="range").map_in == "beside_copy"
-    assert cfg.expert_map_in is None and cfg.map_in == "on_read"
-    assert EngineConfig(expert_map_in="beside_copy").map_in == "beside_copy"
+    # A hand-built loader reads through the ranges, as the engine does wherever its steps read the ranges; its
+    # piecewise graphs through the slot table (the default on a GPU) map no range at load.
+    assert default(ExpertLoadHandler, "map_in") == "beside_copy"
+    assert cfg.expert_map_in is None and cfg.map_in_for(graphs=True) == "on_read"
+    for ranges in (EngineConfig(expert_reads="range"), EngineConfig(offload_exec="eager"), cfg):
+        assert ranges.map_in_for(graphs=ranges is not cfg) == "beside_copy"  # cfg: no graphs (the CPU default)
+    assert EngineConfig(expert_map_in="beside_copy").map_in_for(graphs=True) == "beside_copy"
     assert default(ExpertLoadHandler, "publish") == cfg.expert_publish
     assert default(TransferEngine, "retire_thread") is default(LinkWorker, "retire_thread") \
         is cfg.transfer_retire_thread

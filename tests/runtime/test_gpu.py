@@ -276,14 +276,18 @@ def test_expert_loads_on_cuda_are_exact_wherever_slots_are_mapped(dev: Device, v
     pinned.close()
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "lookahead", "range", "eager"])
-def test_engine_exact_on_cuda_in_each_execution_mode(tmp_path: Path, mode: str) -> None:
-    """Piecewise graphs (misses loaded between layers), with the layer-ahead window, and padded eager: the same
-    bits as all resident, and the mode really ran."""
+@pytest.mark.parametrize("store", ["nvme", "pinned"])
+@pytest.mark.parametrize("mode", ["piecewise", "lookahead", "range", "eager", "on_read"])
+def test_engine_exact_on_cuda_in_each_execution_mode(tmp_path: Path, mode: str, store: str) -> None:
+    """Piecewise graphs (misses loaded between layers), with the layer-ahead window, through the ranges, padded
+    eager, and loads mapping no range: the same bits as all resident, and the mode really ran. From the pinned
+    store a step's misses are issued on the engine thread (`TransferEngine.submit_now`); from NVMe one by one."""
     from tierplan.runtime.engine.presets import preset
     from tierplan.runtime.selfcheck.exact import run_exact_check
+    from tierplan.runtime.weights.loader import StoreKind
 
-    r = run_exact_check(preset("tiny"), 0.5, "cuda", workdir=tmp_path, mode=mode)
+    r = run_exact_check(preset("tiny"), 0.5, "cuda", workdir=tmp_path, mode=mode, expert_map_in="on_read" if
+                        mode == "on_read" else "beside_copy", expert_store=StoreKind(store))
     assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok" and r.mode_steps and r.ok
 
 

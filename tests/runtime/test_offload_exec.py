@@ -72,9 +72,13 @@ def test_forced_routes_are_the_ones_used_and_tapped(tiny, tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "lookahead", "range", "eager", "on_read"])
-def test_each_execution_mode_keeps_the_bits_and_really_runs(tiny, tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize("store", ["nvme", "pinned"])
+def test_each_execution_mode_keeps_the_bits_and_really_runs(tiny, tmp_path: Path, mode: str, store: str) -> None:
+    """From the pinned store a step's misses are issued on the engine thread (`submit_now`), from NVMe queued."""
+    from tierplan.runtime.weights.loader import StoreKind
+
     r = run_exact_check(tiny, 0.5, workdir=tmp_path, num_prompts=2, new_tokens=4, decode_kernel=True,
-                        decode_graphs=True, mode=mode)
+                        decode_graphs=True, mode=mode, expert_store=StoreKind(store))
     assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok"
     assert r.mode_steps == 3 and r.ok and r.expert_misses_tight > r.expert_misses_full
 
@@ -114,26 +118,32 @@ def test_a_layers_misses_load_as_one_list_and_the_window_prefetches(tiny, tmp_pa
 
 
 def test_a_steps_misses_go_to_the_link_at_once_and_a_prefetch_does_not(tiny, tmp_path: Path) -> None:
-    """The list a layer waits for is issued whole (`TransferRequest.at_once`: none of it waits behind the link's
-    in-flight bound); the window's prefetch stays bounded, so more urgent traffic still passes it."""
+    """The list a layer waits for is issued whole on the engine's thread (`TransferEngine.submit_now`, marked
+    `at_once`: none of it waits behind the link's in-flight bound or for the worker); the window's prefetch is
+    queued for the worker, bounded, so more urgent traffic still passes it."""
     for lookahead in (0, 1):
         eng = _engine(tiny, tmp_path, f"a{lookahead}", hooks=ModelHooks(forced_routes=_router(tiny)),
                       decode_graphs=True, resident_frac=0.5, expert_lookahead_layers=lookahead)
         assert eng.loader is not None
-        flags: list[bool] = []
-        real_submit = eng.transfer.submit
+        calls: list[tuple[str, bool]] = []
+        real_submit, real_now = eng.transfer.submit, eng.transfer.submit_now
 
-        def submit(req, _r=real_submit, _f=flags):
-            _f.append(req.at_once)
+        def submit(req, _r=real_submit, _c=calls):
+            _c.append(("queued", req.at_once))
             return _r(req)
 
-        eng.transfer.submit = submit  # type: ignore[method-assign]
+        def submit_now(req, _r=real_now, _c=calls):
+            _c.append(("now", req.at_once))
+            return _r(req)
+
+        eng.transfer.submit, eng.transfer.submit_now = submit, submit_now  # type: ignore[method-assign]
         eng.generate(PROMPTS[:2], 4)
-        assert eng.experts.misses > 0 and True in flags
+        assert eng.experts.misses > 0 and ("now", True) in calls
+        assert set(calls) <= {("now", True), ("queued", False)}
         if lookahead:
-            assert eng.experts.prefetched > 0 and False in flags
+            assert eng.experts.prefetched > 0 and ("queued", False) in calls
         else:
-            assert False not in flags
+            assert ("queued", False) not in calls
         eng.close()
 
 

@@ -23,6 +23,57 @@ from tierplan.runtime.transfer import (
 )
 
 
+class _GateEvent:
+    """A copy that lands only once its gate is set (or at once, while the gate's `hold` is off)."""
+
+    def __init__(self, gate) -> None:
+        self.gate = gate
+
+    def query(self) -> bool:
+        return self.gate.is_set()
+
+    def synchronize(self) -> None:
+        self.gate.wait(T)
+
+
+class _GateDevice(Device):
+    """The CPU twin posing as a GPU whose copies land when a gate opens: chunks really sit in flight."""
+
+    def __init__(self, gate) -> None:
+        super().__init__("cpu")
+        self.gate, self.hold = gate, True
+        self.copies: list[tuple[int, int]] = []  # (dst, src) addresses in issue order: the stream's order
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    def new_stream(self, priority: int = 0):
+        return object()
+
+    def bind_thread(self, stream=None) -> None:
+        pass
+
+    def stream_wait(self, ev, stream=None) -> None:
+        pass
+
+    def copy(self, dst, src, stream=None, stream_is_current=False):
+        self.copies.append((dst.data_ptr(), src.data_ptr()))
+        dst.copy_(src)
+        return _GateEvent(self.gate) if self.hold else HostEvent(done=True)
+
+
+@pytest.fixture()
+def gated(monkeypatch: pytest.MonkeyPatch):
+    """(device, gate): the gate is set at teardown, so no copy is left waiting on a failed test."""
+    import threading
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)
+    gate = threading.Event()
+    yield _GateDevice(gate), gate
+    gate.set()
+
+
 # ---- concurrency ------------------------------------------------------------------------------------
 def test_four_threads_two_hundred_random_transfers_each(cpu, tmp_path, retire_thread):
     slot = 64 << 10
@@ -170,45 +221,15 @@ def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("at_once", [False, True])
-def test_at_once_list_is_issued_whole_past_the_inflight_bound(monkeypatch: pytest.MonkeyPatch, at_once: bool) -> None:
+def test_at_once_list_is_issued_whole_past_the_inflight_bound(gated, monkeypatch: pytest.MonkeyPatch,
+                                                              at_once: bool) -> None:
     """Copies that complete only when a gate opens: a bounded list has its first two chunks issued (the bound's
     floor) and the rest only as those land; an `at_once` list (a step's misses, which its caller waits for in full)
     has every chunk issued while none has landed. Both complete byte-exact once the gate opens."""
-    import threading
     import time as _time
 
-    gate = threading.Event()
-
-    class GateEvent:
-        def query(self) -> bool:
-            return gate.is_set()
-
-        def synchronize(self) -> None:
-            gate.wait(T)
-
-    class GateDevice(Device):
-        def __init__(self) -> None:
-            super().__init__("cpu")
-
-        @property
-        def is_cuda(self) -> bool:  # type: ignore[override]
-            return True
-
-        def new_stream(self, priority: int = 0):
-            return object()
-
-        def bind_thread(self, stream=None) -> None:
-            pass
-
-        def stream_wait(self, ev, stream=None) -> None:
-            pass
-
-        def copy(self, dst, src, stream=None, stream_is_current=False):
-            dst.copy_(src)
-            return GateEvent()
-
-    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)
-    eng = TransferEngine(GateDevice(), chunk_bytes=CHUNK, max_inflight_bytes=CHUNK)
+    dev, gate = gated
+    eng = TransferEngine(dev, chunk_bytes=CHUNK, max_inflight_bytes=CHUNK)
     monkeypatch.setattr(eng, "_validate", lambda r, _checked=None: r.segments)
     num = 6
     src = torch.randint(0, 255, (num * CHUNK,), dtype=torch.uint8)
@@ -231,44 +252,14 @@ def test_at_once_list_is_issued_whole_past_the_inflight_bound(monkeypatch: pytes
 
 
 def test_submit_now_issues_every_chunk_on_the_callers_thread_and_the_worker_retires_them(
-        monkeypatch: pytest.MonkeyPatch, retire_thread: bool) -> None:
+        gated, monkeypatch: pytest.MonkeyPatch, retire_thread: bool) -> None:
     """`submit_now` (a step's misses on a GPU): every chunk is issued, its `on_segment_issued` run, on the calling
     thread before it returns, while none has landed and past the in-flight bound; the link's worker retires them
     once they land (byte-exact, counted). After close it raises and issues nothing."""
     import threading
 
-    gate = threading.Event()
-
-    class GateEvent:
-        def query(self) -> bool:
-            return gate.is_set()
-
-        def synchronize(self) -> None:
-            gate.wait(T)
-
-    class GateDevice(Device):
-        def __init__(self) -> None:
-            super().__init__("cpu")
-
-        @property
-        def is_cuda(self) -> bool:  # type: ignore[override]
-            return True
-
-        def new_stream(self, priority: int = 0):
-            return object()
-
-        def bind_thread(self, stream=None) -> None:
-            pass
-
-        def stream_wait(self, ev, stream=None) -> None:
-            pass
-
-        def copy(self, dst, src, stream=None, stream_is_current=False):
-            dst.copy_(src)
-            return GateEvent()
-
-    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)
-    eng = TransferEngine(GateDevice(), chunk_bytes=CHUNK, max_inflight_bytes=CHUNK, retire_thread=retire_thread)
+    dev, gate = gated
+    eng = TransferEngine(dev, chunk_bytes=CHUNK, max_inflight_bytes=CHUNK, retire_thread=retire_thread)
     monkeypatch.setattr(eng, "_validate", lambda r, _checked=None: r.segments)
     num = 6
     src = torch.randint(0, 255, (num * CHUNK,), dtype=torch.uint8)
@@ -294,24 +285,112 @@ def test_submit_now_issues_every_chunk_on_the_callers_thread_and_the_worker_reti
         eng.submit_now(TransferRequest(Link.H2D, TrafficClass.EXPERT, src, dst, segments=segs))
 
 
-def test_submit_now_on_the_cpu_twin_is_queued_at_once(cpu, rand) -> None:
-    """On the CPU twin a copy blocks its thread, so `submit_now` queues the transfer (`at_once`) for the link's
-    worker, which issues it; disk links are refused by name."""
+def test_submit_now_on_the_cpu_twin_copies_on_the_callers_thread(cpu, rand, retire_thread) -> None:
+    """On the CPU twin `submit_now` does the copies on the calling thread and the transfer is done (retired, its
+    callbacks run, counted) once it returns, or once the retire thread has it; disk links are refused by name."""
     import threading
 
-    eng = TransferEngine(cpu, chunk_bytes=CHUNK)
+    eng = TransferEngine(cpu, chunk_bytes=CHUNK, retire_thread=retire_thread)
     src, dst = rand(3 * CHUNK), torch.zeros(3 * CHUNK, dtype=torch.uint8)
     names: list[str] = []
     try:
         h = eng.submit_now(req(Link.H2D, src, dst, on_segment_issued=lambda _i, _ev: names.append(
             threading.current_thread().name)))
+        assert names == [threading.current_thread().name] and torch.equal(src, dst)
         h.wait(T)
-        assert h.error is None and torch.equal(src, dst) and h.request.at_once
-        assert names and threading.current_thread().name not in names
+        assert h.error is None and link_stats(eng, Link.H2D).bytes == 3 * CHUNK
         with pytest.raises(ConfigError, match="not a memory link"):
             eng.submit_now(req(Link.DISK2H, src, dst))
     finally:
         eng.close()
+
+
+def test_urgent_kv_through_submit_now_goes_on_the_bulk_stream_and_leaves_the_bound_whole(gated) -> None:
+    """A caller's chunks all go on the bulk stream, an URGENT KV one too, and once retired they take nothing off
+    the in-flight bound: a queued list then still gets its whole bound (4 chunks) issued before any lands. (An
+    urgent chunk handed back as a bulk one used to keep its bytes counted: the bound shrank to its floor of 2.)"""
+    import time as _time
+
+    dev, gate = gated
+    eng = TransferEngine(dev, chunk_bytes=CHUNK, max_inflight_bytes=4 * CHUNK, urgent_stream=True)
+    eng._validate = lambda r, _checked=None: r.segments  # type: ignore[method-assign]
+    streams: list[object] = []
+    real_copy_range = dev.copy_range
+
+    def copy_range(*a, **kw):
+        streams.append(a[5] if len(a) > 5 else kw.get("stream"))
+        return real_copy_range(*a, **kw)
+
+    dev.copy_range = copy_range  # type: ignore[method-assign]
+
+    def depth() -> int:  # chunks of a queued 8-chunk list issued while none has landed
+        gate.clear()
+        dev.hold = True
+        issued: list[int] = []
+        src = torch.zeros(8 * CHUNK, dtype=torch.uint8)
+        h = eng.submit(TransferRequest(Link.H2D, TrafficClass.EXPERT, src, torch.zeros_like(src),
+                                       segments=[(i * CHUNK, i * CHUNK, CHUNK) for i in range(8)],
+                                       on_segment_issued=lambda i, _ev: issued.append(i)))
+        wait_until(lambda: len(issued) >= 4, T)
+        _time.sleep(0.05)  # the worker had time to issue more, were the bound wider
+        n = len(issued)
+        gate.set()
+        h.wait(T)
+        return n
+
+    try:
+        assert depth() == 4
+        dev.hold = False
+        for _ in range(4):
+            src = torch.zeros(CHUNK, dtype=torch.uint8)
+            streams.clear()
+            eng.submit_now(TransferRequest(Link.H2D, TrafficClass.KV, src, torch.zeros_like(src), Priority.URGENT,
+                                           segments=[(0, 0, CHUNK)])).wait(T)
+            assert streams == [eng._workers[Link.H2D].stream]
+        assert depth() == 4
+    finally:
+        gate.set()
+        eng.close()
+
+
+def test_copies_are_numbered_in_stream_order_when_callers_issue_beside_the_worker(gated) -> None:
+    """The worker and `submit_now` callers issue on one bulk stream; each segment's `on_segment_issued` (where the
+    expert loader numbers its copies for `ReadyOrder`) runs in the order the copies entered the stream, whatever
+    the interleaving: the link's issue lock covers the copy and its callback together."""
+    import threading
+
+    dev, _gate = gated
+    dev.hold = False
+    eng = TransferEngine(dev, chunk_bytes=CHUNK, max_inflight_bytes=2 * CHUNK)
+    eng._validate = lambda r, _checked=None: r.segments  # type: ignore[method-assign]
+    seg = 4096
+    numbered: list[tuple[int, int]] = []
+    handles = []
+
+    def make(n: int) -> TransferRequest:
+        src = torch.arange(n * seg, dtype=torch.int32).to(torch.uint8)
+        dst = torch.zeros_like(src)
+
+        def issued(i: int, _ev: object, s=src, d=dst) -> None:
+            threading.Event().wait(0)  # a switch point between the copy and its number
+            numbered.append((d.data_ptr() + i * seg, s.data_ptr() + i * seg))
+
+        handles.append((src, dst))
+        return TransferRequest(Link.H2D, TrafficClass.EXPERT, src, dst, segments=[(i * seg, i * seg, seg)
+                                                                                   for i in range(n)],
+                               on_segment_issued=issued)
+
+    try:
+        hs = []
+        for _ in range(150):
+            hs.append(eng.submit(make(8)))
+            hs.append(eng.submit_now(make(8)))
+        for h in hs:
+            h.wait(T)
+    finally:
+        eng.close()
+    assert len(dev.copies) == 150 * 16 and numbered == dev.copies
+    assert all(torch.equal(s, d) for s, d in handles)
 
 
 def test_idle_jobs_run_in_priority_order_are_counted_and_refused_after_close(cpu, rand, retire_thread):
