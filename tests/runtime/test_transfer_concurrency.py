@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -36,13 +37,13 @@ class _GateEvent:
         self.gate.wait(T)
 
 
-class _GateDevice(Device):
-    """The CPU twin posing as a GPU whose copies land when a gate opens: chunks really sit in flight."""
+class _FakeGPU(Device):
+    """The CPU twin posing as a GPU: a copy is done on the host at once and returns `landing()`, the event that
+    says when it "lands" (chunks then really sit in flight); its copies in issue order (the stream's order)."""
 
-    def __init__(self, gate) -> None:
+    def __init__(self) -> None:
         super().__init__("cpu")
-        self.gate, self.hold = gate, True
-        self.copies: list[tuple[int, int]] = []  # (dst, src) addresses in issue order: the stream's order
+        self.copies: list[tuple[int, int]] = []  # (dst, src) addresses
 
     @property
     def is_cuda(self) -> bool:  # type: ignore[override]
@@ -57,9 +58,23 @@ class _GateDevice(Device):
     def stream_wait(self, ev, stream=None) -> None:
         pass
 
+    def landing(self) -> Any:
+        return HostEvent(done=True)
+
     def copy(self, dst, src, stream=None, stream_is_current=False):
         self.copies.append((dst.data_ptr(), src.data_ptr()))
         dst.copy_(src)
+        return self.landing()
+
+
+class _GateDevice(_FakeGPU):
+    """Copies that land when a gate opens (at once while `hold` is off)."""
+
+    def __init__(self, gate) -> None:
+        super().__init__()
+        self.gate, self.hold = gate, True
+
+    def landing(self) -> Any:
         return _GateEvent(self.gate) if self.hold else HostEvent(done=True)
 
 
@@ -171,25 +186,8 @@ def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.Monk
         def synchronize(self) -> None:
             _time.sleep(max(0.0, self.at_s - _time.monotonic()))
 
-    class LateDevice(Device):
-        def __init__(self) -> None:
-            super().__init__("cpu")
-
-        @property
-        def is_cuda(self) -> bool:  # type: ignore[override]
-            return True
-
-        def new_stream(self, priority: int = 0):
-            return object()
-
-        def bind_thread(self, stream=None) -> None:
-            pass
-
-        def stream_wait(self, ev, stream=None) -> None:
-            pass
-
-        def copy(self, dst, src, stream=None, stream_is_current=False):
-            dst.copy_(src)
+    class LateDevice(_FakeGPU):
+        def landing(self) -> Any:
             return LateEvent(_time.monotonic() + rng.random() * 0.002)
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda *a: None)
