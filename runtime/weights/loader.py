@@ -222,9 +222,8 @@ class ExpertLoadHandler:
 
     def _load_many(self, layer: int, experts: list[int], priority: Priority,
                    deadline_s: float | None, at_once: bool = False) -> list[_Load]:
-        """Load several experts of one layer from the pinned store, one future each, copied in list order: slots
-        reserved for all or none (nothing moves on a refusal), the copies one transfer of one segment per expert
-        (issued here with at_once, else queued); with map_in="beside_copy" one map job at a time follows them."""
+        """Several experts of one layer from the pinned store, in list order: slots for all or none, one transfer
+        of a segment each (issued here with at_once, else queued); beside_copy: one map job at a time follows."""
         if self.pinned is None:
             raise ConfigError("load_many: no pinned store configured")
         if not experts:
