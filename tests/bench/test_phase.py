@@ -170,6 +170,9 @@ class _FailingSource:
     def record_ack(self, ack: object) -> None:
         self.inner.record_ack(ack)  # type: ignore[attr-defined]
 
+    def close(self) -> str | None:  # the inner controller's process stops with the run
+        return self.inner.close()  # type: ignore[attr-defined]
+
 
 def test_a_live_planner_that_fails_gives_a_degraded_row_never_a_result(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
