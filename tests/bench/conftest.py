@@ -11,11 +11,16 @@ from collections.abc import Iterator
 import pytest
 
 
+def controllers_running() -> list[mp.Process]:
+    """The controller processes (plan_process.py names them) this test process still runs."""
+    return [p for p in mp.active_children() if p.name == "tierplan-controller"]
+
+
 @pytest.fixture(autouse=True)
 def no_controller_left() -> Iterator[None]:
     yield
     gc.collect()
-    left = [p for p in mp.active_children() if p.name == "tierplan-controller"]
+    left = controllers_running()
     for p in left:
         p.kill()
         p.join()

@@ -7,7 +7,6 @@ cases on this path: fluxmoe where everything fits (hit rate and budget kept), kv
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.bench import baseline_point as bp
+from tests.bench.conftest import controllers_running
 from tierplan.bench.baselines import BASELINES, make, oracle_splits
 from tierplan.bench.baselines.oracle import RecordingPass
 from tierplan.bench.phase_grid import QUICK, Point
@@ -76,7 +76,7 @@ def test_every_baseline_runs_through_the_runners_measure(mid: dict[str, tuple[Ou
         assert out.extra["planner_errors"] == [], out.extra["planner_errors"]
         assert out.loop_stats["windows"] >= 3 and out.loop_stats["applied"] >= 2, out.loop_stats
         # in a child process, as beside a deployed engine, stopped once the run is over
-        assert type(mid[name][1].controller).__name__ == "ProcessPlanSource" and not mp.active_children()
+        assert type(mid[name][1].controller).__name__ == "ProcessPlanSource" and not controllers_running()
 
 
 def test_the_oracle_follows_its_record_on_the_runners_path(mid: dict[str, tuple[Outcome, Any, Any]]) -> None:

@@ -5,11 +5,11 @@ test_baselines_measure.py (the live baselines plan in a child by default)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import pytest
 
+from tests.bench.conftest import controllers_running
 from tierplan.bench.baselines.plan_process import ProcessPlanSource, portable
 from tierplan.bench.baselines.tierplan_live import TierplanLive
 
@@ -23,7 +23,7 @@ def test_the_childs_errors_come_back_as_themselves_and_close_leaves_nothing() ->
     finally:
         src.close()
     src.close()  # twice is fine
-    assert not mp.active_children()
+    assert not controllers_running()
     with pytest.raises(RuntimeError, match="closed"):
         src.step_next()
 
@@ -40,7 +40,7 @@ def test_a_controller_that_cannot_be_built_fails_its_first_call() -> None:
 def test_a_child_that_dies_is_reported_with_its_exit_code() -> None:
     with pytest.raises(RuntimeError, match=r"start: the controller's process ended \(exit code 3\)"):
         ProcessPlanSource(os._exit, 3)
-    assert not mp.active_children()
+    assert not controllers_running()
 
 
 def test_the_planner_is_named_or_refused() -> None:
@@ -108,7 +108,7 @@ def test_a_call_with_no_answer_times_out_and_the_child_is_killed() -> None:
     src = ProcessPlanSource(_Stub, "hang", timeout_s=1.0)
     with pytest.raises(TimeoutError, match="no answer within 1 s"):
         src.sync_from(None)
-    assert not mp.active_children()
+    assert not controllers_running()
     with pytest.raises(RuntimeError, match="closed"):
         src.step_next()
     assert src.close() is None  # already stopped
