@@ -10,7 +10,7 @@ built and planned on the outbox thread while decode goes on, and a plan is appli
 it is ready (a window later, as a sidecar's plans arrive); every call into the source then runs on the outbox
 thread (acks are queued and handed over before the next window), so the source needs no lock. Plans then
 depend on timing: runs are not repeatable step for step. Telemetry the source refuses is counted, never
-dropped silently; so is any exception its planner raises (`planner_errors`, with the type name).
+dropped silently; so is any other exception the source raises (`planner_errors`, with the type name).
 A policy's starting plan, which the source never issued, goes in with `apply_initial` before the first step
 (applied and booked like any other; its ack stays with the loop). After an applied plan `on_applied(plan)`
 runs (the demo's scheduler follows the plan's GPU KV blocks there).
@@ -68,12 +68,15 @@ class InProcessLoop:
         self.telemetry.append(tel)
         with self._lock:
             acks, self._acks_out = self._acks_out, []
-        for ack in acks:  # wait_for_plans=False: the engine thread's acks, in order, before the next window
-            self.source.record_ack(ack)
         try:
+            for ack in acks:  # wait_for_plans=False: the engine thread's acks, in order, before the next window
+                self.source.record_ack(ack)
             self.source.sync_from(tel)
         except ValueError as exc:  # TelemetryRejected and ProtocolError are ValueErrors: counted, kept
             self.refused.append(str(exc))
+            return
+        except Exception as exc:  # the source itself failed (a planner's process that hung or died): counted
+            self.planner_errors.append(f"{type(exc).__name__}: {exc}")
             return
         try:
             plan = self.source.step_next()

@@ -11,6 +11,7 @@ Never decides what to move.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import queue
 import threading
@@ -80,8 +81,10 @@ class LinkWorker:
             queue.SimpleQueue() if retire_thread and link in MEMORY_LINKS else None)
         self._threads: list[threading.Thread] = []
         # One issuer at a time on the bulk stream (the worker, or a caller's `issue_now`): copies leave in the order
-        # their `on_segment_issued` sees them, which numbers loads in stream order (`ReadyOrder`).
-        self.issue_lock = threading.Lock()
+        # their `on_segment_issued` sees them, which numbers loads in stream order (`ReadyOrder`). The CPU twin has
+        # no stream to keep in order (its copies are done when issued, its loads unnumbered), and there a worker
+        # blocked on a host event must not hold a caller back.
+        self.issue_lock: Any = threading.Lock() if device.is_cuda else contextlib.nullcontext()
 
     def start(self) -> None:
         jobs: list[tuple[Callable[[], None], str]] = [(self._run, f"tierplan-{self.link.value}-{i}")

@@ -44,8 +44,8 @@ def _serve(conn: Any, factory: Callable[[Any], Any], config: Any, parent_pid: in
     its parent is gone."""
     try:
         source = factory(config)
-    except BaseException as exc:  # the parent's first request gets it
-        source, failed = None, exc
+    except BaseException as exc:  # every request gets it: never a ValueError (that would read as refused telemetry)
+        source, failed = None, RuntimeError(f"building the controller failed: {type(exc).__name__}: {exc}")
     else:
         failed = None
     conn.send(("ready", None))
@@ -85,19 +85,27 @@ class ProcessPlanSource:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._history: list[Any] = []
-        self._closed = False
-        self._proc.start()
+        self._closed = True  # until the child has answered: a failed start leaves nothing for close to do
+        self._stopped_why: str | None = None  # why the child was killed (a call with no answer), for close
+        try:
+            self._proc.start()
+        except BaseException:  # e.g. a factory that does not pickle: nothing runs, nothing is left open
+            child.close()
+            self._conn.close()
+            raise
         child.close()
         try:  # built before the run starts: the controller's imports and set-up are no window's delay
             self._answer("start")
         except BaseException:
-            self._closed = True
+            self._stop(kill=True)
             raise
+        self._closed = False
 
     def _answer(self, name: str) -> Any:
         """The child's reply to the request just sent (under the lock): its value, or its error raised."""
         if not self._conn.poll(self.timeout_s):
             self._stop(kill=True)
+            self._stopped_why = f"{name}: no answer within {self.timeout_s:g} s (killed)"
             raise TimeoutError(f"{name}: the controller's process gave no answer within {self.timeout_s:g} s "
                                "(killed)")
         try:
@@ -148,9 +156,11 @@ class ProcessPlanSource:
 
     def close(self) -> str | None:
         """Fetch the history, stop the child and wait for it (killed if it does not stop within 10 s). Returns
-        why it could not do so cleanly (the child had died, say), None when it did; a second close returns None."""
+        why it could not do so cleanly (the child had died, or was killed for a call with no answer), None when it
+        did; that reason is returned once."""
         if self._closed:
-            return None
+            why, self._stopped_why = self._stopped_why, None
+            return why
         error = None
         try:
             _ = self.history

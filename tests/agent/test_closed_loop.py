@@ -55,6 +55,35 @@ def test_any_planner_exception_is_a_counted_planner_error(tmp_path: Path, exc: E
     assert st["planner_errors"] == windows and st["plans"] == 0 and st["telemetry_refused"] == 0
 
 
+class DeadSource(FailingPlanner):
+    """A source that cannot take telemetry at all (a planner's process that hung and was killed, or died)."""
+
+    def sync_from(self, telemetry: Telemetry) -> None:
+        self.synced += 1
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [TimeoutError("sync_from: the controller's process gave no answer within 120 s"),
+                                 RuntimeError("sync_from: the controller's process ended (exit code -9)")])
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_source_that_fails_to_take_telemetry_is_a_counted_planner_error(tmp_path: Path, exc: Exception,
+                                                                          wait: bool) -> None:
+    """Not refused telemetry (a ValueError), not a window that failed to build: this window's planner error."""
+    eng = tiny_engine(tmp_path)
+    source = DeadSource(exc)
+    try:
+        loop = InProcessLoop(eng, source, window_steps=4, wait_for_plans=wait)
+        reqs = [Request(i, 0.0, 10 + 3 * i, 6, (), "test") for i in range(4)]
+        Runner(eng, Scheduler(8, eng.cfg.block_tokens, max_batch=4), ForcedRouter(flame_trace(), eng),
+               on_step=loop.on_step).run(reqs)
+        loop.finish()
+    finally:
+        eng.close()
+    windows = len(loop.telemetry)
+    assert windows >= 2 and source.synced == windows and loop.adapter.outbox.failed == 0
+    assert loop.planner_errors == [f"{type(exc).__name__}: {exc}"] * windows and loop.refused == []
+
+
 class ThreadRecordingSource:
     """Issues one plan (after the first window), blocks its first `step_next` until `release` is set, and
     records which thread made each call into it."""

@@ -30,9 +30,11 @@ def test_the_childs_errors_come_back_as_themselves_and_close_leaves_nothing() ->
 
 def test_a_controller_that_cannot_be_built_fails_its_first_call() -> None:
     src = ProcessPlanSource(int, "not a number")
-    try:
-        with pytest.raises(ValueError, match="invalid literal"):
+    try:  # a RuntimeError every call, never a ValueError (the loop would count it as refused telemetry)
+        with pytest.raises(RuntimeError, match="building the controller failed: ValueError: invalid literal"):
             src.step_next()
+        with pytest.raises(RuntimeError, match="building the controller failed"):
+            src.sync_from(None)
     finally:
         src.close()
 
@@ -111,7 +113,8 @@ def test_a_call_with_no_answer_times_out_and_the_child_is_killed() -> None:
     assert not controllers_running()
     with pytest.raises(RuntimeError, match="closed"):
         src.step_next()
-    assert src.close() is None  # already stopped
+    assert src.close() == "sync_from: no answer within 1 s (killed)"  # the run's planner errors count it
+    assert src.close() is None
 
 
 def test_concurrent_calls_each_get_their_own_reply() -> None:
@@ -137,3 +140,16 @@ def test_concurrent_calls_each_get_their_own_reply() -> None:
         t.join()
     src.close()
     assert errors == []
+
+
+def test_a_factory_that_does_not_pickle_fails_at_once_and_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No child starts, and the half-built source has nothing to close: its `__del__` must not call `close`, which
+    would wait the whole timeout for an answer from a child that never ran."""
+    import gc
+
+    closes: list[object] = []
+    monkeypatch.setattr(ProcessPlanSource, "close", lambda self: closes.append(self))
+    with pytest.raises(Exception, match="pickle"):
+        ProcessPlanSource(lambda c: c, None, timeout_s=3600)
+    gc.collect()
+    assert closes == [] and not controllers_running()

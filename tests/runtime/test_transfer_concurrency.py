@@ -391,6 +391,28 @@ def test_copies_are_numbered_in_stream_order_when_callers_issue_beside_the_worke
     assert all(torch.equal(s, d) for s, d in handles)
 
 
+def test_on_the_cpu_twin_a_worker_blocked_on_a_host_event_does_not_hold_submit_now_back(cpu, rand) -> None:
+    """The CPU twin's worker waits for a request's `after` event on the host; a caller's `submit_now` meanwhile
+    copies at once (the twin keeps no stream order, so there is no issue lock to wait for)."""
+    eng = TransferEngine(cpu, chunk_bytes=CHUNK)
+    gate = HostEvent()
+    try:
+        held = eng.submit(req(Link.H2D, rand(4096), torch.zeros(4096, dtype=torch.uint8), after=gate))
+        wait_until(lambda: eng.pending_chunks(Link.H2D) == 0, T)  # the worker took it and waits on the gate
+        src, dst = rand(4096), torch.zeros(4096, dtype=torch.uint8)
+        import threading
+
+        threading.Timer(5.0, gate.set).start()  # a caller held back would return only after this
+        h = eng.submit_now(req(Link.H2D, src, dst))
+        assert not gate.query() and torch.equal(src, dst) and not held.done()  # the worker still waits
+        h.wait(T)
+        gate.set()
+        held.wait(T)
+    finally:
+        gate.set()
+        eng.close()
+
+
 def test_idle_jobs_run_in_priority_order_are_counted_and_refused_after_close(cpu, rand, retire_thread):
     eng = TransferEngine(cpu, chunk_bytes=CHUNK, retire_thread=retire_thread)
     gate = HostEvent()
