@@ -152,12 +152,6 @@ def engine_config(h: ModelHandle, ctx: PointContext, options: dict[str, Any], wo
                         **options)
 
 
-def _close(run: PolicyRun | None) -> str | None:
-    """Stop the run's plan source where it has something to stop (a controller's process): why not cleanly."""
-    close = getattr(run.source, "close", None) if run is not None else None
-    return close() if close is not None else None
-
-
 def _decisions(source: Any) -> list[tuple[int, float]]:
     """A live policy's decisions as (windows seen when it decided, its plan's predicted step ms): the
     controller's `Decision.step_ms` for the split it issued or kept; [] for a static policy."""
@@ -304,7 +298,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
         finally:
             loop.finish()
         decisions = _decisions(run.source)
-        if (close_error := _close(run)) is not None:  # the controller's process could not stop cleanly: counted
+        if (close_error := run.close()) is not None:  # the controller's process could not stop cleanly: counted
             loop.planner_errors.append(f"closing the controller's process: {close_error}")
         return Outcome(report, rec.steps, list(loop.telemetry), list(loop.acks), loop.stats(), run.initial_plan,
                        run.notes, run.window_steps, {"peak_hbm_bytes": seen["peak"], "over_budget_steps": seen["over"],
@@ -314,7 +308,8 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                                                      "decisions": decisions,
                                                      "local_predictor": loop.adapter.predictor is not None})
     finally:
-        _close(run)  # a controller in a child process stops (on a failed run too; a second close does nothing)
+        if run is not None:  # a controller in a child process stops (on a failed run too; a second close: nothing)
+            run.close()
         eng.close()
         if h.dev.is_cuda:
             torch.cuda.empty_cache()

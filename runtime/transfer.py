@@ -7,8 +7,8 @@ arrival). A transfer of at least 2 x chunk_bytes is cut into even chunks of chun
 an urgent small transfer waits behind at most the chunks already in flight, never behind a whole 1 GiB stream.
 On a GPU each memory link owns a CUDA stream and keeps issued at most `max_inflight_bytes` (always at least two
 chunks) and `max_inflight_chunks`, so many small KV copies pipeline deeply while an urgent one never waits
-behind more than ~16 MiB (a request marked `at_once`, a list its caller waits for in full, is issued whole, and
-`submit_now` issues one on the caller's thread, ahead of the queue); on the CPU twin a worker thread does the copy.
+behind more than ~16 MiB (`submit_now` issues a list its caller waits for in full whole, on the caller's thread,
+ahead of the queue); on the CPU twin a worker thread does the queued copies.
 Disk links are worker threads doing aligned O_DIRECT I/O.
 
 Memory-link copies go by address (`Device.copy_range`: one cuMemcpyAsync on a GPU). A memory link's finished

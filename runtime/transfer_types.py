@@ -77,11 +77,6 @@ class TransferRequest:
     # Segment i's chunks are all retired (done, or skipped after a failure: the error), in order, on the link's
     # retire thread or worker, before the transfer's on_done. Also called for a request without `segments` (i=0).
     on_segment_done: Callable[[int, BaseException | None], None] | None = None
-    # Memory links only: every chunk is issued as soon as it is the queue's turn, outside the in-flight bound (on
-    # the bulk stream, in order). For a list its caller waits for in full (a decode step's misses): held-back
-    # chunks only delay the caller, who would otherwise wait for all but the last bound's worth of bytes to land
-    # before the last copy is even issued.
-    at_once: bool = False
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The link workers of the transfer engine (inference process): one `LinkWorker` per link pops its chunks,
-issues copies (memory links: CUDA streams, at most `max_inflight_bytes` in flight, `at_once` requests outside
-that bound) or does disk I/O, runs idle jobs in its waits, and retires finished chunks, in order, on its
-thread(s) or on its retire thread.
+issues copies (memory links: CUDA streams, at most `max_inflight_bytes` in flight; a caller's `issue_now` list
+goes outside that bound) or does disk I/O, runs idle jobs in its waits, and retires finished chunks, in order, on
+its thread(s) or on its retire thread.
 `TransferEngine` (runtime/transfer.py) owns the submission side; the two share a `LinkQueue` per link (the
 engine pushes, the worker pops) and one `TransferStats` (the workers write, the engine reads). A worker
 changes a `TransferHandle` only through the handle's methods.
@@ -336,7 +336,6 @@ class LinkWorker:
                 # while the link is still busy with the previous one.
                 if q.heap and (
                     self._bypasses(q.heap[0].head)
-                    or q.heap[0].handle.request.at_once
                     or len(inflight) < 2
                     or (
                         len(inflight) < self.max_inflight_chunks

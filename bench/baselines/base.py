@@ -176,6 +176,11 @@ class PolicyRun:
     split: Split | None = None  # the split the initial plan sets (for the cost model's predicted step)
     local_predictor: bool = False  # attach the agent's layer-ahead predictor (live policies only; see the top)
 
+    def close(self) -> str | None:
+        """Stop the source where it has something to stop (a controller's process): why not cleanly, or None."""
+        close = getattr(self.source, "close", None)
+        return close() if close is not None else None
+
 
 class Baseline(Protocol):
     name: str  # the row's "policy"

@@ -119,7 +119,6 @@ def run_point(baseline: Baseline, spec: ModelSpec, device: Device, trace: Routin
         return PointResult(baseline.name, report, {s.seq_id: list(s.output) for s in sched.finished}, list(acks),
                            seen["peak"], seen["over"], run, stats)
     finally:
-        close = getattr(run.source, "close", None) if run is not None else None
-        if close is not None:  # a controller in a child process stops
-            close()
+        if run is not None:  # a controller in a child process stops
+            run.close()
         eng.close()

@@ -21,7 +21,7 @@ When a load is published (`publish`):
     with `ExpertSlotPool.wait_ready`, which the engine always does; the host never waits for the bytes.
 Copies are numbered as issued (all on the host->device link's bulk stream, in that order: expert chunks never take
 the urgent stream), so `wait_ready` orders a reader once per list. A list its caller waits for in full (`at_once`:
-a step's misses) is issued on the caller's thread (`TransferEngine.submit_now`), the rest by the link's worker.
+a step's misses) is issued whole on the caller's thread (`TransferEngine.submit_now`), the rest by the worker.
 A slot released while work still read its old expert (`ExpertSlotPool.release`) is copied into only after that work
 (its `load_guards` order the link's stream; such segments go last), and the pool's stale ranges are swept on the
 link's worker (`sweep_stale`).
@@ -150,14 +150,13 @@ class ExpertLoadHandler:
             self._cv.notify_all()
 
     def _h2d_request(self, loads: list[_Load], src: Any, dst: Any, segments: list[tuple[int, int, int]],
-                     priority: Priority, deadline_s: float | None, guards: list[list[Any]],
-                     at_once: bool = False) -> TransferRequest:
+                     priority: Priority, deadline_s: float | None, guards: list[list[Any]]) -> TransferRequest:
         """One host->device transfer whose segment i fills loads[i] (with map_in="before_copy", maps it first),
-        ordered after guards[i] (the work still reading its slot's old expert); at_once: `TransferRequest`'s."""
+        ordered after guards[i] (the work still reading its slot's old expert)."""
         pool = self.pool
         return TransferRequest(
             Link.H2D, TrafficClass.EXPERT, src, dst, priority, deadline_s, segments=segments,
-            segment_after=guards if any(guards) else None, at_once=at_once,
+            segment_after=guards if any(guards) else None,
             before_segment=None if self.map_in != "before_copy" else
             (lambda i: None if loads[i].premapped else pool.map_reserved(loads[i].layer, loads[i].expert)),
             on_segment_issued=lambda i, ev: self._step(loads[i], copy_issued=True, event=ev),
@@ -209,7 +208,8 @@ class ExpertLoadHandler:
 
     def load_many(self, layer: int, experts: list[int], priority: Priority = Priority.NORMAL,
                   deadline_s: float | None = None, at_once: bool = False) -> list[OpFuture]:
-        """at_once: the caller waits for the whole list (a step's misses): `TransferRequest.at_once`."""
+        """at_once: the caller waits for the whole list (a step's misses): issued whole on this thread
+        (`TransferEngine.submit_now`), not queued for the link's worker."""
         return [ld.fut for ld in self._load_many(layer, experts, priority, deadline_s, at_once)]
 
     def load_many_issued(self, layer: int, experts: list[int], priority: Priority = Priority.NORMAL,
@@ -238,7 +238,7 @@ class ExpertLoadHandler:
             idx = sorted(range(len(loads)), key=lambda i: bool(guards[i]))
             loads, segments, guards = [loads[i] for i in idx], [segments[i] for i in idx], [guards[i] for i in idx]
         try:
-            req = self._h2d_request(loads, pinned.buffer, dst, segments, priority, deadline_s, guards, at_once)
+            req = self._h2d_request(loads, pinned.buffer, dst, segments, priority, deadline_s, guards)
             (self.engine.submit_now if at_once else self.engine.submit)(req)  # at_once: issued on this thread
         except Exception:  # refused before any byte moved: give every slot back
             self._abandon(loads)

@@ -218,12 +218,12 @@ def test_urgent_stream_worker_under_delayed_completions(monkeypatch: pytest.Monk
     assert sorted(ran) == list(range(0, 120, 3))  # every idle job ran once, all before close() returned
 
 
-@pytest.mark.parametrize("at_once", [False, True])
-def test_at_once_list_is_issued_whole_past_the_inflight_bound(gated, monkeypatch: pytest.MonkeyPatch,
-                                                              at_once: bool) -> None:
-    """Copies that complete only when a gate opens: a bounded list has its first two chunks issued (the bound's
-    floor) and the rest only as those land; an `at_once` list (a step's misses, which its caller waits for in full)
-    has every chunk issued while none has landed. Both complete byte-exact once the gate opens."""
+@pytest.mark.parametrize("now", [False, True])
+def test_a_queued_list_keeps_the_inflight_bound_and_submit_now_issues_it_whole(gated, monkeypatch: pytest.MonkeyPatch,
+                                                                              now: bool) -> None:
+    """Copies that complete only when a gate opens: a queued list has its first two chunks issued (the bound's
+    floor) and the rest only as those land; through `submit_now` (a step's misses, which its caller waits for in
+    full) every chunk is issued while none has landed. Both complete byte-exact once the gate opens."""
     import time as _time
 
     dev, gate = gated
@@ -234,10 +234,11 @@ def test_at_once_list_is_issued_whole_past_the_inflight_bound(gated, monkeypatch
     dst = torch.zeros_like(src)
     issued: list[int] = []
     try:
-        h = eng.submit(TransferRequest(Link.H2D, TrafficClass.EXPERT, src, dst, at_once=at_once,
-                                       segments=[(i * CHUNK, i * CHUNK, CHUNK) for i in range(num)],
-                                       on_segment_issued=lambda i, _ev: issued.append(i)))
-        want = num if at_once else 2
+        r = TransferRequest(Link.H2D, TrafficClass.EXPERT, src, dst,
+                            segments=[(i * CHUNK, i * CHUNK, CHUNK) for i in range(num)],
+                            on_segment_issued=lambda i, _ev: issued.append(i))
+        h = eng.submit_now(r) if now else eng.submit(r)
+        want = num if now else 2
         wait_until(lambda: len(issued) >= want, T)
         _time.sleep(0.05)  # the worker had time to issue more, were it allowed to
         assert sorted(issued) == list(range(want))
