@@ -58,6 +58,26 @@ class DemandForecast:
     reuse_ages_s: tuple[float, ...] = ()  # recent reuse ages, ascending (how long since each block was touched)
     touch_blocks_per_s: float = 0.0  # KV blocks touched per second (new and reused): LRU's clock
     prefetch_recall: float | None = None  # measured share of needed loads the local predictor brought ahead
+    token_probs: tuple[tuple[float, ...], ...] = ()  # [M][E] P(a token routes to each expert): curves at any batch
+    bucket_curves: tuple[BucketCurves, ...] = ()  # measured LRU curves at every batch bucket with enough steps
+
+
+@dataclass(frozen=True)
+class BucketCurves:
+    """The measured LRU curves of one batch bucket, every MoE layer having enough steps in it."""
+
+    bucket: int
+    misses_per_step: tuple[tuple[float, ...], ...]  # [M][E + 1]
+    union_per_step: tuple[float, ...]  # [M]
+
+
+def frequency_curve(probs: np.ndarray, batch: float) -> tuple[np.ndarray, float]:
+    """Expected loads per step with 0..E slots holding the most frequent experts, tokens drawn independently
+    from the per-token probabilities `probs` [E]; and the step's expected union."""
+    q = 1.0 - (1.0 - np.clip(probs, 0.0, 1.0)) ** max(1.0, batch)  # [E] P(needed in a step)
+    q_sorted = np.sort(q)[::-1]
+    tail = np.concatenate([np.cumsum(q_sorted[::-1])[::-1], [0.0]])  # [E + 1] sum of the not-resident
+    return tail, float(q.sum())
 
 
 class DemandModel:
@@ -160,29 +180,37 @@ class DemandModel:
             self.touch_blocks_per_s = self._smooth(self.touch_blocks_per_s, (new_blocks + len(events)) / span_s)
 
     # ---- reading -----------------------------------------------------------------------------------------
-    def _frequency_curve(self, m: int, batch: float) -> tuple[np.ndarray, float]:
-        """Expected loads per step with 0..E slots holding the most frequent experts (independent tokens)."""
+    def _token_probs(self, m: int) -> np.ndarray:
+        """[E] per-token routing probabilities of MoE layer m (uniform top-k before any token)."""
         e = self.num_experts
-        p = self.freq[m] / self.tokens[m] if self.tokens[m] else np.full(e, self.top_k / e)  # [E] per token
-        q = 1.0 - (1.0 - np.clip(p, 0.0, 1.0)) ** max(1.0, batch)  # [E] P(needed in a step)
-        q_sorted = np.sort(q)[::-1]
-        tail = np.concatenate([np.cumsum(q_sorted[::-1])[::-1], [0.0]])  # [E + 1] sum of the not-resident
-        return tail, float(q.sum())
+        return self.freq[m] / self.tokens[m] if self.tokens[m] else np.full(e, self.top_k / e)
+
+    def _measured(self, m: int, bucket: int) -> tuple[np.ndarray, float] | None:
+        if self.curves.num_steps(m, bucket) < MIN_CURVE_STEPS:
+            return None
+        curve = self.curves.expected_misses_per_step(m, bucket).copy()
+        curve[-1] = 0.0  # every expert resident: nothing is ever evicted, so no miss once loaded
+        return curve, self.curves.mean_union_size(m, bucket)
 
     def forecast(self, source: CurveSource = CurveSource.MISS_RATIO) -> DemandForecast:
         batch = self.batch_tokens or 1.0
         bucket = batch_bucket(batch)
         misses, unions, measured = [], [], True
-        for m in range(len(self.moe_layers)):
-            if source is CurveSource.MISS_RATIO and self.curves.num_steps(m, bucket) >= MIN_CURVE_STEPS:
-                curve = self.curves.expected_misses_per_step(m, bucket).copy()
-                curve[-1] = 0.0  # every expert resident: nothing is ever evicted, so no miss once loaded
-                unions.append(self.curves.mean_union_size(m, bucket))
-            else:
-                curve, union = self._frequency_curve(m, batch)
-                unions.append(union)
+        num_moe = len(self.moe_layers)
+        for m in range(num_moe):
+            got = self._measured(m, bucket) if source is CurveSource.MISS_RATIO else None
+            if got is None:
+                got = frequency_curve(self._token_probs(m), batch)
                 measured = False
-            misses.append(tuple(float(x) for x in curve))
+            misses.append(tuple(float(x) for x in got[0]))
+            unions.append(got[1])
+        buckets = []
+        for b in BATCH_BUCKETS if source is CurveSource.MISS_RATIO else ():
+            at = [self._measured(m, b) for m in range(num_moe)]
+            if all(x is not None for x in at):
+                buckets.append(BucketCurves(b, tuple(tuple(float(v) for v in x[0]) for x in at if x is not None),
+                                            tuple(x[1] for x in at if x is not None)))
+        probs = tuple(tuple(float(v) for v in self._token_probs(m)) for m in range(num_moe))
         hot = tuple(tuple(int(e) for e in np.argsort(-self.freq[m], kind="stable"))
                     for m in range(len(self.moe_layers)))
         limit = self.kv_gpu_limit
@@ -196,7 +224,7 @@ class DemandModel:
         source = f"measured LRU curves at B~{bucket}" if measured else "activation frequencies"
         return DemandForecast(batch, tuple(misses), tuple(unions), source, live, self.kv_gpu, saturated, hot,
                               self.num_windows, self.reuse_per_step or 0.0, tuple(sorted(self.reuse_ages)),
-                              self.touch_blocks_per_s or 0.0, self._recall())
+                              self.touch_blocks_per_s or 0.0, self._recall(), probs, tuple(buckets))
 
     def _recall(self) -> float | None:
         loads = self.prefetch_useful + self.prefetch_missed

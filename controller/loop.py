@@ -4,11 +4,12 @@ Runs in the controller process (in process beside the engine for now; behind the
 `sync_from(telemetry)` records an accepted window in `ControllerState`, calibrates the cost model on it and
 feeds the demand models; it decides nothing. `step_next()` forecasts, values every option of the split (per
 MoE layer: resident slots; KV: GPU blocks; see valuation.py), solves the knapsack exactly (DP by default,
-the HiGHS MILP on request), holds the current split unless the new one is better by the hysteresis margin,
-and emits a `Plan` with the split, pins and eviction orders from the activation frequencies, the local
-transition table and its prefetch byte budget, the KV retention order (prefix hashes, most likely reused
-first, from the reuse predictor `sync_from` feeds live: kv_reuse_feed.py; a kept split is re-issued when
-that order moves by `kv_retention_refresh`), and a reason naming the top factors in words.
+the HiGHS MILP on request) for the candidate KV shares, each at the batch it runs (coupling.py; the
+separable split with `batch_coupling=False`), holds the current split unless the new one is better by the
+hysteresis margin, and emits a `Plan` with the split, pins and eviction orders from the activation
+frequencies, the local transition table and its prefetch byte budget, the KV retention order (prefix
+hashes, most likely reused first, from the reuse predictor `sync_from` feeds live: kv_reuse_feed.py; a kept
+split is re-issued when that order moves by `kv_retention_refresh`), and a reason naming the top factors.
 An operator's pinned experts are always in the plan's pins (their layers get the slots for them); `predictor`
 picks the forecast's curve source, and a shadow source is scored beside it (controller/curve_shadow.py),
 promoted only when it predicts better.
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from tierplan.controller.costmodel import ComputeParams, CostModel, HardwareSpec
+from tierplan.controller.coupling import solve_coupled
 from tierplan.controller.curve_shadow import CurveShadow
 from tierplan.controller.demand import CurveSource, DemandForecast, DemandModel
 from tierplan.controller.kv_reuse_feed import KvReuseConfig, KvReuseFeed, Retention
@@ -82,6 +84,7 @@ class ControllerConfig:
     kv_reuse: KvReuseConfig = field(default_factory=KvReuseConfig)  # the live KV reuse predictor
     kv_retention_max: int = 1024  # prefixes a plan's kv_retention lists (also at most the CPU + NVMe blocks)
     kv_retention_refresh: float = 0.25  # share of the list that must change to re-issue a kept split for it
+    batch_coupling: bool = True  # value each KV share at the batch it runs (coupling.py); False: separable
 
 
 def pinned_by_layer(shape: ModelShape, pinned: tuple[ExpertKey, ...]) -> dict[int, tuple[int, ...]]:
@@ -231,9 +234,12 @@ class Controller:
         fc = self.demand.forecast(self.predictor)
         kv_demand = fc.kv_live_blocks
         cur = now.split
-        val = build_problem(fc, self.cost, cfg.space, cur.slots if cur else None, cur.kv_blocks if cur else None,
-                            cfg.horizon_steps, kv_demand)
-        sol = self._solve(val)
+        cur_slots, cur_kv = (cur.slots, cur.kv_blocks) if cur else (None, None)
+        if cfg.batch_coupling:
+            val, sol = solve_coupled(fc, self.cost, cfg.space, cur_slots, cur_kv, cfg.horizon_steps, self._solve)
+        else:
+            val = build_problem(fc, self.cost, cfg.space, cur_slots, cur_kv, cfg.horizon_steps, kv_demand)
+            sol = self._solve(val)
         cur_choice = None if cur is None else self._choice_of(val, cur)
         cur_ms = None if cur_choice is None else evaluate(val.problem, cur_choice)[0]
         decision = self.hysteresis.decide(val.problem, cur_choice, sol, fc.num_windows)
@@ -294,8 +300,8 @@ class Controller:
 
     @staticmethod
     def _step_ms(val: Valuation, choice: tuple[int, ...]) -> float:
-        """The cost model's step time for a split: compute at the batch plus the layers' (unweighted) stalls."""
-        return val.step_ms + sum(val.stall_ms[m][j] for m, j in enumerate(choice[:-1]))
+        """The cost model's step time for a split: compute at its batch plus the layers' (unweighted) stalls."""
+        return val.predicted_step_ms(choice)
 
     def _choice_of(self, val: Valuation, split: Split) -> tuple[int, ...] | None:
         choice = []

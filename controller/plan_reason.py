@@ -35,6 +35,14 @@ def _cost(val: Valuation, group: int, value: int) -> float | None:
     return val.problem.groups[group].options[counts.index(value)].cost_ms
 
 
+def _batch(val: Valuation, before: int, after: int) -> str:
+    """A coupled valuation's running batch under each share ("" for the separable one)."""
+    if not val.kv_batch or before not in val.kv_blocks or after not in val.kv_blocks:
+        return ""
+    b0, b1 = (val.kv_batch[val.kv_blocks.index(k)] for k in (before, after))
+    return f"runs {b0:.1f} -> {b1:.1f} tokens/step; "
+
+
 def _workload(prev: DemandForecast | None, fc: DemandForecast, kv_demand: float) -> str:
     union = sum(fc.union_per_step) / len(fc.union_per_step)
     num_experts = len(fc.misses_per_step[0]) - 1
@@ -67,7 +75,8 @@ def explain(cur: Split | None, new: Split, prev_fc: DemandForecast | None, fc: D
                 effect = f"saves {gain:.2f} ms/step of sequences deferred for want of KV"
             else:
                 effect = f"costs {-gain:.2f} ms/step of sequences deferred for want of KV"
-            factors.append((abs(gain), f"KV GPU blocks {cur.kv_blocks} -> {new.kv_blocks} ({effect})"))
+            batch = _batch(val, cur.kv_blocks, new.kv_blocks)
+            factors.append((abs(gain), f"KV GPU blocks {cur.kv_blocks} -> {new.kv_blocks} ({batch}{effect})"))
         grown = [m for m, (a, b) in enumerate(zip(cur.slots, new.slots, strict=True)) if b > a]
         shrunk = [m for m, (a, b) in enumerate(zip(cur.slots, new.slots, strict=True)) if b < a]
         for layers, verb in ((grown, "more"), (shrunk, "fewer")):

@@ -245,6 +245,7 @@ class PolicyKnobs(ProtocolModel):
     shadow_predictor: PredictorChoice | None = None  # evaluated beside `predictor`, promoted only if better
     auto_promote: bool = False  # promote the shadow when it wins (else only report its score)
     calibrate: bool = True
+    batch_coupling: bool = True  # value each GPU KV share at the batch it runs (False: at the observed batch)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

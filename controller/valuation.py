@@ -81,6 +81,15 @@ class Valuation:
     kv_blocks: tuple[int, ...]  # GPU KV blocks of each KV option
     step_ms: float  # the step's compute at the predicted batch (no stall)
     stall_ms: tuple[tuple[float, ...], ...] = ()  # [M][options] unweighted predicted stall of each layer option
+    # A coupled valuation (coupling.py), per KV option: the running batch it lets through, and the step it
+    # predicts there (compute ms, stalls [M][options]); empty for the separable one (step_ms / stall_ms hold).
+    kv_batch: tuple[float, ...] = ()
+    kv_steps: tuple[tuple[float, tuple[tuple[float, ...], ...]], ...] = ()
+
+    def predicted_step_ms(self, choice: tuple[int, ...]) -> float:
+        """The cost model's step time of a split: compute at its batch plus the layers' unweighted stalls."""
+        step, stalls = self.kv_steps[choice[-1]] if self.kv_steps else (self.step_ms, self.stall_ms)
+        return step + sum(stalls[m][j] for m, j in enumerate(choice[:-1]))
 
 
 def slot_range(space: SplitSpace, m: int, num_experts: int) -> tuple[int, int]:
@@ -91,7 +100,7 @@ def slot_range(space: SplitSpace, m: int, num_experts: int) -> tuple[int, int]:
     return lo, max(lo, cap)
 
 
-def _kv_grid(space: SplitSpace) -> list[int]:
+def kv_grid(space: SplitSpace) -> list[int]:
     lo, hi = space.kv_gpu_blocks_min, space.kv_gpu_blocks_max
     if hi - lo + 1 <= space.kv_options:
         return list(range(lo, hi + 1))
@@ -126,39 +135,40 @@ def prefix_hit_share(forecast: DemandForecast, gpu_blocks: int) -> float:
     return bisect.bisect_right(ages, horizon_s) / len(ages)
 
 
-def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
-                  current_slots: tuple[int, ...] | None, current_kv: int | None, horizon_steps: int,
-                  kv_demand_blocks: float) -> Valuation:
+def expert_groups(misses_per_step: tuple[tuple[float, ...], ...], cost: CostModel, space: SplitSpace,
+                  current_slots: tuple[int, ...] | None, step_ms: float, recall: float, scale: float = 1.0
+                  ) -> tuple[list[Group], list[tuple[int, ...]], list[tuple[float, ...]]]:
+    """One group per MoE layer from its miss curve: (groups, slot counts [M][J], unweighted stalls [M][J]).
+    `scale` multiplies the groups' costs (a coupled valuation's steps per token served), not the stalls."""
     unit = space.unit_bytes
-    batch = forecast.batch_tokens
-    context_tokens = forecast.kv_gpu_used_blocks * space.kv_block_tokens  # what the step's attention reads
-    step_ms = cost.compute_ms(batch, context_tokens)
-    num_experts = len(forecast.misses_per_step[0]) - 1
+    num_experts = len(misses_per_step[0]) - 1
     groups, slot_counts, stalls = [], [], []
-    r = space.prefetch_recall if forecast.prefetch_recall is None else forecast.prefetch_recall
-    for m, curve in enumerate(forecast.misses_per_step):
+    for m, curve in enumerate(misses_per_step):
         lo, hi = slot_range(space, m, num_experts)
         counts = np.arange(lo, hi + 1)  # [J] slot counts
         units = np.array([units_for_bytes(int(s) * space.slot_bytes, unit) for s in counts])  # [J]
         labels = [f"{s} slots" for s in counts]
         misses = np.asarray(curve)[counts]  # [J] loads per step
-        stall = layer_stall_ms(cost, (1 - r) * misses, r * misses, batch, step_ms)  # [J]
+        stall = layer_stall_ms(cost, (1 - recall) * misses, recall * misses, 0.0, step_ms)  # [J]
         cur = (int(np.flatnonzero(counts == current_slots[m])[0])
                if current_slots is not None and current_slots[m] in counts else None)
-        groups.append(Group.from_arrays(f"MoE layer {m}", units, space.stall_weight * stall, np.rint(
+        groups.append(Group.from_arrays(f"MoE layer {m}", units, space.stall_weight * scale * stall, np.rint(
             misses * space.slot_bytes).astype(np.int64), labels, cur, GroupKind.EXPERTS))
         slot_counts.append(tuple(int(s) for s in counts))
         stalls.append(tuple(float(x) for x in stall))
-    grid = _kv_grid(space)
-    # A prefix reuse the share loses is recomputed: one block of prefill per lost reuse.
-    block_tokens = space.kv_block_tokens
-    recompute_ms = max(0.0, cost.compute_ms(batch + block_tokens, context_tokens) - step_ms)
-    best_hits = prefix_hit_share(forecast, grid[-1])
-    kv_opts = tuple(Option(units=units_for_bytes(g * space.kv_block_bytes, unit),
-                           cost_ms=space.kv_weight * (kv_cost_ms(kv_demand_blocks, g, step_ms) + forecast.reuse_per_step
-                                                      * recompute_ms * (best_hits - prefix_hit_share(forecast, g))),
-                           label=f"{g} KV blocks") for g in grid)
-    groups.append(Group("GPU KV", kv_opts, grid.index(current_kv) if current_kv in grid else None, GroupKind.KV))
+    return groups, slot_counts, stalls
+
+
+def recompute_ms(cost: CostModel, space: SplitSpace, batch: float, context_tokens: float, step_ms: float) -> float:
+    """A prefix reuse the share loses is recomputed: one block of prefill per lost reuse."""
+    return max(0.0, cost.compute_ms(batch + space.kv_block_tokens, context_tokens) - step_ms)
+
+
+def assemble(groups: list[Group], cost: CostModel, space: SplitSpace, step_ms: float,
+             horizon_steps: int) -> SplitProblem:
+    """The problem over `groups` (the KV group last): the HBM capacity, the link budget of one predicted step
+    (never below what a split within the capacity must stream), migration amortised over the horizon."""
+    unit = space.unit_bytes
     capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
     bytes_per_s = cost.link_bytes_per_s(Link.H2D)  # inf when the fit finds no per-byte cost: no link budget
     link_budget = (int(space.link_share * bytes_per_s * max(step_ms, 1e-3) / 1e3) if math.isfinite(bytes_per_s)
@@ -174,4 +184,27 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
         except InfeasibleError:  # no split fits the capacity at all: the solver says so, naming the cause
             floor = 0
         problem = dataclasses.replace(problem, link_budget_bytes_per_step=max(link_budget, floor))
+    return problem
+
+
+def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
+                  current_slots: tuple[int, ...] | None, current_kv: int | None, horizon_steps: int,
+                  kv_demand_blocks: float) -> Valuation:
+    """The separable split: every layer priced at the observed batch, KV by the sequences it defers (the
+    baselines' allocators solve this; coupling.py ties the batch to the KV share)."""
+    unit = space.unit_bytes
+    batch = forecast.batch_tokens
+    context_tokens = forecast.kv_gpu_used_blocks * space.kv_block_tokens  # what the step's attention reads
+    step_ms = cost.compute_ms(batch, context_tokens)
+    r = space.prefetch_recall if forecast.prefetch_recall is None else forecast.prefetch_recall
+    groups, slot_counts, stalls = expert_groups(forecast.misses_per_step, cost, space, current_slots, step_ms, r)
+    grid = kv_grid(space)
+    redo_ms = recompute_ms(cost, space, batch, context_tokens, step_ms)
+    best_hits = prefix_hit_share(forecast, grid[-1])
+    kv_opts = tuple(Option(units=units_for_bytes(g * space.kv_block_bytes, unit),
+                           cost_ms=space.kv_weight * (kv_cost_ms(kv_demand_blocks, g, step_ms) + forecast.reuse_per_step
+                                                      * redo_ms * (best_hits - prefix_hit_share(forecast, g))),
+                           label=f"{g} KV blocks") for g in grid)
+    groups.append(Group("GPU KV", kv_opts, grid.index(current_kv) if current_kv in grid else None, GroupKind.KV))
+    problem = assemble(groups, cost, space, step_ms, horizon_steps)
     return Valuation(problem, tuple(slot_counts), tuple(grid), step_ms, tuple(stalls))

@@ -54,6 +54,7 @@ class FluxMoE(TierplanLive):
         return {"expert_lookahead_layers": LOOKAHEAD_LAYERS}
 
     factory = staticmethod(rho_controller)
+    batch_coupling = False  # its allocator as published: every layer priced at the observed batch
 
     def start(self, engine: ReferenceEngine, ctx: PointContext) -> PolicyRun:
         self.controller = self.make_controller(engine, ctx)

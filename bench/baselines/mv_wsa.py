@@ -38,3 +38,4 @@ class MarginalWSA(TierplanLive):
     allocator = "the equal-marginal greedy (WiSP MV-WSA): most step time saved per byte first"
 
     factory = staticmethod(greedy_controller)
+    batch_coupling = False  # its allocator as published: every layer priced at the observed batch

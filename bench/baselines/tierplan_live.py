@@ -131,6 +131,7 @@ class TierplanLive:
     needs_future = False
     allocator = "the MCKP optimizer (exact DP) over the predictors' miss-ratio curves and the cost model"
     factory = staticmethod(mckp_controller)  # config -> controller; module-level, so a child process can build it
+    batch_coupling = True  # each KV share valued at the batch it runs (controller/coupling.py)
 
     def __init__(self, calibrate: bool = True, planner: str = "process") -> None:
         """planner: "process" runs the controller in a child process (plan_process.py), as a deployed one runs
@@ -145,7 +146,8 @@ class TierplanLive:
         return {}
 
     def make_controller(self, engine: ReferenceEngine, ctx: PointContext) -> Any:
-        config = controller_config(engine, ctx, self.calibrate)
+        config = dataclasses.replace(controller_config(engine, ctx, self.calibrate),
+                                     batch_coupling=type(self).batch_coupling)
         if self.planner == "process":
             from tierplan.bench.baselines.plan_process import ProcessPlanSource
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from tierplan.controller.costmodel import HardwareSpec
+from tierplan.controller.costmodel import ComputeParams, HardwareSpec
 from tierplan.controller.loop import Controller, ControllerConfig, Solver
 from tierplan.controller.model_shape import builtin_shape
 from tierplan.controller.protocol import AckStatus, Footprint, Link, Plan, PlanAck, Telemetry, Tier, parse
@@ -17,14 +17,17 @@ BUDGET_BYTES = 64 * 4096
 KV_MIN, KV_MAX = 10, 64
 
 
-def make_controller(solver: Solver = Solver.DP, hysteresis: float = 0.10) -> Controller:
+def make_controller(solver: Solver = Solver.DP, hysteresis: float = 0.10, compute: ComputeParams | None = None,
+                    transfer_overhead_s: float = 2e-4, calibrate: bool = True) -> Controller:
     shape = builtin_shape("tiny")
-    hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, 2e9), transfer_overhead_s=2e-4, hbm_bytes=BUDGET_BYTES)
+    hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, 2e9), transfer_overhead_s=transfer_overhead_s,
+                      hbm_bytes=BUDGET_BYTES)
     space = SplitSpace(hbm_budget_bytes=BUDGET_BYTES, dense_bytes=0, workspace_bytes=0, slot_bytes=SLOT_BYTES,
                        kv_block_bytes=BLOCK_BYTES, kv_gpu_blocks_max=KV_MAX, kv_gpu_blocks_min=KV_MIN,
                        min_slots_per_layer=2, prefetch_recall=0.3)
     return Controller(ControllerConfig(shape=shape, hardware=hw, space=space, kv_cpu_blocks=128, kv_nvme_blocks=128,
-                                       solver=solver, hysteresis=hysteresis))
+                                       solver=solver, hysteresis=hysteresis, compute=compute,
+                                       calibrate=calibrate))
 
 
 class Windows:

@@ -166,6 +166,13 @@ def test_calibrate_fits_the_cost_model_to_the_windows(base: Run) -> None:
     assert [round(d.step_ms, 6) for d in got.decisions] != [round(d.step_ms, 6) for d in base.decisions]
 
 
+def test_batch_coupling_values_each_kv_share_at_its_batch(base: Run) -> None:
+    separable = run(knobs(batch_coupling=False))
+    assert [round(d.step_ms, 6) for d in separable.decisions] != [round(d.step_ms, 6) for d in base.decisions]
+    assert any("tokens/step; " in p.reason for p in base.plans)  # the batch each share runs, in words
+    assert not any("tokens/step; " in p.reason for p in separable.plans)
+
+
 def test_knobs_an_agent_cannot_run_with_are_named() -> None:
     reg = tiny_registration()
     assert "pinned_experts.0" in knobs_misfit(reg, knobs(pinned_experts=[{"layer": 0, "expert": 8}]))

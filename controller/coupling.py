@@ -1,0 +1,261 @@
+"""The split with the running batch tied to the KV share: the experts solved per candidate GPU KV share.
+
+Runs in the controller process; pure arithmetic over the forecast and the cost model (never imports torch,
+runtime or agent; decides nothing itself: `solve_fn` does). The separable split (valuation.build_problem)
+prices every layer's misses at the batch it observed, while the KV share decides how many sequences run: a
+share that defers sequences shrinks the batch and with it the union of experts a step loads, one that admits
+more grows both. Neither is priced right without the other, so each candidate share g is valued on its own:
+- the share of the sequences that want to run (held, swapped and queued KV) that g holds, `served(g)`, and the
+  running batch it lets through: the observed tokens per step scaled by the blocks g holds over those in use;
+- the layers' miss curves at that batch: measured LRU curves where its batch bucket has enough steps, else the
+  activation-frequency curves at that batch, corrected per slot count by measured / frequency at the observed
+  batch (the cache's temporal locality, which the frequency model lacks);
+- the objective, in ms per step of the whole demand: the step at that batch (compute + stalls) / served(g),
+  less the compute at the full batch (a share that defers nothing costs its stalls, as in the separable split),
+  plus the prefix reuses the share loses and the KV blocks it must move.
+Which shares: a screen prices every share of the grid from one capacity table of the experts per batch bucket
+(the objective jumps where the bucket or a layer's slot count changes, so no local search is safe), then the
+best few, the current share and the least that defers nothing are solved exactly, each with its link budget.
+The winner is handed on as one `Valuation` whose KV group holds the winning share and the current one, priced
+so that `evaluate` of either whole split gives its own objective (and the current split its own link verdict):
+hysteresis and the plan's reason compare the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierplan.controller.costmodel import CostModel
+from tierplan.controller.demand import DemandForecast, batch_bucket, frequency_curve
+from tierplan.controller.optimizer.problem import (
+    Constraint,
+    Group,
+    GroupKind,
+    InfeasibleError,
+    Option,
+    SplitSolution,
+    evaluate,
+    group_arrays,
+    make_solution,
+    migration_ms,
+    units_for_bytes,
+)
+from tierplan.controller.optimizer.tables import Layout, at_capacity, tables_of
+from tierplan.controller.valuation import (
+    MAX_DEFERRED,
+    SplitSpace,
+    Valuation,
+    assemble,
+    expert_groups,
+    kv_grid,
+    prefix_hit_share,
+    recompute_ms,
+)
+
+SCREEN_KEEP = 3  # KV shares solved exactly after the screen (besides the current one and the demand's)
+RATIO_CLIP = (0.25, 4.0)  # measured / frequency correction of a rescaled curve, per slot count
+
+
+@dataclass(frozen=True)
+class AtShare:
+    """One KV share's valuation: its problem (the KV group one option), batch, served share, solution."""
+
+    kv_blocks: int
+    batch_tokens: float
+    served: float
+    val: Valuation
+    sol: SplitSolution | None  # None: no split fits with this share
+    kv_move_ms: float  # migrating the KV group to this share, per step (the single-option group has no current)
+    why_not: str = ""
+
+    @property
+    def objective_ms(self) -> float:
+        return float("inf") if self.sol is None else self.sol.objective_ms + self.kv_move_ms
+
+
+def served_share(fc: DemandForecast, gpu_blocks: float) -> float:
+    """Share of the KV the sequences want (held in every tier plus queued) that `gpu_blocks` hold."""
+    want = max(fc.kv_live_blocks, fc.kv_gpu_used_blocks)
+    if want <= 0:
+        return 1.0
+    return max(1.0 - MAX_DEFERRED, min(1.0, gpu_blocks / want))
+
+
+def running_batch(fc: DemandForecast, gpu_blocks: float) -> float:
+    """Tokens per step with `gpu_blocks` of GPU KV: the observed batch per block in use, times the blocks held."""
+    used = fc.kv_gpu_used_blocks
+    if used <= 0:  # nothing in use to scale from: the batch stays as observed
+        return fc.batch_tokens
+    return max(1.0, fc.batch_tokens / served_share(fc, used) * served_share(fc, gpu_blocks))
+
+
+def curves_at(fc: DemandForecast, batch: float) -> tuple[tuple[tuple[float, ...], ...], str]:
+    """[M][E + 1] expected loads per step at `batch` tokens per step, and where they come from."""
+    bucket = batch_bucket(batch)
+    if bucket == batch_bucket(fc.batch_tokens) or not fc.token_probs:
+        return fc.misses_per_step, fc.curve_source
+    for bc in fc.bucket_curves:
+        if bc.bucket == bucket:
+            return bc.misses_per_step, f"measured LRU curves at B~{bucket}"
+    out = []
+    for observed, probs in zip(fc.misses_per_step, fc.token_probs, strict=True):
+        p = np.asarray(probs)
+        at_obs, union_obs = frequency_curve(p, fc.batch_tokens)
+        at_b, union_b = frequency_curve(p, batch)
+        obs = np.asarray(observed)
+        ratio = np.clip(obs / np.maximum(at_obs, 1e-9), *RATIO_CLIP)
+        # Where the frequencies see no miss at all (experts never routed yet), scale by the union's growth.
+        grown = obs * union_b / max(union_obs, 1e-9)
+        out.append(tuple(float(x) for x in np.where(at_obs > 1e-9, at_b * ratio, grown)))
+    return tuple(out), f"frequency curves at B~{batch:.1f}, corrected by {fc.curve_source}"
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """What a KV share does to the step, before any expert split: served share, batch, compute, KV cost."""
+
+    served: float
+    batch_tokens: float
+    step_ms: float
+    kv_ms: float
+
+
+def _terms(fc: DemandForecast, cost: CostModel, space: SplitSpace, gpu_blocks: int, best_hits: float) -> _Terms:
+    served = served_share(fc, gpu_blocks)
+    batch = running_batch(fc, gpu_blocks)
+    full = running_batch(fc, max(fc.kv_live_blocks, fc.kv_gpu_used_blocks, gpu_blocks))
+    per_token_ctx = fc.kv_gpu_used_blocks * space.kv_block_tokens / max(fc.batch_tokens, 1e-9)
+    step_ms = cost.compute_ms(batch, per_token_ctx * batch)
+    full_ms = cost.compute_ms(full, per_token_ctx * full)
+    lost_reuse = fc.reuse_per_step * recompute_ms(cost, space, batch, per_token_ctx * batch, step_ms) * (
+        best_hits - prefix_hit_share(fc, gpu_blocks))
+    return _Terms(served, batch, step_ms, space.kv_weight * (max(0.0, step_ms / served - full_ms) + lost_reuse))
+
+
+def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
+                current_kv: int | None, horizon_steps: int, gpu_blocks: int) -> tuple[Valuation, float, float, float]:
+    """The problem with the GPU KV share fixed at `gpu_blocks`: (valuation, batch, served share, KV move ms)."""
+    unit = space.unit_bytes
+    t = _terms(fc, cost, space, gpu_blocks, prefix_hit_share(fc, kv_grid(space)[-1]))
+    misses, _ = curves_at(fc, t.batch_tokens)
+    r = space.prefetch_recall if fc.prefetch_recall is None else fc.prefetch_recall
+    groups, slot_counts, stalls = expert_groups(misses, cost, space, current_slots, t.step_ms, r,
+                                                scale=1.0 / t.served)
+    groups.append(Group("GPU KV", (Option(units_for_bytes(gpu_blocks * space.kv_block_bytes, unit), t.kv_ms,
+                                          label=f"{gpu_blocks} KV blocks"),), None, GroupKind.KV))
+    problem = assemble(groups, cost, space, t.step_ms, horizon_steps)
+    move_ms = 0.0
+    if current_kv is not None:
+        moved = abs(units_for_bytes(gpu_blocks * space.kv_block_bytes, unit) -
+                    units_for_bytes(current_kv * space.kv_block_bytes, unit))
+        move_ms = problem.migration_ms_per_unit * moved
+    val = Valuation(problem, tuple(slot_counts), (gpu_blocks,), t.step_ms, tuple(stalls), (t.batch_tokens,),
+                    ((t.step_ms, tuple(stalls)),))
+    return val, t.batch_tokens, t.served, move_ms
+
+
+def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
+           current_kv: int | None, horizon_steps: int) -> list[float]:
+    """Per grid share, a fast estimate of its objective: one capacity table of the experts per batch bucket
+    (the least expert cost within every capacity, priced at the bucket's middle share), read at the capacity
+    each share leaves and rescaled to its served share; no link budget (the exact solves that follow have it).
+    inf where the experts' floor does not fit beside the share."""
+    grid = kv_grid(space)
+    unit = space.unit_bytes
+    best_hits = prefix_hit_share(fc, grid[-1])
+    terms = [_terms(fc, cost, space, g, best_hits) for g in grid]
+    by_bucket: dict[int, list[int]] = {}
+    for i, t in enumerate(terms):
+        by_bucket.setdefault(batch_bucket(t.batch_tokens), []).append(i)
+    out = [float("inf")] * len(grid)
+    for members in by_bucket.values():
+        mid = members[len(members) // 2]
+        val, _, served_mid, _ = value_share(fc, cost, space, current_slots, current_kv, horizon_steps, grid[mid])
+        experts = val.problem.groups[:-1]
+        capacity = val.problem.capacity_units
+        table = tables_of(group_arrays(val.problem)[:-1], [Layout.of_group(g) for g in experts], 0.0, capacity)[0]
+        for i in members:
+            left = capacity - units_for_bytes(grid[i] * space.kv_block_bytes, unit)
+            if left >= 0:
+                experts_ms = float(at_capacity(table, left)) * served_mid / terms[i].served
+                out[i] = experts_ms + terms[i].kv_ms
+    return out
+
+
+def search_shares(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
+                  current_kv: int | None, horizon_steps: int,
+                  solve_fn: Callable[[Valuation], SplitSolution]) -> dict[int, AtShare]:
+    """Every KV share solved exactly, by grid index: the best `SCREEN_KEEP` by `screen`, the current share and
+    the least that defers nothing (module docstring)."""
+    grid = kv_grid(space)
+    est = screen(fc, cost, space, current_slots, current_kv, horizon_steps)
+    picks = {i for i in sorted(range(len(grid)), key=lambda i: est[i])[:SCREEN_KEEP] if est[i] < float("inf")}
+    want = max(fc.kv_live_blocks, fc.kv_gpu_used_blocks)
+    picks.add(next((i for i, g in enumerate(grid) if g >= want), len(grid) - 1))
+    if current_kv in grid:
+        picks.add(grid.index(current_kv))
+    done: dict[int, AtShare] = {}
+    for i in sorted(picks):
+        val, batch, served, move_ms = value_share(fc, cost, space, current_slots, current_kv, horizon_steps, grid[i])
+        try:
+            done[i] = AtShare(grid[i], batch, served, val, solve_fn(val), move_ms)
+        except InfeasibleError as e:
+            done[i] = AtShare(grid[i], batch, served, val, None, move_ms, str(e))
+    return done
+
+
+def solve_coupled(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
+                  current_kv: int | None, horizon_steps: int,
+                  solve_fn: Callable[[Valuation], SplitSolution]) -> tuple[Valuation, SplitSolution]:
+    """The best split over KV shares, as one valuation holding the winner's share and the current one; raises
+    InfeasibleError (the first cause) when no share has a split that fits."""
+    t0 = time.perf_counter()
+    done = search_shares(fc, cost, space, current_slots, current_kv, horizon_steps, solve_fn)
+    best = done[min(done, key=lambda i: done[i].objective_ms)]
+    if best.sol is None:
+        raise InfeasibleError(next(a.why_not for a in done.values() if a.why_not))
+    grid = kv_grid(space)
+    cur = done.get(grid.index(current_kv)) if current_kv in grid else None
+    val = _merged(best, cur if cur is not None and cur.kv_blocks != best.kv_blocks else None, current_slots)
+    choice = (*best.sol.choice[:-1], 0)
+    detail = (f"{best.sol.detail}; best of {len(done)} GPU KV shares, each with the batch it runs "
+              f"({best.kv_blocks} blocks: {best.batch_tokens:.1f} tokens/step)")
+    stats = {**best.sol.stats, "kv_shares_valued": float(len(done))}
+    sol = make_solution(val.problem, choice, best.sol.solver, (time.perf_counter() - t0) * 1e3, detail, stats,
+                        link_binds=Constraint.LINK in best.sol.binding)
+    return val, sol
+
+
+def _merged(best: AtShare, cur: AtShare | None, current_slots: tuple[int, ...] | None) -> Valuation:
+    """The winner's valuation with the current share as a second KV option (module docstring)."""
+    problem, val = best.val.problem, best.val
+    options, blocks, current = [problem.groups[-1].options[0]], [best.kv_blocks], None
+    batches, steps = [best.batch_tokens], [val.kv_steps[0]]
+    budget = problem.link_budget_bytes_per_step
+    if cur is not None and current_slots is not None and all(
+            s in counts for s, counts in zip(current_slots, val.slot_counts, strict=True)):
+        own = cur.val.problem
+        own_choice = (*[counts.index(s) for s, counts in zip(current_slots, cur.val.slot_counts, strict=True)], 0)
+        own_ms, _, own_link = evaluate(own, own_choice)
+        here = [(g, g.options[counts.index(s)]) for g, s, counts in zip(problem.groups[:-1], current_slots,
+                                                                        val.slot_counts, strict=True)]
+        rest_ms = sum(o.cost_ms + migration_ms(problem, g, o) for g, o in here)
+        rest_link = sum(o.link_bytes for _, o in here)
+        own_kv = own.groups[-1].options[0]
+        options.append(Option(own_kv.units, own_ms - rest_ms, max(0, own_link - rest_link), own_kv.label))
+        blocks.append(cur.kv_blocks)
+        current = 1
+        batches.append(cur.batch_tokens)
+        steps.append(cur.val.kv_steps[0])
+        own_budget = own.link_budget_bytes_per_step
+        if budget is not None and own_budget is not None and own_link <= own_budget:
+            budget = max(budget, own_link, rest_link)  # the current split keeps its own link verdict
+    groups = (*problem.groups[:-1], Group("GPU KV", tuple(options), current, GroupKind.KV))
+    merged = dataclasses.replace(problem, groups=groups, link_budget_bytes_per_step=budget)
+    return dataclasses.replace(val, problem=merged, kv_blocks=tuple(blocks), kv_batch=tuple(batches),
+                               kv_steps=tuple(steps))

@@ -1,0 +1,170 @@
+"""controller/coupling.py: each GPU KV share valued at the batch it runs, and the search over shares."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.controller.loop_fixtures import KV_MAX, Windows, make_controller
+from tierplan.controller.costmodel import ComputeParams
+from tierplan.controller.coupling import (
+    curves_at,
+    running_batch,
+    search_shares,
+    served_share,
+    solve_coupled,
+    value_share,
+)
+from tierplan.controller.demand import BucketCurves, DemandForecast
+from tierplan.controller.loop import Controller
+from tierplan.controller.optimizer import solve
+from tierplan.controller.optimizer.problem import InfeasibleError, SplitSolution, evaluate
+from tierplan.controller.valuation import Valuation, build_problem, kv_grid
+
+E = 8  # the tiny model's experts per layer
+
+
+def _decode_bound() -> Controller:
+    """A step that costs about the same at any small batch (decode reads the weights once), and loads that cost
+    2 ms each (a large expert over a slow link): the regime where batch and expert cache pull apart."""
+    return make_controller(compute=ComputeParams(step_ms=10.0, moe_ms_per_token=0.01), transfer_overhead_s=2e-3,
+                           calibrate=False)
+
+
+def _solve(val: Valuation) -> SplitSolution:
+    return solve(val.problem)
+
+
+def _curve(union: float, hit_at_full: float = 1.0) -> tuple[float, ...]:
+    """Loads per step with 0..E slots: `union` distinct experts a step, LRU keeping s/E of them."""
+    return tuple(union * (1.0 - hit_at_full * s / E) if s < E else 0.0 for s in range(E + 1))
+
+
+def _forecast(ctl: Controller, batch: float, used: float, live: float, obs: tuple[float, ...],
+              buckets: dict[int, tuple[float, ...]]) -> DemandForecast:
+    win = Windows()
+    for _ in range(3):
+        ctl.sync_from(win.next(batch=int(batch), kv_live=int(used)))
+    fc = ctl.demand.forecast()
+    return dataclasses.replace(fc, batch_tokens=batch, kv_gpu_used_blocks=used, kv_live_blocks=live,
+                               misses_per_step=(obs, obs), reuse_per_step=0.0,
+                               bucket_curves=tuple(BucketCurves(b, (c, c), (c[0], c[0])) for b, c in buckets.items()))
+
+
+def _exhaustive(fc: DemandForecast, ctl: Controller) -> tuple[int, float]:
+    """(KV blocks, objective) of the best share over the whole grid, each share solved exactly."""
+    space, best = ctl.config.space, (0, float("inf"))
+    for g in kv_grid(space):
+        val, _, _, move_ms = value_share(fc, ctl.cost, space, None, None, 32, g)
+        try:
+            ms = solve(val.problem).objective_ms + move_ms
+        except InfeasibleError:  # a share with no split that fits is not a candidate
+            continue
+        best = min(best, (g, ms), key=lambda x: x[1])
+    return best
+
+
+def _largest_share(fc: DemandForecast, ctl: Controller) -> int:
+    for g in reversed(kv_grid(ctl.config.space)):
+        try:
+            value_share(fc, ctl.cost, ctl.config.space, None, None, 32, g)[0].problem.check_feasible()
+            return g
+        except InfeasibleError:
+            continue
+    raise AssertionError("no share fits")
+
+
+def test_a_share_runs_the_batch_its_blocks_hold() -> None:
+    ctl = make_controller()
+    fc = _forecast(ctl, batch=2.0, used=16.0, live=64.0, obs=_curve(2.0), buckets={})
+    assert served_share(fc, 16) == pytest.approx(0.25) and served_share(fc, 64) == served_share(fc, 90) == 1.0
+    assert running_batch(fc, 16) == pytest.approx(2.0) and running_batch(fc, 32) == pytest.approx(4.0)
+    assert running_batch(fc, 64) == pytest.approx(8.0) == running_batch(fc, 200)  # no more than all who want
+    assert served_share(fc, 1) == pytest.approx(0.1)  # deferring more is priced as deferring 90%
+    idle = dataclasses.replace(fc, kv_gpu_used_blocks=0.0)
+    assert running_batch(idle, 40) == 2.0  # nothing in use to scale from
+
+
+def test_curves_come_from_the_batch_bucket_they_price() -> None:
+    ctl = make_controller()
+    measured = _curve(7.0)
+    fc = _forecast(ctl, batch=2.0, used=16.0, live=64.0, obs=_curve(2.0), buckets={8: measured})
+    assert curves_at(fc, 2.2)[0] == fc.misses_per_step  # the observed bucket
+    got, source = curves_at(fc, 8.0)
+    assert got == (measured, measured) and "B~8" in source
+    rescaled, source = curves_at(fc, 4.0)  # no bucket 4: frequencies at 4 tokens, corrected
+    assert "frequency" in source and all(a >= b for a, b in zip(rescaled[0], fc.misses_per_step[0], strict=True))
+    no_probs = dataclasses.replace(fc, token_probs=())
+    assert curves_at(no_probs, 4.0)[0] == fc.misses_per_step  # nothing to rescale with
+
+
+@pytest.mark.parametrize("thrash", [True, False])
+def test_the_share_follows_what_the_batch_does_to_the_expert_loads(thrash: bool) -> None:
+    """Thrash: at 8 tokens a step the union misses almost whatever the slots (the cache only helped small
+    batches), so per token, 2 sequences at a time with the experts' room beat 8: the coupled split keeps KV
+    small. Shared: the experts of 8 tokens are nearly those of 2, so admitting everyone is cheaper per token."""
+    ctl = _decode_bound()
+    big = _curve(8.0, hit_at_full=0.1) if thrash else _curve(2.4)
+    fc = _forecast(ctl, batch=2.0, used=16.0, live=64.0, obs=_curve(2.0), buckets={4: big, 8: big})
+    space = ctl.config.space
+    val, sol = solve_coupled(fc, ctl.cost, space, None, None, 32, _solve)
+    chosen = val.kv_blocks[sol.choice[-1]]
+    best_g, best_ms = _exhaustive(fc, ctl)
+    assert sol.objective_ms == pytest.approx(best_ms, rel=1e-9) and chosen == best_g
+    separable = build_problem(fc, ctl.cost, space, None, None, 32, fc.kv_live_blocks)
+    sep_g = separable.kv_blocks[solve(separable.problem).choice[-1]]
+    if thrash:
+        assert chosen < 32 <= sep_g  # the separable split admits the batch that thrashes
+        at_sep = value_share(fc, ctl.cost, space, None, None, 32, sep_g)
+        assert sol.objective_ms < 0.8 * (solve(at_sep[0].problem).objective_ms + at_sep[3])  # per token served
+    else:
+        assert chosen == _largest_share(fc, ctl)  # as many sequences as fit beside the experts' slot floor
+
+
+def test_the_search_finds_the_best_share_of_the_whole_grid() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(12):
+        ctl = _decode_bound()
+        obs = _curve(float(rng.uniform(1.0, 3.0)), float(rng.uniform(0.5, 1.0)))
+        buckets = {b: _curve(float(rng.uniform(2.0, 8.0)), float(rng.uniform(0.05, 1.0))) for b in (4, 8)}
+        fc = _forecast(ctl, batch=2.0, used=float(rng.integers(10, 30)), live=float(rng.integers(20, 120)),
+                       obs=obs, buckets=buckets)
+        _, sol = solve_coupled(fc, ctl.cost, ctl.config.space, None, None, 32, _solve)
+        assert sol.objective_ms == pytest.approx(_exhaustive(fc, ctl)[1], rel=1e-6)
+
+
+def test_the_merged_valuation_prices_the_current_split_at_its_own_batch() -> None:
+    ctl = make_controller()
+    fc = _forecast(ctl, batch=2.0, used=16.0, live=64.0, obs=_curve(2.0), buckets={8: _curve(8.0, 0.1)})
+    space = ctl.config.space
+    cur_slots, cur_kv = (4, 4), 64
+    val, sol = solve_coupled(fc, ctl.cost, space, cur_slots, cur_kv, 32, _solve)
+    assert val.kv_blocks[0] != cur_kv and val.kv_blocks[1] == cur_kv  # the winner and the current share
+    own, batch, _, _ = value_share(fc, ctl.cost, space, cur_slots, cur_kv, 32, cur_kv)
+    own_choice = (*(own.slot_counts[m].index(s) for m, s in enumerate(cur_slots)), 0)
+    here = (*(val.slot_counts[m].index(s) for m, s in enumerate(cur_slots)), 1)
+    assert evaluate(val.problem, here)[0] == pytest.approx(evaluate(own.problem, own_choice)[0], rel=1e-12)
+    assert val.predicted_step_ms(here) == pytest.approx(own.predicted_step_ms(own_choice))
+    assert val.kv_batch[1] == pytest.approx(batch) == pytest.approx(8.0)
+    assert evaluate(val.problem, sol.choice)[0] == pytest.approx(sol.objective_ms)
+    assert "GPU KV shares" in sol.detail and sol.stats["kv_shares_valued"] >= 3
+    shares = search_shares(fc, ctl.cost, space, cur_slots, cur_kv, 32, _solve)
+    assert kv_grid(space).index(cur_kv) in shares and max(a.kv_blocks for a in shares.values()) == KV_MAX
+
+
+def test_the_loop_holds_the_split_its_own_valuation_cannot_beat() -> None:
+    """Hysteresis compares the current split at its own batch: the same forecast twice keeps the split."""
+    ctl = make_controller()
+    win = Windows()
+    for _ in range(4):
+        ctl.sync_from(win.next(batch=4, kv_live=40))
+        plan = ctl.step_next()
+        if plan is not None:
+            from tests.controller.loop_fixtures import ack
+
+            ctl.record_ack(ack(plan))
+            win.applied = plan.version
+    outcomes = [d.outcome.value for d in ctl.history]
+    assert outcomes[0] == "issued" and outcomes[-1] == "held"
