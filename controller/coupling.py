@@ -15,7 +15,7 @@ more grows both. Neither is priced right without the other, so each candidate sh
   plus the prefix reuses the share loses and the KV blocks it must move.
 Which shares: a screen prices every share of the grid from one capacity table of the experts per batch bucket
 (the objective jumps where the bucket or a layer's slot count changes, so no local search is safe), then the
-best few, the current share and the least that defers nothing are solved exactly, each with its link budget.
+best few and the current share are solved exactly, each with its link budget.
 The winner is handed on as one `Valuation` whose KV group holds the winning share and the current one, priced
 so that `evaluate` of either whole split gives its own objective (and the current split its own link verdict):
 hysteresis and the plan's reason compare the two.
@@ -24,6 +24,7 @@ hysteresis and the plan's reason compare the two.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,12 +36,13 @@ from tierplan.controller.demand import DemandForecast, batch_bucket, frequency_c
 from tierplan.controller.optimizer.problem import (
     Constraint,
     Group,
+    GroupArrays,
     GroupKind,
     InfeasibleError,
     Option,
     SplitSolution,
+    capacity_units_of,
     evaluate,
-    group_arrays,
     make_solution,
     migration_ms,
     units_for_bytes,
@@ -53,11 +55,14 @@ from tierplan.controller.valuation import (
     assemble,
     expert_groups,
     kv_grid,
+    layer_stall_ms,
+    migration_ms_per_unit,
     prefix_hit_share,
     recompute_ms,
+    slot_range,
 )
 
-SCREEN_KEEP = 3  # KV shares solved exactly after the screen (besides the current one and the demand's)
+SCREEN_KEEP = 2  # KV shares solved exactly after the screen (besides the current one)
 RATIO_CLIP = (0.25, 4.0)  # measured / frequency correction of a rescaled curve, per slot count
 
 
@@ -159,8 +164,29 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
     return val, t.batch_tokens, t.served, move_ms
 
 
+def _expert_tables(misses: tuple[tuple[float, ...], ...], cost: CostModel, space: SplitSpace,
+                   current_slots: tuple[int, ...] | None, step_ms: float, recall: float, move_ms_per_unit: float,
+                   capacity: int) -> np.ndarray:
+    """T[c]: the least expert cost (stall + migration, unscaled) of all MoE layers within c units, every c at
+    once (the options as arrays straight from the curves: no Group objects, no link budget)."""
+    unit = space.unit_bytes
+    arrs, lays = [], []
+    for m, curve in enumerate(misses):
+        lo, hi = slot_range(space, m, len(curve) - 1)
+        counts = np.arange(lo, hi + 1)
+        units = -(-(counts * space.slot_bytes) // unit)  # units_for_bytes, vectorised
+        stall = space.stall_weight * layer_stall_ms(cost, (1 - recall) * np.asarray(curve)[counts],
+                                                    recall * np.asarray(curve)[counts], 0.0, step_ms)
+        if current_slots is not None and lo <= current_slots[m] <= hi:
+            stall = stall + move_ms_per_unit * np.abs(units - units[current_slots[m] - lo])
+        index = np.arange(units.size)
+        arrs.append(GroupArrays(units, stall, np.zeros(units.size)))
+        lays.append(Layout(units, index, index, units))
+    return tables_of(arrs, lays, 0.0, capacity)[0]
+
+
 def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
-           current_kv: int | None, horizon_steps: int) -> list[float]:
+           horizon_steps: int) -> list[float]:
     """Per grid share, a fast estimate of its objective: one capacity table of the experts per batch bucket
     (the least expert cost within every capacity, priced at the bucket's middle share), read at the capacity
     each share leaves and rescaled to its served share; no link budget (the exact solves that follow have it).
@@ -172,31 +198,29 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
     by_bucket: dict[int, list[int]] = {}
     for i, t in enumerate(terms):
         by_bucket.setdefault(batch_bucket(t.batch_tokens), []).append(i)
+    capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
+    recall = space.prefetch_recall if fc.prefetch_recall is None else fc.prefetch_recall
+    move = migration_ms_per_unit(cost, space, horizon_steps)
     out = [float("inf")] * len(grid)
     for members in by_bucket.values():
-        mid = members[len(members) // 2]
-        val, _, served_mid, _ = value_share(fc, cost, space, current_slots, current_kv, horizon_steps, grid[mid])
-        experts = val.problem.groups[:-1]
-        capacity = val.problem.capacity_units
-        table = tables_of(group_arrays(val.problem)[:-1], [Layout.of_group(g) for g in experts], 0.0, capacity)[0]
+        mid = terms[members[len(members) // 2]]
+        misses, _ = curves_at(fc, mid.batch_tokens)
+        table = _expert_tables(misses, cost, space, current_slots, mid.step_ms, recall, move, capacity)
         for i in members:
             left = capacity - units_for_bytes(grid[i] * space.kv_block_bytes, unit)
-            if left >= 0:
-                experts_ms = float(at_capacity(table, left)) * served_mid / terms[i].served
-                out[i] = experts_ms + terms[i].kv_ms
+            if left >= 0 and math.isfinite(float(at_capacity(table, left))):
+                out[i] = float(at_capacity(table, left)) / terms[i].served + terms[i].kv_ms
     return out
 
 
 def search_shares(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
                   current_kv: int | None, horizon_steps: int,
                   solve_fn: Callable[[Valuation], SplitSolution]) -> dict[int, AtShare]:
-    """Every KV share solved exactly, by grid index: the best `SCREEN_KEEP` by `screen`, the current share and
-    the least that defers nothing (module docstring)."""
+    """Every KV share solved exactly, by grid index: the best `SCREEN_KEEP` by `screen` and the current share
+    (module docstring)."""
     grid = kv_grid(space)
-    est = screen(fc, cost, space, current_slots, current_kv, horizon_steps)
+    est = screen(fc, cost, space, current_slots, horizon_steps)
     picks = {i for i in sorted(range(len(grid)), key=lambda i: est[i])[:SCREEN_KEEP] if est[i] < float("inf")}
-    want = max(fc.kv_live_blocks, fc.kv_gpu_used_blocks)
-    picks.add(next((i for i, g in enumerate(grid) if g >= want), len(grid) - 1))
     if current_kv in grid:
         picks.add(grid.index(current_kv))
     done: dict[int, AtShare] = {}

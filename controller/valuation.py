@@ -164,6 +164,12 @@ def recompute_ms(cost: CostModel, space: SplitSpace, batch: float, context_token
     return max(0.0, cost.compute_ms(batch + space.kv_block_tokens, context_tokens) - step_ms)
 
 
+def migration_ms_per_unit(cost: CostModel, space: SplitSpace, horizon_steps: int) -> float:
+    """Loading one unit of HBM over the host link, amortised over the steps a plan is expected to hold."""
+    unit = space.unit_bytes
+    return cost.transfer_ms(Link.H2D, unit, unit / space.slot_bytes) / max(1, horizon_steps)
+
+
 def assemble(groups: list[Group], cost: CostModel, space: SplitSpace, step_ms: float,
              horizon_steps: int) -> SplitProblem:
     """The problem over `groups` (the KV group last): the HBM capacity, the link budget of one predicted step
@@ -173,8 +179,8 @@ def assemble(groups: list[Group], cost: CostModel, space: SplitSpace, step_ms: f
     bytes_per_s = cost.link_bytes_per_s(Link.H2D)  # inf when the fit finds no per-byte cost: no link budget
     link_budget = (int(space.link_share * bytes_per_s * max(step_ms, 1e-3) / 1e3) if math.isfinite(bytes_per_s)
                    else None)
-    move_ms_per_unit = cost.transfer_ms(Link.H2D, unit, unit / space.slot_bytes) / max(1, horizon_steps)
-    problem = SplitProblem(tuple(groups), capacity, unit, migration_ms_per_unit=move_ms_per_unit)
+    problem = SplitProblem(tuple(groups), capacity, unit,
+                           migration_ms_per_unit=migration_ms_per_unit(cost, space, horizon_steps))
     if link_budget is not None:
         # The link caps what a plan streams, but never below the least a split within the HBM capacity must
         # stream (then it only ranks). The floor is over whole splits: each group's own least (all its slots)
