@@ -17,7 +17,6 @@ It must never talk to the network, decide a plan, or change what a kernel comput
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -30,6 +29,7 @@ from tierplan.runtime.errors import RuntimeTierError
 from tierplan.runtime.memory.slots import ExpertState
 from tierplan.runtime.transfer import Priority
 
+PAIR_ROWS = 64  # rows a step whose cross-layer pairs are counted (see `_count_pairs`)
 COUNTERS = ("issued", "useful", "wasted", "skipped_resident", "skipped_budget", "skipped_no_slot", "failed")
 
 
@@ -47,11 +47,11 @@ class LayerAheadPredictor:
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._reported = dict.fromkeys(COUNTERS, 0)  # counts at the last window (telemetry carries the deltas)
         self._spent_bytes = 0
-        self._prev: tuple[int, list[list[int]]] | None = None  # (layer, per-row experts) of this step
+        self._prev: tuple[int, np.ndarray] | None = None  # (layer, [N, k] per-row experts) of this step
         self._issued_for: dict[int, set[int]] = {}  # model layer -> experts prefetched for it this step
         self._step_unions: dict[int, set[int]] = {}
         self._step_tokens = 0
-        self._pairs: dict[int, Counter[tuple[int, int]]] = {}
+        self._pairs: dict[int, np.ndarray] = {}  # model layer -> [E, E] pair counts this window
         self._pair_tokens: dict[int, int] = {}
         self._unions: dict[int, list[tuple[int, ...]]] = {layer: [] for layer in self.moe_layers}
         self._batch: list[int] = []
@@ -76,8 +76,8 @@ class LayerAheadPredictor:
     # ---- the route hook --------------------------------------------------------------------------------
     def on_route(self, layer: int, ids: torch.Tensor) -> None:
         """MoE layer `layer` routed this step's rows to `ids` [N, k]; observe, then prefetch for the next layer."""
-        rows = ids.tolist()  # the host copy (see the module docstring)
-        union = {e for r in rows for e in r}
+        rows = ids.cpu().numpy()  # [N, k] the host copy (see the module docstring)
+        union = set(np.unique(rows).tolist())
         if layer == self.moe_layers[0]:
             self._step_tokens = len(rows)
         self._step_unions[layer] = union
@@ -85,18 +85,29 @@ class LayerAheadPredictor:
         self.counts["useful"] += len(prefetched & union)
         self.counts["wasted"] += len(prefetched - union)
         if self._prev is not None and self._next.get(self._prev[0]) == layer and len(self._prev[1]) == len(rows):
-            pairs = self._pairs.setdefault(self._prev[0], Counter())
-            for src_row, dst_row in zip(self._prev[1], rows, strict=True):
-                pairs.update((s, d) for s in src_row for d in dst_row)
-            self._pair_tokens[self._prev[0]] = self._pair_tokens.get(self._prev[0], 0) + len(rows)
+            self._count_pairs(self._prev[0], self._prev[1], rows)
         self._prev = (layer, rows)
         nxt = self._next.get(layer)
         if nxt is not None and layer in self.table and self.budget_bytes > 0:
             self._prefetch(layer, nxt, rows, union)
 
-    def _prefetch(self, layer: int, nxt: int, rows: list[list[int]], union: set[int]) -> None:
+    def _count_pairs(self, layer: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """Each row's (expert at `layer`, expert at the next MoE layer) pairs, into a dense [E, E] count. At most
+        PAIR_ROWS rows a step, evenly spaced and weighted to stand for all N: a prefill's thousand rows would
+        otherwise cost ~10^5 updates a layer, on the engine thread, for a table that is an average anyway."""
+        n, k = src.shape
+        pick = np.linspace(0, n - 1, PAIR_ROWS).round().astype(np.int64) if n > PAIR_ROWS else np.arange(n)
+        s = np.broadcast_to(src[pick][:, :, None], (pick.size, k, dst.shape[1])).ravel()
+        d = np.broadcast_to(dst[pick][:, None, :], (pick.size, k, dst.shape[1])).ravel()
+        counts = self._pairs.get(layer)
+        if counts is None:
+            counts = self._pairs[layer] = np.zeros((self.num_experts, self.num_experts))
+        np.add.at(counts, (s, d), n / pick.size)
+        self._pair_tokens[layer] = self._pair_tokens.get(layer, 0) + n
+
+    def _prefetch(self, layer: int, nxt: int, rows: np.ndarray, union: set[int]) -> None:
         probs = self.table[layer]  # [E, E]
-        best = probs[np.asarray(rows, dtype=np.int64)].max(axis=1)  # [N, E] best successor prob per token
+        best = probs[rows.astype(np.int64, copy=False)].max(axis=1)  # [N, E] best successor prob per token
         score = 1.0 - np.prod(1.0 - best, axis=0)  # [E] P(needed by at least one token)
         m, m_next = self._pool[layer], self._pool[nxt]
         protect = frozenset({(m, e) for e in union})
@@ -137,11 +148,14 @@ class LayerAheadPredictor:
     def window_fields(self) -> dict[str, Any]:
         """Telemetry v2 fields of the window so far (plain data, validated when the message is built); resets."""
         transitions = []
-        for layer, pairs in sorted(self._pairs.items()):
-            top = pairs.most_common(MAX_PAIRS_PER_LAYER)
+        for layer, counts in sorted(self._pairs.items()):
+            flat = np.rint(counts).ravel()
+            nz = np.flatnonzero(flat)
+            top = nz[np.argsort(-flat[nz], kind="stable")[:MAX_PAIRS_PER_LAYER]]  # most common first
+            e = self.num_experts
             transitions.append({"layer": layer, "next_layer": self._next[layer],
                                 "num_tokens": self._pair_tokens.get(layer, 0),
-                                "pairs": [(s, d, c) for (s, d), c in top]})
+                                "pairs": [(int(i // e), int(i % e), int(flat[i])) for i in top]})
         unions = [{"layer": layer, "batch_tokens": list(self._batch), "unions": [list(u) for u in self._unions[layer]]}
                   for layer in self.moe_layers] if self._batch else []
         self._pairs, self._pair_tokens = {}, {}

@@ -45,7 +45,7 @@ def batch_bucket(tokens: float) -> int:
 
 @dataclass(frozen=True)
 class DemandForecast:
-    batch_tokens: float  # tokens per engine step
+    batch_tokens: float  # tokens per engine step (the median step where steps are reported, else the mean)
     misses_per_step: tuple[tuple[float, ...], ...]  # [M][E + 1] expected loads per step with 0..E slots
     union_per_step: tuple[float, ...]  # [M] distinct experts a step needs
     curve_source: str  # "measured LRU curves at B=..." or "activation frequencies"
@@ -137,7 +137,10 @@ class DemandModel:
             batches = list(u.batch_tokens)
         n = tel.step_timings_ms.num_steps
         if batches:
-            self.batch_tokens = self._smooth(self.batch_tokens, float(np.mean(batches)))
+            # The median step, not the mean: one prefill of a thousand tokens among eight decode steps would
+            # price every step's experts at a 130-token union (H200 phase run 04: 36-394 "tokens/step" at
+            # decode batches of 1-5), and with it every KV share's batch.
+            self.batch_tokens = self._smooth(self.batch_tokens, float(np.median(batches)))
         elif n and tel.layers:
             self.batch_tokens = self._smooth(self.batch_tokens, float(np.mean([r.num_tokens for r in tel.layers])) / n)
         if tel.transitions:

@@ -88,3 +88,28 @@ def test_window_fields_make_a_valid_telemetry_v2(agent: Agent) -> None:
     tel = Telemetry(**base, **pred.window_fields())
     assert tel.transitions[0].pairs and tel.step_unions[0].unions == ((0, 1),)
     assert tel.local_prefetch is not None and tel.local_prefetch.issued == 0
+
+
+def test_a_prefill_step_counts_a_sample_of_its_pairs_weighted_to_all_its_rows(agent: Agent) -> None:
+    """A thousand-row step reads PAIR_ROWS rows for its pairs, each standing for N / PAIR_ROWS rows: the counts
+    stay what all rows would give where the rows are alike, at a bounded cost on the engine thread."""
+    from tierplan.agent import local_predictor as lp
+
+    pred = _predictor(agent)
+    pred.install(make_plan(agent))
+    n = 1000
+    src = torch.tensor([(0, 1)] * n)  # [N, 2] every row routes to experts 0, 1 then 4, 5
+    dst = torch.tensor([(4, 5)] * n)
+    calls = []
+    real = lp.np.add.at
+    lp.np.add.at = lambda a, idx, w: calls.append(idx[0].size) or real(a, idx, w)
+    try:
+        pred.on_route(0, src)
+        pred.on_route(1, dst)
+    finally:
+        lp.np.add.at = real
+    pred.end_step()
+    assert calls == [lp.PAIR_ROWS * 2 * 2]  # the sample's pairs, not the step's 4000
+    trans = pred.window_fields()["transitions"][0]
+    assert trans["num_tokens"] == n
+    assert dict(((s, d), c) for s, d, c in trans["pairs"]) == {(0, 4): n, (0, 5): n, (1, 4): n, (1, 5): n}

@@ -168,3 +168,12 @@ def test_the_loop_holds_the_split_its_own_valuation_cannot_beat() -> None:
             win.applied = plan.version
     outcomes = [d.outcome.value for d in ctl.history]
     assert outcomes[0] == "issued" and outcomes[-1] == "held"
+
+
+def test_the_forecast_batch_is_the_median_step_not_a_prefill_inflated_mean() -> None:
+    """One prefill of 1000 tokens among four decode steps of 4: the step the split prices is the decode step."""
+    ctl = make_controller()
+    tel = Windows(steps=4).next(batch=4, kv_live=20)
+    prefill = tuple(u.model_copy(update={"batch_tokens": (1000, *u.batch_tokens[1:])}) for u in tel.step_unions)
+    ctl.sync_from(tel.model_copy(update={"step_unions": prefill}))
+    assert ctl.demand.forecast().batch_tokens == pytest.approx(4.0)
