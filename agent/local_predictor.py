@@ -10,8 +10,10 @@ layer l computes. It never spends more than the plan's bytes per step, and count
 why) and wasted (prefetched for a step whose layer then did not need it).
 
 It also observes: per window, the cross-layer pairs (`LayerTransitions`) the controller trains the table
-from, and each step's per-layer expert unions (`LayerUnions`) for the miss-ratio curves at batch B. Reading
-the routes costs a host copy per MoE layer, so the adapter runs this only when asked (`local_predictor=True`).
+from, and each step's per-layer expert unions (`LayerUnions`) for the miss-ratio curves at batch B. Observing
+stays on the routes' device (a used-experts mask and pair counts, copied to the host once a step and once a
+window); a layer that prefetches copies its routes to the host mid-step, which stalls the launches behind it
+until the GPU catches up, so the adapter runs this only when asked (`local_predictor=True`).
 It must never talk to the network, decide a plan, or change what a kernel computes.
 """
 
@@ -47,11 +49,12 @@ class LayerAheadPredictor:
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._reported = dict.fromkeys(COUNTERS, 0)  # counts at the last window (telemetry carries the deltas)
         self._spent_bytes = 0
-        self._prev: tuple[int, np.ndarray] | None = None  # (layer, [N, k] per-row experts) of this step
+        self._prev: tuple[int, torch.Tensor] | None = None  # (layer, [N, k] routes on their device) of this step
         self._issued_for: dict[int, set[int]] = {}  # model layer -> experts prefetched for it this step
-        self._step_unions: dict[int, set[int]] = {}
+        self._used: torch.Tensor | None = None  # [M, E] bool on the routes' device: experts each layer used
+        self._ran: set[int] = set()  # model layers routed this step
         self._step_tokens = 0
-        self._pairs: dict[int, np.ndarray] = {}  # model layer -> [E, E] pair counts this window
+        self._pairs: dict[int, torch.Tensor] = {}  # model layer -> [E * E] pair counts this window (device)
         self._pair_tokens: dict[int, int] = {}
         self._unions: dict[int, list[tuple[int, ...]]] = {layer: [] for layer in self.moe_layers}
         self._batch: list[int] = []
@@ -75,34 +78,37 @@ class LayerAheadPredictor:
 
     # ---- the route hook --------------------------------------------------------------------------------
     def on_route(self, layer: int, ids: torch.Tensor) -> None:
-        """MoE layer `layer` routed this step's rows to `ids` [N, k]; observe, then prefetch for the next layer."""
-        rows = ids.cpu().numpy()  # [N, k] the host copy (see the module docstring)
-        union = set(np.unique(rows).tolist())
+        """MoE layer `layer` routed this step's rows to `ids` [N, k]; observe, then prefetch for the next layer.
+        Observing stays on the routes' device (no host copy, so the step's launches run ahead of the GPU); only a
+        layer that prefetches copies its routes to the host, because it must choose experts now."""
         if layer == self.moe_layers[0]:
-            self._step_tokens = len(rows)
-        self._step_unions[layer] = union
-        prefetched = self._issued_for.pop(layer, set())
-        self.counts["useful"] += len(prefetched & union)
-        self.counts["wasted"] += len(prefetched - union)
-        if self._prev is not None and self._next.get(self._prev[0]) == layer and len(self._prev[1]) == len(rows):
-            self._count_pairs(self._prev[0], self._prev[1], rows)
-        self._prev = (layer, rows)
+            self._step_tokens = int(ids.shape[0])
+        if self._used is None or self._used.device != ids.device:
+            self._used = torch.zeros((len(self.moe_layers), self.num_experts), dtype=torch.bool, device=ids.device)
+        self._used[self._pool[layer]].index_fill_(0, ids.reshape(-1), True)
+        self._ran.add(layer)
+        if self._prev is not None and self._next.get(self._prev[0]) == layer and self._prev[1].shape[0] == ids.shape[0]:
+            self._count_pairs(self._prev[0], self._prev[1], ids)
+        self._prev = (layer, ids)
         nxt = self._next.get(layer)
         if nxt is not None and layer in self.table and self.budget_bytes > 0:
-            self._prefetch(layer, nxt, rows, union)
+            rows = ids.cpu().numpy()  # [N, k] the host copy (see the module docstring)
+            self._prefetch(layer, nxt, rows, set(np.unique(rows).tolist()))
 
-    def _count_pairs(self, layer: int, src: np.ndarray, dst: np.ndarray) -> None:
-        """Each row's (expert at `layer`, expert at the next MoE layer) pairs, into a dense [E, E] count. At most
-        PAIR_ROWS rows a step, evenly spaced and weighted to stand for all N: a prefill's thousand rows would
-        otherwise cost ~10^5 updates a layer, on the engine thread, for a table that is an average anyway."""
-        n, k = src.shape
-        pick = np.linspace(0, n - 1, PAIR_ROWS).round().astype(np.int64) if n > PAIR_ROWS else np.arange(n)
-        s = np.broadcast_to(src[pick][:, :, None], (pick.size, k, dst.shape[1])).ravel()
-        d = np.broadcast_to(dst[pick][:, None, :], (pick.size, k, dst.shape[1])).ravel()
+    def _count_pairs(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Each row's (expert at `layer`, expert at the next MoE layer) pairs, into a dense [E * E] count on the
+        routes' device. At most PAIR_ROWS rows a step, evenly spaced and weighted to stand for all N: a prefill's
+        thousand rows would otherwise cost ~10^5 updates a layer, for a table that is an average anyway."""
+        n, e = int(src.shape[0]), self.num_experts
+        if n > PAIR_ROWS:
+            pick = torch.linspace(0, n - 1, PAIR_ROWS, device=src.device).round().long()
+            src, dst = src.index_select(0, pick), dst.index_select(0, pick)
+        idx = (src.unsqueeze(2) * e + dst.unsqueeze(1)).reshape(-1)  # [R * k * k] flat (src, dst) pairs
         counts = self._pairs.get(layer)
-        if counts is None:
-            counts = self._pairs[layer] = np.zeros((self.num_experts, self.num_experts))
-        np.add.at(counts, (s, d), n / pick.size)
+        if counts is None or counts.device != idx.device:
+            counts = self._pairs[layer] = torch.zeros(e * e, dtype=torch.float32, device=idx.device)
+        counts.index_add_(0, idx, torch.ones(idx.shape, dtype=torch.float32, device=idx.device),
+                          alpha=n / src.shape[0])
         self._pair_tokens[layer] = self._pair_tokens.get(layer, 0) + n
 
     def _prefetch(self, layer: int, nxt: int, rows: np.ndarray, union: set[int]) -> None:
@@ -134,22 +140,28 @@ class LayerAheadPredictor:
             self.counts["issued"] += 1
 
     def end_step(self) -> None:
-        """Between steps: close the step's books (a prefetch whose layer never ran this step is wasted)."""
-        for experts in self._issued_for.values():
-            self.counts["wasted"] += len(experts)
+        """Between steps (the step's own sync is behind us): one host copy of the step's experts per layer closes
+        its books: a prefetch its layer used is useful, one it did not use (or whose layer never ran) wasted."""
+        used = self._used.cpu().numpy() if self._used is not None and self._ran else None  # [M, E]
+        for layer, experts in self._issued_for.items():
+            hit = 0 if used is None or layer not in self._ran else int(used[self._pool[layer], sorted(experts)].sum())
+            self.counts["useful"] += hit
+            self.counts["wasted"] += len(experts) - hit
         self._issued_for.clear()
-        if self._step_unions and len(self._batch) < MAX_UNION_STEPS:
+        if used is not None and len(self._batch) < MAX_UNION_STEPS:
             for layer in self.moe_layers:
-                self._unions[layer].append(tuple(sorted(self._step_unions.get(layer, set()))))
+                self._unions[layer].append(tuple(int(x) for x in np.flatnonzero(used[self._pool[layer]])))
             self._batch.append(self._step_tokens)
-        self._step_unions, self._prev, self._spent_bytes = {}, None, 0
+        self._used = None  # a fresh mask next step (made under the forward's inference mode, never written outside)
+        self._ran.clear()
+        self._prev, self._spent_bytes = None, 0
 
     # ---- the window --------------------------------------------------------------------------------------
     def window_fields(self) -> dict[str, Any]:
         """Telemetry v2 fields of the window so far (plain data, validated when the message is built); resets."""
         transitions = []
         for layer, counts in sorted(self._pairs.items()):
-            flat = np.rint(counts).ravel()
+            flat = np.rint(counts.cpu().numpy())  # [E * E] one host copy a window
             nz = np.flatnonzero(flat)
             top = nz[np.argsort(-flat[nz], kind="stable")[:MAX_PAIRS_PER_LAYER]]  # most common first
             e = self.num_experts
