@@ -35,6 +35,13 @@ PAIR_ROWS = 64  # rows a step whose cross-layer pairs are counted (see `_count_p
 COUNTERS = ("issued", "useful", "wasted", "skipped_resident", "skipped_budget", "skipped_no_slot", "failed")
 
 
+def _normal_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A normal tensor, never an inference one: eager steps call the hook inside `torch.inference_mode`, graph
+    replays outside it, and a window's counts are written by both (as agent/taps.py's buffers are)."""
+    with torch.inference_mode(False):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class LayerAheadPredictor:
     """See the module docstring. Layers here are model layers; the pool's index is looked up per call."""
 
@@ -83,8 +90,10 @@ class LayerAheadPredictor:
         layer that prefetches copies its routes to the host, because it must choose experts now."""
         if layer == self.moe_layers[0]:
             self._step_tokens = int(ids.shape[0])
+        if ids.dtype != torch.int64:
+            ids = ids.long()
         if self._used is None or self._used.device != ids.device:
-            self._used = torch.zeros((len(self.moe_layers), self.num_experts), dtype=torch.bool, device=ids.device)
+            self._used = _normal_zeros((len(self.moe_layers), self.num_experts), torch.bool, ids.device)
         self._used[self._pool[layer]].index_fill_(0, ids.reshape(-1), True)
         self._ran.add(layer)
         if self._prev is not None and self._next.get(self._prev[0]) == layer and self._prev[1].shape[0] == ids.shape[0]:
@@ -100,13 +109,15 @@ class LayerAheadPredictor:
         routes' device. At most PAIR_ROWS rows a step, evenly spaced and weighted to stand for all N: a prefill's
         thousand rows would otherwise cost ~10^5 updates a layer, for a table that is an average anyway."""
         n, e = int(src.shape[0]), self.num_experts
+        if n == 0:
+            return
         if n > PAIR_ROWS:
             pick = torch.linspace(0, n - 1, PAIR_ROWS, device=src.device).round().long()
             src, dst = src.index_select(0, pick), dst.index_select(0, pick)
         idx = (src.unsqueeze(2) * e + dst.unsqueeze(1)).reshape(-1)  # [R * k * k] flat (src, dst) pairs
         counts = self._pairs.get(layer)
         if counts is None or counts.device != idx.device:
-            counts = self._pairs[layer] = torch.zeros(e * e, dtype=torch.float32, device=idx.device)
+            counts = self._pairs[layer] = _normal_zeros((e * e,), torch.float32, idx.device)
         counts.index_add_(0, idx, torch.ones(idx.shape, dtype=torch.float32, device=idx.device),
                           alpha=n / src.shape[0])
         self._pair_tokens[layer] = self._pair_tokens.get(layer, 0) + n
@@ -152,7 +163,7 @@ class LayerAheadPredictor:
             for layer in self.moe_layers:
                 self._unions[layer].append(tuple(int(x) for x in np.flatnonzero(used[self._pool[layer]])))
             self._batch.append(self._step_tokens)
-        self._used = None  # a fresh mask next step (made under the forward's inference mode, never written outside)
+        self._used = None  # a fresh mask next step
         self._ran.clear()
         self._prev, self._spent_bytes = None, 0
 

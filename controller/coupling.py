@@ -166,9 +166,10 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
 
 def _expert_tables(misses: tuple[tuple[float, ...], ...], cost: CostModel, space: SplitSpace,
                    current_slots: tuple[int, ...] | None, step_ms: float, recall: float, move_ms_per_unit: float,
-                   capacity: int) -> np.ndarray:
-    """T[c]: the least expert cost (stall + migration, unscaled) of all MoE layers within c units, every c at
-    once (the options as arrays straight from the curves: no Group objects, no link budget)."""
+                   capacity: int, served: float) -> np.ndarray:
+    """T[c]: the least expert cost (stall + `served` x migration) of all MoE layers within c units, every c at
+    once (the options as arrays straight from the curves: no Group objects, no link budget). Read / served, the
+    stall is per token served and the migration stays what it is, as in the exact problem."""
     unit = space.unit_bytes
     arrs, lays = [], []
     for m, curve in enumerate(misses):
@@ -177,8 +178,8 @@ def _expert_tables(misses: tuple[tuple[float, ...], ...], cost: CostModel, space
         units = -(-(counts * space.slot_bytes) // unit)  # units_for_bytes, vectorised
         stall = space.stall_weight * layer_stall_ms(cost, (1 - recall) * np.asarray(curve)[counts],
                                                     recall * np.asarray(curve)[counts], 0.0, step_ms)
-        if current_slots is not None and lo <= current_slots[m] <= hi:
-            stall = stall + move_ms_per_unit * np.abs(units - units[current_slots[m] - lo])
+        if current_slots is not None and lo <= current_slots[m] <= hi:  # stands unscaled once read / served
+            stall = stall + served * move_ms_per_unit * np.abs(units - units[current_slots[m] - lo])
         index = np.arange(units.size)
         arrs.append(GroupArrays(units, stall, np.zeros(units.size)))
         lays.append(Layout(units, index, index, units))
@@ -186,10 +187,11 @@ def _expert_tables(misses: tuple[tuple[float, ...], ...], cost: CostModel, space
 
 
 def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
-           horizon_steps: int) -> list[float]:
+           current_kv: int | None, horizon_steps: int) -> list[float]:
     """Per grid share, a fast estimate of its objective: one capacity table of the experts per batch bucket
     (the least expert cost within every capacity, priced at the bucket's middle share), read at the capacity
-    each share leaves and rescaled to its served share; no link budget (the exact solves that follow have it).
+    each share leaves and rescaled to its served share, plus its KV cost and move; no link budget (the exact
+    solves that follow have it).
     inf where the experts' floor does not fit beside the share."""
     grid = kv_grid(space)
     unit = space.unit_bytes
@@ -201,15 +203,18 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
     capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
     recall = space.prefetch_recall if fc.prefetch_recall is None else fc.prefetch_recall
     move = migration_ms_per_unit(cost, space, horizon_steps)
+    cur_units = None if current_kv is None else units_for_bytes(current_kv * space.kv_block_bytes, unit)
     out = [float("inf")] * len(grid)
     for members in by_bucket.values():
         mid = terms[members[len(members) // 2]]
         misses, _ = curves_at(fc, mid.batch_tokens)
-        table = _expert_tables(misses, cost, space, current_slots, mid.step_ms, recall, move, capacity)
+        table = _expert_tables(misses, cost, space, current_slots, mid.step_ms, recall, move, capacity, mid.served)
         for i in members:
-            left = capacity - units_for_bytes(grid[i] * space.kv_block_bytes, unit)
+            kv_units = units_for_bytes(grid[i] * space.kv_block_bytes, unit)
+            left = capacity - kv_units
             if left >= 0 and math.isfinite(float(at_capacity(table, left))):
-                out[i] = float(at_capacity(table, left)) / terms[i].served + terms[i].kv_ms
+                kv_move = 0.0 if cur_units is None else move * abs(kv_units - cur_units)
+                out[i] = float(at_capacity(table, left)) / terms[i].served + terms[i].kv_ms + kv_move
     return out
 
 
@@ -219,7 +224,7 @@ def search_shares(fc: DemandForecast, cost: CostModel, space: SplitSpace, curren
     """Every KV share solved exactly, by grid index: the best `SCREEN_KEEP` by `screen` and the current share
     (module docstring)."""
     grid = kv_grid(space)
-    est = screen(fc, cost, space, current_slots, horizon_steps)
+    est = screen(fc, cost, space, current_slots, current_kv, horizon_steps)
     picks = {i for i in sorted(range(len(grid)), key=lambda i: est[i])[:SCREEN_KEEP] if est[i] < float("inf")}
     if current_kv in grid:
         picks.add(grid.index(current_kv))
@@ -240,6 +245,10 @@ def solve_coupled(fc: DemandForecast, cost: CostModel, space: SplitSpace, curren
     InfeasibleError (the first cause) when no share has a split that fits."""
     t0 = time.perf_counter()
     done = search_shares(fc, cost, space, current_slots, current_kv, horizon_steps, solve_fn)
+    if not done:  # no share leaves room for the experts' floor: the smallest one's problem names the cause
+        value_share(fc, cost, space, current_slots, current_kv, horizon_steps, kv_grid(space)[0])[0].problem \
+            .check_feasible()
+        raise InfeasibleError("no GPU KV share leaves room for the experts' slot floor within the HBM capacity")
     best = done[min(done, key=lambda i: done[i].objective_ms)]
     if best.sol is None:
         raise InfeasibleError(next(a.why_not for a in done.values() if a.why_not))
@@ -282,4 +291,4 @@ def _merged(best: AtShare, cur: AtShare | None, current_slots: tuple[int, ...] |
     groups = (*problem.groups[:-1], Group("GPU KV", tuple(options), current, GroupKind.KV))
     merged = dataclasses.replace(problem, groups=groups, link_budget_bytes_per_step=budget)
     return dataclasses.replace(val, problem=merged, kv_blocks=tuple(blocks), kv_batch=tuple(batches),
-                               kv_steps=tuple(steps))
+                               kv_steps=tuple(steps), plan_link_budget_bytes=problem.link_budget_bytes_per_step)

@@ -255,7 +255,7 @@ class Controller:
                 f"saves {decision.gain_ms:.3g} ms/step, under {floor_ms:.3g} ms ({cfg.hysteresis:.0%} of the step)"
             reason = explain(cur, cur, now.forecast, fc, val, sol, cur_ms, kv_demand) + self._shadow_note()
             if self._retention_moved(retention):  # the split holds; the plan is re-issued for its KV retention
-                return self._issue(cur, fc, sol, f"kept split ({why}): {reason}", val, retention, choice)
+                return self._issue(cur, fc, f"kept split ({why}): {reason}", val, retention, choice)
             now.history.append(Decision(Outcome.HELD, now.plan.version if now.plan else 0, fc.num_windows,
                                         fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"kept ({why}): {reason}",
                                         self._step_ms(val, choice)))
@@ -263,10 +263,10 @@ class Controller:
         reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand) + self._shadow_note()
         if cur is not None:
             reason += f"; {decision.reason}"
-        return self._issue(new, fc, sol, reason, val, retention, choice)
+        return self._issue(new, fc, reason, val, retention, choice)
 
-    def _issue(self, split: Split, fc: DemandForecast, sol: SplitSolution, reason: str, val: Valuation,
-               retention: Retention, choice: tuple[int, ...]) -> Plan:
+    def _issue(self, split: Split, fc: DemandForecast, reason: str, val: Valuation, retention: Retention,
+               choice: tuple[int, ...]) -> Plan:
         st, now = self.state, self._now
         if st.last_issued_rejected():
             reason = (f"replaces plan {st.issued_version}, rejected by an agent "
@@ -274,12 +274,12 @@ class Controller:
         note = retention.describe()
         if note:  # the retention clause is kept whole: a long reason gives way before it
             reason = f"{reason[:MAX_REASON_CHARS - len(note) - 2]}; {note}"
-        plan = self._plan(split, fc, sol, reason, val, retention.hashes)
+        cost_ms, _, link_bytes = evaluate(val.problem, choice)
+        plan = self._plan(split, fc, reason, val, link_bytes, retention.hashes)
         self.state.record_issued(plan)
         now.forecast = fc
         now.history.append(Decision(Outcome.ISSUED, plan.version, fc.num_windows, fc.batch_tokens,
-                                    fc.kv_live_blocks, split, evaluate(val.problem, choice)[0], plan.reason,
-                                    self._step_ms(val, choice)))
+                                    fc.kv_live_blocks, split, cost_ms, plan.reason, self._step_ms(val, choice)))
         return plan
 
     def _retention_bound(self) -> int:
@@ -313,8 +313,9 @@ class Controller:
             return None
         return (*choice, val.kv_blocks.index(split.kv_blocks))
 
-    def _plan(self, split: Split, fc: DemandForecast, sol: SplitSolution, reason: str, val: Valuation,
+    def _plan(self, split: Split, fc: DemandForecast, reason: str, val: Valuation, link_bytes: int,
               kv_retention: tuple[str, ...] = ()) -> Plan:
+        """The plan of `split` (`link_bytes`: what it streams a step at the batch it was valued at)."""
         cfg, shape, space = self.config, self.config.shape, self.config.space
         version = self.state.issued_version + 1
         per_layer = dict(zip(shape.moe_layers, split.slots, strict=True))
@@ -329,8 +330,9 @@ class Controller:
         rows = self.demand.transition_rows(cfg.top_m, cfg.min_prob)
         predictor = (LocalPredictor(version=max(1, self.demand.table_version), top_m=cfg.top_m,
                                     min_score=cfg.min_score, rows=tuple(rows)) if rows else None)
-        miss_bytes = sum(fc.misses_per_step[m][s] for m, s in enumerate(split.slots)) * space.slot_bytes
-        link_left = max(0, (val.problem.link_budget_bytes_per_step or 0) - sol.link_bytes_used)
+        # Its demand loads at the batch it was valued at (a coupled valuation's, not the observed one).
+        miss_bytes = link_bytes
+        link_left = max(0, (val.link_budget_bytes or 0) - link_bytes)
         budget = int(min(link_left, 2 * miss_bytes)) if predictor is not None else 0
         return Plan(plan_id=f"plan-{version}", version=version, base_version=self.state.applied_version(),
                     created_s=self._created_s, hbm_budget_bytes=space.capacity_bytes,

@@ -85,6 +85,14 @@ class Valuation:
     # predicts there (compute ms, stalls [M][options]); empty for the separable one (step_ms / stall_ms hold).
     kv_batch: tuple[float, ...] = ()
     kv_steps: tuple[tuple[float, tuple[tuple[float, ...], ...]], ...] = ()
+    plan_link_budget_bytes: int | None = None  # the winner's own link budget, where the problem's was raised
+
+    @property
+    def link_budget_bytes(self) -> int | None:
+        """What the chosen split may stream a step (what a plan's prefetch budget is left from)."""
+        if self.plan_link_budget_bytes is not None:
+            return self.plan_link_budget_bytes
+        return self.problem.link_budget_bytes_per_step
 
     def predicted_step_ms(self, choice: tuple[int, ...]) -> float:
         """The cost model's step time of a split: compute at its batch plus the layers' unweighted stalls."""

@@ -116,3 +116,24 @@ def test_a_prefill_step_counts_a_sample_of_its_pairs_weighted_to_all_its_rows(ag
     assert trans["num_tokens"] == n
     assert dict(((s, d), c) for s, d, c in trans["pairs"]) == {(0, 4): n, (0, 5): n, (1, 4): n, (1, 5): n}
     assert fields["step_unions"][0]["unions"] == [[0, 1]] and fields["step_unions"][1]["unions"] == [[4, 5]]
+
+
+def test_a_window_of_eager_and_replayed_steps_is_observed(agent: Agent) -> None:
+    """Eager steps (a prefill) call the route hook inside inference mode, graph replays outside it: the
+    window's counts take both. Int32 routes and an empty step are observed too."""
+    pred = _predictor(agent)
+    pred.install(make_plan(agent))
+    with torch.inference_mode():
+        pred.on_route(0, _ids((0, 1), (2, 3)))
+        pred.on_route(1, _ids((4, 5), (4, 6)))
+    pred.end_step()
+    pred.on_route(0, _ids((0, 1)).int())
+    pred.on_route(1, _ids((4, 5)))
+    pred.end_step()
+    pred.on_route(0, torch.zeros((0, 2), dtype=torch.int64))
+    pred.on_route(1, torch.zeros((0, 2), dtype=torch.int64))
+    pred.end_step()
+    fields = pred.window_fields()
+    assert dict(((s, d), c) for s, d, c in fields["transitions"][0]["pairs"])[(0, 4)] == 2
+    assert fields["step_unions"][0]["unions"] == [[0, 1, 2, 3], [0, 1], []]
+    assert fields["step_unions"][0]["batch_tokens"] == [2, 1, 0]

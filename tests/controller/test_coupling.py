@@ -53,11 +53,12 @@ def _forecast(ctl: Controller, batch: float, used: float, live: float, obs: tupl
                                bucket_curves=tuple(BucketCurves(b, (c, c), (c[0], c[0])) for b, c in buckets.items()))
 
 
-def _exhaustive(fc: DemandForecast, ctl: Controller) -> tuple[int, float]:
+def _exhaustive(fc: DemandForecast, ctl: Controller, slots: tuple[int, ...] | None = None, kv: int | None = None,
+                horizon: int = 32) -> tuple[int, float]:
     """(KV blocks, objective) of the best share over the whole grid, each share solved exactly."""
     space, best = ctl.config.space, (0, float("inf"))
     for g in kv_grid(space):
-        val, _, _, move_ms = value_share(fc, ctl.cost, space, None, None, 32, g)
+        val, _, _, move_ms = value_share(fc, ctl.cost, space, slots, kv, horizon, g)
         try:
             ms = solve(val.problem).objective_ms + move_ms
         except InfeasibleError:  # a share with no split that fits is not a candidate
@@ -123,16 +124,31 @@ def test_the_share_follows_what_the_batch_does_to_the_expert_loads(thrash: bool)
         assert chosen == _largest_share(fc, ctl)  # as many sequences as fit beside the experts' slot floor
 
 
-def test_the_search_finds_the_best_share_of_the_whole_grid() -> None:
+@pytest.mark.parametrize("with_current", [False, True])
+def test_the_search_finds_the_best_share_of_the_whole_grid(with_current: bool) -> None:
+    """Random curves, demand and (with_current) a current split to migrate from, over short and long horizons:
+    the screen and the few exact solves find what solving every share of the grid finds."""
     rng = np.random.default_rng(7)
-    for _ in range(12):
+    for _ in range(16):
         ctl = _decode_bound()
         obs = _curve(float(rng.uniform(1.0, 3.0)), float(rng.uniform(0.5, 1.0)))
         buckets = {b: _curve(float(rng.uniform(2.0, 8.0)), float(rng.uniform(0.05, 1.0))) for b in (4, 8)}
         fc = _forecast(ctl, batch=2.0, used=float(rng.integers(10, 30)), live=float(rng.integers(20, 120)),
                        obs=obs, buckets=buckets)
-        _, sol = solve_coupled(fc, ctl.cost, ctl.config.space, None, None, 32, _solve)
-        assert sol.objective_ms == pytest.approx(_exhaustive(fc, ctl)[1], rel=1e-6)
+        grid = kv_grid(ctl.config.space)
+        slots, kv = ((int(rng.integers(2, 9)), int(rng.integers(2, 9))), int(rng.choice(grid))) if with_current \
+            else (None, None)
+        horizon = int(rng.choice([1, 4, 32, 64]))
+        _, sol = solve_coupled(fc, ctl.cost, ctl.config.space, slots, kv, horizon, _solve)
+        assert sol.objective_ms == pytest.approx(_exhaustive(fc, ctl, slots, kv, horizon)[1], rel=1e-6)
+
+
+def test_no_share_that_fits_is_an_infeasible_problem_naming_the_cause() -> None:
+    ctl = _decode_bound()
+    fc = _forecast(ctl, batch=2.0, used=16.0, live=64.0, obs=_curve(2.0), buckets={})
+    space = dataclasses.replace(ctl.config.space, hbm_budget_bytes=4 * 12288 + 9 * 4096)  # under the floors
+    with pytest.raises(InfeasibleError, match="capacity"):
+        solve_coupled(fc, ctl.cost, space, None, None, 32, _solve)
 
 
 def test_the_merged_valuation_prices_the_current_split_at_its_own_batch() -> None:
