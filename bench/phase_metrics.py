@@ -230,6 +230,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "initial_expert_bytes": sum(plan.expert_bytes_per_layer),
         "initial_kv_gpu_blocks": int(plan.kv_blocks_per_tier.get("gpu", 0)),
         "preemptions": sum(r.preemptions for r in rep.requests),
+        "plans_issued": outcome.extra.get("plans_issued") or [],  # a live controller's: when, split, batch, why
         "notes": notes.lstrip(" |"),
     }
 

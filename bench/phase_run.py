@@ -152,11 +152,21 @@ def engine_config(h: ModelHandle, ctx: PointContext, options: dict[str, Any], wo
                         **options)
 
 
-def _decisions(source: Any) -> list[tuple[int, float]]:
+def _decisions(history: list[Any]) -> list[tuple[int, float]]:
     """A live policy's decisions as (windows seen when it decided, its plan's predicted step ms): the
     controller's `Decision.step_ms` for the split it issued or kept; [] for a static policy."""
-    history = getattr(source, "history", None) or []
     return [(int(d.window), float(d.step_ms)) for d in history if getattr(d, "step_ms", 0.0) > 0]
+
+
+REASON_CHARS = 600  # of each issued plan's reason kept in the row (the whole of one is up to 4000)
+
+
+def _plans_issued(history: list[Any]) -> list[dict[str, Any]]:
+    """The plans a live controller issued, as the row shows them: when, the split, the batch it saw, why."""
+    return [{"window": int(d.window), "kv_gpu_blocks": int(d.split.kv_blocks), "expert_slots": int(sum(d.split.slots)),
+             "batch_tokens": round(float(d.batch_tokens), 2), "predicted_step_ms": round(float(d.step_ms), 3),
+             "reason": str(d.reason)[:REASON_CHARS]}
+            for d in history if getattr(getattr(d, "outcome", None), "value", "") == "issued"]
 
 
 class _Hold:
@@ -297,7 +307,8 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                 raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
         finally:
             loop.finish()
-        decisions = _decisions(run.source)
+        history = list(getattr(run.source, "history", None) or []) if run.source is not None else []
+        decisions = _decisions(history)
         if (close_error := run.close()) is not None:  # the controller's process could not stop cleanly: counted
             loop.planner_errors.append(f"closing the controller's process: {close_error}")
         return Outcome(report, rec.steps, list(loop.telemetry), list(loop.acks), loop.stats(), run.initial_plan,
@@ -306,6 +317,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                                                      "diverged_steps": getattr(run.victim_order, "diverged_steps",
                                                                                None),
                                                      "decisions": decisions,
+                                                     "plans_issued": _plans_issued(history),
                                                      "local_predictor": loop.adapter.predictor is not None})
     finally:
         if run is not None:  # a controller in a child process stops (on a failed run too; a second close: nothing)

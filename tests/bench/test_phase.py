@@ -79,10 +79,14 @@ def test_rows_time_the_whole_measured_span_and_name_the_batch(swept: tuple[Path,
         assert r["decode_step_ms"] is None or r["decode_step_ms"] > 0
         assert r["predicted_step_ms_measured_misses"] > 0
     by = {r["policy"]: r for r in rows}
-    # Only a live policy pays for the agent's layer-ahead predictor (its per-layer host copy of the routes).
+    # Only a live policy runs the agent's layer-ahead predictor.
     assert {p for p, r in by.items() if r["local_predictor"]} == {"fluxmoe", "mv_wsa", "tierplan"}
     assert by["tierplan"]["predicted_from"].startswith("plan: ")
     assert by["resident"]["predicted_from"].startswith("split: ")
+    # A live controller's plans are in its row, each with the split, the batch it saw and why; a static none.
+    plans = by["tierplan"]["plans_issued"]
+    assert plans and all(p["reason"] and p["kv_gpu_blocks"] > 0 and p["expert_slots"] > 0 for p in plans)
+    assert by["resident"]["plans_issued"] == []
     oracle = by["oracle"]
     assert isinstance(oracle["diverged_steps"], int) and f"diverged_steps {oracle['diverged_steps']}" in oracle["notes"]
 
