@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierplan.controller.costmodel import CostModel
-from tierplan.controller.demand import DemandForecast, batch_bucket, frequency_curve
+from tierplan.controller.demand import BATCH_BUCKETS, DemandForecast, frequency_curve
 from tierplan.controller.optimizer.problem import (
     Constraint,
     Group,
@@ -47,7 +47,7 @@ from tierplan.controller.optimizer.problem import (
     migration_ms,
     units_for_bytes,
 )
-from tierplan.controller.optimizer.tables import Layout, at_capacity, tables_of
+from tierplan.controller.optimizer.tables import Layout, at_capacity, backtrack, tables_of
 from tierplan.controller.valuation import (
     MAX_DEFERRED,
     SplitSpace,
@@ -99,14 +99,9 @@ def running_batch(fc: DemandForecast, gpu_blocks: float) -> float:
     return max(1.0, fc.batch_tokens / served_share(fc, used) * served_share(fc, gpu_blocks))
 
 
-def curves_at(fc: DemandForecast, batch: float) -> tuple[tuple[tuple[float, ...], ...], str]:
-    """[M][E + 1] expected loads per step at `batch` tokens per step, and where they come from."""
-    bucket = batch_bucket(batch)
-    if bucket == batch_bucket(fc.batch_tokens) or not fc.token_probs:
-        return fc.misses_per_step, fc.curve_source
-    for bc in fc.bucket_curves:
-        if bc.bucket == bucket:
-            return bc.misses_per_step, f"measured LRU curves at B~{bucket}"
+def _rescaled(fc: DemandForecast, batch: float) -> tuple[tuple[float, ...], ...]:
+    """The activation-frequency curves at `batch`, corrected per slot count by measured / frequency at the
+    observed batch (the cache's temporal locality, which independent tokens lack)."""
     out = []
     for observed, probs in zip(fc.misses_per_step, fc.token_probs, strict=True):
         p = np.asarray(probs)
@@ -117,7 +112,41 @@ def curves_at(fc: DemandForecast, batch: float) -> tuple[tuple[tuple[float, ...]
         # Where the frequencies see no miss at all (experts never routed yet), scale by the union's growth.
         grown = obs * union_b / max(union_obs, 1e-9)
         out.append(tuple(float(x) for x in np.where(at_obs > 1e-9, at_b * ratio, grown)))
-    return tuple(out), f"frequency curves at B~{batch:.1f}, corrected by {fc.curve_source}"
+    return tuple(out)
+
+
+def _anchor(fc: DemandForecast, batch: float) -> tuple[tuple[tuple[float, ...], ...], str]:
+    if batch == fc.batch_tokens or (not fc.token_probs and not fc.bucket_curves):
+        return fc.misses_per_step, fc.curve_source
+    for bc in fc.bucket_curves:
+        if bc.bucket == batch:
+            return bc.misses_per_step, f"measured LRU curves at B~{bc.bucket}"
+    if not fc.token_probs:
+        return fc.misses_per_step, fc.curve_source
+    return _rescaled(fc, batch), f"frequency curves at B~{batch:g} corrected by {fc.curve_source}"
+
+
+def _band(fc: DemandForecast, batch: float) -> tuple[float, float]:
+    """The two curve anchors (tracked buckets and the observed batch) `batch` lies between."""
+    points = sorted({*BATCH_BUCKETS, fc.batch_tokens})
+    return (max((p for p in points if p <= batch), default=points[0]),
+            min((p for p in points if p >= batch), default=points[-1]))
+
+
+def curves_at(fc: DemandForecast, batch: float) -> tuple[tuple[tuple[float, ...], ...], str]:
+    """[M][E + 1] expected loads per step at `batch` tokens per step, and where they come from: between the two
+    nearest of the tracked batch buckets and the observed batch, linear in log(batch). A bucket's curve holds for
+    steps up to 1.4x off its size, so reading it whole would price a batch at the top of one bucket as one at
+    its middle (with the trace's curves: 40 % cheaper than the next bucket), a bias toward those edges."""
+    lo, hi = _band(fc, batch)
+    low, why_low = _anchor(fc, lo)
+    if lo == hi or batch <= lo:
+        return low, why_low
+    high, why_high = _anchor(fc, hi)
+    w = math.log(batch / lo) / math.log(hi / lo)
+    mixed = tuple(tuple(float((1 - w) * x + w * y) for x, y in zip(a, b, strict=True))
+                  for a, b in zip(low, high, strict=True))
+    return mixed, f"{why_low} and {why_high}, at B={batch:.1f} between them"
 
 
 @dataclass(frozen=True)
@@ -146,7 +175,7 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
                 current_kv: int | None, horizon_steps: int, gpu_blocks: int) -> tuple[Valuation, float, float, float]:
     """The problem with the GPU KV share fixed at `gpu_blocks`: (valuation, batch, served share, KV move ms)."""
     unit = space.unit_bytes
-    t = _terms(fc, cost, space, gpu_blocks, prefix_hit_share(fc, kv_grid(space)[-1]))
+    t = _terms(fc, cost, space, gpu_blocks, prefix_hit_share(fc, space.kv_gpu_blocks_max))
     misses, _ = curves_at(fc, t.batch_tokens)
     r = space.prefetch_recall if fc.prefetch_recall is None else fc.prefetch_recall
     groups, slot_counts, stalls = expert_groups(misses, cost, space, current_slots, t.step_ms, r,
@@ -164,26 +193,31 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
     return val, t.batch_tokens, t.served, move_ms
 
 
-def _expert_tables(misses: tuple[tuple[float, ...], ...], cost: CostModel, space: SplitSpace,
-                   current_slots: tuple[int, ...] | None, step_ms: float, recall: float, move_ms_per_unit: float,
-                   capacity: int, served: float) -> np.ndarray:
-    """T[c]: the least expert cost (stall + `served` x migration) of all MoE layers within c units, every c at
-    once (the options as arrays straight from the curves: no Group objects, no link budget). Read / served, the
-    stall is per token served and the migration stays what it is, as in the exact problem."""
+def _expert_arrays(misses: np.ndarray, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
+                   step_ms: float, recall: float, move_ms_per_unit: float, served: float
+                   ) -> tuple[list[GroupArrays], list[Layout]]:
+    """Every MoE layer's options as arrays straight from the curves `misses` [M, E + 1] (no Group objects, no
+    link bytes): stall + `served` x migration, so that read / served the stall is per token served and the
+    migration stays what it is, as in the exact problem."""
     unit = space.unit_bytes
     arrs, lays = [], []
     for m, curve in enumerate(misses):
         lo, hi = slot_range(space, m, len(curve) - 1)
         counts = np.arange(lo, hi + 1)
         units = -(-(counts * space.slot_bytes) // unit)  # units_for_bytes, vectorised
-        stall = space.stall_weight * layer_stall_ms(cost, (1 - recall) * np.asarray(curve)[counts],
-                                                    recall * np.asarray(curve)[counts], 0.0, step_ms)
-        if current_slots is not None and lo <= current_slots[m] <= hi:  # stands unscaled once read / served
+        stall = space.stall_weight * layer_stall_ms(cost, (1 - recall) * curve[counts], recall * curve[counts],
+                                                    0.0, step_ms)
+        if current_slots is not None and lo <= current_slots[m] <= hi:
             stall = stall + served * move_ms_per_unit * np.abs(units - units[current_slots[m] - lo])
         index = np.arange(units.size)
         arrs.append(GroupArrays(units, stall, np.zeros(units.size)))
         lays.append(Layout(units, index, index, units))
-    return tables_of(arrs, lays, 0.0, capacity)[0]
+    return arrs, lays
+
+
+def share_grid(fc: DemandForecast, space: SplitSpace, current_kv: int | None) -> list[int]:
+    """The KV shares valued: `kv_grid` dense up to twice what the sequences want, the current share on it."""
+    return kv_grid(space, max(fc.kv_live_blocks, fc.kv_gpu_used_blocks), current_kv)
 
 
 def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
@@ -193,28 +227,44 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
     each share leaves and rescaled to its served share, plus its KV cost and move; no link budget (the exact
     solves that follow have it).
     inf where the experts' floor does not fit beside the share."""
-    grid = kv_grid(space)
+    grid = share_grid(fc, space, current_kv)
     unit = space.unit_bytes
     best_hits = prefix_hit_share(fc, grid[-1])
     terms = [_terms(fc, cost, space, g, best_hits) for g in grid]
-    by_bucket: dict[int, list[int]] = {}
+    by_bucket: dict[tuple[float, float], list[int]] = {}
     for i, t in enumerate(terms):
-        by_bucket.setdefault(batch_bucket(t.batch_tokens), []).append(i)
+        by_bucket.setdefault(_band(fc, t.batch_tokens), []).append(i)
     capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
     recall = space.prefetch_recall if fc.prefetch_recall is None else fc.prefetch_recall
     move = migration_ms_per_unit(cost, space, horizon_steps)
     cur_units = None if current_kv is None else units_for_bytes(current_kv * space.kv_block_bytes, unit)
     out = [float("inf")] * len(grid)
-    for members in by_bucket.values():
+    for (lo, hi), members in by_bucket.items():
+        low, high = np.asarray(_anchor(fc, lo)[0]), np.asarray(_anchor(fc, hi)[0])  # [M, E + 1]
+
+        def at(batch: float, low: np.ndarray = low, high: np.ndarray = high, lo: float = lo, hi: float = hi
+               ) -> np.ndarray:
+            w = 0.0 if hi == lo or batch <= lo else math.log(batch / lo) / math.log(hi / lo)
+            return (1 - w) * low + w * high
+
         mid = terms[members[len(members) // 2]]
-        misses, _ = curves_at(fc, mid.batch_tokens)
-        table = _expert_tables(misses, cost, space, current_slots, mid.step_ms, recall, move, capacity, mid.served)
+        arrs, lays = _expert_arrays(at(mid.batch_tokens), cost, space, current_slots, mid.step_ms, recall, move,
+                                    mid.served)
+        tables = tables_of(arrs, lays, 0.0, capacity)
         for i in members:
             kv_units = units_for_bytes(grid[i] * space.kv_block_bytes, unit)
             left = capacity - kv_units
-            if left >= 0 and math.isfinite(float(at_capacity(table, left))):
-                kv_move = 0.0 if cur_units is None else move * abs(kv_units - cur_units)
-                out[i] = float(at_capacity(table, left)) / terms[i].served + terms[i].kv_ms + kv_move
+            if left < 0 or not math.isfinite(float(at_capacity(tables[0], left))):
+                continue
+            # The split best at the band's middle share, priced at this share's own batch: a split that fits,
+            # so an upper bound on this share's best, and close to it where the curves move little.
+            choice = backtrack(arrs, lays, tables, 0.0, left)
+            assert choice is not None
+            own = _expert_arrays(at(terms[i].batch_tokens), cost, space, current_slots, terms[i].step_ms, recall,
+                                 move, terms[i].served)[0]
+            experts_ms = sum(float(a.cost_ms[j]) for a, j in zip(own, choice, strict=True))
+            kv_move = 0.0 if cur_units is None else move * abs(kv_units - cur_units)
+            out[i] = experts_ms / terms[i].served + terms[i].kv_ms + kv_move
     return out
 
 
@@ -223,7 +273,7 @@ def search_shares(fc: DemandForecast, cost: CostModel, space: SplitSpace, curren
                   solve_fn: Callable[[Valuation], SplitSolution]) -> dict[int, AtShare]:
     """Every KV share solved exactly, by grid index: the best `SCREEN_KEEP` by `screen` and the current share
     (module docstring)."""
-    grid = kv_grid(space)
+    grid = share_grid(fc, space, current_kv)
     est = screen(fc, cost, space, current_slots, current_kv, horizon_steps)
     picks = {i for i in sorted(range(len(grid)), key=lambda i: est[i])[:SCREEN_KEEP] if est[i] < float("inf")}
     if current_kv in grid:
@@ -246,13 +296,13 @@ def solve_coupled(fc: DemandForecast, cost: CostModel, space: SplitSpace, curren
     t0 = time.perf_counter()
     done = search_shares(fc, cost, space, current_slots, current_kv, horizon_steps, solve_fn)
     if not done:  # no share leaves room for the experts' floor: the smallest one's problem names the cause
-        value_share(fc, cost, space, current_slots, current_kv, horizon_steps, kv_grid(space)[0])[0].problem \
+        value_share(fc, cost, space, current_slots, current_kv, horizon_steps, space.kv_gpu_blocks_min)[0].problem \
             .check_feasible()
         raise InfeasibleError("no GPU KV share leaves room for the experts' slot floor within the HBM capacity")
     best = done[min(done, key=lambda i: done[i].objective_ms)]
     if best.sol is None:
         raise InfeasibleError(next(a.why_not for a in done.values() if a.why_not))
-    grid = kv_grid(space)
+    grid = share_grid(fc, space, current_kv)
     cur = done.get(grid.index(current_kv)) if current_kv in grid else None
     val = _merged(best, cur if cur is not None and cur.kv_blocks != best.kv_blocks else None, current_slots)
     choice = (*best.sol.choice[:-1], 0)

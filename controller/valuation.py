@@ -108,12 +108,25 @@ def slot_range(space: SplitSpace, m: int, num_experts: int) -> tuple[int, int]:
     return lo, max(lo, cap)
 
 
-def kv_grid(space: SplitSpace) -> list[int]:
+def _evenly(lo: int, hi: int, num: int) -> set[int]:
+    if hi - lo + 1 <= num:
+        return set(range(lo, hi + 1))
+    step = (hi - lo) / (num - 1)
+    return {lo + round(i * step) for i in range(num)} | {hi}
+
+
+def kv_grid(space: SplitSpace, demand_blocks: float = 0.0, current: int | None = None) -> list[int]:
+    """The GPU KV block counts offered: `kv_options` evenly over the tier's range, as many again up to twice the
+    demand (where each block runs or defers a sequence: a budget of 14K blocks and a demand of 500 would
+    otherwise leave 220 blocks between options), and the current share (hysteresis prices the split in force)."""
     lo, hi = space.kv_gpu_blocks_min, space.kv_gpu_blocks_max
-    if hi - lo + 1 <= space.kv_options:
-        return list(range(lo, hi + 1))
-    step = (hi - lo) / (space.kv_options - 1)
-    return sorted({lo + round(i * step) for i in range(space.kv_options)} | {hi})
+    out = _evenly(lo, hi, space.kv_options)
+    top = min(hi, math.ceil(2 * demand_blocks))
+    if top > lo:
+        out |= _evenly(lo, top, space.kv_options)
+    if current is not None and lo <= current <= hi:
+        out.add(current)
+    return sorted(out)
 
 
 def kv_cost_ms(live_blocks: float, gpu_blocks: int, step_ms: float) -> float:
@@ -212,7 +225,7 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     step_ms = cost.compute_ms(batch, context_tokens)
     r = space.prefetch_recall if forecast.prefetch_recall is None else forecast.prefetch_recall
     groups, slot_counts, stalls = expert_groups(forecast.misses_per_step, cost, space, current_slots, step_ms, r)
-    grid = kv_grid(space)
+    grid = kv_grid(space, kv_demand_blocks, current_kv)
     redo_ms = recompute_ms(cost, space, batch, context_tokens, step_ms)
     best_hits = prefix_hit_share(forecast, grid[-1])
     kv_opts = tuple(Option(units=units_for_bytes(g * space.kv_block_bytes, unit),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from tierplan.controller.coupling import (
     running_batch,
     search_shares,
     served_share,
+    share_grid,
     solve_coupled,
     value_share,
 )
@@ -26,11 +28,11 @@ from tierplan.controller.valuation import Valuation, build_problem, kv_grid
 E = 8  # the tiny model's experts per layer
 
 
-def _decode_bound() -> Controller:
+def _decode_bound(load_ms: float = 2.0) -> Controller:
     """A step that costs about the same at any small batch (decode reads the weights once), and loads that cost
-    2 ms each (a large expert over a slow link): the regime where batch and expert cache pull apart."""
-    return make_controller(compute=ComputeParams(step_ms=10.0, moe_ms_per_token=0.01), transfer_overhead_s=2e-3,
-                           calibrate=False)
+    `load_ms` each (a large expert over a slow link): the regime where batch and expert cache pull apart."""
+    return make_controller(compute=ComputeParams(step_ms=10.0, moe_ms_per_token=0.01),
+                           transfer_overhead_s=load_ms * 1e-3, calibrate=False)
 
 
 def _solve(val: Valuation) -> SplitSolution:
@@ -57,7 +59,7 @@ def _exhaustive(fc: DemandForecast, ctl: Controller, slots: tuple[int, ...] | No
                 horizon: int = 32) -> tuple[int, float]:
     """(KV blocks, objective) of the best share over the whole grid, each share solved exactly."""
     space, best = ctl.config.space, (0, float("inf"))
-    for g in kv_grid(space):
+    for g in share_grid(fc, space, kv):
         val, _, _, move_ms = value_share(fc, ctl.cost, space, slots, kv, horizon, g)
         try:
             ms = solve(val.problem).objective_ms + move_ms
@@ -68,13 +70,23 @@ def _exhaustive(fc: DemandForecast, ctl: Controller, slots: tuple[int, ...] | No
 
 
 def _largest_share(fc: DemandForecast, ctl: Controller) -> int:
-    for g in reversed(kv_grid(ctl.config.space)):
+    for g in reversed(share_grid(fc, ctl.config.space, None)):
         try:
             value_share(fc, ctl.cost, ctl.config.space, None, None, 32, g)[0].problem.check_feasible()
             return g
         except InfeasibleError:
             continue
     raise AssertionError("no share fits")
+
+
+def test_the_kv_grid_is_dense_up_to_twice_the_demand_and_holds_the_current_share() -> None:
+    space = dataclasses.replace(make_controller().config.space, kv_gpu_blocks_min=10, kv_gpu_blocks_max=14000)
+    coarse = kv_grid(space)
+    assert len(coarse) == space.kv_options and coarse[0] == 10 and coarse[-1] == 14000
+    dense = kv_grid(space, demand_blocks=500.0, current=777)
+    near = [g for g in dense if g <= 1000]
+    assert len(near) >= space.kv_options and max(b - a for a, b in itertools.pairwise(near)) <= 17
+    assert 777 in dense and set(coarse) <= set(dense)
 
 
 def test_a_share_runs_the_batch_its_blocks_hold() -> None:
@@ -92,11 +104,17 @@ def test_curves_come_from_the_batch_bucket_they_price() -> None:
     ctl = make_controller()
     measured = _curve(7.0)
     fc = _forecast(ctl, batch=2.0, used=16.0, live=64.0, obs=_curve(2.0), buckets={8: measured})
-    assert curves_at(fc, 2.2)[0] == fc.misses_per_step  # the observed bucket
+    assert curves_at(fc, 2.0)[0] == fc.misses_per_step  # the observed batch
     got, source = curves_at(fc, 8.0)
     assert got == (measured, measured) and "B~8" in source
     rescaled, source = curves_at(fc, 4.0)  # no bucket 4: frequencies at 4 tokens, corrected
     assert "frequency" in source and all(a >= b for a, b in zip(rescaled[0], fc.misses_per_step[0], strict=True))
+    between, source = curves_at(fc, 2.8)  # between the observed batch and bucket 4, linear in log(batch)
+    assert "between" in source
+    assert all(min(a, b) <= x <= max(a, b) for x, a, b in zip(between[0], fc.misses_per_step[0], rescaled[0],
+                                                               strict=True))
+    assert between[0][0] == pytest.approx(fc.misses_per_step[0][0] + (rescaled[0][0] - fc.misses_per_step[0][0])
+                                          * np.log(1.4) / np.log(2.0))
     no_probs = dataclasses.replace(fc, token_probs=())
     assert curves_at(no_probs, 4.0)[0] == fc.misses_per_step  # nothing to rescale with
 
@@ -106,7 +124,7 @@ def test_the_share_follows_what_the_batch_does_to_the_expert_loads(thrash: bool)
     """Thrash: at 8 tokens a step the union misses almost whatever the slots (the cache only helped small
     batches), so per token, 2 sequences at a time with the experts' room beat 8: the coupled split keeps KV
     small. Shared: the experts of 8 tokens are nearly those of 2, so admitting everyone is cheaper per token."""
-    ctl = _decode_bound()
+    ctl = _decode_bound(load_ms=4.0 if thrash else 2.0)
     big = _curve(8.0, hit_at_full=0.1) if thrash else _curve(2.4)
     fc = _forecast(ctl, batch=2.0, used=16.0, live=64.0, obs=_curve(2.0), buckets={4: big, 8: big})
     space = ctl.config.space
@@ -167,7 +185,7 @@ def test_the_merged_valuation_prices_the_current_split_at_its_own_batch() -> Non
     assert evaluate(val.problem, sol.choice)[0] == pytest.approx(sol.objective_ms)
     assert "GPU KV shares" in sol.detail and sol.stats["kv_shares_valued"] >= 3
     shares = search_shares(fc, ctl.cost, space, cur_slots, cur_kv, 32, _solve)
-    assert kv_grid(space).index(cur_kv) in shares and max(a.kv_blocks for a in shares.values()) == KV_MAX
+    assert share_grid(fc, space, cur_kv).index(cur_kv) in shares and max(a.kv_blocks for a in shares.values()) == KV_MAX
 
 
 def test_the_loop_holds_the_split_its_own_valuation_cannot_beat() -> None:
