@@ -85,7 +85,7 @@ class DemandModel:
 
     def __init__(self, moe_layers: tuple[int, ...], num_experts: int, top_k: int, decay: float = 0.05,
                  ewma: float = 0.5, prior: float = 1.0, block_tokens: int = 16, max_reuse_ages: int = 4096,
-                 max_union_steps: int = 4) -> None:
+                 max_union_steps: int = 16) -> None:
         self.moe_layers, self.num_experts, self.top_k = tuple(moe_layers), num_experts, top_k
         self.index = {layer: m for m, layer in enumerate(self.moe_layers)}
         self.ewma, self.prior, self.decay = ewma, prior, decay
@@ -128,8 +128,9 @@ class DemandModel:
             m = self.index.get(u.layer)
             if m is None:
                 continue
-            # The newest steps only: the stack pass costs ~0.5 ms a step and layer in Python (48 layers x 8 steps
-            # would take ~200 ms a window), and the curves are decayed averages anyway.
+            # The newest steps only (a window's 8 steps all fit): the stack pass costs ~0.5 ms a step and layer in
+            # Python, and the curves are decayed averages anyway. Every size shares one LRU order per layer, so
+            # skipped steps shorten the stack distances of the next ones: keep the cap above the window.
             steps = list(zip(u.batch_tokens, u.unions, strict=True))[-self.max_union_steps:]
             for b, union in steps:
                 if b > 0:

@@ -12,7 +12,9 @@ API (the loop helper's):
   token joins the pending union, which is flushed as a step every B tokens of that layer.
 - `observe_step(layer, union_ids, batch=1)`: a whole step's union, into the curve of batch `batch` (telemetry
   already per step; with continuous batching, `tracked_batch(b)` names the tracked size a step of b tokens
-  belongs to).
+  belongs to). The real steps share one LRU order per layer, whatever their size: a decode step after a
+  prefill finds the cache the prefill left (its stack distances count the prefill's experts), as one cache
+  shared by every step does; each size keeps its own histogram. Feed an object one way, tokens or steps.
 - `hit_rate_curve(layer, batch) -> np.ndarray` [E + 1] float64: LRU hit rate with 0..E resident slots
   (non-decreasing, [0] = 0; cold misses miss at every size). Zeros before any observation.
 - `expected_misses_per_step(layer, batch) -> np.ndarray` [E + 1]: mean union size per step x (1 - hit rate):
@@ -34,30 +36,39 @@ from collections.abc import Sequence
 import numpy as np
 
 
-class _Stack:
-    """One layer's LRU stack at one batch size: last-access clocks and the stack-distance histogram."""
+class _Recency:
+    """One access stream's LRU order: each expert's last-access clock."""
 
     def __init__(self, num_experts: int) -> None:
         self.last = np.full(num_experts, -1, np.int64)  # [E] access clock, -1 never
         self.clock = 0
+
+
+class _Stack:
+    """One layer's stack-distance histogram at one batch size, over an LRU order it owns (the token path's
+    hypothetical stream of B-token steps) or shares with the layer's other batch sizes (the real steps)."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.own = _Recency(num_experts)
         self.hist = np.zeros(num_experts + 1)  # [E + 1] hist[d] for d = 1..E; hist[0] holds cold misses
         self.steps = 0.0
         self.accesses = 0.0
 
-    def access_step(self, union: np.ndarray, decay: float) -> None:
+    def access_step(self, union: np.ndarray, decay: float, order: _Recency | None = None) -> None:
+        rec = self.own if order is None else order
         if decay:
             self.hist *= 1.0 - decay
             self.steps *= 1.0 - decay
             self.accesses *= 1.0 - decay
         self.steps += 1.0
         for e in union.tolist():
-            t = self.last[e]
+            t = rec.last[e]
             if t < 0:
                 self.hist[0] += 1.0
             else:
-                self.hist[int((self.last > t).sum()) + 1] += 1.0
-            self.clock += 1
-            self.last[e] = self.clock
+                self.hist[int((rec.last > t).sum()) + 1] += 1.0
+            rec.clock += 1
+            rec.last[e] = rec.clock
             self.accesses += 1.0
 
 
@@ -78,6 +89,7 @@ class MissRatioCurves:
         self.num_layers, self.num_experts, self.decay = num_layers, num_experts, decay
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self._stacks = {(layer, b): _Stack(num_experts) for layer in range(num_layers) for b in self.batch_sizes}
+        self._order = [_Recency(num_experts) for _ in range(num_layers)]  # per layer: the real steps' LRU order
         self._pending = {(layer, b): ([], 0) for layer in range(num_layers) for b in self.batch_sizes}
 
     def _check(self, layer: int, ids: np.ndarray) -> np.ndarray:
@@ -120,7 +132,7 @@ class MissRatioCurves:
         if not distinct:
             _, first = np.unique(ids, return_index=True)
             ids = ids[np.sort(first)]
-        self._stack(layer, batch).access_step(ids, self.decay)
+        self._stack(layer, batch).access_step(ids, self.decay, self._order[layer])
 
     def hit_rate_curve(self, layer: int, batch: int = 1) -> np.ndarray:
         st = self._stack(layer, batch)

@@ -85,3 +85,38 @@ def test_bad_observations_are_refused() -> None:
 def test_tracked_batch_rounds_down_to_a_tracked_size() -> None:
     curves = MissRatioCurves(1, 4, batch_sizes=(1, 8, 32))
     assert [curves.tracked_batch(b) for b in (1, 7, 8, 31, 200)] == [1, 1, 8, 8, 32]
+
+
+def test_real_steps_of_every_size_share_one_cache() -> None:
+    """Decode steps of 2 tokens on a few experts, a prefill over every expert each 4th step: the decode curve
+    is LRU over the whole interleaved stream (the prefill evicts the decode working set), not over the decode
+    steps alone, which would read a hit where the shared cache misses."""
+    from collections import OrderedDict
+
+    rng = np.random.default_rng(0)
+    num_experts = 12
+    steps = [(16, rng.permutation(num_experts)) if s % 4 == 3 else (2, rng.choice(3, 2, replace=False))
+             for s in range(80)]
+    curves = MissRatioCurves(1, num_experts, batch_sizes=(2, 16))
+    for batch, union in steps:
+        curves.observe_step(0, union, batch)
+    for slots in (2, 3, 6):
+        cache: OrderedDict[int, None] = OrderedDict()
+        hits = total = 0
+        for batch, union in steps:
+            for e in union.tolist():
+                hit = e in cache
+                if batch == 2:
+                    hits, total = hits + hit, total + 1
+                if hit:
+                    cache.move_to_end(e)
+                else:
+                    cache[e] = None
+                    if len(cache) > slots:
+                        cache.popitem(last=False)
+        assert curves.hit_rate_curve(0, 2)[slots] == pytest.approx(hits / total, abs=1e-12)
+    alone = MissRatioCurves(1, num_experts, batch_sizes=(2,))
+    for batch, union in steps:
+        if batch == 2:
+            alone.observe_step(0, union, 2)
+    assert curves.hit_rate_curve(0, 2)[3] < alone.hit_rate_curve(0, 2)[3]  # the prefills' evictions count
