@@ -7,15 +7,18 @@ share that defers sequences shrinks the batch and with it the union of experts a
 more grows both. Neither is priced right without the other, so each candidate share g is valued on its own:
 - the share of the sequences that want to run (held, swapped and queued KV) that g holds, `served(g)`, and the
   running batch it lets through: the observed tokens per step scaled by the blocks g holds over those in use;
-- the layers' miss curves at that batch: measured LRU curves where its batch bucket has enough steps, else the
-  activation-frequency curves at that batch, corrected per slot count by measured / frequency at the observed
-  batch (the cache's temporal locality, which the frequency model lacks);
+- the layers' miss curves at that batch, linear in log(batch) between the two nearest anchors: the measured
+  LRU curves of the tracked batch buckets with enough steps, the forecast's own curves at the batch they
+  describe, and elsewhere the activation-frequency curves corrected per slot count by measured / frequency
+  there (the cache's temporal locality, which the frequency model lacks);
 - the objective, in ms per step of the whole demand: the step at that batch (compute + stalls) / served(g),
   less the compute at the full batch (a share that defers nothing costs its stalls, as in the separable split),
   plus the prefix reuses the share loses and the KV blocks it must move.
-Which shares: a screen prices every share of the grid from one capacity table of the experts per batch bucket
-(the objective jumps where the bucket or a layer's slot count changes, so no local search is safe), then the
-best few and the current share are solved exactly, each with its link budget.
+Which shares: a screen prices every share of the grid from one capacity table of the experts per band (the
+batches between two anchors): the split best at the band's middle share, at the capacity a share leaves,
+priced at that share's own batch (a split that fits, so an upper bound). The objective jumps where a layer's
+slot count changes, so no local search is safe. Then the best-screened share of each of the best
+`SCREEN_BANDS` bands and the current share are solved exactly, each with its link budget.
 The winner is handed on as one `Valuation` whose KV group holds the winning share and the current one, priced
 so that `evaluate` of either whole split gives its own objective (and the current split its own link verdict):
 hysteresis and the plan's reason compare the two.
@@ -62,7 +65,7 @@ from tierplan.controller.valuation import (
     slot_range,
 )
 
-SCREEN_KEEP = 2  # KV shares solved exactly after the screen (besides the current one)
+SCREEN_BANDS = 2  # bands whose best-screened share is solved exactly after the screen (besides the current one)
 RATIO_CLIP = (0.25, 4.0)  # measured / frequency correction of a rescaled curve, per slot count
 
 
@@ -99,13 +102,18 @@ def running_batch(fc: DemandForecast, gpu_blocks: float) -> float:
     return max(1.0, fc.batch_tokens / served_share(fc, used) * served_share(fc, gpu_blocks))
 
 
+def _observed_at(fc: DemandForecast) -> float:
+    """The batch the forecast's own curves describe (a measured bucket's size, else the observed batch)."""
+    return fc.curve_batch if fc.curve_batch > 0 else fc.batch_tokens
+
+
 def _rescaled(fc: DemandForecast, batch: float) -> tuple[tuple[float, ...], ...]:
     """The activation-frequency curves at `batch`, corrected per slot count by measured / frequency at the
-    observed batch (the cache's temporal locality, which independent tokens lack)."""
+    batch the forecast's curves describe (the cache's temporal locality, which independent tokens lack)."""
     out = []
     for observed, probs in zip(fc.misses_per_step, fc.token_probs, strict=True):
         p = np.asarray(probs)
-        at_obs, union_obs = frequency_curve(p, fc.batch_tokens)
+        at_obs, union_obs = frequency_curve(p, _observed_at(fc))
         at_b, union_b = frequency_curve(p, batch)
         obs = np.asarray(observed)
         ratio = np.clip(obs / np.maximum(at_obs, 1e-9), *RATIO_CLIP)
@@ -116,7 +124,7 @@ def _rescaled(fc: DemandForecast, batch: float) -> tuple[tuple[float, ...], ...]
 
 
 def _anchor(fc: DemandForecast, batch: float) -> tuple[tuple[tuple[float, ...], ...], str]:
-    if batch == fc.batch_tokens or (not fc.token_probs and not fc.bucket_curves):
+    if batch == _observed_at(fc) or (not fc.token_probs and not fc.bucket_curves):
         return fc.misses_per_step, fc.curve_source
     for bc in fc.bucket_curves:
         if bc.bucket == batch:
@@ -127,15 +135,16 @@ def _anchor(fc: DemandForecast, batch: float) -> tuple[tuple[tuple[float, ...], 
 
 
 def _band(fc: DemandForecast, batch: float) -> tuple[float, float]:
-    """The two curve anchors (tracked buckets and the observed batch) `batch` lies between."""
-    points = sorted({*BATCH_BUCKETS, fc.batch_tokens})
+    """The two curve anchors (the tracked buckets and the batch the forecast's curves describe) `batch` lies
+    between."""
+    points = sorted({*BATCH_BUCKETS, _observed_at(fc)})
     return (max((p for p in points if p <= batch), default=points[0]),
             min((p for p in points if p >= batch), default=points[-1]))
 
 
 def curves_at(fc: DemandForecast, batch: float) -> tuple[tuple[tuple[float, ...], ...], str]:
     """[M][E + 1] expected loads per step at `batch` tokens per step, and where they come from: between the two
-    nearest of the tracked batch buckets and the observed batch, linear in log(batch). A bucket's curve holds for
+    nearest anchors (`_band`), linear in log(batch). A bucket's curve holds for
     steps up to 1.4x off its size, so reading it whole would price a batch at the top of one bucket as one at
     its middle (with the trace's curves: 40 % cheaper than the next bucket), a bias toward those edges."""
     lo, hi = _band(fc, batch)
@@ -222,11 +231,9 @@ def share_grid(fc: DemandForecast, space: SplitSpace, current_kv: int | None) ->
 
 def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
            current_kv: int | None, horizon_steps: int) -> list[float]:
-    """Per grid share, a fast estimate of its objective: one capacity table of the experts per batch bucket
-    (the least expert cost within every capacity, priced at the bucket's middle share), read at the capacity
-    each share leaves and rescaled to its served share, plus its KV cost and move; no link budget (the exact
-    solves that follow have it).
-    inf where the experts' floor does not fit beside the share."""
+    """Per grid share, an upper bound on its objective (module docstring: one table per band, the band's middle
+    split re-priced at each share's own batch), plus its KV cost and move; no link budget (the exact solves that
+    follow have it). inf where the experts' floor does not fit beside the share."""
     grid = share_grid(fc, space, current_kv)
     unit = space.unit_bytes
     best_hits = prefix_hit_share(fc, grid[-1])
@@ -271,11 +278,15 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
 def search_shares(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
                   current_kv: int | None, horizon_steps: int,
                   solve_fn: Callable[[Valuation], SplitSolution]) -> dict[int, AtShare]:
-    """Every KV share solved exactly, by grid index: the best `SCREEN_KEEP` by `screen` and the current share
-    (module docstring)."""
+    """Every KV share solved exactly, by grid index: the best-screened share of each of the best `SCREEN_BANDS`
+    bands, and the current share (module docstring)."""
     grid = share_grid(fc, space, current_kv)
     est = screen(fc, cost, space, current_slots, current_kv, horizon_steps)
-    picks = {i for i in sorted(range(len(grid)), key=lambda i: est[i])[:SCREEN_KEEP] if est[i] < float("inf")}
+    best_in: dict[tuple[float, float], int] = {}  # band -> its best-screened share
+    for i in sorted(range(len(grid)), key=lambda i: est[i]):
+        if est[i] < float("inf"):
+            best_in.setdefault(_band(fc, running_batch(fc, grid[i])), i)
+    picks = set(sorted(best_in.values(), key=lambda i: est[i])[:SCREEN_BANDS])
     if current_kv in grid:
         picks.add(grid.index(current_kv))
     done: dict[int, AtShare] = {}

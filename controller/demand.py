@@ -59,6 +59,7 @@ class DemandForecast:
     touch_blocks_per_s: float = 0.0  # KV blocks touched per second (new and reused): LRU's clock
     prefetch_recall: float | None = None  # measured share of needed loads the local predictor brought ahead
     token_probs: tuple[tuple[float, ...], ...] = ()  # [M][E] P(a token routes to each expert): curves at any batch
+    curve_batch: float = 0.0  # the batch `misses_per_step` describes: its bucket when measured (0: batch_tokens)
     bucket_curves: tuple[BucketCurves, ...] = ()  # measured LRU curves at every batch bucket with enough steps
 
 
@@ -105,6 +106,7 @@ class DemandModel:
         self.num_windows = 0
         self.table_version = 0
         self.block_tokens, self.max_union_steps = block_tokens, max_union_steps
+        self.union_steps_skipped = 0  # reported steps past max_union_steps, left out of the curves (per layer)
         self.reuse_ages: deque[float] = deque(maxlen=max_reuse_ages)
         self.reuse_per_step: float | None = None
         self.touch_blocks_per_s: float | None = None
@@ -131,7 +133,9 @@ class DemandModel:
             # The newest steps only (a window's 8 steps all fit): the stack pass costs ~0.5 ms a step and layer in
             # Python, and the curves are decayed averages anyway. Every size shares one LRU order per layer, so
             # skipped steps shorten the stack distances of the next ones: keep the cap above the window.
-            steps = list(zip(u.batch_tokens, u.unions, strict=True))[-self.max_union_steps:]
+            steps = list(zip(u.batch_tokens, u.unions, strict=True))
+            self.union_steps_skipped += max(0, len(steps) - self.max_union_steps)
+            steps = steps[-self.max_union_steps:]
             for b, union in steps:
                 if b > 0:
                     self.curves.observe_step(m, np.asarray(union, np.int64), batch_bucket(b))
@@ -228,7 +232,8 @@ class DemandModel:
         source = f"measured LRU curves at B~{bucket}" if measured else "activation frequencies"
         return DemandForecast(batch, tuple(misses), tuple(unions), source, live, self.kv_gpu, saturated, hot,
                               self.num_windows, self.reuse_per_step or 0.0, tuple(sorted(self.reuse_ages)),
-                              self.touch_blocks_per_s or 0.0, self._recall(), probs, tuple(buckets))
+                              self.touch_blocks_per_s or 0.0, self._recall(), token_probs=probs,
+                              bucket_curves=tuple(buckets), curve_batch=float(bucket) if measured else batch)
 
     def _recall(self) -> float | None:
         loads = self.prefetch_useful + self.prefetch_missed

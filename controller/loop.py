@@ -162,10 +162,12 @@ class Controller:
         return self.shadow.active if self.shadow is not None else self.config.predictor
 
     def stats(self) -> dict[str, int]:
-        """Counters of what the controller did with the plan side (issued, refused by an agent, stale acks) and
-        with KV reuse events (fed to the reuse predictor, over a window's cap, windows behind the clock)."""
+        """Counters of what the controller did with the plan side (issued, refused by an agent, stale acks), with
+        the step unions (reported steps past the curves' per-window cap, left out) and with KV reuse events (fed
+        to the reuse predictor, over a window's cap, windows behind the clock)."""
         return {"plans_issued": self.state.issued_version, "plans_rejected": self.plans_rejected,
                 "stale_acks": self.stale_acks, "applied_version": self.state.applied_version(),
+                "union_steps_skipped": self.demand.union_steps_skipped,
                 **{f"kv_reuse_{k}": v for k, v in self.kv_reuse.stats().items() if k != "windows"}}
 
     # ---- observe ----------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ API (the loop helper's):
   already per step; with continuous batching, `tracked_batch(b)` names the tracked size a step of b tokens
   belongs to). The real steps share one LRU order per layer, whatever their size: a decode step after a
   prefill finds the cache the prefill left (its stack distances count the prefill's experts), as one cache
-  shared by every step does; each size keeps its own histogram. Feed an object one way, tokens or steps.
+  shared by every step does; each size keeps its own histogram, and with `decay` every size fades with each
+  real step. An object is fed one way, tokens or steps (the other raises ValueError).
 - `hit_rate_curve(layer, batch) -> np.ndarray` [E + 1] float64: LRU hit rate with 0..E resident slots
   (non-decreasing, [0] = 0; cold misses miss at every size). Zeros before any observation.
 - `expected_misses_per_step(layer, batch) -> np.ndarray` [E + 1]: mean union size per step x (1 - hit rate):
@@ -90,6 +91,7 @@ class MissRatioCurves:
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self._stacks = {(layer, b): _Stack(num_experts) for layer in range(num_layers) for b in self.batch_sizes}
         self._order = [_Recency(num_experts) for _ in range(num_layers)]  # per layer: the real steps' LRU order
+        self._fed: str | None = None  # "tokens" or "steps", from the first observation
         self._pending = {(layer, b): ([], 0) for layer in range(num_layers) for b in self.batch_sizes}
 
     def _check(self, layer: int, ids: np.ndarray) -> np.ndarray:
@@ -108,8 +110,17 @@ class MissRatioCurves:
                              f"(layers 0..{self.num_layers - 1}, batch sizes {list(self.batch_sizes)})")
         return self._stacks[(layer, batch)]
 
+    def _feeding(self, how: str) -> None:
+        """Tokens (hypothetical streams per size) and real steps (one stream) keep different LRU orders: one
+        object is fed one way, never both."""
+        if self._fed is None:
+            self._fed = how
+        elif self._fed != how:
+            raise ValueError(f"miss-ratio curves: fed by {self._fed} already, not by {how} (use one object per way)")
+
     def observe_token(self, layer: int, expert_ids: np.ndarray) -> None:
         ids = self._check(layer, expert_ids)
+        self._feeding("tokens")
         for b in self.batch_sizes:
             parts, n = self._pending[(layer, b)]
             parts.append(ids)
@@ -132,7 +143,17 @@ class MissRatioCurves:
         if not distinct:
             _, first = np.unique(ids, return_index=True)
             ids = ids[np.sort(first)]
-        self._stack(layer, batch).access_step(ids, self.decay, self._order[layer])
+        self._feeding("steps")
+        stack = self._stack(layer, batch)
+        if self.decay:  # a size that stops arriving fades with the real steps, as the one cache forgets it
+            keep = 1.0 - self.decay
+            for b in self.batch_sizes:
+                if b != batch:
+                    other = self._stacks[(layer, b)]
+                    other.hist *= keep
+                    other.steps *= keep
+                    other.accesses *= keep
+        stack.access_step(ids, self.decay, self._order[layer])
 
     def hit_rate_curve(self, layer: int, batch: int = 1) -> np.ndarray:
         st = self._stack(layer, batch)

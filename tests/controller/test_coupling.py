@@ -211,3 +211,16 @@ def test_the_forecast_batch_is_the_median_step_not_a_prefill_inflated_mean() -> 
     prefill = tuple(u.model_copy(update={"batch_tokens": (1000, *u.batch_tokens[1:])}) for u in tel.step_unions)
     ctl.sync_from(tel.model_copy(update={"step_unions": prefill}))
     assert ctl.demand.forecast().batch_tokens == pytest.approx(4.0)
+
+
+def test_measured_curves_are_anchored_at_their_bucket_not_at_the_observed_batch() -> None:
+    """Observed 2.9 tokens a step, so the forecast's curves are bucket 4's measured ones: between buckets 2 and 4
+    the curve follows log(batch), with no flat stretch from 2.9 to 4."""
+    ctl = make_controller()
+    two, four = _curve(2.0), _curve(4.0)
+    fc = dataclasses.replace(_forecast(ctl, batch=2.9, used=16.0, live=64.0, obs=four, buckets={2: two, 4: four}),
+                             curve_batch=4.0)
+    for batch in (2.3, 2.9, 3.5):
+        w = np.log(batch / 2.0) / np.log(2.0)
+        assert curves_at(fc, batch)[0][0][0] == pytest.approx((1 - w) * two[0] + w * four[0])
+    assert curves_at(fc, 4.0)[0][0] == four and curves_at(fc, 2.0)[0][0] == two

@@ -120,3 +120,13 @@ def test_real_steps_of_every_size_share_one_cache() -> None:
         if batch == 2:
             alone.observe_step(0, union, 2)
     assert curves.hit_rate_curve(0, 2)[3] < alone.hit_rate_curve(0, 2)[3]  # the prefills' evictions count
+
+
+def test_one_object_is_fed_one_way_and_a_size_that_stops_arriving_fades() -> None:
+    curves = MissRatioCurves(1, 4, batch_sizes=(1, 4), decay=0.5)
+    curves.observe_step(0, np.array([0]), 1)
+    with pytest.raises(ValueError, match="fed by steps already"):
+        curves.observe_token(0, np.array([1]))
+    for _ in range(6):
+        curves.observe_step(0, np.array([0, 1, 2, 3]), 4)
+    assert curves.num_steps(0, 1) == pytest.approx(0.5 ** 6)  # decayed by every real step, not only its own
