@@ -7,8 +7,8 @@ measured steps (those after warm-up):
   preemption spills, the planner's solve, prefetch issue, the agent's hooks). `measured_step_ms` is that wall
   time over the measured steps; `ms_per_token` its inverse per output token: the figure to compare policies
   by (runs of one point differ in how many sequences share a step). `decode_step_ms`: the mean cycle of the
-  measured steps with no prefill; `engine_step_ms`: the forward alone; `mean_running_batch`: sequences per
-  measured step.
+  measured steps with no prefill (`prefill_step_ms`: of those with one); `engine_step_ms`: the forward
+  alone; `mean_running_batch`: sequences per measured step.
 - TPOT p50/p99 and TTFT p50 over the run's requests (wall time, from the `Runner`), expert hit rate, stall ms
   per measured step by cause (a step that waited on both expert loads and KV fetches counts all of its stall
   as "both", as the agent's telemetry does), KV hits per tier, bytes per link, plan changes.
@@ -19,7 +19,9 @@ measured steps (those after warm-up):
   process and this run's warm-up windows) over each measured step's tokens, context and KV fetches with the
   expert misses the routing trace's LRU miss-ratio curve predicts at the split's slots per layer
   (`controller.predictors.miss_ratio`, the decode walk of `ForcedRouter` at the step's batch).
-  `predicted_step_ms_measured_misses` prices the measured misses instead (time per byte, no miss prediction).
+  `predicted_step_ms_measured_misses` prices the measured misses instead (time per byte, no miss prediction);
+  `predicted_decode_step_ms_measured_misses` / `predicted_prefill_step_ms_measured_misses` the same over the
+  steps without / with a prefill (against `decode_step_ms` / `prefill_step_ms`).
 It never asserts on a figure.
 """
 
@@ -49,11 +51,13 @@ def timing(steps: list[Any]) -> dict[str, float | None]:
     wall_s = sum(s.cycle_s for s in steps)
     tokens = sum(s.tokens_out for s in steps)
     decode = [s.cycle_s for s in steps if s.num_prefills == 0]
+    prefill = [s.cycle_s for s in steps if s.num_prefills > 0]
     n = len(steps)
     return {"decode_tok_s": tokens / wall_s if wall_s else 0.0,
             "measured_step_ms": wall_s / n * 1e3 if n else 0.0,
             "ms_per_token": wall_s / tokens * 1e3 if tokens else None,
             "decode_step_ms": sum(decode) / len(decode) * 1e3 if decode else None,
+            "prefill_step_ms": sum(prefill) / len(prefill) * 1e3 if prefill else None,
             "engine_step_ms": sum(s.step_s for s in steps) / n * 1e3 if n else None,
             "mean_running_batch": sum(s.num_prefills + s.num_decodes for s in steps) / n if n else None,
             "measured_wall_s": wall_s}
@@ -192,6 +196,10 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
     predictor.calibrate(outcome.telemetry[:n_warm_windows])
     predicted, source = predict(predictor, outcome, warm, timed)
     priced = predictor.step_ms(timed)
+    # The same pricing over decode and prefill steps apart (a prefill needs every expert: where the cost model
+    # errs is told apart by step kind; compare with decode_step_ms / prefill_step_ms).
+    priced_decode = predictor.step_ms([s for s in timed if s.num_prefills == 0]) or None
+    priced_prefill = predictor.step_ms([s for s in timed if s.num_prefills > 0]) or None
     predictor.calibrate(outcome.telemetry[n_warm_windows:])
     rep = outcome.report
     stalls = _stalls(timed)
@@ -217,6 +225,8 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "stall_ms_expert": stalls["expert"], "stall_ms_kv": stalls["kv"], "stall_ms_both": stalls["both"],
         "predicted_step_ms": predicted, "predicted_from": source,
         "predicted_step_ms_measured_misses": priced,
+        "predicted_decode_step_ms_measured_misses": priced_decode,
+        "predicted_prefill_step_ms_measured_misses": priced_prefill,
         "predicted_over_measured": predicted / measured if measured else None,
         "status": status, "measured_steps": len(timed), "warm_steps": warm, "requests": len(rep.requests),
         "output_tokens": sum(s.tokens_out for s in timed),

@@ -78,6 +78,9 @@ def test_rows_time_the_whole_measured_span_and_name_the_batch(swept: tuple[Path,
         assert 1 <= r["mean_running_batch"] <= r["batch"]
         assert r["decode_step_ms"] is None or r["decode_step_ms"] > 0
         assert r["predicted_step_ms_measured_misses"] > 0
+        for kind in ("decode", "prefill"):  # each kind of step priced apart, beside its own measured mean
+            assert (r[f"{kind}_step_ms"] is None) == (r[f"predicted_{kind}_step_ms_measured_misses"] is None), kind
+        assert r["prefill_step_ms"] is None or r["prefill_step_ms"] > 0
     by = {r["policy"]: r for r in rows}
     # Only a live policy runs the agent's layer-ahead predictor.
     assert {p for p, r in by.items() if r["local_predictor"]} == {"fluxmoe", "mv_wsa", "tierplan"}
