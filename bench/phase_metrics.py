@@ -46,6 +46,10 @@ CURVE_MAX_BATCH = 256  # the miss-ratio curves' largest tracked batch (a larger 
 CURVE_ACCESSES = 16384  # expert accesses per layer a curve is built from (steps = this / the batch's union)
 
 
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
 def timing(steps: list[Any]) -> dict[str, float | None]:
     """The measured steps' wall-time figures (module docstring); zeros / None without steps."""
     wall_s = sum(s.cycle_s for s in steps)
@@ -119,15 +123,19 @@ class Predictor:
                         kv_fetch_bytes=cpu * self.kv_block_bytes, kv_fetch_count=cpu,
                         kv_disk_read_bytes=nvme * self.kv_block_bytes, kv_disk_read_count=nvme)
 
-    def step_ms(self, steps: list[Any]) -> float:
-        """Mean predicted step time over `steps` (StepRecords), each priced at its measured misses."""
+    def step_prices(self, steps: list[Any]) -> list[float]:
+        """Each of `steps` (StepRecords) priced at its measured misses: its predicted step ms."""
         m = self.cost.shape.num_moe_layers
-        total = 0.0
+        out = []
         for s in steps:
             per, extra = divmod(s.expert_misses, m)
-            total += self.cost.step_time_ms(self._load(s, tuple(per + (1 if j < extra else 0)
-                                                               for j in range(m)))).total_ms
-        return total / len(steps) if steps else 0.0
+            out.append(self.cost.step_time_ms(self._load(s, tuple(per + (1 if j < extra else 0)
+                                                                  for j in range(m)))).total_ms)
+        return out
+
+    def step_ms(self, steps: list[Any]) -> float:
+        """Mean predicted step time over `steps`, each priced at its measured misses (0.0 without steps)."""
+        return _mean(self.step_prices(steps)) or 0.0
 
     def split_step_ms(self, steps: list[Any], slots: tuple[int, ...]) -> float:
         """Mean predicted step time over `steps` at a static split of `slots` per MoE layer: each step's
@@ -195,11 +203,12 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
     n_warm_windows = warm // outcome.window_steps
     predictor.calibrate(outcome.telemetry[:n_warm_windows])
     predicted, source = predict(predictor, outcome, warm, timed)
-    priced = predictor.step_ms(timed)
+    prices = predictor.step_prices(timed)
+    priced = _mean(prices) or 0.0
     # The same pricing over decode and prefill steps apart (a prefill needs every expert: where the cost model
     # errs is told apart by step kind; compare with decode_step_ms / prefill_step_ms).
-    priced_decode = predictor.step_ms([s for s in timed if s.num_prefills == 0]) or None
-    priced_prefill = predictor.step_ms([s for s in timed if s.num_prefills > 0]) or None
+    priced_decode = _mean([p for p, s in zip(prices, timed, strict=True) if s.num_prefills == 0])
+    priced_prefill = _mean([p for p, s in zip(prices, timed, strict=True) if s.num_prefills > 0])
     predictor.calibrate(outcome.telemetry[n_warm_windows:])
     rep = outcome.report
     stalls = _stalls(timed)

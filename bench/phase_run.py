@@ -28,6 +28,7 @@ from tierplan.agent.closed_loop import InProcessLoop
 from tierplan.bench.baselines.base import PointContext, PolicyRun, request_kv_blocks
 from tierplan.bench.baselines.dry_record import point_scheduler
 from tierplan.bench.phase_grid import GIB, ROUTING, Point, Sizes, point_requests
+from tierplan.controller.loop import Outcome as DecisionOutcome
 from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
 from tierplan.runtime.device import Device
 from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
@@ -166,7 +167,7 @@ def _plans_issued(history: list[Any]) -> list[dict[str, Any]]:
     return [{"window": int(d.window), "kv_gpu_blocks": int(d.split.kv_blocks), "expert_slots": int(sum(d.split.slots)),
              "batch_tokens": round(float(d.batch_tokens), 2), "predicted_step_ms": round(float(d.step_ms), 3),
              "reason": str(d.reason)[:REASON_CHARS]}
-            for d in history if getattr(getattr(d, "outcome", None), "value", "") == "issued"]
+            for d in history if d.outcome is DecisionOutcome.ISSUED]
 
 
 class _Hold:

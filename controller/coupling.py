@@ -58,6 +58,7 @@ from tierplan.controller.valuation import (
     assemble,
     expert_groups,
     kv_grid,
+    layer_options,
     layer_stall_ms,
     migration_ms_per_unit,
     prefix_hit_share,
@@ -192,11 +193,7 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
     groups.append(Group("GPU KV", (Option(units_for_bytes(gpu_blocks * space.kv_block_bytes, unit), t.kv_ms,
                                           label=f"{gpu_blocks} KV blocks"),), None, GroupKind.KV))
     problem = assemble(groups, cost, space, t.step_ms, horizon_steps)
-    move_ms = 0.0
-    if current_kv is not None:
-        moved = abs(units_for_bytes(gpu_blocks * space.kv_block_bytes, unit) -
-                    units_for_bytes(current_kv * space.kv_block_bytes, unit))
-        move_ms = problem.migration_ms_per_unit * moved
+    move_ms = _kv_move_ms(space, problem.migration_ms_per_unit, gpu_blocks, current_kv)
     val = Valuation(problem, tuple(slot_counts), (gpu_blocks,), t.step_ms, tuple(stalls), (t.batch_tokens,),
                     ((t.step_ms, tuple(stalls)),))
     return val, t.batch_tokens, t.served, move_ms
@@ -208,20 +205,38 @@ def _expert_arrays(misses: np.ndarray, cost: CostModel, space: SplitSpace, curre
     """Every MoE layer's options as arrays straight from the curves `misses` [M, E + 1] (no Group objects, no
     link bytes): stall + `served` x migration, so that read / served the stall is per token served and the
     migration stays what it is, as in the exact problem."""
-    unit = space.unit_bytes
     arrs, lays = [], []
     for m, curve in enumerate(misses):
-        lo, hi = slot_range(space, m, len(curve) - 1)
-        counts = np.arange(lo, hi + 1)
-        units = -(-(counts * space.slot_bytes) // unit)  # units_for_bytes, vectorised
-        stall = space.stall_weight * layer_stall_ms(cost, (1 - recall) * curve[counts], recall * curve[counts],
-                                                    0.0, step_ms)
-        if current_slots is not None and lo <= current_slots[m] <= hi:
-            stall = stall + served * move_ms_per_unit * np.abs(units - units[current_slots[m] - lo])
+        counts, units, _, stall = layer_options(curve, cost, space, m, step_ms, recall)
+        cost_ms = space.stall_weight * stall
+        if current_slots is not None and counts[0] <= current_slots[m] <= counts[-1]:
+            cost_ms = cost_ms + served * move_ms_per_unit * np.abs(units - units[current_slots[m] - counts[0]])
         index = np.arange(units.size)
-        arrs.append(GroupArrays(units, stall, np.zeros(units.size)))
+        arrs.append(GroupArrays(units, cost_ms, np.zeros(units.size)))
         lays.append(Layout(units, index, index, units))
     return arrs, lays
+
+
+def _slot_move_ms(space: SplitSpace, move_ms_per_unit: float, slots: np.ndarray, ranges: np.ndarray,
+                  current_slots: tuple[int, ...] | None) -> float:
+    """Moving each MoE layer from its current slot count to `slots` [M], per step. `ranges` [M, 2] holds each
+    layer's slot range: a layer whose current count is outside it pays nothing, as in the exact problem."""
+    if current_slots is None:
+        return 0.0
+    cur = np.asarray(current_slots)
+    ok = (cur >= ranges[:, 0]) & (cur <= ranges[:, 1])
+    unit = space.unit_bytes
+    moved = np.abs(-(-(slots * space.slot_bytes) // unit) - -(-(cur * space.slot_bytes) // unit))
+    return move_ms_per_unit * float(moved[ok].sum())
+
+
+def _kv_move_ms(space: SplitSpace, move_ms_per_unit: float, gpu_blocks: int, current_kv: int | None) -> float:
+    """Moving the GPU KV share from the current one to `gpu_blocks`, per step of the plan's horizon."""
+    if current_kv is None:
+        return 0.0
+    unit = space.unit_bytes
+    return move_ms_per_unit * abs(units_for_bytes(gpu_blocks * space.kv_block_bytes, unit) -
+                                  units_for_bytes(current_kv * space.kv_block_bytes, unit))
 
 
 def share_grid(fc: DemandForecast, space: SplitSpace, current_kv: int | None) -> list[int]:
@@ -238,15 +253,17 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
     unit = space.unit_bytes
     best_hits = prefix_hit_share(fc, grid[-1])
     terms = [_terms(fc, cost, space, g, best_hits) for g in grid]
-    by_bucket: dict[tuple[float, float], list[int]] = {}
+    by_band: dict[tuple[float, float], list[int]] = {}
     for i, t in enumerate(terms):
-        by_bucket.setdefault(_band(fc, t.batch_tokens), []).append(i)
+        by_band.setdefault(_band(fc, t.batch_tokens), []).append(i)
     capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
     recall = space.prefetch_recall if fc.prefetch_recall is None else fc.prefetch_recall
     move = migration_ms_per_unit(cost, space, horizon_steps)
-    cur_units = None if current_kv is None else units_for_bytes(current_kv * space.kv_block_bytes, unit)
+    num_experts = len(fc.misses_per_step[0]) - 1
+    layers = np.arange(len(fc.misses_per_step))
+    ranges = np.array([slot_range(space, int(m), num_experts) for m in layers])  # [M, 2] each layer's slot range
     out = [float("inf")] * len(grid)
-    for (lo, hi), members in by_bucket.items():
+    for (lo, hi), members in by_band.items():
         low, high = np.asarray(_anchor(fc, lo)[0]), np.asarray(_anchor(fc, hi)[0])  # [M, E + 1]
 
         def at(batch: float, low: np.ndarray = low, high: np.ndarray = high, lo: float = lo, hi: float = hi
@@ -267,11 +284,12 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
             # so an upper bound on this share's best, and close to it where the curves move little.
             choice = backtrack(arrs, lays, tables, 0.0, left)
             assert choice is not None
-            own = _expert_arrays(at(terms[i].batch_tokens), cost, space, current_slots, terms[i].step_ms, recall,
-                                 move, terms[i].served)[0]
-            experts_ms = sum(float(a.cost_ms[j]) for a, j in zip(own, choice, strict=True))
-            kv_move = 0.0 if cur_units is None else move * abs(kv_units - cur_units)
-            out[i] = experts_ms / terms[i].served + terms[i].kv_ms + kv_move
+            t, slots = terms[i], ranges[:, 0] + np.asarray(choice)
+            misses = at(t.batch_tokens)[layers, slots]  # [M] each layer's loads at its chosen slot count
+            stall_ms = space.stall_weight * float(layer_stall_ms(cost, (1 - recall) * misses, recall * misses, 0.0,
+                                                                 t.step_ms).sum())
+            out[i] = stall_ms / t.served + _slot_move_ms(space, move, slots, ranges, current_slots) + t.kv_ms + \
+                _kv_move_ms(space, move, grid[i], current_kv)
     return out
 
 

@@ -205,19 +205,18 @@ class DemandModel:
         bucket = batch_bucket(batch)
         misses, unions, measured = [], [], True
         num_moe = len(self.moe_layers)
+        at = ({b: [self._measured(m, b) for m in range(num_moe)] for b in BATCH_BUCKETS}
+              if source is CurveSource.MISS_RATIO else {})  # bucket -> per layer (curve, union) or None
         for m in range(num_moe):
-            got = self._measured(m, bucket) if source is CurveSource.MISS_RATIO else None
+            got = at[bucket][m] if at else None
             if got is None:
                 got = frequency_curve(self._token_probs(m), batch)
                 measured = False
             misses.append(tuple(float(x) for x in got[0]))
             unions.append(got[1])
-        buckets = []
-        for b in BATCH_BUCKETS if source is CurveSource.MISS_RATIO else ():
-            at = [self._measured(m, b) for m in range(num_moe)]
-            if all(x is not None for x in at):
-                buckets.append(BucketCurves(b, tuple(tuple(float(v) for v in x[0]) for x in at if x is not None),
-                                            tuple(x[1] for x in at if x is not None)))
+        buckets = [BucketCurves(b, tuple(tuple(float(v) for v in x[0]) for x in row if x is not None),
+                                tuple(x[1] for x in row if x is not None))
+                   for b, row in at.items() if all(x is not None for x in row)]
         probs = tuple(tuple(float(v) for v in self._token_probs(m)) for m in range(num_moe))
         hot = tuple(tuple(int(e) for e in np.argsort(-self.freq[m], kind="stable"))
                     for m in range(len(self.moe_layers)))

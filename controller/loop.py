@@ -260,7 +260,7 @@ class Controller:
                 return self._issue(cur, fc, f"kept split ({why}): {reason}", val, retention, choice)
             now.history.append(Decision(Outcome.HELD, now.plan.version if now.plan else 0, fc.num_windows,
                                         fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"kept ({why}): {reason}",
-                                        self._step_ms(val, choice)))
+                                        val.predicted_step_ms(choice)))
             return None
         reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand) + self._shadow_note()
         if cur is not None:
@@ -281,7 +281,7 @@ class Controller:
         self.state.record_issued(plan)
         now.forecast = fc
         now.history.append(Decision(Outcome.ISSUED, plan.version, fc.num_windows, fc.batch_tokens,
-                                    fc.kv_live_blocks, split, cost_ms, plan.reason, self._step_ms(val, choice)))
+                                    fc.kv_live_blocks, split, cost_ms, plan.reason, val.predicted_step_ms(choice)))
         return plan
 
     def _retention_bound(self) -> int:
@@ -299,11 +299,6 @@ class Controller:
 
     def _shadow_note(self) -> str:
         return "" if self.shadow is None else f"; {self.shadow.describe()}"
-
-    @staticmethod
-    def _step_ms(val: Valuation, choice: tuple[int, ...]) -> float:
-        """The cost model's step time for a split: compute at its batch plus the layers' (unweighted) stalls."""
-        return val.predicted_step_ms(choice)
 
     def _choice_of(self, val: Valuation, split: Split) -> tuple[int, ...] | None:
         choice = []

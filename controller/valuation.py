@@ -156,21 +156,26 @@ def prefix_hit_share(forecast: DemandForecast, gpu_blocks: int) -> float:
     return bisect.bisect_right(ages, horizon_s) / len(ages)
 
 
+def layer_options(curve: tuple[float, ...] | np.ndarray, cost: CostModel, space: SplitSpace, m: int, step_ms: float,
+                  recall: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """MoE layer `m`'s options from its miss curve [E + 1]: (slot counts, their HBM units, loads per step, the
+    unweighted stall each costs), each [J]: what the exact problem's groups and the coupled screen both price."""
+    lo, hi = slot_range(space, m, len(curve) - 1)
+    counts = np.arange(lo, hi + 1)
+    units = -(-(counts * space.slot_bytes) // space.unit_bytes)  # units_for_bytes, vectorised
+    misses = np.asarray(curve)[counts]
+    return counts, units, misses, layer_stall_ms(cost, (1 - recall) * misses, recall * misses, 0.0, step_ms)
+
+
 def expert_groups(misses_per_step: tuple[tuple[float, ...], ...], cost: CostModel, space: SplitSpace,
                   current_slots: tuple[int, ...] | None, step_ms: float, recall: float, scale: float = 1.0
                   ) -> tuple[list[Group], list[tuple[int, ...]], list[tuple[float, ...]]]:
     """One group per MoE layer from its miss curve: (groups, slot counts [M][J], unweighted stalls [M][J]).
     `scale` multiplies the groups' costs (a coupled valuation's steps per token served), not the stalls."""
-    unit = space.unit_bytes
-    num_experts = len(misses_per_step[0]) - 1
     groups, slot_counts, stalls = [], [], []
     for m, curve in enumerate(misses_per_step):
-        lo, hi = slot_range(space, m, num_experts)
-        counts = np.arange(lo, hi + 1)  # [J] slot counts
-        units = np.array([units_for_bytes(int(s) * space.slot_bytes, unit) for s in counts])  # [J]
+        counts, units, misses, stall = layer_options(curve, cost, space, m, step_ms, recall)
         labels = [f"{s} slots" for s in counts]
-        misses = np.asarray(curve)[counts]  # [J] loads per step
-        stall = layer_stall_ms(cost, (1 - recall) * misses, recall * misses, 0.0, step_ms)  # [J]
         cur = (int(np.flatnonzero(counts == current_slots[m])[0])
                if current_slots is not None and current_slots[m] in counts else None)
         groups.append(Group.from_arrays(f"MoE layer {m}", units, space.stall_weight * scale * stall, np.rint(

@@ -145,15 +145,14 @@ class MissRatioCurves:
             ids = ids[np.sort(first)]
         self._feeding("steps")
         stack = self._stack(layer, batch)
-        if self.decay:  # a size that stops arriving fades with the real steps, as the one cache forgets it
+        if self.decay:  # every size fades with each real step: one that stops arriving, as the one cache forgets it
             keep = 1.0 - self.decay
             for b in self.batch_sizes:
-                if b != batch:
-                    other = self._stacks[(layer, b)]
-                    other.hist *= keep
-                    other.steps *= keep
-                    other.accesses *= keep
-        stack.access_step(ids, self.decay, self._order[layer])
+                other = self._stacks[(layer, b)]
+                other.hist *= keep
+                other.steps *= keep
+                other.accesses *= keep
+        stack.access_step(ids, 0.0, self._order[layer])
 
     def hit_rate_curve(self, layer: int, batch: int = 1) -> np.ndarray:
         st = self._stack(layer, batch)
