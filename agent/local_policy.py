@@ -229,8 +229,9 @@ class LocalPolicy:
         with self._lock:
             layer = key[0]
             cap = self._caps.get(layer)
-            num_loading = sum(1 for p in self._pending if p.job.key[0] == layer and not p.fut.done())
-            at_cap = cap is not None and len(self.pool.resident_experts(layer)) + num_loading >= cap
+            # The slots the layer holds (loading, resident or being evicted), as the pool checks its limit: loads
+            # this policy did not queue (the layer-ahead predictor's, demand misses) hold one too.
+            at_cap = cap is not None and self.pool.num_bound(layer) >= cap
             if not at_cap and self.pool.num_free_slots > 0:
                 return True
             cands = self._evictable((k for k in self.experts.residents_lru() if not at_cap or k[0] == layer),

@@ -59,8 +59,8 @@ from tierplan.controller.valuation import (
     expert_groups,
     kv_grid,
     layer_options,
-    layer_stall_ms,
     migration_ms_per_unit,
+    option_stall_ms,
     prefix_hit_share,
     recompute_ms,
     slot_range,
@@ -200,14 +200,14 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
 
 
 def _expert_arrays(misses: np.ndarray, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
-                   step_ms: float, recall: float, move_ms_per_unit: float, served: float
+                   step_ms: float, recall: float, move_ms_per_unit: float, served: float, union: np.ndarray
                    ) -> tuple[list[GroupArrays], list[Layout]]:
     """Every MoE layer's options as arrays straight from the curves `misses` [M, E + 1] (no Group objects, no
     link bytes): stall + `served` x migration, so that read / served the stall is per token served and the
-    migration stays what it is, as in the exact problem."""
+    migration stays what it is, as in the exact problem. `union` [M]: the unions the chunking price reads."""
     arrs, lays = [], []
     for m, curve in enumerate(misses):
-        counts, units, _, stall = layer_options(curve, cost, space, m, step_ms, recall)
+        counts, units, _, stall = layer_options(curve, cost, space, m, step_ms, recall, float(union[m]))
         cost_ms = space.stall_weight * stall
         if current_slots is not None and counts[0] <= current_slots[m] <= counts[-1]:
             cost_ms = cost_ms + served * move_ms_per_unit * np.abs(units - units[current_slots[m] - counts[0]])
@@ -272,8 +272,11 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
             return (1 - w) * low + w * high
 
         mid = terms[members[len(members) // 2]]
+        # Chunking priced at the band's largest union: the split then holds it at every share of the band, so
+        # re-priced at a larger share's batch it does not fall into chunks the middle share did not see.
+        union = at(max(terms[i].batch_tokens for i in members))[:, 0]
         arrs, lays = _expert_arrays(at(mid.batch_tokens), cost, space, current_slots, mid.step_ms, recall, move,
-                                    mid.served)
+                                    mid.served, union)
         tables = tables_of(arrs, lays, 0.0, capacity)
         for i in members:
             kv_units = units_for_bytes(grid[i] * space.kv_block_bytes, unit)
@@ -285,9 +288,10 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
             choice = backtrack(arrs, lays, tables, 0.0, left)
             assert choice is not None
             t, slots = terms[i], ranges[:, 0] + np.asarray(choice)
-            misses = at(t.batch_tokens)[layers, slots]  # [M] each layer's loads at its chosen slot count
-            stall_ms = space.stall_weight * float(layer_stall_ms(cost, (1 - recall) * misses, recall * misses, 0.0,
-                                                                 t.step_ms).sum())
+            curves = at(t.batch_tokens)
+            misses = curves[layers, slots]  # [M] each layer's loads at its chosen slot count
+            stall_ms = space.stall_weight * float(option_stall_ms(cost, misses, curves[:, 0], slots, recall,
+                                                                  t.step_ms).sum())
             out[i] = stall_ms / t.served + _slot_move_ms(space, move, slots, ranges, current_slots) + t.kv_ms + \
                 _kv_move_ms(space, move, grid[i], current_kv)
     return out

@@ -146,6 +146,22 @@ def layer_stall_ms(cost: CostModel, num_missed: np.ndarray, num_streamed: np.nda
     return np.maximum(0.0, num_streamed * one_ms - window_ms) + num_missed * one_ms
 
 
+def option_stall_ms(cost: CostModel, misses: np.ndarray, union: np.ndarray | float, counts: np.ndarray,
+                    recall: float, step_ms: float) -> np.ndarray:
+    """Each option's unweighted stall: `layer_stall_ms` of its `misses` (the prefetched `recall` share streamed),
+    plus, where its slot count s is below the `union` u of experts a step needs, the share 1 - s/u of those loads
+    once more. The engine then computes the layer in chunks of s, one after another: each chunk after the first
+    makes room by evicting what the one before it read, so the host waits for that compute before it issues the
+    chunk's loads, and nothing overlaps them. A miss curve below the union is nearly flat, so without this the
+    solver starves whole layers to pay for the rest. H200 phase run 05's diagnostic (`bench/results/
+    phase_h200.md`): three layers at 8 slots against a ~22-expert union cost ~2.6 ms a layer-step beyond the same
+    misses at 34-48 slots; this prices it at 0.64 of their ~3.8 ms of loads, 2.4 ms."""
+    stall = layer_stall_ms(cost, (1 - recall) * misses, recall * misses, 0.0, step_ms)
+    chunked = layer_stall_ms(cost, misses, np.zeros_like(misses), 0.0, step_ms)
+    u = np.maximum(np.asarray(union, dtype=float), 1e-9)
+    return stall + chunked * np.clip(1.0 - counts / u, 0.0, 1.0)
+
+
 def prefix_hit_share(forecast: DemandForecast, gpu_blocks: int) -> float:
     """Share of the prefix reuses an LRU GPU share of `gpu_blocks` keeps: a block reused after `age` hits while
     fewer than `gpu_blocks` others were touched since (characteristic time gpu_blocks / touch rate)."""
@@ -157,14 +173,16 @@ def prefix_hit_share(forecast: DemandForecast, gpu_blocks: int) -> float:
 
 
 def layer_options(curve: tuple[float, ...] | np.ndarray, cost: CostModel, space: SplitSpace, m: int, step_ms: float,
-                  recall: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                  recall: float, union: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """MoE layer `m`'s options from its miss curve [E + 1]: (slot counts, their HBM units, loads per step, the
-    unweighted stall each costs), each [J]: what the exact problem's groups and the coupled screen both price."""
+    unweighted stall each costs), each [J]: what the exact problem's groups and the coupled screen both price.
+    `union`: the step's union the chunking price reads (default: the curve's loads with no slot, curve[0])."""
     lo, hi = slot_range(space, m, len(curve) - 1)
     counts = np.arange(lo, hi + 1)
     units = -(-(counts * space.slot_bytes) // space.unit_bytes)  # units_for_bytes, vectorised
     misses = np.asarray(curve)[counts]
-    return counts, units, misses, layer_stall_ms(cost, (1 - recall) * misses, recall * misses, 0.0, step_ms)
+    u = float(curve[0]) if union is None else union
+    return counts, units, misses, option_stall_ms(cost, misses, u, counts, recall, step_ms)
 
 
 def expert_groups(misses_per_step: tuple[tuple[float, ...], ...], cost: CostModel, space: SplitSpace,

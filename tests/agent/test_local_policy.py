@@ -147,3 +147,21 @@ def test_install_refuses_what_the_pool_cannot_hold_and_changes_nothing(agent: Ag
     with pytest.raises(ConfigError, match="prefetch"):
         policy.install(caps={}, eviction={}, pinned=(), prefetch=[PrefetchJob((0, 8), Priority.LOW, 1.0)])
     assert policy.snapshot() == before
+
+
+def test_make_room_counts_a_layer_s_loads_it_did_not_start_against_the_cap(agent: Agent) -> None:
+    """A load in flight that the policy did not queue (the layer-ahead predictor's, a demand miss) holds a slot of
+    its layer: at the cap, room means an eviction, or the load it makes room for is refused by the pool (H200
+    phase run 05's diagnostic: 7,617 of the predictor's loads failed so)."""
+    eng, policy = agent.engine, agent.policy
+    fill(agent, {0: [0]})
+    policy.install(caps={0: 2}, eviction={}, pinned=(), prefetch=())
+    eng.pool.limits.set({0: 2})
+    eng.pool.prepare_load(0, 3)  # loading, bound to a slot, not resident
+    try:
+        assert policy.make_room((0, 5))
+        assert eng.pool.resident_experts(0) == []  # (0, 0) made the room
+        assert policy.stats()["evicted_for_room"] == 1
+        eng.experts.load_async(0, 5).wait(timeout_s=30)  # the pool takes it now
+    finally:
+        eng.pool.complete_load(0, 3, ok=False)

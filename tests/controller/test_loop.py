@@ -43,7 +43,9 @@ def test_split_moves_to_kv_when_context_grows_and_back_when_it_falls() -> None:
     kv = [p.kv_blocks_per_tier[Tier.GPU] for p in plans]
     experts = [sum(p.expert_bytes_per_layer) // SLOT_BYTES for p in plans]
     peak = int(np.argmax(kv))
-    assert kv[0] == KV_MIN and kv[peak] > 40 and experts[peak] < experts[0]
+    # Not all 70 wanted blocks: at 16 tokens a step a layer needs ~6 of its 8 experts, and below that it would
+    # compute in chunks (valuation.option_stall_ms), so the experts keep 5 a layer.
+    assert kv[0] == KV_MIN and kv[peak] > 3 * KV_MIN and experts[peak] < experts[peak - 1]
     assert kv[-1] < kv[peak] and experts[-1] > experts[peak]  # the load fell: experts get the HBM back
     assert "KV GPU blocks" in plans[peak].reason and "HBM budget binding" in plans[peak].reason
 

@@ -10,9 +10,17 @@ import numpy as np
 import pytest
 
 from tests.controller.loop_fixtures import BUDGET_BYTES, KV_MAX, KV_MIN, Windows, make_controller
-from tierplan.controller.optimizer.problem import GroupKind
+from tierplan.controller.optimizer import solve
+from tierplan.controller.optimizer.problem import GroupKind, SplitProblem
 from tierplan.controller.protocol import PrefetchCounts, ReuseEvent
-from tierplan.controller.valuation import build_problem, kv_cost_ms, layer_stall_ms, prefix_hit_share
+from tierplan.controller.valuation import (
+    build_problem,
+    expert_groups,
+    kv_cost_ms,
+    layer_stall_ms,
+    option_stall_ms,
+    prefix_hit_share,
+)
 
 
 def _valuation(kv_demand: float, link_inf: bool = False, monkeypatch: pytest.MonkeyPatch | None = None):
@@ -138,3 +146,26 @@ def test_the_link_floor_is_the_exact_least_whether_or_not_the_experts_all_fit(mo
         assert val.problem.link_budget_bytes_per_step == max(own, exact), units
         floors.append(exact)
     assert floors[0] == 0 < floors[-1], floors  # both paths were taken
+
+
+def test_a_layer_below_its_step_union_pays_for_its_chunks_and_is_not_starved() -> None:
+    """Below the union u of experts a step needs, a layer computes in chunks of s slots, each waiting for its own
+    loads: 1 - s/u of them are priced once more. An LRU curve is nearly flat below u, so without that price
+    the solver starves one layer to the floor to give the other all it wants (H200 phase run 05: three of
+    eight layers at 8 slots against a ~22-expert union)."""
+
+    ctl = make_controller()
+    cost, step_ms = ctl.cost, 10.0
+    e, u = 64, 20.0
+    # LRU-like: nearly flat below the union, then falling linearly to no load with every expert resident.
+    curve = np.array([u - 0.1 * s if s < u else (u - 2.0) * (e - s) / (e - u) for s in range(e + 1)])
+    counts = np.arange(e + 1)
+    plain = layer_stall_ms(cost, curve, np.zeros(e + 1), 0.0, step_ms)
+    priced = option_stall_ms(cost, curve, u, counts, 0.0, step_ms)
+    assert priced[20:] == pytest.approx(plain[20:])  # at or above the union: no chunk
+    assert priced[5] == pytest.approx(plain[5] * (1.0 + 0.75))  # four chunks: three quarters of the loads again
+    space = dataclasses.replace(ctl.config.space, min_slots_per_layer=4, slot_bytes=ctl.config.space.unit_bytes)
+    groups, slot_counts, _ = expert_groups((tuple(curve), tuple(curve)), cost, space, None, step_ms, 0.0)
+    problem = SplitProblem(tuple(groups), capacity_units=64, unit_bytes=space.unit_bytes)  # 64 slots for both
+    chosen = sorted(slot_counts[m][i] for m, i in enumerate(solve(problem).choice))
+    assert chosen[0] >= u  # each layer holds its union (without the price: [4, 60], 21.2 loads a step vs 26.2)
