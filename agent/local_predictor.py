@@ -5,7 +5,7 @@ table (`controller.protocol.LocalPredictor`) and a prefetch byte budget per step
 router's route hook: when MoE layer l has routed the step's tokens, it scores layer l+1's experts from the
 table (per token, the best successor probability over its experts; over the step, 1 - prod(1 - p)) and
 prefetches those at or above the table's `min_score`, most likely first, through the expert provider's
-loader (`load_async`, room made by the local policy's `make_room`, so the plan's caps and pins hold), while
+loader (`load_async`, room made by the local policy's `make_rooms`, so the plan's caps and pins hold), while
 layer l computes. It never spends more than the plan's bytes per step, and counts what it issued, skipped (and
 why) and wasted (prefetched for a step whose layer then did not need it).
 
@@ -130,17 +130,18 @@ class LayerAheadPredictor:
         protect = frozenset({(m, e) for e in union})
         wanted = [int(e) for e in np.argsort(-score, kind="stable") if score[e] >= self.min_score]
         protect |= {(m_next, e) for e in wanted}
+        todo = []
         for e in wanted:
-            state = self.experts.pool.state(m_next, e)
-            if state is not ExpertState.ABSENT:
+            if self.experts.pool.state(m_next, e) is not ExpertState.ABSENT:
                 self.counts["skipped_resident"] += 1
-                continue
-            if self._spent_bytes + self.stride_bytes > self.budget_bytes:
+            elif self._spent_bytes + (len(todo) + 1) * self.stride_bytes > self.budget_bytes:
                 self.counts["skipped_budget"] += 1
-                continue
-            if not self.policy.make_room((m_next, e), protect=protect):
-                self.counts["skipped_no_slot"] += 1
-                continue
+            else:
+                todo.append(e)
+        # Room for the whole list at once, most likely first (one ranking of the candidates, not one per load).
+        room = self.policy.make_rooms(m_next, len(todo), protect=protect)
+        self.counts["skipped_no_slot"] += len(todo) - room
+        for e in todo[:room]:
             try:
                 self.experts.load_async(m_next, e, priority=Priority.HIGH)
             except RuntimeTierError:

@@ -165,3 +165,19 @@ def test_make_room_counts_a_layer_s_loads_it_did_not_start_against_the_cap(agent
         eng.experts.load_async(0, 5).wait(timeout_s=30)  # the pool takes it now
     finally:
         eng.pool.complete_load(0, 3, ok=False)
+
+
+def test_make_rooms_frees_a_whole_list_at_once_by_the_plan_s_order(agent: Agent) -> None:
+    """The layer-ahead predictor's room for all its loads into one layer, ranked once: past the cap the layer's own
+    residents go (plan-ranked first), the rest take free slots, then any layer's victims; fewer when they run out."""
+    eng, policy = agent.engine, agent.policy
+    fill(agent, {0: [0, 1, 2], 1: [0, 1, 2, 3]})  # 7 of 8 slots
+    policy.install(caps={0: 3}, eviction={0: (2,)}, pinned={(1, 0)}, prefetch=())
+    eng.pool.limits.set({0: 3})
+    assert policy.make_rooms(0, 2) == 2  # the cap: two of layer 0's own go, plan-ranked (0, 2) first
+    assert eng.pool.resident_experts(0) == [1] and eng.pool.num_free_slots == 3
+    assert policy.make_rooms(1, 4) == 4  # no cap: 3 free slots and one victim (the LRU one, (0, 1))
+    assert eng.pool.resident_experts(0) == [] and eng.pool.num_free_slots == 4
+    protect = frozenset((1, e) for e in range(4))
+    assert policy.make_rooms(1, 6, protect=protect) == 4  # only free slots left: (1, 0) is pinned, the rest kept
+    assert policy.stats()["evicted_for_room"] == 3
