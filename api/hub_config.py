@@ -71,7 +71,8 @@ def controller_config(reg: AgentRegistration, knobs: PolicyKnobs) -> ControllerC
                             kv_nvme_blocks=split.kv_nvme_blocks, solver=Solver(knobs.solver.value),
                             hysteresis=knobs.hysteresis, cooldown_windows=knobs.cooldown_windows,
                             horizon_steps=knobs.horizon_steps, top_m=knobs.top_m, min_prob=knobs.min_prob,
-                            min_score=knobs.min_score, pin_frac=knobs.pin_frac, calibrate=knobs.calibrate,
+                            min_score=knobs.min_score, min_prefetch_precision=knobs.min_prefetch_precision,
+                            pin_frac=knobs.pin_frac, calibrate=knobs.calibrate,
                             pinned_experts=knobs.pinned_experts, predictor=CurveSource(knobs.predictor.value),
                             shadow_predictor=shadow, auto_promote=knobs.auto_promote, compute=compute,
                             batch_coupling=knobs.batch_coupling)

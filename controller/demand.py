@@ -58,6 +58,7 @@ class DemandForecast:
     reuse_ages_s: tuple[float, ...] = ()  # recent reuse ages, ascending (how long since each block was touched)
     touch_blocks_per_s: float = 0.0  # KV blocks touched per second (new and reused): LRU's clock
     prefetch_recall: float | None = None  # measured share of needed loads the local predictor brought ahead
+    prefetch_precision: float | None = None  # measured share of its prefetches that their layer used
     token_probs: tuple[tuple[float, ...], ...] = ()  # [M][E] P(a token routes to each expert): curves at any batch
     curve_batch: float = 0.0  # the batch `misses_per_step` describes: its bucket when measured (0: batch_tokens)
     bucket_curves: tuple[BucketCurves, ...] = ()  # measured LRU curves at every batch bucket with enough steps
@@ -112,6 +113,7 @@ class DemandModel:
         self.touch_blocks_per_s: float | None = None
         self.prefetch_useful = 0.0  # decayed, over windows that ran a table
         self.prefetch_missed = 0.0
+        self.prefetch_wasted = 0.0  # decayed prefetches whose layer did not use them
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else self.ewma * new + (1 - self.ewma) * old
@@ -170,10 +172,16 @@ class DemandModel:
         self.kv_gpu = float(blocks.get(Tier.GPU, 0))
         self.kv_swapped = float(blocks.get(Tier.CPU, 0) + blocks.get(Tier.NVME, 0))
         self._observe_reuse(tel, n)
+        # Every window fades the prefetch evidence, with a table or without: a table withheld for its precision
+        # (loop.py) comes back once what condemned it has faded, and is measured again.
+        self.prefetch_useful *= keep
+        self.prefetch_missed *= keep
+        self.prefetch_wasted *= keep
         pf = tel.local_prefetch
         if pf is not None and pf.table_version > 0:
-            self.prefetch_useful = keep * self.prefetch_useful + pf.useful
-            self.prefetch_missed = keep * self.prefetch_missed + tel.expert_misses
+            self.prefetch_useful += pf.useful
+            self.prefetch_missed += tel.expert_misses
+            self.prefetch_wasted += pf.wasted
         self.num_windows += 1
 
     def _observe_reuse(self, tel: Telemetry, num_steps: int) -> None:
@@ -231,8 +239,12 @@ class DemandModel:
         source = f"measured LRU curves at B~{bucket}" if measured else "activation frequencies"
         return DemandForecast(batch, tuple(misses), tuple(unions), source, live, self.kv_gpu, saturated, hot,
                               self.num_windows, self.reuse_per_step or 0.0, tuple(sorted(self.reuse_ages)),
-                              self.touch_blocks_per_s or 0.0, self._recall(), token_probs=probs,
+                              self.touch_blocks_per_s or 0.0, self._recall(), self._precision(), token_probs=probs,
                               bucket_curves=tuple(buckets), curve_batch=float(bucket) if measured else batch)
+
+    def _precision(self) -> float | None:
+        issued = self.prefetch_useful + self.prefetch_wasted
+        return self.prefetch_useful / issued if issued >= MIN_RECALL_LOADS else None
 
     def _recall(self) -> float | None:
         loads = self.prefetch_useful + self.prefetch_missed

@@ -74,6 +74,9 @@ class ControllerConfig:
     top_m: int = 4  # successors per source expert in the local table
     min_prob: float = 0.05  # successors below this are left out of the table
     min_score: float = 0.5  # the agent prefetches experts scored at least this
+    # The prefetch table is withheld while fewer of the agent's prefetches are used than this (measured): a wasted
+    # one moves an expert and evicts a resident, about what a used one saves (H200 phase run 08: 0.48 used).
+    min_prefetch_precision: float = 0.5
     pin_frac: float = 0.5  # share of a layer's slots pinned to its hottest experts (against LRU scans)
     compute: ComputeParams | None = None  # the cost model's compute prior (None: from the hardware sheet)
     calibrate: bool = True  # fit the cost model to each window; False keeps the priors (deterministic plans)
@@ -234,6 +237,8 @@ class Controller:
         self._fresh = False
         cfg, now = self.config, self._now
         fc = self.demand.forecast(self.predictor)
+        if not self._prefetch_pays(fc):  # no table goes out: nothing is streamed ahead of a layer
+            fc = replace(fc, prefetch_recall=0.0)
         kv_demand = fc.kv_live_blocks
         cur = now.split
         cur_slots, cur_kv = (cur.slots, cur.kv_blocks) if cur else (None, None)
@@ -310,6 +315,9 @@ class Controller:
             return None
         return (*choice, val.kv_blocks.index(split.kv_blocks))
 
+    def _prefetch_pays(self, fc: DemandForecast) -> bool:
+        return fc.prefetch_precision is None or fc.prefetch_precision >= self.config.min_prefetch_precision
+
     def _plan(self, split: Split, fc: DemandForecast, reason: str, val: Valuation, link_bytes: int,
               kv_retention: tuple[str, ...] = ()) -> Plan:
         """The plan of `split` (`link_bytes`: what it streams a step at the batch it was valued at)."""
@@ -324,7 +332,7 @@ class Controller:
             chosen = [*extra, *(e for e in hot if e not in extra)][:num_pin]
             pinned += [ExpertKey(layer=layer, expert=e) for e in chosen]
             evictions.append(LayerEviction(layer=layer, order=tuple(reversed(hot))))  # coldest first
-        rows = self.demand.transition_rows(cfg.top_m, cfg.min_prob)
+        rows = self.demand.transition_rows(cfg.top_m, cfg.min_prob) if self._prefetch_pays(fc) else []
         predictor = (LocalPredictor(version=max(1, self.demand.table_version), top_m=cfg.top_m,
                                     min_score=cfg.min_score, rows=tuple(rows)) if rows else None)
         # Its demand loads at the batch it was valued at (a coupled valuation's, not the observed one).

@@ -241,6 +241,7 @@ class PolicyKnobs(ProtocolModel):
     top_m: int = Field(default=4, ge=1, le=64, strict=True)
     min_prob: Probability = 0.05
     min_score: Probability = 0.5
+    min_prefetch_precision: Probability = 0.5  # the prefetch table is withheld while fewer prefetches are used
     predictor: PredictorChoice = PredictorChoice.MISS_RATIO
     shadow_predictor: PredictorChoice | None = None  # evaluated beside `predictor`, promoted only if better
     auto_promote: bool = False  # promote the shadow when it wins (else only report its score)

@@ -183,3 +183,27 @@ def test_the_forecast_message_says_which_experts_the_horizon_needs() -> None:
     freq = ctl.demand.freq[0]
     ranked = np.argsort(-np.asarray(msg.layers[0].probs), kind="stable")
     assert freq[ranked[0]] == freq.max() and all(0.0 <= p <= 1.0 for p in msg.layers[0].probs)
+
+
+@pytest.mark.parametrize("useful", [3, 7])
+def test_the_prefetch_table_is_withheld_while_most_prefetches_are_wasted(useful: int) -> None:
+    """A wasted prefetch moves an expert and evicts a resident, about what a used one saves, so below
+    `min_prefetch_precision` used no table goes out (nor is any load priced as streamed ahead); the evidence fades
+    with every window, so a withheld table comes back and is measured again."""
+    from tierplan.controller.protocol import PrefetchCounts
+
+    ctl, win = make_controller(), Windows()
+    counts = PrefetchCounts(table_version=1, issued=10, useful=useful, wasted=10 - useful, skipped_resident=0,
+                            skipped_budget=0, skipped_no_slot=0, failed=0)
+    for _ in range(4):
+        ctl.sync_from(win.next(batch=8, kv_live=4).model_copy(update={"local_prefetch": counts}))
+    assert ctl.demand.forecast().prefetch_precision == pytest.approx(useful / 10)
+    plan = ctl.step_next()
+    assert plan is not None
+    if useful < 5:
+        assert plan.local_predictor is None and plan.prefetch_budget_bytes_per_step == 0
+    else:
+        assert plan.local_predictor is not None  # (its byte budget is what the split leaves of the link)
+    for _ in range(16):  # windows without a table: what condemned it fades below the evidence needed
+        ctl.sync_from(win.next(batch=8, kv_live=4).model_copy(update={"local_prefetch": None}))
+    assert ctl.demand.forecast().prefetch_precision is None
