@@ -111,7 +111,7 @@ class DemandModel:
         self.reuse_ages: deque[float] = deque(maxlen=max_reuse_ages)
         self.reuse_per_step: float | None = None
         self.touch_blocks_per_s: float | None = None
-        self.prefetch_useful = 0.0  # decayed, over windows that ran a table
+        self.prefetch_useful = 0.0  # decayed every window; counted over windows that ran a table
         self.prefetch_missed = 0.0
         self.prefetch_wasted = 0.0  # decayed prefetches whose layer did not use them
 

@@ -278,8 +278,11 @@ class Controller:
         if st.last_issued_rejected():
             reason = (f"replaces plan {st.issued_version}, rejected by an agent "
                       f"({st.rejected[st.issued_version].value}); {reason}")
-        note = retention.describe()
-        if note:  # the retention clause is kept whole: a long reason gives way before it
+        withheld = "" if self._prefetch_pays(fc) else (
+            f"prefetch table withheld: {fc.prefetch_precision:.0%} of the agent's prefetches used "
+            f"(< {self.config.min_prefetch_precision:.0%})")
+        note = "; ".join(n for n in (withheld, retention.describe()) if n)
+        if note:  # these clauses are kept whole: a long reason gives way before them
             reason = f"{reason[:MAX_REASON_CHARS - len(note) - 2]}; {note}"
         cost_ms, _, link_bytes = evaluate(val.problem, choice)
         plan = self._plan(split, fc, reason, val, link_bytes, retention.hashes)

@@ -153,7 +153,7 @@ def option_stall_ms(cost: CostModel, misses: np.ndarray, union: np.ndarray | flo
     once more. The engine then computes the layer in chunks of s, one after another: each chunk after the first
     makes room by evicting what the one before it read, so the host waits for that compute before it issues the
     chunk's loads, and nothing overlaps them. A miss curve below the union is nearly flat, so without this the
-    solver starves whole layers to pay for the rest. H200 phase run 05's diagnostic (`bench/results/
+    solver starves whole layers to pay for the rest. H200 phase run 06's diagnostic (`bench/results/
     phase_h200.md`): three layers at 8 slots against a ~22-expert union cost ~2.6 ms a layer-step beyond the same
     misses at 34-48 slots; this prices it at 0.64 of their ~3.8 ms of loads, 2.4 ms."""
     stall = layer_stall_ms(cost, (1 - recall) * misses, recall * misses, 0.0, step_ms)

@@ -152,7 +152,7 @@ def test_install_refuses_what_the_pool_cannot_hold_and_changes_nothing(agent: Ag
 def test_make_room_counts_a_layer_s_loads_it_did_not_start_against_the_cap(agent: Agent) -> None:
     """A load in flight that the policy did not queue (the layer-ahead predictor's, a demand miss) holds a slot of
     its layer: at the cap, room means an eviction, or the load it makes room for is refused by the pool (H200
-    phase run 05's diagnostic: 7,617 of the predictor's loads failed so)."""
+    phase run 06's diagnostic: 7,617 of the predictor's loads failed so)."""
     eng, policy = agent.engine, agent.policy
     fill(agent, {0: [0]})
     policy.install(caps={0: 2}, eviction={}, pinned=(), prefetch=())

@@ -202,6 +202,7 @@ def test_the_prefetch_table_is_withheld_while_most_prefetches_are_wasted(useful:
     assert plan is not None
     if useful < 5:
         assert plan.local_predictor is None and plan.prefetch_budget_bytes_per_step == 0
+        assert "prefetch table withheld: 30% of the agent's prefetches used (< 50%)" in plan.reason
     else:
         assert plan.local_predictor is not None  # (its byte budget is what the split leaves of the link)
     for _ in range(16):  # windows without a table: what condemned it fades below the evidence needed
