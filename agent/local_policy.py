@@ -226,44 +226,37 @@ class LocalPolicy:
         """Free a slot `key` may take without passing its layer's cap, evicting by the plan's order.
 
         False (nothing changed) when no slot is free and every candidate is pinned or protected."""
-        with self._lock:
-            layer = key[0]
-            cap = self._caps.get(layer)
-            # The slots the layer holds (loading, resident or being evicted), as the pool checks its limit: loads
-            # this policy did not queue (the layer-ahead predictor's, demand misses) hold one too.
-            at_cap = cap is not None and self.pool.num_bound(layer) >= cap
-            if not at_cap and self.pool.num_free_slots > 0:
-                return True
-            cands = self._evictable((k for k in self.experts.residents_lru() if not at_cap or k[0] == layer),
-                                    protect | {key})
-            if not cands:
-                return False
-            self.experts.evict(*self._rank(cands)[0])
-            self._counts["evicted_for_room"] += 1
-            return True
+        return self.make_rooms(key[0], 1, protect | {key}) == 1
 
     def make_rooms(self, layer: int, num: int, protect: frozenset[Key] = frozenset()) -> int:
         """`make_room` for `num` loads into `layer` at once, the candidates listed and ranked once (per load,
         each call walks every resident: H200 phase run 08 profiled ~0.3 ms a call on the engine thread). The
-        loads past the layer's cap replace its own residents, the rest take free slots or any layer's victims,
-        both by the plan's order; returns how many of the `num` loads may start (fewer when candidates run out)."""
+        slots the layer holds (loading, resident or being evicted, as the pool checks its limit: loads this
+        policy did not queue hold one too) past its cap are freed from its own residents, the rest from free
+        slots or any layer's victims, both by the plan's order. Returns how many of the `num` loads may start
+        (fewer when candidates run out), and evicts nothing when none may."""
         if num <= 0:
             return 0
         with self._lock:
             cap = self._caps.get(layer)
-            own_needed = 0 if cap is None else max(0, self.pool.num_bound(layer) + num - cap)
-            free = self.pool.num_free_slots
-            if own_needed == 0 and free >= num:
+            bound, free = self.pool.num_bound(layer), self.pool.num_free_slots
+            if (cap is None or bound + num <= cap) and free >= num:
                 return num
             ranked = self._rank(self._evictable(self.experts.residents_lru(), protect))
-            own = [k for k in ranked if k[0] == layer][:own_needed]
-            ok = max(0, num - own_needed + len(own))  # loads the cap lets in, given the own victims found
-            taken = set(own)
-            others = [k for k in ranked if k not in taken][:max(0, ok - len(own) - free)]
-            ok = min(ok, len(own) + free + len(others))
-            for key in [*own, *others]:
+            own = [k for k in ranked if k[0] == layer]
+
+            def own_for(n: int) -> int:  # the layer's own victims `n` loads need under its cap
+                return 0 if cap is None else max(0, bound + n - cap)
+
+            ok = num if cap is None else max(0, min(num, cap - bound + len(own)))
+            rest = [k for k in ranked if k not in set(own[:own_for(ok)])]
+            ok = min(ok, own_for(ok) + free + len(rest))
+            if ok <= 0:
+                return 0
+            victims = [*own[:own_for(ok)], *rest[:max(0, ok - own_for(ok) - free)]]
+            for key in victims:
                 self.experts.evict(*key)
-            self._counts["evicted_for_room"] += len(own) + len(others)
+            self._counts["evicted_for_room"] += len(victims)
             return ok
 
     # ---- prefetch ---------------------------------------------------------------------------------

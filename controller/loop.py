@@ -261,7 +261,8 @@ class Controller:
             why = decision.reason if decision.action is Action.KEEP else \
                 f"saves {decision.gain_ms:.3g} ms/step, under {floor_ms:.3g} ms ({cfg.hysteresis:.0%} of the step)"
             reason = explain(cur, cur, now.forecast, fc, val, sol, cur_ms, kv_demand) + self._shadow_note()
-            if self._retention_moved(retention):  # the split holds; the plan is re-issued for its KV retention
+            # The split holds; the plan is re-issued for its KV retention, or to withhold or restore the table.
+            if self._retention_moved(retention) or self._table_moved(fc):
                 return self._issue(cur, fc, f"kept split ({why}): {reason}", val, retention, choice)
             now.history.append(Decision(Outcome.HELD, now.plan.version if now.plan else 0, fc.num_windows,
                                         fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"kept ({why}): {reason}",
@@ -320,6 +321,12 @@ class Controller:
 
     def _prefetch_pays(self, fc: DemandForecast) -> bool:
         return fc.prefetch_precision is None or fc.prefetch_precision >= self.config.min_prefetch_precision
+
+    def _table_moved(self, fc: DemandForecast) -> bool:
+        """The plan in force withheld its table and the precision now pays, or the other way round."""
+        plan = self._now.plan
+        return plan is not None and (plan.local_predictor is None) == self._prefetch_pays(fc) and \
+            bool(self.demand.transition_rows(self.config.top_m, self.config.min_prob))
 
     def _plan(self, split: Split, fc: DemandForecast, reason: str, val: Valuation, link_bytes: int,
               kv_retention: tuple[str, ...] = ()) -> Plan:

@@ -208,3 +208,27 @@ def test_the_prefetch_table_is_withheld_while_most_prefetches_are_wasted(useful:
     for _ in range(16):  # windows without a table: what condemned it fades below the evidence needed
         ctl.sync_from(win.next(batch=8, kv_live=4).model_copy(update={"local_prefetch": None}))
     assert ctl.demand.forecast().prefetch_precision is None
+
+
+def test_a_held_split_is_reissued_to_withhold_the_table_once_prefetches_are_wasted() -> None:
+    from tierplan.controller.protocol import PrefetchCounts
+
+    def windows(useful: int, n: int) -> list[Plan]:
+        counts = PrefetchCounts(table_version=1, issued=10, useful=useful, wasted=10 - useful, skipped_resident=0,
+                                skipped_budget=0, skipped_no_slot=0, failed=0)
+        plans = []
+        for _ in range(n):
+            ctl.sync_from(win.next(batch=8, kv_live=4).model_copy(update={"local_prefetch": counts}))
+            if (plan := ctl.step_next()) is not None:
+                plans.append(plan)
+                ctl.record_ack(ack(plan))
+                win.applied = plan.version
+        return plans
+
+    ctl, win = make_controller(hysteresis=0.5), Windows()
+    first = windows(9, 4)
+    assert first and first[-1].local_predictor is not None
+    later = windows(1, 12)  # the same workload: the split holds, the precision falls below 0.5
+    withheld = [p for p in later if p.local_predictor is None]
+    assert withheld and "prefetch table withheld" in withheld[0].reason
+    assert ctl._now.forecast.prefetch_recall == 0.0  # nothing priced as streamed ahead once withheld
