@@ -50,6 +50,10 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _mean_ms(seconds: list[float]) -> float | None:
+    return None if not seconds else sum(seconds) / len(seconds) * 1e3
+
+
 def timing(steps: list[Any]) -> dict[str, float | None]:
     """The measured steps' wall-time figures (module docstring); zeros / None without steps."""
     wall_s = sum(s.cycle_s for s in steps)
@@ -60,8 +64,8 @@ def timing(steps: list[Any]) -> dict[str, float | None]:
     return {"decode_tok_s": tokens / wall_s if wall_s else 0.0,
             "measured_step_ms": wall_s / n * 1e3 if n else 0.0,
             "ms_per_token": wall_s / tokens * 1e3 if tokens else None,
-            "decode_step_ms": sum(decode) / len(decode) * 1e3 if decode else None,
-            "prefill_step_ms": sum(prefill) / len(prefill) * 1e3 if prefill else None,
+            "decode_step_ms": _mean_ms(decode),
+            "prefill_step_ms": _mean_ms(prefill),
             "engine_step_ms": sum(s.step_s for s in steps) / n * 1e3 if n else None,
             "mean_running_batch": sum(s.num_prefills + s.num_decodes for s in steps) / n if n else None,
             "measured_wall_s": wall_s}

@@ -143,6 +143,11 @@ def _band(fc: DemandForecast, batch: float) -> tuple[float, float]:
             min((p for p in points if p >= batch), default=points[-1]))
 
 
+def _log_weight(batch: float, lo: float, hi: float) -> float:
+    """Where `batch` lies between the anchors `lo` and `hi`, linear in log(batch): 0 at or below `lo`, 1 at `hi`."""
+    return 0.0 if hi == lo or batch <= lo else math.log(batch / lo) / math.log(hi / lo)
+
+
 def curves_at(fc: DemandForecast, batch: float) -> tuple[tuple[tuple[float, ...], ...], str]:
     """[M][E + 1] expected loads per step at `batch` tokens per step, and where they come from: between the two
     nearest anchors (`_band`), linear in log(batch). A bucket's curve holds for
@@ -153,7 +158,7 @@ def curves_at(fc: DemandForecast, batch: float) -> tuple[tuple[tuple[float, ...]
     if lo == hi or batch <= lo:
         return low, why_low
     high, why_high = _anchor(fc, hi)
-    w = math.log(batch / lo) / math.log(hi / lo)
+    w = _log_weight(batch, lo, hi)
     mixed = tuple(tuple(float((1 - w) * x + w * y) for x, y in zip(a, b, strict=True))
                   for a, b in zip(low, high, strict=True))
     return mixed, f"{why_low} and {why_high}, at B={batch:.1f} between them"
@@ -268,7 +273,7 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
 
         def at(batch: float, low: np.ndarray = low, high: np.ndarray = high, lo: float = lo, hi: float = hi
                ) -> np.ndarray:
-            w = 0.0 if hi == lo or batch <= lo else math.log(batch / lo) / math.log(hi / lo)
+            w = _log_weight(batch, lo, hi)
             return (1 - w) * low + w * high
 
         mid = terms[members[len(members) // 2]]

@@ -55,12 +55,16 @@ class _Stack:
         self.steps = 0.0
         self.accesses = 0.0
 
-    def access_step(self, union: np.ndarray, decay: float, order: _Recency | None = None) -> None:
-        rec = self.own if order is None else order
+    def fade(self, decay: float) -> None:
+        """Age the histogram and its counts by one step's `decay`."""
         if decay:
             self.hist *= 1.0 - decay
             self.steps *= 1.0 - decay
             self.accesses *= 1.0 - decay
+
+    def access_step(self, union: np.ndarray, decay: float, order: _Recency | None = None) -> None:
+        rec = self.own if order is None else order
+        self.fade(decay)
         self.steps += 1.0
         for e in union.tolist():
             t = rec.last[e]
@@ -145,13 +149,8 @@ class MissRatioCurves:
             ids = ids[np.sort(first)]
         self._feeding("steps")
         stack = self._stack(layer, batch)
-        if self.decay:  # every size fades with each real step: one that stops arriving, as the one cache forgets it
-            keep = 1.0 - self.decay
-            for b in self.batch_sizes:
-                other = self._stacks[(layer, b)]
-                other.hist *= keep
-                other.steps *= keep
-                other.accesses *= keep
+        for b in self.batch_sizes:  # every size fades with each real step (the one cache forgets what stops coming)
+            self._stacks[(layer, b)].fade(self.decay)
         stack.access_step(ids, 0.0, self._order[layer])
 
     def hit_rate_curve(self, layer: int, batch: int = 1) -> np.ndarray:
