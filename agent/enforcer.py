@@ -298,7 +298,7 @@ class Enforcer:
             self.experts.pin(*k)
         for blocks, tier in t.kv_moves:
             self.cache.spill(blocks, tier)
-        self.experts.set_victim_order(policy.victim_order)
+        self.experts.set_victim_order(policy.victim_order, policy)
         self.experts.set_chunk_order(policy.chunk_order)
         self._check_within(t)
         policy.run_prefetch(now_s)

@@ -5,8 +5,9 @@ per-layer caps on resident experts, per-layer eviction orders (first to evict ..
 the prefetch list. From then on this policy
 
   - ranks eviction victims for the engine's expert provider (`victim_order`, plugged into
-    `OnDemandExperts`): experts of layers over their cap first, then the plan's first-to-evict, then every
-    expert the plan does not list, least recently used first; never a pinned expert;
+    `OnDemandExperts` with its ranks, which the provider serves from an index): experts of layers over their
+    cap first, then the plan's first-to-evict, then every expert the plan does not list, least recently used
+    first; never a pinned expert;
   - names the experts a new cap pushes out (`over_cap_victims`);
   - runs the prefetch list (`run_prefetch`), most urgent first (priority, then deadline), through the
     expert provider's loader: into a free slot, or in place of a resident the plan does not want (for a
@@ -94,6 +95,7 @@ class LocalPolicy:
         self._caps: dict[int, int] = {}  # absent layer: no cap
         self._order: dict[int, tuple[int, ...]] = {}
         self._position: dict[Key, int] = {}  # place in its layer's eviction order
+        self._rank_version = 0  # bumped by every install: the provider's index rebuilds its ranks
         self._pinned: frozenset[Key] = frozenset()
         self._wanted: frozenset[Key] = frozenset()  # the plan's prefetch keys: never evicted for a prefetch
         self._queue: list[PrefetchJob] = []
@@ -141,6 +143,7 @@ class LocalPolicy:
             self._order = {layer: tuple(order) for layer, order in eviction.items()}
             self._position = {(layer, e): i for layer, order in self._order.items() for i, e in enumerate(order)}
             self._pinned = pinned
+            self._rank_version += 1
             self._wanted = frozenset(job.key for job in prefetch)
             ranked = sorted(enumerate(prefetch), key=lambda ij: (int(ij[1].priority), ij[1].deadline_s, ij[0]))
             self._queue = [job for _, job in ranked]
@@ -192,6 +195,31 @@ class LocalPolicy:
                 return self._evictable(candidates)[::-1]
             return self._rank(self._evictable(candidates))
 
+    # ---- the ranks the provider's index serves (runtime.engine.victims.VictimRanks) ----------------
+    @property
+    def rank_version(self) -> int:
+        return self._rank_version
+
+    def rank_of(self, key: Key) -> int | None:
+        """`key`'s place in its layer's eviction order (None: the plan does not list it)."""
+        return self._position.get(key)
+
+    def keeps(self, key: Key) -> bool:
+        return key in self._pinned
+
+    def ranks_hold(self) -> bool:
+        """The ranks alone order the victims (as `victim_order` would): no scan is served (its victims go most
+        recently used first) and no capped layer holds more than its cap (its experts would go first)."""
+        with self._lock:
+            return self._scanning is None and all(self.pool.num_resident(layer) <= cap
+                                                  for layer, cap in self._caps.items())
+
+    def saw_victims(self, victims: list[Key]) -> None:
+        """Counts an LRU fallback when the first victim is unlisted (then the plan ranks no candidate)."""
+        with self._lock:
+            if victims and victims[0] not in self._position:
+                self.fallbacks[Fallback.LRU_NO_PLAN_ORDER] += 1
+
     def chunk_order(self, layer: int, needed: list[int], capacity: int) -> list[list[int]]:
         """`OnDemandExperts`' grouping hook: consecutive groups of `capacity`, or under the MRU scan rule and
         more needed than the layer's slots, its residents first and the rest `stream_slots` at a time."""
@@ -242,14 +270,24 @@ class LocalPolicy:
             bound, free = self.pool.num_bound(layer), self.pool.num_free_slots
             if (cap is None or bound + num <= cap) and free >= num:
                 return num
-            ranked = self._rank(self._evictable(self.experts.residents_lru(), protect))
-            own = [k for k in ranked if k[0] == layer]
+            # Served from the provider's index when the ranks hold (only as many as these loads can use).
+            indexed = self.experts.victim_ranks is self and self.ranks_hold()
+            if indexed:
+                own = [] if cap is None else self.experts.ranked_victims(num + max(0, bound - cap), layer, protect)
+            else:
+                ranked = self._rank(self._evictable(self.experts.residents_lru(), protect))
+                own = [k for k in ranked if k[0] == layer]
 
             def own_for(n: int) -> int:  # the layer's own victims `n` loads need under its cap
                 return 0 if cap is None else max(0, bound + n - cap)
 
             ok = num if cap is None else max(0, min(num, cap - bound + len(own)))
-            rest = [k for k in ranked if k not in set(own[:own_for(ok)])]
+            if indexed:
+                rest = self.experts.ranked_victims(num, None, protect | set(own[:own_for(ok)]))
+                if (own or rest) and all(k not in self._position for k in own + rest):  # as `_rank` counts
+                    self.fallbacks[Fallback.LRU_NO_PLAN_ORDER] += 1
+            else:
+                rest = [k for k in ranked if k not in set(own[:own_for(ok)])]
             ok = min(ok, own_for(ok) + free + len(rest))
             if ok <= 0:
                 return 0

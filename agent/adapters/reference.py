@@ -41,7 +41,7 @@ class ReferenceAdapter:
         self.policy = LocalPolicy(pool, engine.experts, scan_rule)
         if scan_rule is not ScanRule.LRU:  # the config chose the scan rule: it serves steps before any plan too
             engine.experts.set_chunk_order(self.policy.chunk_order)
-            engine.experts.set_victim_order(self.policy.victim_order)
+            engine.experts.set_victim_order(self.policy.victim_order, self.policy)
         budget = hbm_budget_bytes or (pool.num_slots * pool.layout.stride_bytes
                                       + cache.manager.capacity[Tier.GPU] * cache.block_bytes)
         self.enforcer = Enforcer(pool, engine.experts, engine.loader, cache, self.policy, spec.moe_layers, budget,

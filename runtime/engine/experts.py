@@ -2,7 +2,8 @@
 
 `ensure(layer, experts)` loads every missing expert through the expert loader as one list (`load_many`),
 evicting residents the `victim_order` policy ranks first, ranked once per list (the agent plugs its policy in
-with `set_victim_order`; the default is least-recently-used; `ScanVictimOrder`, victims.py, is the scan rule),
+with `set_victim_order`, its ranks served from the recency books' index, recency.py; the default is
+least-recently-used; `ScanVictimOrder`, victims.py, is the scan rule),
 never an expert the current layer needs, never a pinned one. Hits, misses and the time spent waiting for missing experts
 (`stalls_ms`, the expert-miss stall) are counted; on a GPU the current stream is ordered after the layer's
 loads (RAW: one wait per list, `ExpertSlotPool.wait_ready`).
@@ -23,11 +24,12 @@ Mechanism only: the ranking and the grouping are the policy's, never this module
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 
-from tierplan.runtime.engine.victims import ChunkOrder, Key, VictimOrder, lru_victim_order
+from tierplan.runtime.engine.recency import RecencyBooks
+from tierplan.runtime.engine.victims import ChunkOrder, Key, VictimOrder, VictimRanks, lru_victim_order
 from tierplan.runtime.errors import CapacityError, ConfigError
 from tierplan.runtime.future import OpFuture, wait_all
 from tierplan.runtime.memory.slots import ExpertSlotPool, ExpertState
@@ -42,10 +44,11 @@ class OnDemandExperts:
                  victim_order: VictimOrder | None = None) -> None:
         self.pool, self.loader, self.store = pool, loader, store
         self._num_pinned = 0  # pins made through pin(); each takes a slot away from on-demand use
-        self._lru: OrderedDict[Key, None] = OrderedDict()  # least recently used first
+        self.books = RecencyBooks(pool)  # every expert tracked here, least recently used first
         self._inflight: dict[Key, OpFuture] = {}  # loads started by load_async, not yet seen by ensure
         self._unpublished: dict[Key, OpFuture] = {}  # ensure(table=True)'s loads, maybe not mapped yet
         self.victim_order: VictimOrder = victim_order or lru_victim_order
+        self.victim_ranks: VictimRanks | None = None  # the plugged order's ranks, when it has them
         self.chunk_order: ChunkOrder | None = None  # None: consecutive runs of capacity_of(layer)
         self.fast_path_layers = 0  # MoE layers computed without ensure (all resident, no host sync)
         self.hits = 0
@@ -61,8 +64,6 @@ class OnDemandExperts:
         self.last_union = 0  # how many experts the last forward asked for
         # Experts a piecewise step needs in its coming layers: victims are never taken from them.
         self.soon: frozenset[Key] = frozenset()
-        self._own_binds = 0  # slot bindings made by loads this class started (the rest were made around it)
-        self._around_seen = -1
 
     @property
     def capacity(self) -> int:
@@ -76,8 +77,7 @@ class OnDemandExperts:
         limit = self.pool.limits.get(layer)
         if limit is None:
             return self.capacity
-        asked = set(experts)
-        num_pinned = sum(self.pool.is_pinned(layer, e) for e in self.pool.resident_experts(layer) if e not in asked)
+        num_pinned = self.pool.num_pinned(layer) - sum(self.pool.is_pinned(layer, e) for e in set(experts))
         return max(1, min(self.capacity, limit - num_pinned))
 
     def _layer_room(self, layer: int) -> int | None:  # slots `layer` may still bind under its limit (None: no limit)
@@ -120,9 +120,11 @@ class OnDemandExperts:
             return True
         return False
 
-    def set_victim_order(self, fn: VictimOrder | None) -> None:
-        """Plug a ranking in (the agent's local policy); None restores least-recently-used."""
+    def set_victim_order(self, fn: VictimOrder | None, ranks: VictimRanks | None = None) -> None:
+        """Plug a ranking in (the agent's local policy) with its ranks if it has them; None restores LRU."""
         self.victim_order = fn or lru_victim_order
+        self.victim_ranks = ranks if fn is not None else None
+        self.books.plug(self.victim_ranks)
 
     def set_chunk_order(self, fn: ChunkOrder | None) -> None:  # the agent's scan rule; None: consecutive runs
         self.chunk_order = fn
@@ -145,8 +147,7 @@ class OnDemandExperts:
                 missing.append(e)
             else:
                 self.hits += 1
-                self._lru[key] = None
-                self._lru.move_to_end(key)
+                self.books.touch(key)
         if missing:
             t0 = time.perf_counter()
             try:
@@ -163,8 +164,7 @@ class OnDemandExperts:
                 self.stalls_ms += (time.perf_counter() - t0) * 1e3
                 self.num_stalls += 1
             for e in missing:
-                self._lru[(layer, e)] = None
-                self._lru.move_to_end((layer, e))
+                self.books.touch((layer, e))
         t0 = time.perf_counter()
         self.pool.wait_ready(layer, experts, issued_ok=table)
         if table:
@@ -204,7 +204,7 @@ class OnDemandExperts:
             futs = loader.load_many(layer, experts, at_once=True)
         else:
             futs = [loader.load(layer, e, self.store) for e in experts]
-        self._own_binds += len(futs)
+        self.books.own_binds += len(futs)
         t2 = time.perf_counter()
         wait_all(futs)  # the last first: one wake-up per list, not one per expert (each takes the worker's GIL)
         t3 = time.perf_counter()
@@ -256,11 +256,10 @@ class OnDemandExperts:
         if not n:
             return 0
         futs = self._loader(layer, todo[0]).load_many(layer, todo[:n])
-        self._own_binds += n
+        self.books.own_binds += n
         for e, fut in zip(todo[:n], futs, strict=True):
             self._inflight[(layer, e)] = fut
-            self._lru[(layer, e)] = None
-            self._lru.move_to_end((layer, e))
+            self.books.touch((layer, e))
         self.prefetched += n
         return n
 
@@ -309,41 +308,51 @@ class OnDemandExperts:
 
     def _ranked(self, layer: int, want: set[int], num: int, honor_soon: bool = True,
                 same_layer: bool = False) -> list[Key]:
-        """The first `num` victims for `layer`'s list in the plugged order: LRU (the default) walks the recency books
-        from their oldest end and stops there (listing every resident per list costs more host time than a small
-        expert's copy); another order ranks every candidate."""
+        """The first `num` victims for `layer`'s list in the plugged order. LRU (the default) walks the recency
+        books from their oldest end and stops there, plugged ranks are served from the books' index (listing
+        every resident per list costs more host time than a small expert's copy); another order, or ranks that
+        do not hold this time, rank every candidate."""
         if num <= 0:
             return []
-        if self.victim_order is not lru_victim_order:
+        ranks = self.victim_ranks
+        if self.victim_order is not lru_victim_order and (ranks is None or not ranks.ranks_hold()):
             return self.victim_order(self._candidates(layer, want, honor_soon, same_layer))[:num]
-        self._track_loads_around()
-        out: list[Key] = []
-        gone: list[Key] = []
-        for k in self._lru:
-            if (k[0] == layer and k[1] in want) or (honor_soon and k in self.soon) or (same_layer and k[0] != layer):
-                continue
+        out = self._victims(num, frozenset((layer, e) for e in want), honor_soon, layer if same_layer else None)
+        if ranks is not None:
+            ranks.saw_victims(out)
+        return out
+
+    def ranked_victims(self, num: int, layer: int | None = None, protect: frozenset[Key] = frozenset()) -> list[Key]:
+        """The first `num` evictable experts outside `protect` (of `layer` only, when given) by the plugged ranks
+        (the agent's prefetch makes room with it); ConfigError if the plugged order has none."""
+        if self.victim_ranks is None:
+            raise ConfigError("ranked_victims: the plugged victim order has no ranks (set_victim_order(fn, ranks))")
+        return self._victims(num, protect, False, layer)
+
+    def _victims(self, num: int, protect: frozenset[Key], honor_soon: bool, layer: int | None) -> list[Key]:
+        """Resident, unpinned experts outside `protect` (and `soon` when honoured), of `layer` only when given, by
+        the books: their ranks when plugged, else from the oldest end."""
+        if num <= 0:
+            return []
+        self.books.track_loads_around()
+        ranks, gone = self.victim_ranks, []
+
+        def eligible(k: Key) -> bool:
+            if k in protect or (honor_soon and k in self.soon) or (layer is not None and k[0] != layer):
+                return False
             st = self.pool.state(*k)
             if st is ExpertState.ABSENT:
                 gone.append(k)  # unmapped around us: forget it
-            elif st is ExpertState.RESIDENT and not self.pool.is_pinned(*k):
-                out.append(k)
-                if len(out) == num:
-                    break
-        for k in gone:
-            del self._lru[k]
-        return out
+            return (st is ExpertState.RESIDENT and not self.pool.is_pinned(*k)
+                    and not (ranks is not None and ranks.keeps(k)))
 
-    def _track_loads_around(self) -> None:
-        """Experts loaded around this class (noticed by the pool's count of slot bindings) enter the recency books
-        as the least recently used, in `residents_lru`'s order."""
-        around = self.pool.remaps - self._own_binds
-        if around == self._around_seen:
-            return
-        self._around_seen = around
-        for k in reversed(self.residents_lru()):  # untracked ones first (sorted), then the books' own order
-            if k not in self._lru:
-                self._lru[k] = None
-                self._lru.move_to_end(k, last=False)
+        if ranks is None:
+            out = list(itertools.islice(filter(eligible, self.books.lru), num))
+        else:
+            out = self.books.ranked(num, eligible, layer)
+        for k in gone:
+            self.books.forget(k)
+        return out
 
     def _candidates(self, layer: int, want: set[int], honor_soon: bool = True, same_layer: bool = False) -> list[Key]:
         return [k for k in self.residents_lru() if not (k[0] == layer and k[1] in want)
@@ -353,27 +362,17 @@ class OnDemandExperts:
     # ---- what the agent calls ---------------------------------------------------------------------
     def residents_lru(self) -> list[Key]:
         """Resident experts, least recently used first; ones never touched here come first of all (one pass)."""
-        pool = self.pool
-        resident = {(layer, e) for layer in range(pool.layout.num_layers) for e in pool.resident_experts(layer)}
-        for k in [k for k in self._lru if k not in resident]:
-            if pool.state(*k) is ExpertState.ABSENT:  # unmapped around us: forget it
-                del self._lru[k]
-        tracked = [k for k in self._lru if k in resident]
-        if len(tracked) == len(resident):
-            return tracked  # every resident is accounted for: nothing was loaded around us
-        seen = set(tracked)
-        return sorted(resident - seen) + tracked
+        return self.books.residents_lru()
 
     def load_async(self, layer: int, expert: int, priority: Priority = Priority.NORMAL,
                    deadline_s: float | None = None) -> OpFuture:
         """Start loading an absent expert through the loader (refusals raise before anything changes)."""
         self._inflight = {k: f for k, f in self._inflight.items() if not f.done()}
         fut = self._loader(layer, expert).load(layer, expert, self.store, priority, deadline_s)
-        self._own_binds += 1
+        self.books.own_binds += 1
         key = (layer, expert)
         self._inflight[key] = fut
-        self._lru[key] = None
-        self._lru.move_to_end(key)  # asked for on purpose: as fresh as a use
+        self.books.touch(key)  # asked for on purpose: as fresh as a use
         return fut
 
     def pin(self, layer: int, expert: int) -> None:
@@ -391,7 +390,7 @@ class OnDemandExperts:
         """Give a resident expert's slot back and forget its recency. The slot is free at once; whatever writes it
         next is ordered after its readers (the pool's I4), so this never waits for them."""
         self.pool.release(layer, expert)
-        self._lru.pop((layer, expert), None)
+        self.books.forget((layer, expert))
 
     @property
     def hit_rate(self) -> float:

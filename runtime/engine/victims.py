@@ -1,8 +1,10 @@
 """Eviction orders the expert residency (`OnDemandExperts`) can be given (inference process, engine thread).
 
 `lru_victim_order` is the default: candidates already arrive least recently used first. `ScanVictimOrder` is
-the local rule for scans. The agent plugs its own policy in through `OnDemandExperts.set_victim_order`. These
-rank candidates only: they never evict, load or touch the slot pool.
+the local rule for scans. The agent plugs its own policy in through `OnDemandExperts.set_victim_order`; an
+order that ranks each expert by a rank of its own, then by recency, also hands over its `VictimRanks`, which
+the residency serves from an index (recency.py) instead of passing it every candidate. These rank candidates
+only: they never evict, load or touch the slot pool.
 """
 
 from __future__ import annotations
@@ -13,6 +15,23 @@ from typing import Protocol
 Key = tuple[int, int]  # (pool layer, expert)
 VictimOrder = Callable[[list[Key]], list[Key]]
 ChunkOrder = Callable[[int, list[int], int], list[list[int]]]  # (layer, needed ascending, capacity_of) -> groups
+
+
+class VictimRanks(Protocol):
+    """A victim order's ranks: experts with a rank go first, lowest first, then the unranked; ties and the
+    unranked by recency, least recently used first. The residency asks `ranks_hold` before each ranking: when
+    it is False the full candidate list goes through the order itself this time (e.g. a layer over its cap)."""
+
+    @property
+    def rank_version(self) -> int: ...  # changes whenever any rank may have changed
+
+    def rank_of(self, key: Key) -> int | None: ...
+
+    def keeps(self, key: Key) -> bool: ...  # never a victim, whatever its rank (e.g. the plan's pins)
+
+    def ranks_hold(self) -> bool: ...
+
+    def saw_victims(self, victims: list[Key]) -> None: ...  # what a ranking chose (for the order's counts)
 
 
 class _Union(Protocol):

@@ -27,6 +27,7 @@ class SlotBooks:
         self._entries = [[_Entry() for _ in range(num_experts)] for _ in range(num_layers)]
         self._num_resident = [0] * num_layers  # RESIDENT or EVICTING experts per layer (O(1) queries)
         self._num_bound = [0] * num_layers  # experts holding a slot (LOADING too): what a layer limit bounds
+        self._num_pinned = [0] * num_layers  # pinned experts per layer (a pinned one is resident: never evicted)
         self.limits = LayerLimits(num_layers)  # the agent sets a plan's caps; every prepare_load(s) checks them
         self.remaps = 0
         self._guards: dict[int, list[Event]] = {}  # released slot -> work that may still read its old expert
@@ -70,7 +71,7 @@ class SlotBooks:
         """Raise AssertionError if I2 or I6 does not hold (cheap; tests and self-checks call it)."""
         with self._lock:
             check_books(self._entries, self._free, self._slot_owner, self._num_resident, self._num_bound,
-                        self.num_slots)
+                        self._num_pinned, self.num_slots)
             unmapped = {(l_, e) for l_, row in enumerate(self._entries) for e, en in enumerate(row)
                         if en.state is ExpertState.RESIDENT and not en.mapped}
             # Only maps_on_read pools publish loads unmapped; each such expert is listed for map_for_read.
@@ -100,6 +101,7 @@ class SlotBooks:
             en = self._entry(layer, expert)
             if en.state is not ExpertState.RESIDENT:
                 raise NotResidentError(f"pin: expert ({layer}, {expert}) is {en.state.value}")
+            self._num_pinned[layer] += not en.pinned
             en.pinned = True
 
     def unpin(self, layer: int, expert: int) -> None:
@@ -108,6 +110,12 @@ class SlotBooks:
             if not en.pinned:
                 raise ConfigError(f"unpin: expert ({layer}, {expert}) is not pinned")
             en.pinned = False
+            self._num_pinned[layer] -= 1
 
     def is_pinned(self, layer: int, expert: int) -> bool:
         return self._entry(layer, expert).pinned  # one attribute read: no lock needed
+
+    def num_pinned(self, layer: int) -> int:
+        """Pinned experts of the layer (O(1): the engine asks per list)."""
+        self._entry(layer, 0)
+        return self._num_pinned[layer]

@@ -60,7 +60,7 @@ class _Entry:
 
 
 def check_books(entries: list[list[_Entry]], free: list[int], slot_owner: list[tuple[int, int] | None],
-                num_resident: list[int], num_bound: list[int], num_slots: int) -> None:
+                num_resident: list[int], num_bound: list[int], num_pinned: list[int], num_slots: int) -> None:
     """AssertionError if the pool's books break I2 or I6 (`ExpertSlotPool.check_invariants`, under its lock)."""
     bound = [(l_, e) for l_, row in enumerate(entries) for e, en in enumerate(row) if en.slot is not None]
     assert len(bound) + len(free) == num_slots, "I6: slots leaked or double-counted"
@@ -73,6 +73,8 @@ def check_books(entries: list[list[_Entry]], free: list[int], slot_owner: list[t
         n = sum(en.state in (ExpertState.RESIDENT, ExpertState.EVICTING) for en in row)
         assert num_resident[l_] == n, "resident counter disagrees with the entries"
         assert num_bound[l_] == sum(en.slot is not None for en in row), "bound counter disagrees"
+        assert num_pinned[l_] == sum(en.pinned for en in row), "pinned counter disagrees"
+        assert all(en.state is ExpertState.RESIDENT for en in row if en.pinned), "a pinned expert is not resident"
 
 
 class LayerLimits:

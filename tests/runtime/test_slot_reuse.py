@@ -279,7 +279,7 @@ def test_a_pool_full_of_loads_being_published_waits_for_the_oldest_only(dev: Dev
         pool.prepare_loads(0, [0, 1])
         for e in (0, 1):
             ex._unpublished[(0, e)] = Publication(e)  # type: ignore[assignment]
-            ex._lru[(0, e)] = None
+            ex.books.touch((0, e))
         ex.ensure(0, [2])
         assert waited == [0]
         assert [pool.state(0, e) for e in range(3)] == [ExpertState.ABSENT, ExpertState.LOADING,
