@@ -18,6 +18,7 @@ It never applies anything (the agent does), never imports torch, runtime or agen
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -47,6 +48,18 @@ from tierplan.controller.state import AgentRecord, ControllerState, ModelInfo
 from tierplan.controller.valuation import SplitSpace, Valuation, build_problem
 
 MAX_REASON_CHARS = 4000  # a plan's reason (the protocol allows a little more)
+PIN_UNION_HEADROOM = 1.25  # step unions vary around their mean: room for most steps' unions, not the mean's
+
+
+def num_pins(slots: int, union: float, top_k: int, pin_frac: float, operator_pins: int = 0) -> int:
+    """Experts to pin in a layer of `slots` slots whose steps need `union` distinct experts on average.
+
+    A step runs through the piecewise graphs only if each layer's union fits its slots less the pinned experts
+    the step does not ask for (the engine's `PieceResidency.fits`); otherwise the whole step runs eagerly, in
+    chunks. So pins leave the union room: at pin_frac 0.5, 72 of 163 decode steps fell back at B=8 and 26
+    without pins (H200 phase run 13, bench/results/phase_h200.md). The operator's pins are kept whatever."""
+    room = max(top_k, math.ceil(PIN_UNION_HEADROOM * union))
+    return max(operator_pins, min(int(pin_frac * slots), max(0, slots - room)))
 
 
 class Solver(StrEnum):  # the optimizer's exact solvers (its greedy is a baseline, not offered here)
@@ -77,7 +90,9 @@ class ControllerConfig:
     # The prefetch table is withheld while fewer of the agent's prefetches are used than this (measured): a wasted
     # one moves an expert and evicts a resident, about what a used one saves (H200 phase run 08: 0.48 used).
     min_prefetch_precision: float = 0.5
-    pin_frac: float = 0.5  # share of a layer's slots pinned to its hottest experts (against LRU scans)
+    # Share of a layer's slots pinned to its hottest experts (against LRU scans), never so many that the slots
+    # left beside them hold less than PIN_UNION_HEADROOM x the layer's step union (see `num_pins`).
+    pin_frac: float = 0.5
     compute: ComputeParams | None = None  # the cost model's compute prior (None: from the hardware sheet)
     calibrate: bool = True  # fit the cost model to each window; False keeps the priors (deterministic plans)
     pinned_experts: tuple[ExpertKey, ...] = ()  # always pinned, whatever their demand (an operator's choice)
@@ -338,7 +353,8 @@ class Controller:
         pinned, evictions = [], []
         for m, layer in enumerate(shape.moe_layers):
             hot, extra = fc.hot_order[m], self.pins.get(layer, ())
-            num_pin = max(len(extra), min(int(cfg.pin_frac * split.slots[m]), max(0, split.slots[m] - shape.top_k)))
+            union = fc.union_per_step[m] if m < len(fc.union_per_step) else 0.0
+            num_pin = num_pins(split.slots[m], union, shape.top_k, cfg.pin_frac, len(extra))
             chosen = [*extra, *(e for e in hot if e not in extra)][:num_pin]
             pinned += [ExpertKey(layer=layer, expert=e) for e in chosen]
             evictions.append(LayerEviction(layer=layer, order=tuple(reversed(hot))))  # coldest first

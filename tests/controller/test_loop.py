@@ -19,7 +19,7 @@ from tests.controller.loop_fixtures import (
     make_controller,
     plan_total_bytes,
 )
-from tierplan.controller.loop import Outcome, Solver
+from tierplan.controller.loop import Outcome, Solver, num_pins
 from tierplan.controller.protocol import AckStatus, Forecast, Plan, RejectReason, Tier, parse, to_json
 from tierplan.controller.state import RejectCode, TelemetryRejected
 
@@ -232,3 +232,17 @@ def test_a_held_split_is_reissued_to_withhold_the_table_once_prefetches_are_wast
     withheld = [p for p in later if p.local_predictor is None]
     assert withheld and "prefetch table withheld" in withheld[0].reason
     assert ctl._now.forecast.prefetch_recall == 0.0  # nothing priced as streamed ahead once withheld
+
+
+def test_pins_leave_room_for_the_layers_step_union() -> None:
+    """A step whose union does not fit its layer's slots less the unasked pins runs eagerly (num_pins)."""
+    assert num_pins(40, 10.0, 8, 0.5) == 20  # a small union: pin_frac bounds it
+    assert num_pins(40, 28.0, 8, 0.5) == 5  # 40 slots less 1.25 x 28
+    assert num_pins(30, 28.0, 8, 0.5) == 0  # below the union: nothing pinned
+    assert num_pins(30, 28.0, 8, 0.5, operator_pins=3) == 3  # the operator's pins stay
+    ctl, win = make_controller(), Windows()
+    plans = drive(ctl, win, [(6, 6, 3, 0)])  # six tokens a step: a union of ~7 of the 8 experts a layer
+    assert plans and all(not p.pinned_experts for p in plans)
+    ctl, win = make_controller(), Windows()
+    plans = drive(ctl, win, [(6, 1, 3, 0)])  # one token a step: two experts, the rest may be pinned
+    assert any(p.pinned_experts for p in plans)
