@@ -160,11 +160,11 @@ class OnDemandExperts:
                         self.misses += 1
                         todo.append(e)
                 self._load_list(layer, todo, want, table)
-            finally:
+            finally:  # the list's loads that landed are used now, also when another failed (else untracked)
                 self.stalls_ms += (time.perf_counter() - t0) * 1e3
                 self.num_stalls += 1
-            for e in missing:
-                self.books.touch((layer, e))
+                for e in missing:
+                    self.books.touch((layer, e))
         t0 = time.perf_counter()
         self.pool.wait_ready(layer, experts, issued_ok=table)
         if table:

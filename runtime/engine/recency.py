@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from tierplan.runtime.engine.victims import Key, VictimRanks
 from tierplan.runtime.memory.slots import ExpertSlotPool, ExpertState
 
-Entry = tuple[int, int, int, Key]  # (unranked, rank or tick, tick, key): ranked ones first, then by recency
+Entry = tuple[int, float, float, Key]  # (unranked, rank or tick, tick, key): ranked ones first, then by recency
 
 
 class RecencyBooks:
@@ -36,13 +36,13 @@ class RecencyBooks:
         self.own_binds = 0  # slot bindings made by the residency's own loads (the rest were made around it)
         self._around_seen = -1
         num_layers = pool.layout.num_layers
-        self.lru: OrderedDict[Key, int] = OrderedDict()  # least recently used first
+        self.lru: OrderedDict[Key, float] = OrderedDict()  # least recently used first
         self._next_tick = 0  # a use gets the next (largest) tick
-        self._oldest_tick = -1  # an expert entered as the least recently used gets this one (ticks go down)
+        self._around_batches = 0  # batches of experts found loaded around the residency (track_loads_around)
         self._ranks: VictimRanks | None = None
         self._version: int | None = None  # the rank_version the heaps were built for (None: build before use)
         self._heaps: list[list[Entry]] = [[] for _ in range(num_layers)]
-        self._entry_tick: dict[Key, int] = {}  # each tracked key's newest heap entry (older ones are dead)
+        self._entry_tick: dict[Key, float] = {}  # each tracked key's newest heap entry (older ones are dead)
         self._num_entries = 0
 
     def __contains__(self, key: object) -> bool:
@@ -57,28 +57,30 @@ class RecencyBooks:
         if new and self._ranks is not None:
             self._push(key)
 
-    def enter_oldest(self, key: Key) -> None:
-        """An expert found resident around the books enters them as the least recently used."""
-        self.lru[key] = self._oldest_tick
-        self.lru.move_to_end(key, last=False)
-        self._oldest_tick -= 1
-        if self._ranks is not None:
-            self._push(key)
-
     def forget(self, key: Key) -> None:
         self.lru.pop(key, None)
         self._entry_tick.pop(key, None)
 
     def track_loads_around(self) -> None:
         """Experts loaded around the residency (noticed by the pool's count of slot bindings) enter the books as
-        the least recently used, in `residents_lru`'s order."""
+        the least recently used, ordered by key among every such expert not used since: as the full ranking,
+        over `residents_lru`, ranks experts never tracked, so it and the index pick the same victims."""
         around = self.pool.remaps - self.own_binds
         if around == self._around_seen:
             return
         self._around_seen = around
-        for k in reversed(self.residents_lru()):  # untracked ones first (sorted), then the books' own order
-            if k not in self.lru:
-                self.enter_oldest(k)
+        new = [k for k in self.residents_lru() if k not in self.lru]
+        if not new:
+            return
+        self._around_batches += 1
+        num_experts = self.pool.layout.num_experts
+        below = self.pool.layout.num_layers * num_experts  # keeps every such tick under 0, the first use's
+        for k in new:  # by key, then by batch (unique: an older heap entry of a key re-entered is dead)
+            self.lru[k] = k[0] * num_experts + k[1] - below - self._around_batches * 1e-9
+            if self._ranks is not None:
+                self._push(k)
+        for _, k in sorted(((t, k) for k, t in self.lru.items() if t < 0), reverse=True):
+            self.lru.move_to_end(k, last=False)
 
     def residents_lru(self) -> list[Key]:
         """Resident experts, least recently used first; ones never tracked come first of all (one pass)."""
@@ -90,8 +92,9 @@ class RecencyBooks:
         tracked = [k for k in self.lru if k in resident]
         if len(tracked) == len(resident):
             return tracked  # every resident is accounted for: nothing was loaded around us
-        seen = set(tracked)
-        return sorted(resident - seen) + tracked
+        # Never tracked ones and those tracked as loaded around (ticks under 0) share one order, by key.
+        head = set(resident) - set(tracked) | {k for k in tracked if self.lru[k] < 0}
+        return sorted(head) + [k for k in tracked if self.lru[k] >= 0]
 
     def plug(self, ranks: VictimRanks | None) -> None:
         """Rank victims by `ranks` from now on (None: no heaps are kept)."""

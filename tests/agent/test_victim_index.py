@@ -1,10 +1,10 @@
 """The plan's ranks served from the residency's index choose exactly the victims the full ranking chooses.
 
-Two twins over the same pool shape take the same random steps (plans with caps, orders and pins; steps' lists;
-layer-ahead prefetches; the policy's prefetch room; evictions and pins around them): one residency has the
-policy's ranks plugged (`set_victim_order(order, ranks)`, served from the recency books' heaps), the other
-only its `victim_order` (every candidate listed and ranked). After every step both must hold the same experts
-in the same recency order and have counted the same fallbacks.
+Two twins over the same pool shape take the same random steps (plans with caps, orders and pins; steps' lists,
+scans among them; layer-ahead prefetches; the policy's prefetch room; evictions, pins and loads around them).
+One residency has the policy's ranks plugged (`set_victim_order(order, ranks)`, served from the recency books'
+heaps), the other only its `victim_order` (every candidate listed and ranked). After every step both must hold
+the same experts in the same recency order and have counted the same fallbacks.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.runtime.conftest import MIXED
-from tierplan.agent.local_policy import LocalPolicy
+from tierplan.agent.local_policy import LocalPolicy, ScanRule
 from tierplan.runtime.device import Device
 from tierplan.runtime.engine.experts import OnDemandExperts
 from tierplan.runtime.errors import CapacityError
@@ -42,8 +42,8 @@ class Twin:
                 dict(self.policy.fallbacks))
 
 
-@pytest.fixture
-def twins() -> Iterator[tuple[Twin, Twin]]:
+@pytest.fixture(params=[ScanRule.LRU, ScanRule.MRU])
+def twins(request: pytest.FixtureRequest) -> Iterator[tuple[Twin, Twin]]:
     dev = Device("cpu")
     with ExitStack() as stack:
         made = []
@@ -55,7 +55,9 @@ def twins() -> Iterator[tuple[Twin, Twin]]:
             link = TransferEngine(dev)
             stack.callback(link.close)
             experts = OnDemandExperts(pool, ExpertLoadHandler(pool, link, pinned=store, map_in="before_copy"))
-            policy = LocalPolicy(pool, experts)
+            policy = LocalPolicy(pool, experts, request.param)
+            if request.param is ScanRule.MRU:
+                experts.set_chunk_order(policy.chunk_order)
             experts.set_victim_order(policy.victim_order, policy if indexed else None)
             made.append(Twin(pool, experts, policy))
         yield made[0], made[1]
@@ -79,11 +81,20 @@ def step(t: Twin, rng: random.Random) -> str:
     op = rng.random()
     layer = rng.randrange(LAYERS)
     try:
-        if op < 0.55:
+        if op < 0.05:  # an expert loaded around the residency (as the engine's start fills slots)
+            absent = [e for e in range(EXPERTS) if not pool.is_resident(layer, e) and pool.num_bound(layer) < (
+                pool.limits.get(layer) if pool.limits.get(layer) is not None else EXPERTS)]
+            if absent and pool.num_free_slots:
+                e = rng.choice(absent)
+                pool.prepare_load(layer, e)
+                pool.complete_load(layer, e, True, pool.device.record_event())
+        elif op < 0.55:
             ex.begin_step()
             ex.soon = frozenset((lyr, e) for lyr in range(LAYERS) for e in rng.sample(range(EXPERTS), 2))
             n = rng.randint(1, max(1, min(6, ex.capacity_of(layer))))
-            ex.ensure(layer, sorted(rng.sample(range(EXPERTS), n)))
+            need = sorted(rng.sample(range(EXPERTS), rng.randint(1, EXPERTS) if rng.random() < 0.2 else n))
+            for group in ex.chunks(layer, need):  # more than a layer's slots: a scan (served MRU under that rule)
+                ex.ensure(layer, group)
         elif op < 0.7:
             ex.prefetch(layer, rng.sample(range(EXPERTS), rng.randint(1, 5)))
             ex.drain()
@@ -124,3 +135,26 @@ def test_indexed_ranks_choose_the_victims_the_full_ranking_chooses(twins: tuple[
         fast.pool.check_invariants()
     assert fast.policy.fallbacks == slow.policy.fallbacks
     assert fast.experts.misses == slow.experts.misses and fast.experts.misses > 0
+
+
+def test_an_expert_landed_beside_a_failed_load_stays_a_victim(twins: tuple[Twin, Twin]) -> None:
+    """A list whose other load failed still tracks the one that landed (else the index could never evict it)."""
+    for t in twins:
+        t.pool.limits.set({1: 2})
+        t.policy.install({1: 2}, {}, (), ())
+        real = t.pool.complete_load
+
+        def flaky(layer: int, expert: int, ok: bool, *a: object, real=real, **k: object) -> None:
+            if (layer, expert) == (1, 1) and ok:
+                raise RuntimeError("injected copy failure")
+            real(layer, expert, ok, *a, **k)
+
+        t.pool.complete_load = flaky  # type: ignore[method-assign]
+        with pytest.raises(Exception, match="injected"):
+            t.experts.ensure(1, [0, 1])
+        t.pool.complete_load = real  # type: ignore[method-assign]
+    fast, slow = twins
+    assert fast.pool.resident_experts(1) == [0] and fast.view() == slow.view()
+    for t in twins:
+        t.experts.ensure(1, [2, 3])  # layer 1's limit of 2 leaves one free slot: (1, 0) must make the other
+    assert fast.pool.resident_experts(1) == [2, 3] and fast.view() == slow.view()
