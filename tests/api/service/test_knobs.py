@@ -196,3 +196,22 @@ def test_plan_every_windows_spaces_the_planner_out(svc: Service) -> None:
     assert svc.hub.plan_once() == 0
     svc.send(windows("agent-0", 2, 1))
     assert svc.hub.plan_once() == 1
+
+
+@pytest.mark.parametrize(("threshold", "withheld"), [(0.5, True), (0.2, False)])
+def test_min_prefetch_precision_withholds_the_table_below_it(threshold: float, withheld: bool) -> None:
+    """The knob reaches the controller through the hub's mapping: 3 of 10 prefetches used withholds the table
+    at 0.5 and keeps it at 0.2."""
+    from tierplan.controller.protocol import PrefetchCounts
+
+    counts = PrefetchCounts(table_version=1, issued=10, useful=3, wasted=7, skipped_resident=0, skipped_budget=0,
+                            skipped_no_slot=0, failed=0)
+    ctl = Controller(controller_config(tiny_registration(), knobs(min_prefetch_precision=threshold)), "agent-0")
+    rng = np.random.default_rng(1)
+    for seq in range(4):
+        tel = synthetic_window("agent-0", seq, rng, batch_tokens=8)
+        ctl.sync_from(tel.model_copy(update={"local_prefetch": counts}))
+    plan = ctl.step_next()
+    assert plan is not None
+    assert (plan.local_predictor is None) is withheld
+    assert ("prefetch table withheld" in plan.reason) is withheld
