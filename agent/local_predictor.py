@@ -7,7 +7,10 @@ table (per token, the best successor probability over its experts; over the step
 prefetches those at or above the table's `min_score`, most likely first, through the expert provider's
 loader (`load_async`, room made by the local policy's `make_rooms`, so the plan's caps and pins hold), while
 layer l computes. It never spends more than the plan's bytes per step, and counts what it issued, skipped (and
-why) and wasted (prefetched for a step whose layer then did not need it).
+why) and wasted (prefetched for a step whose layer then did not need it). Only eager steps route mid-step: a
+CUDA graph replay (whole or piecewise) hands every layer's routes over once it has run (`observe_all`), and
+those are observed only, since a prefetch after the layer could only be wasted (H200 phase run 12: 351 issued
+that way, none used).
 
 It also observes: per window, the cross-layer pairs (`LayerTransitions`) the controller trains the table
 from, and each step's per-layer expert unions (`LayerUnions`) for the miss-ratio curves at batch B. Observing
@@ -103,6 +106,24 @@ class LayerAheadPredictor:
         if nxt is not None and layer in self.table and self.budget_bytes > 0:
             rows = ids.cpu().numpy()  # [N, k] the host copy (see the module docstring)
             self._prefetch(layer, nxt, rows, set(np.unique(rows).tolist()))
+
+    def observe_all(self, ids: torch.Tensor) -> None:
+        """Every MoE layer's routes of a step that has already run, ids [L, N, k] in `moe_layers` order (a CUDA
+        graph replay's static buffers, read before the next replay): what `on_route` observes layer by layer, in
+        one scatter for the masks, and no prefetch (every layer has computed: a prefetch now could only be
+        wasted, and would count against the precision the controller judges the table by)."""
+        if ids.dtype != torch.int64:
+            ids = ids.long()
+        n = int(ids.shape[1])
+        self._step_tokens = n
+        if self._used is None or self._used.device != ids.device:
+            self._used = _normal_zeros((len(self.moe_layers), self.num_experts), torch.bool, ids.device)
+        self._used.scatter_(1, ids.reshape(len(self.moe_layers), -1), True)
+        self._ran.update(self.moe_layers)
+        for m, layer in enumerate(self.moe_layers[:-1]):
+            if self._next.get(layer) == self.moe_layers[m + 1]:
+                self._count_pairs(layer, ids[m], ids[m + 1])
+        self._prev = None
 
     def _count_pairs(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Each row's (expert at `layer`, expert at the next MoE layer) pairs, into a dense [E * E] count on the

@@ -50,7 +50,8 @@ class ReferenceAdapter:
         self.predictor = (LayerAheadPredictor(spec.moe_layers, spec.num_experts, engine.experts, self.policy,
                                               pool.layout.stride_bytes) if local_predictor else None)
         self.mass_tap = AttentionMassTap(layers=(0,), every_steps=window_steps)
-        engine.set_hooks(route_tap=self.tap if self.predictor is None else self._route, mass_observer=self.mass_tap)
+        route = self.tap if self.predictor is None else _RouteHook(self.tap, self.predictor)
+        engine.set_hooks(route_tap=route, mass_observer=self.mass_tap)
         self.window = TelemetryWindow(agent_id, rank, spec.name, spec.num_layers, spec.num_experts, self.tap, clock,
                                       self.mass_tap)
         self.telemetry: list[Telemetry] = []
@@ -81,10 +82,6 @@ class ReferenceAdapter:
         return {"expert_stall_ms": e.stalls_ms, "kv_stall_s": c.fetch_s, "expert_hits": e.hits,
                 "expert_misses": e.misses, "kv_hits": c.gpu_hits, "kv_misses": dict(c.misses_by_tier),
                 "links": {k: dict(v) for k, v in links.items()}}
-
-    def _route(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        self.tap(layer, ids, weights)
-        self.predictor.on_route(layer, ids)  # type: ignore[union-attr]
 
     def apply(self, plan: Plan) -> PlanAck:
         ack = self.enforcer.apply(plan)
@@ -159,3 +156,20 @@ class ReferenceAdapter:
         if extra:
             draft = dataclasses.replace(draft, fields={**draft.fields, **extra})
         return draft
+
+
+class _RouteHook:
+    """The route hook with the layer-ahead predictor (engine thread). Per layer in eager steps, mid-step, so the
+    predictor may prefetch for the next layer; all layers at once after a CUDA graph replay (`add_all`), when it
+    only observes: the router tap and the predictor each take the step in a few kernels, not a few per layer."""
+
+    def __init__(self, tap: RouterTap, predictor: LayerAheadPredictor) -> None:
+        self.tap, self.predictor = tap, predictor
+
+    def __call__(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        self.tap(layer, ids, weights)
+        self.predictor.on_route(layer, ids)
+
+    def add_all(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        self.tap.add_all(ids, weights)
+        self.predictor.observe_all(ids)

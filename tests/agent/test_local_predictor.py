@@ -137,3 +137,43 @@ def test_a_window_of_eager_and_replayed_steps_is_observed(agent: Agent) -> None:
     assert dict(((s, d), c) for s, d, c in fields["transitions"][0]["pairs"])[(0, 4)] == 2
     assert fields["step_unions"][0]["unions"] == [[0, 1, 2, 3], [0, 1], []]
     assert fields["step_unions"][0]["batch_tokens"] == [2, 1, 0]
+
+
+def test_a_replayed_steps_routes_at_once_are_observed_as_layer_by_layer_and_never_prefetch(agent: Agent) -> None:
+    """`observe_all` (after a graph replay: every layer has run) reports the window `on_route` would, and issues
+    no prefetch even with a table that scores the next layer's experts."""
+    rows = [TransitionRow(layer=0, src=e, next=(Successor(7, 0.9),)) for e in range(8)]
+    assert agent.enforcer.apply(_plan(agent, budget_slots=2, rows=rows)).status.value == "applied"
+    by_layer, at_once = _predictor(agent), _predictor(agent)
+    by_layer.install(make_plan(agent))  # no table: observing only
+    at_once.install(_plan(agent, budget_slots=2, rows=rows))
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 3, 100):  # 100 rows: past PAIR_ROWS, so both sample the same rows for the pairs
+        ids = torch.randint(0, 8, (2, n, 2), generator=gen)  # [L, N, k]
+        for m, layer in enumerate(agent.engine.spec.moe_layers):
+            by_layer.on_route(layer, ids[m])
+        at_once.observe_all(ids.int())
+        by_layer.end_step()
+        at_once.end_step()
+    assert at_once.counts["issued"] == 0 and at_once.counts == by_layer.counts
+    got, want = at_once.window_fields(), by_layer.window_fields()
+    assert got["transitions"] == want["transitions"] and got["step_unions"] == want["step_unions"]
+    assert got["transitions"][0]["num_tokens"] == 104
+
+
+def test_the_adapters_route_hook_observes_a_replay_at_once(tmp_path: Path) -> None:
+    from tests.agent import tiny_engine
+    from tierplan.agent.adapters.reference import ReferenceAdapter
+
+    eng = tiny_engine(tmp_path)
+    try:
+        adapter = ReferenceAdapter(eng, local_predictor=True)
+        hook = eng.model.route_tap
+        assert hook is not None and hasattr(hook, "add_all")
+        seen = []
+        adapter.predictor.observe_all = seen.append  # type: ignore[method-assign, union-attr]
+        ids = torch.zeros((2, 1, 2), dtype=torch.int64)
+        hook.add_all(ids, torch.full((2, 1, 2), 0.5))
+        assert len(seen) == 1 and seen[0] is ids
+    finally:
+        eng.close()
