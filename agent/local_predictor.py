@@ -93,11 +93,8 @@ class LayerAheadPredictor:
         layer that prefetches copies its routes to the host, because it must choose experts now."""
         if layer == self.moe_layers[0]:
             self._step_tokens = int(ids.shape[0])
-        if ids.dtype != torch.int64:
-            ids = ids.long()
-        if self._used is None or self._used.device != ids.device:
-            self._used = _normal_zeros((len(self.moe_layers), self.num_experts), torch.bool, ids.device)
-        self._used[self._pool[layer]].index_fill_(0, ids.reshape(-1), True)
+        ids = ids.long()  # a no-op for int64 routes
+        self._used_mask(ids.device)[self._pool[layer]].index_fill_(0, ids.reshape(-1), True)
         self._ran.add(layer)
         if self._prev is not None and self._next.get(self._prev[0]) == layer and self._prev[1].shape[0] == ids.shape[0]:
             self._count_pairs(self._prev[0], self._prev[1], ids)
@@ -112,18 +109,19 @@ class LayerAheadPredictor:
         graph replay's static buffers, read before the next replay): what `on_route` observes layer by layer, in
         one scatter for the masks, and no prefetch (every layer has computed: a prefetch now could only be
         wasted, and would count against the precision the controller judges the table by)."""
-        if ids.dtype != torch.int64:
-            ids = ids.long()
-        n = int(ids.shape[1])
-        self._step_tokens = n
-        if self._used is None or self._used.device != ids.device:
-            self._used = _normal_zeros((len(self.moe_layers), self.num_experts), torch.bool, ids.device)
-        self._used.scatter_(1, ids.reshape(len(self.moe_layers), -1), True)
+        ids = ids.long()
+        self._step_tokens = int(ids.shape[1])
+        self._used_mask(ids.device).scatter_(1, ids.reshape(len(self.moe_layers), -1), True)
         self._ran.update(self.moe_layers)
-        for m, layer in enumerate(self.moe_layers[:-1]):
-            if self._next.get(layer) == self.moe_layers[m + 1]:
-                self._count_pairs(layer, ids[m], ids[m + 1])
+        for m, layer in enumerate(self.moe_layers[:-1]):  # each MoE layer and the next one
+            self._count_pairs(layer, ids[m], ids[m + 1])
         self._prev = None
+
+    def _used_mask(self, device: torch.device) -> torch.Tensor:
+        """[M, E] the step's used experts per MoE layer, on the routes' device (made at a step's first route)."""
+        if self._used is None or self._used.device != device:
+            self._used = _normal_zeros((len(self.moe_layers), self.num_experts), torch.bool, device)
+        return self._used
 
     def _count_pairs(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Each row's (expert at `layer`, expert at the next MoE layer) pairs, into a dense [E * E] count on the

@@ -45,9 +45,6 @@ class RecencyBooks:
         self._entry_tick: dict[Key, float] = {}  # each tracked key's newest heap entry (older ones are dead)
         self._num_entries = 0
 
-    def __contains__(self, key: object) -> bool:
-        return key in self.lru
-
     def touch(self, key: Key) -> None:
         """`key` was used, or loaded on purpose: it becomes the most recently used."""
         new = key not in self.lru
@@ -93,7 +90,7 @@ class RecencyBooks:
         if len(tracked) == len(resident):
             return tracked  # every resident is accounted for: nothing was loaded around us
         # Never tracked ones and those tracked as loaded around (ticks under 0) share one order, by key.
-        head = set(resident) - set(tracked) | {k for k in tracked if self.lru[k] < 0}
+        head = resident - set(tracked) | {k for k in tracked if self.lru[k] < 0}
         return sorted(head) + [k for k in tracked if self.lru[k] >= 0]
 
     def plug(self, ranks: VictimRanks | None) -> None:
