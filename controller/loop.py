@@ -5,11 +5,12 @@ Runs in the controller process (in process beside the engine for now; behind the
 feeds the demand models; it decides nothing. `step_next()` forecasts, values every option of the split (per
 MoE layer: resident slots; KV: GPU blocks; see valuation.py), solves the knapsack exactly (DP by default,
 the HiGHS MILP on request) for the candidate KV shares, each at the batch it runs (coupling.py; the
-separable split with `batch_coupling=False`), holds the current split unless the new one is better by the
-hysteresis margin, and emits a `Plan` with the split, pins and eviction orders from the activation
-frequencies, the local transition table and its prefetch byte budget, the KV retention order (prefix
-hashes, most likely reused first, from the reuse predictor `sync_from` feeds live: kv_reuse_feed.py; a kept
-split is re-issued when that order moves by `kv_retention_refresh`), and a reason naming the top factors.
+separable split with `batch_coupling=False`), gives the HBM no option valued to GPU KV blocks (`with_spare_kv`),
+holds the current split unless the new one is better by the hysteresis margin, and emits a `Plan` with the
+split, pins and eviction orders from the activation frequencies, the local transition table and its prefetch byte
+budget, the KV retention order (prefix hashes, most likely reused first, from the reuse predictor `sync_from`
+feeds live: kv_reuse_feed.py; a kept split is re-issued when that order moves by `kv_retention_refresh`), and a
+reason naming the top factors.
 An operator's pinned experts are always in the plan's pins (their layers get the slots for them); `predictor`
 picks the forecast's curve source, and a shadow source is scored beside it (controller/curve_shadow.py),
 promoted only when it predicts better.
@@ -49,6 +50,20 @@ from tierplan.controller.valuation import SplitSpace, Valuation, build_problem
 
 MAX_REASON_CHARS = 4000  # a plan's reason (the protocol allows a little more)
 PIN_UNION_HEADROOM = 1.25  # step unions vary around their mean: room for most steps' unions, not the mean's
+
+
+def with_spare_kv(split: Split, space: SplitSpace) -> tuple[Split, int]:
+    """`split` with the HBM it leaves unspent given to GPU KV blocks (up to the tier's capacity), and how many.
+
+    Where more expert slots buy nothing (a layer's curve is flat past the experts its steps use) and the KV
+    demand is met, the solve may leave HBM idle: all options price it at zero. Idle HBM helps nobody, and KV
+    blocks admit the requests that queue up before the next window's plan (H200 phase runs 18-19: the first
+    plan held 134 KV blocks at 40-56 GiB with most of the budget idle, and more KV came three windows later, at
+    0.75-0.85x the policies that started with it). A later plan takes the blocks back for experts if they pay."""
+    used = sum(split.slots) * space.slot_bytes + split.kv_blocks * space.kv_block_bytes
+    extra = max(0, min((space.capacity_bytes - used) // space.kv_block_bytes,
+                       space.kv_gpu_blocks_max - split.kv_blocks))
+    return (replace(split, kv_blocks=split.kv_blocks + extra), extra) if extra else (split, 0)
 
 
 def num_pins(slots: int, union: float, top_k: int, pin_frac: float, operator_pins: int = 0) -> int:
@@ -270,11 +285,16 @@ class Controller:
         floor_ms = cfg.hysteresis * val.step_ms
         keep = decision.action is Action.KEEP or (cur_ms is not None and decision.gain_ms <= floor_ms)
         choice = cur_choice if keep and cur_choice is not None else decision.choice
-        new = Split(tuple(val.slot_counts[m][j] for m, j in enumerate(choice[:-1])), val.kv_blocks[choice[-1]])
+        new, spare = with_spare_kv(
+            Split(tuple(val.slot_counts[m][j] for m, j in enumerate(choice[:-1])), val.kv_blocks[choice[-1]]),
+            cfg.space)
         retention = self.kv_reuse.retention(self._retention_bound())
-        if keep and cur is not None:
+        if not keep and new == cur:  # the solve's split with its spare HBM as KV is the one in force
+            keep, why = True, "the new split, its spare HBM given to KV, is the current one"
+        elif keep:
             why = decision.reason if decision.action is Action.KEEP else \
                 f"saves {decision.gain_ms:.3g} ms/step, under {floor_ms:.3g} ms ({cfg.hysteresis:.0%} of the step)"
+        if keep and cur is not None:
             reason = explain(cur, cur, now.forecast, fc, val, sol, cur_ms, kv_demand) + self._shadow_note()
             # The split holds; the plan is re-issued for its KV retention, or to withhold or restore the table.
             if self._retention_moved(retention) or self._table_moved(fc):
@@ -284,6 +304,8 @@ class Controller:
                                         val.predicted_step_ms(choice)))
             return None
         reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand) + self._shadow_note()
+        if spare:
+            reason += f"; {spare} more KV blocks from HBM no option valued"
         if cur is not None:
             reason += f"; {decision.reason}"
         return self._issue(new, fc, reason, val, retention, choice)
