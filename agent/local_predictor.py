@@ -22,13 +22,21 @@ It must never talk to the network, decide a plan, or change what a kernel comput
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from tierplan.agent.local_policy import LocalPolicy
-from tierplan.controller.protocol import MAX_PAIRS_PER_LAYER, MAX_UNION_STEPS, Plan
+from tierplan.controller.protocol import (
+    MAX_PAIRS_PER_LAYER,
+    MAX_UNION_STEPS,
+    LayerTransitions,
+    LayerUnions,
+    Plan,
+    TransitionPair,
+)
 from tierplan.runtime.engine.experts import OnDemandExperts
 from tierplan.runtime.errors import RuntimeTierError
 from tierplan.runtime.memory.slots import ExpertState
@@ -43,6 +51,43 @@ def _normal_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     replays outside it, and a window's counts are written by both (as agent/taps.py's buffers are)."""
     with torch.inference_mode(False):
         return torch.zeros(shape, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class PredictorWindow:
+    """One window of the predictor's observations as host arrays. `fields()` builds its Telemetry v2 parts (any
+    thread: the adapter's outbox): the parts are made from arrays whose shape guarantees what their validators
+    check (pairs unique, ids in range, one union per step, sorted and distinct), so they are constructed without
+    re-validation; the Telemetry around them still checks them against the model (`check_unions`), and every
+    process boundary (JSON) validates them whole. With thousands of pairs a window, validating each one in the
+    engine's process cost 8-40 ms a window (2-core CPU box, 1,500-4,096 pairs a layer), under the GIL the
+    engine thread needs (bench/results/phase_h200.md, runs 15-16)."""
+
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    pairs: np.ndarray | None  # [M - 1, E * E] float32 weighted pair counts (None: no pair counted)
+    pair_tokens: np.ndarray  # [M - 1] tokens counted per row
+    unions: np.ndarray  # [S, M, E] bool: the experts each layer used, per recorded step
+    batch_tokens: tuple[int, ...]  # [S] each recorded step's tokens
+    local_prefetch: dict[str, int]
+
+    def fields(self) -> dict[str, Any]:
+        e, transitions = self.num_experts, []
+        for m in np.flatnonzero(self.pair_tokens) if self.pairs is not None else ():
+            flat = np.rint(self.pairs[m])  # [E * E]
+            nz = np.flatnonzero(flat)
+            top = nz[np.argsort(-flat[nz], kind="stable")[:MAX_PAIRS_PER_LAYER]]  # most common first
+            pairs = tuple(map(TransitionPair._make, zip((top // e).tolist(), (top % e).tolist(),
+                                                        flat[top].astype(np.int64).tolist(), strict=True)))
+            transitions.append(LayerTransitions.model_construct(
+                layer=self.moe_layers[m], next_layer=self.moe_layers[m + 1], num_tokens=int(self.pair_tokens[m]),
+                pairs=pairs))
+        unions = [LayerUnions.model_construct(layer=layer, batch_tokens=self.batch_tokens,
+                                              unions=tuple(tuple(np.flatnonzero(row).tolist())
+                                                           for row in self.unions[:, m]))
+                  for m, layer in enumerate(self.moe_layers)] if self.batch_tokens else []
+        return {"transitions": tuple(transitions), "step_unions": tuple(unions),
+                "local_prefetch": dict(self.local_prefetch)}
 
 
 class LayerAheadPredictor:
@@ -64,9 +109,9 @@ class LayerAheadPredictor:
         self._used: torch.Tensor | None = None  # [M, E] bool on the routes' device: experts each layer used
         self._ran: set[int] = set()  # model layers routed this step
         self._step_tokens = 0
-        self._pairs: dict[int, torch.Tensor] = {}  # model layer -> [E * E] pair counts this window (device)
-        self._pair_tokens: dict[int, int] = {}
-        self._unions: dict[int, list[tuple[int, ...]]] = {layer: [] for layer in self.moe_layers}
+        self._pairs: torch.Tensor | None = None  # [M - 1, E * E] pair counts this window (routes' device)
+        self._pair_tokens = np.zeros(max(0, len(self.moe_layers) - 1), np.int64)  # [M - 1] tokens counted
+        self._union_rows: list[np.ndarray] = []  # per step [M, E] bool: the experts each layer used
         self._batch: list[int] = []
 
     # ---- plan ------------------------------------------------------------------------------------------
@@ -113,8 +158,8 @@ class LayerAheadPredictor:
         self._step_tokens = int(ids.shape[1])
         self._used_mask(ids.device).scatter_(1, ids.reshape(len(self.moe_layers), -1), True)
         self._ran.update(self.moe_layers)
-        for m, layer in enumerate(self.moe_layers[:-1]):  # each MoE layer and the next one
-            self._count_pairs(layer, ids[m], ids[m + 1])
+        if len(self.moe_layers) > 1 and ids.shape[1]:  # each MoE layer and the next one, in one update
+            self._count_all_pairs(ids[:-1], ids[1:], 0)
         self._prev = None
 
     def _used_mask(self, device: torch.device) -> torch.Tensor:
@@ -123,23 +168,33 @@ class LayerAheadPredictor:
             self._used = _normal_zeros((len(self.moe_layers), self.num_experts), torch.bool, device)
         return self._used
 
+    def _pair_counts(self, device: torch.device) -> torch.Tensor:
+        """[M - 1, E * E] the window's pair counts, row m for MoE layer m and the next (made at first use)."""
+        if self._pairs is None or self._pairs.device != device:
+            self._pairs = _normal_zeros((len(self._pair_tokens), self.num_experts ** 2), torch.float32, device)
+        return self._pairs
+
     def _count_pairs(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Each row's (expert at `layer`, expert at the next MoE layer) pairs, into a dense [E * E] count on the
-        routes' device. At most PAIR_ROWS rows a step, evenly spaced and weighted to stand for all N: a prefill's
-        thousand rows would otherwise cost ~10^5 updates a layer, for a table that is an average anyway."""
-        n, e = int(src.shape[0]), self.num_experts
-        if n == 0:
-            return
+        """Each row's (expert at `layer`, expert at the next MoE layer) pairs, into the dense counts on the
+        routes' device (see `_count_all_pairs`)."""
+        if int(src.shape[0]):
+            m = self._pool[layer]
+            self._count_all_pairs(src.unsqueeze(0), dst.unsqueeze(0), m)
+
+    def _count_all_pairs(self, src: torch.Tensor, dst: torch.Tensor, first: int) -> None:
+        """src, dst [P, N, k]: pairs of MoE layers first .. first + P - 1 with their next ones, in one index_add.
+        At most PAIR_ROWS rows a step, evenly spaced and weighted to stand for all N: a prefill's thousand rows
+        would otherwise cost ~10^5 updates a layer, for a table that is an average anyway."""
+        n, e = int(src.shape[1]), self.num_experts
         if n > PAIR_ROWS:
             pick = torch.linspace(0, n - 1, PAIR_ROWS, device=src.device).round().long()
-            src, dst = src.index_select(0, pick), dst.index_select(0, pick)
-        idx = (src.unsqueeze(2) * e + dst.unsqueeze(1)).reshape(-1)  # [R * k * k] flat (src, dst) pairs
-        counts = self._pairs.get(layer)
-        if counts is None or counts.device != idx.device:
-            counts = self._pairs[layer] = _normal_zeros((e * e,), torch.float32, idx.device)
-        counts.index_add_(0, idx, torch.ones(idx.shape, dtype=torch.float32, device=idx.device),
-                          alpha=n / src.shape[0])
-        self._pair_tokens[layer] = self._pair_tokens.get(layer, 0) + n
+            src, dst = src.index_select(1, pick), dst.index_select(1, pick)
+        rows = torch.arange(first, first + src.shape[0], device=src.device) * (e * e)  # [P] each layer's offset
+        idx = (src.unsqueeze(3) * e + dst.unsqueeze(2)).reshape(src.shape[0], -1) + rows.unsqueeze(1)  # [P, R*k*k]
+        idx = idx.reshape(-1)
+        self._pair_counts(idx.device).view(-1).index_add_(
+            0, idx, torch.ones(idx.shape, dtype=torch.float32, device=idx.device), alpha=n / src.shape[1])
+        self._pair_tokens[first:first + src.shape[0]] += n
 
     def _prefetch(self, layer: int, nxt: int, rows: np.ndarray, union: set[int]) -> None:
         probs = self.table[layer]  # [E, E]
@@ -180,33 +235,31 @@ class LayerAheadPredictor:
             self.counts["wasted"] += len(experts) - hit
         self._issued_for.clear()
         if used is not None and len(self._batch) < MAX_UNION_STEPS:
-            for layer in self.moe_layers:
-                self._unions[layer].append(tuple(int(x) for x in np.flatnonzero(used[self._pool[layer]])))
+            self._union_rows.append(np.array(used, dtype=bool))  # the ids are listed off this thread
             self._batch.append(self._step_tokens)
         self._used = None  # a fresh mask next step
         self._ran.clear()
         self._prev, self._spent_bytes = None, 0
 
     # ---- the window --------------------------------------------------------------------------------------
-    def window_fields(self) -> dict[str, Any]:
-        """Telemetry v2 fields of the window so far (plain data, validated when the message is built); resets."""
-        transitions = []
-        for layer, counts in sorted(self._pairs.items()):
-            flat = np.rint(counts.cpu().numpy())  # [E * E] one host copy a window
-            nz = np.flatnonzero(flat)
-            top = nz[np.argsort(-flat[nz], kind="stable")[:MAX_PAIRS_PER_LAYER]]  # most common first
-            e = self.num_experts
-            transitions.append({"layer": layer, "next_layer": self._next[layer],
-                                "num_tokens": self._pair_tokens.get(layer, 0),
-                                "pairs": [(int(i // e), int(i % e), int(flat[i])) for i in top]})
-        unions = [{"layer": layer, "batch_tokens": list(self._batch), "unions": [list(u) for u in self._unions[layer]]}
-                  for layer in self.moe_layers] if self._batch else []
-        self._pairs, self._pair_tokens = {}, {}
-        self._unions, self._batch = {layer: [] for layer in self.moe_layers}, []
+    def window_snapshot(self) -> PredictorWindow:
+        """Engine thread, between steps: the window so far as host arrays (one copy of the pair counts); resets.
+        Its Telemetry v2 fields are built by `PredictorWindow.fields` off this thread."""
+        pairs = self._pairs.cpu().numpy() if self._pairs is not None else None  # [M - 1, E * E]
+        unions = (np.stack(self._union_rows) if self._union_rows
+                  else np.zeros((0, len(self.moe_layers), self.num_experts), bool))  # [S, M, E]
         counts = {k: self.counts[k] - self._reported[k] for k in COUNTERS}
+        snap = PredictorWindow(self.moe_layers, self.num_experts, pairs, self._pair_tokens.copy(), unions,
+                               tuple(self._batch), {"table_version": self.version, **counts})
+        self._pairs = None
+        self._pair_tokens[:] = 0
+        self._union_rows, self._batch = [], []
         self._reported = dict(self.counts)
-        return {"transitions": transitions, "step_unions": unions,
-                "local_prefetch": {"table_version": self.version, **counts}}
+        return snap
+
+    def window_fields(self) -> dict[str, Any]:
+        """Telemetry v2 fields of the window so far, built here (tests; the adapter defers `fields`); resets."""
+        return self.window_snapshot().fields()
 
     def stats(self) -> dict[str, int]:
         return {**self.counts, "table_version": self.version, "budget_bytes_per_step": self.budget_bytes}

@@ -273,6 +273,7 @@ class WindowDraft:
     stalls: dict[StallCause, tuple[int, float]]
     steps_ms: tuple[int, float, float, float]  # count, mean, p50, p99
     reuse: tuple[tuple[str, float, str], ...] = ()  # KV reuse events: prefix hash, age in seconds, tier name
+    deferred: tuple[Callable[[], dict[str, Any]], ...] = ()  # more fields, made at build (off the engine thread)
 
     def build(self, between_layers: Callable[[], None] | None = None) -> Telemetry:
         """The Telemetry of this window (any thread). The per-layer parts are checked on the arrays at once
@@ -280,10 +281,15 @@ class WindowDraft:
         validating them, bench/results/design_notes.md); the message around them is validated. `between_layers` runs
         after each layer (the outbox yields the GIL there)."""
         layers = self.router.layer_stats(trusted=True, between_layers=between_layers)
+        fields = dict(self.fields)
+        for more in self.deferred:
+            fields.update(more())
+            if between_layers is not None:
+                between_layers()
         blocks, hits, misses = self.kv
         n, mean, p50, p99 = self.steps_ms
         return Telemetry(
-            **self.fields, layers=tuple(layers),
+            **fields, layers=tuple(layers),
             kv=KVStats(blocks_per_tier={Tier(k): v for k, v in blocks.items()},
                        hits_per_tier={Tier(k): v for k, v in hits.items()},
                        misses_per_tier={Tier(k): v for k, v in misses.items()},

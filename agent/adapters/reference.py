@@ -150,11 +150,13 @@ class ReferenceAdapter:
             expert_misses=now["expert_misses"] - last["expert_misses"],
             plan_version=self.enforcer.applied_version, fallbacks=self._fallbacks())
         self._last = now
-        extra = self.predictor.window_fields() if self.predictor is not None else {}
+        extra: dict[str, Any] = {}
         if self.queue_probe is not None:
             extra["queued_kv_blocks"] = int(self.queue_probe())
-        if extra:
-            draft = dataclasses.replace(draft, fields={**draft.fields, **extra})
+        # The predictor's pairs and unions are listed and made into protocol parts by the outbox thread.
+        deferred = (self.predictor.window_snapshot().fields,) if self.predictor is not None else ()
+        if extra or deferred:
+            draft = dataclasses.replace(draft, fields={**draft.fields, **extra}, deferred=draft.deferred + deferred)
         return draft
 
 

@@ -29,10 +29,10 @@ Changes from PHASE_CONTRACT.md's sketch (the runner must know these):
   source never issued it, so its ack is not handed on); `loop.on_step` is the step hook, `loop.finish()` after.
   Planner errors and refused telemetry are counted in `loop.stats()`: put them in the row's notes.
 - `PolicyRun.local_predictor` (added; default False): whether the run uses the plan's layer-ahead local
-  predictor (agent/local_predictor.py), whose route hook copies every MoE layer's routes to the host. Only the
-  live policies (tierplan, mv_wsa, fluxmoe: their controller trains on its window counts) set it; a static
-  baseline's run must attach the agent without it (`ReferenceAdapter(local_predictor=False)`), so it never
-  pays tierplan's per-layer host copy.
+  predictor (agent/local_predictor.py), which observes every MoE layer's routes. Only the live policies
+  (tierplan, mv_wsa, fluxmoe: their controller trains on its window counts) may set it, when built with
+  `local_predictor=True` (off by default, tierplan_live.py says why); a static baseline's run must attach the
+  agent without it (`ReferenceAdapter(local_predictor=False)`), so it never pays for it.
 - `bench.baselines.replay.run_point` does exactly this on one point (the tests use it; the runner may too).
 """
 

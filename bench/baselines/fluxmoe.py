@@ -64,4 +64,5 @@ class FluxMoE(TierplanLive):
                          f"the rest; then {self.allocator}")
         return PolicyRun(plan, source=AfterInitialPlan(self.controller), window_steps=WINDOW_STEPS, split=split,
                          notes="KV capped at its demand, experts the rest, rho rule in between; no expert "
-                         "compression (FluxMoE compresses experts; ours move at full size)", local_predictor=True)
+                         "compression (FluxMoE compresses experts; ours move at full size)",
+                         local_predictor=self.local_predictor)

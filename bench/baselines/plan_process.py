@@ -6,8 +6,11 @@ and the controller's config) and answers `sync_from`, `step_next` and `record_ac
 (controller/protocol.py). The phase runner's live policies plan on the outbox thread of the engine's process
 (`InProcessLoop(wait_for_plans=False)`): a controller in that process holds the GIL for its whole solve, which
 the engine thread then waits out between its kernel launches; over the pipe the outbox thread waits in a system
-call instead. The constructor returns once the child has built the controller (its imports are no window's
-delay). Calls are serialised (one lock: a reply never goes to another thread's call).
+call instead. The protocol's messages cross the pipe as their JSON (`_pack`): pickling a window's pydantic objects
+took 20-60 ms a window with thousands of cross-layer pairs, on the outbox thread and under the GIL, where
+pydantic-core writes the JSON in 2-5 ms; the child validates it whole, as any process boundary of the protocol
+does. The constructor returns once the child has built the controller (its imports are no window's delay).
+Calls are serialised (one lock: a reply never goes to another thread's call).
 
 Nothing is lost silently: an exception the child raises comes back and is raised here as itself, or, if it does
 not survive pickling, as a ValueError (a ValueError's kind: the loop counts refused telemetry by it) or a
@@ -24,7 +27,7 @@ import os
 import pickle
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 PARENT_CHECK_S = 2.0  # how often an idle child looks whether its parent is still there
 
@@ -37,6 +40,33 @@ def portable(exc: BaseException) -> BaseException:
     except Exception:
         kind = ValueError if isinstance(exc, ValueError) else RuntimeError
         return kind(f"{type(exc).__name__}: {exc}")
+
+
+class _Json(NamedTuple):
+    """A message of controller/protocol.py on the pipe: its class name and its JSON."""
+
+    kind: str
+    text: str
+
+
+def _pack(value: Any) -> Any:
+    """A protocol message as `_Json`, anything else as it is (pickled by the pipe)."""
+    from pydantic import BaseModel
+
+    from tierplan.controller import protocol
+
+    if isinstance(value, BaseModel) and getattr(protocol, type(value).__name__, None) is type(value):
+        return _Json(type(value).__name__, value.model_dump_json())
+    return value
+
+
+def _unpack(value: Any) -> Any:
+    """The message a `_Json` carries, validated (a ValueError if it is not valid); anything else as it is."""
+    if isinstance(value, _Json):
+        from tierplan.controller import protocol
+
+        return getattr(protocol, value.kind).model_validate_json(value.text)
+    return value
 
 
 def _serve(conn: Any, factory: Callable[[Any], Any], config: Any, parent_pid: int) -> None:
@@ -67,9 +97,9 @@ def _serve(conn: Any, factory: Callable[[Any], Any], config: Any, parent_pid: in
             if name == "history":
                 result = list(getattr(source, "history", []))
             else:
-                result = getattr(source, name)(*args)
+                result = getattr(source, name)(*(_unpack(a) for a in args))
                 result = None if name == "sync_from" else result  # the loop ignores it; it need not pickle
-            conn.send(("ok", result))
+            conn.send(("ok", _pack(result)))
         except BaseException as exc:
             conn.send(("err", portable(exc)))
 
@@ -115,14 +145,14 @@ class ProcessPlanSource:
             raise RuntimeError(f"{name}: the controller's process ended (exit code {self._proc.exitcode})") from exc
         if status == "err":
             raise value
-        return value
+        return _unpack(value)
 
     def _call(self, name: str, *args: Any) -> Any:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{name}: the controller's process was closed")
             try:
-                self._conn.send((name, args))
+                self._conn.send((name, tuple(_pack(a) for a in args)))
             except (BrokenPipeError, ConnectionResetError, OSError) as exc:
                 self._proc.join(timeout=5.0)
                 raise RuntimeError(f"{name}: the controller's process ended (exit code "

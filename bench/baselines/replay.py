@@ -91,7 +91,8 @@ def run_point(baseline: Baseline, spec: ModelSpec, device: Device, trace: Routin
         run = baseline.start(eng, ctx)
         loop = None
         if run.source is not None:
-            loop = InProcessLoop(eng, run.source, window_steps=run.window_steps, hbm_budget_bytes=budget)
+            loop = InProcessLoop(eng, run.source, window_steps=run.window_steps, hbm_budget_bytes=budget,
+                                 local_predictor=run.local_predictor)
             adapter = loop.adapter
             loop.apply_initial(run.initial_plan)
             acks = loop.acks

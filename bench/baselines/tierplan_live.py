@@ -133,13 +133,19 @@ class TierplanLive:
     factory = staticmethod(mckp_controller)  # config -> controller; module-level, so a child process can build it
     batch_coupling = True  # each KV share valued at the batch it runs (controller/coupling.py)
 
-    def __init__(self, calibrate: bool = True, planner: str = "process") -> None:
+    def __init__(self, calibrate: bool = True, planner: str = "process", local_predictor: bool = False) -> None:
         """planner: "process" runs the controller in a child process (plan_process.py), as a deployed one runs
-        beside the engine; "thread" in the engine's process, on the loop's outbox thread."""
+        beside the engine; "thread" in the engine's process, on the loop's outbox thread. local_predictor:
+        attach the agent's layer-ahead predictor (agent/local_predictor.py: the step unions behind the measured
+        miss-ratio curves, the pairs behind the prefetch table). Off by default: on the H200 (phase runs 15-16,
+        bench/results/phase_h200.md) its prefetches never reached the precision the controller asks of a table,
+        the run cost 3 ms a step more at B=1, and the measured curves led to slower splits than the activation
+        frequencies (tierplan 95.1 / 111.6 / 161.6 tok/s with it, 145.4 / 188.4 / 205.4 without, at B=1/8/32)."""
         if planner not in PLANNERS:
             raise ValueError(f"{self.name}: planner must be one of {', '.join(PLANNERS)}, got {planner!r}")
         self.calibrate = calibrate  # False: priors only, so no wall-clock time enters a decision (tests)
         self.planner = planner
+        self.local_predictor = local_predictor
         self.controller: Any = None
 
     def engine_options(self, ctx: PointContext) -> dict[str, Any]:
@@ -159,4 +165,4 @@ class TierplanLive:
         split = initial_split(ctx, engine)
         plan = make_plan(ctx, split, self.name, f"starting split before the first window; then {self.allocator}")
         return PolicyRun(plan, source=AfterInitialPlan(self.controller), window_steps=WINDOW_STEPS, split=split,
-                         notes=f"live: {self.allocator}", local_predictor=True)
+                         notes=f"live: {self.allocator}", local_predictor=self.local_predictor)

@@ -37,6 +37,16 @@ def _ids(*rows: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64)  # [N, k]
 
 
+def _plain(fields: dict) -> dict:
+    """A window's fields as plain data (the parts are protocol models, made off the engine thread)."""
+    return {"transitions": [t.model_dump() for t in fields["transitions"]],
+            "step_unions": [u.model_dump() for u in fields["step_unions"]], "local_prefetch": fields["local_prefetch"]}
+
+
+def _pairs(trans: dict) -> dict[tuple[int, int], int]:
+    return {(s, d): c for s, d, c in trans["pairs"]}
+
+
 def test_prefetches_the_next_layers_likely_experts_within_the_budget(agent: Agent) -> None:
     pred = _predictor(agent)
     rows = [TransitionRow(layer=0, src=0, next=(Successor(5, 0.9), Successor(6, 0.8), Successor(7, 0.6))),
@@ -65,14 +75,14 @@ def test_no_table_no_prefetch_but_observation_goes_on(agent: Agent) -> None:
     pred.on_route(1, _ids((4, 5), (4, 6)))
     pred.end_step()
     assert pred.counts["issued"] == 0
-    fields = pred.window_fields()
+    fields = _plain(pred.window_fields())
     trans = fields["transitions"][0]
     assert trans["layer"] == 0 and trans["next_layer"] == 1 and trans["num_tokens"] == 2
-    assert dict(((s, d), c) for s, d, c in trans["pairs"])[(0, 4)] == 1
-    assert {(s, d) for s, d, _ in trans["pairs"]} == {(0, 4), (0, 5), (1, 4), (1, 5), (2, 4), (2, 6), (3, 4), (3, 6)}
-    assert fields["step_unions"][1] == {"layer": 1, "batch_tokens": [2], "unions": [[4, 5, 6]]}
+    assert _pairs(trans)[(0, 4)] == 1
+    assert set(_pairs(trans)) == {(0, 4), (0, 5), (1, 4), (1, 5), (2, 4), (2, 6), (3, 4), (3, 6)}
+    assert fields["step_unions"][1] == {"layer": 1, "batch_tokens": (2,), "unions": ((4, 5, 6),)}
     assert fields["local_prefetch"]["issued"] == 0 and fields["local_prefetch"]["table_version"] == 0
-    again = pred.window_fields()  # reset after reporting
+    again = _plain(pred.window_fields())  # reset after reporting
     assert again["transitions"] == [] and again["step_unions"] == [] and again["local_prefetch"]["useful"] == 0
 
 
@@ -89,6 +99,8 @@ def test_window_fields_make_a_valid_telemetry_v2(agent: Agent) -> None:
     tel = Telemetry(**base, **pred.window_fields())
     assert tel.transitions[0].pairs and tel.step_unions[0].unions == ((0, 1),)
     assert tel.local_prefetch is not None and tel.local_prefetch.issued == 0
+    # The parts are made without re-validation: what a process boundary validates from their JSON is the same.
+    assert Telemetry.model_validate_json(tel.model_dump_json()) == tel
 
 
 def test_a_prefill_step_counts_a_sample_of_its_pairs_weighted_to_all_its_rows(agent: Agent) -> None:
@@ -111,11 +123,11 @@ def test_a_prefill_step_counts_a_sample_of_its_pairs_weighted_to_all_its_rows(ag
         torch.Tensor.index_add_ = real
     pred.end_step()
     assert sizes == [lp.PAIR_ROWS * 2 * 2]  # the sample's pairs, not the step's 4000
-    fields = pred.window_fields()
+    fields = _plain(pred.window_fields())
     trans = fields["transitions"][0]
     assert trans["num_tokens"] == n
-    assert dict(((s, d), c) for s, d, c in trans["pairs"]) == {(0, 4): n, (0, 5): n, (1, 4): n, (1, 5): n}
-    assert fields["step_unions"][0]["unions"] == [[0, 1]] and fields["step_unions"][1]["unions"] == [[4, 5]]
+    assert _pairs(trans) == {(0, 4): n, (0, 5): n, (1, 4): n, (1, 5): n}
+    assert fields["step_unions"][0]["unions"] == ((0, 1),) and fields["step_unions"][1]["unions"] == ((4, 5),)
 
 
 def test_a_window_of_eager_and_replayed_steps_is_observed(agent: Agent) -> None:
@@ -133,10 +145,10 @@ def test_a_window_of_eager_and_replayed_steps_is_observed(agent: Agent) -> None:
     pred.on_route(0, torch.zeros((0, 2), dtype=torch.int64))
     pred.on_route(1, torch.zeros((0, 2), dtype=torch.int64))
     pred.end_step()
-    fields = pred.window_fields()
-    assert dict(((s, d), c) for s, d, c in fields["transitions"][0]["pairs"])[(0, 4)] == 2
-    assert fields["step_unions"][0]["unions"] == [[0, 1, 2, 3], [0, 1], []]
-    assert fields["step_unions"][0]["batch_tokens"] == [2, 1, 0]
+    fields = _plain(pred.window_fields())
+    assert _pairs(fields["transitions"][0])[(0, 4)] == 2
+    assert fields["step_unions"][0]["unions"] == ((0, 1, 2, 3), (0, 1), ())
+    assert fields["step_unions"][0]["batch_tokens"] == (2, 1, 0)
 
 
 def test_a_replayed_steps_routes_at_once_are_observed_as_layer_by_layer_and_never_prefetch(agent: Agent) -> None:
@@ -156,7 +168,7 @@ def test_a_replayed_steps_routes_at_once_are_observed_as_layer_by_layer_and_neve
         by_layer.end_step()
         at_once.end_step()
     assert at_once.counts["issued"] == 0 and at_once.counts == by_layer.counts
-    got, want = at_once.window_fields(), by_layer.window_fields()
+    got, want = _plain(at_once.window_fields()), _plain(by_layer.window_fields())
     assert got["transitions"] == want["transitions"] and got["step_unions"] == want["step_unions"]
     assert got["transitions"][0]["num_tokens"] == 104
 

@@ -13,13 +13,16 @@ from tests.bench import baseline_point as bp
 from tierplan.bench.baselines import BASELINES, make, oracle_splits
 from tierplan.controller.protocol import AckStatus
 
+LIVE = ("tierplan", "mv_wsa", "fluxmoe")
 
-def _baseline(name: str) -> Any:
+
+def _baseline(name: str, local_predictor: bool = False) -> Any:
     """The registry's baseline; a live one plans from its cost model's priors (calibrate off), so no wall-clock
     time enters a decision and its plans are the same on every machine."""
     b = make(name)
     if hasattr(b, "calibrate"):
         b.calibrate = False
+        b.local_predictor = local_predictor
     return b
 
 
@@ -43,6 +46,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             out[name], out["oracle_recording"] = _oracle(wd)
         else:
             out[name] = bp.run(_baseline(name), wd)
+        if name in LIVE:  # and with the agent's layer-ahead predictor, which they take when asked
+            out[f"{name}+local"] = bp.run(_baseline(name, local_predictor=True), tmp_path_factory.mktemp(name))
     return out
 
 
@@ -79,7 +84,7 @@ def test_tokens_equal_the_resident_run(results: dict[str, Any], name: str) -> No
 
 
 def test_live_baselines_replan_through_the_loop(results: dict[str, Any]) -> None:
-    for name in ("tierplan", "mv_wsa", "fluxmoe"):
+    for name in LIVE + tuple(f"{n}+local" for n in LIVE):
         loop = results[name].stats["loop"]
         assert loop["windows"] >= 3 and loop["planner_errors"] == 0 and loop["telemetry_refused"] == 0, (name, loop)
         assert loop["applied"] >= 2, (name, loop)  # the starting split, then at least one of the controller's
@@ -97,10 +102,14 @@ def test_the_oracle_follows_its_record_and_beats_lru_at_its_split(results: dict[
 
 
 @pytest.mark.parametrize("name", BASELINES)
-def test_only_live_policies_attach_the_local_predictor(results: dict[str, Any], name: str) -> None:
-    """The layer-ahead predictor copies every MoE layer's routes to the host: only the policies whose controller
-    trains on it and issues its table ask for it; a static baseline never pays tierplan's host copy."""
-    live = name in ("tierplan", "mv_wsa", "fluxmoe")
+def test_the_local_predictor_is_attached_only_to_a_live_policy_that_asks(results: dict[str, Any], name: str) -> None:
+    """The layer-ahead predictor observes every MoE layer's routes: no policy runs it by default (a static baseline
+    never pays for it), a live one when built with `local_predictor=True`, with the same tokens and budget."""
     r = results[name]
-    assert r.run.local_predictor is live
-    assert r.stats["local_predictor"] is live
+    assert r.run.local_predictor is False and r.stats["local_predictor"] is False
+    if name in LIVE:
+        on = results[f"{name}+local"]
+        assert on.run.local_predictor is True and on.stats["local_predictor"] is True
+        assert on.outputs == results["resident"].outputs and on.over_budget_steps == 0
+        assert [a.status for a in on.acks] == [AckStatus.APPLIED] * len(on.acks)
+        assert on.stats["loop"]["telemetry_refused"] == 0 and on.stats["loop"]["planner_errors"] == 0

@@ -82,8 +82,8 @@ def test_rows_time_the_whole_measured_span_and_name_the_batch(swept: tuple[Path,
             assert (r[f"{kind}_step_ms"] is None) == (r[f"predicted_{kind}_step_ms_measured_misses"] is None), kind
         assert r["prefill_step_ms"] is None or r["prefill_step_ms"] > 0
     by = {r["policy"]: r for r in rows}
-    # Only a live policy runs the agent's layer-ahead predictor.
-    assert {p for p, r in by.items() if r["local_predictor"]} == {"fluxmoe", "mv_wsa", "tierplan"}
+    # No policy runs the agent's layer-ahead predictor by default (tierplan_live.py says why).
+    assert not any(r["local_predictor"] for r in by.values())
     assert by["tierplan"]["predicted_from"].startswith("plan: ")
     assert by["resident"]["predicted_from"].startswith("split: ")
     # A live controller's plans are in its row, each with the split, the batch it saw and why; a static none.

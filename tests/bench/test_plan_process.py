@@ -153,3 +153,39 @@ def test_a_factory_that_does_not_pickle_fails_at_once_and_leaves_nothing(monkeyp
         ProcessPlanSource(lambda c: c, None, timeout_s=3600)
     gc.collect()
     assert closes == [] and not controllers_running()
+
+
+class _Echo:
+    """Keeps what it is sent: the child's view of a message (built in the child, as `_Stub`)."""
+
+    def __init__(self, _: object) -> None:
+        self.seen: list[object] = []
+
+    def sync_from(self, telemetry: object) -> None:
+        self.seen.append(telemetry)
+
+    def step_next(self) -> object:
+        return self.seen[-1]
+
+
+def test_protocol_messages_cross_as_json_and_are_validated_in_the_child() -> None:
+    """A Telemetry goes over the pipe as its JSON and arrives equal (validated there); one whose parts were made
+    without validation and break a rule is refused by the child with the rule, as a ValueError (the loop counts
+    it as refused telemetry)."""
+    from tests.controller.test_protocol_predictor import telemetry_v2
+    from tierplan.bench.baselines.plan_process import _Json, _pack
+    from tierplan.controller.protocol import LayerUnions, Telemetry
+
+    tel = Telemetry.model_validate(telemetry_v2())
+    assert isinstance(_pack(tel), _Json) and _pack({"a": 1}) == {"a": 1}
+    src = ProcessPlanSource(_Echo, None)
+    try:
+        src.sync_from(tel)
+        back = src.step_next()
+        assert type(back) is Telemetry and back == tel
+        bad = tel.model_copy(update={"step_unions": (LayerUnions.model_construct(
+            layer=0, batch_tokens=(1,), unions=((2, 2),)),)})
+        with pytest.raises(ValueError, match="repeats"):
+            src.sync_from(bad)
+    finally:
+        assert src.close() is None
