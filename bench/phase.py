@@ -1,9 +1,9 @@
 """`tierplan bench phase`: every policy on the same engine, traces and HBM budget, over batch x context x budget.
 
 Runs in one process on one device (`--quick`: the CPU smoke sizes of bench/phase_grid.py, no figure to quote).
-Per model: the pinned store, router and sizes are built once (bench/phase_run.py `open_model`) and shared by
-every run's engine; per point, each policy runs once on a fresh engine (the oracle: per candidate split one
-run, the best kept, on the access stream a CPU replay of the runner's scheduler records for that split,
+Per model: the pinned store, dense weights, router and sizes are built once (bench/phase_run.py `open_model`)
+and shared by every run's engine; per point, each policy runs once on a fresh engine (the oracle: per candidate
+split one run, the best kept, on the access stream a CPU replay of the runner's scheduler records for that split,
 bench/baselines/dry_record.py; `OracleRecording.ENGINE` records it on an engine instead, and checks the replay
 against it in the row's notes). After every run its row is merged into the model's JSON under a
 file lock (bench/phase_store.py), the oracle's candidate splits each as they finish, so a sweep killed midway

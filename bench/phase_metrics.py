@@ -245,6 +245,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "output_tokens": sum(s.tokens_out for s in timed),
         "kv_hits": {"gpu": sum(s.kv_gpu_hits for s in timed), **fetch},
         "link_bytes": _sum(timed, "link_bytes"),
+        "executor_steps": _sum(timed, "executors"),  # "executor/reason": measured steps (graph, piecewise, eager)
         "plan_changes": max(0, applied - 1), "plans_rejected": len(outcome.acks) - applied,
         "planner_errors": outcome.loop_stats.get("planner_errors", 0),
         "peak_hbm_bytes": outcome.extra.get("peak_hbm_bytes"),

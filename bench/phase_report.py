@@ -200,12 +200,12 @@ def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -
     lines += ["", "## Every run", "",
               "| batch | ctx | budget | policy | status | tok/s | ms/token | seqs/step | TPOT p50/p99 ms | "
               "TTFT p50 ms | hit | stall ms/step exp/kv/both | step ms pred/meas (decode-only) | plan changes | "
-              "KV hits gpu/cpu/nvme | run s | notes |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "steps graph/piecewise/eager | KV hits gpu/cpu/nvme | run s | notes |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("decode_tok_s") is None:
             lines.append(f"| {r['batch']} | {r['context']} | {_budget(r)} | {r['policy']} | {r.get('status')} |"
-                         f" | | | | | | | | | | {_f(r.get('run_s'), '.0f')} | {r.get('notes', '')} |")
+                         f" | | | | | | | | | | | {_f(r.get('run_s'), '.0f')} | {r.get('notes', '')} |")
             continue
         kv = r.get("kv_hits") or {}
         lines.append(
@@ -214,9 +214,18 @@ def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -
             f"{r['tpot_p50_ms']:.2f}/{r['tpot_p99_ms']:.2f} | {r['ttft_p50_ms']:.1f} | {r['expert_hit_rate']:.3f} | "
             f"{r['stall_ms_expert']:.2f}/{r['stall_ms_kv']:.2f}/{r['stall_ms_both']:.2f} | "
             f"{r['predicted_step_ms']:.2f}/{r['measured_step_ms']:.2f} ({_f(r.get('decode_step_ms'))}) | "
-            f"{r['plan_changes']} | {kv.get('gpu', 0)}/{kv.get('cpu', 0)}/{kv.get('nvme', 0)} | "
+            f"{r['plan_changes']} | {_executors(r)} | {kv.get('gpu', 0)}/{kv.get('cpu', 0)}/{kv.get('nvme', 0)} | "
             f"{_f(r.get('run_s'), '.0f')} | {r.get('notes', '')} |")
     return "\n".join(lines) + "\n"
+
+
+def _executors(r: dict[str, Any]) -> str:
+    """Measured steps by executor, `graph/piecewise/eager` ("-" for a row measured before rows kept them)."""
+    ran = r.get("executor_steps")
+    if ran is None:
+        return "-"
+    return "/".join(str(sum(n for k, n in ran.items() if k.split("/")[0] == x))
+                    for x in ("graph", "piecewise", "eager"))
 
 
 def plot(rows: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:

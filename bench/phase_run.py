@@ -36,7 +36,7 @@ from tierplan.runtime.engine.presets import preset
 from tierplan.runtime.engine.routing_trace import RoutingTrace
 from tierplan.runtime.engine.runner import ForcedRouter, Runner, RunReport
 from tierplan.runtime.engine.scheduler import Batch
-from tierplan.runtime.engine.weights import expert_format
+from tierplan.runtime.engine.weights import DenseWeights, expert_format, synthetic_dense_weights
 from tierplan.runtime.errors import ConfigError
 from tierplan.runtime.kv import Tier
 from tierplan.runtime.selfcheck.exact import auto_block_tokens
@@ -64,6 +64,7 @@ class ModelHandle:
     kv_block_bytes: int
     link_bytes_per_s: float
     dense_bytes: int  # dense weights of the kept layers (taken out of the budget with the activations)
+    dense: DenseWeights | None = None  # the synthetic dense weights every run's engine borrows (drawn once)
 
     def close(self) -> None:
         self.store.close()
@@ -85,8 +86,11 @@ def open_model(name: str, layers: int, full_layers: int, dev: Device, say: Any) 
     src = DeviceRandomSource(expert_format(spec), len(spec.moe_layers), spec.num_experts, dev.torch_device)
     store = PinnedExpertStore(dev, src)
     bt = auto_block_tokens(spec)
+    # Drawn once: each engine drawing its own took seconds a run on the H200's host (CPU randn for ~0.8 G values).
+    dense = synthetic_dense_weights(spec, dev.torch_device, seed=EngineConfig().seed)
     probe = ReferenceEngine(spec, dev, EngineConfig(resident_frac=1 / (len(spec.moe_layers) * spec.num_experts),
-                                                    block_tokens=bt, kv_gpu_blocks=1), pinned_store=store)
+                                                    block_tokens=bt, kv_gpu_blocks=1), pinned_store=store,
+                            dense_weights=dense)
     try:
         stride, kv_block = probe.pool.layout.stride_bytes, probe.cache.block_bytes
     finally:
@@ -96,7 +100,7 @@ def open_model(name: str, layers: int, full_layers: int, dev: Device, say: Any) 
     say(f"{spec.name}: pinned store {store.records.total_bytes / GIB:.2f} GiB in {time.perf_counter() - t0:.1f} s; "
         f"slot {stride} B, KV block {kv_block} B ({bt} tokens), h2d {bw / 1e9:.1f} GB/s")
     return ModelHandle(name, spec, dev, store, router, bt, stride, kv_block, bw,
-                       _dense_bytes(name, layers / full_layers))
+                       _dense_bytes(name, layers / full_layers), dense)
 
 
 def _blocks(tokens: int, bt: int) -> int:
@@ -199,6 +203,7 @@ class StepRecord:
     kv_gpu_hits: int
     kv_fetch: dict[str, int]  # blocks fetched back, by the tier they were on
     link_bytes: dict[str, int]
+    executors: dict[str, int] = field(default_factory=dict)  # "executor/reason" the step ran on (engine's count)
 
 
 @dataclass
@@ -225,9 +230,11 @@ class _Recorder:
     def _snap(self) -> dict[str, Any]:
         e, c = self.eng.experts, self.eng.cache
         links = self.eng.transfer.stats()["links"]
+        ran = self.eng.executors.runs
         return {"hits": e.hits, "misses": e.misses, "stall_ms": e.stalls_ms, "kv_s": c.fetch_s, "kv_hits": c.gpu_hits,
                 "fetch": {t.value: v for t, v in c.misses_by_tier.items()},
-                "links": {k: int(v["bytes"]) for k, v in links.items()}}
+                "links": {k: int(v["bytes"]) for k, v in links.items()},
+                "ran": {f"{x.value}/{r.value}": n for (x, r), n in ran.items()}}
 
     def after_step(self, batch: Batch, step_s: float, cycle_s: float) -> None:
         now, last = self._snap(), self._last
@@ -240,7 +247,8 @@ class _Recorder:
             expert_misses=now["misses"] - last["misses"], expert_stall_ms=now["stall_ms"] - last["stall_ms"],
             kv_stall_ms=(now["kv_s"] - last["kv_s"]) * 1e3, kv_gpu_hits=now["kv_hits"] - last["kv_hits"],
             kv_fetch={t: now["fetch"][t] - last["fetch"][t] for t in now["fetch"]},
-            link_bytes={k: now["links"][k] - last["links"].get(k, 0) for k in now["links"]}))
+            link_bytes={k: now["links"][k] - last["links"].get(k, 0) for k in now["links"]},
+            executors={k: n - last["ran"].get(k, 0) for k, n in now["ran"].items() if n > last["ran"].get(k, 0)}))
         self._last = now
 
 
@@ -250,8 +258,9 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
     unless given, e.g. the oracle's recording wrapper). RunRefused: its initial plan was refused (the ack's
     reason), or a request can never fit the GPU KV share it left. The footprint (experts + GPU KV) is checked
     against the budget after every step."""
-    eng = ReferenceEngine(h.spec, h.dev, engine_config(h, ctx, policy.engine_options(ctx), workdir),
-                          pinned_store=h.store)
+    cfg = engine_config(h, ctx, policy.engine_options(ctx), workdir)
+    eng = ReferenceEngine(h.spec, h.dev, cfg, pinned_store=h.store,
+                          dense_weights=h.dense if cfg.seed == EngineConfig().seed else None)
     run: PolicyRun | None = None
     try:
         cap_blocks = eng.cache.manager.capacity[Tier.GPU]

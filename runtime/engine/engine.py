@@ -35,7 +35,7 @@ from tierplan.runtime.engine.model import MoEModel
 from tierplan.runtime.engine.pretrained import checkpoint_weights
 from tierplan.runtime.engine.sizing import check_fits
 from tierplan.runtime.engine.victims import ScanVictimOrder
-from tierplan.runtime.engine.weights import expert_format, synthetic_dense_weights
+from tierplan.runtime.engine.weights import DenseWeights, dense_weights_for, expert_format
 from tierplan.runtime.errors import ConfigError
 from tierplan.runtime.kv import Tier
 from tierplan.runtime.memory.backend import make_backend
@@ -172,10 +172,11 @@ class GenerationResult:
 
 class ReferenceEngine:
     def __init__(self, spec: ModelSpec, device: Device, cfg: EngineConfig, hooks: ModelHooks | None = None,
-                 pinned_store: PinnedExpertStore | None = None) -> None:
+                 pinned_store: PinnedExpertStore | None = None, dense_weights: DenseWeights | None = None) -> None:
         """hooks: the model's taps and forced routes (ModelHooks; replace later with set_hooks). pinned_store: a
         pinned expert store to borrow instead of building one (benches sharing one store across engines; it
-        must hold this spec's experts; the engine never closes it)."""
+        must hold this spec's experts; the engine never closes it). dense_weights: synthetic dense weights to
+        borrow likewise (`weights.dense_weights_for`; a checkpoint brings its own)."""
         self.spec, self.device, self.cfg = spec, device, cfg
         check_fits(spec, device, cfg)  # refuse, naming each part, what would not fit before allocating any of it
         self._tmp = None if cfg.workdir else tempfile.TemporaryDirectory(prefix="tierplan-engine-")
@@ -217,7 +218,7 @@ class ReferenceEngine:
         cap = {Tier.GPU: cfg.kv_gpu_blocks, Tier.CPU: cfg.kv_cpu_blocks, Tier.NVME: cfg.kv_nvme_blocks}
         self.cache = PagedKVCache(spec, device, self.transfer, cfg.block_tokens, cap,
                                   wd / "kv.tpnvme" if cfg.kv_nvme_blocks else None, staging=self.staging)
-        weights = ckpt.dense if ckpt is not None else synthetic_dense_weights(spec, device.torch_device, seed=cfg.seed)
+        weights = dense_weights_for(spec, device.torch_device, cfg.seed, dense_weights, ckpt.dense if ckpt else None)
         if cfg.decode_kernel is None:
             from tierplan.runtime.engine.kernels.paged_attention import HAS_TRITON
 
@@ -248,8 +249,7 @@ class ReferenceEngine:
 
     def _fill_slots_on_device(self, seed: int) -> None:
         """N(0, 0.02) bf16 bytes for every expert, drawn on the device into its slot (padding included)."""
-        gen = torch.Generator(device=self.device.torch_device).manual_seed(seed)
-        dt = dtype_from_name(self.spec.dtype)
+        gen, dt = torch.Generator(device=self.device.torch_device).manual_seed(seed), dtype_from_name(self.spec.dtype)
         for layer in range(self.pool.layout.num_layers):
             for e in range(self.pool.layout.num_experts):
                 dst = self.pool.prepare_load(layer, e).view(dt)  # [expert_bytes / itemsize]
@@ -259,8 +259,7 @@ class ReferenceEngine:
     def set_hooks(self, **changes: Any) -> None:
         """Replace some of the model's hooks (the agent's taps at attach, a trace's forced routes); a new forced
         table drops the captured graphs (they gather from the old table's address)."""
-        old = self.model.hooks
-        new = replace(old, **changes)
+        old, new = self.model.hooks, replace(self.model.hooks, **changes)
         if new.forced_routes is not old.forced_routes and self.graphs is not None:
             self.graphs.reset()
         self.model.set_hooks(new)

@@ -58,10 +58,12 @@ class ExecutorStats:
     def __init__(self) -> None:
         self.steps: Counter[Executor] = Counter()
         self.reasons: Counter[Reason] = Counter()
+        self.runs: Counter[tuple[Executor, Reason]] = Counter()  # the pairs, for a bench's per-step record
 
     def count(self, executor: Executor, reason: Reason) -> None:
         self.steps[executor] += 1
         self.reasons[reason] += 1
+        self.runs[executor, reason] += 1
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {"steps": {e.value: self.steps[e] for e in Executor},

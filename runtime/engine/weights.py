@@ -89,6 +89,8 @@ def synthetic_dense_weights(spec: ModelSpec, device: torch.device, seed: int = 0
     def mat(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if len(shape) == 1:  # norm weights
             return torch.ones(shape, dtype=dt, device=device)
+        if device.type == "meta":  # shapes only (`check_dense_weights`)
+            return torch.empty(shape, dtype=dt, device=device)
         return (torch.randn(shape, generator=_seeded(name, seed)) * 0.02).to(dt).to(device)
 
     h, v = spec.hidden_size, spec.vocab_size
@@ -110,3 +112,39 @@ def synthetic_dense_weights(spec: ModelSpec, device: torch.device, seed: int = 0
                         "down_proj": mat(p + "mlp.down", (h, d))}
         w.layers.append(lw)
     return w
+
+
+def _named(w: DenseWeights) -> dict[str, torch.Tensor]:
+    """Every tensor of `w` by a dotted name."""
+    out = {"embed": w.embed, "final_norm": w.final_norm, "lm_head": w.lm_head}
+    for i, lw in enumerate(w.layers):
+        p = f"layers.{i}."
+        out |= {p + "input_norm": lw.input_norm, p + "post_attn_norm": lw.post_attn_norm}
+        out |= {p + "router": lw.router, p + "router_bias": lw.router_bias}
+        for group in ("attn", "shared", "dense"):
+            out |= {f"{p}{group}.{k}": v for k, v in (getattr(lw, group) or {}).items()}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def dense_weights_for(spec: ModelSpec, device: torch.device, seed: int, borrowed: DenseWeights | None = None,
+                      checkpoint: DenseWeights | None = None) -> DenseWeights:
+    """An engine's dense weights: a checkpoint's, else the synthetic ones of `spec`, or `borrowed` (built once by
+    `synthetic_dense_weights` and shared by several engines, as a bench shares its pinned expert store: drawing
+    them costs seconds a model, and no engine writes them). ConfigError for borrowed weights beside a checkpoint,
+    or naming the first tensor of `borrowed` whose shape, dtype or device is not this spec's on `device`."""
+    if checkpoint is not None:
+        if borrowed is not None:
+            raise ConfigError("dense_weights: a checkpoint brings its own dense weights; borrow none with it")
+        return checkpoint
+    if borrowed is None:
+        return synthetic_dense_weights(spec, device, seed=seed)
+    want, got = _named(synthetic_dense_weights(spec, torch.device("meta"))), _named(borrowed)
+    if set(want) != set(got):
+        raise ConfigError(f"dense_weights: tensors {sorted(set(want) ^ set(got))[:4]} differ from what model "
+                          f"{spec.name!r} has")
+    for name, t in want.items():
+        g = got[name]
+        if g.shape != t.shape or g.dtype != t.dtype or g.device.type != device.type:
+            raise ConfigError(f"dense_weights: {name} is {tuple(g.shape)} {g.dtype} on {g.device}, model "
+                              f"{spec.name!r} wants {tuple(t.shape)} {t.dtype} on {device.type}")
+    return borrowed

@@ -78,6 +78,9 @@ def test_rows_time_the_whole_measured_span_and_name_the_batch(swept: tuple[Path,
         assert 1 <= r["mean_running_batch"] <= r["batch"]
         assert r["decode_step_ms"] is None or r["decode_step_ms"] > 0
         assert r["predicted_step_ms_measured_misses"] > 0
+        # Each measured step ran on one executor, named with its reason (CPU: eager, no graphs or a prefill).
+        ran = r["executor_steps"]
+        assert sum(ran.values()) == r["measured_steps"] and all(k.startswith("eager/") for k in ran), ran
         for kind in ("decode", "prefill"):  # each kind of step priced apart, beside its own measured mean
             assert (r[f"{kind}_step_ms"] is None) == (r[f"predicted_{kind}_step_ms_measured_misses"] is None), kind
         assert r["prefill_step_ms"] is None or r["prefill_step_ms"] > 0
@@ -99,7 +102,7 @@ def test_table_and_plots_are_written(swept: tuple[Path, list[dict]]) -> None:
     (md,) = out.glob("phase_tiny_*.md")
     text = md.read_text()
     assert "CPU smoke run" in text and "## Targets" in text and "tierplan / best" in text
-    assert "tierplan / oracle" in text
+    assert "tierplan / oracle" in text and "steps graph/piecewise/eager" in text
     for policy in BASELINES:
         assert f"| {policy} |" in text
     for suffix in ("_tok_s.png", "_winner.png"):

@@ -129,3 +129,26 @@ def test_h200_sizes_measure_at_least_100_steps_at_every_point() -> None:
         reqs, _ = point_requests(p, FULL)
         least = max(max(r.output_len for r in reqs), sum(r.output_len for r in reqs) / p.batch)
         assert least >= FULL.warm_steps + 100, p.key
+
+
+def test_the_dense_weights_are_drawn_once_per_model_and_lent_to_every_run(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each engine drawing its own synthetic dense weights took seconds a run on the H200's host: the model's
+    handle draws them once, and every run's engine (the oracle's candidates too) borrows them."""
+    import tierplan.bench.phase_run as pr
+    import tierplan.runtime.engine.weights as weights
+
+    draws: list[str] = []
+    real = weights.synthetic_dense_weights
+
+    def counted(spec: Any, device: Any, seed: int = 0) -> Any:
+        if device.type != "meta":  # the meta ones only check a lent set's shapes
+            draws.append(spec.name)
+        return real(spec, device, seed=seed)
+
+    monkeypatch.setattr(weights, "synthetic_dense_weights", counted)
+    monkeypatch.setattr(pr, "synthetic_dense_weights", counted)
+    r = _run("--points", "b4c32f1.0", "--policies", "resident,tierplan,oracle", "--out-dir", str(tmp_path))
+    assert r.exit_code == 0, r.output
+    assert len({row["policy"] for row in _rows(tmp_path)}) == 3
+    assert draws == ["tiny"]

@@ -174,3 +174,28 @@ def test_freeze_gc_freezes_load_time_objects_until_close(tiny, tmp_path: Path) -
         assert plain.generate([[1, 2, 3]], 3).tokens == out
     finally:
         plain.close()
+
+
+def test_borrowed_dense_weights_give_the_engines_own_bits_and_are_checked(tiny, tmp_path: Path) -> None:
+    """A bench draws the synthetic dense weights once and lends them to every engine: the logits are the bits an
+    engine drawing its own gets; weights of another model (or beside a checkpoint) are refused, naming a tensor."""
+    import dataclasses
+
+    from tierplan.runtime.engine.weights import dense_weights_for, synthetic_dense_weights
+
+    cfg = EngineConfig(block_tokens=auto_block_tokens(tiny), workdir=tmp_path)
+    lent = synthetic_dense_weights(tiny, torch.device("cpu"), seed=cfg.seed)
+    runs = []
+    for dense in (None, lent):
+        eng = ReferenceEngine(tiny, Device("cpu"), cfg, dense_weights=dense)
+        try:
+            assert (eng.model.w is lent) is (dense is not None)
+            runs.append(eng.generate([[1, 2, 3], [4, 5]], 3))
+        finally:
+            eng.close()
+    assert runs[0].tokens == runs[1].tokens and torch.equal(runs[0].logits, runs[1].logits)
+    wider = dataclasses.replace(tiny, hidden_size=tiny.hidden_size * 2)
+    with pytest.raises(ConfigError, match=r"dense_weights: embed is \(\d+, \d+\)"):
+        dense_weights_for(tiny, torch.device("cpu"), cfg.seed, synthetic_dense_weights(wider, torch.device("meta")))
+    with pytest.raises(ConfigError, match="checkpoint brings its own"):
+        dense_weights_for(tiny, torch.device("cpu"), cfg.seed, lent, checkpoint=lent)
