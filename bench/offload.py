@@ -86,6 +86,22 @@ def link_gb_s(dev: Device, num_bytes: int, reps: int = 5) -> float:
     return num_bytes / times[len(times) // 2] / 1e9
 
 
+def memory_read_gb_s(dev: Device, num_bytes: int, reps: int = 5) -> float:
+    """Device memory read bandwidth (GB/s): one device-to-device copy of `num_bytes` reads and writes them, so the
+    reads alone run at about twice its byte rate; median of `reps` (this process; the host's memory on the CPU)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=dev.torch_device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 1):
+        dev.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        dev.synchronize()
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[1:])
+    return 2 * num_bytes / times[len(times) // 2] / 1e9
+
+
 class DeviceRandomSource:
     """N(0, 0.02) experts drawn on the device and copied into the host record: a 10 GiB store in seconds
     rather than minutes of CPU randn (a bench's weights; exactness checks keep the seeded CPU source)."""

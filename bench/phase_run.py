@@ -65,6 +65,7 @@ class ModelHandle:
     link_bytes_per_s: float
     dense_bytes: int  # dense weights of the kept layers (taken out of the budget with the activations)
     dense: DenseWeights | None = None  # the synthetic dense weights every run's engine borrows (drawn once)
+    memory_bytes_per_s: float = 0.0  # device memory read bandwidth, measured (the live cost model's prior)
 
     def close(self) -> None:
         self.store.close()
@@ -79,7 +80,7 @@ def _dense_bytes(name: str, kept_frac: float) -> int:
 def open_model(name: str, layers: int, full_layers: int, dev: Device, say: Any) -> ModelHandle:
     """The store, router and sizes of `name` cut to `layers` (one probe engine reads the slot stride and block
     bytes the pool and cache really use on this device)."""
-    from tierplan.bench.offload import DeviceRandomSource, link_gb_s
+    from tierplan.bench.offload import DeviceRandomSource, link_gb_s, memory_read_gb_s
 
     spec = preset(name).truncated(layers) if layers < preset(name).num_layers else preset(name)
     t0 = time.perf_counter()
@@ -96,11 +97,13 @@ def open_model(name: str, layers: int, full_layers: int, dev: Device, say: Any) 
     finally:
         probe.close()
     bw = link_gb_s(dev, 256 << 20) * 1e9 if dev.is_cuda else CPU_LINK_BYTES_PER_S
+    mem = memory_read_gb_s(dev, (1 << 30) if dev.is_cuda else (64 << 20)) * 1e9
     router = ForcedRouter(RoutingTrace.load(ROUTING), spec=spec, device=dev.torch_device)
     say(f"{spec.name}: pinned store {store.records.total_bytes / GIB:.2f} GiB in {time.perf_counter() - t0:.1f} s; "
-        f"slot {stride} B, KV block {kv_block} B ({bt} tokens), h2d {bw / 1e9:.1f} GB/s")
+        f"slot {stride} B, KV block {kv_block} B ({bt} tokens), h2d {bw / 1e9:.1f} GB/s, memory reads "
+        f"{mem / 1e9:.0f} GB/s")
     return ModelHandle(name, spec, dev, store, router, bt, stride, kv_block, bw,
-                       _dense_bytes(name, layers / full_layers), dense)
+                       _dense_bytes(name, layers / full_layers), dense, mem)
 
 
 def _blocks(tokens: int, bt: int) -> int:
@@ -135,7 +138,8 @@ def point_context(h: ModelHandle, point: Point, sizes: Sizes) -> tuple[PointCont
         # Swaps park at most the GPU share on the CPU: the tier holds that much at least, whatever the cap.
         kv_cpu_blocks=max(1, min(total_blocks, max(tier_cap, budget // h.kv_block_bytes))),
         kv_nvme_blocks=max(1, min(total_blocks, int(sizes.kv_nvme_gib * GIB * point.kept_frac) // h.kv_block_bytes)),
-        link_bytes_per_s=h.link_bytes_per_s, requests=reqs, num_layers=h.spec.num_layers,
+        link_bytes_per_s=h.link_bytes_per_s, memory_bytes_per_s=h.memory_bytes_per_s, requests=reqs,
+        num_layers=h.spec.num_layers,
         top_k=h.spec.top_k), prefix_tokens
 
 

@@ -153,6 +153,7 @@ class PointContext:
     split: Split | None = None  # only for the oracle's search: the split to run
     num_layers: int = 0  # model layers in the run (expert_bytes_per_layer's length); 0: max(moe_layers) + 1
     top_k: int = 1
+    memory_bytes_per_s: float = 0.0  # device memory read bandwidth, measured (0: unknown)
 
     @property
     def num_model_layers(self) -> int:

@@ -152,3 +152,21 @@ def test_the_dense_weights_are_drawn_once_per_model_and_lent_to_every_run(tmp_pa
     assert r.exit_code == 0, r.output
     assert len({row["policy"] for row in _rows(tmp_path)}) == 3
     assert draws == ["tiny"]
+
+
+def test_the_live_controllers_compute_prior_reads_an_expert_at_the_measured_memory_bandwidth() -> None:
+    """Calibration cannot move the per-active-expert term where every step has about the same active experts: its
+    prior is the expert's bytes at the bandwidth `open_model` measured (a fixed 0.05 ms where none was)."""
+    from tierplan.bench.baselines.tierplan_live import active_expert_prior_ms
+    from tierplan.bench.phase_run import open_model, point_context
+    from tierplan.runtime.device import Device
+
+    h = open_model("tiny", 2, 2, Device("cpu"), lambda *_: None)
+    try:
+        assert h.memory_bytes_per_s > 0
+        ctx, _ = point_context(h, Point("tiny", 2, 2, 4, 32, 0.0, 1.0), QUICK)
+        assert ctx.memory_bytes_per_s == h.memory_bytes_per_s
+        assert active_expert_prior_ms(ctx) == pytest.approx(h.stride_bytes / h.memory_bytes_per_s * 1e3)
+        assert active_expert_prior_ms(dataclasses.replace(ctx, memory_bytes_per_s=0.0)) == 0.05
+    finally:
+        h.close()
