@@ -87,8 +87,11 @@ class Predictor:
         shape = ModelShape(name=spec.name, num_layers=spec.num_layers, moe_layers=tuple(spec.moe_layers),
                            num_experts=spec.num_experts, top_k=spec.top_k, expert_bytes=h.stride_bytes, dense_bytes=0,
                            kv_bytes_per_token=max(1, h.kv_block_bytes // h.block_tokens), block_tokens=h.block_tokens)
+        # The measured memory bandwidth gives each active expert's compute its prior, as for the live controllers
+        # (tierplan_live.active_expert_prior_ms): a term no window can move where the active experts never vary.
         hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, h.link_bytes_per_s),
-                          transfer_overhead_s=TRANSFER_OVERHEAD_PRIOR_S, hbm_bytes=0, name=str(h.dev.torch_device))
+                          transfer_overhead_s=TRANSFER_OVERHEAD_PRIOR_S, hbm_bytes=0, name=str(h.dev.torch_device),
+                          hbm_bytes_per_s=getattr(h, "memory_bytes_per_s", 0.0))
         return cls(CostModel(shape, hw), h.kv_block_bytes, getattr(h.router, "ids_host", None))
 
     def calibrate(self, windows: list[Any]) -> None:

@@ -154,9 +154,10 @@ def test_the_dense_weights_are_drawn_once_per_model_and_lent_to_every_run(tmp_pa
     assert draws == ["tiny"]
 
 
-def test_the_live_controllers_compute_prior_reads_an_expert_at_the_measured_memory_bandwidth() -> None:
+def test_the_compute_prior_reads_an_active_expert_at_the_measured_memory_bandwidth() -> None:
     """Calibration cannot move the per-active-expert term where every step has about the same active experts: its
-    prior is the expert's bytes at the bandwidth `open_model` measured (a fixed 0.05 ms where none was)."""
+    prior is the expert's bytes at the bandwidth `open_model` measured, for the live controllers (a fixed 0.05 ms
+    where none was measured) and the static rows' predictor alike."""
     from tierplan.bench.baselines.tierplan_live import active_expert_prior_ms
     from tierplan.bench.phase_run import open_model, point_context
     from tierplan.runtime.device import Device
@@ -168,5 +169,10 @@ def test_the_live_controllers_compute_prior_reads_an_expert_at_the_measured_memo
         assert ctx.memory_bytes_per_s == h.memory_bytes_per_s
         assert active_expert_prior_ms(ctx) == pytest.approx(h.stride_bytes / h.memory_bytes_per_s * 1e3)
         assert active_expert_prior_ms(dataclasses.replace(ctx, memory_bytes_per_s=0.0)) == 0.05
+        # The static rows' predictor starts from the same prior.
+        from tierplan.bench.phase_metrics import Predictor
+
+        prior = Predictor.for_model(h).cost.compute.moe_ms_per_active_expert
+        assert prior == pytest.approx(active_expert_prior_ms(ctx))
     finally:
         h.close()
