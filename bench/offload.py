@@ -71,10 +71,8 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
-def link_gb_s(dev: Device, num_bytes: int, reps: int = 5) -> float:
-    """Pinned host->device bandwidth (GB/s) of one `num_bytes` copy, median of `reps` (this process)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=dev.is_cuda)
-    dst = torch.empty(num_bytes, dtype=torch.uint8, device=dev.torch_device)
+def _median_copy_s(dev: Device, dst: torch.Tensor, src: torch.Tensor, reps: int) -> float:
+    """Seconds one `dst.copy_(src)` takes, the median of `reps` after one warm-up copy."""
     times = []
     for _ in range(reps + 1):
         dev.synchronize()
@@ -83,23 +81,21 @@ def link_gb_s(dev: Device, num_bytes: int, reps: int = 5) -> float:
         dev.synchronize()
         times.append(time.perf_counter() - t0)
     times = sorted(times[1:])
-    return num_bytes / times[len(times) // 2] / 1e9
+    return times[len(times) // 2]
+
+
+def link_gb_s(dev: Device, num_bytes: int, reps: int = 5) -> float:
+    """Pinned host->device bandwidth (GB/s) of one `num_bytes` copy, median of `reps` (this process)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=dev.is_cuda)
+    dst = torch.empty(num_bytes, dtype=torch.uint8, device=dev.torch_device)
+    return num_bytes / _median_copy_s(dev, dst, src, reps) / 1e9
 
 
 def memory_read_gb_s(dev: Device, num_bytes: int, reps: int = 5) -> float:
     """Device memory read bandwidth (GB/s): one device-to-device copy of `num_bytes` reads and writes them, so the
     reads alone run at about twice its byte rate; median of `reps` (this process; the host's memory on the CPU)."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device=dev.torch_device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(reps + 1):
-        dev.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        dev.synchronize()
-        times.append(time.perf_counter() - t0)
-    times = sorted(times[1:])
-    return 2 * num_bytes / times[len(times) // 2] / 1e9
+    return 2 * num_bytes / _median_copy_s(dev, torch.empty_like(src), src, reps) / 1e9
 
 
 class DeviceRandomSource:

@@ -259,7 +259,8 @@ class ReferenceEngine:
     def set_hooks(self, **changes: Any) -> None:
         """Replace some of the model's hooks (the agent's taps at attach, a trace's forced routes); a new forced
         table drops the captured graphs (they gather from the old table's address)."""
-        old, new = self.model.hooks, replace(self.model.hooks, **changes)
+        old = self.model.hooks
+        new = replace(old, **changes)
         if new.forced_routes is not old.forced_routes and self.graphs is not None:
             self.graphs.reset()
         self.model.set_hooks(new)

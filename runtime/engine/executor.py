@@ -56,13 +56,17 @@ class ExecutorStats:
     """Steps by executor and by reason (the engine's `executors` / `reasons`)."""
 
     def __init__(self) -> None:
-        self.steps: Counter[Executor] = Counter()
-        self.reasons: Counter[Reason] = Counter()
-        self.runs: Counter[tuple[Executor, Reason]] = Counter()  # the pairs, for a bench's per-step record
+        self.runs: Counter[tuple[Executor, Reason]] = Counter()  # steps by (executor, reason)
+
+    @property
+    def steps(self) -> Counter[Executor]:
+        return Counter({x: sum(n for (e, _), n in self.runs.items() if e is x) for x, _ in self.runs})
+
+    @property
+    def reasons(self) -> Counter[Reason]:
+        return Counter({r: sum(n for (_, q), n in self.runs.items() if q is r) for _, r in self.runs})
 
     def count(self, executor: Executor, reason: Reason) -> None:
-        self.steps[executor] += 1
-        self.reasons[reason] += 1
         self.runs[executor, reason] += 1
 
     def as_dict(self) -> dict[str, dict[str, int]]:

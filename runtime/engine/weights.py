@@ -89,7 +89,7 @@ def synthetic_dense_weights(spec: ModelSpec, device: torch.device, seed: int = 0
     def mat(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if len(shape) == 1:  # norm weights
             return torch.ones(shape, dtype=dt, device=device)
-        if device.type == "meta":  # shapes only (`check_dense_weights`)
+        if device.type == "meta":  # shapes only (`dense_weights_for` checks a lent set)
             return torch.empty(shape, dtype=dt, device=device)
         return (torch.randn(shape, generator=_seeded(name, seed)) * 0.02).to(dt).to(device)
 
