@@ -66,8 +66,8 @@ def active_expert_prior_ms(ctx: PointContext) -> float:
     """The compute prior of one active expert: its bytes read once at the measured memory bandwidth (0.05 ms
     where none was measured). Calibration cannot correct this term where every step has about the same active
     experts (a layer whose steps all use its ~66 hot experts): it stays at the prior, and 0.05 ms made the live
-    controllers predict 1.3-4.5x the measured step at the H200's 40-56 GiB points (runs 17-19), where an H200
-    reads a 9.4 MiB expert in ~2 microseconds."""
+    controllers predict 1.1-4.5x the measured step at the H200's 40-56 GiB points (runs 17-19), where an H200
+    would read a 9.4 MiB expert in ~2 microseconds at its datasheet bandwidth (4.8 TB/s; not measured here)."""
     return ctx.expert_stride_bytes / ctx.memory_bytes_per_s * 1e3 if ctx.memory_bytes_per_s > 0 else 0.05
 
 
