@@ -1,29 +1,49 @@
 #!/usr/bin/env bash
 # One chunk of the phase sweep on the lent H200 (issue 14; bench/results/phase_h200.md), sent through the device
 # tool from the repo root, carrying .whl (pydantic wheels: see bench/h200_env.sh):
-#   bash bench/run_h200_phase.sh "$OUT" POINTS [MODEL] [SECONDS] [EXTRA...]
+#   [GPUS=N] bash bench/run_h200_phase.sh "$OUT" POINTS [MODELS] [SECONDS] [EXTRA...]
 # e.g. bash bench/run_h200_phase.sh "$OUT" b8c1024g40,b32c1024g40 qwen3-30b-a3b 520
-# The model's newest merged JSON in bench/results is copied into $OUT under today's name first, so this call's
+#      GPUS=2 bash bench/run_h200_phase.sh "$OUT" qwen3-30b-a3b:b32c1024g56,mixtral-8x7b:b1c1024g32 \
+#        qwen3-30b-a3b,mixtral-8x7b 520          (on nvidia-h200-x2: one worker per GPU, round-robin points)
+# Each model's newest merged JSON in bench/results is copied into $OUT under today's name first, so this call's
 # rows merge into it and the runs this code already measured on this device are skipped (a chunk cut off by its
-# timeout resumes where it stopped; EXTRA may be --fresh to measure them again). Copy $OUT's JSON, Markdown and
-# PNGs back into bench/results after the call, and the raw files into bench/results/h200/phase_runNN/.
+# timeout resumes where it stopped; EXTRA may be --fresh to measure them again). A sweep cut off by SECONDS still
+# gets its report, from the rows it finished. Copy $OUT's JSON, Markdown and PNGs back into bench/results after
+# the call (all in $OUT/phase_out.tgz), and the raw files into bench/results/h200/phase_runNN/.
 set -uo pipefail
-out=${1:?usage: run_h200_phase.sh OUT POINTS [MODEL] [SECONDS] [EXTRA...]}
-points=${2:?usage: run_h200_phase.sh OUT POINTS [MODEL] [SECONDS] [EXTRA...]}
-model=${3:-qwen3-30b-a3b}
+out=${1:?usage: run_h200_phase.sh OUT POINTS [MODELS] [SECONDS] [EXTRA...]}
+points=${2:?usage: run_h200_phase.sh OUT POINTS [MODELS] [SECONDS] [EXTRA...]}
+models=${3:-qwen3-30b-a3b}
 secs=${4:-520}
+gpus=${GPUS:-1}
 shift $(( $# < 4 ? $# : 4 ))
 steps=none
 source bench/h200_env.sh
-last=$(ls bench/results/phase_"$model"_*.json 2>/dev/null | sort | tail -n 1)
-if [ -n "$last" ]; then
-  cp "$last" "$out/phase_${model}_$(date +%Y%m%d).json"
-  echo "== merging into the rows of $last"
+for model in ${models//,/ }; do
+  last=$(ls bench/results/phase_"$model"_*.json 2>/dev/null | sort | tail -n 1)
+  if [ -n "$last" ]; then
+    cp "$last" "$out/phase_${model}_$(date +%Y%m%d).json"
+    echo "== merging into the rows of $last"
+  fi
+done
+{ git log -1 --format=%h; git status --short; nvidia-smi -L; } > "$out/commit.txt" 2>&1
+step "$secs" phase.log python3 -m tierplan.api.cli bench phase --device cuda --gpus "$gpus" --models "$models" \
+  --points "$points" --policies tierplan,kv_tiering,static_lru,resident,oracle,static_lfru,fluxmoe,mv_wsa \
+  --out-dir "$out" "$@"
+if ! ls "$out"/phase_*.md >/dev/null 2>&1 || [ "$(tail -n 1 "$out/phase.log" | grep -c 'rows in\|report from')" = 0 ]; then
+  # cut off by the timeout (its workers with it: timeout signals the whole process group): report what finished
+  python3 - "$out" "$models" <<'PY'
+import sys, time
+from pathlib import Path
+from tierplan.bench.phase import sweep_grid, write_reports
+sizes, _ = sweep_grid(models=tuple(sys.argv[2].split(",")))
+print(write_reports(Path(sys.argv[1]), sys.argv[2].split(","), sizes, "cuda", time.strftime("%Y%m%d")))
+PY
 fi
-{ git log -1 --format=%h; git status --short; } > "$out/commit.txt" 2>&1
-step "$secs" phase.log python3 -m tierplan.api.cli bench phase --device cuda --models "$model" --points "$points" \
-  --policies tierplan,kv_tiering,static_lru,resident,oracle,static_lfru,fluxmoe,mv_wsa --out-dir "$out" "$@"
-grep "tok/s" "$out/phase.log" | cut -c1-110
-md=$(ls "$out"/phase_"$model"_*.md 2>/dev/null | tail -n 1)
-[ -n "$md" ] && sed -n '/^## Targets/,/^## Every run/p' "$md" | cut -c1-300
+cat "$out"/phase.log "$out"/phase_worker*.log 2>/dev/null | grep "tok/s" | cut -c1-110
+for md in "$out"/phase_*.md; do
+  [ -f "$md" ] && { echo "== $md"; sed -n '/^## Targets/,/^## Every run/p' "$md" | cut -c1-300; }
+done
+# $OUT returns at most 8 files: two models' JSON, Markdown and plots plus the logs are more, so one archive
+tar czf /tmp/phase_out.tgz -C "$out" . && find "$out" -type f -delete && mv /tmp/phase_out.tgz "$out"/
 exit 0
