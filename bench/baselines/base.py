@@ -269,6 +269,13 @@ def clamp_split(ctx: PointContext, split: Split, engine: ReferenceEngine) -> Spl
     return Split(tuple(slots), kv)
 
 
+def kv_first_split(ctx: PointContext, engine: ReferenceEngine) -> Split:
+    """KV first: GPU blocks for the batch's whole demand (`kv_demand_blocks`), experts the rest (even, at least a
+    slot per layer, at most every expert), within this engine. The live policies' start and the oracle's first
+    candidate."""
+    return clamp_split(ctx, split_for(ctx, ctx.hbm_budget_bytes - kv_demand_blocks(ctx) * ctx.kv_block_bytes), engine)
+
+
 def make_plan(ctx: PointContext, split: Split, name: str, reason: str, *,
               pinned: Sequence[tuple[int, int]] = (), eviction: dict[int, Sequence[int]] | None = None,
               kv_cpu_blocks: int | None = None, kv_nvme_blocks: int | None = None) -> Plan:

@@ -15,18 +15,13 @@ never move bytes or build a plan itself.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tierplan.bench.baselines.base import PointContext, PolicyRun, clamp_split, kv_demand_blocks, make_plan, split_for
+from tierplan.bench.baselines.base import PointContext
 from tierplan.bench.baselines.tierplan_live import (
-    WINDOW_STEPS,
-    AfterInitialPlan,
     TierplanLive,
     controller_class,
 )
-
-if TYPE_CHECKING:
-    from tierplan.runtime.engine.engine import ReferenceEngine
 
 LOOKAHEAD_LAYERS = 2
 
@@ -55,14 +50,6 @@ class FluxMoE(TierplanLive):
 
     factory = staticmethod(rho_controller)
     batch_coupling = False  # its allocator as published: every layer priced at the observed batch
+    notes = ("KV capped at its demand, experts the rest, rho rule in between; no expert compression (FluxMoE "
+             "compresses experts; ours move at full size)")
 
-    def start(self, engine: ReferenceEngine, ctx: PointContext) -> PolicyRun:
-        self.controller = self.make_controller(engine, ctx)
-        kv = kv_demand_blocks(ctx)
-        split = clamp_split(ctx, split_for(ctx, ctx.hbm_budget_bytes - kv * ctx.kv_block_bytes), engine)
-        plan = make_plan(ctx, split, self.name, f"KV first ({split.kv_gpu_blocks} GPU blocks for the batch), experts "
-                         f"the rest; then {self.allocator}")
-        return PolicyRun(plan, source=AfterInitialPlan(self.controller), window_steps=WINDOW_STEPS, split=split,
-                         notes="KV capped at its demand, experts the rest, rho rule in between; no expert "
-                         "compression (FluxMoE compresses experts; ours move at full size)",
-                         local_predictor=self.local_predictor)

@@ -3,9 +3,12 @@
 Bench driver code. Builds the controller exactly as the service would for this engine (`api.hub_config.
 controller_config` from the engine's `AgentRegistration` and the group's knobs, then `controller.loop.
 Controller`, as api/demo_loop.py's `_controller` does) and hands it to the runner as the plan source. The run
-starts from the split most engines default to (`initial_split`: every expert that fits, KV the rest, never
-under the KV floor; `mv_wsa` and `fluxmoe` start there too), which the enforcer applies before the first step,
-so the budget holds from step one and the controller moves away from it only where its model says it pays.
+starts KV first (`initial_split`: GPU blocks for the batch's largest requests whole, experts the rest: the
+serving shape an operator declares, as vLLM's max_num_seqs and max_model_len; `mv_wsa` and `fluxmoe` start
+there too, so only the allocator differs), which the enforcer applies before the first step, so the budget
+holds from step one and the controller moves away from it only where its model says it pays. Not the resident
+split (every expert that fits): its few KV blocks held the batch back for the first windows, and more of the
+run's prefills fell in the measured steps (H200 phase runs 20-22, bench/results/phase_h200.md).
 The controller never issued that plan, so `AfterInitialPlan` shifts plan versions between the agent and the
 controller by one. `mv_wsa` and `fluxmoe` reuse this with another allocator. It must never move bytes or
 build a plan itself.
@@ -16,8 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from tierplan.bench.baselines.base import PointContext, PolicyRun, Split, kv_floor_blocks, make_plan
-from tierplan.bench.baselines.static import all_experts_bytes, fixed_split
+from tierplan.bench.baselines.base import PointContext, PolicyRun, Split, kv_first_split, kv_floor_blocks, make_plan
 
 if TYPE_CHECKING:
     from tierplan.controller.protocol import Plan, PlanAck, Telemetry
@@ -84,7 +86,7 @@ def controller_config(engine: ReferenceEngine, ctx: PointContext, calibrate: boo
 
 
 def initial_split(ctx: PointContext, engine: ReferenceEngine) -> Split:
-    return fixed_split(ctx, engine, all_experts_bytes(ctx))
+    return kv_first_split(ctx, engine)
 
 
 class AfterInitialPlan:
@@ -142,6 +144,7 @@ class TierplanLive:
     allocator = "the MCKP optimizer (exact DP) over the predictors' miss-ratio curves and the cost model"
     factory = staticmethod(mckp_controller)  # config -> controller; module-level, so a child process can build it
     batch_coupling = True  # each KV share valued at the batch it runs (controller/coupling.py)
+    notes = ""  # the rows' notes (default: "live: " and the allocator)
 
     def __init__(self, calibrate: bool = True, planner: str = "process", local_predictor: bool = False) -> None:
         """planner: "process" runs the controller in a child process (plan_process.py), as a deployed one runs
@@ -173,6 +176,7 @@ class TierplanLive:
     def start(self, engine: ReferenceEngine, ctx: PointContext) -> PolicyRun:
         self.controller = self.make_controller(engine, ctx)
         split = initial_split(ctx, engine)
-        plan = make_plan(ctx, split, self.name, f"starting split before the first window; then {self.allocator}")
+        plan = make_plan(ctx, split, self.name, f"KV first ({split.kv_gpu_blocks} GPU blocks for the batch), experts "
+                         f"the rest; then {self.allocator}")
         return PolicyRun(plan, source=AfterInitialPlan(self.controller), window_steps=WINDOW_STEPS, split=split,
-                         notes=f"live: {self.allocator}", local_predictor=self.local_predictor)
+                         notes=self.notes or f"live: {self.allocator}", local_predictor=self.local_predictor)

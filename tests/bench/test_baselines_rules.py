@@ -163,18 +163,31 @@ def test_fluxmoe_is_kv_first_and_never_gives_kv_memory_it_cannot_use(
     assert sol.units_used == capacity, why  # no budget left unused
 
 
-def test_fluxmoe_streams_with_the_two_layer_window_and_starts_kv_first(tmp_path: Path) -> None:
+def test_fluxmoe_streams_with_the_two_layer_window(tmp_path: Path) -> None:
     flux = _in_process("fluxmoe")
     eng, ctx = bp.context(tmp_path)
     try:
         assert flux.engine_options(ctx) == {"expert_lookahead_layers": 2}
-        run = flux.start(eng, ctx)
+        assert "no expert compression" in flux.start(eng, ctx).notes
     finally:
         eng.close()
-    demand = kv_demand_blocks(ctx)  # KV first: the batch's whole demand, experts the rest
+
+
+@pytest.mark.parametrize("name", ["tierplan", "mv_wsa", "fluxmoe"])
+def test_live_policies_start_kv_first(tmp_path: Path, name: str) -> None:
+    """The three live policies start from one split, so only their allocators differ: the batch's whole KV
+    demand, experts the rest (not the resident split, whose few KV blocks held the batch back for the first
+    windows on the H200)."""
+    eng, ctx = bp.context(tmp_path)
+    try:
+        run = _in_process(name).start(eng, ctx)
+    finally:
+        eng.close()
+    demand = kv_demand_blocks(ctx)
     assert demand < 32 and run.split.kv_gpu_blocks >= demand
     assert run.split.expert_slots == (ctx.hbm_budget_bytes - demand * ctx.kv_block_bytes) // ctx.expert_stride_bytes
-    assert "no expert compression" in run.notes
+    assert run.split.expert_slots < ctx.num_moe * ctx.num_experts  # the resident split would hold every expert
+    assert f"KV first ({run.split.kv_gpu_blocks} GPU blocks" in run.initial_plan.reason
 
 
 # ---- mv_wsa ----------------------------------------------------------------------------------------------
