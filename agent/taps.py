@@ -19,6 +19,7 @@ import torch
 
 from tierplan.agent.router_counts import RouterCounts
 from tierplan.controller.protocol import (
+    MAX_UNION_STEPS,
     BlockMass,
     KVStats,
     LayerStats,
@@ -216,11 +217,15 @@ class TelemetryWindow:
     def _reset(self) -> None:
         self.start_s = self.clock()
         self.step_ms: list[float] = []
+        self.step_tokens: list[int | None] = []
         self.stalls = {c: [0, 0.0] for c in StallCause}
 
-    def observe_step(self, step_s: float, expert_stall_s: float, kv_stall_s: float) -> None:
-        """Record one step: its duration and how long it waited on expert loads and on KV fetches."""
+    def observe_step(self, step_s: float, expert_stall_s: float, kv_stall_s: float,
+                     tokens: int | None = None) -> None:
+        """Record one step: its duration, how long it waited on expert loads and on KV fetches, and its tokens
+        (None where the adapter cannot tell: then the window reports no step's tokens)."""
         self.step_ms.append(step_s * 1e3)
+        self.step_tokens.append(tokens)
         if expert_stall_s > 0 and kv_stall_s > 0:
             cause, ms = StallCause.BOTH, (expert_stall_s + kv_stall_s) * 1e3
         elif expert_stall_s > 0:
@@ -246,6 +251,7 @@ class TelemetryWindow:
         Telemetry (pydantic validation: ~10 ms for a 48-layer model, so the adapter does it off this thread)."""
         now = self.clock()
         steps = self.step_ms
+        known = [t for t in self.step_tokens[-MAX_UNION_STEPS:] if t is not None]
         draft = WindowDraft(
             fields=dict(agent_id=self.agent_id, rank=self.rank, window_seq=self.seq, window_start_s=self.start_s,
                         window_end_s=max(now, self.start_s), model=self.model, num_layers=self.num_layers,
@@ -255,7 +261,8 @@ class TelemetryWindow:
             kv=(dict(kv_blocks), dict(kv_hits), dict(kv_misses)), links={k: dict(v) for k, v in links.items()},
             stalls={c: tuple(v) for c, v in self.stalls.items() if v[0]},
             steps_ms=(len(steps), math.fsum(steps) / len(steps) if steps else 0.0, _pct(steps, 0.5),
-                      _pct(steps, 0.99)))
+                      _pct(steps, 0.99)),
+            step_tokens=tuple(known) if len(known) == min(len(steps), MAX_UNION_STEPS) else ())
         self.seq += 1
         self._reset()
         return draft
@@ -272,6 +279,7 @@ class WindowDraft:
     links: dict[str, dict[str, float]]
     stalls: dict[StallCause, tuple[int, float]]
     steps_ms: tuple[int, float, float, float]  # count, mean, p50, p99
+    step_tokens: tuple[int, ...] = ()  # each step's tokens (the newest MAX_UNION_STEPS), or none
     reuse: tuple[tuple[str, float, str], ...] = ()  # KV reuse events: prefix hash, age in seconds, tier name
     deferred: tuple[Callable[[], dict[str, Any]], ...] = ()  # more fields, made at build (off the engine thread)
 
@@ -299,5 +307,5 @@ class WindowDraft:
                                   queue_delay_ms_max=max(v["queue_delay_ms_max"], v["queue_delay_ms_mean"]))
                         for k, v in self.links.items()),
             stalls=tuple(Stall(cause=c, count=cnt, total_ms=ms) for c, (cnt, ms) in self.stalls.items()),
-            step_timings_ms=StepTimings(num_steps=n, mean=mean, p50=p50, p99=p99),
+            step_timings_ms=StepTimings(num_steps=n, mean=mean, p50=p50, p99=p99), step_tokens=self.step_tokens,
         )

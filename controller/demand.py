@@ -143,12 +143,14 @@ class DemandModel:
                     self.curves.observe_step(m, np.asarray(union, np.int64), batch_bucket(b))
             batches = list(u.batch_tokens)
         n = tel.step_timings_ms.num_steps
+        if not batches:  # no unions (no local predictor): the steps' token counts, where the agent reports them
+            batches = [b for b in tel.step_tokens if b > 0]
         if batches:
             # The median step, not the mean: one prefill of a thousand tokens among eight decode steps would
             # price every step's experts at a 130-token union (H200 phase run 04: 36-394 "tokens/step" at
             # decode batches of 1-5), and with it every KV share's batch.
             self.batch_tokens = self._smooth(self.batch_tokens, float(np.median(batches)))
-        elif n and tel.layers:
+        elif n and tel.layers:  # the window's mean: a prefill inflates it (an agent that reports neither)
             self.batch_tokens = self._smooth(self.batch_tokens, float(np.mean([r.num_tokens for r in tel.layers])) / n)
         if tel.transitions:
             self.pairs *= keep

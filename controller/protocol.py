@@ -238,10 +238,17 @@ class Telemetry(ProtocolModel):
     step_unions: tuple[LayerUnions, ...] = Field(default=(), max_length=MAX_LAYERS)  # v2: experts needed per step
     queued_kv_blocks: Count = 0  # v2: KV blocks the requests waiting for admission (or swapped out) would need
     local_prefetch: PrefetchCounts | None = None  # v2: what the plan's local predictor did this window
+    # v2: the tokens of each step (its newest MAX_UNION_STEPS), or none: the typical step's batch without unions
+    step_tokens: tuple[Count, ...] = Field(default=(), max_length=MAX_UNION_STEPS)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        check_v2_only(self, ("transitions", "step_unions", "queued_kv_blocks", "local_prefetch"), "telemetry")
+        check_v2_only(self, ("transitions", "step_unions", "queued_kv_blocks", "local_prefetch", "step_tokens"),
+                      "telemetry")
+        want = min(self.step_timings_ms.num_steps, MAX_UNION_STEPS)
+        if self.step_tokens and len(self.step_tokens) != want:
+            raise _invalid("step_tokens", f"has {len(self.step_tokens)} steps, expected {want} (the window's "
+                                          f"{self.step_timings_ms.num_steps} steps, at most {MAX_UNION_STEPS})")
         check_transitions(self.transitions, self.num_layers, self.num_experts)
         check_unions(self.step_unions, self.num_layers, self.num_experts)
         if self.window_end_s < self.window_start_s:

@@ -58,6 +58,7 @@ class ReferenceAdapter:
         self.sink = sink or self.telemetry.append
         self.outbox = Outbox(self.sink)
         self.steps = 0
+        self._routed = 0  # the tap's first-layer rows at the last step (its step-token mark)
         self.kv_retention_unsupported = 0  # applied plans whose kv_retention this engine could not follow
         self._warm_up(spec.top_k, engine.device.torch_device)
         self.mass_tap.begin_step(0)
@@ -98,8 +99,12 @@ class ReferenceAdapter:
 
     def on_step(self, batch: object, step_s: float) -> None:
         stall_ms, kv_s = self.engine.experts.stalls_ms, self.engine.cache.fetch_s
+        # The tap counts the routed rows on the host (eager and graph steps alike): the step's tokens are the
+        # first MoE layer's rows since the last step (its counters restart with each window).
+        routed = self.tap.tokens[0] if self.tap.tokens else 0
         self.window.observe_step(step_s, (stall_ms - self._last["expert_stall_ms"]) / 1e3,
-                                 kv_s - self._last["kv_stall_s"])
+                                 kv_s - self._last["kv_stall_s"], tokens=routed - self._routed)
+        self._routed = routed
         self._last.update(expert_stall_ms=stall_ms, kv_stall_s=kv_s)
         self.policy.run_prefetch(self.clock())
         if self.predictor is not None:
@@ -149,7 +154,7 @@ class ReferenceAdapter:
             links=links, expert_hits=now["expert_hits"] - last["expert_hits"],
             expert_misses=now["expert_misses"] - last["expert_misses"],
             plan_version=self.enforcer.applied_version, fallbacks=self._fallbacks())
-        self._last = now
+        self._last, self._routed = now, 0  # the snapshot restarted the tap's token counters
         extra: dict[str, Any] = {}
         if self.queue_probe is not None:
             extra["queued_kv_blocks"] = int(self.queue_probe())

@@ -47,6 +47,9 @@ def test_adapter_applies_a_static_plan_and_ships_valid_windows(tmp_path: Path) -
     routed = sum(sum(layer.activation_counts) for t in agent.telemetry for layer in t.layers)
     assert routed > 0 and routed % spec.top_k == 0  # every routed token counted k times
     assert sum(t.step_timings_ms.num_steps for t in agent.telemetry) == rep.steps
+    tokens = [n for t in agent.telemetry for n in t.step_tokens]  # each step's tokens, graph or eager
+    assert len(tokens) == rep.steps and sum(tokens) * spec.top_k * len(spec.moe_layers) == routed
+    assert max(tokens) >= 10 and min(tokens) <= 4  # the prefills (prompts of 10+) and the decode steps
     assert sum(t.expert_hits + t.expert_misses for t in agent.telemetry) == rep.expert_hits + rep.expert_misses
     assert all(t.applied_plan_version == 1 for t in agent.telemetry)
     sampled = [b for t in agent.telemetry for b in t.kv.attention_mass]

@@ -50,6 +50,32 @@ def test_window_classifies_stalls_and_builds_valid_telemetry() -> None:
     assert win.close({}, {}, {}, {}, 0, 0, 1, {}).window_seq == 1
 
 
+def test_window_reports_each_steps_tokens_only_when_every_step_has_them() -> None:
+    tap = RouterTap((0,), num_experts=4, device=torch.device("cpu"))
+    win = TelemetryWindow("agent-0", 0, "tiny", 2, 4, tap, clock=lambda: 0.0)
+    for tokens in (1000, 4, 4):
+        win.observe_step(0.01, 0.0, 0.0, tokens=tokens)
+    msg = win.close({}, {}, {}, {}, 0, 0, 1, {})
+    assert msg.step_tokens == (1000, 4, 4) and parse(Telemetry, to_json(msg)) == msg
+    win.observe_step(0.01, 0.0, 0.0, tokens=4)
+    win.observe_step(0.01, 0.0, 0.0)  # an adapter that cannot tell: no partial list, which would mislead
+    assert win.close({}, {}, {}, {}, 0, 0, 1, {}).step_tokens == ()
+
+
+def test_telemetry_refuses_step_tokens_that_do_not_cover_its_steps() -> None:
+    import pytest
+
+    from tierplan.controller.protocol import ProtocolError
+
+    tap = RouterTap((0,), num_experts=4, device=torch.device("cpu"))
+    win = TelemetryWindow("agent-0", 0, "tiny", 2, 4, tap, clock=lambda: 0.0)
+    win.observe_step(0.01, 0.0, 0.0, tokens=4)
+    win.observe_step(0.01, 0.0, 0.0, tokens=4)
+    raw = to_json(win.close({}, {}, {}, {}, 0, 0, 1, {})).replace('"step_tokens":[4,4]', '"step_tokens":[4]')
+    with pytest.raises(ProtocolError, match="step_tokens"):
+        parse(Telemetry, raw)
+
+
 def test_block_mass_sums_to_one_and_follows_the_keys() -> None:
     from tierplan.runtime.engine.attention import block_mass
 

@@ -216,6 +216,24 @@ def test_the_forecast_batch_is_the_median_step_not_a_prefill_inflated_mean() -> 
     assert ctl.demand.forecast().batch_tokens == pytest.approx(4.0)
 
 
+def test_without_unions_the_forecast_batch_is_the_median_of_the_reported_step_tokens() -> None:
+    """No local predictor, so no unions: the agent's per-step token counts give the median step. Without them
+    the window's mean is all there is, and one prefill of 1000 tokens among three decode steps of 4 makes it 253
+    (H200 phase run 22: the controller priced B=1 at 492 tokens a step and 66 experts a layer)."""
+    from tierplan.controller.protocol import Telemetry, parse, to_json
+
+    tel = Windows(steps=4).next(batch=4, kv_live=20)
+    layers = tuple(r.model_copy(update={"num_tokens": 1012}) for r in tel.layers)
+    plain = tel.model_copy(update={"step_unions": (), "layers": layers})
+    with_tokens = parse(Telemetry, to_json(plain.model_copy(update={"step_tokens": (1000, 4, 4, 4)})))
+    ctl = make_controller()
+    ctl.sync_from(with_tokens)
+    assert ctl.demand.forecast().batch_tokens == pytest.approx(4.0)
+    ctl = make_controller()
+    ctl.sync_from(plain)
+    assert ctl.demand.forecast().batch_tokens == pytest.approx(253.0)
+
+
 def test_measured_curves_are_anchored_at_their_bucket_not_at_the_observed_batch() -> None:
     """Observed 2.9 tokens a step, so the forecast's curves are bucket 4's measured ones: between buckets 2 and 4
     the curve follows log(batch), with no flat stretch from 2.9 to 4."""
