@@ -270,10 +270,14 @@ def clamp_split(ctx: PointContext, split: Split, engine: ReferenceEngine) -> Spl
 
 
 def kv_first_split(ctx: PointContext, engine: ReferenceEngine) -> Split:
-    """KV first: GPU blocks for the batch's whole demand (`kv_demand_blocks`), experts the rest (even, at least a
-    slot per layer, at most every expert), within this engine. The live policies' start and the oracle's first
-    candidate."""
-    return clamp_split(ctx, split_for(ctx, ctx.hbm_budget_bytes - kv_demand_blocks(ctx) * ctx.kv_block_bytes), engine)
+    """KV first: GPU blocks for the batch's whole demand (`kv_demand_blocks`), experts the rest (even, at most
+    every expert), within this engine; the live policies' start. At least top_k slots a layer, where the demand
+    would take more: a layer of fewer slots than a token's experts runs every step in chunks of them, one
+    synchronised load after another (at B=128-256 or 16K context the demand outgrows the scaled budgets)."""
+    floor = min(ctx.top_k, ctx.num_experts)
+    expert_bytes = max(floor * ctx.num_moe * ctx.expert_stride_bytes,
+                       ctx.hbm_budget_bytes - kv_demand_blocks(ctx) * ctx.kv_block_bytes)
+    return clamp_split(ctx, split_for(ctx, expert_bytes, min_per_layer=floor), engine)
 
 
 def make_plan(ctx: PointContext, split: Split, name: str, reason: str, *,

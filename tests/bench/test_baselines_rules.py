@@ -190,6 +190,21 @@ def test_live_policies_start_kv_first(tmp_path: Path, name: str) -> None:
     assert f"KV first ({run.split.kv_gpu_blocks} GPU blocks" in run.initial_plan.reason
 
 
+def test_kv_first_keeps_a_tokens_experts_per_layer_when_the_demand_outgrows_the_budget(tmp_path: Path) -> None:
+    from tierplan.bench.baselines.base import kv_first_split
+
+    eng, ctx = bp.context(tmp_path)
+    try:
+        floor_bytes = ctx.top_k * ctx.num_moe * ctx.expert_stride_bytes
+        half_kv_bytes = (kv_demand_blocks(ctx) // 2) * ctx.kv_block_bytes
+        tight = dataclasses.replace(ctx, hbm_budget_bytes=floor_bytes + half_kv_bytes)
+        split = kv_first_split(tight, eng)
+    finally:
+        eng.close()
+    assert ctx.top_k > 1 and split.expert_slots_per_layer == (ctx.top_k,) * ctx.num_moe  # not one slot a layer
+    assert split.kv_gpu_blocks == kv_demand_blocks(ctx) // 2 and fits(tight, split)  # KV takes the rest
+
+
 # ---- mv_wsa ----------------------------------------------------------------------------------------------
 def test_mv_wsa_equalises_marginal_benefit_per_byte(tmp_path: Path) -> None:
     eng, ctx = bp.context(tmp_path)
