@@ -28,6 +28,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 KV_SATURATED_GROWTH = 2.0  # a full GPU KV share hides the queue behind it: price demand as twice the share
 MIN_CURVE_STEPS = 8.0  # decayed steps a batch bucket needs before its measured curve is trusted
 MIN_RECALL_LOADS = 20.0  # decayed loads (prefetched + on demand) before the measured recall replaces the prior
+LARGE_STEP_FACTOR = 4.0  # a step of more than this many times the window's median tokens is a large one (a prefill)
 
 
 class CurveSource(StrEnum):
@@ -62,6 +63,10 @@ class DemandForecast:
     token_probs: tuple[tuple[float, ...], ...] = ()  # [M][E] P(a token routes to each expert): curves at any batch
     curve_batch: float = 0.0  # the batch `misses_per_step` describes: its bucket when measured (0: batch_tokens)
     bucket_curves: tuple[BucketCurves, ...] = ()  # measured LRU curves at every batch bucket with enough steps
+    # Steps far above the median (prefills): their share of the steps, and the loads they add per step (their
+    # own curves, at their size, times their share) [M][E + 1]; `with_large_steps` folds them into a curve.
+    large_step_share: float = 0.0
+    large_step_misses: tuple[tuple[float, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,20 @@ def frequency_curve(probs: np.ndarray, batch: float) -> tuple[np.ndarray, float]
     return tail, float(q.sum())
 
 
+def with_large_steps(curves: tuple[tuple[float, ...], ...] | np.ndarray, fc: DemandForecast
+                     ) -> tuple[tuple[float, ...], ...]:
+    """`curves` [M][E + 1] (a typical step's loads) as the expected loads of an average step: the typical steps'
+    share of them plus what the large steps (prefills) add at their own size. A prefill needs nearly every
+    expert a layer has seen, so each slot short of them costs a load in every prefill step, which a curve at
+    the median step alone prices at nothing once its few experts fit (H200 phase run 20, b32 40 GiB: ~20 of
+    ~150 steps were 1K prefills, each streaming the ~60 experts a layer did not hold)."""
+    if not fc.large_step_misses:
+        return tuple(tuple(float(x) for x in c) for c in curves)
+    typical = 1.0 - fc.large_step_share
+    return tuple(tuple(float(typical * x + y) for x, y in zip(c, extra, strict=True))
+                 for c, extra in zip(curves, fc.large_step_misses, strict=True))
+
+
 class DemandModel:
     """See the module docstring. `moe_layers` are model layer indices; arrays are indexed by MoE position."""
 
@@ -98,6 +117,8 @@ class DemandModel:
         self.pairs = np.zeros((m, e, e))  # [M, E, E] decayed n(i at m, j at m+1)
         self.src = np.zeros((m, e))  # [M, E] decayed n(i at m) over windows that reported pairs
         self.batch_tokens: float | None = None
+        self.step_weight = 0.0  # decayed steps whose token counts were seen
+        self.large_steps = np.zeros(len(BATCH_BUCKETS))  # decayed large steps (LARGE_STEP_FACTOR) by batch bucket
         self.kv_live: float | None = None
         self.kv_live_now = 0.0
         self.kv_queued_now = 0.0
@@ -145,11 +166,18 @@ class DemandModel:
         n = tel.step_timings_ms.num_steps
         if not batches:  # no unions (no local predictor): the steps' token counts, where the agent reports them
             batches = [b for b in tel.step_tokens if b > 0]
+        self.step_weight *= keep
+        self.large_steps *= keep
         if batches:
             # The median step, not the mean: one prefill of a thousand tokens among eight decode steps would
             # price every step's experts at a 130-token union (H200 phase run 04: 36-394 "tokens/step" at
-            # decode batches of 1-5), and with it every KV share's batch.
-            self.batch_tokens = self._smooth(self.batch_tokens, float(np.median(batches)))
+            # decode batches of 1-5), and with it every KV share's batch. The large steps are kept apart.
+            median = float(np.median(batches))
+            self.batch_tokens = self._smooth(self.batch_tokens, median)
+            self.step_weight += len(batches)
+            for b in batches:
+                if b > LARGE_STEP_FACTOR * median:
+                    self.large_steps[BATCH_BUCKETS.index(batch_bucket(b))] += 1.0
         elif n and tel.layers:  # the window's mean: a prefill inflates it (an agent that reports neither)
             self.batch_tokens = self._smooth(self.batch_tokens, float(np.mean([r.num_tokens for r in tel.layers])) / n)
         if tel.transitions:
@@ -239,10 +267,29 @@ class DemandModel:
         if saturated and limit is not None and not self.kv_queued_now:
             live = max(live, KV_SATURATED_GROWTH * limit)
         source = f"measured LRU curves at B~{bucket}" if measured else "activation frequencies"
+        share, large = self._large_steps(at)
         return DemandForecast(batch, tuple(misses), tuple(unions), source, live, self.kv_gpu, saturated, hot,
                               self.num_windows, self.reuse_per_step or 0.0, tuple(sorted(self.reuse_ages)),
                               self.touch_blocks_per_s or 0.0, self._recall(), self._precision(), token_probs=probs,
-                              bucket_curves=tuple(buckets), curve_batch=float(bucket) if measured else batch)
+                              bucket_curves=tuple(buckets), curve_batch=float(bucket) if measured else batch,
+                              large_step_share=share, large_step_misses=large)
+
+    def _large_steps(self, at: dict[int, list[tuple[np.ndarray, float] | None]]
+                     ) -> tuple[float, tuple[tuple[float, ...], ...]]:
+        """The large steps' share and the loads they add per step [M][E + 1]: each bucket's measured curve where
+        `at` has one, else the activation frequencies at the bucket's size."""
+        if self.step_weight <= 0 or not self.large_steps.any():
+            return 0.0, ()
+        shares = self.large_steps / self.step_weight  # [buckets]
+        out = []
+        for m in range(len(self.moe_layers)):
+            acc = np.zeros(self.num_experts + 1)
+            for i in np.flatnonzero(shares > 0):
+                b = BATCH_BUCKETS[int(i)]
+                got = at[b][m] if at else None
+                acc += shares[i] * (got[0] if got is not None else frequency_curve(self._token_probs(m), b)[0])
+            out.append(tuple(float(x) for x in acc))
+        return float(shares.sum()), tuple(out)
 
     def _precision(self) -> float | None:
         issued = self.prefetch_useful + self.prefetch_wasted

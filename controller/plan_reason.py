@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierplan.controller.demand import DemandForecast
+from tierplan.controller.demand import LARGE_STEP_FACTOR, DemandForecast
 from tierplan.controller.optimizer.problem import Constraint, SplitSolution
 from tierplan.controller.valuation import Valuation, prefix_hit_share
 
@@ -46,12 +46,14 @@ def _batch(val: Valuation, before: int, after: int) -> str:
 def _workload(prev: DemandForecast | None, fc: DemandForecast, kv_demand: float) -> str:
     union = sum(fc.union_per_step) / len(fc.union_per_step)
     num_experts = len(fc.misses_per_step[0]) - 1
+    large = (f"; {fc.large_step_share:.0%} of steps over {LARGE_STEP_FACTOR:g}x the median (prefills), their "
+             "loads priced at their size" if fc.large_step_share > 0 else "")
     if prev is None:
         return (f"batch {fc.batch_tokens:.1f} tokens/step needs {union:.1f} of {num_experts} experts per layer "
-                f"per step; KV demand {kv_demand:.0f} blocks")
+                f"per step{large}; KV demand {kv_demand:.0f} blocks")
     prev_union = sum(prev.union_per_step) / len(prev.union_per_step)
     return (f"batch {prev.batch_tokens:.1f} -> {fc.batch_tokens:.1f} tokens/step (experts needed per layer "
-            f"{prev_union:.1f} -> {union:.1f} of {num_experts}); KV demand {prev.kv_live_blocks:.0f} -> "
+            f"{prev_union:.1f} -> {union:.1f} of {num_experts}){large}; KV demand {prev.kv_live_blocks:.0f} -> "
             f"{kv_demand:.0f} blocks{' (GPU KV was full)' if fc.kv_saturated else ''}")
 
 

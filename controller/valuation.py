@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierplan.controller.costmodel import CostModel
-from tierplan.controller.demand import DemandForecast
+from tierplan.controller.demand import DemandForecast, with_large_steps
 from tierplan.controller.optimizer import least_link_bytes
 from tierplan.controller.optimizer.problem import (
     Group,
@@ -247,7 +247,8 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     context_tokens = forecast.kv_gpu_used_blocks * space.kv_block_tokens  # what the step's attention reads
     step_ms = cost.compute_ms(batch, context_tokens)
     r = space.prefetch_recall if forecast.prefetch_recall is None else forecast.prefetch_recall
-    groups, slot_counts, stalls = expert_groups(forecast.misses_per_step, cost, space, current_slots, step_ms, r)
+    groups, slot_counts, stalls = expert_groups(with_large_steps(forecast.misses_per_step, forecast), cost, space,
+                                                current_slots, step_ms, r)
     grid = kv_grid(space, kv_demand_blocks, current_kv)
     redo_ms = recompute_ms(cost, space, batch, context_tokens, step_ms)
     best_hits = prefix_hit_share(forecast, grid[-1])

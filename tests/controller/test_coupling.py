@@ -19,10 +19,11 @@ from tierplan.controller.coupling import (
     solve_coupled,
     value_share,
 )
-from tierplan.controller.demand import BucketCurves, DemandForecast
+from tierplan.controller.demand import BucketCurves, DemandForecast, frequency_curve, with_large_steps
 from tierplan.controller.loop import Controller
 from tierplan.controller.optimizer import solve
 from tierplan.controller.optimizer.problem import InfeasibleError, SplitSolution, evaluate
+from tierplan.controller.protocol import Telemetry, parse, to_json
 from tierplan.controller.valuation import Valuation, build_problem, kv_grid
 
 E = 8  # the tiny model's experts per layer
@@ -220,8 +221,6 @@ def test_without_unions_the_forecast_batch_is_the_median_of_the_reported_step_to
     """No local predictor, so no unions: the agent's per-step token counts give the median step. Without them
     the window's mean is all there is, and one prefill of 1000 tokens among three decode steps of 4 makes it 253
     (H200 phase run 22: the controller priced B=1 at 492 tokens a step and 66 experts a layer)."""
-    from tierplan.controller.protocol import Telemetry, parse, to_json
-
     tel = Windows(steps=4).next(batch=4, kv_live=20)
     layers = tuple(r.model_copy(update={"num_tokens": 1012}) for r in tel.layers)
     plain = tel.model_copy(update={"step_unions": (), "layers": layers})
@@ -232,6 +231,40 @@ def test_without_unions_the_forecast_batch_is_the_median_of_the_reported_step_to
     ctl = make_controller()
     ctl.sync_from(plain)
     assert ctl.demand.forecast().batch_tokens == pytest.approx(253.0)
+
+
+def _with_prefill(tokens: tuple[int, ...]) -> Telemetry:
+    """A window of the fixture's routes whose steps carried `tokens` (no unions): counts scaled to match."""
+    tel = Windows(steps=len(tokens)).next(batch=4, kv_live=20)
+    scale = sum(tokens) / (4 * len(tokens))
+    layers = tuple(r.model_copy(update={"num_tokens": sum(tokens), "activation_counts": tuple(
+        round(c * scale) for c in r.activation_counts)}) for r in tel.layers)
+    return parse(Telemetry, to_json(tel.model_copy(update={"step_unions": (), "layers": layers,
+                                                           "step_tokens": tokens})))
+
+
+def test_large_steps_are_priced_at_their_own_size_beside_the_median_step() -> None:
+    """Seven decode steps of 4 tokens and one prefill of 1000: the split is priced at the decode step, plus an
+    eighth of the prefill's own curve (it needs every routed expert), in the separable and the coupled
+    valuation alike; without the prefill nothing is added."""
+    ctl = make_controller()
+    ctl.sync_from(_with_prefill((4,) * 7 + (1000,)))
+    fc = ctl.demand.forecast()
+    assert fc.batch_tokens == pytest.approx(4.0) and fc.large_step_share == pytest.approx(1 / 8)
+    plain = dataclasses.replace(fc, large_step_share=0.0, large_step_misses=())
+    for m, probs in enumerate(fc.token_probs):
+        at_prefill = frequency_curve(np.asarray(probs), 512)[0]  # the prefill's bucket
+        assert fc.large_step_misses[m] == pytest.approx(tuple(at_prefill / 8))
+        assert with_large_steps(fc.misses_per_step, fc)[m] == pytest.approx(
+            tuple(7 / 8 * np.asarray(fc.misses_per_step[m]) + at_prefill / 8))
+    space, cost = ctl.config.space, ctl.cost
+    for value in (lambda f: build_problem(f, cost, space, None, None, 64, 20.0),
+                  lambda f: value_share(f, cost, space, None, None, 64, 20)[0]):
+        with_large, without = value(fc).stall_ms, value(plain).stall_ms
+        assert all(a[0] > b[0] for a, b in zip(with_large, without, strict=True))  # fewest slots: more loads
+    ctl = make_controller()
+    ctl.sync_from(_with_prefill((4,) * 8))
+    assert ctl.demand.forecast().large_step_share == 0.0
 
 
 def test_measured_curves_are_anchored_at_their_bucket_not_at_the_observed_batch() -> None:
