@@ -21,8 +21,9 @@ silently: a fused (monolithic) kernel, a router without `set_capture_fn`, a rout
 already taken (vLLM's routed-experts capturer: we never replace it), and layers whose top-k rows are gathered
 across ranks before routing (data parallel > 1, sequence parallel, prefill-context parallel > 1: the rows are
 not this rank's tokens and the gate's logits are not beside them). The host-side step hooks (a pre- and
-post-forward hook on the whole model) fill the mask, time the step and hand it to `on_step`; a dummy run is
-counted in `discarded_warmup_steps`. It must never move or change what the model computes: it only reads.
+post-forward hook on the whole model) fill the mask, read the step's real tokens from the attention metadata
+(`num_actual_tokens`, on the host), time the step and hand it to `on_step`; a dummy run is counted in
+`discarded_warmup_steps`. It must never move or change what the model computes: it only reads.
 """
 
 from __future__ import annotations
@@ -132,6 +133,21 @@ def score_fn(router: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return SCORES.get(name) if isinstance(name, str) else None
 
 
+def actual_tokens(attn_metadata: Any) -> int | None:
+    """The step's real tokens from vLLM's attention metadata, read on the host (no device sync): each attention
+    layer's metadata carries `num_actual_tokens` (padding excluded), the microbatches' summed under dual-batch
+    overlap. None where a backend does not say (the window then reports no step's tokens)."""
+    parts = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
+    total = 0
+    for part in parts:
+        first = next(iter(part.values()), None) if isinstance(part, dict) else None
+        n = getattr(first, "num_actual_tokens", None)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            return None
+        total += n
+    return total
+
+
 class RouterCapture:
     """See the module docstring. `on_step(step_s, warmup)` is called after every forward of the model."""
 
@@ -145,6 +161,7 @@ class RouterCapture:
         self.hook_errors = 0
         self.last_error = ""
         self.on_step: Callable[[float, bool], None] | None = None
+        self.last_step_tokens: int | None = None  # the last forward's real tokens (None: a dummy run, or unknown)
         self._t0 = 0.0
         self._warmup = True
         self._bindable: list[tuple[int, Any]] = []  # (MoE layer index, runner), from survey() until attach()
@@ -240,9 +257,12 @@ class RouterCapture:
         ctx = get_forward_context() if is_forward_context_available() else None
         padding = getattr(ctx, "is_padding", None)
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        self.last_step_tokens = None
         if ctx is None or (ctx.attn_metadata is None and not capturing) or (capturing and padding is None):
             self.row_live.zero_()  # a profile / warm-up run on dummy tokens
             return True
+        if not capturing:
+            self.last_step_tokens = actual_tokens(ctx.attn_metadata)
         if padding is None:
             self.row_live.fill_(1.0)  # no padding mask from this runner: every row is a token
         else:

@@ -140,7 +140,8 @@ class VllmWindows:
             if self.window.seq == 0 and self.steps_in_window == 0:
                 self.window.restart()  # the first window starts with traffic, not with the warm-up
             return False
-        self.window.observe_step(step_s, 0.0, 0.0)  # vLLM never waits on an expert load; KV loads: the connector
+        # vLLM never waits on an expert load (KV loads: the connector); the step's tokens from its attention metadata
+        self.window.observe_step(step_s, 0.0, 0.0, tokens=self.capture.last_step_tokens)
         self.steps_in_window += 1
         if self.steps_in_window < self.window_steps:
             return False

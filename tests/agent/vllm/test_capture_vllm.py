@@ -83,6 +83,9 @@ def test_routing_windows_reach_the_service_and_match_transformers(engine, contro
         assert sets == ref["sets"][m], f"layer {m}: top-k sets differ"  # top-2: the pairs are the sets
         entropy = math.fsum(r.router_entropy_mean * r.num_tokens for r in rows)
         assert entropy == pytest.approx(ref["entropy_sum"][m], rel=1e-4)
+    # each step's real tokens, read from vLLM's attention metadata: every window reports them, and they add up
+    assert all(len(w.step_tokens) == w.step_timings_ms.num_steps for w in windows)
+    assert sum(n for w in windows for n in w.step_tokens) == want_tokens
     st = agent.stats()
     assert st["link"]["engine_thread_io"] == 0 and st["counts"].get("agent_errors", 0) == 0
 

@@ -59,6 +59,36 @@ def test_padding_rows_and_dummy_runs_are_not_tokens_and_never_wipe_the_window() 
     assert cap.steps == 3 and cap.discarded_warmup_steps == 1 and cap.hook_errors == 0
 
 
+def test_each_steps_real_tokens_come_from_the_attention_metadata_on_the_host() -> None:
+    """`num_actual_tokens` (padding excluded) of the step's attention metadata, summed over dual-batch-overlap
+    microbatches; None for a dummy run and for a backend that does not say, so no window reports a guess."""
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    cap = RouterCapture(InPlaceRouterTap(SHAPE.moe_layers, E, K, torch.device("cpu")), SHAPE, 64,
+                        torch.device("cpu"))
+    seen = []
+    for meta in ({"l": SimpleNamespace(num_actual_tokens=3)}, [{"l": SimpleNamespace(num_actual_tokens=2)},
+                                                                {"l": SimpleNamespace(num_actual_tokens=5)}],
+                 {"l": object()}, None):
+        with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata=meta, slot_mapping={})):
+            cap._before_step(torch.nn.Identity(), ())
+            cap._after_step(torch.nn.Identity(), (), None)
+        seen.append(cap.last_step_tokens)
+    assert seen == [3, 7, None, None] and cap.hook_errors == 0
+
+
+def test_the_windows_report_the_steps_tokens_the_capture_read(tmp_path: Path) -> None:
+    from tests.agent.vllm.agent_fixtures import make_agent, sent_windows
+
+    agent = make_agent(tmp_path)
+    sent = sent_windows(agent)
+    for tokens in (512, 4):  # a two-step window: a prefill, then a decode step
+        agent.capture.last_step_tokens = tokens
+        agent.on_step(0.001, False)
+    agent.shutdown(timeout_s=0.5)
+    assert [w.step_tokens for w in sent] == [(512, 4)]
+
+
 class FakeRunner(torch.nn.Module):
     """The parts of vLLM's MoERunner the capture reads, around a real vLLM router."""
 
