@@ -280,8 +280,8 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
         # Chunking priced at the band's largest union: the split then holds it at every share of the band, so
         # re-priced at a larger share's batch it does not fall into chunks the middle share did not see.
         union = at(max(terms[i].batch_tokens for i in members))[:, 0]
-        arrs, lays = _expert_arrays(np.asarray(with_large_steps(at(mid.batch_tokens), fc)), cost, space,
-                                    current_slots, mid.step_ms, recall, move, mid.served, union)
+        arrs, lays = _expert_arrays(with_large_steps(at(mid.batch_tokens), fc), cost, space, current_slots,
+                                    mid.step_ms, recall, move, mid.served, union)
         tables = tables_of(arrs, lays, 0.0, capacity)
         for i in members:
             kv_units = units_for_bytes(grid[i] * space.kv_block_bytes, unit)

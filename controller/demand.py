@@ -88,17 +88,15 @@ def frequency_curve(probs: np.ndarray, batch: float) -> tuple[np.ndarray, float]
 
 
 def with_large_steps(curves: tuple[tuple[float, ...], ...] | np.ndarray, fc: DemandForecast
-                     ) -> tuple[tuple[float, ...], ...]:
+                     ) -> tuple[tuple[float, ...], ...] | np.ndarray:
     """`curves` [M][E + 1] (a typical step's loads) as the expected loads of an average step: the typical steps'
     share of them plus what the large steps (prefills) add at their own size. A prefill needs nearly every
     expert a layer has seen, so each slot short of them costs a load in every prefill step, which a curve at
     the median step alone prices at nothing once its few experts fit (H200 phase run 20, b32 40 GiB: ~20 of
     ~150 steps were 1K prefills, each streaming the ~60 experts a layer did not hold)."""
     if not fc.large_step_misses:
-        return tuple(tuple(float(x) for x in c) for c in curves)
-    typical = 1.0 - fc.large_step_share
-    return tuple(tuple(float(typical * x + y) for x, y in zip(c, extra, strict=True))
-                 for c, extra in zip(curves, fc.large_step_misses, strict=True))
+        return curves  # no large step seen: the curves as they are (no copy on the valuation's path)
+    return (1.0 - fc.large_step_share) * np.asarray(curves) + np.asarray(fc.large_step_misses)  # [M, E + 1]
 
 
 class DemandModel:

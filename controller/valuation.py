@@ -185,7 +185,7 @@ def layer_options(curve: tuple[float, ...] | np.ndarray, cost: CostModel, space:
     return counts, units, misses, option_stall_ms(cost, misses, u, counts, recall, step_ms)
 
 
-def expert_groups(misses_per_step: tuple[tuple[float, ...], ...], cost: CostModel, space: SplitSpace,
+def expert_groups(misses_per_step: tuple[tuple[float, ...], ...] | np.ndarray, cost: CostModel, space: SplitSpace,
                   current_slots: tuple[int, ...] | None, step_ms: float, recall: float, scale: float = 1.0
                   ) -> tuple[list[Group], list[tuple[int, ...]], list[tuple[float, ...]]]:
     """One group per MoE layer from its miss curve: (groups, slot counts [M][J], unweighted stalls [M][J]).

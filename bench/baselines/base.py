@@ -275,9 +275,14 @@ def kv_first_split(ctx: PointContext, engine: ReferenceEngine) -> Split:
     would take more: a layer of fewer slots than a token's experts runs every step in chunks of them, one
     synchronised load after another (at B=128-256 or 16K context the demand outgrows the scaled budgets)."""
     floor = min(ctx.top_k, ctx.num_experts)
-    expert_bytes = max(floor * ctx.num_moe * ctx.expert_stride_bytes,
-                       ctx.hbm_budget_bytes - kv_demand_blocks(ctx) * ctx.kv_block_bytes)
-    return clamp_split(ctx, split_for(ctx, expert_bytes, min_per_layer=floor), engine)
+    return clamp_split(ctx, split_for(ctx, kv_first_expert_bytes(ctx, floor), min_per_layer=floor), engine)
+
+
+def kv_first_expert_bytes(ctx: PointContext, min_per_layer: int) -> int:
+    """The expert bytes the budget leaves beside the batch's whole KV demand, `min_per_layer` slots a layer at
+    least (the KV-first split's experts; the oracle's first candidate with 1)."""
+    return max(min_per_layer * ctx.num_moe * ctx.expert_stride_bytes,
+               ctx.hbm_budget_bytes - kv_demand_blocks(ctx) * ctx.kv_block_bytes)
 
 
 def make_plan(ctx: PointContext, split: Split, name: str, reason: str, *,

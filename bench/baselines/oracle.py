@@ -25,7 +25,7 @@ from tierplan.bench.baselines.base import (
     StepExperts,
     clamp_split,
     fits,
-    kv_demand_blocks,
+    kv_first_expert_bytes,
     make_plan,
     observe_routes,
     split_for,
@@ -44,8 +44,7 @@ def candidate_splits(ctx: PointContext, max_splits: int = 5) -> list[Split]:
     if max_splits < 1:
         raise ValueError(f"max_splits must be >= 1, got {max_splits}")
     hi = min(all_experts_bytes(ctx), expert_room_bytes(ctx))
-    lo = min(hi, max(ctx.num_moe * ctx.expert_stride_bytes,
-                     ctx.hbm_budget_bytes - kv_demand_blocks(ctx) * ctx.kv_block_bytes))
+    lo = min(hi, kv_first_expert_bytes(ctx, 1))
     n = max_splits
     out: list[Split] = []
     for i in range(n):
