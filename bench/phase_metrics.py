@@ -8,7 +8,9 @@ measured steps (those after warm-up):
   time over the measured steps; `ms_per_token` its inverse per output token: the figure to compare policies
   by (runs of one point differ in how many sequences share a step). `decode_step_ms`: the mean cycle of the
   measured steps with no prefill (`prefill_step_ms`: of those with one); `engine_step_ms`: the forward
-  alone; `mean_running_batch`: sequences per measured step.
+  alone; `mean_running_batch`: sequences per measured step. `decode_step_ms_p50` / `_max`: the median and the
+  slowest of those decode cycles, and `gc_ms` the collector's pauses in the measured steps: whether a gap
+  between two runs that did the same work (phase_spread.py) is a few slow steps or every step a little slower.
 - TPOT p50/p99 and TTFT p50 over the run's requests (wall time, from the `Runner`), expert hit rate, stall ms
   per measured step by cause (a step that waited on both expert loads and KV fetches counts all of its stall
   as "both", as the agent's telemetry does), KV hits per tier, bytes per link, plan changes.
@@ -68,7 +70,10 @@ def timing(steps: list[Any]) -> dict[str, float | None]:
             "prefill_step_ms": _mean_ms(prefill),
             "engine_step_ms": sum(s.step_s for s in steps) / n * 1e3 if n else None,
             "mean_running_batch": sum(s.num_prefills + s.num_decodes for s in steps) / n if n else None,
-            "measured_wall_s": wall_s}
+            "measured_wall_s": wall_s,
+            "decode_step_ms_p50": float(np.median(decode)) * 1e3 if decode else None,
+            "decode_step_ms_max": max(decode) * 1e3 if decode else None,
+            "gc_ms": sum(getattr(s, "gc_ms", 0.0) for s in steps)}
 
 
 @dataclass

@@ -3,18 +3,22 @@
 Runs in the bench process after a sweep (and on every rerun: the report is rebuilt from the JSON). Per point:
 tierplan's tok/s over the best non-oracle baseline's and over the oracle's, the Acceptance targets reported met /
 not met, and where tierplan falls short of the best baseline the cause the stall breakdown names (prediction,
-split, link contention or engine overhead). Nothing is left out quietly: every baseline row that produced a
-throughput competes for "best" (a degraded one is marked), and a point where tierplan's row is not "ok"
-(degraded, refused, error, absent) counts as missed, with its reason. Policies are compared by time per output
-token (tok/s), never by step time: runs of one point differ in how many sequences share a step. Plots: tok/s
-against batch (one panel per context x budget, one line per policy) and the winning policy over batch x context
-(one panel per budget). Ratios are within one run of the sweep; it never hard-codes a figure.
+split, link contention or engine overhead; "same work" where tierplan's run did what the best baseline's did,
+step for step, so only run-to-run spread separates them: phase_spread.py). Nothing is left out quietly: every
+baseline row that produced a throughput competes for "best" (a degraded one is marked), and a point where
+tierplan's row is not "ok" (degraded, refused, error, absent) counts as missed, with its reason. Policies are
+compared by time per output token (tok/s), never by step time: runs of one point differ in how many sequences
+share a step. Plots: tok/s against batch (one panel per context x budget, one line per policy) and the winning
+policy over batch x context (one panel per budget). Ratios are within one run of the sweep; it never hard-codes
+a figure.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from tierplan.bench.phase_spread import same_work, spread, spread_line
 
 ORACLE, TIERPLAN = "oracle", "tierplan"
 PRED_TOLERANCE = 0.15
@@ -70,7 +74,10 @@ def _cause(tp: dict[str, Any], best: dict[str, Any]) -> str:
     tpt, tpt_b = _ms_per_token(tp), _ms_per_token(best)
     run_tp, run_b = tp.get("mean_running_batch"), best.get("mean_running_batch")
     h2d = (tp.get("link_bytes") or {}).get("h2d", 0)
-    if exp_tp > exp_b + 0.1 * tpt:
+    if same_work(tp, best):
+        why = (f"same work as {best['policy']} (same steps, executors, bytes moved and hits): run-to-run spread, "
+               f"not a decision ({tpt:.3f} vs {tpt_b:.3f} ms/token)")
+    elif exp_tp > exp_b + 0.1 * tpt:
         why = f"split: experts short (expert stall {exp_tp:.3f} vs {exp_b:.3f} ms/token)"
     elif kv_tp > kv_b + 0.1 * tpt:
         why = f"split: KV short (KV stall {kv_tp:.3f} vs {kv_b:.3f} ms/token)"
@@ -131,6 +138,7 @@ def _targets(per: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str,
     compared = [p for p in per if p["tierplan_ok"] and p["vs_best"] is not None]
     vs_best = [p["vs_best"] for p in compared]
     below = sum(v < 0.95 for v in vs_best)
+    alike = sum(p["vs_best"] < 0.95 and p["cause"].startswith("same work") for p in compared)
     no_base = sum(p["tierplan_ok"] and p["best"] is None for p in per)
     with_oracle = [p for p in per if p["oracle_tok_s"]]
     tpt = [p["oracle_over_tierplan_tpt"] for p in with_oracle if p["tierplan_ok"]]
@@ -148,7 +156,8 @@ def _targets(per: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str,
              if per else "no points"),
         "tierplan >= 0.95x the best static baseline at every point":
             (not not_ok and below == 0 and bool(compared) if per else None,
-             (f"min {min(vs_best):.2f}x, {below} of {len(compared)} compared points below" if vs_best
+             (f"min {min(vs_best):.2f}x, {below} of {len(compared)} compared points below"
+              + (f" ({alike} of them the same work as the best: run-to-run spread)" if alike else "") if vs_best
               else "no point compared") + miss + (f"; {no_base} point(s) with no baseline that ran" if no_base
                                                   else "") if per else "no points"),
         "mean oracle / tierplan time per output token >= 1/1.10":
@@ -187,7 +196,7 @@ def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -
     lines += ["", "Static baselines: every policy here but tierplan and the oracle; each row that produced a "
               "throughput competes (degraded ones marked). A point where tierplan is not ok counts as missed. "
               "tok/s is output tokens over the wall time of the measured steps, everything between them "
-              "included.", "",
+              "included.", "", spread_line(spread(rows)), "",
               "## tierplan per point", "",
               "| batch | context | budget | best baseline | tok/s | tierplan tok/s | tierplan / best | oracle tok/s | "
               "tierplan / oracle | cause (below 0.95x or missed) |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -27,6 +27,7 @@ import torch
 from tierplan.agent.closed_loop import InProcessLoop
 from tierplan.bench.baselines.base import PointContext, PolicyRun, request_kv_blocks
 from tierplan.bench.baselines.dry_record import point_scheduler
+from tierplan.bench.engine_steps import GcWatch
 from tierplan.bench.phase_grid import GIB, ROUTING, Point, Sizes, point_requests
 from tierplan.controller.loop import Outcome as DecisionOutcome
 from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
@@ -208,6 +209,7 @@ class StepRecord:
     kv_fetch: dict[str, int]  # blocks fetched back, by the tier they were on
     link_bytes: dict[str, int]
     executors: dict[str, int] = field(default_factory=dict)  # "executor/reason" the step ran on (engine's count)
+    gc_ms: float = 0.0  # the cyclic collector's pauses within this step's cycle (any thread's)
 
 
 @dataclass
@@ -230,6 +232,7 @@ class _Recorder:
         self.eng = eng
         self.steps: list[StepRecord] = []
         self._last = self._snap()
+        self._gc_ms = 0.0
 
     def _snap(self) -> dict[str, Any]:
         e, c = self.eng.experts, self.eng.cache
@@ -240,7 +243,8 @@ class _Recorder:
                 "links": {k: int(v["bytes"]) for k, v in links.items()},
                 "ran": {f"{x.value}/{r.value}": n for (x, r), n in ran.items()}}
 
-    def after_step(self, batch: Batch, step_s: float, cycle_s: float) -> None:
+    def after_step(self, batch: Batch, step_s: float, cycle_s: float, gc_ms: float) -> None:
+        """`gc_ms`: the collector's pauses so far, read where the step's cycle ended (the pauses the cycle holds)."""
         now, last = self._snap(), self._last
         run = batch.prefills + batch.decodes
         self.steps.append(StepRecord(
@@ -252,8 +256,9 @@ class _Recorder:
             kv_stall_ms=(now["kv_s"] - last["kv_s"]) * 1e3, kv_gpu_hits=now["kv_hits"] - last["kv_hits"],
             kv_fetch={t: now["fetch"][t] - last["fetch"][t] for t in now["fetch"]},
             link_bytes={k: now["links"][k] - last["links"].get(k, 0) for k in now["links"]},
-            executors={k: n - last["ran"].get(k, 0) for k, n in now["ran"].items() if n > last["ran"].get(k, 0)}))
-        self._last = now
+            executors={k: n - last["ran"].get(k, 0) for k, n in now["ran"].items() if n > last["ran"].get(k, 0)},
+            gc_ms=gc_ms - self._gc_ms))
+        self._last, self._gc_ms = now, gc_ms
 
 
 def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdir: Path, prefix_tokens: int,
@@ -290,6 +295,10 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
         loop = InProcessLoop(eng, run.source if run.source is not None else _Hold(), window_steps=run.window_steps,
                              hbm_budget_bytes=ctx.hbm_budget_bytes, queue_probe=queued_blocks,
                              wait_for_plans=False, local_predictor=local)
+        # GC pauses stop every thread that needs the GIL: a few in the measured steps are one cause of run-to-run
+        # spread between runs that did the same work (phase_spread.py), so each step's record carries its own.
+        gc_watch = GcWatch()  # closed when the run ends, failed or not
+        gc_watch.block = True
         try:
             ack = loop.apply_initial(run.initial_plan)  # enforcer, predictor, the between-steps trim over its caps
             if ack.status is not AckStatus.APPLIED:
@@ -304,11 +313,12 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                 # The step's cycle ends here, before this step's own hooks (they belong to the next cycle).
                 t = time.perf_counter()
                 cycle_s, clock["last"] = t - clock["last"], t
+                gc_ms = gc_watch.ms[True]  # the pauses up to here fell in this cycle (a later one's belong to the next)
                 virtual["t"] = max([virtual["t"] + sizes.virtual_step_s, *(s.arrival_s for s in batch.prefills)])
                 loop.on_step(batch, step_s)
                 if run.on_step is not None:
                     run.on_step(batch, step_s)
-                rec.after_step(batch, step_s, cycle_s)
+                rec.after_step(batch, step_s, cycle_s, gc_ms)
                 total = enforcer.footprint().total_hbm_bytes
                 seen["peak"] = max(seen["peak"], total)
                 seen["over"] += total > ctx.hbm_budget_bytes
@@ -321,6 +331,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                 raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
         finally:
             loop.finish()
+            gc_watch.close()
         history = list(getattr(run.source, "history", None) or []) if run.source is not None else []
         decisions = _decisions(history)
         if (close_error := run.close()) is not None:  # the controller's process could not stop cleanly: counted

@@ -78,3 +78,39 @@ def test_the_cause_compares_per_token_figures() -> None:
             _row("tierplan", 100.0, running=2.0, step_ms=20.0, engine_step_ms=9.5)]  # 10.5 ms/step between steps
     (p,), _ = summarize(rows)
     assert p["cause"].startswith("engine overhead between steps (planner solves, spills, hooks): 5.250 vs 0.500")
+
+
+def _work(**over: Any) -> dict[str, Any]:
+    """The fields `same_work` compares, as two runs that did the same work share them."""
+    return {"measured_steps": 120, "output_tokens": 960, "preemptions": 0, "expert_hit_rate": 0.9,
+            "executor_steps": {"piecewise/experts_missing": 114, "eager/prefill": 6},
+            "link_bytes": {"h2d": 1_000_000, "d2h": 0}, "kv_hits": {"gpu": 5000, "cpu": 0}, **over}
+
+
+def test_a_shortfall_with_the_same_work_as_the_best_is_named_run_to_run_spread() -> None:
+    rows = [_row("mv_wsa", 120.0, **_work()), _row("tierplan", 100.0, **_work(expert_hit_rate=0.903)),
+            _row("resident", 90.0, **_work(link_bytes={"h2d": 2_000_000, "d2h": 0}))]
+    per, targets = summarize(rows)
+    assert per[0]["cause"].startswith("same work as mv_wsa (same steps, executors, bytes moved and hits)")
+    met, fig = targets["tierplan >= 0.95x the best static baseline at every point"]
+    assert met is False and "(1 of them the same work as the best: run-to-run spread)" in fig
+    md = markdown(rows, "t", False, "cpu")
+    assert ("Run-to-run spread: 1 pairs of runs at 1 points did the same work" in md
+            and "20.0% at the median" in md and "(mv_wsa and tierplan at p1)" in md)
+
+
+def test_runs_that_moved_other_bytes_or_ran_other_steps_are_not_the_same_work() -> None:
+    from tierplan.bench.phase_spread import same_work, spread
+
+    base = _row("mv_wsa", 120.0, **_work())
+    for change in ({"link_bytes": {"h2d": 1_020_000, "d2h": 0}}, {"expert_hit_rate": 0.91},
+                   {"executor_steps": {"piecewise/experts_missing": 113, "eager/prefill": 7}},
+                   {"kv_hits": {"gpu": 5000, "cpu": 100}}, {"measured_steps": 121}, {"preemptions": 1},
+                   {"executor_steps": None}):
+        other = _row("tierplan", 100.0, **_work(**change))
+        assert not same_work(base, other), change
+        (p,), _ = summarize([base, other])
+        assert not p["cause"].startswith("same work"), change
+    assert not same_work(base, _row("tierplan", 100.0, point="p2", **_work()))
+    assert spread([base, _row("tierplan", 100.0, point="p2", **_work())]) is None
+    assert "no two runs of one point did the same work" in markdown([base], "t", False, "cpu")

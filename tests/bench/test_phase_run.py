@@ -176,3 +176,57 @@ def test_the_compute_prior_reads_an_active_expert_at_the_measured_memory_bandwid
         assert prior == pytest.approx(active_expert_prior_ms(ctx))
     finally:
         h.close()
+
+
+def test_each_step_carries_the_collector_pauses_of_its_cycle(tmp_path: Path) -> None:
+    """A collection forced in every other step's hook shows up in those steps' records and in the row's gc_ms
+    (a gap between two runs that did the same work may be the collector's: the row says how much was)."""
+    import gc
+
+    from tierplan.bench.baselines import make
+    from tierplan.bench.phase_metrics import timing
+    from tierplan.bench.phase_run import measure, open_model, point_context
+    from tierplan.runtime.device import Device
+
+    h = open_model("tiny", 2, 2, Device("cpu"), lambda *_: None)
+    try:
+        ctx, prefix = point_context(h, Point("tiny", 2, 2, 4, 32, 0.0, 1.0), QUICK)
+        policy, seen = make("resident"), {"n": 0}
+        start = policy.start
+
+        def collect_every_other_step(b: Any, s: float) -> None:
+            seen["n"] += 1
+            if seen["n"] % 2 == 0:
+                gc.collect()
+
+        def start_collecting(eng: Any, c: Any) -> Any:
+            run = start(eng, c)
+            run.on_step = collect_every_other_step
+            return run
+
+        policy.start = start_collecting  # type: ignore[method-assign]
+        out = measure(h, ctx, policy, QUICK, tmp_path, prefix)
+    finally:
+        h.close()
+    # Step i's hook runs after its cycle ended: the pauses of hooks 2, 4, ... (steps 1, 3, ...) fall in the cycles
+    # of steps 2, 4, ..., as their wall time does.
+    assert len(out.steps) >= 6
+    assert all(s.gc_ms > 0 for s in out.steps[2::2])
+    assert sum(s.gc_ms for s in out.steps[2::2]) > 3 * sum(s.gc_ms for s in out.steps[1::2])
+    assert timing(out.steps)["gc_ms"] == pytest.approx(sum(s.gc_ms for s in out.steps))
+    assert not [c for c in gc.callbacks if "GcWatch" in repr(c)]  # the watch let go of the collector
+
+
+def test_timing_reports_the_median_and_slowest_decode_cycle() -> None:
+    from tierplan.bench.phase_metrics import timing
+    from tierplan.bench.phase_run import StepRecord
+
+    def step(cycle_s: float, prefills: int = 0, gc_ms: float = 0.0) -> StepRecord:
+        return StepRecord(step_s=cycle_s, cycle_s=cycle_s, num_prefills=prefills, num_decodes=2, tokens_out=2,
+                          batch_tokens=2, context_tokens=8, expert_hits=0, expert_misses=0, expert_stall_ms=0.0,
+                          kv_stall_ms=0.0, kv_gpu_hits=0, kv_fetch={}, link_bytes={}, gc_ms=gc_ms)
+
+    t = timing([step(0.010), step(0.012), step(0.050, gc_ms=30.0), step(0.200, prefills=1)])
+    assert t["decode_step_ms_p50"] == pytest.approx(12.0) and t["decode_step_ms_max"] == pytest.approx(50.0)
+    assert t["gc_ms"] == 30.0
+    assert timing([step(0.2, prefills=1)])["decode_step_ms_p50"] is None
