@@ -29,6 +29,12 @@ KV_SATURATED_GROWTH = 2.0  # a full GPU KV share hides the queue behind it: pric
 MIN_CURVE_STEPS = 8.0  # decayed steps a batch bucket needs before its measured curve is trusted
 MIN_RECALL_LOADS = 20.0  # decayed loads (prefetched + on demand) before the measured recall replaces the prior
 LARGE_STEP_FACTOR = 4.0  # a step of more than this many times the window's median tokens is a large one (a prefill)
+# KV demand has settled once this many windows passed with none growing more than KV_SETTLE_GROWTH over the one
+# before; until then the GPU KV share the agent started with is the least a plan leaves KV (a batch that is still
+# filling holds a fraction of what it will: H200 phase runs 23-25 took KV from 2,341 to 997 blocks on the 537 seen
+# after 8 steps, and the runs preempted).
+KV_SETTLE_WINDOWS = 4
+KV_SETTLE_GROWTH = 0.1
 
 
 class CurveSource(StrEnum):
@@ -67,6 +73,7 @@ class DemandForecast:
     # own curves, at their size, times their share) [M][E + 1]; `with_large_steps` folds them into a curve.
     large_step_share: float = 0.0
     large_step_misses: tuple[tuple[float, ...], ...] = ()
+    kv_floor_blocks: int = 0  # KV demand not settled yet: a plan keeps at least the share the agent started with
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,8 @@ class DemandModel:
         self.kv_gpu: float = 0.0
         self.kv_swapped: float = 0.0
         self.kv_gpu_limit: int | None = None  # the GPU KV blocks the applied plan allows (saturation test)
+        self.kv_start_blocks: int | None = None  # the GPU KV share the agent ran before any plan of ours applied
+        self.kv_recent: deque[float] = deque(maxlen=KV_SETTLE_WINDOWS)  # the last windows' KV demand (held + queued)
         self.num_windows = 0
         self.table_version = 0
         self.block_tokens, self.max_union_steps = block_tokens, max_union_steps
@@ -197,6 +206,9 @@ class DemandModel:
         self.kv_queued_now = float(tel.queued_kv_blocks)
         self.kv_live_now = float(sum(blocks.values())) + self.kv_queued_now
         self.kv_live = self._smooth(self.kv_live, self.kv_live_now)
+        self.kv_recent.append(self.kv_live_now)
+        if tel.kv_gpu_limit_blocks is not None and tel.applied_plan_version == 0:
+            self.kv_start_blocks = tel.kv_gpu_limit_blocks  # the serving shape it was started with, not ours
         self.kv_gpu = float(blocks.get(Tier.GPU, 0))
         self.kv_swapped = float(blocks.get(Tier.CPU, 0) + blocks.get(Tier.NVME, 0))
         self._observe_reuse(tel, n)
@@ -264,13 +276,22 @@ class DemandModel:
         live = max(self.kv_live or 0.0, self.kv_live_now)
         if saturated and limit is not None and not self.kv_queued_now:
             live = max(live, KV_SATURATED_GROWTH * limit)
+        floor = self.kv_start_blocks if self.kv_start_blocks is not None and self.kv_rising() else 0
         source = f"measured LRU curves at B~{bucket}" if measured else "activation frequencies"
         share, large = self._large_steps(at)
         return DemandForecast(batch, tuple(misses), tuple(unions), source, live, self.kv_gpu, saturated, hot,
                               self.num_windows, self.reuse_per_step or 0.0, tuple(sorted(self.reuse_ages)),
                               self.touch_blocks_per_s or 0.0, self._recall(), self._precision(), token_probs=probs,
                               bucket_curves=tuple(buckets), curve_batch=float(bucket) if measured else batch,
-                              large_step_share=share, large_step_misses=large)
+                              large_step_share=share, large_step_misses=large, kv_floor_blocks=floor)
+
+    def kv_rising(self) -> bool:
+        """Whether KV demand has yet to settle: fewer than KV_SETTLE_WINDOWS windows seen, or one of the last of
+        them grew more than KV_SETTLE_GROWTH over the window before it."""
+        recent = list(self.kv_recent)
+        if self.num_windows < KV_SETTLE_WINDOWS:
+            return True
+        return any(b > (1.0 + KV_SETTLE_GROWTH) * a for a, b in itertools.pairwise(recent))
 
     def _large_steps(self, at: dict[int, list[tuple[np.ndarray, float] | None]]
                      ) -> tuple[float, tuple[tuple[float, ...], ...]]:

@@ -217,6 +217,22 @@ class Controller:
         self._fresh = True
         return rec
 
+    def _space_for(self, fc: DemandForecast) -> SplitSpace:
+        """This solve's split space: while KV demand is still rising (a batch filling, `DemandModel.kv_rising`),
+        the GPU KV share the agent started with (the serving shape its operator set, never a plan of ours: those
+        give spare HBM to KV) is the least a plan may leave KV, as far as it fits beside every layer's least
+        slots. A filling batch holds a fraction of what it will (H200 phase runs 23-25: the first plan took KV
+        from 2,341 to 997 blocks on the 537 seen after 8 steps, and the runs preempted)."""
+        space, limit = self.config.space, fc.kv_floor_blocks
+        if limit <= space.kv_gpu_blocks_min:
+            return space
+        floors = space.layer_min_slots or (0,) * len(self.config.shape.moe_layers)
+        least_expert_bytes = sum(max(space.min_slots_per_layer, f) for f in floors) * space.slot_bytes
+        room = (space.hbm_budget_bytes - space.dense_bytes - space.workspace_bytes - least_expert_bytes) \
+            // space.kv_block_bytes
+        floor = min(limit, space.kv_gpu_blocks_max, room)
+        return replace(space, kv_gpu_blocks_min=floor) if floor > space.kv_gpu_blocks_min else space
+
     def record_ack(self, ack: PlanAck) -> None:
         """Mirror an ack (TelemetryRejected, changing nothing, if the state refuses it). An APPLIED ack moves
         the current split only when it names a newer plan than the current one: a late ack for an older plan
@@ -272,10 +288,11 @@ class Controller:
         kv_demand = fc.kv_live_blocks
         cur = now.split
         cur_slots, cur_kv = (cur.slots, cur.kv_blocks) if cur else (None, None)
+        space = self._space_for(fc)
         if cfg.batch_coupling:
-            val, sol = solve_coupled(fc, self.cost, cfg.space, cur_slots, cur_kv, cfg.horizon_steps, self._solve)
+            val, sol = solve_coupled(fc, self.cost, space, cur_slots, cur_kv, cfg.horizon_steps, self._solve)
         else:
-            val = build_problem(fc, self.cost, cfg.space, cur_slots, cur_kv, cfg.horizon_steps, kv_demand)
+            val = build_problem(fc, self.cost, space, cur_slots, cur_kv, cfg.horizon_steps, kv_demand)
             sol = self._solve(val)
         cur_choice = None if cur is None else self._choice_of(val, cur)
         cur_ms = None if cur_choice is None else evaluate(val.problem, cur_choice)[0]
@@ -287,7 +304,7 @@ class Controller:
         choice = cur_choice if keep and cur_choice is not None else decision.choice
         new, spare = with_spare_kv(
             Split(tuple(val.slot_counts[m][j] for m, j in enumerate(choice[:-1])), val.kv_blocks[choice[-1]]),
-            cfg.space)
+            space)
         retention = self.kv_reuse.retention(self._retention_bound())
         if not keep and new == cur:  # the solve's split with its spare HBM as KV is the one in force
             keep, why = True, "the new split, its spare HBM given to KV, is the current one"

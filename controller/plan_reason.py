@@ -48,13 +48,15 @@ def _workload(prev: DemandForecast | None, fc: DemandForecast, kv_demand: float)
     num_experts = len(fc.misses_per_step[0]) - 1
     large = (f"; {fc.large_step_share:.0%} of steps over {LARGE_STEP_FACTOR:g}x the median (prefills), their "
              "loads priced at their size" if fc.large_step_share > 0 else "")
+    rising = (f"; KV demand still rising: no less GPU KV than the {fc.kv_floor_blocks} blocks the agent started "
+              "with" if fc.kv_floor_blocks else "")
     if prev is None:
         return (f"batch {fc.batch_tokens:.1f} tokens/step needs {union:.1f} of {num_experts} experts per layer "
-                f"per step{large}; KV demand {kv_demand:.0f} blocks")
+                f"per step{large}; KV demand {kv_demand:.0f} blocks{rising}")
     prev_union = sum(prev.union_per_step) / len(prev.union_per_step)
     return (f"batch {prev.batch_tokens:.1f} -> {fc.batch_tokens:.1f} tokens/step (experts needed per layer "
             f"{prev_union:.1f} -> {union:.1f} of {num_experts}){large}; KV demand {prev.kv_live_blocks:.0f} -> "
-            f"{kv_demand:.0f} blocks{' (GPU KV was full)' if fc.kv_saturated else ''}")
+            f"{kv_demand:.0f} blocks{' (GPU KV was full)' if fc.kv_saturated else ''}{rising}")
 
 
 def explain(cur: Split | None, new: Split, prev_fc: DemandForecast | None, fc: DemandForecast, val: Valuation,

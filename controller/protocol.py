@@ -240,11 +240,14 @@ class Telemetry(ProtocolModel):
     local_prefetch: PrefetchCounts | None = None  # v2: what the plan's local predictor did this window
     # v2: the tokens of each step (its newest MAX_UNION_STEPS), or none: the typical step's batch without unions
     step_tokens: tuple[Count, ...] = Field(default=(), max_length=MAX_UNION_STEPS)
+    # v2: the GPU KV blocks the share in force allows at the window's end (None: not reported). The controller
+    # learns the split the agent started with from it, a split it never issued.
+    kv_gpu_limit_blocks: Count | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        check_v2_only(self, ("transitions", "step_unions", "queued_kv_blocks", "local_prefetch", "step_tokens"),
-                      "telemetry")
+        check_v2_only(self, ("transitions", "step_unions", "queued_kv_blocks", "local_prefetch", "step_tokens",
+                             "kv_gpu_limit_blocks"), "telemetry")
         want = min(self.step_timings_ms.num_steps, MAX_UNION_STEPS)
         if self.step_tokens and len(self.step_tokens) != want:
             raise _invalid("step_tokens", f"has {len(self.step_tokens)} steps, expected {want} (the window's "

@@ -158,6 +158,8 @@ class ReferenceAdapter:
         extra: dict[str, Any] = {}
         if self.queue_probe is not None:
             extra["queued_kv_blocks"] = int(self.queue_probe())
+        if self.enforcer.applied_version > 0:  # the share in force (before any plan: the engine's, not reported)
+            extra["kv_gpu_limit_blocks"] = cache.manager.limit(Tier.GPU)
         # The predictor's pairs and unions are listed and made into protocol parts by the outbox thread.
         deferred = (self.predictor.window_snapshot().fields,) if self.predictor is not None else ()
         if extra or deferred:

@@ -1,5 +1,6 @@
 """The reference adapter with the plan's local predictor on: v2 telemetry (cross-layer pairs, step unions,
-prefetch counts, queued KV) and a plan's table installed once it is applied, never when it is refused."""
+prefetch counts, queued KV, the GPU KV share in force) and a plan's table installed once it is applied, never
+when it is refused."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from pathlib import Path
 from tests.agent import Agent, flame_trace, make_plan, tiny_engine
 from tierplan.agent.adapters.reference import ReferenceAdapter
 from tierplan.controller.protocol import AckStatus, LocalPredictor, Successor, TransitionRow
+from tierplan.controller.protocol import Tier as PlanTier
 from tierplan.runtime.engine.runner import ForcedRouter, Runner
 from tierplan.runtime.engine.scheduler import Scheduler
 from tierplan.runtime.engine.workloads import Request
+from tierplan.runtime.kv import Tier
 
 DATA = Path(__file__).parents[2] / "data"
 
@@ -30,6 +33,7 @@ def test_windows_carry_what_the_table_is_trained_from(tmp_path: Path) -> None:
         plan = make_plan(stub, caps=(4, 4), local_predictor=table,
                          prefetch_budget_bytes_per_step=2 * eng.pool.layout.stride_bytes)
         assert agent.apply(plan).status is AckStatus.APPLIED and agent.predictor.version == 5  # type: ignore
+        share = eng.cache.manager.limit(Tier.GPU)  # the GPU KV share the applied plan set
         reqs = [Request(i, 0.0, 10 + 3 * i, 6, (), "test") for i in range(5)]
         rep = Runner(eng, Scheduler(8, bt, max_batch=4), ForcedRouter(trace, eng), on_step=agent.on_step).run(reqs)
         agent.flush()
@@ -38,6 +42,7 @@ def test_windows_carry_what_the_table_is_trained_from(tmp_path: Path) -> None:
         eng.close()
     tels = agent.telemetry
     assert all(t.schema_version == 2 and t.queued_kv_blocks == 3 for t in tels)
+    assert all(t.kv_gpu_limit_blocks == share == plan.kv_blocks_per_tier[PlanTier.GPU] for t in tels)
     assert sum(t.transitions[0].num_tokens for t in tels if t.transitions) == sum(r.prompt_len for r in reqs) + \
         sum(r.output_len - 1 for r in reqs)  # every token routed at both layers paired once
     assert sum(len(t.step_unions[0].unions) for t in tels if t.step_unions) == rep.steps

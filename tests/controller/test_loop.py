@@ -20,6 +20,7 @@ from tests.controller.loop_fixtures import (
     make_controller,
     plan_total_bytes,
 )
+from tierplan.controller.demand import KV_SETTLE_WINDOWS
 from tierplan.controller.loop import Outcome, Solver, num_pins
 from tierplan.controller.protocol import AckStatus, Forecast, Plan, RejectReason, Tier, parse, to_json
 from tierplan.controller.state import RejectCode, TelemetryRejected
@@ -268,3 +269,63 @@ def test_spare_hbm_goes_to_kv_within_the_tier() -> None:
     small = dataclasses.replace(space, kv_gpu_blocks_max=30)
     assert with_spare_kv(Split((1, 1), KV_MIN), small) == (Split((1, 1), 30), 20)  # the tier binds
     assert with_spare_kv(Split((0, 0), KV_MAX), space) == (Split((0, 0), KV_MAX), 0)
+
+
+def test_a_filling_batch_keeps_the_kv_share_the_agent_started_with_until_its_demand_settles() -> None:
+    """The agent reports the GPU KV share it started with (40 blocks, a split this controller never issued)
+    while its batch holds 12 and grows: every plan keeps the 40 (without the report the first plan leaves 25 and
+    the batch, once full, would wait for KV); once the demand has stayed flat for KV_SETTLE_WINDOWS windows, a
+    plan may take KV back. A share of this controller's own plans is no floor (it holds spare HBM)."""
+    ctl, win = make_controller(), Windows()
+    ctl.sync_from(win.next(4, 12))
+    blind = ctl.step_next()
+    assert blind is not None and blind.kv_blocks_per_tier[Tier.GPU] < 40
+
+    ctl, win = make_controller(), Windows()
+    plans = []
+    for live in (12, 16, 20):  # the batch fills: each window holds more
+        ctl.sync_from(win.next(4, live, kv_gpu_limit_blocks=40 if not plans else plans[0].kv_blocks_per_tier[
+            Tier.GPU]))
+        if (plan := ctl.step_next()) is not None:
+            plans.append(plan)
+            ctl.record_ack(ack(plan))
+            win.applied = plan.version
+    assert plans and all(p.kv_blocks_per_tier[Tier.GPU] >= 40 for p in plans)
+    assert "KV demand still rising: no less GPU KV than the 40 blocks the agent started with" in plans[0].reason
+    assert ctl.demand.kv_start_blocks == 40  # reports under a plan of ours never move it
+    later = []
+    for _ in range(KV_SETTLE_WINDOWS + 2):  # the same 20 blocks every window: the demand has settled
+        ctl.sync_from(win.next(4, 20))
+        if (plan := ctl.step_next()) is not None:
+            later.append(plan)
+            ctl.record_ack(ack(plan))
+            win.applied = plan.version
+    assert later and later[-1].kv_blocks_per_tier[Tier.GPU] < 40 and "still rising" not in later[-1].reason
+
+
+def test_the_kv_floor_while_rising_never_squeezes_the_least_expert_slots() -> None:
+    """A reported share larger than what fits beside every layer's least slots is clamped there: the plan fits."""
+    ctl, win = make_controller(), Windows()
+    ctl.sync_from(win.next(4, 12, kv_gpu_limit_blocks=64))  # the whole budget as KV: no room for 2 slots a layer
+    plan = ctl.step_next()
+    assert plan is not None
+    space = ctl.config.space
+    assert all(b // space.slot_bytes >= space.min_slots_per_layer for b in plan.expert_bytes_per_layer)
+    assert sum(plan.expert_bytes_per_layer) + plan.kv_blocks_per_tier[Tier.GPU] * space.kv_block_bytes \
+        <= space.hbm_budget_bytes
+
+
+def test_kv_demand_settles_after_flat_windows_and_rises_again_on_growth() -> None:
+    from tierplan.controller.demand import KV_SETTLE_GROWTH, DemandModel
+
+    ctl, win = make_controller(), Windows()
+    model: DemandModel = ctl.demand
+    for _ in range(KV_SETTLE_WINDOWS):
+        assert model.kv_rising()  # fewer windows than it takes to settle
+        model.observe(win.next(4, 20))
+    assert not model.kv_rising()
+    model.observe(win.next(4, int(20 * (1 + KV_SETTLE_GROWTH)) + 2))
+    assert model.kv_rising()  # one window grew past the margin: rising again until it leaves the last windows
+    for _ in range(KV_SETTLE_WINDOWS - 1):
+        model.observe(win.next(4, 24))
+    assert not model.kv_rising()
