@@ -49,6 +49,9 @@ def register(bench_app: typer.Typer) -> None:
                                                       "the end (needs --device cuda).")] = 1,
         report: Annotated[bool, typer.Option(help="Write the Markdown and plots at the end (--no-report: rows "
                                                   "only, as each process of a --gpus sweep does).")] = True,
+        merge: Annotated[list[Path] | None, typer.Option(
+            help="Measure nothing: append the rows of this phase JSON (another call's copy, e.g. a device run's) "
+                 "that the file of the same name in --out-dir lacks, and rewrite its report; repeatable.")] = None,
     ) -> None:
         """Every policy on the same engine, traces and budget: tok/s, TPOT, TTFT, stalls by cause, predicted vs
         measured step time; writes phase_<model>_<date>.json/.md/.png."""
@@ -61,6 +64,15 @@ def register(bench_app: typer.Typer) -> None:
             err.print(f"error: {msg}", markup=False)
             raise typer.Exit(2)
 
+        if merge:
+            from tierplan.bench.phase import merge_results
+
+            try:
+                for target, added in merge_results(out_dir, list(merge)):
+                    err.print(f"{target}: {added} row(s) added; report rewritten", markup=False)
+            except ValueError as exc:
+                fail(str(exc))
+            return
         if device not in ("cpu", "cuda"):
             fail(f"--device {device!r}: expected cpu or cuda")
         if device == "cuda":

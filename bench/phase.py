@@ -42,7 +42,7 @@ from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, Sizes, points, se
 from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
 from tierplan.bench.phase_report import write_report
 from tierplan.bench.phase_run import ModelHandle, RunRefused, engine_config, measure, open_model, point_context
-from tierplan.bench.phase_store import CANDIDATE, append_row, code_id, done_keys, latest, load_rows
+from tierplan.bench.phase_store import CANDIDATE, append_row, code_id, done_keys, latest, load_rows, merge_file
 from tierplan.runtime.errors import ConfigError
 
 
@@ -250,6 +250,26 @@ def sweep_grid(quick: bool = False, point_spec: str = "", policies: tuple[str, .
                          f"{', '.join(known)}" + ("" if quick else " (--quick runs 'tiny')"))
     grid = points(sizes, models)
     return sizes, select_points(grid, point_spec) if point_spec else grid
+
+
+def merge_results(out_dir: Path, sources: list[Path]) -> list[tuple[Path, int]]:
+    """Each of `sources` (a phase JSON another call wrote, e.g. a device run's copy) merged into the file of the
+    same name in `out_dir`, its report rewritten from the merged rows for the device of the newest one (no device
+    needed here: an H200's rows report on a CPU box). (target, rows added) per source; ValueError naming a file
+    that is missing or not phase rows (nothing of it merged)."""
+    out = []
+    for src in sources:
+        if not src.is_file():
+            raise ValueError(f"--merge {src}: no such file")
+        target = out_dir / src.name
+        if target.resolve() == src.resolve():
+            raise ValueError(f"--merge {src}: that is the file it would merge into; name a copy from another call")
+        rows, added = merge_file(target, src)
+        if rows:
+            dev = rows[-1]["device"]
+            write_report(latest(rows, dev), target.with_suffix(""), QUICK if rows[-1].get("quick") else FULL, dev)
+        out.append((target, added))
+    return out
 
 
 def write_reports(out_dir: Path, models: list[str], sizes: Sizes, device: str, day: str) -> dict[str, Path]:

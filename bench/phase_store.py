@@ -9,7 +9,8 @@ under an exclusive `fcntl` lock on its folder, so two processes sharing one JSON
 against old-code baselines. `code_id` fingerprints the Python files a run imports: with a git checkout, the
 ones git tracks or would add (`git ls-files -co --exclude-standard`: what the device copy of the working tree
 holds); without one (the device's copy), the package's .py files outside .gitignore'd folders (build/ ...).
-It never edits a figure.
+`merge_file` appends another call's copy of a file (a device run's, started from the same committed rows) to it,
+each row once. It never edits a figure.
 """
 
 from __future__ import annotations
@@ -147,3 +148,30 @@ def latest(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any]]:
             out.pop((r["point"], r["policy"]), None)
             out[(r["point"], r["policy"])] = r
     return list(out.values())
+
+
+def row_identity(row: dict[str, Any]) -> tuple[Any, ...]:
+    """One run's row, wherever it was copied: its key, the run it came from and when it was written."""
+    return (*run_key(row), row.get("run_id"), row.get("when"), row.get("status"))
+
+
+def merge_file(target: Path, source: Path) -> tuple[list[dict[str, Any]], int]:
+    """Under the lock: `source`'s rows that `target` lacks appended to it, in `source`'s order (rows another call
+    measured, e.g. on a device, from the same start as this file); returns the merged rows and how many were
+    added. ValueError naming the file when either is not a list of phase rows, or their models differ."""
+    new = load_rows(source)
+    models = {r.get("model") for r in new}
+    if len(models) > 1:
+        raise ValueError(f"{source}: rows of several models {sorted(map(str, models))}; expected one model a file")
+    with locked(target):
+        rows = load_rows(target)
+        have = {r.get("model") for r in rows}
+        if rows and new and have != models:
+            raise ValueError(f"{source}: rows of {sorted(map(str, models))}, but {target} holds "
+                             f"{sorted(map(str, have))}")
+        seen = {row_identity(r) for r in rows}
+        added = [r for r in new if row_identity(r) not in seen]
+        if added:
+            rows = rows + added
+            write_rows(target, rows)
+    return rows, len(added)

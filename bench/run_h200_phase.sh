@@ -8,8 +8,9 @@
 # Each model's newest merged JSON in bench/results is copied into $OUT under today's name first, so this call's
 # rows merge into it and the runs this code already measured on this device are skipped (a chunk cut off by its
 # timeout resumes where it stopped; EXTRA may be --fresh to measure them again). A sweep cut off by SECONDS still
-# gets its report, from the rows it finished. Copy $OUT's JSON, Markdown and PNGs back into bench/results after
-# the call (all in $OUT/phase_out.tgz), and the raw files into bench/results/h200/phase_runNN/.
+# gets its report, from the rows it finished. After the call: unpack $OUT/phase_out.tgz into
+# bench/results/h200/phase_runNN/ and merge its JSON into bench/results (rows once each, the report rewritten):
+#   tierplan bench phase --merge bench/results/h200/phase_runNN/phase_<model>_<date>.json
 set -uo pipefail
 out=${1:?usage: run_h200_phase.sh OUT POINTS [MODELS] [SECONDS] [EXTRA...]}
 points=${2:?usage: run_h200_phase.sh OUT POINTS [MODELS] [SECONDS] [EXTRA...]}

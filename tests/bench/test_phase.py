@@ -237,3 +237,25 @@ def test_the_oracle_recording_option_reaches_the_sweep(tmp_path: Path) -> None:
     (path,) = tmp_path.glob("phase_tiny_*.json")
     notes = [r["notes"] for r in json.loads(path.read_text()) if r.get("status") == "candidate"]
     assert notes and all("engine recording; the dry replay equals it" in n for n in notes), notes
+
+
+def test_merge_adds_another_calls_rows_and_rewrites_the_report(tmp_path: Path) -> None:
+    """`--merge FILE` measures nothing: FILE's rows that --out-dir's file of the same name lacks are appended and
+    its report rewritten; a missing file is refused by name (exit 2)."""
+    call, out = tmp_path / "call", tmp_path / "out"
+    res = _run("--points", "b4c32f1.0", "--policies", "resident,kv_tiering", "--out-dir", str(call))
+    assert res.exit_code == 0, res.output
+    src = next(call.glob("phase_tiny_*.json"))
+    rows = json.loads(src.read_text())
+    out.mkdir()
+    write_rows(out / src.name, rows[:1])  # the committed file held the first run only
+    res = CliRunner().invoke(app, ["bench", "phase", "--out-dir", str(out), "--merge", str(src)])
+    assert res.exit_code == 0, res.output
+    assert f"{len(rows) - 1} row(s) added" in " ".join(res.output.split())  # rich wraps lines at its width
+    assert load_rows(out / src.name) == rows
+    md = (out / src.name).with_suffix(".md").read_text()
+    assert "| kv_tiering |" in md and "| resident |" in md
+    res = CliRunner().invoke(app, ["bench", "phase", "--out-dir", str(out), "--merge", str(tmp_path / "no.json")])
+    assert res.exit_code == 2 and "no.json: no such file" in " ".join(res.output.split())
+    res = CliRunner().invoke(app, ["bench", "phase", "--out-dir", str(out), "--merge", str(out / src.name)])
+    assert res.exit_code == 2 and "that is the file it would merge into" in " ".join(res.output.split())

@@ -89,3 +89,40 @@ def test_a_new_file_starts_from_the_seed(tmp_path: Path) -> None:
     seed = [_r("resident", code="older-day")]
     assert append_row(path, _r("tierplan"), seed) == [*seed, _r("tierplan")]
     assert append_row(path, _r("oracle"), seed)[-2:] == [_r("tierplan"), _r("oracle")]
+
+
+def test_merging_two_calls_from_one_start_keeps_every_row_once(tmp_path: Path) -> None:
+    """Two calls that each started from the committed file (as runs 23 and 24 did) merge into it: the union,
+    base first, then each call's own rows in its order; merging either again adds nothing."""
+    from tierplan.bench.phase_store import merge_file
+
+    base = [_r("resident", model="m", run_id="r0", when="1"), _r("tierplan", model="m", run_id="r0", when="2")]
+    one = [*base, _r("mv_wsa", model="m", run_id="r1", when="3")]
+    two = [*base, _r("resident", point="q", model="m", run_id="r2", when="3"),
+           _r("resident", model="m", run_id="r2", when="4")]  # the same key measured again: another run
+    target, a, b = tmp_path / "t" / "phase_m_1.json", tmp_path / "a.json", tmp_path / "b.json"
+    write_rows(target, base)
+    write_rows(a, one)
+    write_rows(b, two)
+    assert merge_file(target, b)[1] == 2 and merge_file(target, a)[1] == 1
+    assert load_rows(target) == [*base, *two[2:], one[2]]
+    assert merge_file(target, a)[1] == 0 and merge_file(target, b)[1] == 0 and len(load_rows(target)) == 5
+    assert merge_file(tmp_path / "new.json", a)[1] == 3  # no file yet: the source's rows as they are
+
+
+def test_a_merge_refuses_other_models_and_non_rows_naming_the_file(tmp_path: Path) -> None:
+    from tierplan.bench.phase_store import merge_file
+
+    target, other, mixed, bad = (tmp_path / n for n in ("t.json", "o.json", "x.json", "bad.json"))
+    write_rows(target, [_r("resident", model="m")])
+    write_rows(other, [_r("resident", model="n")])
+    write_rows(mixed, [_r("resident", model="m"), _r("tierplan", model="n")])
+    bad.write_text('{"rows": []}')
+    before = target.read_text()
+    with pytest.raises(ValueError, match=r"o\.json: rows of \['n'\], but .*t\.json holds \['m'\]"):
+        merge_file(target, other)
+    with pytest.raises(ValueError, match=r"x\.json: rows of several models \['m', 'n'\]"):
+        merge_file(target, mixed)
+    with pytest.raises(ValueError, match=r"bad\.json: expected a list of phase rows"):
+        merge_file(target, bad)
+    assert target.read_text() == before
