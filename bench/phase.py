@@ -257,18 +257,23 @@ def merge_results(out_dir: Path, sources: list[Path]) -> list[tuple[Path, int]]:
     same name in `out_dir`, its report rewritten from the merged rows for the device of the newest one (no device
     needed here: an H200's rows report on a CPU box). (target, rows added) per source; ValueError naming a file
     that is missing or not phase rows (nothing of it merged)."""
-    out = []
-    for src in sources:
-        if not src.is_file():
-            raise ValueError(f"--merge {src}: no such file")
-        target = out_dir / src.name
-        if target.resolve() == src.resolve():
-            raise ValueError(f"--merge {src}: that is the file it would merge into; name a copy from another call")
-        rows, added = merge_file(target, src)
-        if rows:
-            dev = rows[-1]["device"]
-            write_report(latest(rows, dev), target.with_suffix(""), QUICK if rows[-1].get("quick") else FULL, dev)
-        out.append((target, added))
+    out, merged = [], {}
+    try:
+        for src in sources:
+            if not src.is_file():
+                raise ValueError(f"--merge {src}: no such file")
+            target = out_dir / src.name
+            if target.resolve() == src.resolve():
+                raise ValueError(f"--merge {src}: that is the file it would merge into; name a copy from another "
+                                 "call")
+            merged[target], added = merge_file(target, src)
+            out.append((target, added))
+    finally:  # one report per file, from all its merges (those before a refused source too)
+        for target, rows in merged.items():
+            if rows:
+                dev = rows[-1]["device"]
+                write_report(latest(rows, dev), target.with_suffix(""), QUICK if rows[-1].get("quick") else FULL,
+                             dev)
     return out
 
 

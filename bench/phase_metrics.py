@@ -73,7 +73,7 @@ def timing(steps: list[Any]) -> dict[str, float | None]:
             "measured_wall_s": wall_s,
             "decode_step_ms_p50": float(np.median(decode)) * 1e3 if decode else None,
             "decode_step_ms_max": max(decode) * 1e3 if decode else None,
-            "gc_ms": sum(getattr(s, "gc_ms", 0.0) for s in steps)}
+            "gc_ms": sum(s.gc_ms for s in steps)}
 
 
 @dataclass

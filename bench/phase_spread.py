@@ -13,15 +13,12 @@ edits a figure.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from typing import Any
 
 BYTES_TOLERANCE = 0.01  # bytes per link may differ this much (relative) between same-work runs
 HIT_TOLERANCE = 0.005  # expert hit rates may differ this much (absolute)
-
-
-def _close(a: float, b: float, rel: float) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b), 1.0)
 
 
 def same_work(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -38,7 +35,8 @@ def same_work(a: dict[str, Any], b: dict[str, Any]) -> bool:
         return False
     for key in ("link_bytes", "kv_hits"):
         x, y = a.get(key) or {}, b.get(key) or {}
-        if not all(_close(x.get(k, 0), y.get(k, 0), BYTES_TOLERANCE) for k in set(x) | set(y)):
+        if not all(math.isclose(x.get(k, 0), y.get(k, 0), rel_tol=BYTES_TOLERANCE, abs_tol=BYTES_TOLERANCE)
+                   for k in set(x) | set(y)):
             return False
     return True
 

@@ -288,10 +288,9 @@ class DemandModel:
     def kv_rising(self) -> bool:
         """Whether KV demand has yet to settle: fewer than KV_SETTLE_WINDOWS windows seen, or one of the last of
         them grew more than KV_SETTLE_GROWTH over the window before it."""
-        recent = list(self.kv_recent)
         if self.num_windows < KV_SETTLE_WINDOWS:
             return True
-        return any(b > (1.0 + KV_SETTLE_GROWTH) * a for a, b in itertools.pairwise(recent))
+        return any(b > (1.0 + KV_SETTLE_GROWTH) * a for a, b in itertools.pairwise(self.kv_recent))
 
     def _large_steps(self, at: dict[int, list[tuple[np.ndarray, float] | None]]
                      ) -> tuple[float, tuple[tuple[float, ...], ...]]:

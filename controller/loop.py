@@ -46,7 +46,7 @@ from tierplan.controller.protocol import (
     Tier,
 )
 from tierplan.controller.state import AgentRecord, ControllerState, ModelInfo
-from tierplan.controller.valuation import SplitSpace, Valuation, build_problem
+from tierplan.controller.valuation import SplitSpace, Valuation, build_problem, slot_range
 
 MAX_REASON_CHARS = 4000  # a plan's reason (the protocol allows a little more)
 PIN_UNION_HEADROOM = 1.25  # step unions vary around their mean: room for most steps' unions, not the mean's
@@ -226,10 +226,9 @@ class Controller:
         space, limit = self.config.space, fc.kv_floor_blocks
         if limit <= space.kv_gpu_blocks_min:
             return space
-        floors = space.layer_min_slots or (0,) * len(self.config.shape.moe_layers)
-        least_expert_bytes = sum(max(space.min_slots_per_layer, f) for f in floors) * space.slot_bytes
-        room = (space.hbm_budget_bytes - space.dense_bytes - space.workspace_bytes - least_expert_bytes) \
-            // space.kv_block_bytes
+        shape = self.config.shape
+        least_slots = sum(slot_range(space, m, shape.num_experts)[0] for m in range(len(shape.moe_layers)))
+        room = (space.capacity_bytes - least_slots * space.slot_bytes) // space.kv_block_bytes
         floor = min(limit, space.kv_gpu_blocks_max, room)
         return replace(space, kv_gpu_blocks_min=floor) if floor > space.kv_gpu_blocks_min else space
 
