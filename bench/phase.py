@@ -42,6 +42,7 @@ from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, Sizes, points, se
 from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
 from tierplan.bench.phase_report import write_report
 from tierplan.bench.phase_run import ModelHandle, RunRefused, engine_config, measure, open_model, point_context
+from tierplan.bench.phase_steps import append_steps, steps_line, steps_path
 from tierplan.bench.phase_store import CANDIDATE, append_row, code_id, done_keys, latest, load_rows, merge_file
 from tierplan.runtime.errors import ConfigError
 
@@ -92,14 +93,22 @@ class _Store:
     """One model's JSON as this process sees it: every row is merged into the file under its lock, and the
     file's rows (other writers' included) come back."""
 
-    def __init__(self, path: Path, rows: list[dict[str, Any]], seed: list[dict[str, Any]], fresh: bool) -> None:
-        self.path, self.rows, self.seed = path, rows, seed
+    def __init__(self, path: Path, rows: list[dict[str, Any]], seed: list[dict[str, Any]], fresh: bool,
+                 save_steps: bool = False) -> None:
+        self.path, self.rows, self.seed, self.save_steps = path, rows, seed, save_steps
         self.done = set() if fresh else done_keys(rows)
         self.run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"  # this process's rows
         self.fresh = fresh
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows = append_row(self.path, {**row, "run_id": self.run_id}, self.seed)
+
+    def add_steps(self, row: dict[str, Any], outcome: Any, ctx: PointContext) -> None:
+        """With `save_steps`: the run's steps to this process's steps file (phase_steps.py)."""
+        if self.save_steps:
+            append_steps(steps_path(self.path, self.run_id),
+                         steps_line({**row, "run_id": self.run_id}, outcome, ctx.expert_stride_bytes,
+                                    ctx.kv_block_bytes))
 
     def candidates(self, point: str, device: str, code: str) -> dict[str, dict[str, Any]]:
         """The oracle's finished candidate splits at `point` (by split label; --fresh: this process's only)."""
@@ -138,6 +147,7 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, pref
             row = {**row, "candidate_status": row["status"], "status": CANDIDATE, "oracle_split": label,
                    "run_s": time.perf_counter() - t0}
             store.add(row)
+            store.add_steps(row, out, ctx)
             say(f"{base['point']} oracle candidate {label}: {row['decode_tok_s']:.1f} tok/s ({row['run_s']:.1f} s)")
             tried.append(f"{label}: {row['decode_tok_s']:.1f} tok/s")
         else:
@@ -177,6 +187,7 @@ def _one(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, siz
             if baseline.needs_future:
                 return _oracle(h, ctx, sizes, Path(tmp), prefix_tokens, predictor, base, store, say, how)
             out = measure(h, ctx, baseline, sizes, Path(tmp), prefix_tokens)
+            row = measured_row(base, out, sizes.warm_steps, predictor)
         except RunRefused as exc:
             return refused_row(base, str(exc))
         except ImportError as exc:  # e.g. the controller's solver stack absent on the device image
@@ -184,7 +195,8 @@ def _one(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, siz
         except Exception as exc:  # a failing policy must not end a scarce sweep; its row says what happened
             say(traceback.format_exc())
             return {**refused_row(base, f"{type(exc).__name__}: {exc}"), "status": "error"}
-    return measured_row(base, out, sizes.warm_steps, predictor)
+    store.add_steps(row, out, ctx)
+    return row
 
 
 def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, point_spec: str = "",
@@ -192,13 +204,15 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
                     console: Any = None, progress: Callable[[int], None] | None = None,
                     on_total: Callable[[int], None] | None = None,
                     requests_per_batch: float | None = None,
-                    oracle_recording: OracleRecording = OracleRecording.DRY, report: bool = True) -> dict[str, Path]:
+                    oracle_recording: OracleRecording = OracleRecording.DRY, report: bool = True,
+                    save_steps: bool = False) -> dict[str, Path]:
     """Run the sweep (module docstring); returns {model: its JSON path}. ValueError for an unknown policy,
     model or point (nothing run). `on_total(n)` is told the number of runs still to do before the first.
     `requests_per_batch` overrides the sizes' (fewer requests: shorter runs at large batches); rows measured at
     other sizes are not reused (the sizes are part of a row's code id). `oracle_recording`: how the oracle's
     candidate futures are recorded (`OracleRecording.ENGINE`: on an engine, the dry replay checked against it).
-    report=False: rows only (a worker of a sweep over several GPUs, phase_shards.py, whose parent reports)."""
+    report=False: rows only (a worker of a sweep over several GPUs, phase_shards.py, whose parent reports).
+    save_steps: every run's steps too, beside the JSON (phase_steps.py)."""
     from tierplan.runtime.device import Device
 
     sizes, grid = sweep_grid(quick, point_spec, policies, models, requests_per_batch)
@@ -214,7 +228,7 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
         if not path.exists():  # carry an earlier day's rows over (the sweep may span days)
             older = sorted(out_dir.glob(f"phase_{m}_*.json"))
             rows = seed = load_rows(older[-1]) if older else []
-        store = _Store(path, rows, seed, fresh)
+        store = _Store(path, rows, seed, fresh, save_steps)
         pts = [p for p in grid if p.model == m]
         todo += sum((p.key, pol, dev_name, code) not in store.done for p in pts for pol in pols)
         plan[m] = (store, pts)

@@ -14,13 +14,15 @@ measured steps (those after warm-up):
 - TPOT p50/p99 and TTFT p50 over the run's requests (wall time, from the `Runner`), expert hit rate, stall ms
   per measured step by cause (a step that waited on both expert loads and KV fetches counts all of its stall
   as "both", as the agent's telemetry does), KV hits per tier, bytes per link, plan changes.
-- `predicted_step_ms`: the cost model's step time for what the policy planned, never for what it measured.
-  A live policy (a controller re-planning): the plan's own prediction, the controller's `Decision.step_ms` of
-  the split in force at each measured step (steps before its first decision: as a static split). A static
-  split: the cost model (`tierplan.controller.costmodel`, calibrated on earlier runs of the model in this
-  process and this run's warm-up windows) over each measured step's tokens, context and KV fetches with the
-  expert misses the routing trace's LRU miss-ratio curve predicts at the split's slots per layer
-  (`controller.predictors.miss_ratio`, the decode walk of `ForcedRouter` at the step's batch).
+- `predicted_step_ms`: the cost model's step time for what the policy planned, never for what it measured:
+  the cost model (`tierplan.controller.costmodel`, calibrated on earlier runs of the model in this process and
+  this run's warm-up windows) over each measured step's tokens, context and KV fetches with the expert misses
+  the routing trace's LRU miss-ratio curve predicts at the slots per layer of the plan the step ran under
+  (`controller.predictors.miss_ratio`, the decode walk of `ForcedRouter` at the step's batch). One rule for
+  every policy: a live one's steps are priced at each split it applied, from the step it took effect.
+  `controller_step_ms`: a live policy's own figure, the controller's `Decision.step_ms` of the split in force.
+  It is a typical step at the batch the controller saw, not the run's mix of decodes and prefills: on the H200
+  it was 0.1-8.6x the measured step (phase runs 17-25, bench/results/phase_h200.md).
   `predicted_step_ms_measured_misses` prices the measured misses instead (time per byte, no miss prediction);
   `predicted_decode_step_ms_measured_misses` / `predicted_prefill_step_ms_measured_misses` the same over the
   steps without / with a prefill (against `decode_step_ms` / `prefill_step_ms`).
@@ -162,26 +164,32 @@ def plan_slots(plan: Any, shape: ModelShape) -> tuple[int, ...]:
     return tuple(plan.expert_bytes_per_layer[layer] // shape.expert_bytes for layer in shape.moe_layers)
 
 
-def predict(predictor: Predictor, outcome: Any, warm: int, timed: list[Any]) -> tuple[float, str]:
-    """`predicted_step_ms` of the run (module docstring) and where it came from."""
+def predict(predictor: Predictor, outcome: Any, timed: list[Any]) -> tuple[float, str]:
+    """`predicted_step_ms` of the run (module docstring) and where it came from: each measured step priced at
+    the split of the plan it ran under (`StepRecord.plan_version`; a version not in the run's applied plans,
+    e.g. a step before the first: the initial plan's)."""
+    shape = predictor.cost.shape
+    plans = outcome.extra.get("plans_applied") or {}
+    slots = {v: plan_slots(p, shape) for v, p in plans.items()}
+    initial = plan_slots(outcome.initial_plan, shape)
+    prices = [predictor.split_step_ms([s], slots.get(s.plan_version, initial)) for s in timed]
+    under = {s.plan_version for s in timed}
+    return (_mean(prices) or 0.0,
+            "split: cost model over the trace's LRU miss curve" + (
+                f", each step at the split of the plan it ran under ({len(under)} plans)" if len(under) > 1 else ""))
+
+
+def controller_step_ms(outcome: Any, warm: int, num_timed: int) -> float | None:
+    """A live policy's own prediction: the controller's `Decision.step_ms` of the split in force, averaged over
+    the measured steps (steps before its first decision left out; None: no decision). It prices one step at the
+    batch the controller saw (the window's median step, prefills apart), not the measured mix of decodes and
+    prefills, so it is no estimate of `measured_step_ms` where prefills are in the mix (H200 phase rows: 0.1-8.6x
+    it); the row carries it beside `predicted_step_ms` to show what the controller believed."""
     decisions = sorted(outcome.extra.get("decisions") or [])
-    static_ms = predictor.split_step_ms(timed, plan_slots(outcome.initial_plan, predictor.cost.shape))
-    if not decisions:
-        return static_ms, "split: cost model over the trace's LRU miss curve"
     ws = max(1, outcome.window_steps)
-    total, before = 0.0, 0
-    for i in range(warm, warm + len(timed)):
-        active = [ms for w, ms in decisions if w * ws <= i]
-        if active:
-            total += active[-1]
-        else:
-            before += 1
-    if before:  # steps before the first decision ran the initial split
-        total += before * static_ms
-    return (total / len(timed) if timed else 0.0,
-            "plan: the controller's predicted step of the split in force" + (f" ({before} steps before its first "
-                                                                             "decision: as a static split)"
-                                                                             if before else ""))
+    in_force = [active[-1] for i in range(warm, warm + num_timed)
+                if (active := [ms for w, ms in decisions if w * ws <= i])]
+    return _mean(in_force)
 
 
 def _stalls(steps: list[Any]) -> dict[str, float]:
@@ -214,7 +222,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
     hits, misses = sum(s.expert_hits for s in timed), sum(s.expert_misses for s in timed)
     n_warm_windows = warm // outcome.window_steps
     predictor.calibrate(outcome.telemetry[:n_warm_windows])
-    predicted, source = predict(predictor, outcome, warm, timed)
+    predicted, source = predict(predictor, outcome, timed)
     prices = predictor.step_prices(timed)
     priced = _mean(prices) or 0.0
     # The same pricing over decode and prefill steps apart (a prefill needs every expert: where the cost model
@@ -245,6 +253,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "expert_hit_rate": hits / (hits + misses) if hits + misses else 1.0,
         "stall_ms_expert": stalls["expert"], "stall_ms_kv": stalls["kv"], "stall_ms_both": stalls["both"],
         "predicted_step_ms": predicted, "predicted_from": source,
+        "controller_step_ms": controller_step_ms(outcome, warm, len(timed)),
         "predicted_step_ms_measured_misses": priced,
         "predicted_decode_step_ms_measured_misses": priced_decode,
         "predicted_prefill_step_ms_measured_misses": priced_prefill,

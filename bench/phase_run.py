@@ -210,6 +210,7 @@ class StepRecord:
     link_bytes: dict[str, int]
     executors: dict[str, int] = field(default_factory=dict)  # "executor/reason" the step ran on (engine's count)
     gc_ms: float = 0.0  # the cyclic collector's pauses within this step's cycle (any thread's)
+    plan_version: int = 0  # the plan in force when the step ended (the enforcer's applied version)
 
 
 @dataclass
@@ -243,8 +244,9 @@ class _Recorder:
                 "links": {k: int(v["bytes"]) for k, v in links.items()},
                 "ran": {f"{x.value}/{r.value}": n for (x, r), n in ran.items()}}
 
-    def after_step(self, batch: Batch, step_s: float, cycle_s: float, gc_ms: float) -> None:
-        """`gc_ms`: the collector's pauses so far, read where the step's cycle ended (the pauses the cycle holds)."""
+    def after_step(self, batch: Batch, step_s: float, cycle_s: float, gc_ms: float, plan_version: int = 0) -> None:
+        """`gc_ms`: the collector's pauses so far, read where the step's cycle ended (the pauses the cycle holds);
+        `plan_version`: the plan the step ran under."""
         now, last = self._snap(), self._last
         run = batch.prefills + batch.decodes
         self.steps.append(StepRecord(
@@ -257,7 +259,7 @@ class _Recorder:
             kv_fetch={t: now["fetch"][t] - last["fetch"][t] for t in now["fetch"]},
             link_bytes={k: now["links"][k] - last["links"].get(k, 0) for k in now["links"]},
             executors={k: n - last["ran"].get(k, 0) for k, n in now["ran"].items() if n > last["ran"].get(k, 0)},
-            gc_ms=gc_ms - self._gc_ms))
+            gc_ms=gc_ms - self._gc_ms, plan_version=plan_version))
         self._last, self._gc_ms = now, gc_ms
 
 
@@ -315,10 +317,11 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                 cycle_s, clock["last"] = t - clock["last"], t
                 gc_ms = gc_watch.ms[True]  # the pauses up to here fell in this cycle (a later one's belong to the next)
                 virtual["t"] = max([virtual["t"] + sizes.virtual_step_s, *(s.arrival_s for s in batch.prefills)])
+                ran_under = enforcer.applied_version  # a plan the loop applies at this window's end is the next step's
                 loop.on_step(batch, step_s)
                 if run.on_step is not None:
                     run.on_step(batch, step_s)
-                rec.after_step(batch, step_s, cycle_s, gc_ms)
+                rec.after_step(batch, step_s, cycle_s, gc_ms, ran_under)
                 total = enforcer.footprint().total_hbm_bytes
                 seen["peak"] = max(seen["peak"], total)
                 seen["over"] += total > ctx.hbm_budget_bytes
@@ -343,6 +346,9 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                                                                                None),
                                                      "decisions": decisions,
                                                      "plans_issued": _plans_issued(history),
+                                                     "plans_applied": {p.version: p for p, a in
+                                                                       zip(loop.plans, loop.acks, strict=True)
+                                                                       if a.status is AckStatus.APPLIED},
                                                      "local_predictor": loop.adapter.predictor is not None})
     finally:
         if run is not None:  # a controller in a child process stops (on a failed run too; a second close: nothing)

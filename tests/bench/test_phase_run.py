@@ -122,6 +122,47 @@ def test_a_static_split_is_predicted_from_the_miss_curve_not_the_measured_misses
     assert pred.predicted_misses((8, 8), 4) == (0.0, 0.0)
 
 
+def test_each_step_is_predicted_at_the_split_of_the_plan_it_ran_under() -> None:
+    """A live policy's steps are priced at the split in force at each (the plan version the step ran under),
+    by the rule a static split's are; the controller's own figure is kept apart."""
+    from tierplan.bench.phase_metrics import Predictor, controller_step_ms, predict
+    from tierplan.bench.phase_run import StepRecord
+
+    h = type("H", (), {})()
+    h.spec = type("S", (), {"name": "t", "num_layers": 2, "moe_layers": (0, 1), "num_experts": 8, "top_k": 2})()
+    h.stride_bytes, h.kv_block_bytes, h.block_tokens, h.link_bytes_per_s = 4096, 1024, 16, 1e9
+    h.dev = type("D", (), {"torch_device": "cpu"})()
+    h.router = type("R", (), {"ids_host": np.random.default_rng(0).integers(0, 8, (512, 2, 2))})()
+    pred = Predictor.for_model(h)
+
+    def plan(slots: int) -> object:
+        return type("P", (), {"expert_bytes_per_layer": (slots * 4096, slots * 4096)})()
+
+    def step(version: int) -> StepRecord:
+        return StepRecord(step_s=0.01, cycle_s=0.01, num_prefills=0, num_decodes=4, tokens_out=4, batch_tokens=4,
+                          context_tokens=64, expert_hits=0, expert_misses=0, expert_stall_ms=0.0,
+                          kv_stall_ms=0.0, kv_gpu_hits=0, kv_fetch={}, link_bytes={}, plan_version=version)
+
+    def outcome(versions: list[int], decisions: list[tuple[int, float]]) -> object:
+        o = type("O", (), {})()
+        o.initial_plan, o.window_steps = plan(2), 4
+        o.extra = {"plans_applied": {1: plan(2), 2: plan(8)}, "decisions": decisions}
+        return o, [step(v) for v in versions]
+
+    low, high = pred.split_step_ms([step(1)], (2, 2)), pred.split_step_ms([step(1)], (8, 8))
+    assert low > high
+    o, steps = outcome([1, 1, 2, 2], [(1, 99.0)])
+    ms, source = predict(pred, o, steps)
+    assert ms == pytest.approx((2 * low + 2 * high) / 4) and "2 plans" in source
+    o, steps = outcome([1, 1, 1, 1], [])  # a static split: one plan throughout
+    assert predict(pred, o, steps)[0] == pytest.approx(low)
+    o, steps = outcome([0, 0], [])  # a version the run never applied: the initial plan's split
+    assert predict(pred, o, steps)[0] == pytest.approx(low)
+    # The controller's figure: its decision's step_ms from the step the decision took effect (window 1 x 4).
+    assert controller_step_ms(*outcome([1] * 8, [(1, 99.0)])[:1], warm=2, num_timed=6) == 99.0
+    assert controller_step_ms(*outcome([1] * 8, [])[:1], warm=2, num_timed=6) is None
+
+
 def test_h200_sizes_measure_at_least_100_steps_at_every_point() -> None:
     # Whatever the concurrency, a run takes at least as many steps as its longest request has output tokens,
     # and at least its output tokens over the batch (one token per running sequence a step).
@@ -215,6 +256,50 @@ def test_each_step_carries_the_collector_pauses_of_its_cycle(tmp_path: Path) -> 
     assert sum(s.gc_ms for s in out.steps[2::2]) > 3 * sum(s.gc_ms for s in out.steps[1::2])
     assert timing(out.steps)["gc_ms"] == pytest.approx(sum(s.gc_ms for s in out.steps))
     assert not [c for c in gc.callbacks if "GcWatch" in repr(c)]  # the watch let go of the collector
+
+
+def test_each_step_records_the_plan_it_ran_under(tmp_path: Path) -> None:
+    """The runner tags each step with the plan version in force when it ran (a plan applied at a window's end
+    is the next step's), and keeps every applied plan by version: what the prediction prices a step at."""
+    from tierplan.bench.baselines import make
+    from tierplan.bench.phase_run import measure, open_model, point_context
+    from tierplan.runtime.device import Device
+
+    class Again:  # a plan source that re-issues the starting split once, as version 2
+        def __init__(self, plan: Any) -> None:
+            self.plan, self.sent = plan, False
+
+        def sync_from(self, telemetry: Any) -> None:
+            return None
+
+        def step_next(self) -> Any:
+            if self.sent:
+                return None
+            self.sent = True
+            return self.plan.model_copy(update={"version": 2, "base_version": 1, "plan_id": "again-2"})
+
+        def record_ack(self, ack: Any) -> None:
+            return None
+
+    h = open_model("tiny", 2, 2, Device("cpu"), lambda *_: None)
+    try:
+        ctx, prefix = point_context(h, Point("tiny", 2, 2, 4, 32, 0.0, 1.0), QUICK)
+        policy = make("resident")
+        start = policy.start
+
+        def start_with_source(eng: Any, c: Any) -> Any:
+            run = start(eng, c)
+            return dataclasses.replace(run, source=Again(run.initial_plan), window_steps=2)
+
+        policy.start = start_with_source  # type: ignore[method-assign]
+        out = measure(h, ctx, policy, QUICK, tmp_path, prefix)
+    finally:
+        h.close()
+    versions = [s.plan_version for s in out.steps]
+    assert versions[:2] == [1, 1] and versions[-1] == 2 and versions == sorted(versions), versions
+    first = versions.index(2)
+    assert first % 2 == 0  # from a window's first step
+    assert sorted(out.extra["plans_applied"]) == [1, 2]
 
 
 def test_timing_reports_the_median_and_slowest_decode_cycle() -> None:

@@ -11,6 +11,7 @@ import pytest
 from tierplan.bench.phase import sweep_grid, write_reports
 from tierplan.bench.phase_grid import FULL, QUICK, points, select_points
 from tierplan.bench.phase_shards import point_spec, run_workers, shares, visible_devices
+from tierplan.bench.phase_steps import load_steps
 from tierplan.bench.phase_store import load_rows
 
 
@@ -45,7 +46,7 @@ def test_two_cpu_workers_write_one_json_and_one_report(tmp_path: Path) -> None:
 
     console = Console(record=True, width=250)
     failed = sharded(console, tmp_path, 2, "cpu", True, "b1c32f0.4,b4c32f0.4", "resident,static_lru", "", False,
-                     None, "dry", True)
+                     None, "dry", True, save_steps=True)
     text = console.export_text()
     assert not failed, text + "".join(p.read_text()[-2000:] for p in tmp_path.glob("phase_worker*.log"))
     assert text.count(" done: ") == 2 and "tiny: report from" in text
@@ -54,6 +55,11 @@ def test_two_cpu_workers_write_one_json_and_one_report(tmp_path: Path) -> None:
     assert sorted((r["batch"], r["policy"]) for r in rows) == [(1, "resident"), (1, "static_lru"),
                                                                (4, "resident"), (4, "static_lru")]
     assert json_path.with_suffix(".md").exists() and len(list(tmp_path.glob("phase_worker*.log"))) == 2
+    # --save-steps reaches the workers: each kept its own runs' steps, one line per run.
+    files = sorted(tmp_path.glob("phase_tiny_*_steps_*.jsonl.gz"))
+    lines = [line for f in files for line in load_steps(f)]
+    assert len(files) == 2 and sorted((x["point"], x["policy"], x["run_id"]) for x in lines) == sorted(
+        (r["point"], r["policy"], r["run_id"]) for r in rows)
 
 
 def test_workers_write_rows_only_and_the_report_reads_their_days_json(tmp_path: Path) -> None:
