@@ -41,7 +41,15 @@ from tierplan.bench.baselines.dry_record import difference, dry_record
 from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, Sizes, points, select_points
 from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
 from tierplan.bench.phase_report import write_report
-from tierplan.bench.phase_run import ModelHandle, RunRefused, engine_config, measure, open_model, point_context
+from tierplan.bench.phase_run import (
+    ModelHandle,
+    RunRefused,
+    engine_config,
+    max_run_steps,
+    measure,
+    open_model,
+    point_context,
+)
 from tierplan.bench.phase_steps import append_steps, steps_line, steps_path
 from tierplan.bench.phase_store import CANDIDATE, append_row, code_id, done_keys, latest, load_rows, merge_file
 from tierplan.runtime.errors import ConfigError
@@ -76,7 +84,8 @@ def _future(h: ModelHandle, ctx: PointContext, split: Split, sizes: Sizes, workd
     RunRefused where the run could not take place under the split (the runner's ConfigError)."""
     try:
         dry = dry_record(ctx, split, h.router, virtual_step_s=sizes.virtual_step_s,
-                         engine_gpu_blocks=engine_config(h, ctx, {}, workdir).kv_gpu_blocks)
+                         engine_gpu_blocks=engine_config(h, ctx, {}, workdir).kv_gpu_blocks,
+                         max_steps=max_run_steps(sizes))
     except ConfigError as exc:
         raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
     if how is OracleRecording.DRY:

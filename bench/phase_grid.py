@@ -44,6 +44,7 @@ class Sizes:
     max_output_tokens: int
     requests_per_batch: float  # requests of a point = ceil(batch * this): the batch fills, then drains
     warm_steps: int  # steps not measured (the first prefills, the caches filling)
+    max_measured_steps: int | None  # a run stops after warm_steps + this many (None: every request finishes)
     virtual_step_s: float
     kv_cpu_gib: float  # CPU / NVMe KV tier capacity cap (full depth; the point's need is used when smaller)
     kv_nvme_gib: float
@@ -56,19 +57,24 @@ class Sizes:
 # in 32 (~84 GiB); both cut to 8 layers so each point's engine builds in seconds and fits beside the store.
 # Outputs of 64 tokens on average (at most 128) and 1.25 requests per batch slot: a run at full concurrency is
 # 121-150 steps (>= 100 measured after the 16 warm-up ones); a policy that runs fewer sequences at once takes
-# more. Three oracle candidates: each costs a recording pass and a run.
+# more. Three oracle candidates: each costs a recording pass and a run. A run stops after 256 measured steps: the
+# full runs of the lighter points are shorter, while a point whose KV share holds a few of its sequences at once
+# would otherwise take thousands (the scheduler's replay: mixtral b256 16K at 32 GiB 5,285 steps of 3.8
+# sequences; b128 4K 661), each a link-bound step of a quarter second on the H200, for the batch it already ran
+# in its first 256 (the replay's mean batch over them is at most 10 % below the whole run's at every point, and
+# up to 25 % above it where the stop leaves the drain out).
 FULL = Sizes(
     models=(ModelSweep("qwen3-30b-a3b", 8, 48, budgets_gib=(24.0, 40.0, 56.0)),
             ModelSweep("mixtral-8x7b", 8, 32, budgets_gib=(32.0, 56.0, 80.0))),
     batches=(1, 8, 32, 128, 256), contexts=(1024, 4096, 16384), mean_output_tokens=64, max_output_tokens=128,
     requests_per_batch=1.25,
-    warm_steps=16, virtual_step_s=0.02, kv_cpu_gib=24.0, kv_nvme_gib=48.0, oracle_max_splits=3,
+    warm_steps=16, max_measured_steps=256, virtual_step_s=0.02, kv_cpu_gib=24.0, kv_nvme_gib=48.0, oracle_max_splits=3,
     activation_bytes_per_token=64 << 10, quick=False)
 # CPU smoke sizes: the tiny preset (2 layers, 8 experts, top-2); few steps, so its figures are no result.
 QUICK = Sizes(
     models=(ModelSweep("tiny", 2, 2, budget_fracs=(0.4, 0.7, 1.0)),),
     batches=(1, 4, 12), contexts=(32, 128), mean_output_tokens=16, max_output_tokens=32, requests_per_batch=1.5,
-    warm_steps=8,
+    warm_steps=8, max_measured_steps=64,  # the stop is exercised: the longest smoke runs take ~130 steps
     virtual_step_s=0.005, kv_cpu_gib=1.0, kv_nvme_gib=1.0, oracle_max_splits=3, activation_bytes_per_token=0,
     quick=True)
 

@@ -11,9 +11,10 @@ measured steps (those after warm-up):
   alone; `mean_running_batch`: sequences per measured step. `decode_step_ms_p50` / `_max`: the median and the
   slowest of those decode cycles, and `gc_ms` the collector's pauses in the measured steps: whether a gap
   between two runs that did the same work (phase_spread.py) is a few slow steps or every step a little slower.
-- TPOT p50/p99 and TTFT p50 over the run's requests (wall time, from the `Runner`), expert hit rate, stall ms
-  per measured step by cause (a step that waited on both expert loads and KV fetches counts all of its stall
-  as "both", as the agent's telemetry does), KV hits per tier, bytes per link, plan changes.
+- TPOT p50/p99 and TTFT p50 over the run's finished requests (wall time, from the `Runner`; `requests` counts
+  them and `requests_unfinished`, those the run's step cap stopped: `Sizes.max_measured_steps`), expert hit
+  rate, stall ms per measured step by cause (a step that waited on both expert loads and KV fetches counts all
+  of its stall as "both", as the agent's telemetry does), KV hits per tier, bytes per link, plan changes.
 - `predicted_step_ms`: the cost model's step time for what the policy planned, never for what it measured:
   the cost model (`tierplan.controller.costmodel`, calibrated on earlier runs of the model in this process and
   this run's warm-up windows) over each measured step's tokens, context and KV fetches with the expert misses
@@ -258,7 +259,8 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "predicted_decode_step_ms_measured_misses": priced_decode,
         "predicted_prefill_step_ms_measured_misses": priced_prefill,
         "predicted_over_measured": predicted / measured if measured else None,
-        "status": status, "measured_steps": len(timed), "warm_steps": warm, "requests": len(rep.requests),
+        "status": status, "measured_steps": len(timed), "warm_steps": warm,
+        "requests": len(rep.requests) + rep.unfinished, "requests_unfinished": rep.unfinished,
         "output_tokens": sum(s.tokens_out for s in timed),
         "kv_hits": {"gpu": sum(s.kv_gpu_hits for s in timed), **fetch},
         "link_bytes": _sum(timed, "link_bytes"),

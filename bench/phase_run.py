@@ -107,6 +107,11 @@ def open_model(name: str, layers: int, full_layers: int, dev: Device, say: Any) 
                        _dense_bytes(name, layers / full_layers), dense, mem)
 
 
+def max_run_steps(sizes: Sizes) -> int | None:
+    """Where a run stops: after the warm-up and `max_measured_steps` (None: when every request has finished)."""
+    return None if sizes.max_measured_steps is None else sizes.warm_steps + sizes.max_measured_steps
+
+
 def _blocks(tokens: int, bt: int) -> int:
     return -(-tokens // bt)
 
@@ -329,7 +334,8 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
             hooks.append(hook)
             try:
                 clock["last"] = time.perf_counter()
-                report = runner.run(list(ctx.requests), block_tokens_for_prefixes=prefix_tokens)
+                report = runner.run(list(ctx.requests), block_tokens_for_prefixes=prefix_tokens,
+                                    max_steps=max_run_steps(sizes))
             except ConfigError as exc:  # e.g. a request longer than the GPU KV share the plan left
                 raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
         finally:

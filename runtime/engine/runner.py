@@ -69,6 +69,7 @@ class RunReport:
     expert_hits: int
     expert_misses: int
     kv_peak_blocks: dict[str, int] = field(default_factory=dict)
+    unfinished: int = 0  # requests a `max_steps` stop left unfinished (not in `requests` nor `tokens_out`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -120,7 +121,12 @@ class Runner:
         if router is not None:
             engine.set_hooks(forced_routes=router)
 
-    def run(self, requests: list[Request], block_tokens_for_prefixes: int = 16) -> RunReport:
+    def run(self, requests: list[Request], block_tokens_for_prefixes: int = 16,
+            max_steps: int | None = None) -> RunReport:
+        """Every request to completion, or the first `max_steps` steps (the rest left unfinished and counted:
+        `RunReport.unfinished`). ConfigError for `max_steps` < 1."""
+        if max_steps is not None and max_steps < 1:
+            raise ConfigError(f"Runner.run: max_steps must be >= 1 or None, got {max_steps}")
         spec, cache = self.engine.spec, self.engine.cache
         # The GPU tier's limit (an applied plan's KV blocks) bounds what the batch may hold there, and refuses
         # a request that could never fit under it (Scheduler.add says so).
@@ -142,7 +148,7 @@ class Runner:
         def now() -> float:  # the scheduling clock
             return (steps * self.virtual_step_s if self.virtual_step_s else wall()) + offset
 
-        while not self.sched.idle:
+        while not self.sched.idle and (max_steps is None or steps < max_steps):
             self.sched.gpu_blocks = min(sched_blocks, cache.manager.limit(Tier.GPU))
             t_sched = now()
             for s in self.sched.waiting:
@@ -185,4 +191,5 @@ class Runner:
             metrics.append(RequestMetrics(i, len(s.prompt), n, admitted[i] - arrived[i], first[i] - arrived[i], tpot,
                                           finished[i] - arrived[i], s.num_preemptions))
         return RunReport(metrics, wall(), steps, sum(m.output_len for m in metrics),
-                         self.engine.experts.hits - hits0, self.engine.experts.misses - misses0, peak)
+                         self.engine.experts.hits - hits0, self.engine.experts.misses - misses0, peak,
+                         unfinished=sum(r.request_id not in finished for r in requests))

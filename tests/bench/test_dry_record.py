@@ -18,7 +18,7 @@ from tierplan.bench.baselines.base import ExpertFuture, Split
 from tierplan.bench.baselines.dry_record import difference, dry_record
 from tierplan.bench.baselines.oracle import RecordingPass
 from tierplan.bench.phase_grid import QUICK, points, select_points
-from tierplan.bench.phase_run import ModelHandle, engine_config, measure, open_model, point_context
+from tierplan.bench.phase_run import ModelHandle, engine_config, max_run_steps, measure, open_model, point_context
 from tierplan.runtime.device import Device
 from tierplan.runtime.errors import ConfigError
 
@@ -62,9 +62,11 @@ def model() -> Iterator[ModelHandle]:
         torch.set_num_threads(threads)
 
 
-def _dry(h: ModelHandle, ctx: Any, split: Split, workdir: Path) -> ExpertFuture:
+def _dry(h: ModelHandle, ctx: Any, split: Split, workdir: Path, max_steps: int | None = -1) -> ExpertFuture:
+    """The dry record where the runner stops (`max_steps` -1: the QUICK sizes' stop, as the phase runner's)."""
     return dry_record(ctx, split, h.router, virtual_step_s=QUICK.virtual_step_s,
-                      engine_gpu_blocks=engine_config(h, ctx, {}, workdir).kv_gpu_blocks)
+                      engine_gpu_blocks=engine_config(h, ctx, {}, workdir).kv_gpu_blocks,
+                      max_steps=max_run_steps(QUICK) if max_steps == -1 else max_steps)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +122,18 @@ def test_the_kv_split_changes_the_stream_so_the_equality_has_teeth(model: ModelH
         wide = Split(c.split.expert_slots_per_layer, engine_config(model, c.ctx, {}, tmp_path).kv_gpu_blocks)
         changed += _dry(model, c.ctx, wide, tmp_path).steps != c.engine.steps
     assert changed >= 3
+
+
+def test_a_step_cap_cuts_the_record_where_the_runner_stops(model: ModelHandle, cases: list[Case],
+                                                          tmp_path: Path) -> None:
+    """Some cases ran into the QUICK sizes' stop; their dry record (equal to the engine's, above) is the
+    uncapped one's first steps."""
+    stop = max_run_steps(QUICK)
+    capped = [c for c in cases if c.dry.num_steps == stop]
+    assert capped, sorted({c.dry.num_steps for c in cases})
+    for c in capped:
+        whole = _dry(model, c.ctx, c.split, tmp_path, max_steps=None)
+        assert whole.num_steps > stop and whole.steps[:stop] == c.dry.steps, c.point
 
 
 def test_a_run_the_runner_would_refuse_is_refused_by_name(model: ModelHandle, tmp_path: Path) -> None:

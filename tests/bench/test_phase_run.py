@@ -170,6 +170,7 @@ def test_h200_sizes_measure_at_least_100_steps_at_every_point() -> None:
         reqs, _ = point_requests(p, FULL)
         least = max(max(r.output_len for r in reqs), sum(r.output_len for r in reqs) / p.batch)
         assert least >= FULL.warm_steps + 100, p.key
+    assert FULL.max_measured_steps is None or FULL.max_measured_steps >= 100  # the stop leaves 100 at least
 
 
 def test_the_dense_weights_are_drawn_once_per_model_and_lent_to_every_run(tmp_path: Path,

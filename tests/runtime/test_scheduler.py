@@ -94,6 +94,34 @@ def test_replay_of_a_real_trace_finishes_every_request(mode: PreemptMode, tmp_pa
     assert 0.0 <= rep.expert_hit_rate <= 1.0 and rep.tokens_per_s > 0
 
 
+def test_a_step_cap_stops_the_run_and_counts_what_it_left(tmp_path: Path) -> None:
+    """`max_steps`: the run takes exactly that many steps; the requests that finished are reported as in a full
+    run, the others counted as unfinished (their tokens in no request's metrics); a cap of 0 is refused."""
+    spec = preset("tiny")
+    bt = auto_block_tokens(spec)
+    reqs = scale_requests(load_mooncake(DATA / "requests/mooncake_conversation_sample.jsonl", limit=12,
+                                        time_scale=0.01), 48, 16, 24, block_tokens=16)
+    trace = RoutingTrace.load(DATA / "routing/flame_moe_290m_sample.npz")
+    reports = []
+    for cap in (None, 20):
+        eng = ReferenceEngine(spec, Device("cpu"), EngineConfig(block_tokens=bt, kv_gpu_blocks=64, kv_cpu_blocks=64,
+                                                                workdir=tmp_path))
+        try:
+            runner = Runner(eng, Scheduler(64, bt, max_batch=4), ForcedRouter(trace, eng), virtual_step_s=0.01)
+            if cap is not None:
+                with pytest.raises(ConfigError, match="max_steps"):
+                    runner.run(reqs, max_steps=0)
+            reports.append(runner.run(reqs, max_steps=cap))
+        finally:
+            eng.close()
+    full, capped = reports
+    assert full.unfinished == 0 and full.steps > 20 and len(full.requests) == len(reqs)
+    assert capped.steps == 20 and capped.unfinished > 0
+    assert len(capped.requests) + capped.unfinished == len(reqs)
+    early = {m.request_id: m.output_len for m in full.requests}
+    assert all(early[m.request_id] == m.output_len for m in capped.requests)  # finished ones whole
+
+
 def test_preemption_does_not_change_the_tokens(tmp_path: Path) -> None:
     """Swap and recompute are placement decisions: the generated tokens must equal an unconstrained run."""
     spec = preset("tiny")
