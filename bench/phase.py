@@ -38,14 +38,13 @@ from tierplan.bench.baselines.base import (
     make_plan,
 )
 from tierplan.bench.baselines.dry_record import difference, dry_record
-from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, Sizes, points, select_points
+from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, RunStop, Sizes, points, select_points
 from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
 from tierplan.bench.phase_report import write_report
 from tierplan.bench.phase_run import (
     ModelHandle,
     RunRefused,
     engine_config,
-    max_run_steps,
     measure,
     open_model,
     point_context,
@@ -85,7 +84,7 @@ def _future(h: ModelHandle, ctx: PointContext, split: Split, sizes: Sizes, workd
     try:
         dry = dry_record(ctx, split, h.router, virtual_step_s=sizes.virtual_step_s,
                          engine_gpu_blocks=engine_config(h, ctx, {}, workdir).kv_gpu_blocks,
-                         max_steps=max_run_steps(sizes))
+                         stop=RunStop.of(sizes))
     except ConfigError as exc:
         raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
     if how is OracleRecording.DRY:

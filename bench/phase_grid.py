@@ -44,7 +44,7 @@ class Sizes:
     max_output_tokens: int
     requests_per_batch: float  # requests of a point = ceil(batch * this): the batch fills, then drains
     warm_steps: int  # steps not measured (the first prefills, the caches filling)
-    max_measured_steps: int | None  # a run stops after warm_steps + this many (None: every request finishes)
+    stop_decode_steps: int | None  # a run stops once this many measured steps had no prefill (`RunStop`)
     virtual_step_s: float
     kv_cpu_gib: float  # CPU / NVMe KV tier capacity cap (full depth; the point's need is used when smaller)
     kv_nvme_gib: float
@@ -57,26 +57,51 @@ class Sizes:
 # in 32 (~84 GiB); both cut to 8 layers so each point's engine builds in seconds and fits beside the store.
 # Outputs of 64 tokens on average (at most 128) and 1.25 requests per batch slot: a run at full concurrency is
 # 121-150 steps (>= 100 measured after the 16 warm-up ones); a policy that runs fewer sequences at once takes
-# more. Three oracle candidates: each costs a recording pass and a run. A run stops after 256 measured steps: the
-# full runs of the lighter points are shorter, while a point whose KV share holds a few of its sequences at once
-# would otherwise take thousands (the scheduler's replay: mixtral b256 16K at 32 GiB 5,285 steps of 3.8
-# sequences; b128 4K 661), each a link-bound step of a quarter second on the H200, for the batch it already ran
-# in its first 256 (the replay's mean batch over them is at most 10 % below the whole run's at every point, and
-# up to 25 % above it where the stop leaves the drain out).
+# more. Three oracle candidates: each costs a recording pass and a run. A run stops once 128 measured steps had
+# no prefill (>= 100 decode steps at every point): the lighter points finish first, while a point whose KV share
+# holds a few of its sequences at once would otherwise take thousands of steps (the scheduler's replay: mixtral
+# b256 16K at 32 GiB 5,285 steps of 3.8 sequences; b128 4K 661), each a link-bound quarter second on the H200,
+# for the batch its first ~150 ran already (the replay stops every point at 146-367 steps, its mean batch over
+# them at most 10 % below the whole run's, above it where the stop leaves the drain out).
 FULL = Sizes(
     models=(ModelSweep("qwen3-30b-a3b", 8, 48, budgets_gib=(24.0, 40.0, 56.0)),
             ModelSweep("mixtral-8x7b", 8, 32, budgets_gib=(32.0, 56.0, 80.0))),
     batches=(1, 8, 32, 128, 256), contexts=(1024, 4096, 16384), mean_output_tokens=64, max_output_tokens=128,
     requests_per_batch=1.25,
-    warm_steps=16, max_measured_steps=256, virtual_step_s=0.02, kv_cpu_gib=24.0, kv_nvme_gib=48.0, oracle_max_splits=3,
+    warm_steps=16, stop_decode_steps=128, virtual_step_s=0.02, kv_cpu_gib=24.0, kv_nvme_gib=48.0, oracle_max_splits=3,
     activation_bytes_per_token=64 << 10, quick=False)
 # CPU smoke sizes: the tiny preset (2 layers, 8 experts, top-2); few steps, so its figures are no result.
 QUICK = Sizes(
     models=(ModelSweep("tiny", 2, 2, budget_fracs=(0.4, 0.7, 1.0)),),
     batches=(1, 4, 12), contexts=(32, 128), mean_output_tokens=16, max_output_tokens=32, requests_per_batch=1.5,
-    warm_steps=8, max_measured_steps=64,  # the stop is exercised: the longest smoke runs take ~130 steps
+    warm_steps=8, stop_decode_steps=32,  # the stop is exercised: the longest smoke runs take ~130 steps
     virtual_step_s=0.005, kv_cpu_gib=1.0, kv_nvme_gib=1.0, oracle_max_splits=3, activation_bytes_per_token=0,
     quick=True)
+
+
+@dataclass
+class RunStop:
+    """Where a phase run stops (the runner asks `reached` before each step; the oracle's replay of the run,
+    bench/baselines/dry_record.py, asks the same): once `decode_steps` steps after the `warm_steps` carried no
+    prefill. None: never (the run ends when its last request finishes)."""
+
+    warm_steps: int
+    decode_steps: int | None
+    steps: int = 0
+    measured_decodes: int = 0
+
+    @classmethod
+    def of(cls, sizes: Sizes) -> RunStop:
+        return cls(sizes.warm_steps, sizes.stop_decode_steps)
+
+    def after_step(self, num_prefills: int) -> None:
+        self.steps += 1
+        if self.steps > self.warm_steps and num_prefills == 0:
+            self.measured_decodes += 1
+
+    @property
+    def reached(self) -> bool:
+        return self.decode_steps is not None and self.measured_decodes >= self.decode_steps
 
 
 @dataclass(frozen=True)

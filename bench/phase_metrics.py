@@ -7,12 +7,12 @@ measured steps (those after warm-up):
   preemption spills, the planner's solve, prefetch issue, the agent's hooks). `measured_step_ms` is that wall
   time over the measured steps; `ms_per_token` its inverse per output token: the figure to compare policies
   by (runs of one point differ in how many sequences share a step). `decode_step_ms`: the mean cycle of the
-  measured steps with no prefill (`prefill_step_ms`: of those with one); `engine_step_ms`: the forward
+  `decode_steps` measured steps with no prefill (`prefill_step_ms`: of those with one); `engine_step_ms`: the forward
   alone; `mean_running_batch`: sequences per measured step. `decode_step_ms_p50` / `_max`: the median and the
   slowest of those decode cycles, and `gc_ms` the collector's pauses in the measured steps: whether a gap
   between two runs that did the same work (phase_spread.py) is a few slow steps or every step a little slower.
 - TPOT p50/p99 and TTFT p50 over the run's finished requests (wall time, from the `Runner`; `requests` counts
-  them and `requests_unfinished`, those the run's step cap stopped: `Sizes.max_measured_steps`), expert hit
+  them and `requests_unfinished`, those left when the run stopped: `Sizes.stop_decode_steps`), expert hit
   rate, stall ms per measured step by cause (a step that waited on both expert loads and KV fetches counts all
   of its stall as "both", as the agent's telemetry does), KV hits per tier, bytes per link, plan changes.
 - `predicted_step_ms`: the cost model's step time for what the policy planned, never for what it measured:
@@ -74,6 +74,7 @@ def timing(steps: list[Any]) -> dict[str, float | None]:
             "engine_step_ms": sum(s.step_s for s in steps) / n * 1e3 if n else None,
             "mean_running_batch": sum(s.num_prefills + s.num_decodes for s in steps) / n if n else None,
             "measured_wall_s": wall_s,
+            "decode_steps": len(decode),
             "decode_step_ms_p50": float(np.median(decode)) * 1e3 if decode else None,
             "decode_step_ms_max": max(decode) * 1e3 if decode else None,
             "gc_ms": sum(s.gc_ms for s in steps)}

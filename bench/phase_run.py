@@ -28,7 +28,7 @@ from tierplan.agent.closed_loop import InProcessLoop
 from tierplan.bench.baselines.base import PointContext, PolicyRun, request_kv_blocks
 from tierplan.bench.baselines.dry_record import point_scheduler
 from tierplan.bench.engine_steps import GcWatch
-from tierplan.bench.phase_grid import GIB, ROUTING, Point, Sizes, point_requests
+from tierplan.bench.phase_grid import GIB, ROUTING, Point, RunStop, Sizes, point_requests
 from tierplan.controller.loop import Outcome as DecisionOutcome
 from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
 from tierplan.runtime.device import Device
@@ -105,11 +105,6 @@ def open_model(name: str, layers: int, full_layers: int, dev: Device, say: Any) 
         f"{mem / 1e9:.0f} GB/s")
     return ModelHandle(name, spec, dev, store, router, bt, stride, kv_block, bw,
                        _dense_bytes(name, layers / full_layers), dense, mem)
-
-
-def max_run_steps(sizes: Sizes) -> int | None:
-    """Where a run stops: after the warm-up and `max_measured_steps` (None: when every request has finished)."""
-    return None if sizes.max_measured_steps is None else sizes.warm_steps + sizes.max_measured_steps
 
 
 def _blocks(tokens: int, bt: int) -> int:
@@ -316,9 +311,12 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
             enforcer, seen = loop.adapter.enforcer, {"peak": 0, "over": 0}
             clock = {"last": 0.0}
 
+            stop = RunStop.of(sizes)
+
             def hook(batch: Batch, step_s: float) -> None:
                 # The step's cycle ends here, before this step's own hooks (they belong to the next cycle).
                 t = time.perf_counter()
+                stop.after_step(len(batch.prefills))
                 cycle_s, clock["last"] = t - clock["last"], t
                 gc_ms = gc_watch.ms[True]  # the pauses up to here fell in this cycle (a later one's belong to the next)
                 virtual["t"] = max([virtual["t"] + sizes.virtual_step_s, *(s.arrival_s for s in batch.prefills)])
@@ -335,7 +333,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
             try:
                 clock["last"] = time.perf_counter()
                 report = runner.run(list(ctx.requests), block_tokens_for_prefixes=prefix_tokens,
-                                    max_steps=max_run_steps(sizes))
+                                    stop=lambda: stop.reached)
             except ConfigError as exc:  # e.g. a request longer than the GPU KV share the plan left
                 raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
         finally:

@@ -23,6 +23,7 @@ from tierplan.runtime.engine.scheduler import PreemptMode, Scheduler, Sequence
 from tierplan.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
+    from tierplan.bench.phase_grid import RunStop
     from tierplan.runtime.engine.hooks import ForcedRoutes
 
 
@@ -35,10 +36,10 @@ def point_scheduler(ctx: PointContext, gpu_blocks: int) -> Scheduler:
 
 
 def dry_record(ctx: PointContext, split: Split, router: ForcedRoutes, *, engine_gpu_blocks: int,
-               virtual_step_s: float, max_steps: int | None = None) -> ExpertFuture:
+               virtual_step_s: float, stop: RunStop | None = None) -> ExpertFuture:
     """The access stream a run of `ctx.requests` at `split` takes (module docstring), recorded under
     `split.kv_gpu_blocks`. `engine_gpu_blocks`: the run's engine GPU KV tier (EngineConfig.kv_gpu_blocks, the
-    scheduler's own budget: `point_scheduler`); `max_steps`: where the run stops (`Runner.run`'s).
+    scheduler's own budget: `point_scheduler`); `stop`: where the run stops (a fresh `RunStop`, the runner's).
     ConfigError where the runner would refuse the run (a request that can never fit the GPU KV share, no CPU
     tier to swap to, a bad size); RuntimeError where its scheduler would make no progress."""
     if engine_gpu_blocks < 1:
@@ -57,7 +58,7 @@ def dry_record(ctx: PointContext, split: Split, router: ForcedRoutes, *, engine_
         sched.add(Sequence(r.request_id, r.arrival_s, [0] * r.prompt_len, r.output_len))
     rec = FutureRecorder(router)
     steps, offset = 0, 0.0
-    while not sched.idle and (max_steps is None or steps < max_steps):
+    while not sched.idle and not (stop is not None and stop.reached):
         sched.gpu_blocks = min(sched_blocks, limit)
         t_sched = steps * virtual_step_s + offset
         batch = sched.schedule(t_sched)  # SWAP: the preempted park their blocks, nothing the stream sees
@@ -70,6 +71,8 @@ def dry_record(ctx: PointContext, split: Split, router: ForcedRoutes, *, engine_
         for s in run:
             sched.complete(s, 0, t_sched)
         steps += 1
+        if stop is not None:
+            stop.after_step(len(batch.prefills))
     return rec.future(split.kv_gpu_blocks)
 
 

@@ -69,7 +69,7 @@ class RunReport:
     expert_hits: int
     expert_misses: int
     kv_peak_blocks: dict[str, int] = field(default_factory=dict)
-    unfinished: int = 0  # requests a `max_steps` stop left unfinished (not in `requests` nor `tokens_out`)
+    unfinished: int = 0  # requests a `stop` left unfinished (not in `requests` nor `tokens_out`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -122,11 +122,9 @@ class Runner:
             engine.set_hooks(forced_routes=router)
 
     def run(self, requests: list[Request], block_tokens_for_prefixes: int = 16,
-            max_steps: int | None = None) -> RunReport:
-        """Every request to completion, or the first `max_steps` steps (the rest left unfinished and counted:
-        `RunReport.unfinished`). ConfigError for `max_steps` < 1."""
-        if max_steps is not None and max_steps < 1:
-            raise ConfigError(f"Runner.run: max_steps must be >= 1 or None, got {max_steps}")
+            stop: Callable[[], bool] | None = None) -> RunReport:
+        """Every request to completion, or until `stop()` (asked before each step) says True: what is left is
+        counted (`RunReport.unfinished`)."""
         spec, cache = self.engine.spec, self.engine.cache
         # The GPU tier's limit (an applied plan's KV blocks) bounds what the batch may hold there, and refuses
         # a request that could never fit under it (Scheduler.add says so).
@@ -148,7 +146,7 @@ class Runner:
         def now() -> float:  # the scheduling clock
             return (steps * self.virtual_step_s if self.virtual_step_s else wall()) + offset
 
-        while not self.sched.idle and (max_steps is None or steps < max_steps):
+        while not self.sched.idle and not (stop is not None and stop()):
             self.sched.gpu_blocks = min(sched_blocks, cache.manager.limit(Tier.GPU))
             t_sched = now()
             for s in self.sched.waiting:

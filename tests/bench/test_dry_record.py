@@ -17,8 +17,8 @@ from tierplan.bench.baselines import make, oracle_splits
 from tierplan.bench.baselines.base import ExpertFuture, Split
 from tierplan.bench.baselines.dry_record import difference, dry_record
 from tierplan.bench.baselines.oracle import RecordingPass
-from tierplan.bench.phase_grid import QUICK, points, select_points
-from tierplan.bench.phase_run import ModelHandle, engine_config, max_run_steps, measure, open_model, point_context
+from tierplan.bench.phase_grid import QUICK, RunStop, points, select_points
+from tierplan.bench.phase_run import ModelHandle, engine_config, measure, open_model, point_context
 from tierplan.runtime.device import Device
 from tierplan.runtime.errors import ConfigError
 
@@ -46,6 +46,8 @@ class Case:
     preemptions: int
     oracle_steps: int
     diverged_steps: int | None
+    prefills: tuple[int, ...]  # prefills in each step of the engine's recording run
+    prefix_tokens: int
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +64,15 @@ def model() -> Iterator[ModelHandle]:
         torch.set_num_threads(threads)
 
 
-def _dry(h: ModelHandle, ctx: Any, split: Split, workdir: Path, max_steps: int | None = -1) -> ExpertFuture:
-    """The dry record where the runner stops (`max_steps` -1: the QUICK sizes' stop, as the phase runner's)."""
+# The cases run to the end (the later waves, the preemptions); the stop has a test of its own.
+WHOLE = dataclasses.replace(QUICK, stop_decode_steps=None)
+
+
+def _dry(h: ModelHandle, ctx: Any, split: Split, workdir: Path, stop: bool = False) -> ExpertFuture:
+    """The dry record, stopped where the phase runner stops a run at the QUICK sizes (`stop`) or run out."""
     return dry_record(ctx, split, h.router, virtual_step_s=QUICK.virtual_step_s,
                       engine_gpu_blocks=engine_config(h, ctx, {}, workdir).kv_gpu_blocks,
-                      max_steps=max_run_steps(QUICK) if max_steps == -1 else max_steps)
+                      stop=RunStop.of(QUICK) if stop else None)
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +87,12 @@ def cases(model: ModelHandle, tmp_path_factory: pytest.TempPathFactory) -> list[
         for split in oracle_splits(ctx, QUICK.oracle_max_splits):
             wd = tmp_path_factory.mktemp("dry")
             rec = RecordingPass(split)
-            recorded = measure(model, ctx, rec, QUICK, wd, prefix)
+            recorded = measure(model, ctx, rec, WHOLE, wd, prefix)
             dry = _dry(model, ctx, split, wd)
-            ran = measure(model, dataclasses.replace(ctx, future=dry, split=split), make("oracle"), QUICK, wd, prefix)
+            ran = measure(model, dataclasses.replace(ctx, future=dry, split=split), make("oracle"), WHOLE, wd, prefix)
             out.append(Case(key, ctx, split, dry, rec.future(), recorded.report.summary()["preemptions"],
-                            ran.report.steps, ran.extra["diverged_steps"]))
+                            ran.report.steps, ran.extra["diverged_steps"],
+                            tuple(s.num_prefills for s in recorded.steps), prefix))
     return out
 
 
@@ -126,14 +133,24 @@ def test_the_kv_split_changes_the_stream_so_the_equality_has_teeth(model: ModelH
 
 def test_a_step_cap_cuts_the_record_where_the_runner_stops(model: ModelHandle, cases: list[Case],
                                                           tmp_path: Path) -> None:
-    """Some cases ran into the QUICK sizes' stop; their dry record (equal to the engine's, above) is the
-    uncapped one's first steps."""
-    stop = max_run_steps(QUICK)
-    capped = [c for c in cases if c.dry.num_steps == stop]
-    assert capped, sorted({c.dry.num_steps for c in cases})
-    for c in capped:
-        whole = _dry(model, c.ctx, c.split, tmp_path, max_steps=None)
-        assert whole.num_steps > stop and whole.steps[:stop] == c.dry.steps, c.point
+    """At the QUICK sizes' stop the dry record is the whole run's first steps, cut once QUICK.stop_decode_steps
+    measured steps had no prefill, and an engine run under that stop records those same steps."""
+    capped = []
+    for c in cases:
+        stopped = _dry(model, c.ctx, c.split, tmp_path, stop=True)
+        assert c.dry.steps[: stopped.num_steps] == stopped.steps, c.point
+        if stopped.num_steps < c.dry.num_steps:
+            capped.append((c, stopped))
+            rule = RunStop.of(QUICK)
+            for t, n in enumerate(c.prefills[: stopped.num_steps]):
+                assert not rule.reached, (c.point, t)
+                rule.after_step(n)
+            assert rule.reached, c.point
+    assert len(capped) >= 3, [(c.point, c.dry.num_steps) for c in cases]
+    c, stopped = capped[0]
+    rec = RecordingPass(c.split)
+    measure(model, c.ctx, rec, QUICK, tmp_path, c.prefix_tokens)
+    assert rec.future() == stopped
 
 
 def test_a_run_the_runner_would_refuse_is_refused_by_name(model: ModelHandle, tmp_path: Path) -> None:

@@ -170,7 +170,22 @@ def test_h200_sizes_measure_at_least_100_steps_at_every_point() -> None:
         reqs, _ = point_requests(p, FULL)
         least = max(max(r.output_len for r in reqs), sum(r.output_len for r in reqs) / p.batch)
         assert least >= FULL.warm_steps + 100, p.key
-    assert FULL.max_measured_steps is None or FULL.max_measured_steps >= 100  # the stop leaves 100 at least
+    assert FULL.stop_decode_steps is None or FULL.stop_decode_steps >= 100  # a stop leaves 100 decode steps
+
+
+def test_a_run_stops_once_enough_measured_steps_had_no_prefill() -> None:
+    from tierplan.bench.phase_grid import RunStop
+
+    stop = RunStop(warm_steps=2, decode_steps=3)
+    seen = []
+    for prefills in (0, 0, 1, 0, 2, 0, 0, 0):  # the warm-up's decodes and the steps with a prefill do not count
+        seen.append(stop.reached)
+        stop.after_step(prefills)
+    assert seen == [False] * 7 + [True] and stop.measured_decodes == 4
+    never = RunStop(warm_steps=0, decode_steps=None)
+    for _ in range(1000):
+        never.after_step(0)
+    assert not never.reached
 
 
 def test_the_dense_weights_are_drawn_once_per_model_and_lent_to_every_run(tmp_path: Path,
