@@ -184,6 +184,10 @@ def _base_row(point: Point, ctx: PointContext | None, policy: str, device: str, 
             "hbm_budget_gib": gib, "policy": policy, "device": device, "point": point.key, "code": code,
             "full_layers": point.full_layers, "budget_frac": point.budget_frac,
             "hbm_budget_bytes": ctx.hbm_budget_bytes if ctx else None, "quick": sizes.quick,
+            # The host link as this process measured it when it opened the model, and the GPU it ran on: workers of
+            # one host that share a PCIe switch would show it here (a lower figure) and in their link-bound steps.
+            "link_gb_s": ctx.link_bytes_per_s / 1e9 if ctx else None,
+            "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

@@ -28,7 +28,7 @@ for model in ${models//,/ }; do
     echo "== merging into the rows of $last"
   fi
 done
-{ git log -1 --format=%h; git status --short; nvidia-smi -L; } > "$out/commit.txt" 2>&1
+{ git log -1 --format=%h; git status --short; nvidia-smi -L; nvidia-smi topo -m; } > "$out/commit.txt" 2>&1
 step "$secs" phase.log python3 -m tierplan.api.cli bench phase --device cuda --gpus "$gpus" --models "$models" \
   --points "$points" --policies tierplan,kv_tiering,static_lru,resident,oracle,static_lfru,fluxmoe,mv_wsa \
   --out-dir "$out" --save-steps "$@"

@@ -60,6 +60,7 @@ def test_every_policy_has_a_row_with_every_field_of_the_issue(swept: tuple[Path,
             assert 0.0 <= r["expert_hit_rate"] <= 1.0
             assert r["measured_steps"] > 0 and r["predicted_step_ms"] > 0
             assert r["over_budget_steps"] == 0, r["policy"]  # a budget is a promise, on every step
+            assert r["link_gb_s"] > 0 and "visible_devices" in r  # the link it planned with, the GPU it ran on
         else:  # a refusal says why
             assert r["notes"], r["policy"]
     # Every policy runs at the smoke point: one that does not (refused, degraded) is a bug to look at.
