@@ -330,7 +330,7 @@ def _sweep(plan: dict[str, tuple[_Store, list[Point]]], pols: tuple[str, ...], s
 
 
 def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor, say: Any) -> None:
-    """One `resident` pass at the model's first point, its windows folded into the cost model (no row): the
+    """One `resident` pass at the model's first point, its steps folded into the cost model (no row): the
     first runs' predictions start from this machine's step times rather than the priors."""
     try:
         with tempfile.TemporaryDirectory(prefix="tierplan-phase-") as tmp:
@@ -340,7 +340,7 @@ def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor,
         say(f"{h.spec.name}: no calibration pass ({type(exc).__name__}: {exc}); the cost model starts from its "
             "priors")
         return
-    predictor.calibrate(out.telemetry)
+    predictor.calibrate(out.steps)
 
 
 def _sweep_model(m: str, pts: list[Point], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str, code: str,

@@ -16,9 +16,10 @@ measured steps (those after warm-up):
   rate, stall ms per measured step by cause (a step that waited on both expert loads and KV fetches counts all
   of its stall as "both", as the agent's telemetry does), KV hits per tier, bytes per link, plan changes.
 - `predicted_step_ms`: the cost model's step time for what the policy planned, never for what it measured:
-  the cost model (`tierplan.controller.costmodel`, calibrated on earlier runs of the model in this process and
-  this run's warm-up windows) over each measured step's tokens, context and KV fetches with the expert misses
-  the routing trace's LRU miss-ratio curve predicts at the slots per layer of the plan the step ran under
+  the cost model (`tierplan.controller.costmodel`, calibrated step by step on the earlier runs of the model in
+  this process and this run's warm-up steps: `Predictor.calibrate`) over each measured step's tokens, context
+  and KV fetches with the expert misses the routing trace's LRU miss-ratio curve predicts at the slots per
+  layer of the plan the step ran under
   (`controller.predictors.miss_ratio`, the decode walk of `ForcedRouter` at the step's batch). One rule for
   every policy: a live one's steps are priced at each split it applied, from the step it took effect.
   `controller_step_ms`: a live policy's own figure, the controller's `Decision.step_ms` of the split in force.
@@ -49,6 +50,11 @@ ROW_FIELDS = ("model", "layers", "batch", "context", "hbm_budget_gib", "policy",
 TRANSFER_OVERHEAD_PRIOR_S = 1e-4  # per record, before calibration (the cost model fits it from the windows)
 CURVE_MAX_BATCH = 256  # the miss-ratio curves' largest tracked batch (a larger step uses this one)
 CURVE_ACCESSES = 16384  # expert accesses per layer a curve is built from (steps = this / the batch's union)
+# The fit forgets per step what the controller's forgets per 8-step window (0.98 ** (1 / 8)): the same memory in
+# steps, over observations a window's means would blur (a window's mean step runs neither a prefill's active
+# experts nor a decode's). Replayed over one CPU quick sweep's steps, pricing the measured misses: 103 of 160
+# runs within 15 % fitted per step, 90 fitted per window (bench/results/phase_h200.md, "Session 18").
+STEP_FORGETTING = 0.9975
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -101,11 +107,20 @@ class Predictor:
         hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, h.link_bytes_per_s),
                           transfer_overhead_s=TRANSFER_OVERHEAD_PRIOR_S, hbm_bytes=0, name=str(h.dev.torch_device),
                           hbm_bytes_per_s=getattr(h, "memory_bytes_per_s", 0.0))
-        return cls(CostModel(shape, hw), h.kv_block_bytes, getattr(h.router, "ids_host", None))
+        return cls(CostModel(shape, hw, forgetting=STEP_FORGETTING), h.kv_block_bytes,
+                   getattr(h.router, "ids_host", None))
 
-    def calibrate(self, windows: list[Any]) -> None:
-        for tel in windows:
-            self.cost.calibrate(tel)
+    def calibrate(self, steps: list[Any]) -> None:
+        """Fold measured steps (StepRecords) into the cost model, one observation each: the cycle less its
+        stalls against its tokens, context and distinct experts (hits + misses over the MoE layers), and the
+        stalls against its demand loads (expert misses, KV blocks fetched back) and their bytes."""
+        eb = self.cost.shape.expert_bytes
+        for s in steps:
+            kv = sum(s.kv_fetch.values())
+            stall = s.expert_stall_ms + s.kv_stall_ms
+            self.cost.observe(s.batch_tokens, s.context_tokens, s.expert_hits + s.expert_misses,
+                              s.cycle_s * 1e3 - stall, s.expert_misses + kv,
+                              s.expert_misses * eb + kv * self.kv_block_bytes, stall)
 
     def curve(self, batch: int) -> MissRatioCurves:
         """The trace's LRU curves at `batch` (a power of two, <= CURVE_MAX_BATCH): `batch` sequences walking the
@@ -222,8 +237,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
     warm = min(warm_steps, max(0, len(steps) - 1))  # a run shorter than the warm-up still measures its last step
     timed = steps[warm:]
     hits, misses = sum(s.expert_hits for s in timed), sum(s.expert_misses for s in timed)
-    n_warm_windows = warm // outcome.window_steps
-    predictor.calibrate(outcome.telemetry[:n_warm_windows])
+    predictor.calibrate(steps[:warm])
     predicted, source = predict(predictor, outcome, timed)
     prices = predictor.step_prices(timed)
     priced = _mean(prices) or 0.0
@@ -231,7 +245,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
     # errs is told apart by step kind; compare with decode_step_ms / prefill_step_ms).
     priced_decode = _mean([p for p, s in zip(prices, timed, strict=True) if s.num_prefills == 0])
     priced_prefill = _mean([p for p, s in zip(prices, timed, strict=True) if s.num_prefills > 0])
-    predictor.calibrate(outcome.telemetry[n_warm_windows:])
+    predictor.calibrate(timed)
     rep = outcome.report
     stalls = _stalls(timed)
     applied = sum(a.status is AckStatus.APPLIED for a in outcome.acks)

@@ -24,8 +24,9 @@ Public API (what the optimizer, the loop and the simulator use):
 - `CostModel(shape, hardware, compute=None, prior_strength=1.0, forgetting=0.98)`:
   `.step_time_ms(load) -> StepBreakdown`, `.layer_stall_ms(num_missed, num_streamed, batch_tokens,
   context_tokens, window_layers) -> float`, `.transfer_ms(link, num_bytes, num_transfers) -> float`,
-  `.compute_ms(batch_tokens, context_tokens) -> float`, `.calibrate(telemetry) -> None` (online, one
-  window at a time), `.compute` (current ComputeParams), `.link_bytes_per_s(link)`, `.overhead_s(link)`.
+  `.compute_ms(batch_tokens, context_tokens) -> float`, `.calibrate(telemetry) -> None` (online, one window at
+  a time), `.observe(...)` (one observation: a window's per-step means or a single step), `.compute` (current
+  ComputeParams), `.link_bytes_per_s(link)`, `.overhead_s(link)`.
 """
 
 from __future__ import annotations
@@ -290,11 +291,20 @@ class CostModel:
         # What attention reads: the KV blocks held on the GPU when the window closed (a one-step window's
         # sequences, rounded up to whole blocks).
         ctx = telemetry.kv.blocks_per_tier.get(Tier.GPU, 0) * self.shape.block_tokens
-        self._compute_fit.update(self._features(tokens, ctx, active), compute_per_step, weight=n)
         kv_loads = sum(v for tier, v in telemetry.kv.misses_per_tier.items() if tier.value != "gpu")
         loads = telemetry.expert_misses + kv_loads
-        if loads:
-            kv_block = self.shape.kv_bytes_per_block
-            demand_bytes = telemetry.expert_misses * self.shape.expert_bytes + kv_loads * kv_block
-            self._link_fit[Link.H2D].update([loads / n, demand_bytes / n], stall_total / n, weight=n)
+        demand_bytes = telemetry.expert_misses * self.shape.expert_bytes + kv_loads * self.shape.kv_bytes_per_block
+        self.observe(tokens, ctx, active, compute_per_step, loads / n, demand_bytes / n, stall_total / n, weight=n)
+
+    def observe(self, batch_tokens: float, context_tokens: float, active_experts: float, compute_ms: float,
+                demand_loads: float = 0.0, demand_bytes: float = 0.0, stall_ms: float = 0.0,
+                weight: float = 1.0) -> None:
+        """Fold one observation in (a telemetry window's per-step means, or one step measured on its own, as the
+        phase bench's records are): a step of `batch_tokens` tokens reading `context_tokens` of context, whose
+        MoE layers ran `active_experts` distinct experts in all, took `compute_ms` besides its `stall_ms` of
+        waiting on `demand_loads` host->device loads of `demand_bytes`. `weight`: steps it stands for."""
+        self._compute_fit.update(self._features(batch_tokens, context_tokens, active_experts), compute_ms,
+                                 weight=weight)
+        if demand_loads:
+            self._link_fit[Link.H2D].update([demand_loads, demand_bytes], stall_ms, weight=weight)
         self._refresh()
