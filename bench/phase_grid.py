@@ -61,8 +61,8 @@ class Sizes:
 # no prefill (>= 100 decode steps at every point): the lighter points finish first, while a point whose KV share
 # holds a few of its sequences at once would otherwise take thousands of steps (the scheduler's replay: mixtral
 # b256 16K at 32 GiB 5,285 steps of 3.8 sequences; b128 4K 661), each a link-bound quarter second on the H200,
-# for the batch its first ~150 ran already (the replay stops every point at 146-367 steps, its mean batch over
-# them at most 10 % below the whole run's, above it where the stop leaves the drain out).
+# for the batch its first ~150 ran already (the replay stops every point at 146-367 steps; the mean batch over
+# them is never below the whole run's at b >= 32, up to 30 % above it where the drain is left out).
 FULL = Sizes(
     models=(ModelSweep("qwen3-30b-a3b", 8, 48, budgets_gib=(24.0, 40.0, 56.0)),
             ModelSweep("mixtral-8x7b", 8, 32, budgets_gib=(32.0, 56.0, 80.0))),
