@@ -41,14 +41,7 @@ from tierplan.bench.baselines.dry_record import difference, dry_record
 from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, RunStop, Sizes, points, select_points
 from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
 from tierplan.bench.phase_report import write_report
-from tierplan.bench.phase_run import (
-    ModelHandle,
-    RunRefused,
-    engine_config,
-    measure,
-    open_model,
-    point_context,
-)
+from tierplan.bench.phase_run import ModelHandle, RunRefused, engine_config, measure, open_model, point_context
 from tierplan.bench.phase_steps import append_steps, steps_line, steps_path
 from tierplan.bench.phase_store import CANDIDATE, append_row, code_id, done_keys, latest, load_rows, merge_file
 from tierplan.runtime.errors import ConfigError

@@ -7,8 +7,8 @@ measured steps (those after warm-up):
   preemption spills, the planner's solve, prefetch issue, the agent's hooks). `measured_step_ms` is that wall
   time over the measured steps; `ms_per_token` its inverse per output token: the figure to compare policies
   by (runs of one point differ in how many sequences share a step). `decode_step_ms`: the mean cycle of the
-  `decode_steps` measured steps with no prefill (`prefill_step_ms`: of those with one); `engine_step_ms`: the forward
-  alone; `mean_running_batch`: sequences per measured step. `decode_step_ms_p50` / `_max`: the median and the
+  `decode_steps` measured steps with no prefill (`prefill_step_ms`: of those with one); `engine_step_ms`: the
+  forward alone; `mean_running_batch`: sequences per measured step. `decode_step_ms_p50` / `_max`: the median and the
   slowest of those decode cycles, and `gc_ms` the collector's pauses in the measured steps: whether a gap
   between two runs that did the same work (phase_spread.py) is a few slow steps or every step a little slower.
 - TPOT p50/p99 and TTFT p50 over the run's finished requests (wall time, from the `Runner`; `requests` counts
@@ -19,9 +19,9 @@ measured steps (those after warm-up):
   the cost model (`tierplan.controller.costmodel`, calibrated step by step on the earlier runs of the model in
   this process and this run's warm-up steps: `Predictor.calibrate`) over each measured step's tokens, context
   and KV fetches with the expert misses the routing trace's LRU miss-ratio curve predicts at the slots per
-  layer of the plan the step ran under
-  (`controller.predictors.miss_ratio`, the decode walk of `ForcedRouter` at the step's batch). One rule for
-  every policy: a live one's steps are priced at each split it applied, from the step it took effect.
+  layer of the plan the step ran under (`controller.predictors.miss_ratio`, the decode walk of `ForcedRouter`
+  at the step's batch). One rule for every policy: a live one's steps are priced at each split it applied,
+  from the step it took effect.
   `controller_step_ms`: a live policy's own figure, the controller's `Decision.step_ms` of the split in force.
   It is a typical step at the batch the controller saw, not the run's mix of decodes and prefills: on the H200
   it was 0.1-8.6x the measured step (phase runs 17-25, bench/results/phase_h200.md).
@@ -47,7 +47,7 @@ from tierplan.controller.protocol import AckStatus, Link
 ROW_FIELDS = ("model", "layers", "batch", "context", "hbm_budget_gib", "policy", "decode_tok_s", "tpot_p50_ms",
               "tpot_p99_ms", "ttft_p50_ms", "expert_hit_rate", "stall_ms_expert", "stall_ms_kv", "stall_ms_both",
               "predicted_step_ms", "measured_step_ms", "device")
-TRANSFER_OVERHEAD_PRIOR_S = 1e-4  # per record, before calibration (the cost model fits it from the windows)
+TRANSFER_OVERHEAD_PRIOR_S = 1e-4  # per record, before calibration (the cost model fits it from the steps)
 CURVE_MAX_BATCH = 256  # the miss-ratio curves' largest tracked batch (a larger step uses this one)
 CURVE_ACCESSES = 16384  # expert accesses per layer a curve is built from (steps = this / the batch's union)
 # The fit forgets per step what the controller's forgets per 8-step window (0.98 ** (1 / 8)): the same memory in
@@ -198,10 +198,10 @@ def predict(predictor: Predictor, outcome: Any, timed: list[Any]) -> tuple[float
 
 def controller_step_ms(outcome: Any, warm: int, num_timed: int) -> float | None:
     """A live policy's own prediction: the controller's `Decision.step_ms` of the split in force, averaged over
-    the measured steps (steps before its first decision left out; None: no decision). It prices one step at the
-    batch the controller saw (the window's median step, prefills apart), not the measured mix of decodes and
-    prefills, so it is no estimate of `measured_step_ms` where prefills are in the mix (H200 phase rows: 0.1-8.6x
-    it); the row carries it beside `predicted_step_ms` to show what the controller believed."""
+    the measured steps (steps before its first decision left out; None: no decision). It prices one typical step
+    at the batch the controller saw, not the measured mix of decodes and prefills, so it is no estimate of
+    `measured_step_ms` where prefills are in the mix (H200 phase rows: 0.1-8.6x it); the row carries it beside
+    `predicted_step_ms` to show what the controller believed."""
     decisions = sorted(outcome.extra.get("decisions") or [])
     ws = max(1, outcome.window_steps)
     in_force = [active[-1] for i in range(warm, warm + num_timed)

@@ -310,8 +310,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
             rec = _Recorder(eng)
             enforcer, seen = loop.adapter.enforcer, {"peak": 0, "over": 0}
             clock = {"last": 0.0}
-
-            stop = RunStop.of(sizes)
+            stop = RunStop.of(sizes)  # the rule the oracle's dry record follows too
 
             def hook(batch: Batch, step_s: float) -> None:
                 # The step's cycle ends here, before this step's own hooks (they belong to the next cycle).
