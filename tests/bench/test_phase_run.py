@@ -98,16 +98,23 @@ def test_the_oracle_resumes_its_search_from_the_candidates_it_saved(tmp_path: Pa
     assert "(saved)" in rows[-1]["notes"] and rows[-1]["oracle_split"] in rows[-1]["notes"]
 
 
-def test_a_static_split_is_predicted_from_the_miss_curve_not_the_measured_misses() -> None:
+def _predictor(routes: bool = True) -> Any:
+    """The phase rows' Predictor for a 2-layer model of 8 experts (top-2), with a random routing table or none."""
     from tierplan.bench.phase_metrics import Predictor
-    from tierplan.bench.phase_run import StepRecord
 
     h = type("H", (), {})()
     h.spec = type("S", (), {"name": "t", "num_layers": 2, "moe_layers": (0, 1), "num_experts": 8, "top_k": 2})()
     h.stride_bytes, h.kv_block_bytes, h.block_tokens, h.link_bytes_per_s = 4096, 1024, 16, 1e9
     h.dev = type("D", (), {"torch_device": "cpu"})()
-    h.router = type("R", (), {"ids_host": np.random.default_rng(0).integers(0, 8, (512, 2, 2))})()
-    pred = Predictor.for_model(h)
+    h.router = (type("R", (), {"ids_host": np.random.default_rng(0).integers(0, 8, (512, 2, 2))})() if routes
+                else None)
+    return Predictor.for_model(h)
+
+
+def test_a_static_split_is_predicted_from_the_miss_curve_not_the_measured_misses() -> None:
+    from tierplan.bench.phase_run import StepRecord
+
+    pred = _predictor()
 
     def step(misses: int) -> StepRecord:
         return StepRecord(step_s=0.01, cycle_s=0.01, num_prefills=0, num_decodes=4, tokens_out=4, batch_tokens=4,
@@ -125,15 +132,9 @@ def test_a_static_split_is_predicted_from_the_miss_curve_not_the_measured_misses
 def test_the_predictor_learns_a_step_time_from_the_measured_steps() -> None:
     """Steps whose cycle is 2 ms + 0.05 ms a token, plus 1 ms per expert loaded on demand (its stall): folded in
     step by step, the cost model prices new steps within 2 %; before, its priors miss them by far."""
-    from tierplan.bench.phase_metrics import Predictor
     from tierplan.bench.phase_run import StepRecord
 
-    h = type("H", (), {})()
-    h.spec = type("S", (), {"name": "t", "num_layers": 2, "moe_layers": (0, 1), "num_experts": 8, "top_k": 2})()
-    h.stride_bytes, h.kv_block_bytes, h.block_tokens, h.link_bytes_per_s = 4096, 1024, 16, 1e9
-    h.dev = type("D", (), {"torch_device": "cpu"})()
-    h.router = None
-    pred = Predictor.for_model(h)
+    pred = _predictor(routes=False)
     rng = np.random.default_rng(0)
 
     def step(tokens: int, misses: int) -> StepRecord:
@@ -155,15 +156,10 @@ def test_the_predictor_learns_a_step_time_from_the_measured_steps() -> None:
 def test_each_step_is_predicted_at_the_split_of_the_plan_it_ran_under() -> None:
     """A live policy's steps are priced at the split in force at each (the plan version the step ran under),
     by the rule a static split's are; the controller's own figure is kept apart."""
-    from tierplan.bench.phase_metrics import Predictor, controller_step_ms, predict
+    from tierplan.bench.phase_metrics import controller_step_ms, predict
     from tierplan.bench.phase_run import StepRecord
 
-    h = type("H", (), {})()
-    h.spec = type("S", (), {"name": "t", "num_layers": 2, "moe_layers": (0, 1), "num_experts": 8, "top_k": 2})()
-    h.stride_bytes, h.kv_block_bytes, h.block_tokens, h.link_bytes_per_s = 4096, 1024, 16, 1e9
-    h.dev = type("D", (), {"torch_device": "cpu"})()
-    h.router = type("R", (), {"ids_host": np.random.default_rng(0).integers(0, 8, (512, 2, 2))})()
-    pred = Predictor.for_model(h)
+    pred = _predictor()
 
     def plan(slots: int) -> object:
         return type("P", (), {"expert_bytes_per_layer": (slots * 4096, slots * 4096)})()
