@@ -49,6 +49,10 @@ def register(bench_app: typer.Typer) -> None:
                                                       "the end (needs --device cuda).")] = 1,
         report: Annotated[bool, typer.Option(help="Write the Markdown and plots at the end (--no-report: rows "
                                                   "only, as each process of a --gpus sweep does).")] = True,
+        repeats: Annotated[int | None, typer.Option(
+            min=1, help="Runs of each policy at a point, in rounds of alternating order; the report shows each "
+                        "policy's median run and every run's tok/s (default: the sweep's, 1; another "
+                        "measurement, as --requests-per-batch).")] = None,
         save_steps: Annotated[bool, typer.Option(
             help="Also keep every run's per-step records (gzip'd JSON lines, one file per process, beside the "
                  "JSON): for fitting the cost model or studying noise away from the device.")] = False,
@@ -101,7 +105,7 @@ def register(bench_app: typer.Typer) -> None:
                 fail(f"--gpus {gpus}: torch sees {torch.cuda.device_count()} CUDA device(s) here")
             try:
                 failed = sharded(err, out_dir, gpus, "cuda", quick, points, policies, models, fresh,
-                                 requests_per_batch, oracle_recording, report, save_steps)
+                                 requests_per_batch, oracle_recording, report, save_steps, repeats)
             except ValueError as exc:
                 fail(str(exc))
             if failed:
@@ -122,14 +126,14 @@ def register(bench_app: typer.Typer) -> None:
                                 progress=lambda n: bar.advance(task["id"], n), on_total=on_total,
                                 requests_per_batch=requests_per_batch,
                                 oracle_recording=recordings[oracle_recording], report=report,
-                                save_steps=save_steps)
+                                save_steps=save_steps, repeats=repeats)
         except (ValueError, ConfigError, ProtocolError) as exc:
             fail(str(exc))
 
 
 def sharded(err: Any, out_dir: Path, gpus: int, device: str, quick: bool, points: str, policies: str, models: str,
             fresh: bool, requests_per_batch: float | None, oracle_recording: str, report: bool,
-            save_steps: bool = False) -> bool:
+            save_steps: bool = False, repeats: int | None = None) -> bool:
     """`--gpus N`: the sweep's points over N worker processes, one per GPU on `device` "cuda" (on "cpu" the
     same workers without GPUs: the CPU test of this path), then one report. True if a worker failed (its rows
     stay: a rerun resumes). ValueError for a bad option, before any worker starts."""
@@ -138,13 +142,14 @@ def sharded(err: Any, out_dir: Path, gpus: int, device: str, quick: bool, points
     from tierplan.bench.phase import sweep_grid, write_reports
     from tierplan.bench.phase_shards import run_workers
 
-    sizes, grid = sweep_grid(quick, points, _split(policies), _split(models), requests_per_batch)
+    sizes, grid = sweep_grid(quick, points, _split(policies), _split(models), requests_per_batch, repeats)
     day = time.strftime("%Y%m%d")  # the workers' JSON is named by the day they start (before midnight, say)
     args = ["--device", device, "--oracle-recording", oracle_recording, *(["--quick"] if quick else []),
             *(["--fresh"] if fresh else []), *(["--save-steps"] if save_steps else []),
             *(["--policies", policies] if policies else []),
             *(["--models", models] if models else []),
-            *(["--requests-per-batch", str(requests_per_batch)] if requests_per_batch is not None else [])]
+            *(["--requests-per-batch", str(requests_per_batch)] if requests_per_batch is not None else []),
+            *(["--repeats", str(repeats)] if repeats is not None else [])]
     err.print(f"phase: {len(grid)} point(s) over {gpus} worker(s); each one's output in {out_dir}/phase_worker*.log",
               markup=False)
 

@@ -111,11 +111,18 @@ class _Store:
                          steps_line({**row, "run_id": self.run_id}, outcome, ctx.expert_stride_bytes,
                                     ctx.kv_block_bytes))
 
-    def candidates(self, point: str, device: str, code: str) -> dict[str, dict[str, Any]]:
-        """The oracle's finished candidate splits at `point` (by split label; --fresh: this process's only)."""
+    def candidates(self, point: str, device: str, code: str, repeat: int = 0) -> dict[str, dict[str, Any]]:
+        """The oracle's finished candidate splits at `point` in `repeat` (by split label; --fresh: this process's
+        only)."""
         return {r["oracle_split"]: r for r in self.rows
                 if r.get("status") == CANDIDATE and (r["point"], r["device"], r["code"]) == (point, device, code)
-                and (not self.fresh or r.get("run_id") == self.run_id)}
+                and int(r.get("repeat") or 0) == repeat and (not self.fresh or r.get("run_id") == self.run_id)}
+
+    def todo(self, point: Point, pols: tuple[str, ...], device: str, code: str, repeats: int) -> list[tuple[int, str]]:
+        """The (repeat, policy) runs of `point` still to do, in the order they run: round r takes the policies in
+        order when r is even, reversed when odd (a drift over a point's runs then falls on every policy alike)."""
+        return [(r, pol) for r in range(repeats) for pol in (pols if r % 2 == 0 else pols[::-1])
+                if (point.key, pol, device, code, r) not in self.done]
 
 
 def _split_label(split: Split) -> str:
@@ -127,7 +134,7 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, pref
             how: OracleRecording = OracleRecording.DRY) -> dict[str, Any]:
     """Each candidate split's future recorded once (`how`) and run with Belady eviction from it, its row saved
     as it finishes (a candidate already in the file is not run again); the row of the best tok/s."""
-    done = store.candidates(base["point"], base["device"], base["code"])
+    done = store.candidates(base["point"], base["device"], base["code"], base.get("repeat", 0))
     best: dict[str, Any] | None = None
     tried: list[str] = []
     for split in oracle_splits(ctx, sizes.oracle_max_splits):
@@ -160,7 +167,8 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, pref
     out_row = {k: v for k, v in best.items() if k not in ("candidate_status", "run_id", "run_s")}
     out_row["status"] = best["candidate_status"]
     out_row["search_s"] = sum(r.get("run_s", 0.0) for r in store.candidates(base["point"], base["device"],
-                                                                             base["code"]).values())
+                                                                             base["code"], base.get("repeat", 0)
+                                                                             ).values())
     out_row["notes"] = (best["notes"] + " | " if best["notes"] else "") + "splits tried: " + "; ".join(tried)
     return out_row
 
@@ -171,10 +179,12 @@ def _device_name(dev: Any) -> str:
     return torch.cuda.get_device_name() if dev.is_cuda else f"cpu ({platform.processor() or platform.machine()})"
 
 
-def _base_row(point: Point, ctx: PointContext | None, policy: str, device: str, code: str, sizes: Sizes) -> dict:
+def _base_row(point: Point, ctx: PointContext | None, policy: str, device: str, code: str, sizes: Sizes,
+              repeat: int = 0) -> dict:
     gib = point.budget_label_gib if point.budget_frac is None else (ctx.hbm_budget_bytes / GIB if ctx else 0.0)
     return {"model": point.model, "layers": point.layers, "batch": point.batch, "context": point.context,
             "hbm_budget_gib": gib, "policy": policy, "device": device, "point": point.key, "code": code,
+            "repeat": repeat,
             "full_layers": point.full_layers, "budget_frac": point.budget_frac,
             "hbm_budget_bytes": ctx.hbm_budget_bytes if ctx else None, "quick": sizes.quick,
             # The host link as this process measured it when it opened the model, and the GPU it ran on: workers of
@@ -210,17 +220,18 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
                     on_total: Callable[[int], None] | None = None,
                     requests_per_batch: float | None = None,
                     oracle_recording: OracleRecording = OracleRecording.DRY, report: bool = True,
-                    save_steps: bool = False) -> dict[str, Path]:
+                    save_steps: bool = False, repeats: int | None = None) -> dict[str, Path]:
     """Run the sweep (module docstring); returns {model: its JSON path}. ValueError for an unknown policy,
     model or point (nothing run). `on_total(n)` is told the number of runs still to do before the first.
     `requests_per_batch` overrides the sizes' (fewer requests: shorter runs at large batches); rows measured at
     other sizes are not reused (the sizes are part of a row's code id). `oracle_recording`: how the oracle's
     candidate futures are recorded (`OracleRecording.ENGINE`: on an engine, the dry replay checked against it).
     report=False: rows only (a worker of a sweep over several GPUs, phase_shards.py, whose parent reports).
-    save_steps: every run's steps too, beside the JSON (phase_steps.py)."""
+    save_steps: every run's steps too, beside the JSON (phase_steps.py). `repeats` overrides the sizes' (runs of
+    each policy at a point; another measurement, as `requests_per_batch`)."""
     from tierplan.runtime.device import Device
 
-    sizes, grid = sweep_grid(quick, point_spec, policies, models, requests_per_batch)
+    sizes, grid = sweep_grid(quick, point_spec, policies, models, requests_per_batch, repeats)
     say = console.print if console is not None else print
     pols = policies or BASELINES
     dev = Device(device)
@@ -235,7 +246,7 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
             rows = seed = load_rows(older[-1]) if older else []
         store = _Store(path, rows, seed, fresh, save_steps)
         pts = [p for p in grid if p.model == m]
-        todo += sum((p.key, pol, dev_name, code) not in store.done for p in pts for pol in pols)
+        todo += sum(len(store.todo(p, pols, dev_name, code, sizes.repeats)) for p in pts)
         plan[m] = (store, pts)
     if on_total is not None:
         on_total(todo)
@@ -252,14 +263,19 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
 
 
 def sweep_grid(quick: bool = False, point_spec: str = "", policies: tuple[str, ...] = (),
-               models: tuple[str, ...] = (), requests_per_batch: float | None = None) -> tuple[Sizes, list[Point]]:
+               models: tuple[str, ...] = (), requests_per_batch: float | None = None,
+               repeats: int | None = None) -> tuple[Sizes, list[Point]]:
     """The sweep's sizes and its points (`--points` / `--models` applied); ValueError for an unknown policy,
-    model or point, or a bad `requests_per_batch` (nothing run)."""
+    model or point, or a bad `requests_per_batch` or `repeats` (nothing run)."""
     sizes = QUICK if quick else FULL
     if requests_per_batch is not None:
         if not requests_per_batch > 0:
             raise ValueError(f"--requests-per-batch must be > 0, got {requests_per_batch}")
         sizes = dataclasses.replace(sizes, requests_per_batch=requests_per_batch)
+    if repeats is not None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"--repeats must be an integer >= 1, got {repeats!r}")
+        sizes = dataclasses.replace(sizes, repeats=repeats)
     bad = [p for p in policies if p not in BASELINES]
     if bad:
         raise ValueError(f"unknown policy {bad}; expected some of {', '.join(BASELINES)}")
@@ -315,7 +331,7 @@ def _sweep(plan: dict[str, tuple[_Store, list[Point]]], pols: tuple[str, ...], s
            code: str, say: Any, progress: Callable[[int], None] | None, how: OracleRecording,
            report: bool = True) -> None:
     for m, (store, pts) in plan.items():
-        if any((p.key, pol, dev_name, code) not in store.done for p in pts for pol in pols):
+        if any(store.todo(p, pols, dev_name, code, sizes.repeats) for p in pts):
             _sweep_model(m, pts, pols, sizes, dev, dev_name, code, store, say, progress, how)
         if store.rows and report:
             write_report(latest(store.rows, dev_name), store.path.with_suffix(""), sizes, dev_name)
@@ -344,7 +360,7 @@ def _sweep_model(m: str, pts: list[Point], pols: tuple[str, ...], sizes: Sizes, 
     try:
         _calibrate(h, pts[0], sizes, predictor, say)
         for p in pts:
-            left = [pol for pol in pols if (p.key, pol, dev_name, code) not in store.done]
+            left = store.todo(p, pols, dev_name, code, sizes.repeats)
             if not left:
                 continue
             ctx: PointContext | None = None
@@ -353,9 +369,9 @@ def _sweep_model(m: str, pts: list[Point], pols: tuple[str, ...], sizes: Sizes, 
                 ctx, prefix_tokens = point_context(h, p, sizes)
             except ConfigError as exc:
                 why = str(exc)
-            for pol in left:
+            for rep, pol in left:
                 t0 = time.perf_counter()
-                base = _base_row(p, ctx, pol, dev_name, code, sizes)
+                base = _base_row(p, ctx, pol, dev_name, code, sizes, rep)
                 row = (refused_row(base, why) if ctx is None
                        else _one(h, ctx, prefix_tokens, pol, sizes, predictor, base, store, say, how))
                 row["run_s"] = time.perf_counter() - t0
@@ -363,6 +379,7 @@ def _sweep_model(m: str, pts: list[Point], pols: tuple[str, ...], sizes: Sizes, 
                 if progress is not None:
                     progress(1)
                 tok = f"{row['decode_tok_s']:.1f} tok/s" if row["decode_tok_s"] is not None else row["status"]
-                say(f"{p.key} {pol}: {tok} ({row['run_s']:.1f} s) {row['notes'][:120] if row['notes'] else ''}")
+                again = f" (repeat {rep})" if rep else ""
+                say(f"{p.key} {pol}{again}: {tok} ({row['run_s']:.1f} s) {row['notes'][:120] if row['notes'] else ''}")
     finally:
         h.close()

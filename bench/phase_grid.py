@@ -49,6 +49,7 @@ class Sizes:
     kv_cpu_gib: float  # CPU / NVMe KV tier capacity cap (full depth; the point's need is used when smaller)
     kv_nvme_gib: float
     oracle_max_splits: int  # candidate splits the oracle's search may try
+    repeats: int  # runs of each policy at a point, in rounds of alternating order (the report shows the median)
     activation_bytes_per_token: int  # workspace allowance per batch token, taken out of the budget
     quick: bool
 
@@ -69,14 +70,14 @@ FULL = Sizes(
     batches=(1, 8, 32, 128, 256), contexts=(1024, 4096, 16384), mean_output_tokens=64, max_output_tokens=128,
     requests_per_batch=1.25,
     warm_steps=16, stop_decode_steps=128, virtual_step_s=0.02, kv_cpu_gib=24.0, kv_nvme_gib=48.0, oracle_max_splits=3,
-    activation_bytes_per_token=64 << 10, quick=False)
+    repeats=1, activation_bytes_per_token=64 << 10, quick=False)
 # CPU smoke sizes: the tiny preset (2 layers, 8 experts, top-2); few steps, so its figures are no result.
 QUICK = Sizes(
     models=(ModelSweep("tiny", 2, 2, budget_fracs=(0.4, 0.7, 1.0)),),
     batches=(1, 4, 12), contexts=(32, 128), mean_output_tokens=16, max_output_tokens=32, requests_per_batch=1.5,
     warm_steps=8, stop_decode_steps=32,  # the stop is exercised: the longest smoke runs take ~130 steps
-    virtual_step_s=0.005, kv_cpu_gib=1.0, kv_nvme_gib=1.0, oracle_max_splits=3, activation_bytes_per_token=0,
-    quick=True)
+    virtual_step_s=0.005, kv_cpu_gib=1.0, kv_nvme_gib=1.0, oracle_max_splits=3, repeats=1,
+    activation_bytes_per_token=0, quick=True)
 
 
 @dataclass

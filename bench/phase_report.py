@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tierplan.bench.phase_spread import same_work, spread, spread_line
+from tierplan.bench.phase_spread import repeat_line, same_work, spread, spread_line
 
 ORACLE, TIERPLAN = "oracle", "tierplan"
 PRED_TOLERANCE = 0.15
@@ -193,10 +193,11 @@ def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -
               "## Targets", "", "| target | met | figure |", "|---|---|---|"]
     for name, (met, fig) in targets.items():
         lines.append(f"| {name} | {'—' if met is None else 'met' if met else 'not met'} | {fig} |")
+    repeats = repeat_line(rows)
     lines += ["", "Static baselines: every policy here but tierplan and the oracle; each row that produced a "
               "throughput competes (degraded ones marked). A point where tierplan is not ok counts as missed. "
               "tok/s is output tokens over the wall time of the measured steps, everything between them "
-              "included.", "", spread_line(spread(rows)), "",
+              "included.", "", spread_line(spread(rows)), "", *([repeats, ""] if repeats else []),
               "## tierplan per point", "",
               "| batch | context | budget | best baseline | tok/s | tierplan tok/s | tierplan / best | oracle tok/s | "
               "tierplan / oracle | cause (below 0.95x or missed) |", "|---|---|---|---|---|---|---|---|---|---|"]

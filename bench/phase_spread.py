@@ -68,6 +68,20 @@ def spread(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
             "p90": p90, "max": devs[-1], "widest": (wide[0]["point"], wide[0]["policy"], wide[1]["policy"])}
 
 
+def repeat_line(rows: list[dict[str, Any]]) -> str:
+    """The report's paragraph on repeated runs (`--repeats`: each policy's runs at a point, `repeat_tok_s` in the
+    report's rows); "" where no policy ran more than once."""
+    runs = [r["repeat_tok_s"] for r in rows if len(r.get("repeat_tok_s") or ()) > 1]
+    if not runs:
+        return ""
+    devs = sorted(max(t) / min(t) - 1.0 for t in runs)
+    counts = sorted({len(t) for t in runs})
+    return (f"Repeats: {len(runs)} policy runs at {len({r['point'] for r in rows if r.get('repeat_tok_s')})} "
+            f"points ran {'/'.join(map(str, counts))} times each (rounds of alternating policy order); each row "
+            f"shows its median run. The fastest and slowest run of one policy differ by {statistics.median(devs):.1%}"
+            f" at the median, {devs[-1]:.1%} at most (live policies may not repeat their plans exactly).")
+
+
 def spread_line(s: dict[str, Any] | None) -> str:
     """The report's paragraph on the spread."""
     if s is None:

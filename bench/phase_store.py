@@ -1,14 +1,15 @@
 """The phase diagram's JSON: a list of rows per model, merged into the file after every run under a file lock.
 
-Runs in the bench process; pure Python. A row is keyed by (point, policy, device, code). A rerun skips a run
-whose key already has a result in the file ("ok" or "degraded": a degraded run is a measurement); "error" and
-"refused" rows are retried (a one-off OOM or a missing wheel must not stick), and "candidate" rows are the
+Runs in the bench process; pure Python. A row is keyed by (point, policy, device, code, repeat). A rerun skips a
+run whose key already has a result in the file ("ok" or "degraded": a degraded run is a measurement); "error"
+and "refused" rows are retried (a one-off OOM or a missing wheel must not stick), and "candidate" rows are the
 oracle's finished candidate splits (its search resumes from them). Every write re-reads the file and appends
 under an exclusive `fcntl` lock on its folder, so two processes sharing one JSON never lose a row.
 `latest` pairs rows of one code id only at each point (the newest), so a report never sets a new tierplan row
-against old-code baselines. `code_id` fingerprints the Python files a run imports: with a git checkout, the
-ones git tracks or would add (`git ls-files -co --exclude-standard`: what the device copy of the working tree
-holds); without one (the device's copy), the package's .py files outside .gitignore'd folders (build/ ...).
+against old-code baselines, and shows each policy's median run where it ran more than once (`--repeats`).
+`code_id` fingerprints the Python files a run imports: with a git checkout, the ones git tracks or would add
+(`git ls-files -co --exclude-standard`: what the device copy of the working tree holds); without one (the
+device's copy), the package's .py files outside .gitignore'd folders (build/ ...).
 `merge_file` appends another call's copy of a file (a device run's, started from the same committed rows) to it,
 each row once. It never edits a figure.
 """
@@ -81,11 +82,12 @@ def code_id(extra: str = "", root: Path = PACKAGE) -> str:
     return h.hexdigest()[:12]
 
 
-def run_key(row: dict[str, Any]) -> tuple[str, str, str, str]:
-    return row["point"], row["policy"], row["device"], row["code"]
+def run_key(row: dict[str, Any]) -> tuple[str, str, str, str, int]:
+    """(point, policy, device, code, repeat): rows written before repeats existed are repeat 0."""
+    return row["point"], row["policy"], row["device"], row["code"], int(row.get("repeat") or 0)
 
 
-def done_keys(rows: list[dict[str, Any]]) -> set[tuple[str, str, str, str]]:
+def done_keys(rows: list[dict[str, Any]]) -> set[tuple[str, str, str, str, int]]:
     """Keys of the runs a rerun skips (a result: ok or degraded)."""
     return {run_key(r) for r in rows if r.get("status") in DONE_STATUSES}
 
@@ -138,16 +140,33 @@ def append_row(path: Path, row: dict[str, Any], seed: list[dict[str, Any]] | Non
 
 def latest(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any]]:
     """The report's rows on `device`: at each point only the rows of the code id of the point's newest row (never
-    old-code rows beside new ones), one per policy, the newest written (later rows win), in the order last
-    written. Oracle candidate rows are left out."""
+    old-code rows beside new ones), one per policy, in the order last written. Of each repeat the newest written
+    counts (later rows win); a policy that ran several repeats shows its median run by tok/s (the lower middle
+    of an even count; runs without a throughput only where none has one), with every repeat's tok/s, sorted, in
+    `repeat_tok_s`. Oracle candidate rows are left out."""
     mine = [r for r in rows if r["device"] == device and r.get("status") != CANDIDATE]
     newest_code = {r["point"]: r["code"] for r in mine}  # later rows win
-    out: dict[tuple[str, str], dict[str, Any]] = {}
+    runs: dict[tuple[str, str, int], dict[str, Any]] = {}
     for r in mine:
         if r["code"] == newest_code[r["point"]]:
-            out.pop((r["point"], r["policy"]), None)
-            out[(r["point"], r["policy"])] = r
-    return list(out.values())
+            key = (r["point"], r["policy"], int(r.get("repeat") or 0))
+            runs.pop(key, None)
+            runs[key] = r
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    last: dict[tuple[str, str], int] = {}  # where each policy's newest repeat was written
+    for i, ((point, policy, _), r) in enumerate(runs.items()):
+        by.setdefault((point, policy), []).append(r)
+        last[(point, policy)] = i
+    return [_median_run(by[k]) for k in sorted(by, key=last.__getitem__)]
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    if len(runs) == 1:
+        return runs[0]
+    ran = sorted((r for r in runs if r.get("decode_tok_s")), key=lambda r: r["decode_tok_s"])
+    if not ran:
+        return runs[-1]
+    return {**ran[(len(ran) - 1) // 2], "repeat_tok_s": [r["decode_tok_s"] for r in ran]}
 
 
 def row_identity(row: dict[str, Any]) -> tuple[Any, ...]:

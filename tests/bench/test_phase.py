@@ -114,6 +114,27 @@ def test_a_long_run_stops_at_the_step_cap_and_counts_what_it_left(tmp_path: Path
     assert row["decode_tok_s"] == pytest.approx(row["output_tokens"] / row["measured_wall_s"])
 
 
+def test_repeats_run_in_rounds_of_alternating_order_and_resume(tmp_path: Path) -> None:
+    """--repeats 3: three runs of each policy (the oracle's candidate search again in each), round 1 in reverse
+    order; a rerun adds none; the report shows each policy's median run and says so."""
+    args = ("--points", "b1c32f0.4", "--policies", "resident,oracle", "--repeats", "3", "--out-dir", str(tmp_path))
+    res = _run(*args)
+    assert res.exit_code == 0, res.output
+    path = next(tmp_path.glob("phase_tiny_*.json"))
+    rows = json.loads(path.read_text())
+    runs = [(r["repeat"], r["policy"]) for r in rows if r["status"] == "ok"]
+    assert runs == [(0, "resident"), (0, "oracle"), (1, "oracle"), (1, "resident"), (2, "resident"), (2, "oracle")]
+    candidates = [r for r in rows if r["status"] == "candidate"]
+    assert {r["repeat"] for r in candidates} == {0, 1, 2}
+    assert len(candidates) == 3 * len([r for r in candidates if r["repeat"] == 0])
+    md = path.with_suffix(".md").read_text()
+    assert "Repeats: 2 policy runs at 1 points ran 3 times each" in md
+    again = _run(*args)
+    assert again.exit_code == 0 and len(json.loads(path.read_text())) == len(rows)  # nothing left to run
+    bad = _run("--repeats", "0", "--out-dir", str(tmp_path))
+    assert bad.exit_code == 2 and "--repeats" in bad.output
+
+
 def test_table_and_plots_are_written(swept: tuple[Path, list[dict]]) -> None:
     out, _ = swept
     (md,) = out.glob("phase_tiny_*.md")

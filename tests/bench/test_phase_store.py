@@ -36,6 +36,23 @@ def test_latest_pairs_rows_of_one_code_at_a_point() -> None:
     assert [r["status"] for r in latest(later, "cpu") if r["point"] == "p"] == ["error"]
 
 
+def test_a_policy_run_several_times_shows_its_median_run() -> None:
+    """Repeats of one policy (`--repeats`) are runs of their own key; the report shows the median by tok/s (the
+    lower middle of an even count, runs without a throughput only where none has one) and every run's tok/s."""
+    rows = [_r("resident", decode_tok_s=10.0, repeat=0), _r("tierplan", decode_tok_s=5.0, repeat=0),
+            _r("tierplan", decode_tok_s=9.0, repeat=1), _r("resident", decode_tok_s=30.0, repeat=1),
+            _r("resident", decode_tok_s=20.0, repeat=2, tag="mid"), _r("tierplan", "error", repeat=2)]
+    assert len(done_keys(rows)) == 5  # each repeat is a run; the error one runs again
+    got = {r["policy"]: r for r in latest(rows, "cpu")}
+    assert got["resident"]["tag"] == "mid" and got["resident"]["repeat_tok_s"] == [10.0, 20.0, 30.0]
+    assert got["tierplan"]["decode_tok_s"] == 5.0 and got["tierplan"]["repeat_tok_s"] == [5.0, 9.0]
+    # The policies keep the order their newest runs were written in; a single run is shown as it is.
+    assert [r["policy"] for r in latest(rows, "cpu")] == ["resident", "tierplan"]
+    assert "repeat_tok_s" not in latest([_r("resident", decode_tok_s=1.0)], "cpu")[0]
+    failed = latest([_r("tierplan", "error", repeat=0), _r("tierplan", "refused", repeat=1)], "cpu")
+    assert [r["status"] for r in failed] == ["refused"]
+
+
 def _git(root: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
 
