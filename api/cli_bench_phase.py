@@ -56,6 +56,11 @@ def register(bench_app: typer.Typer) -> None:
         save_steps: Annotated[bool, typer.Option(
             help="Also keep every run's per-step records (gzip'd JSON lines, one file per process, beside the "
                  "JSON): for fitting the cost model or studying noise away from the device.")] = False,
+        steps_report: Annotated[Path | None, typer.Option(
+            help="Measure nothing: read every steps file under this folder (--save-steps' output, subfolders "
+                 "too) and write phase_steps_report.md there: per run the decode cycles' mean, median, p90, "
+                 "slowest; per policy run twice or more, whether its runs differ by a few slow steps or "
+                 "throughout.")] = None,
         merge: Annotated[list[Path] | None, typer.Option(
             help="Measure nothing: append the rows of this phase JSON (another call's copy, e.g. a device run's) "
                  "that the file of the same name in --out-dir lacks, and rewrite its report; repeatable.")] = None,
@@ -71,6 +76,23 @@ def register(bench_app: typer.Typer) -> None:
             err.print(f"error: {msg}", markup=False)
             raise typer.Exit(2)
 
+        if steps_report is not None:
+            from tierplan.bench.phase_steps_report import report as steps_md
+            from tierplan.bench.phase_steps_report import steps_files
+
+            files = steps_files(steps_report) if steps_report.is_dir() else []
+            if not files:
+                fail(f"--steps-report {steps_report}: no phase_*_steps_*.jsonl.gz under it (a folder that "
+                     "`tierplan bench phase --save-steps` wrote to)")
+            try:
+                text = steps_md(files)
+            except ValueError as exc:
+                fail(str(exc))
+            target = steps_report / "phase_steps_report.md"
+            target.write_text(text)
+            summary = next((x for x in text.splitlines() if x.startswith("Policies run")), text.splitlines()[2])
+            err.print(f"{target} ({len(files)} steps file(s)): {summary}", markup=False)
+            return
         if merge:
             from tierplan.bench.phase import merge_results
 

@@ -1,0 +1,90 @@
+"""What the saved per-step records say about run-to-run spread: a few slow steps, or a whole run slower.
+
+Runs in the bench process (`tierplan bench phase --steps-report DIR`); pure Python + numpy over the lines
+`--save-steps` wrote (bench/phase_steps.py). Per run, the decode cycles after the warm-up (steps with no
+prefill): their mean, median, 90th percentile and slowest, the collector's pauses, and how much of the decode
+time the slowest 5 % of them took. Per point and policy with two runs or more (repeats, or calls that measured
+it again): how far apart their means and their medians lie. Means apart with medians together: a few slow
+steps (host, collector); medians apart too: the whole run was slower (device clock, placement). It never edits
+a row's figure.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tierplan.bench.phase_steps import load_steps
+
+TAIL_SHARE = 0.05  # the slowest steps whose share of the decode time is reported
+
+
+def run_summary(line: dict[str, Any]) -> dict[str, Any] | None:
+    """One run's decode cycles after its warm-up (None: the run has none)."""
+    cols = line["steps"]
+    warm = int(line.get("warm_steps") or 0)
+    cycles, prefills = cols.get("cycle_s", [])[warm:], cols.get("num_prefills", [])[warm:]
+    gc = cols.get("gc_ms", [])[warm:]
+    decode = np.array([c * 1e3 for c, n in zip(cycles, prefills, strict=True) if n == 0])
+    if decode.size == 0:
+        return None
+    tail = np.sort(decode)[::-1][: max(1, int(np.ceil(TAIL_SHARE * decode.size)))]
+    return {"point": line["point"], "policy": line["policy"], "run_id": line.get("run_id"),
+            "repeat": line.get("repeat"), "decode_steps": int(decode.size),
+            "mean_ms": float(decode.mean()), "p50_ms": float(np.median(decode)),
+            "p90_ms": float(np.percentile(decode, 90)), "max_ms": float(decode.max()),
+            "tail_share": float(tail.sum() / decode.sum()), "gc_ms": float(sum(gc))}
+
+
+def _apart(xs: list[float]) -> float:
+    return max(xs) / min(xs) - 1.0 if min(xs) > 0 else float("inf")
+
+
+def spread_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per point and policy with >= 2 runs: how far apart their mean and median decode cycles lie, and the
+    verdict (the module docstring's)."""
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault((r["point"], r["policy"]), []).append(r)
+    out = []
+    for (point, policy), rs in by.items():
+        if len(rs) < 2:
+            continue
+        means, medians = _apart([r["mean_ms"] for r in rs]), _apart([r["p50_ms"] for r in rs])
+        verdict = ("alike" if means <= 0.05 else "a few slow steps" if medians <= 0.5 * means
+                   else "the whole run slower")
+        out.append({"point": point, "policy": policy, "runs": len(rs), "means_apart": means,
+                    "medians_apart": medians, "verdict": verdict})
+    return out
+
+
+def steps_files(folder: Path) -> list[Path]:
+    """Every steps file under `folder` (its subfolders too: one per device call), in name order."""
+    return sorted(folder.rglob("phase_*_steps_*.jsonl.gz"))
+
+
+def report(paths: list[Path]) -> str:
+    """The Markdown report over the steps files `paths` (ValueError naming a file that is not one)."""
+    runs = [s for p in paths for line in load_steps(p) if (s := run_summary(line)) is not None]
+    lines = ["# Per-step records: where the run-to-run spread comes from", "",
+             f"{len(runs)} runs with decode steps, from {len(paths)} file(s).", ""]
+    pairs = spread_rows(runs)
+    if pairs:
+        counts = {v: sum(p["verdict"] == v for p in pairs) for v in ("alike", "a few slow steps",
+                                                                    "the whole run slower")}
+        lines += [f"Policies run twice or more at a point: {len(pairs)}; means within 5 %: {counts['alike']}, "
+                  f"apart by a few slow steps: {counts['a few slow steps']}, whole runs slower: "
+                  f"{counts['the whole run slower']}.", "",
+                  "| point | policy | runs | means apart | medians apart | verdict |", "|---|---|---|---|---|---|"]
+        lines += [f"| {p['point']} | {p['policy']} | {p['runs']} | {p['means_apart']:.1%} | "
+                  f"{p['medians_apart']:.1%} | {p['verdict']} |" for p in pairs]
+    else:
+        lines.append("No policy ran twice at one point here (`--repeats`, or another call of the same code).")
+    lines += ["", "| point | policy | run | decode steps | mean ms | p50 ms | p90 ms | max ms | slowest 5 % share "
+              "| gc ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['point']} | {r['policy']} | {r['run_id']}/{r['repeat']} | {r['decode_steps']} | "
+              f"{r['mean_ms']:.2f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | {r['max_ms']:.2f} | "
+              f"{r['tail_share']:.1%} | {r['gc_ms']:.1f} |" for r in runs]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,51 @@
+"""The per-step report (bench/phase_steps_report.py): a few slow steps told apart from a whole run slower."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from typer.testing import CliRunner
+
+from tierplan.api.cli import app
+from tierplan.bench.phase_steps import append_steps
+from tierplan.bench.phase_steps_report import run_summary, spread_rows
+
+
+def _line(policy: str, decode_ms: list[float], run_id: str, warm: int = 2) -> dict[str, Any]:
+    """A run of `warm` warm-up steps, one prefill step, then decode steps of `decode_ms`."""
+    cycles = [0.050] * warm + [0.100] + [ms / 1e3 for ms in decode_ms]
+    return {"point": "p", "policy": policy, "run_id": run_id, "repeat": 0, "warm_steps": warm,
+            "steps": {"cycle_s": cycles, "num_prefills": [1] * warm + [1] + [0] * len(decode_ms),
+                      "gc_ms": [0.0] * len(cycles)}}
+
+
+def test_a_runs_decode_cycles_leave_out_the_warm_up_and_the_prefills() -> None:
+    s = run_summary(_line("a", [2.0] * 19 + [40.0], "r"))
+    assert s is not None and s["decode_steps"] == 20 and s["p50_ms"] == 2.0 and s["max_ms"] == 40.0
+    assert s["mean_ms"] == (19 * 2.0 + 40.0) / 20 and s["tail_share"] == 40.0 / (19 * 2.0 + 40.0)
+    assert run_summary(_line("a", [], "r")) is None  # no decode step measured
+
+
+def test_slow_steps_and_a_slower_run_are_told_apart() -> None:
+    base = [2.0] * 100
+    runs = [run_summary(x) for x in (
+        _line("same", base, "1"), _line("same", base, "2"),
+        _line("hiccup", base, "1"), _line("hiccup", [2.0] * 95 + [20.0] * 5, "2"),
+        _line("slower", base, "1"), _line("slower", [2.6] * 100, "2"),
+        _line("once", base, "1"))]
+    verdicts = {r["policy"]: r["verdict"] for r in spread_rows([r for r in runs if r])}
+    assert verdicts == {"same": "alike", "hiccup": "a few slow steps", "slower": "the whole run slower"}
+
+
+def test_the_cli_writes_the_report_or_names_what_is_missing(tmp_path: Path) -> None:
+    run = CliRunner()
+    empty = run.invoke(app, ["bench", "phase", "--steps-report", str(tmp_path)])
+    assert empty.exit_code == 2 and "no phase_*_steps_*.jsonl.gz under it" in " ".join(empty.output.split())
+    call = tmp_path / "phase_run01"  # a device call's folder under the one named
+    for rid in ("1", "2"):
+        append_steps(call / f"phase_m_20261204_steps_{rid}.jsonl.gz", _line("resident", [2.0] * 30, rid))
+    res = run.invoke(app, ["bench", "phase", "--steps-report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    text = (tmp_path / "phase_steps_report.md").read_text()
+    assert "Policies run twice or more at a point: 1; means within 5 %: 1" in text and "| p | resident | 2 |" in text
