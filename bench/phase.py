@@ -43,7 +43,16 @@ from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
 from tierplan.bench.phase_report import write_report
 from tierplan.bench.phase_run import ModelHandle, RunRefused, engine_config, measure, open_model, point_context
 from tierplan.bench.phase_steps import append_steps, steps_line, steps_path
-from tierplan.bench.phase_store import CANDIDATE, append_row, code_id, done_keys, latest, load_rows, merge_file
+from tierplan.bench.phase_store import (
+    CANDIDATE,
+    append_row,
+    code_id,
+    done_keys,
+    latest,
+    load_rows,
+    merge_file,
+    repeat_of,
+)
 from tierplan.runtime.errors import ConfigError
 
 
@@ -116,7 +125,7 @@ class _Store:
         only)."""
         return {r["oracle_split"]: r for r in self.rows
                 if r.get("status") == CANDIDATE and (r["point"], r["device"], r["code"]) == (point, device, code)
-                and int(r.get("repeat") or 0) == repeat and (not self.fresh or r.get("run_id") == self.run_id)}
+                and repeat_of(r) == repeat and (not self.fresh or r.get("run_id") == self.run_id)}
 
     def todo(self, point: Point, pols: tuple[str, ...], device: str, code: str, repeats: int) -> list[tuple[int, str]]:
         """The (repeat, policy) runs of `point` still to do, in the order they run: round r takes the policies in

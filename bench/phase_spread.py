@@ -41,10 +41,14 @@ def same_work(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return True
 
 
+def apart(values: list[float]) -> float:
+    """How far apart `values` (> 0) lie: the largest over the smallest, minus one (0.10: 10 % apart)."""
+    return max(values) / min(values) - 1.0
+
+
 def deviation(a: dict[str, Any], b: dict[str, Any]) -> float:
     """The faster run's tok/s over the slower's, minus one (0.10: 10 % apart)."""
-    hi, lo = sorted((a["decode_tok_s"], b["decode_tok_s"]), reverse=True)
-    return hi / lo - 1.0
+    return apart([a["decode_tok_s"], b["decode_tok_s"]])
 
 
 def same_work_pairs(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -71,12 +75,13 @@ def spread(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 def repeat_line(rows: list[dict[str, Any]]) -> str:
     """The report's paragraph on repeated runs (`--repeats`: each policy's runs at a point, `repeat_tok_s` in the
     report's rows); "" where no policy ran more than once."""
-    runs = [r["repeat_tok_s"] for r in rows if len(r.get("repeat_tok_s") or ()) > 1]
-    if not runs:
+    repeated = [r for r in rows if len(r.get("repeat_tok_s") or ()) > 1]
+    if not repeated:
         return ""
-    devs = sorted(max(t) / min(t) - 1.0 for t in runs)
+    runs = [r["repeat_tok_s"] for r in repeated]
+    devs = sorted(apart(t) for t in runs)
     counts = sorted({len(t) for t in runs})
-    return (f"Repeats: {len(runs)} policy runs at {len({r['point'] for r in rows if r.get('repeat_tok_s')})} "
+    return (f"Repeats: {len(runs)} policy runs at {len({r['point'] for r in repeated})} "
             f"points ran {'/'.join(map(str, counts))} times each (rounds of alternating policy order); each row "
             f"shows its median run. The fastest and slowest run of one policy differ by {statistics.median(devs):.1%}"
             f" at the median, {devs[-1]:.1%} at most (live policies may not repeat their plans exactly).")

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from tierplan.bench.phase_spread import apart
 from tierplan.bench.phase_steps import load_steps
 
 TAIL_SHARE = 0.05  # the slowest steps whose share of the decode time is reported
@@ -38,10 +39,6 @@ def run_summary(line: dict[str, Any]) -> dict[str, Any] | None:
             "tail_share": float(tail.sum() / decode.sum()), "gc_ms": float(sum(gc))}
 
 
-def _apart(xs: list[float]) -> float:
-    return max(xs) / min(xs) - 1.0 if min(xs) > 0 else float("inf")
-
-
 def spread_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per point and policy with >= 2 runs: how far apart their mean and median decode cycles lie, and the
     verdict (the module docstring's)."""
@@ -52,7 +49,7 @@ def spread_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (point, policy), rs in by.items():
         if len(rs) < 2:
             continue
-        means, medians = _apart([r["mean_ms"] for r in rs]), _apart([r["p50_ms"] for r in rs])
+        means, medians = apart([r["mean_ms"] for r in rs]), apart([r["p50_ms"] for r in rs])
         verdict = ("alike" if means <= 0.05 else "a few slow steps" if medians <= 0.5 * means
                    else "the whole run slower")
         out.append({"point": point, "policy": policy, "runs": len(rs), "means_apart": means,

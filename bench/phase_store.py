@@ -82,9 +82,14 @@ def code_id(extra: str = "", root: Path = PACKAGE) -> str:
     return h.hexdigest()[:12]
 
 
+def repeat_of(row: dict[str, Any]) -> int:
+    """Which of a policy's runs at a point `row` is (`--repeats`): rows written before repeats existed are 0."""
+    return int(row.get("repeat") or 0)
+
+
 def run_key(row: dict[str, Any]) -> tuple[str, str, str, str, int]:
-    """(point, policy, device, code, repeat): rows written before repeats existed are repeat 0."""
-    return row["point"], row["policy"], row["device"], row["code"], int(row.get("repeat") or 0)
+    """(point, policy, device, code, repeat)."""
+    return row["point"], row["policy"], row["device"], row["code"], repeat_of(row)
 
 
 def done_keys(rows: list[dict[str, Any]]) -> set[tuple[str, str, str, str, int]]:
@@ -149,7 +154,7 @@ def latest(rows: list[dict[str, Any]], device: str) -> list[dict[str, Any]]:
     runs: dict[tuple[str, str, int], dict[str, Any]] = {}
     for r in mine:
         if r["code"] == newest_code[r["point"]]:
-            key = (r["point"], r["policy"], int(r.get("repeat") or 0))
+            key = (r["point"], r["policy"], repeat_of(r))
             runs.pop(key, None)
             runs[key] = r
     by: dict[tuple[str, str], list[dict[str, Any]]] = {}
