@@ -61,6 +61,9 @@ def register(bench_app: typer.Typer) -> None:
                  "too) and write phase_steps_report.md there: per run the decode cycles' mean, median, p90, "
                  "slowest; per policy run twice or more, whether its runs differ by a few slow steps or "
                  "throughout.")] = None,
+        queue: Annotated[Path | None, typer.Option(
+            help="Take the points one at a time from this queue file instead of --points (how the workers of a "
+                 "--gpus sweep share its points; the sweep writes the file).")] = None,
         merge: Annotated[list[Path] | None, typer.Option(
             help="Measure nothing: append the rows of this phase JSON (another call's copy, e.g. a device run's) "
                  "that the file of the same name in --out-dir lacks, and rewrite its report; repeatable.")] = None,
@@ -102,6 +105,10 @@ def register(bench_app: typer.Typer) -> None:
             except ValueError as exc:
                 fail(str(exc))
             return
+        if queue is not None and (points or gpus > 1):
+            fail(f"--queue {queue}: the points come from the queue; leave out --points and --gpus")
+        if queue is not None and not queue.is_file():
+            fail(f"--queue {queue}: no such file (a --gpus sweep writes it: phase_queue.json in its --out-dir)")
         if device not in ("cpu", "cuda"):
             fail(f"--device {device!r}: expected cpu or cuda")
         if device == "cuda":
@@ -148,7 +155,7 @@ def register(bench_app: typer.Typer) -> None:
                                 progress=lambda n: bar.advance(task["id"], n), on_total=on_total,
                                 requests_per_batch=requests_per_batch,
                                 oracle_recording=recordings[oracle_recording], report=report,
-                                save_steps=save_steps, repeats=repeats)
+                                save_steps=save_steps, repeats=repeats, queue=queue)
         except (ValueError, ConfigError, ProtocolError) as exc:
             fail(str(exc))
 

@@ -22,7 +22,7 @@ import platform
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, RunStop, Sizes, p
 from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
 from tierplan.bench.phase_report import write_report
 from tierplan.bench.phase_run import ModelHandle, RunRefused, engine_config, measure, open_model, point_context
+from tierplan.bench.phase_shards import PointQueue, point_spec
 from tierplan.bench.phase_steps import append_steps, steps_line, steps_path
 from tierplan.bench.phase_store import (
     CANDIDATE,
@@ -229,7 +230,8 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
                     on_total: Callable[[int], None] | None = None,
                     requests_per_batch: float | None = None,
                     oracle_recording: OracleRecording = OracleRecording.DRY, report: bool = True,
-                    save_steps: bool = False, repeats: int | None = None) -> dict[str, Path]:
+                    save_steps: bool = False, repeats: int | None = None,
+                    queue: Path | None = None) -> dict[str, Path]:
     """Run the sweep (module docstring); returns {model: its JSON path}. ValueError for an unknown policy,
     model or point (nothing run). `on_total(n)` is told the number of runs still to do before the first.
     `requests_per_batch` overrides the sizes' (fewer requests: shorter runs at large batches); rows measured at
@@ -237,9 +239,15 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
     candidate futures are recorded (`OracleRecording.ENGINE`: on an engine, the dry replay checked against it).
     report=False: rows only (a worker of a sweep over several GPUs, phase_shards.py, whose parent reports).
     save_steps: every run's steps too, beside the JSON (phase_steps.py). `repeats` overrides the sizes' (runs of
-    each policy at a point; another measurement, as `requests_per_batch`)."""
+    each policy at a point; another measurement, as `requests_per_batch`). `queue`: the points come from this
+    queue file (a worker of a sweep over several GPUs), claimed one at a time, instead of `point_spec`."""
     from tierplan.runtime.device import Device
 
+    claims = PointQueue(queue) if queue is not None else None
+    if claims is not None:
+        point_spec = ",".join(claims.specs())
+        if not point_spec:
+            raise ValueError(f"--queue {queue}: it holds no points")
     sizes, grid = sweep_grid(quick, point_spec, policies, models, requests_per_batch, repeats)
     say = console.print if console is not None else print
     pols = policies or BASELINES
@@ -265,7 +273,7 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
     if not dev.is_cuda:  # a tiny model's ops are too small to share: one thread keeps a busy CPU from stalling them
         torch.set_num_threads(1)
     try:
-        _sweep(plan, pols, sizes, dev, dev_name, code, say, progress, oracle_recording, report)
+        _sweep(plan, pols, sizes, dev, dev_name, code, say, progress, oracle_recording, report, claims)
     finally:
         torch.set_num_threads(threads)
     return {m: v[0].path for m, v in plan.items()}
@@ -338,13 +346,21 @@ def write_reports(out_dir: Path, models: list[str], sizes: Sizes, device: str, d
 
 def _sweep(plan: dict[str, tuple[_Store, list[Point]]], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str,
            code: str, say: Any, progress: Callable[[int], None] | None, how: OracleRecording,
-           report: bool = True) -> None:
+           report: bool = True, queue: PointQueue | None = None) -> None:
     for m, (store, pts) in plan.items():
-        if any(store.todo(p, pols, dev_name, code, sizes.repeats) for p in pts):
-            _sweep_model(m, pts, pols, sizes, dev, dev_name, code, store, say, progress, how)
+        _sweep_model(m, pts if queue is None else _claimed(queue, m, pts), pols, sizes, dev, dev_name, code, store,
+                     say, progress, how)
         if store.rows and report:
             write_report(latest(store.rows, dev_name), store.path.with_suffix(""), sizes, dev_name)
         say(f"{m}: {len(store.rows)} rows in {store.path}")
+
+
+def _claimed(queue: PointQueue, model: str, pts: list[Point]) -> Iterator[Point]:
+    """`model`'s points as this process claims them from `queue`, one at a time (each claim names the point it
+    took among `pts`, the queue's points of this model)."""
+    by_spec = {point_spec(p): p for p in pts}
+    while (spec := queue.claim(str(os.getpid()), model)) is not None:
+        yield by_spec[spec]
 
 
 def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor, say: Any) -> None:
@@ -361,17 +377,24 @@ def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor,
     predictor.calibrate(out.steps)
 
 
-def _sweep_model(m: str, pts: list[Point], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str, code: str,
-                 store: _Store, say: Any, progress: Callable[[int], None] | None, how: OracleRecording) -> None:
+def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str,
+                 code: str, store: _Store, say: Any, progress: Callable[[int], None] | None,
+                 how: OracleRecording) -> None:
+    """Every run left at `pts`, taken in order (a queue's claims are taken as the runs go); the model is opened
+    and its cost model calibrated at the first point with a run to do, so a model with none is never opened."""
     sweep = next(s for s in sizes.models if s.name == m)
-    h = open_model(m, sweep.layers, sweep.full_layers, dev, say)
-    predictor = Predictor.for_model(h)
+    h: ModelHandle | None = None
+    predictor: Predictor | None = None
     try:
-        _calibrate(h, pts[0], sizes, predictor, say)
         for p in pts:
             left = store.todo(p, pols, dev_name, code, sizes.repeats)
             if not left:
                 continue
+            if h is None:
+                h = open_model(m, sweep.layers, sweep.full_layers, dev, say)
+                predictor = Predictor.for_model(h)
+                _calibrate(h, p, sizes, predictor, say)
+            assert predictor is not None
             ctx: PointContext | None = None
             prefix_tokens, why = 0, ""
             try:
@@ -391,4 +414,5 @@ def _sweep_model(m: str, pts: list[Point], pols: tuple[str, ...], sizes: Sizes, 
                 again = f" (repeat {rep})" if rep else ""
                 say(f"{p.key} {pol}{again}: {tok} ({row['run_s']:.1f} s) {row['notes'][:120] if row['notes'] else ''}")
     finally:
-        h.close()
+        if h is not None:
+            h.close()

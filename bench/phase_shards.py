@@ -1,25 +1,30 @@
-"""The phase sweep spread over several GPUs of one host: one bench process per GPU, each on its own share of the
-points, all writing the same JSON (phase_store.py merges their rows under its file lock).
+"""The phase sweep spread over several GPUs of one host: one bench process per GPU, each taking points from one
+shared queue, all writing the same JSON (phase_store.py merges their rows under its file lock).
 
 Runs in the user's shell process, which only plans, launches and waits; each worker is `tierplan bench phase`
-itself with `--points` set to its share and `CUDA_VISIBLE_DEVICES` to its GPU (a worker sees one device, as the
-single-GPU sweep does), its output in `phase_worker<i>.log` beside the JSON. Points go to workers round-robin in
-sweep order, so each gets a mix of batches and contexts. Once every worker has ended, the report is written once
-from the merged rows. A worker that fails is reported with its exit code and the last line of its log; the rows
-it finished stay, and a rerun resumes from them (ok and degraded runs are skipped). Never measures anything
-itself.
+itself with `--queue` naming the queue file and `CUDA_VISIBLE_DEVICES` its GPU (a worker sees one device, as the
+single-GPU sweep does), its output in `phase_worker<i>.log` beside the JSON. A worker claims one point at a time
+(`PointQueue.claim`, under the JSON folder's lock), its current model's points first in sweep order, so no GPU
+idles while points are left (a fixed share per worker left some GPUs idle behind one worker's heavy points) and
+each worker opens each model at most once. Once every worker has ended, the report is written once from the
+merged rows. A worker that fails is reported with its exit code and the last line of its log; the rows it
+finished stay, and a rerun resumes from them (ok and degraded runs are skipped); the point it held is not handed
+to another worker in that sweep. Never measures anything itself.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tierplan.bench.phase_grid import Point
+from tierplan.bench.phase_store import locked
 
 
 def point_spec(p: Point) -> str:
@@ -28,11 +33,48 @@ def point_spec(p: Point) -> str:
     return f"{p.model}:b{p.batch}c{p.context}{budget}"
 
 
-def shares(points: Sequence[Point], num_workers: int) -> list[list[Point]]:
-    """Round-robin shares of `points` (sweep order kept within each); empty shares are dropped."""
-    if num_workers < 1:
-        raise ValueError(f"workers must be >= 1, got {num_workers}")
-    return [s for s in (list(points[i::num_workers]) for i in range(num_workers)) if s]
+class PointQueue:
+    """The points of one sweep (their `point_spec`s, in sweep order) and which worker claimed each, in one JSON file
+    that every worker reads and writes under the folder's lock."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def create(cls, path: Path, points: Sequence[Point]) -> PointQueue:
+        with locked(path):
+            path.write_text(json.dumps({"points": [point_spec(p) for p in points], "claims": {}}, indent=1))
+        return cls(path)
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            state = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--queue {self.path}: not a readable point queue ({exc})") from exc
+        if not (isinstance(state, dict) and isinstance(state.get("points"), list)
+                and isinstance(state.get("claims"), dict)):
+            raise ValueError(f"--queue {self.path}: expected an object with 'points' (a list) and 'claims'")
+        return state
+
+    def specs(self) -> list[str]:
+        return list(self._read()["points"])
+
+    def claims(self) -> dict[str, str]:
+        """{spec: the worker that claimed it}."""
+        return dict(self._read()["claims"])
+
+    def claim(self, worker: str, model: str) -> str | None:
+        """The first unclaimed point of `model`, now `worker`'s; None when every one is claimed."""
+        with locked(self.path):
+            state = self._read()
+            spec = next((x for x in state["points"] if x.split(":", 1)[0] == model and x not in state["claims"]),
+                        None)
+            if spec is not None:
+                state["claims"][spec] = worker
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(state, indent=1))
+                os.replace(tmp, self.path)
+        return spec
 
 
 @dataclass
@@ -55,27 +97,32 @@ def visible_devices(num_workers: int) -> list[str]:
 
 def run_workers(points: Sequence[Point], num_workers: int, args: list[str], out_dir: Path, cuda: bool,
                 on_done: Callable[[WorkerResult], None] | None = None) -> list[WorkerResult]:
-    """Launch one `tierplan bench phase` per share (`args`: the sweep's other options, without --points and
-    --out-dir), each on its own GPU when `cuda`, wait for all, and return how each ended (in launch order)."""
+    """Write the queue of `points` (phase_queue.json in `out_dir`), launch one `tierplan bench phase --queue` per
+    worker (`args`: the sweep's other options, without --points and --out-dir; no more workers than points),
+    each on its own GPU when `cuda`, wait for all, and return how each ended (in launch order), with the points
+    it claimed. ValueError for fewer than one worker."""
+    if num_workers < 1:
+        raise ValueError(f"workers must be >= 1, got {num_workers}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    parts = shares(points, num_workers)
-    devices = visible_devices(len(parts)) if cuda else [None] * len(parts)
+    queue = PointQueue.create(out_dir / "phase_queue.json", points)
+    count = max(1, min(num_workers, len(points)))
+    devices = visible_devices(count) if cuda else [None] * count
     procs = []
-    for i, (part, dev) in enumerate(zip(parts, devices, strict=True)):
-        specs = [point_spec(p) for p in part]
+    for i, dev in enumerate(devices):
         env = {**os.environ, "COLUMNS": "250"}  # rich leaves a log's lines unwrapped: the last one is the error
         if dev is not None:
             env["CUDA_VISIBLE_DEVICES"] = dev
         log = out_dir / f"phase_worker{i}.log"
-        cmd = [sys.executable, "-m", "tierplan.api.cli", "bench", "phase", *args, "--points", ",".join(specs),
+        cmd = [sys.executable, "-m", "tierplan.api.cli", "bench", "phase", *args, "--queue", str(queue.path),
                "--out-dir", str(out_dir), "--no-report"]
         with log.open("w") as fh:
-            procs.append((i, dev, specs, log, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)))
+            procs.append((i, dev, log, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)))
     results = []
-    for i, dev, specs, log, proc in procs:
+    for i, dev, log, proc in procs:
         rc = proc.wait()
         lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
-        res = WorkerResult(i, dev, specs, rc, log, lines[-1] if lines else "")
+        claimed = [spec for spec, who in queue.claims().items() if who == str(proc.pid)]
+        res = WorkerResult(i, dev, claimed, rc, log, lines[-1] if lines else "")
         results.append(res)
         if on_done is not None:
             on_done(res)

@@ -4,7 +4,7 @@
 #   [GPUS=N] bash bench/run_h200_phase.sh "$OUT" POINTS [MODELS] [SECONDS] [EXTRA...]
 # e.g. bash bench/run_h200_phase.sh "$OUT" b8c1024g40,b32c1024g40 qwen3-30b-a3b 520
 #      GPUS=2 bash bench/run_h200_phase.sh "$OUT" qwen3-30b-a3b:b32c1024g56,mixtral-8x7b:b1c1024g32 \
-#        qwen3-30b-a3b,mixtral-8x7b 520          (on nvidia-h200-x2: one worker per GPU, round-robin points)
+#        qwen3-30b-a3b,mixtral-8x7b 520          (nvidia-h200-x2: a worker per GPU, each claims the next point)
 # Each model's newest merged JSON in bench/results is copied into $OUT under today's name first, so this call's
 # rows merge into it and the runs this code already measured on this device are skipped (a chunk cut off by its
 # timeout resumes where it stopped; EXTRA may be --fresh to measure them again). A sweep cut off by SECONDS still

@@ -148,17 +148,29 @@ def test_table_and_plots_are_written(swept: tuple[Path, list[dict]]) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_rerun_skips_what_is_measured_and_adds_what_is_not(swept: tuple[Path, list[dict]]) -> None:
+def test_a_rerun_skips_what_is_measured_and_adds_what_is_not(swept: tuple[Path, list[dict]],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierplan.bench.phase as phase
+
     out, _ = swept
     (path,) = out.glob("phase_tiny_*.json")
     rows = json.loads(path.read_text())
+    real_open = phase.open_model
+
+    def never(*_a: object, **_k: object) -> None:
+        raise AssertionError("a model with no run left was opened")
+
+    monkeypatch.setattr(phase, "open_model", never)
     res = _run("--points", POINT, "--out-dir", str(out))
     assert res.exit_code == 0, res.output
-    assert json.loads(path.read_text()) == rows  # nothing run twice, nothing lost
+    assert json.loads(path.read_text()) == rows  # nothing run twice, nothing lost, the model never opened
+    opened: list[object] = []
+    monkeypatch.setattr(phase, "open_model", lambda *a, **k: opened.append(a) or real_open(*a, **k))
     res = _run("--points", "b1c32f0.7", "--policies", "resident", "--out-dir", str(out))
     assert res.exit_code == 0, res.output
     after = json.loads(path.read_text())
     assert after[: len(rows)] == rows and [(r["batch"], r["policy"]) for r in after[len(rows):]] == [(1, "resident")]
+    assert len(opened) == 1  # opened once, for the point with a run left
 
 
 @pytest.mark.parametrize(("args", "says"), [

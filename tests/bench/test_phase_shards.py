@@ -1,31 +1,69 @@
-"""The phase sweep over several workers (bench/phase_shards.py): each point goes to exactly one worker, a point's
-`--points` pattern selects that point alone, workers get one GPU each, and two CPU workers of the quick sweep
-write one JSON that holds every run once, reported once at the end."""
+"""The phase sweep over several workers (bench/phase_shards.py): each point goes to exactly one worker's claim
+from the shared queue, a point's `--points` pattern selects that point alone, workers get one GPU each, and two
+CPU workers of the quick sweep write one JSON that holds every run once, reported once at the end."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+from multiprocessing import Queue
 from pathlib import Path
 
 import pytest
 
 from tierplan.bench.phase import sweep_grid, write_reports
 from tierplan.bench.phase_grid import FULL, QUICK, points, select_points
-from tierplan.bench.phase_shards import point_spec, run_workers, shares, visible_devices
+from tierplan.bench.phase_shards import PointQueue, point_spec, run_workers, visible_devices
 from tierplan.bench.phase_steps import load_steps
 from tierplan.bench.phase_store import load_rows
 
 
 @pytest.mark.parametrize("sizes", [QUICK, FULL], ids=["quick", "full"])
-def test_every_point_goes_to_one_worker_and_its_pattern_selects_it_alone(sizes) -> None:
+def test_a_points_pattern_selects_that_point_alone(sizes) -> None:
     grid = points(sizes)
-    parts = shares(grid, 8)
-    assert sorted((p for part in parts for p in part), key=grid.index) == grid  # each point once
-    assert max(map(len, parts)) - min(map(len, parts)) <= 1
     for p in grid:
         assert select_points(grid, point_spec(p)) == [p]
-    assert shares(grid[:2], 8) == [[grid[0]], [grid[1]]]  # no empty worker
-    with pytest.raises(ValueError, match="workers must be >= 1"):
-        shares(grid, 0)
+
+
+def _claim_all(path: str, model: str, out: Queue) -> None:
+    q = PointQueue(Path(path))
+    got = []
+    while (spec := q.claim(str(os.getpid()), model)) is not None:
+        got.append(spec)
+    out.put(got)
+
+
+def test_the_queue_hands_each_point_to_one_claim_in_sweep_order_model_by_model(tmp_path: Path) -> None:
+    grid = points(FULL)
+    q = PointQueue.create(tmp_path / "phase_queue.json", grid)
+    assert q.specs() == [point_spec(p) for p in grid]
+    first_mixtral = next(p for p in grid if p.model == "mixtral-8x7b")
+    assert q.claim("w1", "mixtral-8x7b") == point_spec(first_mixtral)  # the claimer's model, not the queue's head
+    assert q.claim("w2", "qwen3-30b-a3b") == point_spec(grid[0])
+    assert q.claim("w1", "no-such-model") is None
+    assert q.claims() == {point_spec(first_mixtral): "w1", point_spec(grid[0]): "w2"}
+    # Four processes drain what is left: every point once, none twice.
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_claim_all, args=(str(q.path), m, out))
+             for m in ("qwen3-30b-a3b", "qwen3-30b-a3b", "mixtral-8x7b", "mixtral-8x7b")]
+    for pr in procs:
+        pr.start()
+    got = [spec for _ in procs for spec in out.get(timeout=120)]
+    for pr in procs:
+        pr.join(timeout=60)
+    assert sorted(got) == sorted(set(q.specs()) - {point_spec(first_mixtral), point_spec(grid[0])})
+    assert len(q.claims()) == len(grid)
+
+
+def test_a_bad_queue_file_is_refused_by_name(tmp_path: Path) -> None:
+    bad = tmp_path / "q.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"--queue .*q.json: expected an object with 'points'"):
+        PointQueue(bad).specs()
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="not a readable point queue"):
+        PointQueue(bad).claim("w", "tiny")
 
 
 def test_each_worker_sees_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,6 +88,8 @@ def test_two_cpu_workers_write_one_json_and_one_report(tmp_path: Path) -> None:
     text = console.export_text()
     assert not failed, text + "".join(p.read_text()[-2000:] for p in tmp_path.glob("phase_worker*.log"))
     assert text.count(" done: ") == 2 and "tiny: report from" in text
+    claims = PointQueue(tmp_path / "phase_queue.json").claims()
+    assert sorted(claims) == ["tiny:b1c32f0.4", "tiny:b4c32f0.4"]  # each point claimed once, by one worker
     (json_path,) = tmp_path.glob("phase_tiny_*.json")
     rows = [r for r in load_rows(json_path) if r["status"] == "ok"]
     assert sorted((r["batch"], r["policy"]) for r in rows) == [(1, "resident"), (1, "static_lru"),
@@ -65,7 +105,7 @@ def test_two_cpu_workers_write_one_json_and_one_report(tmp_path: Path) -> None:
 def test_workers_write_rows_only_and_the_report_reads_their_days_json(tmp_path: Path) -> None:
     sizes, grid = sweep_grid(quick=True, point_spec="b1c32f0.4", policies=("resident",))
     (r,) = run_workers(grid, 2, ["--device", "cpu", "--quick", "--policies", "resident"], tmp_path, cuda=False)
-    assert r.returncode == 0 and len(r.points) == 1
+    assert r.returncode == 0 and r.points == ["tiny:b1c32f0.4"]  # one point: one worker, which claimed it
     assert not list(tmp_path.glob("*.md"))  # the workers wrote rows only
     (json_path,) = tmp_path.glob("phase_tiny_*.json")
     day = json_path.stem.rsplit("_", 1)[1]
@@ -78,3 +118,18 @@ def test_a_failing_worker_is_reported_with_its_exit_code_and_last_line(tmp_path:
     _sizes, grid = sweep_grid(quick=True, point_spec="b1c32f0.4")
     (r,) = run_workers(grid, 2, ["--device", "cpu", "--quick", "--policies", "nope"], tmp_path, cuda=False)
     assert r.returncode == 2 and "unknown policy" in r.last_line and "nope" in r.log.read_text()
+
+
+def test_the_cli_refuses_a_queue_beside_points_or_a_missing_queue(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from tierplan.api.cli import app
+
+    q = PointQueue.create(tmp_path / "phase_queue.json", points(QUICK)[:1])
+    res = CliRunner().invoke(app, ["bench", "phase", "--quick", "--queue", str(q.path), "--points", "b1c32f0.4",
+                                   "--out-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "leave out --points and --gpus" in " ".join(res.output.split())
+    res = CliRunner().invoke(app, ["bench", "phase", "--quick", "--queue", str(tmp_path / "nope.json"),
+                                   "--out-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "no such file" in " ".join(res.output.split())
+    assert not list(tmp_path.glob("phase_tiny_*.json"))  # nothing ran
