@@ -215,6 +215,19 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
     return linear(out.reshape(n, -1), w, "o_proj")
 
 
+# With a mask, SDPA may take a kernel that holds every score of the segment, [Hq, n, C]: a 42K-token prompt at 16K
+# mean context asked the H200 for 107 GiB (phase run 26). Query rows go in chunks of at most this many scores;
+# a segment under it is one call, as before.
+MAX_SCORES_PER_CALL = 1 << 28
+
+
+def query_chunks(num_rows: int, num_heads: int, context: int) -> list[tuple[int, int]]:
+    """[(first, end)) query-row ranges of one segment, each holding at most MAX_SCORES_PER_CALL scores (at least
+    one row a chunk)."""
+    step = max(1, MAX_SCORES_PER_CALL // max(1, num_heads * context))
+    return [(q0, min(num_rows, q0 + step)) for q0 in range(0, num_rows, step)]
+
+
 def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tensor, segments: list[Segment],
                   cache: PagedKVCache, layer: int, spec: ModelSpec,
                   observer: MassObserver | None = None, meta: StepMeta | None = None) -> torch.Tensor:
@@ -241,10 +254,14 @@ def gqa_attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.
         qs = q[rows].transpose(0, 1)  # [Hq, n, D]
         ks = keys.transpose(0, 1).repeat_interleave(nh // nkv, 0)  # [Hq, C, D]
         vs = vals.transpose(0, 1).repeat_interleave(nh // nkv, 0)
-        mask = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]  # [n, C]
-        if spec.sliding_window:
-            mask &= torch.arange(ctx, device=x.device)[None, :] > pos[:, None] - spec.sliding_window
-        out[rows] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1)
+        cols = torch.arange(ctx, device=x.device)[None, :]  # [1, C]
+        seg_out = out[rows]  # [n, Hq, D], a view
+        for q0, q1 in query_chunks(s.num_tokens, nh, ctx):
+            p = pos[q0:q1, None]
+            mask = cols <= p  # [n', C]
+            if spec.sliding_window:
+                mask &= cols > p - spec.sliding_window
+            seg_out[q0:q1] = F.scaled_dot_product_attention(qs[:, q0:q1], ks, vs, attn_mask=mask).transpose(0, 1)
         observe(observer, layer, s, q[rows][-1], cache, keys)
     return linear(out.reshape(n, nh * d), w, "o_proj")
 

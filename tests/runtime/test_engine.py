@@ -199,3 +199,37 @@ def test_borrowed_dense_weights_give_the_engines_own_bits_and_are_checked(tiny, 
         dense_weights_for(tiny, torch.device("cpu"), cfg.seed, synthetic_dense_weights(wider, torch.device("meta")))
     with pytest.raises(ConfigError, match="checkpoint brings its own"):
         dense_weights_for(tiny, torch.device("cpu"), cfg.seed, lent, checkpoint=lent)
+
+
+def test_long_prompts_attend_in_query_chunks_of_bounded_scores(tiny, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill segment whose scores [Hq, n, C] exceed the bound goes to SDPA in query chunks (a 42K-token prompt
+    asked the H200 for 107 GiB in one call): every call stays under the bound, and the tokens and logits match
+    the one-call path."""
+    import torch.nn.functional as F
+
+    import tierplan.runtime.engine.attention as attn
+
+    prompts = [list(range(1, 40)), [9, 8, 7]]
+    cfg = EngineConfig(block_tokens=auto_block_tokens(tiny), workdir=tmp_path / "a")
+    eng = ReferenceEngine(tiny, Device("cpu"), cfg)
+    whole = eng.generate(prompts, 3)
+    eng.close()
+    bound = 4 * tiny.num_heads * 40  # four query rows a call at a 40-token context
+    monkeypatch.setattr(attn, "MAX_SCORES_PER_CALL", bound)
+    calls: list[int] = []
+    real = F.scaled_dot_product_attention
+
+    def counted(q, k, v, **kw):
+        calls.append(q.shape[0] * q.shape[1] * k.shape[1])  # [Hq, n', D] x [Hq, C, D]: scores
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(attn.F, "scaled_dot_product_attention", counted)
+    eng = ReferenceEngine(tiny, Device("cpu"), EngineConfig(block_tokens=cfg.block_tokens, workdir=tmp_path / "b"))
+    chunked = eng.generate(prompts, 3)
+    eng.close()
+    assert calls and max(calls) <= bound and len(calls) > 2 * tiny.num_layers  # the 39-token prompt was split
+    assert chunked.tokens == whole.tokens
+    torch.testing.assert_close(chunked.logits, whole.logits, rtol=0, atol=1e-5)
+    assert attn.query_chunks(10, 2, 3) == [(0, 10)] and attn.query_chunks(3, 10 ** 9, 10 ** 9) == [(0, 1), (1, 2),
+                                                                                                 (2, 3)]
