@@ -64,6 +64,12 @@ def _between(r: dict[str, Any]) -> float:
     return _per_token(r, max(0.0, r["measured_step_ms"] - r["engine_step_ms"]))
 
 
+def _served(r: dict[str, Any]) -> tuple[int, int] | None:
+    """(requests finished, requests) of a run, where the row counts them (rows before the run stop did not)."""
+    left, total = r.get("requests_unfinished"), r.get("requests")
+    return None if left is None or not total else (total - left, total)
+
+
 def _cause(tp: dict[str, Any], best: dict[str, Any]) -> str:
     """What the stall breakdown says about tierplan's shortfall against `best`, per output token."""
     pred = tp.get("predicted_over_measured")
@@ -74,7 +80,12 @@ def _cause(tp: dict[str, Any], best: dict[str, Any]) -> str:
     tpt, tpt_b = _ms_per_token(tp), _ms_per_token(best)
     run_tp, run_b = tp.get("mean_running_batch"), best.get("mean_running_batch")
     h2d = (tp.get("link_bytes") or {}).get("h2d", 0)
-    if same_work(tp, best):
+    served_tp, served_b = _served(tp), _served(best)
+    if served_tp is not None and served_b is not None and served_b[0] < 0.5 * served_tp[0]:
+        why = (f"not the same work: {best['policy']} served {served_b[0]} of {served_b[1]} requests before the run's "
+               f"stop, tierplan {served_tp[0]} ({run_b or 0:.1f} vs {run_tp or 0:.1f} sequences per step); its "
+               "window holds few of its prefills and none of its queueing")
+    elif same_work(tp, best):
         why = (f"same work as {best['policy']} (same steps, executors, bytes moved and hits): run-to-run spread, "
                f"not a decision ({tpt:.3f} vs {tpt_b:.3f} ms/token)")
     elif exp_tp > exp_b + 0.1 * tpt:

@@ -80,6 +80,23 @@ def test_the_cause_compares_per_token_figures() -> None:
     assert p["cause"].startswith("engine overhead between steps (planner solves, spills, hooks): 5.250 vs 0.500")
 
 
+def test_a_best_run_that_served_a_few_requests_before_the_stop_is_not_the_same_work() -> None:
+    """H200 phase run 26, b128 1K 40 GiB: resident's 171 KV blocks ran 2.9 sequences a step and the run stopped
+    with 154 of 160 requests unfinished; tierplan served all 160."""
+    rows = [_row("resident", 470.0, running=2.9, requests=160, requests_unfinished=154),
+            _row("tierplan", 325.0, running=52.1, requests=160, requests_unfinished=0)]
+    (p,), _ = summarize(rows)
+    assert p["cause"].startswith("not the same work: resident served 6 of 160 requests before the run's stop, "
+                                 "tierplan 160 (2.9 vs 52.1 sequences per step)")
+    rows[0]["requests_unfinished"] = 40  # 120 of 160: comparable work, the usual causes
+    (p,), _ = summarize(rows)
+    assert not p["cause"].startswith("not the same work")
+    for r in rows:  # rows from before the run stop count no requests
+        del r["requests_unfinished"]
+    (p,), _ = summarize(rows)
+    assert not p["cause"].startswith("not the same work")
+
+
 def _work(**over: Any) -> dict[str, Any]:
     """The fields `same_work` compares, as two runs that did the same work share them."""
     return {"measured_steps": 120, "output_tokens": 960, "preemptions": 0, "expert_hit_rate": 0.9,
