@@ -159,7 +159,7 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, pref
             except RunRefused as exc:
                 tried.append(f"{label}: refused ({exc})")
                 continue
-            row = measured_row(base, out, sizes.warm_steps, predictor)
+            row = measured_row(base, out, sizes.warm_steps, predictor, _tokens_per_request(ctx))
             if checked:
                 row["notes"] = (row["notes"] + " | " if row["notes"] else "") + checked
             row = {**row, "candidate_status": row["status"], "status": CANDIDATE, "oracle_split": label,
@@ -204,6 +204,11 @@ def _base_row(point: Point, ctx: PointContext | None, policy: str, device: str, 
             "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def _tokens_per_request(ctx: PointContext) -> float:
+    """The point's mean output tokens per request (the rows' `steady_tok_s`)."""
+    return sum(r.output_len for r in ctx.requests) / max(1, len(ctx.requests))
+
+
 def _one(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, sizes: Sizes, predictor: Predictor,
          base: dict[str, Any], store: _Store, say: Any, how: OracleRecording) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tierplan-phase-") as tmp:
@@ -212,7 +217,7 @@ def _one(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, siz
             if baseline.needs_future:
                 return _oracle(h, ctx, sizes, Path(tmp), prefix_tokens, predictor, base, store, say, how)
             out = measure(h, ctx, baseline, sizes, Path(tmp), prefix_tokens)
-            row = measured_row(base, out, sizes.warm_steps, predictor)
+            row = measured_row(base, out, sizes.warm_steps, predictor, _tokens_per_request(ctx))
         except RunRefused as exc:
             return refused_row(base, str(exc))
         except ImportError as exc:  # e.g. the controller's solver stack absent on the device image

@@ -113,6 +113,14 @@ def _why_not(tp: dict[str, Any] | None) -> str:
     return f"missed: tierplan {tp.get('status')}: {(tp.get('notes') or '')[:160]}"
 
 
+def _vs_best_steady(tp: dict[str, Any] | None, others: list[dict[str, Any]]) -> float | None:
+    """tierplan's `steady_tok_s` over the best static one's at the point (None where a row lacks it: runs from
+    before the figure)."""
+    steady = [r.get("steady_tok_s") for r in others]
+    mine = tp.get("steady_tok_s") if tp else None
+    return mine / max(steady) if mine and steady and all(steady) else None
+
+
 def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per point: tierplan / best non-oracle baseline and / oracle (tok/s); and the Acceptance targets."""
     per: list[dict[str, Any]] = []
@@ -136,6 +144,7 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[st
             "tierplan_ok": _ok(tp), "tierplan_status": tp.get("status") if tp else "absent",
             "tierplan_tok_s": tp_tok, "oracle_tok_s": orc_tok, "oracle_status": orc.get("status") if orc else None,
             "vs_best": vs_best, "vs_oracle": tp_tok / orc_tok if tp_tok and orc_tok else None,
+            "vs_best_steady": _vs_best_steady(tp, others),
             # time per output token, oracle over tierplan (= tierplan tok/s over the oracle's)
             "oracle_over_tierplan_tpt": tp_tok / orc_tok if tp_tok and orc_tok else None,
             "cause": cause,
@@ -208,15 +217,19 @@ def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -
     lines += ["", "Static baselines: every policy here but tierplan and the oracle; each row that produced a "
               "throughput competes (degraded ones marked). A point where tierplan is not ok counts as missed. "
               "tok/s is output tokens over the wall time of the measured steps, everything between them "
-              "included.", "", spread_line(spread(rows)), "", *([repeats, ""] if repeats else []),
+              "included. Steady: the same with each run charged for the prefills its output implies, at its own "
+              "prefill cost (`steady_tok_s`): a run stopped early under a small KV share holds few of its "
+              "prefills.", "", spread_line(spread(rows)), "", *([repeats, ""] if repeats else []),
               "## tierplan per point", "",
-              "| batch | context | budget | best baseline | tok/s | tierplan tok/s | tierplan / best | oracle tok/s | "
-              "tierplan / oracle | cause (below 0.95x or missed) |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| batch | context | budget | best baseline | tok/s | tierplan tok/s | tierplan / best | "
+              "tierplan / best (steady) | oracle tok/s | tierplan / oracle | cause (below 0.95x or missed) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in per:
         tp_mark = "" if p["tierplan_status"] == "ok" else f" ({p['tierplan_status']})"
         orc_mark = "" if p["oracle_status"] in (None, "ok") else f" ({p['oracle_status']})"
         lines.append(f"| {p['batch']} | {p['context']} | {p['budget']} | {p['best'] or '—'} | "
                      f"{_f(p['best_tok_s'], '.1f')} | {_f(p['tierplan_tok_s'], '.1f')}{tp_mark} | {_f(p['vs_best'])} | "
+                     f"{_f(p['vs_best_steady'])} | "
                      f"{_f(p['oracle_tok_s'], '.1f')}{orc_mark} | {_f(p['vs_oracle'])} | {p['cause']} |")
     lines += ["", "## Every run", "",
               "| batch | ctx | budget | policy | status | tok/s | ms/token | seqs/step | TPOT p50/p99 ms | "

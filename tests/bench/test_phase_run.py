@@ -357,3 +357,26 @@ def test_timing_reports_the_median_and_slowest_decode_cycle() -> None:
     assert t["decode_step_ms_p50"] == pytest.approx(12.0) and t["decode_step_ms_max"] == pytest.approx(50.0)
     assert t["gc_ms"] == 30.0
     assert timing([step(0.2, prefills=1)])["decode_step_ms_p50"] is None
+
+
+def test_steady_throughput_charges_a_window_for_the_prefills_its_output_implies() -> None:
+    """A run stopped early under a small KV share outputs tokens whose prefills fell before its window (or never
+    ran): `steady_tok_s` charges them at the run's own prefill cost; a window that holds its prefills keeps its
+    tok/s."""
+    from types import SimpleNamespace
+
+    from tierplan.bench.phase_metrics import prefill_ms_per_request, steady_tok_s
+
+    def step(cycle_s: float, prefills: int, decodes: int) -> SimpleNamespace:
+        return SimpleNamespace(cycle_s=cycle_s, num_prefills=prefills, num_decodes=decodes,
+                               tokens_out=prefills + decodes)
+
+    dec, pre = step(0.010, 0, 2), step(0.050, 1, 2)  # 5 ms a sequence decoding; a prefill costs 40 ms
+    assert prefill_ms_per_request([dec, pre, dec]) == pytest.approx(40.0)
+    # Ten decode steps: 20 tokens, 4 requests' worth at 5 tokens a request, none of their prefills in the window.
+    warm, window = [pre] * 4, [dec] * 10
+    assert steady_tok_s(warm + window, window, 5.0) == pytest.approx(20 / (0.1 + 4 * 0.040))
+    # Four prefills and four decode steps: 12 + 8 = 20 tokens, the window holds the 4 prefills they imply.
+    window = [pre] * 4 + [dec] * 4
+    assert steady_tok_s(window, window, 5.0) == pytest.approx(20 / 0.24)
+    assert steady_tok_s(window, [], 5.0) is None and steady_tok_s(window, window, 0.0) is None
