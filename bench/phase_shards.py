@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tierplan.bench.phase_grid import Point
-from tierplan.bench.phase_store import locked
+from tierplan.bench.phase_store import locked, write_json
 
 
 def point_spec(p: Point) -> str:
@@ -43,7 +43,7 @@ class PointQueue:
     @classmethod
     def create(cls, path: Path, points: Sequence[Point]) -> PointQueue:
         with locked(path):
-            path.write_text(json.dumps({"points": [point_spec(p) for p in points], "claims": {}}, indent=1))
+            write_json(path, {"points": [point_spec(p) for p in points], "claims": {}})
         return cls(path)
 
     def _read(self) -> dict[str, Any]:
@@ -71,9 +71,7 @@ class PointQueue:
                         None)
             if spec is not None:
                 state["claims"][spec] = worker
-                tmp = self.path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(state, indent=1))
-                os.replace(tmp, self.path)
+                write_json(self.path, state)
         return spec
 
 

@@ -112,12 +112,17 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_json(path: Path, value: Any) -> None:
     """Write atomically: a reader (or a run killed mid-write) sees the old file or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(rows, indent=1, default=str))
+    tmp.write_text(json.dumps(value, indent=1, default=str))
     os.replace(tmp, path)
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """The rows, written atomically (`write_json`)."""
+    write_json(path, rows)
 
 
 @contextlib.contextmanager
