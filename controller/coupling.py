@@ -191,7 +191,7 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
     """The problem with the GPU KV share fixed at `gpu_blocks`: (valuation, batch, served share, KV move ms)."""
     unit = space.unit_bytes
     t = _terms(fc, cost, space, gpu_blocks, prefix_hit_share(fc, space.kv_gpu_blocks_max))
-    misses = with_large_steps(curves_at(fc, t.batch_tokens)[0], fc)
+    misses = with_large_steps(curves_at(fc, t.batch_tokens)[0], fc, t.batch_tokens)
     r = space.prefetch_recall if fc.prefetch_recall is None else fc.prefetch_recall
     groups, slot_counts, stalls = expert_groups(misses, cost, space, current_slots, t.step_ms, r,
                                                 scale=1.0 / t.served)
@@ -280,8 +280,9 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
         # Chunking priced at the band's largest union: the split then holds it at every share of the band, so
         # re-priced at a larger share's batch it does not fall into chunks the middle share did not see.
         union = at(max(terms[i].batch_tokens for i in members))[:, 0]
-        arrs, lays = _expert_arrays(with_large_steps(at(mid.batch_tokens), fc), cost, space, current_slots,
-                                    mid.step_ms, recall, move, mid.served, union)
+        mid_misses = with_large_steps(at(mid.batch_tokens), fc, mid.batch_tokens)
+        arrs, lays = _expert_arrays(mid_misses, cost, space, current_slots, mid.step_ms, recall, move, mid.served,
+                                    union)
         tables = tables_of(arrs, lays, 0.0, capacity)
         for i in members:
             kv_units = units_for_bytes(grid[i] * space.kv_block_bytes, unit)
@@ -293,7 +294,7 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
             choice = backtrack(arrs, lays, tables, 0.0, left)
             assert choice is not None
             t, slots = terms[i], ranges[:, 0] + np.asarray(choice)
-            curves = at(t.batch_tokens)
+            curves = np.asarray(with_large_steps(at(t.batch_tokens), fc, t.batch_tokens))  # [M, E + 1]
             misses = curves[layers, slots]  # [M] each layer's loads at its chosen slot count
             stall_ms = space.stall_weight * float(option_stall_ms(cost, misses, curves[:, 0], slots, recall,
                                                                   t.step_ms).sum())

@@ -30,9 +30,11 @@ MIN_CURVE_STEPS = 8.0  # decayed steps a batch bucket needs before its measured 
 MIN_RECALL_LOADS = 20.0  # decayed loads (prefetched + on demand) before the measured recall replaces the prior
 LARGE_STEP_FACTOR = 4.0  # a step of more than this many times the window's median tokens is a large one (a prefill)
 # KV demand has settled once this many windows passed with none growing more than KV_SETTLE_GROWTH over the one
-# before; until then the GPU KV share the agent started with is the least a plan leaves KV (a batch that is still
-# filling holds a fraction of what it will: H200 phase runs 23-25 took KV from 2,341 to 997 blocks on the 537 seen
-# after 8 steps, and the runs preempted).
+# before; until then the demand is priced at no less than the GPU KV share the agent started with (a batch that is
+# still filling holds a fraction of what it will: H200 phase runs 23-25 took KV from 2,341 to 997 blocks on the 537
+# seen after 8 steps, and the runs preempted). Priced, not held as a floor: a plan may still run fewer sequences
+# where that is cheaper per token (H200 phase runs 26-27, b128 1K and b8 16K: a floor at the start's share left
+# 37-51 expert slots a layer, and the prefills that need every expert made the runs 0.59-0.64x of the best).
 KV_SETTLE_WINDOWS = 4
 KV_SETTLE_GROWTH = 0.1
 
@@ -73,7 +75,7 @@ class DemandForecast:
     # own curves, at their size, times their share) [M][E + 1]; `with_large_steps` folds them into a curve.
     large_step_share: float = 0.0
     large_step_misses: tuple[tuple[float, ...], ...] = ()
-    kv_floor_blocks: int = 0  # KV demand not settled yet: a plan keeps at least the share the agent started with
+    kv_filling_blocks: int = 0  # KV demand not settled yet: the agent's start share, the least demand is priced at
 
 
 @dataclass(frozen=True)
@@ -94,16 +96,25 @@ def frequency_curve(probs: np.ndarray, batch: float) -> tuple[np.ndarray, float]
     return tail, float(q.sum())
 
 
-def with_large_steps(curves: tuple[tuple[float, ...], ...] | np.ndarray, fc: DemandForecast
-                     ) -> tuple[tuple[float, ...], ...] | np.ndarray:
+def with_large_steps(curves: tuple[tuple[float, ...], ...] | np.ndarray, fc: DemandForecast,
+                     batch_tokens: float | None = None) -> tuple[tuple[float, ...], ...] | np.ndarray:
     """`curves` [M][E + 1] (a typical step's loads) as the expected loads of an average step: the typical steps'
     share of them plus what the large steps (prefills) add at their own size. A prefill needs nearly every
     expert a layer has seen, so each slot short of them costs a load in every prefill step, which a curve at
     the median step alone prices at nothing once its few experts fit (H200 phase run 20, b32 40 GiB: ~20 of
-    ~150 steps were 1K prefills, each streaming the ~60 experts a layer did not hold)."""
+    ~150 steps were 1K prefills, each streaming the ~60 experts a layer did not hold).
+    `batch_tokens`: the running batch the curves describe, where it is not the observed one (a KV share that
+    runs fewer sequences). Every request prefills once, so prefills per step scale with the sequences running:
+    their share is scaled by batch / observed. Held at the observed share, a share running a tenth of the
+    sequences would pay ten times the prefills per token served (H200 phase run 26, b128: the KV-first split
+    kept, its 51 slots a layer costing each prefill 155 ms against 40-51 ms with 77)."""
     if not fc.large_step_misses:
         return curves  # no large step seen: the curves as they are (no copy on the valuation's path)
-    return (1.0 - fc.large_step_share) * np.asarray(curves) + np.asarray(fc.large_step_misses)  # [M, E + 1]
+    share, large = fc.large_step_share, np.asarray(fc.large_step_misses)  # large: [M, E + 1], times the share
+    if batch_tokens is not None and fc.batch_tokens > 0 and share > 0:
+        scaled = min(1.0, share * batch_tokens / fc.batch_tokens)
+        share, large = scaled, large * (scaled / share)
+    return (1.0 - share) * np.asarray(curves) + large  # [M, E + 1]
 
 
 class DemandModel:
@@ -276,14 +287,15 @@ class DemandModel:
         live = max(self.kv_live or 0.0, self.kv_live_now)
         if saturated and limit is not None and not self.kv_queued_now:
             live = max(live, KV_SATURATED_GROWTH * limit)
-        floor = self.kv_start_blocks if self.kv_start_blocks is not None and self.kv_rising() else 0
+        filling = self.kv_start_blocks if self.kv_start_blocks is not None and self.kv_rising() else 0
+        live = max(live, float(filling))
         source = f"measured LRU curves at B~{bucket}" if measured else "activation frequencies"
         share, large = self._large_steps(at)
         return DemandForecast(batch, tuple(misses), tuple(unions), source, live, self.kv_gpu, saturated, hot,
                               self.num_windows, self.reuse_per_step or 0.0, tuple(sorted(self.reuse_ages)),
                               self.touch_blocks_per_s or 0.0, self._recall(), self._precision(), token_probs=probs,
                               bucket_curves=tuple(buckets), curve_batch=float(bucket) if measured else batch,
-                              large_step_share=share, large_step_misses=large, kv_floor_blocks=floor)
+                              large_step_share=share, large_step_misses=large, kv_filling_blocks=filling)
 
     def kv_rising(self) -> bool:
         """Whether KV demand has yet to settle: fewer than KV_SETTLE_WINDOWS windows seen, or one of the last of

@@ -46,7 +46,7 @@ from tierplan.controller.protocol import (
     Tier,
 )
 from tierplan.controller.state import AgentRecord, ControllerState, ModelInfo
-from tierplan.controller.valuation import SplitSpace, Valuation, build_problem, slot_range
+from tierplan.controller.valuation import SplitSpace, Valuation, build_problem
 
 MAX_REASON_CHARS = 4000  # a plan's reason (the protocol allows a little more)
 PIN_UNION_HEADROOM = 1.25  # step unions vary around their mean: room for most steps' unions, not the mean's
@@ -217,21 +217,6 @@ class Controller:
         self._fresh = True
         return rec
 
-    def _space_for(self, fc: DemandForecast) -> SplitSpace:
-        """This solve's split space: while KV demand is still rising (a batch filling, `DemandModel.kv_rising`),
-        the GPU KV share the agent started with (the serving shape its operator set, never a plan of ours: those
-        give spare HBM to KV) is the least a plan may leave KV, as far as it fits beside every layer's least
-        slots. A filling batch holds a fraction of what it will (H200 phase runs 23-25: the first plan took KV
-        from 2,341 to 997 blocks on the 537 seen after 8 steps, and the runs preempted)."""
-        space, limit = self.config.space, fc.kv_floor_blocks
-        if limit <= space.kv_gpu_blocks_min:
-            return space
-        shape = self.config.shape
-        least_slots = sum(slot_range(space, m, shape.num_experts)[0] for m in range(len(shape.moe_layers)))
-        room = (space.capacity_bytes - least_slots * space.slot_bytes) // space.kv_block_bytes
-        floor = min(limit, space.kv_gpu_blocks_max, room)
-        return replace(space, kv_gpu_blocks_min=floor) if floor > space.kv_gpu_blocks_min else space
-
     def record_ack(self, ack: PlanAck) -> None:
         """Mirror an ack (TelemetryRejected, changing nothing, if the state refuses it). An APPLIED ack moves
         the current split only when it names a newer plan than the current one: a late ack for an older plan
@@ -287,7 +272,7 @@ class Controller:
         kv_demand = fc.kv_live_blocks
         cur = now.split
         cur_slots, cur_kv = (cur.slots, cur.kv_blocks) if cur else (None, None)
-        space = self._space_for(fc)
+        space = cfg.space
         if cfg.batch_coupling:
             val, sol = solve_coupled(fc, self.cost, space, cur_slots, cur_kv, cfg.horizon_steps, self._solve)
         else:

@@ -48,8 +48,8 @@ def _workload(prev: DemandForecast | None, fc: DemandForecast, kv_demand: float)
     num_experts = len(fc.misses_per_step[0]) - 1
     large = (f"; {fc.large_step_share:.0%} of steps over {LARGE_STEP_FACTOR:g}x the median (prefills), their "
              "loads priced at their size" if fc.large_step_share > 0 else "")
-    rising = (f"; KV demand still rising: no less GPU KV than the {fc.kv_floor_blocks} blocks the agent started "
-              "with" if fc.kv_floor_blocks else "")
+    rising = (f"; KV demand still rising: priced at no less than the {fc.kv_filling_blocks} blocks the agent "
+              "started with" if fc.kv_filling_blocks else "")
     if prev is None:
         return (f"batch {fc.batch_tokens:.1f} tokens/step needs {union:.1f} of {num_experts} experts per layer "
                 f"per step{large}; KV demand {kv_demand:.0f} blocks{rising}")

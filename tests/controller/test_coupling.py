@@ -267,6 +267,20 @@ def test_large_steps_are_priced_at_their_own_size_beside_the_median_step() -> No
     assert ctl.demand.forecast().large_step_share == 0.0
 
 
+def test_prefills_per_step_scale_with_the_batch_a_share_runs() -> None:
+    """Every request prefills once, so a share running half the sequences runs half the prefills per step: the
+    large steps' share follows the running batch (at most every step), and their loads per token stay put."""
+    ctl = make_controller()
+    ctl.sync_from(_with_prefill((4,) * 7 + (1000,)))
+    fc = ctl.demand.forecast()
+    typical, large = np.asarray(fc.misses_per_step), np.asarray(fc.large_step_misses)  # large: times 1/8
+    assert np.allclose(with_large_steps(fc.misses_per_step, fc, fc.batch_tokens), with_large_steps(
+        fc.misses_per_step, fc))
+    half = with_large_steps(fc.misses_per_step, fc, fc.batch_tokens / 2)
+    assert np.allclose(half, (1 - 1 / 16) * typical + large / 2)
+    assert np.allclose(with_large_steps(fc.misses_per_step, fc, 16 * fc.batch_tokens), 8 * large)  # all prefills
+
+
 def test_measured_curves_are_anchored_at_their_bucket_not_at_the_observed_batch() -> None:
     """Observed 2.9 tokens a step, so the forecast's curves are bucket 4's measured ones: between buckets 2 and 4
     the curve follows log(batch), with no flat stretch from 2.9 to 4."""

@@ -20,8 +20,9 @@ from tests.controller.loop_fixtures import (
     make_controller,
     plan_total_bytes,
 )
+from tierplan.controller.costmodel import ComputeParams
 from tierplan.controller.demand import KV_SETTLE_WINDOWS
-from tierplan.controller.loop import Outcome, Solver, num_pins
+from tierplan.controller.loop import Controller, Outcome, Solver, num_pins
 from tierplan.controller.protocol import AckStatus, Forecast, Plan, RejectReason, Tier, parse, to_json
 from tierplan.controller.state import RejectCode, TelemetryRejected
 
@@ -271,28 +272,44 @@ def test_spare_hbm_goes_to_kv_within_the_tier() -> None:
     assert with_spare_kv(Split((0, 0), KV_MAX), space) == (Split((0, 0), KV_MAX), 0)
 
 
-def test_a_filling_batch_keeps_the_kv_share_the_agent_started_with_until_its_demand_settles() -> None:
-    """The agent reports the GPU KV share it started with (40 blocks, a split this controller never issued)
-    while its batch holds 12 and grows: every plan keeps the 40 (without the report the first plan leaves 25 and
-    the batch, once full, would wait for KV); once the demand has stayed flat for KV_SETTLE_WINDOWS windows, a
-    plan may take KV back. A share of this controller's own plans is no floor (it holds spare HBM)."""
+def _filling(compute_load_ms: float | None, prefill_tokens: int = 0) -> tuple[list[Plan], Controller, Windows]:
+    """A batch filling (12, 16, 20 blocks held) behind the 40-block GPU KV share the agent started with (a split
+    this controller never issued). `compute_load_ms`: a decode-bound step (10 ms at any small batch, so a
+    deferred sequence costs a step's worth) and loads of that many ms each; None: the fixture's free compute.
+    `prefill_tokens`: the first step of every window is a prefill of that many tokens."""
+    ctl = make_controller() if compute_load_ms is None else make_controller(
+        compute=ComputeParams(step_ms=10.0, moe_ms_per_token=0.01), transfer_overhead_s=compute_load_ms * 1e-3,
+        calibrate=False)
+    win, plans = Windows(), []
+    for live in (12, 16, 20):
+        tel = win.next(4, live, kv_gpu_limit_blocks=40 if not plans else plans[0].kv_blocks_per_tier[Tier.GPU])
+        if prefill_tokens:
+            tel = tel.model_copy(update={"step_unions": tuple(u.model_copy(update={"batch_tokens": (
+                prefill_tokens, *u.batch_tokens[1:])}) for u in tel.step_unions)})
+        ctl.sync_from(tel)
+        if (plan := ctl.step_next()) is not None:
+            plans.append(plan)
+            ctl.record_ack(ack(plan))
+            win.applied = plan.version
+    return plans, ctl, win
+
+
+def test_a_filling_batch_prices_its_kv_demand_at_the_share_the_agent_started_with() -> None:
+    """While KV demand rises, it is priced at no less than the share the agent started with (40 blocks; 12 seen):
+    where a deferred sequence costs a decode step and loads are cheap, every plan keeps the 40 (priced at the 12
+    seen, the first plan leaves 25 and the batch, once full, would wait for KV). Once the demand has stayed flat
+    for KV_SETTLE_WINDOWS windows it is priced as seen, and a plan may take KV back. A share of this controller's
+    own plans never moves the start (it holds spare HBM)."""
     ctl, win = make_controller(), Windows()
     ctl.sync_from(win.next(4, 12))
     blind = ctl.step_next()
     assert blind is not None and blind.kv_blocks_per_tier[Tier.GPU] < 40
 
-    ctl, win = make_controller(), Windows()
-    plans = []
-    for live in (12, 16, 20):  # the batch fills: each window holds more
-        ctl.sync_from(win.next(4, live, kv_gpu_limit_blocks=40 if not plans else plans[0].kv_blocks_per_tier[
-            Tier.GPU]))
-        if (plan := ctl.step_next()) is not None:
-            plans.append(plan)
-            ctl.record_ack(ack(plan))
-            win.applied = plan.version
+    plans, ctl, win = _filling(compute_load_ms=0.5)
     assert plans and all(p.kv_blocks_per_tier[Tier.GPU] >= 40 for p in plans)
-    assert "KV demand still rising: no less GPU KV than the 40 blocks the agent started with" in plans[0].reason
+    assert "KV demand still rising: priced at no less than the 40 blocks the agent started with" in plans[0].reason
     assert ctl.demand.kv_start_blocks == 40  # reports under a plan of ours never move it
+    assert ctl.demand.forecast().kv_live_blocks == 40
     later = []
     for _ in range(KV_SETTLE_WINDOWS + 2):  # the same 20 blocks every window: the demand has settled
         ctl.sync_from(win.next(4, 20))
@@ -300,11 +317,25 @@ def test_a_filling_batch_keeps_the_kv_share_the_agent_started_with_until_its_dem
             later.append(plan)
             ctl.record_ack(ack(plan))
             win.applied = plan.version
+    assert ctl.demand.forecast().kv_live_blocks == 20
     assert later and later[-1].kv_blocks_per_tier[Tier.GPU] < 40 and "still rising" not in later[-1].reason
 
 
-def test_the_kv_floor_while_rising_never_squeezes_the_least_expert_slots() -> None:
-    """A reported share larger than what fits beside every layer's least slots is clamped there: the plan fits."""
+def test_the_start_share_is_a_price_not_a_floor_where_fewer_sequences_cost_less() -> None:
+    """The same filling batch where each load costs 4 ms: more expert slots and fewer sequences at a time cost
+    less per token than the start's 40 blocks, so the first plan leaves KV below them (a floor at the start share
+    held the KV-first split at H200 phase run 26's b128 1K point, 0.59x of the best baseline). With a prefill in
+    every window, whose loads grow with every slot short of the experts it routes to, at 1 ms a load too."""
+    for load_ms, prefill in ((4.0, 0), (1.0, 1000)):
+        plans, _, _ = _filling(compute_load_ms=load_ms, prefill_tokens=prefill)
+        cheap, _, _ = _filling(compute_load_ms=0.5, prefill_tokens=prefill)
+        assert plans[0].kv_blocks_per_tier[Tier.GPU] < 40 <= cheap[0].kv_blocks_per_tier[Tier.GPU]
+        assert sum(plans[0].expert_bytes_per_layer) > sum(cheap[0].expert_bytes_per_layer)
+        assert "priced at no less than the 40 blocks" in plans[0].reason
+
+
+def test_a_start_share_larger_than_the_room_beside_the_least_slots_still_gives_a_plan_that_fits() -> None:
+    """The agent reports the whole budget as its start share (no room for 2 slots a layer): the plan fits."""
     ctl, win = make_controller(), Windows()
     ctl.sync_from(win.next(4, 12, kv_gpu_limit_blocks=64))  # the whole budget as KV: no room for 2 slots a layer
     plan = ctl.step_next()
