@@ -320,6 +320,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "initial_kv_gpu_blocks": int(plan.kv_blocks_per_tier.get("gpu", 0)),
         "preemptions": sum(r.preemptions for r in rep.requests),
         "plans_issued": outcome.extra.get("plans_issued") or [],  # a live controller's: when, split, batch, why
+        "plans_held": outcome.extra.get("plans_held"),  # a live controller's kept splits: how often, the last why
         "notes": notes.lstrip(" |"),
     }
 

@@ -179,6 +179,23 @@ def _plans_issued(history: list[Any]) -> list[dict[str, Any]]:
             for d in history if d.outcome is DecisionOutcome.ISSUED]
 
 
+HELD_KEPT = 3  # the last held decisions whose reasons the row keeps (why the split stayed, near the run's end)
+
+
+def _plans_held(history: list[Any]) -> dict[str, Any] | None:
+    """How often a live controller kept its split, and its last `HELD_KEPT` reasons (each gain it turned down,
+    and the demand it saw): what a row needs to tell a controller that saw nothing better from one held back
+    by its margin (H200 phase runs 26-28: one plan in ~24 windows, and no row said why). None: no controller
+    (a static policy)."""
+    if not history:
+        return None
+    held = [d for d in history if d.outcome is DecisionOutcome.HELD]
+    return {"count": len(held),
+            "last": [{"window": int(d.window), "batch_tokens": round(float(d.batch_tokens), 2),
+                      "kv_demand_blocks": round(float(d.kv_demand_blocks), 1), "reason": str(d.reason)[:REASON_CHARS]}
+                     for d in held[-HELD_KEPT:]]}
+
+
 class _Hold:
     """The plan source of a static policy: it takes every window and never re-plans (the initial plan holds)."""
 
@@ -349,6 +366,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                                                                                None),
                                                      "decisions": decisions,
                                                      "plans_issued": _plans_issued(history),
+                                                     "plans_held": _plans_held(history),
                                                      "plans_applied": {p.version: p for p, a in
                                                                        zip(loop.plans, loop.acks, strict=True)
                                                                        if a.status is AckStatus.APPLIED},

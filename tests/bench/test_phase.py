@@ -97,6 +97,10 @@ def test_rows_time_the_whole_measured_span_and_name_the_batch(swept: tuple[Path,
     plans = by["tierplan"]["plans_issued"]
     assert plans and all(p["reason"] and p["kv_gpu_blocks"] > 0 and p["expert_slots"] > 0 for p in plans)
     assert by["resident"]["plans_issued"] == []
+    # ... and how often it kept its split since, with the last reasons (why no plan beat the one in force).
+    held = by["tierplan"]["plans_held"]
+    assert held["count"] >= len(held["last"]) and all(h["reason"] and h["window"] > 0 for h in held["last"])
+    assert by["resident"]["plans_held"] is None
     oracle = by["oracle"]
     assert isinstance(oracle["diverged_steps"], int) and f"diverged_steps {oracle['diverged_steps']}" in oracle["notes"]
 
