@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from tierplan.runtime.engine.attention import MassObserver, Segment, attention, rms_norm, step_meta
-from tierplan.runtime.engine.config import ModelSpec
+from tierplan.runtime.engine.attention import MassObserver, Segment, attention, mixed_meta, rms_norm, step_meta
+from tierplan.runtime.engine.config import AttentionKind, ModelSpec
 from tierplan.runtime.engine.hooks import ForcedRoutes, ModelHooks, RouteTap, StepRouting
 from tierplan.runtime.engine.kv_cache import PagedKVCache
 from tierplan.runtime.engine.moe import ExpertProvider, ExpertViews, mlp, moe_forward, route
@@ -87,6 +87,9 @@ class MoEModel:
     def start(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> FwdState:
         decode = self.decode_kernel and all(s.num_tokens == 1 for s in segments)
         meta = step_meta(positions, segments, self.cache, self.spec, decode)  # shared by every layer
+        if self.decode_kernel and not decode and self.spec.attention is AttentionKind.GQA \
+                and not self.spec.sliding_window:  # prefill beside decodes: the decodes still go to the kernel
+            meta = mixed_meta(meta, positions, segments, self.cache, self.spec)
         return FwdState(positions, segments, meta, self.w.embed[tokens])  # x [N, H]
 
     def front(self, st: FwdState, p: int, routing: StepRouting, observer: MassObserver | None,
