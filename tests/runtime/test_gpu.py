@@ -180,6 +180,15 @@ def test_paged_kernel_on_cuda_matches_the_reference() -> None:
     assert ((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
 
 
+def test_a_mixed_step_on_cuda_sends_its_decodes_to_the_paged_kernel(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.runtime.test_engine import mixed_step_gaps
+    from tierplan.runtime.engine.presets import preset
+
+    decode_gap, mixed_gap = mixed_step_gaps(preset("tiny"), "cuda", tmp_path, monkeypatch)
+    assert decode_gap < 0.1 and mixed_gap.max().item() <= max(2 * decode_gap, 1e-3)
+
+
 @pytest.mark.parametrize("batch", [4, 3])
 def test_cuda_graph_decode_matches_eager_decode(tmp_path: Path, batch: int) -> None:
     from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
