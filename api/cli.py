@@ -261,8 +261,9 @@ def bench_engine(
     out_dir: Annotated[Path, typer.Option(help="Where to write JSON and Markdown.")] = Path("bench/results"),
     quick: Annotated[bool, typer.Option(help="Small sizes (CPU smoke run).")] = False,
     device: Dev = DeviceOpt.cuda,
-    profile: Annotated[bool, typer.Option(help="Also write profile_eager_step.txt (torch.profiler, CUDA).")] = False,
-    only: Annotated[str, typer.Option(help="Comma-separated sections: moe,attention,decode,eager.")] = "",
+    profile: Annotated[bool, typer.Option(help="Also write profile_eager_step.txt and profile_prefill_long.txt "
+                                               "(torch.profiler).")] = False,
+    only: Annotated[str, typer.Option(help="Comma-separated sections: moe,attention,decode,eager,prefill.")] = "",
     rounds: Annotated[int, typer.Option(min=1, max=50, help="Agent off/on rounds per decode batch.")] = 3,
 ) -> None:
     """Engine kernels vs bare baselines: MoE layer vs grouped GEMM, paged decode attention vs SDPA."""

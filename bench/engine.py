@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tierplan.bench.engine_prefill import prefill_markdown
 from tierplan.bench.engine_steps import GcWatch, last_n, median_or_zero, outbox_join_s, profile_eager_step, step_profile
 from tierplan.bench.substrate import timed
 from tierplan.runtime.device import Device
@@ -275,7 +276,7 @@ def decode_throughput(dev: Device, preset_name: str, num_layers: int | None, bat
     return out
 
 
-SECTIONS = ("moe", "attention", "decode", "eager")
+SECTIONS = ("moe", "attention", "decode", "eager", "prefill")
 
 
 def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, console: Any = None,
@@ -306,6 +307,23 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
                                             rounds=rounds if graphs else 2, graphs=graphs,
                                             window_steps=128 if graphs else 16, block_steps=16 if graphs else 8))
         say(f"decode: {res['decode'][-2:]}")
+    res["prefill"] = []
+    if "prefill" in sections:
+        from tierplan.bench.engine_prefill import prefill_steps
+        from tierplan.runtime.engine.kernels.paged_attention import HAS_TRITON, interpreted
+
+        # qwen3 cut to the phase sweep's 8 layers: 48 decodes at 1K beside a 1K prefill (phase run 28's b128 steps)
+        name, layers, decodes, ctx, long, reps = ("tiny", None, 4, 32, 64, 1) if quick else \
+            ("qwen3-30b-a3b", 8, 48, 1024, 16384, 3)
+        # The paged kernel on a GPU, or on the CPU in Triton's interpreter (TRITON_INTERPRET=1, as the tests run)
+        for kernel in (False, True) if HAS_TRITON and (dev.is_cuda or interpreted()) else (False,):
+            row = prefill_steps(dev, name, layers, decodes, ctx, long, reps, kernel, profile=profile and kernel)
+            if text := row.pop("profile_long"):
+                out_dir.mkdir(parents=True, exist_ok=True)
+                (out_dir / "profile_prefill_long.txt").write_text(
+                    f"# {row['preset']}, {row['layers']} layers: one prefill of {row['long_tokens']} tokens\n\n{text}")
+            res["prefill"].append(row)
+            say(f"prefill: {row}")
     if profile and dev.is_cuda:
         (out_dir / "profile_eager_step.txt").parent.mkdir(parents=True, exist_ok=True)
         (out_dir / "profile_eager_step.txt").write_text(profile_eager_step(dev, "tiny" if quick else "qwen3-30b-a3b"))
@@ -352,5 +370,6 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
            + ", ".join(f"{'on' if s['agent_on'] else 'off'} {s['round']}.{s['block']}.{s['step']} {s['ms']:.1f}"
                        f"{'' if s['window_pos'] < 0 else ' w' + str(s['window_pos'])}" for s in x["slowest_steps"][:5])
            + " |" for x in res["decode"]]
+    md += prefill_markdown(res["prefill"])
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     return res

@@ -3,7 +3,9 @@
 #   bash bench/run_h200_engine.sh "$OUT" [steps]
 # steps: comma-separated subset of pytest,loads,exact,engine (all by default); SUBSTRATE_ONLY (default
 # loads,urgent), LOAD_CONFIGS (default map-in)
-# and ENGINE_ONLY (default: every section) narrow the two benches.
+# and ENGINE_ONLY (default: every section) narrow the two benches; ENGINE_PROFILE=1 adds --profile. E.g. the mixed
+# prefill/decode steps on both decode paths, with the GPU tests first:
+#   ENGINE_ONLY=prefill ENGINE_PROFILE=1 bash bench/run_h200_engine.sh "$OUT" pytest,engine
 # Carry .whl (pydantic wheels: see bench/h200_env.sh).
 set -uo pipefail
 out=${1:-bench/results}
@@ -15,5 +17,5 @@ want loads && step 200 bench_loads.log python3 -m tierplan.api.cli bench substra
 want exact && step 100 exact_qwen3_2L.log python3 -m tierplan.api.cli check exact --preset qwen3-30b-a3b --layers 2 \
   --resident-frac 0.25 --device cuda
 want engine && step 300 bench_engine.log python3 -m tierplan.api.cli bench engine --device cuda --out-dir "$out" \
-  ${ENGINE_ONLY:+--only "$ENGINE_ONLY"}
+  ${ENGINE_ONLY:+--only "$ENGINE_ONLY"} ${ENGINE_PROFILE:+--profile}
 exit 0

@@ -97,8 +97,24 @@ def test_bench_engine_quick_writes_json_and_markdown(tmp_path: Path) -> None:
     r = runner.invoke(app, ["bench", "engine", "--device", "cpu", "--quick", "--out-dir", str(tmp_path)])
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "engine_cpu.json").read_text())
-    assert len(res["moe"]) == 2 and len(res["attention"]) == 1 and len(res["decode"]) == 2
+    assert len(res["moe"]) == 2 and len(res["attention"]) == 1 and len(res["decode"]) == 2 and len(res["prefill"]) == 2
     assert all(m["ratio"] > 0 for m in res["moe"]) and "SDPA" in (tmp_path / "engine_cpu.md").read_text()
+
+
+def test_bench_engine_prefill_times_mixed_steps_on_both_decode_paths(tmp_path: Path) -> None:
+    """The prefill section: a decode-only step, the same decodes beside a prefill, the prefill alone and a long
+    one, on the paged kernel (Triton's interpreter here) and on the reference path, each mixed step set against
+    the reference path's in the table; --profile writes the long prefill's profiler table."""
+    r = runner.invoke(app, ["bench", "engine", "--device", "cpu", "--quick", "--only", "prefill", "--profile",
+                            "--out-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "engine_cpu.json").read_text())["prefill"]
+    assert [x["decode_kernel"] for x in rows] == [False, True]
+    assert all(x[k] > 0 for x in rows for k in ("decode_step_ms", "mixed_step_ms", "prefill_step_ms",
+                                                 "long_prefill_step_ms"))
+    md = (tmp_path / "engine_cpu.md").read_text()
+    assert "| paged kernel |" in md and "| reference |" in md and "mixed / reference path's" in md
+    assert "one prefill of 64 tokens" in (tmp_path / "profile_prefill_long.txt").read_text()
 
 
 def test_bench_offload_quick_writes_json_markdown_and_plot(tmp_path: Path) -> None:
