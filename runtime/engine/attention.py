@@ -191,6 +191,8 @@ class MixedRows:
     prefill_segments: list[Segment]
     decode_meta: StepMeta
     prefill_meta: StepMeta  # the prefill rows' RoPE tables
+    decode_first: bool = True  # the step's first segment decodes: that half runs first (a mass tap samples the
+    # first sequence a layer shows it, as on the one-path step)
 
 
 def step_meta(positions: torch.Tensor, segments: list[Segment], cache: PagedKVCache, spec: ModelSpec,
@@ -232,7 +234,7 @@ def mixed_meta(meta: StepMeta, positions: torch.Tensor, segments: list[Segment],
         row += s.num_tokens
     rope_p = None if meta.rope is None else (meta.rope[0][p_rows], meta.rope[1][p_rows])
     mixed = MixedRows(d_rows, p_rows, d_segs, p_segs, step_meta(positions[d_rows], d_segs, cache, spec, decode=True),
-                      StepMeta(rope=rope_p))
+                      StepMeta(rope=rope_p), segments[0].num_tokens == 1)
     return replace(meta, mixed=mixed)
 
 
@@ -241,10 +243,19 @@ def gqa_mixed(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tens
     """x [N, H] -> [N, H] for a mixed step: the decode rows through the paged kernel, the rest through
     `gqa_attention`, each row's output where its input was."""
     m = mixed
-    out_d = gqa_decode_paged(x[m.decode_rows], w, positions[m.decode_rows], m.decode_segments, cache, layer, spec,
-                             observer, m.decode_meta)
-    out_p = gqa_attention(x[m.prefill_rows], w, positions[m.prefill_rows], m.prefill_segments, cache, layer, spec,
-                          observer, m.prefill_meta)
+
+    def decode() -> torch.Tensor:
+        return gqa_decode_paged(x[m.decode_rows], w, positions[m.decode_rows], m.decode_segments, cache, layer, spec,
+                                observer, m.decode_meta)
+
+    def prefill() -> torch.Tensor:
+        return gqa_attention(x[m.prefill_rows], w, positions[m.prefill_rows], m.prefill_segments, cache, layer, spec,
+                             observer, m.prefill_meta)
+
+    if m.decode_first:
+        out_d, out_p = decode(), prefill()
+    else:
+        out_p, out_d = prefill(), decode()
     out = out_p.new_empty(x.shape[0], out_p.shape[1])
     out[m.decode_rows] = out_d
     out[m.prefill_rows] = out_p

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tierplan.runtime.engine.moe as moe
+from tierplan.agent.taps import AttentionMassTap
 from tierplan.runtime.device import Device
 from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
 from tierplan.runtime.engine.presets import preset
@@ -250,21 +251,33 @@ def mixed_step_gaps(spec, device: str, workdir: Path, monkeypatch: pytest.Monkey
         return real(q, *args)
 
     monkeypatch.setattr(paged, "paged_decode_attention", counted)
-    out = {}
+    out, sampled = {}, {}
     # (kernel, share of experts holding a slot): the last run offloads three quarters of them
     for kernel, resident in ((False, 1.0), (True, 1.0), (True, 0.25)):
         eng = ReferenceEngine(spec, Device(device), EngineConfig(block_tokens=auto_block_tokens(spec),
                                                                  decode_kernel=kernel, decode_graphs=False,
                                                                  resident_frac=resident,
                                                                  workdir=workdir / f"{kernel}{resident}"))
-        eng.step([0, 1], [[3, 1, 4, 1, 5], [9, 2, 6]], [0, 0])
-        decode = eng.step([0, 1], [[7], [11]], [5, 3]).float().cpu()
+        # contexts of several KV blocks each (a mass sample per block tells the sequences apart)
+        eng.step([0, 1], [[3, 1, 4, 1, 5] * 9, [9, 2, 6] * 7], [0, 0])
+        decode = eng.step([0, 1], [[7], [11]], [45, 21]).float().cpu()
         calls.clear()
-        mixed = eng.step([0, 1, 2], [[13], [17], [2, 7, 1, 8, 2, 8]], [6, 4, 0]).float().cpu()
+        mass = AttentionMassTap(layers=tuple(range(spec.num_layers)), every_steps=1)
+        mass.begin_step(0)
+        eng.set_hooks(mass_observer=mass)
+        # the prefill listed first: the mass tap samples it in every layer, as on the reference path
+        mixed = eng.step([2, 0, 1], [[2, 7, 1, 8, 2, 8], [13], [17]], [0, 46, 22]).float().cpu()
+        first = mass.drain()
+        mass.begin_step(1)  # a decode listed first: sampled through the decode half's own block table
+        eng.step([1, 0, 3], [[19], [23], [5, 5, 5, 5]], [23, 47, 0])
+        sampled[kernel, resident] = first + mass.drain()
         misses = eng.experts.misses
         eng.close()
-        assert calls == ([2] * spec.num_layers if kernel else [])  # the decode rows, one batch a layer
-        out[kernel, resident] = decode, mixed, misses
+        assert calls == ([2] * spec.num_layers * 2 if kernel else [])  # the decode rows, one batch a layer and step
+        out[kernel, resident] = decode, mixed[[1, 2, 0]], misses  # rows as seq 0, 1, 2
+    ref, got = sampled[False, 1.0], sampled[True, 1.0]
+    assert [(m.block, m.samples) for m in got] == [(m.block, m.samples) for m in ref] and got
+    assert all(abs(a.mass - b.mass) < 1e-3 for a, b in zip(got, ref, strict=True))
     # Moving experts changes no bit of the mixed path's output (the quarter-resident run loaded more: a real offload).
     assert torch.equal(out[True, 0.25][0], out[True, 1.0][0]) and torch.equal(out[True, 0.25][1], out[True, 1.0][1])
     assert out[True, 0.25][2] > out[True, 1.0][2]
