@@ -64,6 +64,10 @@ def register(bench_app: typer.Typer) -> None:
         queue: Annotated[Path | None, typer.Option(
             help="Take the points one at a time from this queue file instead of --points (how the workers of a "
                  "--gpus sweep share its points; the sweep writes the file).")] = None,
+        deadline_s: Annotated[float | None, typer.Option(
+            min=1.0, help="Start no point whose runs, timed at the nearest point this device measured (same batch "
+                          "and context), would end past this many seconds from now: it is skipped and named, and a "
+                          "rerun takes it up (a device call's timeout would cut it off and lose it).")] = None,
         merge: Annotated[list[Path] | None, typer.Option(
             help="Measure nothing: append the rows of this phase JSON (another call's copy, e.g. a device run's) "
                  "that the file of the same name in --out-dir lacks, and rewrite its report; repeatable.")] = None,
@@ -134,7 +138,7 @@ def register(bench_app: typer.Typer) -> None:
                 fail(f"--gpus {gpus}: torch sees {torch.cuda.device_count()} CUDA device(s) here")
             try:
                 failed = sharded(err, out_dir, gpus, "cuda", quick, points, policies, models, fresh,
-                                 requests_per_batch, oracle_recording, report, save_steps, repeats)
+                                 requests_per_batch, oracle_recording, report, save_steps, repeats, deadline_s)
             except ValueError as exc:
                 fail(str(exc))
             if failed:
@@ -155,22 +159,24 @@ def register(bench_app: typer.Typer) -> None:
                                 progress=lambda n: bar.advance(task["id"], n), on_total=on_total,
                                 requests_per_batch=requests_per_batch,
                                 oracle_recording=recordings[oracle_recording], report=report,
-                                save_steps=save_steps, repeats=repeats, queue=queue)
+                                save_steps=save_steps, repeats=repeats, queue=queue, deadline_s=deadline_s)
         except (ValueError, ConfigError, ProtocolError) as exc:
             fail(str(exc))
 
 
 def sharded(err: Any, out_dir: Path, gpus: int, device: str, quick: bool, points: str, policies: str, models: str,
             fresh: bool, requests_per_batch: float | None, oracle_recording: str, report: bool,
-            save_steps: bool = False, repeats: int | None = None) -> bool:
+            save_steps: bool = False, repeats: int | None = None, deadline_s: float | None = None) -> bool:
     """`--gpus N`: the sweep's points over N worker processes, one per GPU on `device` "cuda" (on "cpu" the
     same workers without GPUs: the CPU test of this path), then one report. True if a worker failed (its rows
-    stay: a rerun resumes). ValueError for a bad option, before any worker starts."""
+    stay: a rerun resumes). ValueError for a bad option, before any worker starts. `deadline_s` is each
+    worker's, less the time spent here before they start."""
     import time
 
     from tierplan.bench.phase import sweep_grid, write_reports
     from tierplan.bench.phase_shards import run_workers
 
+    t0 = time.perf_counter()
     sizes, grid = sweep_grid(quick, points, _split(policies), _split(models), requests_per_batch, repeats)
     day = time.strftime("%Y%m%d")  # the workers' JSON is named by the day they start (before midnight, say)
     args = ["--device", device, "--oracle-recording", oracle_recording, *(["--quick"] if quick else []),
@@ -178,7 +184,9 @@ def sharded(err: Any, out_dir: Path, gpus: int, device: str, quick: bool, points
             *(["--policies", policies] if policies else []),
             *(["--models", models] if models else []),
             *(["--requests-per-batch", str(requests_per_batch)] if requests_per_batch is not None else []),
-            *(["--repeats", str(repeats)] if repeats is not None else [])]
+            *(["--repeats", str(repeats)] if repeats is not None else []),
+            *(["--deadline-s", f"{max(1.0, deadline_s - (time.perf_counter() - t0)):.1f}"]
+              if deadline_s is not None else [])]
     err.print(f"phase: {len(grid)} point(s) over {gpus} worker(s); each one's output in {out_dir}/phase_worker*.log",
               markup=False)
 

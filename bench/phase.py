@@ -54,6 +54,7 @@ from tierplan.bench.phase_store import (
     merge_file,
     repeat_of,
 )
+from tierplan.bench.phase_timing import MODEL_OPEN_S, estimate_point_s
 from tierplan.runtime.errors import ConfigError
 
 
@@ -236,7 +237,7 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
                     requests_per_batch: float | None = None,
                     oracle_recording: OracleRecording = OracleRecording.DRY, report: bool = True,
                     save_steps: bool = False, repeats: int | None = None,
-                    queue: Path | None = None) -> dict[str, Path]:
+                    queue: Path | None = None, deadline_s: float | None = None) -> dict[str, Path]:
     """Run the sweep (module docstring); returns {model: its JSON path}. ValueError for an unknown policy,
     model or point (nothing run). `on_total(n)` is told the number of runs still to do before the first.
     `requests_per_batch` overrides the sizes' (fewer requests: shorter runs at large batches); rows measured at
@@ -245,9 +246,14 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
     report=False: rows only (a worker of a sweep over several GPUs, phase_shards.py, whose parent reports).
     save_steps: every run's steps too, beside the JSON (phase_steps.py). `repeats` overrides the sizes' (runs of
     each policy at a point; another measurement, as `requests_per_batch`). `queue`: the points come from this
-    queue file (a worker of a sweep over several GPUs), claimed one at a time, instead of `point_spec`."""
+    queue file (a worker of a sweep over several GPUs), claimed one at a time, instead of `point_spec`.
+    `deadline_s`: start no point whose runs would end later than this many seconds from now (`phase_timing`;
+    skipped points are named, and a rerun takes them up)."""
     from tierplan.runtime.device import Device
 
+    if deadline_s is not None and not deadline_s > 0:
+        raise ValueError(f"--deadline-s must be > 0, got {deadline_s}")
+    deadline = None if deadline_s is None else time.perf_counter() + deadline_s
     claims = PointQueue(queue) if queue is not None else None
     if claims is not None:
         point_spec = ",".join(claims.specs())
@@ -278,7 +284,7 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
     if not dev.is_cuda:  # a tiny model's ops are too small to share: one thread keeps a busy CPU from stalling them
         torch.set_num_threads(1)
     try:
-        _sweep(plan, pols, sizes, dev, dev_name, code, say, progress, oracle_recording, report, claims)
+        _sweep(plan, pols, sizes, dev, dev_name, code, say, progress, oracle_recording, report, claims, deadline)
     finally:
         torch.set_num_threads(threads)
     return {m: v[0].path for m, v in plan.items()}
@@ -351,10 +357,10 @@ def write_reports(out_dir: Path, models: list[str], sizes: Sizes, device: str, d
 
 def _sweep(plan: dict[str, tuple[_Store, list[Point]]], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str,
            code: str, say: Any, progress: Callable[[int], None] | None, how: OracleRecording,
-           report: bool = True, queue: PointQueue | None = None) -> None:
+           report: bool = True, queue: PointQueue | None = None, deadline: float | None = None) -> None:
     for m, (store, pts) in plan.items():
         _sweep_model(m, pts if queue is None else _claimed(queue, m, pts), pols, sizes, dev, dev_name, code, store,
-                     say, progress, how)
+                     say, progress, how, deadline)
         if store.rows and report:
             write_report(latest(store.rows, dev_name), store.path.with_suffix(""), sizes, dev_name)
         say(f"{m}: {len(store.rows)} rows in {store.path}")
@@ -384,9 +390,11 @@ def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor,
 
 def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str,
                  code: str, store: _Store, say: Any, progress: Callable[[int], None] | None,
-                 how: OracleRecording) -> None:
+                 how: OracleRecording, deadline: float | None = None) -> None:
     """Every run left at `pts`, taken in order (a queue's claims are taken as the runs go); the model is opened
-    and its cost model calibrated at the first point with a run to do, so a model with none is never opened."""
+    and its cost model calibrated at the first point with a run to do, so a model with none is never opened.
+    `deadline` (`time.perf_counter()` seconds): a point whose runs would end past it by `phase_timing`'s
+    estimate is skipped and named (a later call runs it)."""
     sweep = next(s for s in sizes.models if s.name == m)
     h: ModelHandle | None = None
     predictor: Predictor | None = None
@@ -395,6 +403,13 @@ def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Siz
             left = store.todo(p, pols, dev_name, code, sizes.repeats)
             if not left:
                 continue
+            if deadline is not None and (est := estimate_point_s(store.rows, p, [pol for _, pol in left],
+                                                                 dev_name)) is not None:
+                est += MODEL_OPEN_S if h is None else 0.0
+                if est > (left_s := deadline - time.perf_counter()):
+                    say(f"{p.key}: skipped, not started: its {len(left)} run(s) took ~{est:.0f} s at the nearest "
+                        f"point measured here, and {max(0.0, left_s):.0f} s are left before --deadline-s")
+                    continue
             if h is None:
                 h = open_model(m, sweep.layers, sweep.full_layers, dev, say)
                 predictor = Predictor.for_model(h)

@@ -8,8 +8,10 @@
 # Each model's newest merged JSON in bench/results is copied into $OUT under today's name first, so this call's
 # rows merge into it and the runs this code already measured on this device are skipped (a chunk cut off by its
 # timeout resumes where it stopped; EXTRA may be --fresh to measure them again). A sweep cut off by SECONDS still
-# gets its report, from the rows it finished. Every run's steps are kept too (--save-steps: bench/phase_steps.py),
-# phase_<model>_<date>_steps_<run id>.jsonl.gz, for offline study of the cost model. After the call: unpack $OUT/phase_out.tgz into
+# gets its report, from the rows it finished; a point whose runs would not end in time by the rows of the nearest
+# point measured before (bench/phase_timing.py) is not started (--deadline-s, 20 s inside SECONDS). Every run's
+# steps are kept too (--save-steps: bench/phase_steps.py), phase_<model>_<date>_steps_<run id>.jsonl.gz, for
+# offline study of the cost model. After the call: unpack $OUT/phase_out.tgz into
 # bench/results/h200/phase_runNN/ and merge its JSON into bench/results (rows once each, the report rewritten):
 #   tierplan bench phase --merge bench/results/h200/phase_runNN/phase_<model>_<date>.json
 set -uo pipefail
@@ -31,7 +33,7 @@ done
 { git log -1 --format=%h; git status --short; nvidia-smi -L; nvidia-smi topo -m; } > "$out/commit.txt" 2>&1
 step "$secs" phase.log python3 -m tierplan.api.cli bench phase --device cuda --gpus "$gpus" --models "$models" \
   --points "$points" --policies tierplan,kv_tiering,static_lru,resident,oracle,static_lfru,fluxmoe,mv_wsa \
-  --out-dir "$out" --save-steps "$@"
+  --out-dir "$out" --save-steps --deadline-s $(( secs > 40 ? secs - 20 : secs )) "$@"
 if ! ls "$out"/phase_*.md >/dev/null 2>&1 || [ "$(tail -n 1 "$out/phase.log" | grep -c 'rows in\|report from')" = 0 ]; then
   # cut off by the timeout (its workers with it: timeout signals the whole process group): report what finished
   python3 - "$out" "$models" <<'PY'

@@ -84,7 +84,7 @@ def test_two_cpu_workers_write_one_json_and_one_report(tmp_path: Path) -> None:
 
     console = Console(record=True, width=250)
     failed = sharded(console, tmp_path, 2, "cpu", True, "b1c32f0.4,b4c32f0.4", "resident,static_lru", "", False,
-                     None, "dry", True, save_steps=True)
+                     None, "dry", True, save_steps=True, deadline_s=3600.0)  # a worker refusing --deadline-s fails
     text = console.export_text()
     assert not failed, text + "".join(p.read_text()[-2000:] for p in tmp_path.glob("phase_worker*.log"))
     assert text.count(" done: ") == 2 and "tiny: report from" in text
