@@ -13,23 +13,15 @@ and, with `profile`, torch.profiler's table of the long prefill (by device time)
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
+from tierplan.bench.substrate import timed
 from tierplan.runtime.device import Device
 
 
 def _timed(dev: Device, fn: Any, reps: int) -> float:
-    """Median wall ms of `fn()` over `reps` calls, the device synchronized around each."""
-    out = []
-    for _ in range(reps):
-        dev.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        dev.synchronize()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+    """Median wall ms of `fn()` over `reps` calls (`substrate.timed`; the caller warmed the engine up)."""
+    return timed(dev, fn, reps, warmup=0) * 1e3
 
 
 def prefill_steps(dev: Device, preset_name: str, num_layers: int | None, decodes: int, context: int,

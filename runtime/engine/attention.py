@@ -349,7 +349,7 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], positions: torch.Tens
         # The paged kernel attends to the whole context: a sliding window takes the reference path.
         if decode_kernel and not spec.sliding_window and all(s.num_tokens == 1 for s in segments):
             return gqa_decode_paged(x, w, positions, segments, cache, layer, spec, observer, meta)
-        if decode_kernel and not spec.sliding_window and meta is not None and meta.mixed is not None:
+        if meta is not None and meta.mixed is not None:  # made only where the kernel may run (MoEModel.start)
             return gqa_mixed(x, w, positions, cache, layer, spec, observer, meta.mixed)
         return gqa_attention(x, w, positions, segments, cache, layer, spec, observer, meta)
     if spec.attention is AttentionKind.MLA:
