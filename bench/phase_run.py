@@ -228,6 +228,9 @@ class StepRecord:
     executors: dict[str, int] = field(default_factory=dict)  # "executor/reason" the step ran on (engine's count)
     gc_ms: float = 0.0  # the cyclic collector's pauses within this step's cycle (any thread's)
     plan_version: int = 0  # the plan in force when the step ended (the enforcer's applied version)
+    # Of expert_hits: loads issued ahead of their layer (agent prefetch, a streaming window) that had landed or
+    # were in flight when the layer asked (ExpertCache.prefetch_hits).
+    expert_prefetch_hits: int = 0
 
 
 @dataclass
@@ -256,7 +259,8 @@ class _Recorder:
         e, c = self.eng.experts, self.eng.cache
         links = self.eng.transfer.stats()["links"]
         ran = self.eng.executors.runs
-        return {"hits": e.hits, "misses": e.misses, "stall_ms": e.stalls_ms, "kv_s": c.fetch_s, "kv_hits": c.gpu_hits,
+        return {"hits": e.hits, "prefetch_hits": e.prefetch_hits, "misses": e.misses, "stall_ms": e.stalls_ms,
+                "kv_s": c.fetch_s, "kv_hits": c.gpu_hits,
                 "fetch": {t.value: v for t, v in c.misses_by_tier.items()},
                 "links": {k: int(v["bytes"]) for k, v in links.items()},
                 "ran": {f"{x.value}/{r.value}": n for (x, r), n in ran.items()}}
@@ -276,7 +280,8 @@ class _Recorder:
             kv_fetch={t: now["fetch"][t] - last["fetch"][t] for t in now["fetch"]},
             link_bytes={k: now["links"][k] - last["links"].get(k, 0) for k in now["links"]},
             executors={k: n - last["ran"].get(k, 0) for k, n in now["ran"].items() if n > last["ran"].get(k, 0)},
-            gc_ms=gc_ms - self._gc_ms, plan_version=plan_version))
+            gc_ms=gc_ms - self._gc_ms, plan_version=plan_version,
+            expert_prefetch_hits=now["prefetch_hits"] - last["prefetch_hits"]))
         self._last, self._gc_ms = now, gc_ms
 
 

@@ -60,6 +60,9 @@ class OnDemandExperts:
         self.phase_ms = dict.fromkeys(("evict", "submit", "published", "order", "record"), 0.0)
         self.prefetched = 0  # loads started by prefetch (a piecewise step's layer-ahead window)
         self.prefetch_hits = 0  # experts ensure found loading or loaded ahead (counted in hits too)
+        # Loaded ahead (load_async, prefetch) and not yet asked for by their layer: a landed load leaves
+        # _inflight at the next load_async, and its first use is still a prefetch hit.
+        self._ahead: set[Key] = set()
         self._step_keys: set[Key] = set()  # experts the current forward asked for
         self.last_union = 0  # how many experts the last forward asked for
         # Experts a piecewise step needs in its coming layers: victims are never taken from them.
@@ -147,12 +150,16 @@ class OnDemandExperts:
                 missing.append(e)
             else:
                 self.hits += 1
+                if key in self._ahead:
+                    self._ahead.discard(key)
+                    self.prefetch_hits += 1
                 self.books.touch(key)
         if missing:
             t0 = time.perf_counter()
             try:
                 todo = []
                 for e in missing:
+                    self._ahead.discard((layer, e))
                     if self._wait_inflight((layer, e)):
                         self.hits += 1
                         self.prefetch_hits += 1
@@ -259,6 +266,7 @@ class OnDemandExperts:
         self.books.own_binds += n
         for e, fut in zip(todo[:n], futs, strict=True):
             self._inflight[(layer, e)] = fut
+            self._ahead.add((layer, e))
             self.books.touch((layer, e))
         self.prefetched += n
         return n
@@ -372,6 +380,7 @@ class OnDemandExperts:
         self.books.own_binds += 1
         key = (layer, expert)
         self._inflight[key] = fut
+        self._ahead.add(key)
         self.books.touch(key)  # asked for on purpose: as fresh as a use
         return fut
 

@@ -380,3 +380,40 @@ def test_steady_throughput_charges_a_window_for_the_prefills_its_output_implies(
     window = [pre] * 4 + [dec] * 4
     assert steady_tok_s(window, window, 5.0) == pytest.approx(20 / 0.24)
     assert steady_tok_s(window, [], 5.0) is None and steady_tok_s(window, window, 0.0) is None
+
+
+def test_the_curve_misses_a_step_shows_issued_ahead_are_priced_as_streamed() -> None:
+    """A step whose loads were half prefetched prices half the curve's misses as streamed loads (the part behind
+    a layer's compute free), so below the same step with none; a step with no prefetch prices as before."""
+    from tierplan.bench.phase_run import StepRecord
+
+    pred = _predictor()
+
+    def step(misses: int, ahead: int) -> StepRecord:
+        return StepRecord(step_s=0.01, cycle_s=0.01, num_prefills=0, num_decodes=4, tokens_out=4, batch_tokens=4,
+                          context_tokens=64, expert_hits=ahead, expert_misses=misses, expert_stall_ms=0.0,
+                          kv_stall_ms=0.0, kv_gpu_hits=0, kv_fetch={}, link_bytes={}, expert_prefetch_hits=ahead)
+
+    pred.calibrate([step(0, 0)] * 8)  # 10 ms of compute a step: what a streamed load can hide behind
+    demand = pred.split_step_ms([step(4, 0)], (2, 2))
+    assert pred.split_step_ms([step(9, 0)], (2, 2)) == demand  # the curve's misses, not the measured ones
+    half, most = pred.split_step_ms([step(4, 4)], (2, 2)), pred.split_step_ms([step(1, 7)], (2, 2))
+    assert most <= half < demand  # a streamed share behind the compute is free, whatever its size
+    assert pred.split_step_ms([step(0, 0)], (8, 8)) == pred.split_step_ms([step(0, 5)], (8, 8))  # nothing missed
+
+
+def test_each_step_counts_the_loads_its_layers_found_issued_ahead() -> None:
+    """The recorder takes each step's prefetch hits from the engine's counter, as it takes its hits."""
+    from types import SimpleNamespace as NS
+
+    from tierplan.bench.phase_run import _Recorder
+
+    experts = NS(hits=0, prefetch_hits=0, misses=0, stalls_ms=0.0)
+    eng = NS(experts=experts, cache=NS(fetch_s=0.0, gpu_hits=0, misses_by_tier={}),
+             transfer=NS(stats=lambda: {"links": {}}), executors=NS(runs={}))
+    rec = _Recorder(eng)  # type: ignore[arg-type]
+    batch = NS(prefills=[], decodes=[NS(tokens=[1, 2])])
+    for hits, ahead in ((5, 2), (9, 2), (12, 6)):
+        experts.hits, experts.prefetch_hits = hits, ahead
+        rec.after_step(batch, 0.01, 0.01, 0.0)  # type: ignore[arg-type]
+    assert [(s.expert_hits, s.expert_prefetch_hits) for s in rec.steps] == [(5, 2), (4, 0), (3, 4)]

@@ -189,3 +189,30 @@ def test_kv_fetches_a_steps_blocks_as_one_list_by_the_plugged_order(tiny, tmp_pa
     c.grow(2, c.block_tokens, protect=set(c.blocks_of(0)))  # the GPU is full: the plugged order picks the victim
     assert ranked and c.manager.location(c.blocks_of(1)[-1]).tier.value == "cpu"
     eng.close()
+
+
+def test_a_load_started_ahead_counts_as_a_prefetch_hit_at_its_first_use_even_after_it_landed(
+        tiny, tmp_path: Path) -> None:
+    """A later load_async drops landed loads from the in-flight set; their layer's first ask still counts a
+    prefetch hit (the phase rows price the share of loads issued ahead from it), a second ask a plain hit, and an
+    expert evicted before its use is a miss."""
+    eng = _engine(tiny, tmp_path, "ahead", resident_frac=0.5)
+    try:
+        ex = eng.experts
+        layer = eng.spec.moe_layers[0]
+        absent = [e for e in range(eng.spec.num_experts) if not ex.pool.is_resident(layer, e)][:3]
+        assert len(absent) == 3
+        for e in absent:
+            ex.load_async(layer, e).wait()
+        assert (layer, absent[0]) not in ex._inflight  # dropped by the next load_async: it had landed
+        hits, ahead = ex.hits, ex.prefetch_hits
+        ex.evict(layer, absent[2])
+        ex.ensure(layer, absent[:2])
+        assert ex.prefetch_hits - ahead == 2 and ex.hits - hits == 2
+        ex.ensure(layer, absent[:2])
+        assert ex.prefetch_hits - ahead == 2 and ex.hits - hits == 4
+        misses = ex.misses
+        ex.ensure(layer, absent[2:])
+        assert ex.prefetch_hits - ahead == 2 and ex.misses == misses + 1
+    finally:
+        eng.close()
