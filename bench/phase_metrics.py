@@ -28,8 +28,8 @@ measured steps (those after warm-up):
   and KV fetches with the expert misses the routing trace's LRU miss-ratio curve predicts at the slots per
   layer of the plan the step ran under (`controller.predictors.miss_ratio`, the decode walk of `ForcedRouter`
   at the step's batch), the share of them the step's loads show issued ahead of their layer
-  (`StepRecord.expert_prefetch_hits`) priced as streamed. One rule for every policy: a live one's steps are priced at each split it applied,
-  from the step it took effect.
+  (`StepRecord.expert_prefetch_hits`) priced as streamed. One rule for every policy: a live one's steps are
+  priced at each split it applied, from the step it took effect.
   `controller_step_ms`: a live policy's own figure, the controller's `Decision.step_ms` of the split in force.
   It is a typical step at the batch the controller saw, not the run's mix of decodes and prefills: on the H200
   it was 0.1-8.6x the measured step (phase runs 17-25, bench/results/phase_h200.md).
