@@ -187,7 +187,7 @@ class Predictor:
         total = 0.0
         for s in steps:
             misses = self.predicted_misses(slots, s.batch_tokens)
-            ahead = getattr(s, "expert_prefetch_hits", 0)
+            ahead = s.expert_prefetch_hits
             share = ahead / (ahead + s.expert_misses) if ahead else 0.0
             total += self.cost.step_time_ms(self._load(s, tuple(m * (1 - share) for m in misses),
                                                        tuple(m * share for m in misses))).total_ms

@@ -229,7 +229,7 @@ class StepRecord:
     gc_ms: float = 0.0  # the cyclic collector's pauses within this step's cycle (any thread's)
     plan_version: int = 0  # the plan in force when the step ended (the enforcer's applied version)
     # Of expert_hits: loads issued ahead of their layer (agent prefetch, a streaming window) that had landed or
-    # were in flight when the layer asked (ExpertCache.prefetch_hits).
+    # were in flight when the layer asked (OnDemandExperts.prefetch_hits).
     expert_prefetch_hits: int = 0
 
 
