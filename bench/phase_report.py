@@ -1,8 +1,8 @@
 """The phase diagram's Markdown and plots, from the rows of one model on one device.
 
 Runs in the bench process after a sweep (and on every rerun: the report is rebuilt from the JSON). Per point:
-tierplan's tok/s over the best non-oracle baseline's and over the oracle's, the Acceptance targets reported met /
-not met, and where tierplan falls short of the best baseline the cause the stall breakdown names (prediction,
+tierplan's tok/s over the best non-oracle baseline's, over the best static one's (a split fixed for the run: the
+0.95x target's wording) and over the oracle's, the Acceptance targets reported met / not met, and where tierplan falls short of the best baseline the cause the stall breakdown names (prediction,
 split, link contention or engine overhead; "same work" where tierplan's run did what the best baseline's did,
 step for step, so only run-to-run spread separates them: phase_spread.py). Nothing is left out quietly: every
 baseline row that produced a throughput competes for "best" (a degraded one is marked), and a point where
@@ -22,6 +22,10 @@ from tierplan.bench.phase_spread import repeat_line, same_work, spread, spread_l
 
 ORACLE, TIERPLAN = "oracle", "tierplan"
 PRED_TOLERANCE = 0.15
+# The baselines whose split is fixed for the run: the issue's "best static baseline" of the 0.95x target. fluxmoe
+# and mv_wsa re-plan live (bench/baselines/fluxmoe.py, mv_wsa.py); they compete for the 1.5x target's "best
+# non-oracle baseline", and the 0.95x target is reported against them too, as a second figure.
+STATIC_BASELINES = ("resident", "static_lru", "static_lfru", "kv_tiering")
 
 
 def _ran(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -127,11 +131,14 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[st
     for key, pol in _by_point(rows).items():
         others = [v for k, v in pol.items() if k not in (ORACLE, TIERPLAN) and v.get("decode_tok_s")]
         best = max(others, key=lambda r: r["decode_tok_s"]) if others else None
+        static = [v for v in others if v["policy"] in STATIC_BASELINES]
+        best_static = max(static, key=lambda r: r["decode_tok_s"]) if static else None
         tp, orc = pol.get(TIERPLAN), pol.get(ORACLE)
         tp_tok = tp.get("decode_tok_s") if tp else None
         orc_tok = orc.get("decode_tok_s") if orc else None
         any_r = next(iter(pol.values()))
         vs_best = tp_tok / best["decode_tok_s"] if tp_tok and best else None
+        vs_static = tp_tok / best_static["decode_tok_s"] if tp_tok and best_static else None
         cause = ""
         if not _ok(tp):
             cause = _why_not(tp)
@@ -145,6 +152,9 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[st
             "tierplan_tok_s": tp_tok, "oracle_tok_s": orc_tok, "oracle_status": orc.get("status") if orc else None,
             "vs_best": vs_best, "vs_oracle": tp_tok / orc_tok if tp_tok and orc_tok else None,
             "vs_best_steady": _vs_best_steady(tp, others),
+            "best_static": best_static["policy"] + _mark(best_static) if best_static else None,
+            "vs_static": vs_static,
+            "static_same_work": bool(best_static and tp and _ok(tp) and same_work(tp, best_static)),
             # time per output token, oracle over tierplan (= tierplan tok/s over the oracle's)
             "oracle_over_tierplan_tpt": tp_tok / orc_tok if tp_tok and orc_tok else None,
             "cause": cause,
@@ -159,7 +169,10 @@ def _targets(per: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str,
     vs_best = [p["vs_best"] for p in compared]
     below = sum(v < 0.95 for v in vs_best)
     alike = sum(p["vs_best"] < 0.95 and p["cause"].startswith("same work") for p in compared)
-    no_base = sum(p["tierplan_ok"] and p["best"] is None for p in per)
+    static = [p for p in per if p["tierplan_ok"] and p["vs_static"] is not None]
+    below_static = [p for p in static if p["vs_static"] < 0.95]
+    alike_static = sum(p["static_same_work"] for p in below_static)
+    no_base = sum(p["tierplan_ok"] and p["best_static"] is None for p in per)
     with_oracle = [p for p in per if p["oracle_tok_s"]]
     tpt = [p["oracle_over_tierplan_tpt"] for p in with_oracle if p["tierplan_ok"]]
     tpt_missed = sum(not p["tierplan_ok"] for p in with_oracle)
@@ -175,11 +188,16 @@ def _targets(per: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str,
              (f"max {max(vs_best):.2f}x" if vs_best else "no point where tierplan ran ok") + miss
              if per else "no points"),
         "tierplan >= 0.95x the best static baseline at every point":
-            (not not_ok and below == 0 and bool(compared) if per else None,
-             (f"min {min(vs_best):.2f}x, {below} of {len(compared)} compared points below"
-              + (f" ({alike} of them the same work as the best: run-to-run spread)" if alike else "") if vs_best
-              else "no point compared") + miss + (f"; {no_base} point(s) with no baseline that ran" if no_base
-                                                  else "") if per else "no points"),
+            (not not_ok and not below_static and not no_base and bool(static) if per else None,
+             (f"min {min(p['vs_static'] for p in static):.2f}x, {len(below_static)} of {len(static)} compared "
+              f"points below the best of {', '.join(STATIC_BASELINES)}"
+              + (f" ({alike_static} of them the same work: run-to-run spread)" if alike_static else "")
+              if static else "no point compared") + miss
+             + (f"; {no_base} point(s) with no static baseline that ran" if no_base else "")
+             + (f"; against every non-oracle baseline (live fluxmoe, mv_wsa too): min {min(vs_best):.2f}x, "
+                f"{below} of {len(compared)} below"
+                + (f" ({alike} the same work as the best)" if alike else "") if vs_best else "")
+             if per else "no points"),
         "mean oracle / tierplan time per output token >= 1/1.10":
             ((mean_tpt is not None and mean_tpt >= 1 / 1.10 and not tpt_missed) if with_oracle else None,
              (f"{mean_tpt:.3f} (>= {1 / 1.10:.3f}) over {len(tpt)} points" if mean_tpt is not None
@@ -214,22 +232,25 @@ def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -
     for name, (met, fig) in targets.items():
         lines.append(f"| {name} | {'—' if met is None else 'met' if met else 'not met'} | {fig} |")
     repeats = repeat_line(rows)
-    lines += ["", "Static baselines: every policy here but tierplan and the oracle; each row that produced a "
-              "throughput competes (degraded ones marked). A point where tierplan is not ok counts as missed. "
+    lines += ["", f"Best baseline: every policy here but tierplan and the oracle; best static: of "
+              f"{', '.join(STATIC_BASELINES)} (a split fixed for the run; fluxmoe and mv_wsa re-plan live). Each row "
+              "that produced a throughput competes (degraded ones marked). A point where tierplan is not ok counts "
+              "as missed. "
               "tok/s is output tokens over the wall time of the measured steps, everything between them "
               "included. Steady: the same with each run charged for the prefills its output implies, at its own "
               "prefill cost (`steady_tok_s`): a run stopped early under a small KV share holds few of its "
               "prefills.", "", spread_line(spread(rows)), "", *([repeats, ""] if repeats else []),
               "## tierplan per point", "",
               "| batch | context | budget | best baseline | tok/s | tierplan tok/s | tierplan / best | "
-              "tierplan / best (steady) | oracle tok/s | tierplan / oracle | cause (below 0.95x or missed) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "tierplan / best (steady) | best static | tierplan / best static | oracle tok/s | tierplan / oracle | "
+              "cause (below 0.95x the best, or missed) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in per:
         tp_mark = "" if p["tierplan_status"] == "ok" else f" ({p['tierplan_status']})"
         orc_mark = "" if p["oracle_status"] in (None, "ok") else f" ({p['oracle_status']})"
         lines.append(f"| {p['batch']} | {p['context']} | {p['budget']} | {p['best'] or '—'} | "
                      f"{_f(p['best_tok_s'], '.1f')} | {_f(p['tierplan_tok_s'], '.1f')}{tp_mark} | {_f(p['vs_best'])} | "
-                     f"{_f(p['vs_best_steady'])} | "
+                     f"{_f(p['vs_best_steady'])} | {p['best_static'] or '—'} | {_f(p['vs_static'])} | "
                      f"{_f(p['oracle_tok_s'], '.1f')}{orc_mark} | {_f(p['vs_oracle'])} | {p['cause']} |")
     lines += ["", "## Every run", "",
               "| batch | ctx | budget | policy | status | tok/s | ms/token | seqs/step | TPOT p50/p99 ms | "
