@@ -128,7 +128,7 @@ class Predictor:
             stall = s.expert_stall_ms + s.kv_stall_ms
             self.cost.observe(s.batch_tokens, s.context_tokens, s.expert_hits + s.expert_misses,
                               s.cycle_s * 1e3 - stall, s.expert_misses + kv,
-                              s.expert_misses * eb + kv * self.kv_block_bytes, stall)
+                              s.expert_misses * eb + kv * self.kv_block_bytes, stall, expert_misses=s.expert_misses)
 
     def curve(self, batch: int) -> MissRatioCurves:
         """The trace's LRU curves at `batch` (a power of two, <= CURVE_MAX_BATCH): `batch` sequences walking the

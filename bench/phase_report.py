@@ -2,8 +2,9 @@
 
 Runs in the bench process after a sweep (and on every rerun: the report is rebuilt from the JSON). Per point:
 tierplan's tok/s over the best non-oracle baseline's, over the best static one's (a split fixed for the run: the
-0.95x target's wording) and over the oracle's, the Acceptance targets reported met / not met, and where tierplan falls short of the best baseline the cause the stall breakdown names (prediction,
-split, link contention or engine overhead; "same work" where tierplan's run did what the best baseline's did,
+0.95x target's wording) and over the oracle's, the Acceptance targets reported met / not met, and where
+tierplan falls short of the best baseline the cause the stall breakdown names (prediction, split, link
+contention or engine overhead; "same work" where tierplan's run did what the best baseline's did,
 step for step, so only run-to-run spread separates them: phase_spread.py). Nothing is left out quietly: every
 baseline row that produced a throughput competes for "best" (a degraded one is marked), and a point where
 tierplan's row is not "ok" (degraded, refused, error, absent) counts as missed, with its reason. Policies are

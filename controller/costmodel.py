@@ -5,9 +5,13 @@ Runs in the controller process and in `tierplan sim`; pure Python + numpy, never
 
 A step walks the layers in order. Each layer computes a dense/attention part, then (MoE layers) its experts:
     dense_ms(T, C)  = dense_ms + dense_ms_per_token * T + attn_ms_per_ctx_token * C
-    expert_ms(T, A) = moe_ms + moe_ms_per_token * T + moe_ms_per_active_expert * A
-(T tokens in the step, C context tokens its attention reads, A distinct experts the layer's batch routes to),
-plus `step_ms` once per step (scheduling, sampling). Bytes cross links (`controller.protocol.Link`): a
+    expert_ms(T, A, M) = moe_ms + moe_ms_per_token * T + moe_ms_per_active_expert * A + moe_ms_per_miss * M
+(T tokens in the step, C context tokens its attention reads, A distinct experts the layer's batch routes to, M
+of them loaded on demand at the layer), plus `step_ms` once per step (scheduling, sampling). `moe_ms_per_miss` is
+what a demand load costs the step besides the wait the agent times as its stall: the host issuing the copy and
+mapping the slot, and, where the layer's union outruns its slots, the chunks the engine then runs one after
+another (H200 phase runs 26-29: decode steps with ~400 misses spent 55-80 ms outside their timed stall where
+steps with ~50 spent 5-10, a cost no other term moved with). Bytes cross links (`controller.protocol.Link`): a
 transfer of n records and b bytes takes n * overhead + b / bandwidth (small records pay the host's per-load
 cost). KV blocks the step needs are fetched first (NVMe -> host -> HBM); attention waits for them (KV stall).
 Prefetched experts stream on the host->device link behind them, in layer order, while earlier layers compute
@@ -18,7 +22,7 @@ a link busy longer than the step stretches it (KV stall).
 
 Public API (what the optimizer, the loop and the simulator use):
 - `HardwareSpec(link_bytes_per_s={Link.H2D: ..., ...}, transfer_overhead_s, hbm_bytes, hbm_bytes_per_s)`
-- `ComputeParams(...)` the seven compute coefficients above; `ComputeParams.prior_for(shape, hw, layer_ms)`.
+- `ComputeParams(...)` the eight compute coefficients above; `ComputeParams.prior_for(shape, hw, layer_ms)`.
 - `StepLoad(batch_tokens, context_tokens, active_experts, miss_count, prefetch_count, kv_* bytes/counts)`:
   per-MoE-layer tuples (length shape.num_moe_layers, or empty for "none" / "estimate").
 - `CostModel(shape, hardware, compute=None, prior_strength=1.0, forgetting=0.98)`:
@@ -68,6 +72,7 @@ class ComputeParams:
     attn_ms_per_ctx_token: float = 0.0
     moe_ms_per_token: float = 0.0
     moe_ms_per_active_expert: float = 0.0
+    moe_ms_per_miss: float = 0.0
 
     def as_tuple(self) -> tuple[float, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
@@ -150,7 +155,8 @@ class CostModel:
     def _refresh(self) -> None:
         # A cost is never negative, and a link is never believed 10x faster than its rating: telemetry of
         # equal-sized loads cannot split a load's time into per-record and per-byte parts.
-        self.compute = ComputeParams(*(float(v) for v in self._compute_fit.theta_at_least([0.0] * 7)))
+        self.compute = ComputeParams(*(float(v) for v in self._compute_fit.theta_at_least([0.0] * len(fields(
+            ComputeParams)))))
         self._link_theta = {}
         for lk, f in self._link_fit.items():
             floor = 1e3 / self.hardware.link_bytes_per_s[lk] / 10
@@ -174,9 +180,9 @@ class CostModel:
         e, k = self.shape.num_experts, self.shape.top_k
         return e * (1.0 - (1.0 - k / e) ** max(0.0, batch_tokens))
 
-    def _features(self, tokens: float, ctx: float, active_sum: float) -> list[float]:
+    def _features(self, tokens: float, ctx: float, active_sum: float, miss_sum: float = 0.0) -> list[float]:
         n, m = self.shape.num_layers, self.shape.num_moe_layers
-        return [1.0, n, m, n * tokens, n * ctx, m * tokens, active_sum]
+        return [1.0, n, m, n * tokens, n * ctx, m * tokens, active_sum, miss_sum]
 
     def compute_ms(self, batch_tokens: float, context_tokens: float = 0.0) -> float:
         """Step compute with no stall (active experts estimated from the batch)."""
@@ -221,7 +227,8 @@ class CostModel:
                 link_end = link_end + miss_ms if link_end > routed else routed + miss_ms
             ready = max(routed + miss_ms, done.get(j, 0.0))
             stall = max(0.0, ready - routed)
-            expert = p.moe_ms + p.moe_ms_per_token * load.batch_tokens + p.moe_ms_per_active_expert * active[j]
+            expert = (p.moe_ms + p.moe_ms_per_token * load.batch_tokens + p.moe_ms_per_active_expert * active[j]
+                      + p.moe_ms_per_miss * misses[j])
             tl.compute_ms_per_layer.append(dense + expert)
             tl.stall_ms_per_moe.append(stall)
             t = routed + stall + expert
@@ -258,12 +265,14 @@ class CostModel:
 
     def layer_stall_ms(self, num_missed: float, num_streamed: float = 0.0, batch_tokens: float = 1.0,
                        context_tokens: float = 0.0, window_layers: float = 1.0) -> float:
-        """One MoE layer's stall: its `num_missed` demand loads in full, plus whatever of streaming
-        `num_streamed` experts does not fit in the compute of the `window_layers` layers before it."""
+        """One MoE layer's stall: its `num_missed` demand loads in full (each also its `moe_ms_per_miss`), plus
+        whatever of streaming `num_streamed` experts does not fit in the compute of the `window_layers` layers
+        before it."""
         eb = self.shape.expert_bytes
         window = window_layers * self.compute_ms(batch_tokens, context_tokens) / self.shape.num_layers
         stream = self.transfer_ms(Link.H2D, num_streamed * eb, num_streamed)
-        return max(0.0, stream - window) + self.transfer_ms(Link.H2D, num_missed * eb, num_missed)
+        return (max(0.0, stream - window) + self.transfer_ms(Link.H2D, num_missed * eb, num_missed)
+                + self.compute.moe_ms_per_miss * num_missed)
 
     def _active_per_step(self, counts: tuple[int, ...], tokens_per_step: float, num_steps: int) -> float:
         """Distinct experts one step of the window routed to in a layer: exact for a one-step window, else the
@@ -294,17 +303,19 @@ class CostModel:
         kv_loads = sum(v for tier, v in telemetry.kv.misses_per_tier.items() if tier.value != "gpu")
         loads = telemetry.expert_misses + kv_loads
         demand_bytes = telemetry.expert_misses * self.shape.expert_bytes + kv_loads * self.shape.kv_bytes_per_block
-        self.observe(tokens, ctx, active, compute_per_step, loads / n, demand_bytes / n, stall_total / n, weight=n)
+        self.observe(tokens, ctx, active, compute_per_step, loads / n, demand_bytes / n, stall_total / n, weight=n,
+                     expert_misses=telemetry.expert_misses / n)
 
     def observe(self, batch_tokens: float, context_tokens: float, active_experts: float, compute_ms: float,
                 demand_loads: float = 0.0, demand_bytes: float = 0.0, stall_ms: float = 0.0,
-                weight: float = 1.0) -> None:
+                weight: float = 1.0, expert_misses: float = 0.0) -> None:
         """Fold one observation in (a telemetry window's per-step means, or one step measured on its own, as the
         phase bench's records are): a step of `batch_tokens` tokens reading `context_tokens` of context, whose
         MoE layers ran `active_experts` distinct experts in all, took `compute_ms` besides its `stall_ms` of
-        waiting on `demand_loads` host->device loads of `demand_bytes`. `weight`: steps it stands for."""
-        self._compute_fit.update(self._features(batch_tokens, context_tokens, active_experts), compute_ms,
-                                 weight=weight)
+        waiting on `demand_loads` host->device loads of `demand_bytes`, `expert_misses` of them experts (what the
+        compute side pays per miss: `moe_ms_per_miss`). `weight`: steps it stands for."""
+        self._compute_fit.update(self._features(batch_tokens, context_tokens, active_experts, expert_misses),
+                                 compute_ms, weight=weight)
         if demand_loads:
             self._link_fit[Link.H2D].update([demand_loads, demand_bytes], stall_ms, weight=weight)
         self._refresh()

@@ -136,6 +136,7 @@ class ComputeSheet(ProtocolModel):
     attn_ms_per_ctx_token: float = Field(default=0.0, ge=0)
     moe_ms_per_token: float = Field(default=0.0, ge=0)
     moe_ms_per_active_expert: float = Field(default=0.0, ge=0)
+    moe_ms_per_miss: float = Field(default=0.0, ge=0)
 
 
 class AgentRegistration(ProtocolModel):

@@ -140,10 +140,12 @@ def kv_cost_ms(live_blocks: float, gpu_blocks: int, step_ms: float) -> float:
 def layer_stall_ms(cost: CostModel, num_missed: np.ndarray, num_streamed: np.ndarray, batch_tokens: float,
                    step_ms: float) -> np.ndarray:
     """`CostModel.layer_stall_ms` over arrays of options (one compute estimate for all of them): demand loads
-    in full, plus the streamed part that does not fit behind one layer's compute."""
+    in full (their transfer and the host's `moe_ms_per_miss`), plus the streamed part that does not fit behind
+    one layer's compute."""
     window_ms = step_ms / cost.shape.num_layers
     one_ms = cost.transfer_ms(Link.H2D, cost.shape.expert_bytes, 1)  # linear in records and bytes
-    return np.maximum(0.0, num_streamed * one_ms - window_ms) + num_missed * one_ms
+    return (np.maximum(0.0, num_streamed * one_ms - window_ms)
+            + num_missed * (one_ms + cost.compute.moe_ms_per_miss))
 
 
 def option_stall_ms(cost: CostModel, misses: np.ndarray, union: np.ndarray | float, counts: np.ndarray,

@@ -60,3 +60,23 @@ def test_a_window_without_steps_changes_nothing() -> None:
     before = (model.compute, model.link_bytes_per_s(Link.H2D))
     model.calibrate(_window(0, 0, 0, 0, 0, 0.0, 0.0))
     assert (model.compute, model.link_bytes_per_s(Link.H2D)) == before
+
+
+def test_a_miss_costs_the_step_more_than_its_timed_stall_and_the_fit_learns_it() -> None:
+    # The machine of H200 phase runs 26-29: a demand load stalls the layer for its copy (timed by the agent) and
+    # costs the host 0.15 ms more that no stall counter sees (issuing it, mapping the slot, chunked layers).
+    rng = np.random.default_rng(1)
+    model = CostModel(SHAPE, HardwareSpec({lk: 1e8 for lk in Link}, 2e-4, 1 << 30), ComputeParams(dense_ms=0.1),
+                      forgetting=1.0)
+    host_ms_per_miss = 0.15
+    true_stall = lambda n: n * (0.2 + SHAPE.expert_bytes / 1e8 * 1e3)  # noqa: E731 - the timed stall
+    for seq in range(80):
+        t, steps, misses = int(rng.integers(1, 16)), 8, int(rng.integers(0, 40))
+        mean = 1.2 + 0.15 * t + (true_stall(misses) + host_ms_per_miss * misses) / steps
+        model.calibrate(_window(seq, t, steps, misses, 0, mean * float(rng.normal(1.0, 0.01)), true_stall(misses)))
+    assert model.compute.moe_ms_per_miss == pytest.approx(host_ms_per_miss, rel=0.1)
+    truth = 1.2 + 0.15 * 4 + true_stall(5) + host_ms_per_miss * 5
+    step = StepLoad(batch_tokens=4, context_tokens=64, miss_count=(3, 2))  # the windows' 4 GPU blocks of context
+    assert model.step_time_ms(step).total_ms == pytest.approx(truth, rel=0.05)
+    # what the optimizer charges a layer's demand load: its copy and the host's share
+    assert model.layer_stall_ms(1.0) == pytest.approx(true_stall(1) + host_ms_per_miss, rel=0.05)
