@@ -51,6 +51,9 @@ class HysteresisDecision:
     reason: str
     gain_ms: float  # current cost - new objective (per step); 0 when there was no current split
     rel_gain: float
+    # The switch is owed whatever it saves: no current split, or the current one breaks the problem's budgets
+    # (a budget is a promise). A caller's own keep rule (a floor on the gain) must not hold such a split.
+    forced: bool = False
 
 
 class SplitHysteresis:
@@ -64,11 +67,11 @@ class SplitHysteresis:
                window: int) -> HysteresisDecision:
         p = self.policy
         if current is None:
-            return self._switch(proposed.choice, window, "first plan", 0.0, 0.0)
+            return self._switch(proposed.choice, window, "first plan", 0.0, 0.0, forced=True)
         broken = violations(problem, current)
         if broken:
             return self._switch(proposed.choice, window, f"current split no longer fits ({'; '.join(broken)})",
-                                0.0, 0.0)
+                                0.0, 0.0, forced=True)
         current_ms = evaluate(problem, current)[0]
         gain = current_ms - proposed.objective_ms
         rel = gain / current_ms if current_ms > 0 else (0.0 if gain <= 0 else 1.0)
@@ -91,9 +94,9 @@ class SplitHysteresis:
                             f"above the {100 * p.rel_margin:.0f}% margin", gain, rel)
 
     def _switch(self, choice: tuple[int, ...], window: int, reason: str, gain: float, rel: float,
-                action: Action = Action.SWITCH) -> HysteresisDecision:
+                action: Action = Action.SWITCH, forced: bool = False) -> HysteresisDecision:
         self.last_switch_window = window
-        return HysteresisDecision(action, choice, reason, gain, rel)
+        return HysteresisDecision(action, choice, reason, gain, rel, forced)
 
 
 def _units_moved(problem: SplitProblem, a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -360,3 +360,20 @@ def test_kv_demand_settles_after_flat_windows_and_rises_again_on_growth() -> Non
     for _ in range(KV_SETTLE_WINDOWS - 1):
         model.observe(win.next(4, 24))
     assert not model.kv_rising()
+
+
+def test_a_split_that_breaks_the_budgets_is_replaced_whatever_the_gain_floor() -> None:
+    # The hysteresis owes a switch when the current split no longer fits (here: it streams past a link budget
+    # that shrank to nothing); its gain then reads 0, which the loop's floor (10% of the step) must not read as
+    # "saves too little" and hold (phase run 30 held such a split for 25 windows).
+    from dataclasses import replace
+
+    ctl, win = make_controller(), Windows()
+    first = drive(ctl, win, [(2, 4, 8, 0)])[-1]
+    decide = ctl.hysteresis.decide
+    ctl.hysteresis.decide = lambda problem, cur, sol, w: decide(  # type: ignore[method-assign]
+        replace(problem, link_budget_bytes_per_step=0), cur, sol, w)
+    ctl.sync_from(win.next(16, 40))  # the demand moved: the solve proposes another split
+    plan = ctl.step_next()
+    assert plan is not None and plan.version == first.version + 1, ctl.history[-1].reason
+    assert "no longer fits" in plan.reason and "streams" in plan.reason
