@@ -197,7 +197,7 @@ def sharded(err: Any, out_dir: Path, gpus: int, device: str, quick: bool, points
     results = run_workers(grid, gpus, args, out_dir, cuda=device == "cuda", on_done=done)
     if report:
         models_run = list(dict.fromkeys(p.model for p in grid))
-        written = write_reports(out_dir, models_run, sizes, device, day)
+        written = write_reports(out_dir, models_run, sizes, day)
         for m in models_run:
             err.print(f"{m}: report from {written[m]}" if m in written else f"{m}: no rows to report", markup=False)
     return any(r.returncode for r in results)

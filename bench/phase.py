@@ -40,7 +40,7 @@ from tierplan.bench.baselines.base import (
 from tierplan.bench.baselines.dry_record import difference, dry_record
 from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, RunStop, Sizes, points, select_points
 from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
-from tierplan.bench.phase_report import write_report
+from tierplan.bench.phase_report import device_stems, write_report
 from tierplan.bench.phase_run import ModelHandle, RunRefused, engine_config, measure, open_model, point_context
 from tierplan.bench.phase_shards import PointQueue, point_spec
 from tierplan.bench.phase_steps import append_steps, steps_line, steps_path
@@ -317,8 +317,8 @@ def sweep_grid(quick: bool = False, point_spec: str = "", policies: tuple[str, .
 
 def merge_results(out_dir: Path, sources: list[Path]) -> list[tuple[Path, int]]:
     """Each of `sources` (a phase JSON another call wrote, e.g. a device run's copy) merged into the file of the
-    same name in `out_dir`, its report rewritten from the merged rows for the device of the newest one (no device
-    needed here: an H200's rows report on a CPU box). (target, rows added) per source; ValueError naming a file
+    same name in `out_dir`, its reports rewritten from the merged rows, one per device (no device needed here:
+    an H200's rows report on a CPU box). (target, rows added) per source; ValueError naming a file
     that is missing or not phase rows (nothing of it merged)."""
     out, merged = [], {}
     try:
@@ -334,23 +334,25 @@ def merge_results(out_dir: Path, sources: list[Path]) -> list[tuple[Path, int]]:
     finally:  # one report per file, from all its merges (those before a refused source too)
         for target, rows in merged.items():
             if rows:
-                dev = rows[-1]["device"]
-                write_report(latest(rows, dev), target.with_suffix(""), QUICK if rows[-1].get("quick") else FULL,
-                             dev)
+                write_reports_by_device(rows, target.with_suffix(""), QUICK if rows[-1].get("quick") else FULL)
     return out
 
 
-def write_reports(out_dir: Path, models: list[str], sizes: Sizes, device: str, day: str) -> dict[str, Path]:
-    """Each model's report from its JSON of `day` (YYYYMMDD: the day the sweep's workers started, whose JSON
-    every worker merged its rows into)."""
-    from tierplan.runtime.device import Device
+def write_reports_by_device(rows: list[dict[str, Any]], stem: Path, sizes: Sizes) -> list[Path]:
+    """One report per device the rows ran on (`phase_report.device_stems`); the paths written."""
+    return [p for dev, dev_stem in device_stems(rows, stem).items()
+            for p in write_report(latest(rows, dev), dev_stem, sizes, dev)]
 
-    dev_name, out = _device_name(Device(device)), {}
+
+def write_reports(out_dir: Path, models: list[str], sizes: Sizes, day: str) -> dict[str, Path]:
+    """Each model's reports (one per device its rows ran on) from its JSON of `day` (YYYYMMDD: the day the
+    sweep's workers started, whose JSON every worker merged its rows into)."""
+    out = {}
     for m in models:
         path = out_dir / f"phase_{m}_{day}.json"
         rows = load_rows(path)
         if rows:
-            write_report(latest(rows, dev_name), path.with_suffix(""), sizes, dev_name)
+            write_reports_by_device(rows, path.with_suffix(""), sizes)
             out[m] = path
     return out
 
@@ -362,7 +364,7 @@ def _sweep(plan: dict[str, tuple[_Store, list[Point]]], pols: tuple[str, ...], s
         _sweep_model(m, pts if queue is None else _claimed(queue, m, pts), pols, sizes, dev, dev_name, code, store,
                      say, progress, how, deadline)
         if store.rows and report:
-            write_report(latest(store.rows, dev_name), store.path.with_suffix(""), sizes, dev_name)
+            write_reports_by_device(store.rows, store.path.with_suffix(""), sizes)
         say(f"{m}: {len(store.rows)} rows in {store.path}")
 
 

@@ -349,6 +349,18 @@ def plot(rows: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
     return out
 
 
+def device_stems(rows: list[dict[str, Any]], stem: Path) -> dict[str, Path]:
+    """Each device of `rows` and the stem of its report: the device with the most rows keeps `stem` (the H200's
+    sweep stays `phase_<model>_<day>.md` when another card's rows join its JSON), the others add their name
+    (`..._nvidia-h100-80gb-hbm3.md`). A report never mixes devices (`phase_store.latest`)."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["device"]] = counts.get(r["device"], 0) + 1
+    main = max(counts, key=lambda d: (counts[d], d)) if counts else None
+    slug = lambda d: "-".join("".join(c if c.isalnum() else " " for c in d.lower()).split())  # noqa: E731
+    return {d: stem if d == main else stem.with_name(f"{stem.name}_{slug(d)}") for d in counts}
+
+
 def write_report(rows: list[dict[str, Any]], stem: Path, sizes: Any, device: str) -> list[Path]:
     """`<stem>.md` and the plots from `rows` (one model, one device); the paths written."""
     if not rows:

@@ -41,7 +41,7 @@ import sys, time
 from pathlib import Path
 from tierplan.bench.phase import sweep_grid, write_reports
 sizes, _ = sweep_grid(models=tuple(sys.argv[2].split(",")))
-print(write_reports(Path(sys.argv[1]), sys.argv[2].split(","), sizes, "cuda", time.strftime("%Y%m%d")))
+print(write_reports(Path(sys.argv[1]), sys.argv[2].split(","), sizes, time.strftime("%Y%m%d")))
 PY
 fi
 cat "$out"/phase.log "$out"/phase_worker*.log 2>/dev/null | grep "tok/s" | cut -c1-110

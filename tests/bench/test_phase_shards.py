@@ -109,8 +109,8 @@ def test_workers_write_rows_only_and_the_report_reads_their_days_json(tmp_path: 
     assert not list(tmp_path.glob("*.md"))  # the workers wrote rows only
     (json_path,) = tmp_path.glob("phase_tiny_*.json")
     day = json_path.stem.rsplit("_", 1)[1]
-    assert write_reports(tmp_path, ["tiny"], sizes, "cpu", "19990101") == {}  # another day's JSON: none
-    assert write_reports(tmp_path, ["tiny"], sizes, "cpu", day) == {"tiny": json_path}
+    assert write_reports(tmp_path, ["tiny"], sizes, "19990101") == {}  # another day's JSON: none
+    assert write_reports(tmp_path, ["tiny"], sizes, day) == {"tiny": json_path}
     assert json_path.with_suffix(".md").exists()
 
 
