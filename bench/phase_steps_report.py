@@ -5,8 +5,8 @@ Runs in the bench process (`tierplan bench phase --steps-report DIR`); pure Pyth
 prefill): their mean, median, 90th percentile and slowest, the collector's pauses, and how much of the decode
 time the slowest 5 % of them took. Per point and policy with two runs or more (repeats, or calls that measured
 it again): how far apart their means and their medians lie. Means apart with medians together: a few slow
-steps (host, collector); medians apart too: the whole run was slower (device clock, placement). It never edits
-a row's figure.
+steps (host, collector); medians apart too: the whole run was slower (device clock, placement). Then the cost
+model replayed over the same steps (bench/phase_cost_replay.py). It never edits a row's figure.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from tierplan.bench.phase_cost_replay import replay_file
+from tierplan.bench.phase_cost_replay import section as cost_section
 from tierplan.bench.phase_spread import apart
 from tierplan.bench.phase_steps import load_steps
 
@@ -64,7 +66,8 @@ def steps_files(folder: Path) -> list[Path]:
 
 def report(paths: list[Path]) -> str:
     """The Markdown report over the steps files `paths` (ValueError naming a file that is not one)."""
-    runs = [s for p in paths for line in load_steps(p) if (s := run_summary(line)) is not None]
+    per_file = {p: load_steps(p) for p in paths}
+    runs = [s for lines in per_file.values() for line in lines if (s := run_summary(line)) is not None]
     lines = ["# Per-step records: where the run-to-run spread comes from", "",
              f"{len(runs)} runs with decode steps, from {len(paths)} file(s).", ""]
     pairs = spread_rows(runs)
@@ -84,4 +87,11 @@ def report(paths: list[Path]) -> str:
     lines += [f"| {r['point']} | {r['policy']} | {r['run_id']}/{r['repeat']} | {r['decode_steps']} | "
               f"{r['mean_ms']:.2f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | {r['max_ms']:.2f} | "
               f"{r['tail_share']:.1%} | {r['gc_ms']:.1f} |" for r in runs]
+    replayed, skipped = [], []
+    for p, file_lines in per_file.items():
+        try:
+            replayed += replay_file(p, file_lines)
+        except ValueError as exc:  # a model without a built-in shape: named, the rest replayed
+            skipped.append(f"{p.name}: {exc}")
+    lines += ["", *cost_section(replayed), *(["", "Not replayed: " + "; ".join(skipped)] if skipped else [])]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,113 @@
+"""The phase rows' cost model replayed over saved per-step records: how close it prices the steps it saw.
+
+Runs in the bench process (`tierplan bench phase --steps-report DIR` adds it to phase_steps_report.md); pure
+Python + numpy, no torch and no device. Each steps file is one process of a sweep (bench/phase_steps.py): its
+runs are replayed in the order they ran through one fresh `phase_metrics.Predictor`, as the process did (fit
+on a run's warm-up steps, price its measured steps at their measured misses, fit on them), and each run's
+mean price is set against its measured step (`predicted_step_ms_measured_misses` of the row). What it cannot
+replay: the process's calibration pass (a resident run at its first point, never saved) and the measured
+memory bandwidth (the priors of the active experts' compute); so the first runs of a file may differ from
+their rows. Its use is to try a change to the cost model on real steps away from the device (H200 phase runs
+26-29: 36 of 57 runs within 15 % before the per-miss term, 39 with it; bench/results/phase_h200.md, session
+22). It never edits a row.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from tierplan.bench.phase_metrics import STEP_FORGETTING, TRANSFER_OVERHEAD_PRIOR_S, Predictor
+from tierplan.controller.costmodel import CostModel, HardwareSpec
+from tierplan.controller.model_shape import BUILTIN_CONFIGS, ModelShape, builtin_shape
+from tierplan.controller.protocol import Link
+
+TOLERANCE = 0.15  # the issue's: a prediction within 15 % of the measured step
+LINK_PRIOR_BYTES_PER_S = 50e9  # where the rows beside a steps file do not say what the process measured
+
+
+def shape_of(line: dict[str, Any]) -> ModelShape:
+    """The replay's model: the line's preset cut to the point's layers (`<model>/L<layers>/...`), with the slot
+    and KV block bytes the run used. ValueError naming the model or point it cannot read."""
+    model, point = line.get("model"), str(line.get("point", ""))
+    if model not in BUILTIN_CONFIGS:
+        raise ValueError(f"{point}: model {model!r} has no built-in shape (expected one of {sorted(BUILTIN_CONFIGS)})")
+    parts = point.split("/")
+    if len(parts) < 2 or not parts[1].startswith("L") or not parts[1][1:].isdigit():
+        raise ValueError(f"point {point!r}: expected <model>/L<layers>/..., as the phase rows name points")
+    full, layers = builtin_shape(model), int(parts[1][1:])
+    per_token = full.kv_bytes_per_token * layers / full.num_layers
+    block_tokens = max(1, round(int(line["kv_block_bytes"]) / per_token)) if per_token else full.block_tokens
+    return replace(full, num_layers=layers, moe_layers=tuple(m for m in full.moe_layers if m < layers),
+                   expert_bytes=int(line["slot_bytes"]), dense_bytes=0,
+                   kv_bytes_per_token=max(1, int(line["kv_block_bytes"]) // block_tokens), block_tokens=block_tokens)
+
+
+def _link_bytes_per_s(path: Path) -> dict[str, float]:
+    """run id -> the h2d bandwidth its process measured, from the phase JSON beside the steps file (none: {})."""
+    rows_path = path.with_name(path.name.split("_steps_")[0] + ".json")
+    try:
+        rows = json.loads(rows_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {r["run_id"]: r["link_gb_s"] * 1e9 for r in rows if isinstance(r, dict) and r.get("run_id")
+            and r.get("link_gb_s")}
+
+
+def _steps(line: dict[str, Any]) -> list[SimpleNamespace]:
+    cols = line["steps"]
+    n = len(cols.get("cycle_s", []))
+    return [SimpleNamespace(**{k: v[i] for k, v in cols.items()}) for i in range(n)]
+
+
+def replay_file(path: Path, lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run of one process, in the order it ran: point, policy, status, predicted / measured step."""
+    if not lines:
+        return []
+    links = _link_bytes_per_s(path)
+    first = lines[0]
+    link = links.get(str(first.get("run_id")), LINK_PRIOR_BYTES_PER_S)
+    hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, link), transfer_overhead_s=TRANSFER_OVERHEAD_PRIOR_S,
+                      hbm_bytes=0)
+    predictor = Predictor(CostModel(shape_of(first), hw, forgetting=STEP_FORGETTING), int(first["kv_block_bytes"]))
+    out = []
+    for line in lines:
+        steps = _steps(line)
+        if not steps:
+            continue
+        warm = min(int(line.get("warm_steps") or 0), len(steps) - 1)
+        timed = steps[warm:]
+        predictor.calibrate(steps[:warm])
+        priced = predictor.step_ms(timed)
+        predictor.calibrate(timed)
+        measured_ms = sum(s.cycle_s for s in timed) / len(timed) * 1e3
+        out.append({"point": line["point"], "policy": line["policy"], "status": line.get("status"),
+                    "run_id": line.get("run_id"), "ratio": priced / measured_ms if measured_ms > 0 else None})
+    return out
+
+
+def section(replayed: list[dict[str, Any]]) -> list[str]:
+    """The report's Markdown lines: runs within `TOLERANCE` in all and by policy (oracle candidates left out, as
+    the rows' target leaves them out)."""
+    runs = [r for r in replayed if r["ratio"] is not None and r["status"] != "candidate"]
+    lines = ["## The cost model replayed", "",
+             "Each file's runs in the order they ran, one fresh cost model per file (as its process fitted it, "
+             "less the calibration pass, which is not saved); each run's measured steps priced at their measured "
+             "misses, against its measured step (bench/phase_cost_replay.py).", ""]
+    if not runs:
+        return [*lines, "No run to replay."]
+    within = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in runs)
+    lines += [f"Within {TOLERANCE:.0%}: {within} of {len(runs)} runs; median predicted / measured "
+              f"{statistics.median(r['ratio'] for r in runs):.2f}.", "",
+              "| policy | runs | within 15 % | median predicted / measured |", "|---|---|---|---|"]
+    for pol in dict.fromkeys(r["policy"] for r in runs):
+        mine = [r["ratio"] for r in runs if r["policy"] == pol]
+        lines.append(f"| {pol} | {len(mine)} | {sum(abs(x - 1) <= TOLERANCE for x in mine)} | "
+                     f"{statistics.median(mine):.2f} |")
+    lines += ["", "| point | policy | run | predicted / measured |", "|---|---|---|---|"]
+    lines += [f"| {r['point']} | {r['policy']} | {r['run_id']} | {r['ratio']:.2f} |" for r in runs]
+    return lines
