@@ -60,7 +60,7 @@ def register(bench_app: typer.Typer) -> None:
             help="Measure nothing: read every steps file under this folder (--save-steps' output, subfolders "
                  "too) and write phase_steps_report.md there: per run the decode cycles' mean, median, p90, "
                  "slowest; per policy run twice or more, whether its runs differ by a few slow steps or "
-                 "throughout.")] = None,
+                 "throughout; and the cost model replayed over the steps (runs within 15 %).")] = None,
         queue: Annotated[Path | None, typer.Option(
             help="Take the points one at a time from this queue file instead of --points (how the workers of a "
                  "--gpus sweep share its points; the sweep writes the file).")] = None,
