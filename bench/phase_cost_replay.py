@@ -14,17 +14,15 @@ their rows. Its use is to try a change to the cost model on real steps away from
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tierplan.bench.phase_metrics import STEP_FORGETTING, TRANSFER_OVERHEAD_PRIOR_S, Predictor
-from tierplan.controller.costmodel import CostModel, HardwareSpec
+from tierplan.bench.phase_metrics import Predictor
+from tierplan.bench.phase_store import load_rows
 from tierplan.controller.model_shape import BUILTIN_CONFIGS, ModelShape, builtin_shape
-from tierplan.controller.protocol import Link
 
 TOLERANCE = 0.15  # the issue's: a prediction within 15 % of the measured step
 LINK_PRIOR_BYTES_PER_S = 50e9  # where the rows beside a steps file do not say what the process measured
@@ -49,13 +47,11 @@ def shape_of(line: dict[str, Any]) -> ModelShape:
 
 def _link_bytes_per_s(path: Path) -> dict[str, float]:
     """run id -> the h2d bandwidth its process measured, from the phase JSON beside the steps file (none: {})."""
-    rows_path = path.with_name(path.name.split("_steps_")[0] + ".json")
     try:
-        rows = json.loads(rows_path.read_text())
-    except (OSError, ValueError):
+        rows = load_rows(path.with_name(path.name.split("_steps_")[0] + ".json"))
+    except ValueError:  # not phase rows: the replay falls back on the prior, as for a file without rows
         return {}
-    return {r["run_id"]: r["link_gb_s"] * 1e9 for r in rows if isinstance(r, dict) and r.get("run_id")
-            and r.get("link_gb_s")}
+    return {r["run_id"]: r["link_gb_s"] * 1e9 for r in rows if r.get("run_id") and r.get("link_gb_s")}
 
 
 def _steps(line: dict[str, Any]) -> list[SimpleNamespace]:
@@ -71,9 +67,7 @@ def replay_file(path: Path, lines: list[dict[str, Any]]) -> list[dict[str, Any]]
     links = _link_bytes_per_s(path)
     first = lines[0]
     link = links.get(str(first.get("run_id")), LINK_PRIOR_BYTES_PER_S)
-    hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, link), transfer_overhead_s=TRANSFER_OVERHEAD_PRIOR_S,
-                      hbm_bytes=0)
-    predictor = Predictor(CostModel(shape_of(first), hw, forgetting=STEP_FORGETTING), int(first["kv_block_bytes"]))
+    predictor = Predictor.for_shape(shape_of(first), int(first["kv_block_bytes"]), link)
     out = []
     for line in lines:
         steps = _steps(line)

@@ -112,11 +112,18 @@ class Predictor:
                            kv_bytes_per_token=max(1, h.kv_block_bytes // h.block_tokens), block_tokens=h.block_tokens)
         # The measured memory bandwidth gives each active expert's compute its prior, as for the live controllers
         # (tierplan_live.active_expert_prior_ms): a term no window can move where the active experts never vary.
-        hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, h.link_bytes_per_s),
-                          transfer_overhead_s=TRANSFER_OVERHEAD_PRIOR_S, hbm_bytes=0, name=str(h.dev.torch_device),
-                          hbm_bytes_per_s=getattr(h, "memory_bytes_per_s", 0.0))
-        return cls(CostModel(shape, hw, forgetting=STEP_FORGETTING), h.kv_block_bytes,
-                   getattr(h.router, "ids_host", None))
+        return cls.for_shape(shape, h.kv_block_bytes, h.link_bytes_per_s, getattr(h, "memory_bytes_per_s", 0.0),
+                             getattr(h.router, "ids_host", None), name=str(h.dev.torch_device))
+
+    @classmethod
+    def for_shape(cls, shape: ModelShape, kv_block_bytes: int, link_bytes_per_s: float,
+                  memory_bytes_per_s: float = 0.0, ids_host: np.ndarray | None = None, name: str = "") -> Predictor:
+        """A fresh predictor with the rows' priors: every link at `link_bytes_per_s`, the per-record prior, the
+        step-by-step forgetting (a saved process replayed offline builds it from its steps: phase_cost_replay)."""
+        hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, link_bytes_per_s),
+                          transfer_overhead_s=TRANSFER_OVERHEAD_PRIOR_S, hbm_bytes=0, name=name,
+                          hbm_bytes_per_s=memory_bytes_per_s)
+        return cls(CostModel(shape, hw, forgetting=STEP_FORGETTING), kv_block_bytes, ids_host)
 
     def calibrate(self, steps: list[Any]) -> None:
         """Fold measured steps (StepRecords) into the cost model, one observation each: the cycle less its
