@@ -2,10 +2,11 @@
 
 Runs in the controller process, fed one accepted telemetry window at a time (`observe`). Built on the demand
 models in controller/predictors: per-layer LRU miss-ratio curves (`MissRatioCurves`, from the step unions the
-agent reports, bucketed by the step's token count) with a frequency fallback where a batch size has too few
-steps yet; and the cross-layer transition table the plan ships to the agent, estimated from the window's pair
-counts with the same back-off as `TransitionTable` (P(j|i) = (n(i,j) + prior q(j)) / (n(i) + prior), q the
-next layer's per-token marginal). `forecast()` returns a frozen `DemandForecast`; nothing here decides.
+agent reports, bucketed by the step's token count) with a fallback from the activation frequencies where a
+batch size has too few steps yet (predictors/irm_lru: an LRU cache under independent tokens); and the cross-layer
+transition table the plan ships to the agent, estimated from the window's pair counts with the same back-off as
+`TransitionTable` (P(j|i) = (n(i,j) + prior q(j)) / (n(i) + prior), q the next layer's per-token marginal).
+`forecast()` returns a frozen `DemandForecast`; nothing here decides.
 Never imports torch, runtime or agent.
 
 Shape letters: M MoE layers, E experts per layer.
@@ -21,6 +22,7 @@ from enum import StrEnum
 
 import numpy as np
 
+from tierplan.controller.predictors.irm_lru import lru_curve
 from tierplan.controller.predictors.miss_ratio import MissRatioCurves
 from tierplan.controller.protocol import Successor, Telemetry, Tier, TransitionRow
 
@@ -46,6 +48,9 @@ class CurveSource(StrEnum):
     FREQUENCY = "frequency"  # activation frequencies only (independent tokens)
 
 
+FREQUENCY_SOURCE = "activation frequencies (an LRU cache, tokens independent)"
+
+
 def batch_bucket(tokens: float) -> int:
     """The tracked batch size nearest to `tokens` on a log scale."""
     t = max(1.0, tokens)
@@ -57,7 +62,7 @@ class DemandForecast:
     batch_tokens: float  # tokens per engine step (the median step where steps are reported, else the mean)
     misses_per_step: tuple[tuple[float, ...], ...]  # [M][E + 1] expected loads per step with 0..E slots
     union_per_step: tuple[float, ...]  # [M] distinct experts a step needs
-    curve_source: str  # "measured LRU curves at B=..." or "activation frequencies"
+    curve_source: str  # "measured LRU curves at B=..." or FREQUENCY_SOURCE
     kv_live_blocks: float  # KV blocks the sequences hold (all tiers) plus those the queued requests need
     kv_gpu_used_blocks: float
     kv_saturated: bool  # the GPU KV share was full: demand may be higher than seen
@@ -269,7 +274,7 @@ class DemandModel:
         for m in range(num_moe):
             got = at[bucket][m] if at else None
             if got is None:
-                got = frequency_curve(self._token_probs(m), batch)
+                got = lru_curve(self._token_probs(m), batch)
                 measured = False
             misses.append(tuple(float(x) for x in got[0]))
             unions.append(got[1])
@@ -289,7 +294,7 @@ class DemandModel:
             live = max(live, KV_SATURATED_GROWTH * limit)
         filling = self.kv_start_blocks if self.kv_start_blocks is not None and self.kv_rising() else 0
         live = max(live, float(filling))
-        source = f"measured LRU curves at B~{bucket}" if measured else "activation frequencies"
+        source = f"measured LRU curves at B~{bucket}" if measured else FREQUENCY_SOURCE
         share, large = self._large_steps(at)
         return DemandForecast(batch, tuple(misses), tuple(unions), source, live, self.kv_gpu, saturated, hot,
                               self.num_windows, self.reuse_per_step or 0.0, tuple(sorted(self.reuse_ages)),
@@ -317,7 +322,7 @@ class DemandModel:
             for i in np.flatnonzero(shares > 0):
                 b = BATCH_BUCKETS[int(i)]
                 got = at[b][m] if at else None
-                acc += shares[i] * (got[0] if got is not None else frequency_curve(self._token_probs(m), b)[0])
+                acc += shares[i] * (got[0] if got is not None else lru_curve(self._token_probs(m), b)[0])
             out.append(tuple(float(x) for x in acc))
         return float(shares.sum()), tuple(out)
 

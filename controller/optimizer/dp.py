@@ -122,7 +122,7 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
         found = halves(arrs, lays, 0.0, capacity)
         assert found is not None  # check_feasible guarantees a capacity-feasible choice
         return make_solution(problem, found[0], "dp", _ms(t0), "one DP pass (no link budget)", {"passes": 1},
-                             link_binds=False)
+                             link_binds=False, settle=True)
     lam = link_price(arrs, capacity, float(budget))
     stats: dict[str, float] = {"lam_ms_per_byte": lam, "passes": 0}
     best_lam, lower, incumbent, inc_price = lam, -math.inf, None, lam
@@ -166,14 +166,14 @@ def solve_dp(problem: SplitProblem, exact: bool = False, max_nodes: int = NODE_L
     if incumbent is not None and incumbent.cost_ms - lower <= REL_TOL * max(1.0, abs(incumbent.cost_ms)):
         how = "link budget not binding" if best_lam == 0.0 else f"Lagrangian optimum at lam={best_lam:.3g} ms/byte"
         return make_solution(problem, incumbent.choice, "dp", _ms(t0), f"DP, {how} (no gap)", stats,
-                             link_binds=best_lam > 0.0)
+                             link_binds=best_lam > 0.0, settle=True)
     if incumbent is not None and not exact:
         gap = incumbent.cost_ms - lower
         stats["gap_ms"] = gap
         polish = f" + {stats['exchange_moves']:.0f} slot exchanges" if "exchange_moves" in stats else ""
         detail = (f"DP at link price {inc_price:.3g} ms/byte{polish}, within {gap:.3g} ms "
                   f"({100 * gap / max(abs(incumbent.cost_ms), 1e-12):.2g}%) of optimal (Lagrangian bound)")
-        return make_solution(problem, incumbent.choice, "dp", _ms(t0), detail, stats, link_binds=True)
+        return make_solution(problem, incumbent.choice, "dp", _ms(t0), detail, stats, link_binds=True, settle=True)
     return _close_gap(problem, arrs, lays, best_lam, lower, incumbent, max_nodes, stats, t0)
 
 
@@ -222,14 +222,15 @@ def _close_gap(problem: SplitProblem, arrs: list[GroupArrays], lays: list[Layout
         stats.update(search_nodes=search.nodes, fallback_milp=1)
         sol = solve_milp(problem)
         detail = f"search passed {max_nodes} nodes; the MILP finished it"
-        return make_solution(problem, sol.choice, "dp+milp", _ms(t0), detail, stats, link_binds=True)
+        return make_solution(problem, sol.choice, "dp+milp", _ms(t0), detail, stats, link_binds=True, settle=True)
     stats["search_nodes"] = search.nodes
     if search.best is None:
         raise InfeasibleError(f"no split fits both the HBM capacity ({capacity} units) and the link budget "
                               f"({budget:.0f} bytes/step): every split that fits the capacity streams more")
     detail = (f"DP, Lagrangian bound at lam={lam:.3g} ms/byte, gap {search.ub - lower:.3g} ms closed by search "
               f"({search.nodes} nodes)")
-    return make_solution(problem, _unpermute(perm, search.best), "dp", _ms(t0), detail, stats, link_binds=True)
+    return make_solution(problem, _unpermute(perm, search.best), "dp", _ms(t0), detail, stats, link_binds=True,
+                         settle=True)
 
 
 def _unpermute(perm: list[int], choice: tuple[int, ...]) -> tuple[int, ...]:

@@ -63,4 +63,4 @@ def solve_milp(problem: SplitProblem, time_limit_s: float = 60.0) -> SplitSoluti
     binds = None if problem.link_budget_bytes_per_step is None else \
         link_price(arrs, problem.capacity_units, float(problem.link_budget_bytes_per_step)) > 0.0
     return make_solution(problem, choice, "milp", (time.perf_counter() - t0) * 1e3, "HiGHS MILP, zero gap",
-                         link_binds=binds)
+                         link_binds=binds, settle=True)

@@ -278,9 +278,37 @@ def capacity_units_of(hbm_budget_bytes: int, dense_bytes: int, workspace_bytes: 
     return free // unit_bytes
 
 
+TIE_MS = 1e-9  # option costs this close (relative above 1 ms) are one cost: below any solver's tolerance
+
+
+def settle_ties(problem: SplitProblem, choice: tuple[int, ...]) -> tuple[int, ...]:
+    """`choice` with each group, in order, moved to its fewest-units option that costs no more than its chosen one
+    within TIE_MS, where the link budget still holds. The exact solvers' optima agree in cost to their tolerances,
+    not in which of two options of one cost they take (the mean-field LRU curve is flat once the slots hold a
+    step's union: more slots then buy ~1e-11 ms); settled, they issue one plan, and HBM that buys nothing is left
+    to the KV cache."""
+    arrs = group_arrays(problem)
+    out = [int(j) for j in choice]
+    budget = problem.link_budget_bytes_per_step
+    link = sum(int(a.link_bytes[j]) for a, j in zip(arrs, out, strict=True))
+    for g, a in enumerate(arrs):
+        j = out[g]
+        tie = a.cost_ms <= a.cost_ms[j] + TIE_MS * max(1.0, abs(float(a.cost_ms[j])))
+        fits = a.link_bytes - a.link_bytes[j] <= (math.inf if budget is None else budget - link)
+        ok = np.flatnonzero(tie & fits & (a.units < a.units[j]))
+        if ok.size:
+            k = int(ok[np.lexsort((a.cost_ms[ok], a.units[ok]))[0]])  # fewest units, then the cheaper
+            link += int(a.link_bytes[k]) - int(a.link_bytes[j])
+            out[g] = k
+    return tuple(out)
+
+
 def make_solution(problem: SplitProblem, choice: tuple[int, ...], solver: str, solve_ms: float,
                   detail: str = "", stats: dict[str, float] | None = None,
-                  link_binds: bool | None = None) -> SplitSolution:
+                  link_binds: bool | None = None, settle: bool = False) -> SplitSolution:
+    """The solution record of `choice`; `settle` (the exact solvers) first settles its ties (`settle_ties`)."""
+    if settle:
+        choice = settle_ties(problem, choice)
     objective, units, link = evaluate(problem, choice)
     return SplitSolution(choice=tuple(int(j) for j in choice), objective_ms=objective, solver=solver,
                          solve_ms=solve_ms, units_used=units, link_bytes_used=link,

@@ -19,10 +19,11 @@ from tierplan.controller.coupling import (
     solve_coupled,
     value_share,
 )
-from tierplan.controller.demand import BucketCurves, DemandForecast, frequency_curve, with_large_steps
+from tierplan.controller.demand import BucketCurves, DemandForecast, with_large_steps
 from tierplan.controller.loop import Controller
 from tierplan.controller.optimizer import solve
 from tierplan.controller.optimizer.problem import InfeasibleError, SplitSolution, evaluate
+from tierplan.controller.predictors.irm_lru import lru_curve
 from tierplan.controller.protocol import Telemetry, parse, to_json
 from tierplan.controller.valuation import Valuation, build_problem, kv_grid
 
@@ -245,15 +246,15 @@ def _with_prefill(tokens: tuple[int, ...]) -> Telemetry:
 
 def test_large_steps_are_priced_at_their_own_size_beside_the_median_step() -> None:
     """Seven decode steps of 4 tokens and one prefill of 1000: the split is priced at the decode step, plus an
-    eighth of the prefill's own curve (it needs every routed expert), in the separable and the coupled
-    valuation alike; without the prefill nothing is added."""
+    eighth of the prefill's own curve (it needs every routed expert: an LRU cache short of them reloads nearly
+    all), in the separable and the coupled valuation alike; without the prefill nothing is added."""
     ctl = make_controller()
     ctl.sync_from(_with_prefill((4,) * 7 + (1000,)))
     fc = ctl.demand.forecast()
     assert fc.batch_tokens == pytest.approx(4.0) and fc.large_step_share == pytest.approx(1 / 8)
     plain = dataclasses.replace(fc, large_step_share=0.0, large_step_misses=())
     for m, probs in enumerate(fc.token_probs):
-        at_prefill = frequency_curve(np.asarray(probs), 512)[0]  # the prefill's bucket
+        at_prefill = lru_curve(np.asarray(probs), 512)[0]  # the prefill's bucket
         assert fc.large_step_misses[m] == pytest.approx(tuple(at_prefill / 8))
         assert with_large_steps(fc.misses_per_step, fc)[m] == pytest.approx(
             tuple(7 / 8 * np.asarray(fc.misses_per_step[m]) + at_prefill / 8))

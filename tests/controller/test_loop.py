@@ -247,7 +247,8 @@ def test_pins_leave_room_for_the_layers_step_union() -> None:
     assert num_pins(30, 28.0, 8, 0.5) == 0  # below the union: nothing pinned
     assert num_pins(30, 28.0, 8, 0.5, operator_pins=3) == 3  # the operator's pins stay
     ctl, win = make_controller(), Windows()
-    plans = drive(ctl, win, [(6, 6, 3, 0)])  # six tokens a step: a union of ~7 of the 8 experts a layer
+    # Twelve tokens a step: a union of ~6.2 of the 8 experts a layer, whose headroom (1.25x) takes all 8 slots.
+    plans = drive(ctl, win, [(6, 12, 3, 0)])
     assert plans and all(not p.pinned_experts for p in plans)
     ctl, win = make_controller(), Windows()
     plans = drive(ctl, win, [(6, 1, 3, 0)])  # one token a step: two experts, the rest may be pinned

@@ -6,9 +6,19 @@ import numpy as np
 import pytest
 
 from tests.controller.optimizer_cases import cliff_problem, random_problem
-from tierplan.controller.optimizer import InfeasibleError, SplitProblem, evaluate, solve, violations
+from tierplan.controller.optimizer import (
+    Group,
+    GroupKind,
+    InfeasibleError,
+    Option,
+    SplitProblem,
+    evaluate,
+    solve,
+    violations,
+)
 from tierplan.controller.optimizer.dp import solve_dp
 from tierplan.controller.optimizer.greedy import fluxmoe_split
+from tierplan.controller.optimizer.problem import settle_ties
 from tierplan.controller.optimizer.synthetic import BenchShape, bench_problem
 
 
@@ -152,3 +162,19 @@ def test_milp_refuses_a_rounded_answer_that_breaks_the_budget(monkeypatch: pytes
     monkeypatch.setattr(cp.Problem, "solve", off_by_tolerance)
     with pytest.raises(RuntimeError, match="rounded to one option per group, breaks a budget: uses 20 units of 10"):
         solve(problem, "milp")
+
+
+def test_both_exact_solvers_take_the_fewest_units_among_options_of_one_cost() -> None:
+    """A layer whose curve is flat past its union (the LRU fallback's ~1e-11 ms between 3 and 4 slots): the DP and
+    the MILP issue the same split, the one that leaves the spare HBM to KV, and never past the link budget."""
+    flat = tuple(Option(k, c, link) for k, c, link in ((0, 5.0, 900), (1, 2.0, 400), (2, 3e-11, 10), (3, 0.0, 0),
+                                                       (4, 0.0, 0)))
+    kv = tuple(Option(k, 4.0 - k, 0) for k in range(4))
+    for budget, want in ((None, 2), (5, 3)):  # 10 link bytes of option 2 do not fit a budget of 5
+        problem = SplitProblem((Group("layer 0", flat), Group("kv", kv, kind=GroupKind.KV)), capacity_units=6,
+                               unit_bytes=1, link_budget_bytes_per_step=budget)
+        for solver in ("dp", "milp"):
+            sol = solve(problem, solver)
+            assert sol.choice[0] == want, (solver, budget, sol.choice)
+            assert not violations(problem, sol.choice)
+    assert settle_ties(problem, (4, 2)) == (3, 2)  # equal cost, fewer units, the link budget kept
