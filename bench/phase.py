@@ -390,6 +390,23 @@ def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor,
     predictor.calibrate(out.steps)
 
 
+def _warm_up(h: ModelHandle, ctx: PointContext, prefix_tokens: int, sizes: Sizes, say: Any) -> str | None:
+    """One discarded run of `sizes.warmup_policy` at the point (no row): the kernels its steps need are compiled
+    before the first measured run. The policy's name, or None where there is none or it failed (said; the runs
+    still go, as the rows' `warmed_by` tells)."""
+    if sizes.warmup_policy is None:
+        return None
+    t0 = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="tierplan-phase-") as tmp:
+            measure(h, ctx, make(sizes.warmup_policy), sizes, Path(tmp), prefix_tokens)
+    except Exception as exc:
+        say(f"warm-up run ({sizes.warmup_policy}) failed, the point's runs go on unwarmed: {type(exc).__name__}: {exc}")
+        return None
+    say(f"warm-up run ({sizes.warmup_policy}, discarded): {time.perf_counter() - t0:.1f} s")
+    return sizes.warmup_policy
+
+
 def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str,
                  code: str, store: _Store, say: Any, progress: Callable[[int], None] | None,
                  how: OracleRecording, deadline: float | None = None) -> None:
@@ -405,8 +422,8 @@ def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Siz
             left = store.todo(p, pols, dev_name, code, sizes.repeats)
             if not left:
                 continue
-            if deadline is not None and (est := estimate_point_s(store.rows, p, [pol for _, pol in left],
-                                                                 dev_name)) is not None:
+            runs = [pol for _, pol in left] + ([sizes.warmup_policy] if sizes.warmup_policy else [])  # + warm-up
+            if deadline is not None and (est := estimate_point_s(store.rows, p, runs, dev_name)) is not None:
                 est += MODEL_OPEN_S if h is None else 0.0
                 if est > (left_s := deadline - time.perf_counter()):
                     say(f"{p.key}: skipped, not started: its {len(left)} run(s) took ~{est:.0f} s at the nearest "
@@ -423,12 +440,14 @@ def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Siz
                 ctx, prefix_tokens = point_context(h, p, sizes)
             except ConfigError as exc:
                 why = str(exc)
+            warmed = _warm_up(h, ctx, prefix_tokens, sizes, say) if ctx is not None else None
             for rep, pol in left:
                 t0 = time.perf_counter()
                 base = _base_row(p, ctx, pol, dev_name, code, sizes, rep)
                 row = (refused_row(base, why) if ctx is None
                        else _one(h, ctx, prefix_tokens, pol, sizes, predictor, base, store, say, how))
                 row["run_s"] = time.perf_counter() - t0
+                row["warmed_by"] = warmed
                 store.add(row)
                 if progress is not None:
                     progress(1)

@@ -52,6 +52,11 @@ class Sizes:
     repeats: int  # runs of each policy at a point, in rounds of alternating order (the report shows the median)
     activation_bytes_per_token: int  # workspace allowance per batch token, taken out of the budget
     quick: bool
+    # A discarded run of this policy at each point before its measured runs (None: none). The engine compiles its
+    # Triton kernels at the first use of each specialisation (prefill lengths, context splits), so without it the
+    # point's first policy paid for them: H100 phase runs 30 and 32 (b128 1K, 40 GiB), tierplan's first 16 steps,
+    # the same plan, work and misses as mv_wsa's, took 3.0 and 5.6 s against 1.3 and 1.6.
+    warmup_policy: str | None = "static_lru"
 
 
 # The grid. qwen3-30b-a3b: 128 experts of 9 MiB in each of 48 layers (~54 GiB), mixtral: 8 of 336 MiB

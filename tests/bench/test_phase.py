@@ -322,3 +322,32 @@ def test_merge_adds_another_calls_rows_and_rewrites_the_report(tmp_path: Path) -
     assert res.exit_code == 2 and "no.json: no such file" in " ".join(res.output.split())
     res = CliRunner().invoke(app, ["bench", "phase", "--out-dir", str(out), "--merge", str(out / src.name)])
     assert res.exit_code == 2 and "that is the file it would merge into" in " ".join(res.output.split())
+
+
+def test_each_point_runs_a_discarded_warm_up_first_and_goes_on_without_one_that_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before a point's measured runs, one run of QUICK.warmup_policy whose outcome is no row (the kernels its
+    steps need are built before the first measured policy runs); each row names it. A warm-up that fails is said
+    and the runs go on, their rows naming none."""
+    import tierplan.bench.phase as phase
+
+    real, made = phase.make, []
+    monkeypatch.setattr(phase, "make", lambda name: made.append(name) or real(name))
+    res = _run("--points", POINT, "--policies", "resident", "--out-dir", str(tmp_path / "ok"))
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(next((tmp_path / "ok").glob("phase_tiny_*.json")).read_text())
+    assert made[-2:] == [QUICK.warmup_policy, "resident"] and row["warmed_by"] == QUICK.warmup_policy
+    assert f"warm-up run ({QUICK.warmup_policy}, discarded)" in res.output
+
+    def broken(name: str) -> object:
+        if name == QUICK.warmup_policy and not broken.failed:  # type: ignore[attr-defined]
+            broken.failed = True  # type: ignore[attr-defined]
+            raise RuntimeError("warm-up broke")
+        return real(name)
+
+    broken.failed = False  # type: ignore[attr-defined]
+    monkeypatch.setattr(phase, "make", broken)
+    res = _run("--points", POINT, "--policies", "resident", "--out-dir", str(tmp_path / "failed"))
+    assert res.exit_code == 0, res.output
+    (row,) = json.loads(next((tmp_path / "failed").glob("phase_tiny_*.json")).read_text())
+    assert row["status"] == "ok" and row["warmed_by"] is None and "warm-up broke" in res.output
