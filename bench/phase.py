@@ -426,8 +426,9 @@ def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Siz
             if deadline is not None and (est := estimate_point_s(store.rows, p, runs, dev_name)) is not None:
                 est += MODEL_OPEN_S if h is None else 0.0
                 if est > (left_s := deadline - time.perf_counter()):
-                    say(f"{p.key}: skipped, not started: its {len(left)} run(s) took ~{est:.0f} s at the nearest "
-                        f"point measured here, and {max(0.0, left_s):.0f} s are left before --deadline-s")
+                    warm = " and its warm-up" if sizes.warmup_policy else ""
+                    say(f"{p.key}: skipped, not started: its {len(left)} run(s){warm} took ~{est:.0f} s at the "
+                        f"nearest point measured here, and {max(0.0, left_s):.0f} s are left before --deadline-s")
                     continue
             if h is None:
                 h = open_model(m, sweep.layers, sweep.full_layers, dev, say)
