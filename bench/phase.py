@@ -41,7 +41,15 @@ from tierplan.bench.baselines.dry_record import difference, dry_record
 from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, RunStop, Sizes, points, select_points
 from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
 from tierplan.bench.phase_report import device_stems, write_report
-from tierplan.bench.phase_run import ModelHandle, RunRefused, engine_config, measure, open_model, point_context
+from tierplan.bench.phase_run import (
+    ModelHandle,
+    Outcome,
+    RunRefused,
+    engine_config,
+    measure,
+    open_model,
+    point_context,
+)
 from tierplan.bench.phase_shards import PointQueue, point_spec
 from tierplan.bench.phase_steps import append_steps, steps_line, steps_path
 from tierplan.bench.phase_store import (
@@ -376,13 +384,18 @@ def _claimed(queue: PointQueue, model: str, pts: list[Point]) -> Iterator[Point]
         yield by_spec[spec]
 
 
+def _discarded_run(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, sizes: Sizes) -> Outcome:
+    """One run of `policy` at the point that makes no row (the calibration pass, the warm-up); its outcome."""
+    with tempfile.TemporaryDirectory(prefix="tierplan-phase-") as tmp:
+        return measure(h, ctx, make(policy), sizes, Path(tmp), prefix_tokens)
+
+
 def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor, say: Any) -> None:
     """One `resident` pass at the model's first point, its steps folded into the cost model (no row): the
     first runs' predictions start from this machine's step times rather than the priors."""
     try:
-        with tempfile.TemporaryDirectory(prefix="tierplan-phase-") as tmp:
-            ctx, prefix_tokens = point_context(h, point, sizes)
-            out = measure(h, ctx, make("resident"), sizes, Path(tmp), prefix_tokens)
+        ctx, prefix_tokens = point_context(h, point, sizes)
+        out = _discarded_run(h, ctx, prefix_tokens, "resident", sizes)
     except Exception as exc:  # the sweep still runs: its first predictions then lean on the priors
         say(f"{h.spec.name}: no calibration pass ({type(exc).__name__}: {exc}); the cost model starts from its "
             "priors")
@@ -398,8 +411,7 @@ def _warm_up(h: ModelHandle, ctx: PointContext, prefix_tokens: int, sizes: Sizes
         return None
     t0 = time.perf_counter()
     try:
-        with tempfile.TemporaryDirectory(prefix="tierplan-phase-") as tmp:
-            measure(h, ctx, make(sizes.warmup_policy), sizes, Path(tmp), prefix_tokens)
+        _discarded_run(h, ctx, prefix_tokens, sizes.warmup_policy, sizes)
     except Exception as exc:
         say(f"warm-up run ({sizes.warmup_policy}) failed, the point's runs go on unwarmed: {type(exc).__name__}: {exc}")
         return None

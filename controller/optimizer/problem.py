@@ -284,9 +284,9 @@ TIE_MS = 1e-9  # option costs this close (relative above 1 ms) are one cost: bel
 def settle_ties(problem: SplitProblem, choice: tuple[int, ...]) -> tuple[int, ...]:
     """`choice` with each group, in order, moved to its fewest-units option that costs no more than its chosen one
     within TIE_MS, where the link budget still holds. The exact solvers' optima agree in cost to their tolerances,
-    not in which of two options of one cost they take (the mean-field LRU curve is flat once the slots hold a
-    step's union: more slots then buy ~1e-11 ms); settled, they issue one plan, and HBM that buys nothing is left
-    to the KV cache."""
+    not in which of two options of one cost they take (the LRU fallback curve, predictors/irm_lru, is flat once the
+    slots hold a step's union: more slots then buy ~1e-11 ms); settled, they issue one plan, and HBM that buys
+    nothing is left to the KV cache."""
     arrs = group_arrays(problem)
     out = [int(j) for j in choice]
     budget = problem.link_budget_bytes_per_step

@@ -64,13 +64,13 @@ def lru_curve(probs: np.ndarray, batch: float) -> tuple[np.ndarray, float]:
     spread_bins = int(np.sqrt(q.size) / 2 / POOL_EXPERTS) + 2
     key = np.rint(mean / POOL_EXPERTS).astype(np.int64) * spread_bins + np.rint(spread / POOL_EXPERTS).astype(np.int64)
     size = (int(q.size / POOL_EXPERTS) + 2) * spread_bins
-
-    def pooled(x: np.ndarray) -> np.ndarray:
-        return np.bincount(key, weights=weight * x, minlength=size)[used] / w
-
     w = np.bincount(key, weights=weight, minlength=size)
     used = np.flatnonzero(w)
     w = w[used]  # [C] pooled cells
+
+    def pooled(x: np.ndarray) -> np.ndarray:  # the cells' weighted mean of x
+        return np.bincount(key, weights=weight * x, minlength=size)[used] / w
+
     mu, sd, third = pooled(mean), np.maximum(pooled(spread), 1e-6), pooled(m3)
     skew = third / sd**3
     # A hit with s slots: at most s - 1 others touched. The count is Poisson-binomial: the refined normal
