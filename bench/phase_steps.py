@@ -5,7 +5,7 @@ steps from a slower device, needs the steps themselves, and the device's time is
 them. `tierplan bench phase --save-steps` appends one gzip'd JSON line per run (oracle candidates included) to
 `phase_<model>_<day>_steps_<run id>.jsonl.gz` beside the JSON: one file per process, so the workers of a
 `--gpus` sweep never write one file. A line holds the row's identity (`ROW_KEYS`), the warm-up steps, the slot
-and KV block bytes, each applied plan's expert bytes per model layer and GPU KV blocks by version, and the
+and KV block bytes, each applied plan's expert bytes per model layer, GPU KV blocks and reason by version, and the
 `StepRecord` fields as columns (one list per field, in step order). They never change a row's figure.
 """
 
@@ -33,7 +33,8 @@ def steps_line(row: dict[str, Any], outcome: Any, slot_bytes: int, kv_block_byte
             "window_steps": outcome.window_steps, "slot_bytes": slot_bytes, "kv_block_bytes": kv_block_bytes,
             "initial_plan_version": outcome.initial_plan.version,
             "plans": {str(v): {"expert_bytes_per_layer": list(p.expert_bytes_per_layer),
-                               "kv_gpu_blocks": int(p.kv_blocks_per_tier.get("gpu", 0))}
+                               "kv_gpu_blocks": int(p.kv_blocks_per_tier.get("gpu", 0)),
+                               "reason": p.reason}
                       for v, p in sorted(plans.items())},
             "steps": {k: [s[k] for s in steps] for k in (steps[0] if steps else {})}}
 

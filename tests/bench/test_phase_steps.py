@@ -22,7 +22,8 @@ def _step(i: int, version: int) -> StepRecord:
 def _outcome() -> SimpleNamespace:
     def plan(version: int, slots: int) -> SimpleNamespace:
         return SimpleNamespace(version=version, expert_bytes_per_layer=(slots * 4096, 0, slots * 4096),
-                               kv_blocks_per_tier={"gpu": 10 * version, "cpu": 99})
+                               kv_blocks_per_tier={"gpu": 10 * version, "cpu": 99},
+                               reason=f"plan {version}: why")
 
     return SimpleNamespace(steps=[_step(i, 1 + (i >= 2)) for i in range(4)], window_steps=2,
                            initial_plan=plan(1, 3), extra={"plans_applied": {1: plan(1, 3), 2: plan(2, 5)}})
@@ -40,8 +41,10 @@ def test_a_runs_line_holds_its_identity_plans_and_every_step_field(tmp_path: Pat
     assert first["point"] == row["point"] and first["run_id"] == "r1" and first["oracle_split"] is None
     assert "decode_tok_s" not in first  # the row keeps the figures; the line only names the run
     assert first["warm_steps"] == 1 and first["window_steps"] == 2 and first["slot_bytes"] == 4096
-    assert first["plans"] == {"1": {"expert_bytes_per_layer": [12288, 0, 12288], "kv_gpu_blocks": 10},
-                              "2": {"expert_bytes_per_layer": [20480, 0, 20480], "kv_gpu_blocks": 20}}
+    assert first["plans"] == {"1": {"expert_bytes_per_layer": [12288, 0, 12288], "kv_gpu_blocks": 10,
+                                    "reason": "plan 1: why"},
+                              "2": {"expert_bytes_per_layer": [20480, 0, 20480], "kv_gpu_blocks": 20,
+                                    "reason": "plan 2: why"}}
     cols = first["steps"]
     assert cols["plan_version"] == [1, 1, 2, 2] and cols["expert_misses"] == [0, 1, 2, 3]
     assert cols["link_bytes"][3] == {"h2d": 12288} and cols["cycle_s"][1] == pytest.approx(0.002)
