@@ -30,7 +30,7 @@ from tierplan.controller.demand import CurveSource, DemandForecast, DemandModel
 from tierplan.controller.kv_reuse_feed import KvReuseConfig, KvReuseFeed, Retention
 from tierplan.controller.model_shape import ModelShape
 from tierplan.controller.optimizer import Action, HysteresisPolicy, SplitHysteresis, solve
-from tierplan.controller.optimizer.problem import SplitSolution, evaluate
+from tierplan.controller.optimizer.problem import SplitSolution, capacity_units_of, evaluate, units_for_bytes
 from tierplan.controller.plan_reason import Split, explain
 from tierplan.controller.protocol import (
     MAX_RETENTION,
@@ -59,9 +59,16 @@ def with_spare_kv(split: Split, space: SplitSpace) -> tuple[Split, int]:
     demand is met, the solve may leave HBM idle: all options price it at zero. Idle HBM helps nobody, and KV
     blocks admit the requests that queue up before the next window's plan (H200 phase runs 18-19: the first
     plan held 134 KV blocks at 40-56 GiB with most of the budget idle, and more KV came three windows later, at
-    0.75-0.85x the policies that started with it). A later plan takes the blocks back for experts if they pay."""
-    used = sum(split.slots) * space.slot_bytes + split.kv_blocks * space.kv_block_bytes
-    extra = max(0, min((space.capacity_bytes - used) // space.kv_block_bytes,
+    0.75-0.85x the policies that started with it). A later plan takes the blocks back for experts if they pay.
+    The spare is counted in the problem's HBM units, as the next window's problem counts the split in force (each
+    layer's slots and the KV share rounded up to whole units), not in bytes: filled to the byte, a split used a
+    unit or two more than the capacity the next problem gives, read as "no longer fits", and that forced a switch
+    every window (H200 phase run 37, b32 16K 24 GiB: 18 plans, each one slot and 40 blocks off the one before)."""
+    unit = space.unit_bytes
+    expert_units = sum(units_for_bytes(s * space.slot_bytes, unit) for s in split.slots)
+    free_units = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit) - \
+        expert_units
+    extra = max(0, min(free_units * unit // space.kv_block_bytes - split.kv_blocks,
                        space.kv_gpu_blocks_max - split.kv_blocks))
     return (replace(split, kv_blocks=split.kv_blocks + extra), extra) if extra else (split, 0)
 

@@ -235,7 +235,8 @@ def assemble(groups: list[Group], cost: CostModel, space: SplitSpace, step_ms: f
             floor = least_link_bytes(problem)
         except InfeasibleError:  # no split fits the capacity at all: the solver says so, naming the cause
             floor = 0
-        problem = dataclasses.replace(problem, link_budget_bytes_per_step=max(link_budget, floor))
+        problem = dataclasses.replace(problem, link_budget_bytes_per_step=max(link_budget, floor),
+                                      link_budget_is_floor=floor > link_budget)
     return problem
 
 

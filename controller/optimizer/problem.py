@@ -141,6 +141,9 @@ class SplitProblem:
     unit_bytes: int
     link_budget_bytes_per_step: int | None = None
     migration_ms_per_unit: float = 0.0
+    # The link budget is the least any split within the capacity streams, above the link's own share of a step:
+    # no split meets the link, so the budget only ranks splits, and one a little over it breaks no promise.
+    link_budget_is_floor: bool = False
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -229,14 +232,14 @@ def evaluate(problem: SplitProblem, choice: tuple[int, ...]) -> tuple[float, int
     return objective, units, link
 
 
-def violations(problem: SplitProblem, choice: tuple[int, ...]) -> list[str]:
-    """Constraints the choice breaks, in words; empty when feasible."""
+def violations(problem: SplitProblem, choice: tuple[int, ...], link_budget: bool = True) -> list[str]:
+    """Constraints the choice breaks, in words; empty when feasible. `link_budget` False: the capacity only."""
     _, units, link = evaluate(problem, choice)
     out = []
     if units > problem.capacity_units:
         out.append(f"uses {units} units of {problem.capacity_units}")
     budget = problem.link_budget_bytes_per_step
-    if budget is not None and link > budget:
+    if link_budget and budget is not None and link > budget:
         out.append(f"streams {link} bytes/step of a {budget} budget")
     return out
 

@@ -273,6 +273,30 @@ def test_spare_hbm_goes_to_kv_within_the_tier() -> None:
     assert with_spare_kv(Split((0, 0), KV_MAX), space) == (Split((0, 0), KV_MAX), 0)
 
 
+def test_spare_kv_is_counted_in_the_problems_units() -> None:
+    """A unit coarser than a slot and a block (a large budget): the split with its spare KV must fit the
+    capacity as the next window's problem counts it (each group rounded up to whole units), else the plan in
+    force reads as "no longer fits" and a switch is forced every window."""
+    import dataclasses
+
+    from tierplan.controller.loop import with_spare_kv
+    from tierplan.controller.optimizer.problem import capacity_units_of, units_for_bytes
+    from tierplan.controller.plan_reason import Split
+
+    space = dataclasses.replace(make_controller().config.space, max_units=10)
+    unit = space.unit_bytes
+    assert unit % SLOT_BYTES and unit % BLOCK_BYTES  # neither divides it: rounding is at stake
+    capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
+    for slots in ((2, 2), (1, 3), (5, 4), (6, 6)):  # splits a solve may return (they fit in units)
+        new, _ = with_spare_kv(Split(slots, KV_MIN), space)
+        used = sum(units_for_bytes(s * SLOT_BYTES, unit) for s in slots) + units_for_bytes(
+            new.kv_blocks * BLOCK_BYTES, unit)
+        assert used <= capacity, (slots, new, used, capacity)
+        one_more = units_for_bytes((new.kv_blocks + 1) * BLOCK_BYTES, unit) + used - units_for_bytes(
+            new.kv_blocks * BLOCK_BYTES, unit)
+        assert new.kv_blocks == KV_MAX or one_more > capacity, (slots, new)  # and none is left idle
+
+
 def _filling(compute_load_ms: float | None, prefill_tokens: int = 0) -> tuple[list[Plan], Controller, Windows]:
     """A batch filling (12, 16, 20 blocks held) behind the 40-block GPU KV share the agent started with (a split
     this controller never issued). `compute_load_ms`: a decode-bound step (10 ms at any small batch, so a

@@ -92,3 +92,18 @@ def test_a_split_that_no_longer_fits_is_replaced_at_once() -> None:
     assert decision.action is Action.SWITCH and "no longer fits" in decision.reason
     assert not violations(tight, decision.choice)
     assert "expected stall" in reason(tight, solve(tight))
+
+
+def test_a_link_budget_at_its_floor_ranks_but_forces_no_switch() -> None:
+    """Where no split meets the link, the budget is the least any split streams: the split in force a hair over
+    it (the floor follows the curves) is held unless the gain clears the margin; over a real budget, it goes."""
+    group = Group("layer 0", (Option(1, 10.0, 100), Option(2, 9.9, 101), Option(3, 9.95, 99)))
+    floor = SplitProblem((group,), 3, 1, link_budget_bytes_per_step=99, link_budget_is_floor=True)
+    hyst = SplitHysteresis()
+    current = (1,)  # streams 101 > 99
+    decision = hyst.decide(floor, current, solve(floor), 1)
+    assert decision.action is Action.KEEP and not decision.forced, decision.reason
+    assert "below the 15% margin" in decision.reason
+    real = SplitProblem((group,), 3, 1, link_budget_bytes_per_step=99)
+    decision = SplitHysteresis().decide(real, current, solve(real), 1)
+    assert decision.action is Action.SWITCH and decision.forced and "streams 101 bytes/step" in decision.reason

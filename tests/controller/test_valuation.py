@@ -123,7 +123,7 @@ def test_the_link_budget_never_falls_below_what_a_split_within_the_capacity_must
     val = build_problem(ctl.demand.forecast(), ctl.cost, ctl.config.space, None, None, 32, 30.0)
     p = val.problem
     floor = least_link_bytes(dataclasses.replace(p, link_budget_bytes_per_step=None))
-    assert floor > 0 and p.link_budget_bytes_per_step == floor
+    assert floor > 0 and p.link_budget_bytes_per_step == floor and p.link_budget_is_floor  # it only ranks
     assert solve(p).link_bytes_used <= floor
 
 
@@ -144,6 +144,7 @@ def test_the_link_floor_is_the_exact_least_whether_or_not_the_experts_all_fit(mo
         exact = least_link_bytes(dataclasses.replace(val.problem, link_budget_bytes_per_step=None))
         own = int(ctl.config.space.link_share * 1e3 * max(val.step_ms, 1e-3) / 1e3)
         assert val.problem.link_budget_bytes_per_step == max(own, exact), units
+        assert val.problem.link_budget_is_floor == (exact > own), units
         floors.append(exact)
     assert floors[0] == 0 < floors[-1], floors  # both paths were taken
 
