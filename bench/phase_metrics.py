@@ -58,11 +58,15 @@ ROW_FIELDS = ("model", "layers", "batch", "context", "hbm_budget_gib", "policy",
 TRANSFER_OVERHEAD_PRIOR_S = 1e-4  # per record, before calibration (the cost model fits it from the steps)
 CURVE_MAX_BATCH = 256  # the miss-ratio curves' largest tracked batch (a larger step uses this one)
 CURVE_ACCESSES = 16384  # expert accesses per layer a curve is built from (steps = this / the batch's union)
-# The fit forgets per step what the controller's forgets per 8-step window (0.98 ** (1 / 8)): the same memory in
-# steps, over observations a window's means would blur (a window's mean step runs neither a prefill's active
-# experts nor a decode's). Replayed over one CPU quick sweep's steps, pricing the measured misses: 103 of 160
-# runs within 15 % fitted per step, 90 fitted per window (bench/results/phase_h200.md, "Session 18").
-STEP_FORGETTING = 0.9975
+# The fit is per step, over observations a window's means would blur (a window's mean step runs neither a
+# prefill's active experts nor a decode's): replayed over one CPU quick sweep's steps, pricing the measured
+# misses, 103 of 160 runs within 15 % fitted per step, 90 fitted per window (bench/results/phase_h200.md,
+# "Session 18"). Its memory is ~100 steps, shorter than the controller's (0.98 a window of 8, 0.9975 a step): one
+# process runs policy after policy, each its own mix of misses and active experts, and the next run is priced by
+# the fit of the last ones. Replayed over the H100/H200 phase steps of runs 01-40 (session 24): 146 of 225 runs
+# within 15 % at 0.99, 142 at 0.98, 138 at 0.995, 128 at 0.9975 (chosen on those steps: a later sweep says
+# whether it holds).
+STEP_FORGETTING = 0.99
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -163,22 +167,25 @@ class Predictor:
         return tuple(0.0 if s >= c.num_experts else float(c.expected_misses_per_step(m, b)[s])
                      for m, s in enumerate(slots))
 
+    def _spread(self, total: int) -> tuple[int, ...]:
+        """A step's count over all MoE layers as per-layer counts (the remainder to the first layers)."""
+        m = self.cost.shape.num_moe_layers
+        per, extra = divmod(total, m)
+        return tuple(per + (1 if j < extra else 0) for j in range(m))
+
     def _load(self, s: Any, misses: tuple[float, ...], streamed: tuple[float, ...] = ()) -> StepLoad:
+        """The step's load as measured: its distinct experts (hits + misses, what `calibrate` fits the active
+        experts' cost on; a uniform-routing estimate in their place priced a B=4 step's 4 distinct experts as 11),
+        its KV fetches, and the given misses."""
         cpu, nvme = s.kv_fetch.get("cpu", 0), s.kv_fetch.get("nvme", 0)
         return StepLoad(batch_tokens=max(1, s.batch_tokens), context_tokens=s.context_tokens, miss_count=misses,
-                        prefetch_count=streamed,
+                        prefetch_count=streamed, active_experts=self._spread(s.expert_hits + s.expert_misses),
                         kv_fetch_bytes=cpu * self.kv_block_bytes, kv_fetch_count=cpu,
                         kv_disk_read_bytes=nvme * self.kv_block_bytes, kv_disk_read_count=nvme)
 
     def step_prices(self, steps: list[Any]) -> list[float]:
         """Each of `steps` (StepRecords) priced at its measured misses: its predicted step ms."""
-        m = self.cost.shape.num_moe_layers
-        out = []
-        for s in steps:
-            per, extra = divmod(s.expert_misses, m)
-            out.append(self.cost.step_time_ms(self._load(s, tuple(per + (1 if j < extra else 0)
-                                                                  for j in range(m)))).total_ms)
-        return out
+        return [self.cost.step_time_ms(self._load(s, self._spread(s.expert_misses))).total_ms for s in steps]
 
     def step_ms(self, steps: list[Any]) -> float:
         """Mean predicted step time over `steps`, each priced at its measured misses (0.0 without steps)."""

@@ -42,6 +42,9 @@ from tierplan.controller.costmodel_fit import OnlineLinear
 from tierplan.controller.model_shape import ModelShape
 from tierplan.controller.protocol import Link, StallCause, Telemetry, Tier
 
+TYPICAL_STEP_TOKENS = 8.0  # a decode step's tokens, and its context, for the prior's spreads (CostModel)
+TYPICAL_CONTEXT_TOKENS = 8.0 * 1024
+
 
 @dataclass(frozen=True)
 class HardwareSpec:
@@ -141,9 +144,14 @@ class CostModel:
         self.shape, self.hardware = shape, hardware
         self.prefetch_lookahead_layers = prefetch_lookahead_layers
         prior = compute or ComputeParams.prior_for(shape, hardware)
-        # A prior is believed to within 10x (a coefficient given as 0 to within 1 ms): data soon outweigh it,
-        # while what telemetry cannot see (e.g. attention per context token) stays where the user put it.
-        scale = [max(10 * abs(v), 1.0) for v in prior.as_tuple()]
+        # A prior is believed to within 10x (a coefficient given as 0 to within 1 ms of a typical step): data soon
+        # outweigh it, while what telemetry cannot see (e.g. attention per context token) stays where the user put
+        # it. Each spread is over its feature's size in a typical step (`_typical_features`): one spread in raw
+        # units let the fit explain a fixed cost by its largest feature (an H100 b1 decode's 2.7 ms as 64 active
+        # experts x 0.05 ms and no intercept), which then mispriced every step of other counts. Replayed over the
+        # H100/H200 phase steps of runs 01-40 (bench/phase_cost_replay.py), with the bench's step forgetting:
+        # 146 of 225 runs within 15 %, against 133 with one spread.
+        scale = [max(10 * abs(v), 1.0) / t for v, t in zip(prior.as_tuple(), self._typical_features(), strict=True)]
         self._compute_fit = OnlineLinear(prior.as_tuple(), scale, prior_strength, forgetting, robust=True)
         self._link_fit: dict[Link, OnlineLinear] = {}
         for lk in Link:  # theta = (ms per transfer, ms per byte)
@@ -179,6 +187,12 @@ class CostModel:
         """Distinct experts of one layer under uniform top-k routing of `batch_tokens` tokens."""
         e, k = self.shape.num_experts, self.shape.top_k
         return e * (1.0 - (1.0 - k / e) ** max(0.0, batch_tokens))
+
+    def _typical_features(self) -> list[float]:
+        """The features of a typical decode step (TYPICAL_STEP_TOKENS tokens, TYPICAL_CONTEXT_TOKENS of context,
+        top-k experts a layer active, one miss a layer): the sizes the prior's spreads are scaled by."""
+        m, k = self.shape.num_moe_layers, self.shape.top_k
+        return [max(1.0, x) for x in self._features(TYPICAL_STEP_TOKENS, TYPICAL_CONTEXT_TOKENS, m * k, m)]
 
     def _features(self, tokens: float, ctx: float, active_sum: float, miss_sum: float = 0.0) -> list[float]:
         n, m = self.shape.num_layers, self.shape.num_moe_layers

@@ -130,8 +130,9 @@ def test_a_static_split_is_predicted_from_the_miss_curve_not_the_measured_misses
 
 
 def test_the_predictor_learns_a_step_time_from_the_measured_steps() -> None:
-    """Steps whose cycle is 2 ms + 0.05 ms a token, plus 1 ms per expert loaded on demand (its stall): folded in
-    step by step, the cost model prices new steps within 2 %; before, its priors miss them by far."""
+    """Steps whose cycle is 2 ms + 0.05 ms a token, plus 1 ms per expert loaded on demand (its stall), each with 4
+    distinct experts: folded in step by step, the cost model prices new steps within 2 %, each at its measured
+    distinct experts (fitted on them, priced on them); before, its priors miss them by far."""
     from tierplan.bench.phase_run import StepRecord
 
     pred = _predictor(routes=False)
