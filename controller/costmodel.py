@@ -144,14 +144,15 @@ class CostModel:
         self.shape, self.hardware = shape, hardware
         self.prefetch_lookahead_layers = prefetch_lookahead_layers
         prior = compute or ComputeParams.prior_for(shape, hardware)
-        # A prior is believed to within 10x (a coefficient given as 0 to within 1 ms of a typical step): data soon
-        # outweigh it, while what telemetry cannot see (e.g. attention per context token) stays where the user put
-        # it. Each spread is over its feature's size in a typical step (`_typical_features`): one spread in raw
-        # units let the fit explain a fixed cost by its largest feature (an H100 b1 decode's 2.7 ms as 64 active
-        # experts x 0.05 ms and no intercept), which then mispriced every step of other counts. Replayed over the
-        # H100/H200 phase steps of runs 01-40 (bench/phase_cost_replay.py), with the bench's step forgetting:
-        # 146 of 225 runs within 15 %, against 133 with one spread.
-        scale = [max(10 * abs(v), 1.0) / t for v, t in zip(prior.as_tuple(), self._typical_features(), strict=True)]
+        # A prior is believed to within 10x of its share of a typical step, and a coefficient given as 0 to within
+        # 1 ms of it: data soon outweigh it, while what telemetry cannot see (e.g. attention per context token)
+        # stays where the user put it. Each spread is per unit of its feature, so it is over the feature's size in
+        # a typical step (`_typical_features`): one spread of 1 in raw units let the fit explain a fixed cost by
+        # its largest feature (an H100 b1 decode's 2.7 ms as 64 active experts x 0.05 ms and no intercept), which
+        # then mispriced every step of other counts. Replayed over the H100/H200 phase steps of runs 01-40
+        # (bench/phase_cost_replay.py), with the bench's step forgetting: 146 of 225 runs within 15 %,
+        # against 133 with one spread.
+        scale = [max(10 * abs(v), 1.0 / t) for v, t in zip(prior.as_tuple(), self._typical_features(), strict=True)]
         self._compute_fit = OnlineLinear(prior.as_tuple(), scale, prior_strength, forgetting, robust=True)
         self._link_fit: dict[Link, OnlineLinear] = {}
         for lk in Link:  # theta = (ms per transfer, ms per byte)
@@ -189,8 +190,9 @@ class CostModel:
         return e * (1.0 - (1.0 - k / e) ** max(0.0, batch_tokens))
 
     def _typical_features(self) -> list[float]:
-        """The features of a typical decode step (TYPICAL_STEP_TOKENS tokens, TYPICAL_CONTEXT_TOKENS of context,
-        top-k experts a layer active, one miss a layer): the sizes the prior's spreads are scaled by."""
+        """The sizes the prior's spreads are scaled by: the features of a decode step of TYPICAL_STEP_TOKENS tokens
+        reading TYPICAL_CONTEXT_TOKENS of context, with the least a step routes active (top-k experts a layer)
+        and one miss a layer."""
         m, k = self.shape.num_moe_layers, self.shape.top_k
         return [max(1.0, x) for x in self._features(TYPICAL_STEP_TOKENS, TYPICAL_CONTEXT_TOKENS, m * k, m)]
 

@@ -72,7 +72,8 @@ class SplitHysteresis:
         # A link budget at its floor only ranks (no split meets the link): the split in force a little over it
         # is no broken promise, and forcing a switch there moved the split every window (the floor follows the
         # curves: H200 phase run 37, b32 16K 24 GiB, 18 plans of one slot each). The gain decides, as elsewhere.
-        broken = violations(problem, current, link_budget=not problem.link_budget_is_floor)
+        binding_link = not problem.link_budget_is_floor
+        broken = violations(problem, current, link_budget=binding_link)
         if broken:
             return self._switch(proposed.choice, window, f"current split no longer fits ({'; '.join(broken)})",
                                 0.0, 0.0, forced=True)
@@ -89,7 +90,7 @@ class SplitHysteresis:
         moved = _units_moved(problem, current, proposed.choice)
         if p.max_units_per_plan is not None and moved > p.max_units_per_plan:
             partial = _partial(problem, current, proposed.choice, p.max_units_per_plan / moved)
-            if partial != current and not violations(problem, partial):
+            if partial != current and not violations(problem, partial, link_budget=binding_link):
                 part_moved = _units_moved(problem, current, partial)
                 return self._switch(partial, window, f"new split saves {gain:.3g} ms/step ({100 * rel:.1f}%); "
                                     f"moving {part_moved} of {moved} units this plan (step limit "

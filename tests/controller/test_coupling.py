@@ -293,3 +293,35 @@ def test_measured_curves_are_anchored_at_their_bucket_not_at_the_observed_batch(
         w = np.log(batch / 2.0) / np.log(2.0)
         assert curves_at(fc, batch)[0][0][0] == pytest.approx((1 - w) * two[0] + w * four[0])
     assert curves_at(fc, 4.0)[0][0] == four and curves_at(fc, 2.0)[0][0] == two
+
+
+def _at_share(kv_blocks: int, budget: int, floor: bool) -> object:
+    """A one-layer share, hand-made: 1 slot streams 100 bytes a step, 2 slots none; its own link budget."""
+    from tierplan.controller.coupling import AtShare
+    from tierplan.controller.optimizer.problem import Group, GroupKind, Option, SplitProblem
+
+    layer = Group("MoE layer 0", (Option(1, 2.0, 100, "1 slots"), Option(2, 1.0, 0, "2 slots")), 0,
+                  GroupKind.EXPERTS)
+    kv = Group("GPU KV", (Option(1, 0.5, 0, f"{kv_blocks} KV blocks"),), None, GroupKind.KV)
+    problem = SplitProblem((layer, kv), 5, 1, link_budget_bytes_per_step=budget, link_budget_is_floor=floor)
+    val = Valuation(problem, ((1, 2),), (kv_blocks,), 1.0, ((2.0, 1.0),), (4.0,), ((1.0, ((2.0, 1.0),)),))
+    return AtShare(kv_blocks, 4.0, 1.0, val, None, 0.0)
+
+
+def test_the_merged_split_keeps_the_current_shares_own_link_verdict() -> None:
+    """The winner's share and the current one each have their link budget. The split in force (1 slot, 100
+    bytes a step) is judged by its own: over a floor (no split of its share meets the link) it breaks nothing,
+    though the winner's real budget is lower; over a real budget it is broken, though the winner's is a floor."""
+    from tierplan.controller.coupling import _merged
+    from tierplan.controller.optimizer import SplitHysteresis
+    from tierplan.controller.optimizer.problem import make_solution
+
+    def decide(best: object, cur: object) -> object:
+        merged = _merged(best, cur, (1,)).problem
+        proposed = make_solution(merged, (1, 0), "dp", 0.0, "")
+        return SplitHysteresis().decide(merged, (0, 1), proposed, 1)
+
+    held = decide(_at_share(20, budget=80, floor=False), _at_share(10, budget=50, floor=True))
+    assert not held.forced, held.reason
+    owed = decide(_at_share(20, budget=80, floor=True), _at_share(10, budget=50, floor=False))
+    assert owed.forced and "no longer fits" in owed.reason

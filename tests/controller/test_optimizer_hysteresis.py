@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from tests.controller.optimizer_cases import small_shape
@@ -23,7 +25,7 @@ def _jittered(base: SplitProblem, rng: np.random.Generator, sigma: float) -> Spl
     groups = tuple(Group(g.name, tuple(Option(o.units, o.cost_ms * (1 + sigma * rng.standard_normal()),
                                               o.link_bytes, o.label) for o in g.options), g.current, g.kind)
                    for g in base.groups)
-    return SplitProblem(groups, base.capacity_units, base.unit_bytes, base.link_budget_bytes_per_step)
+    return dataclasses.replace(base, groups=groups)
 
 
 def test_a_plan_holds_under_noise() -> None:
