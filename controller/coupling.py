@@ -358,7 +358,7 @@ def _merged(best: AtShare, cur: AtShare | None, current_slots: tuple[int, ...] |
     problem, val = best.val.problem, best.val
     options, blocks, current = [problem.groups[-1].options[0]], [best.kv_blocks], None
     batches, steps = [best.batch_tokens], [val.kv_steps[0]]
-    budget, floor = problem.link_budget_bytes_per_step, problem.link_budget_is_floor
+    budget, is_floor = problem.link_budget_bytes_per_step, problem.link_budget_is_floor
     if cur is not None and current_slots is not None and all(
             s in counts for s, counts in zip(current_slots, val.slot_counts, strict=True)):
         own = cur.val.problem
@@ -380,9 +380,9 @@ def _merged(best: AtShare, cur: AtShare | None, current_slots: tuple[int, ...] |
         own_budget = own.link_budget_bytes_per_step
         if budget is not None and own_budget is not None and (own_link <= own_budget or own.link_budget_is_floor):
             budget = max(budget, own_link, rest_link)
-        floor = own.link_budget_is_floor
+        is_floor = own.link_budget_is_floor
     groups = (*problem.groups[:-1], Group("GPU KV", tuple(options), current, GroupKind.KV))
     merged = dataclasses.replace(problem, groups=groups, link_budget_bytes_per_step=budget,
-                                 link_budget_is_floor=floor)
+                                 link_budget_is_floor=is_floor)
     return dataclasses.replace(val, problem=merged, kv_blocks=tuple(blocks), kv_batch=tuple(batches),
                                kv_steps=tuple(steps), plan_link_budget_bytes=problem.link_budget_bytes_per_step)
