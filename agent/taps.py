@@ -218,14 +218,17 @@ class TelemetryWindow:
         self.start_s = self.clock()
         self.step_ms: list[float] = []
         self.step_tokens: list[int | None] = []
+        self.step_decode_tokens: list[int | None] = []
         self.stalls = {c: [0, 0.0] for c in StallCause}
 
     def observe_step(self, step_s: float, expert_stall_s: float, kv_stall_s: float,
-                     tokens: int | None = None) -> None:
-        """Record one step: its duration, how long it waited on expert loads and on KV fetches, and its tokens
-        (None where the adapter cannot tell: then the window reports no step's tokens)."""
+                     tokens: int | None = None, decode_tokens: int | None = None) -> None:
+        """Record one step: its duration, how long it waited on expert loads and on KV fetches, its tokens and of
+        them those of decoding sequences (None where the adapter cannot tell: then the window reports none)."""
         self.step_ms.append(step_s * 1e3)
         self.step_tokens.append(tokens)
+        self.step_decode_tokens.append(None if tokens is None or decode_tokens is None
+                                       else min(max(0, decode_tokens), tokens))
         if expert_stall_s > 0 and kv_stall_s > 0:
             cause, ms = StallCause.BOTH, (expert_stall_s + kv_stall_s) * 1e3
         elif expert_stall_s > 0:
@@ -252,6 +255,8 @@ class TelemetryWindow:
         now = self.clock()
         steps = self.step_ms
         known = [t for t in self.step_tokens[-MAX_UNION_STEPS:] if t is not None]
+        decodes = [t for t in self.step_decode_tokens[-MAX_UNION_STEPS:] if t is not None]
+        every = min(len(steps), MAX_UNION_STEPS)
         draft = WindowDraft(
             fields=dict(agent_id=self.agent_id, rank=self.rank, window_seq=self.seq, window_start_s=self.start_s,
                         window_end_s=max(now, self.start_s), model=self.model, num_layers=self.num_layers,
@@ -262,7 +267,8 @@ class TelemetryWindow:
             stalls={c: tuple(v) for c, v in self.stalls.items() if v[0]},
             steps_ms=(len(steps), math.fsum(steps) / len(steps) if steps else 0.0, _pct(steps, 0.5),
                       _pct(steps, 0.99)),
-            step_tokens=tuple(known) if len(known) == min(len(steps), MAX_UNION_STEPS) else ())
+            step_tokens=tuple(known) if len(known) == every else (),
+            step_decode_tokens=tuple(decodes) if len(known) == every and len(decodes) == every else ())
         self.seq += 1
         self._reset()
         return draft
@@ -280,6 +286,7 @@ class WindowDraft:
     stalls: dict[StallCause, tuple[int, float]]
     steps_ms: tuple[int, float, float, float]  # count, mean, p50, p99
     step_tokens: tuple[int, ...] = ()  # each step's tokens (the newest MAX_UNION_STEPS), or none
+    step_decode_tokens: tuple[int, ...] = ()  # of them, each step's decoding sequences' tokens, or none
     reuse: tuple[tuple[str, float, str], ...] = ()  # KV reuse events: prefix hash, age in seconds, tier name
     deferred: tuple[Callable[[], dict[str, Any]], ...] = ()  # more fields, made at build (off the engine thread)
 
@@ -308,4 +315,5 @@ class WindowDraft:
                         for k, v in self.links.items()),
             stalls=tuple(Stall(cause=c, count=cnt, total_ms=ms) for c, (cnt, ms) in self.stalls.items()),
             step_timings_ms=StepTimings(num_steps=n, mean=mean, p50=p50, p99=p99), step_tokens=self.step_tokens,
+            step_decode_tokens=self.step_decode_tokens,
         )

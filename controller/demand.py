@@ -187,22 +187,12 @@ class DemandModel:
                     self.curves.observe_step(m, np.asarray(union, np.int64), batch_bucket(b))
             batches = list(u.batch_tokens)
         n = tel.step_timings_ms.num_steps
-        if not batches:  # no unions (no local predictor): the steps' token counts, where the agent reports them
-            batches = [b for b in tel.step_tokens if b > 0]
         self.step_weight *= keep
         self.large_steps *= keep
-        if batches:
-            # The median step, not the mean: one prefill of a thousand tokens among eight decode steps would
-            # price every step's experts at a 130-token union (H200 phase run 04: 36-394 "tokens/step" at
-            # decode batches of 1-5), and with it every KV share's batch. The large steps are kept apart.
-            median = float(np.median(batches))
-            self.batch_tokens = self._smooth(self.batch_tokens, median)
-            self.step_weight += len(batches)
-            for b in batches:
-                if b > LARGE_STEP_FACTOR * median:
-                    self.large_steps[BATCH_BUCKETS.index(batch_bucket(b))] += 1.0
-        elif n and tel.layers:  # the window's mean: a prefill inflates it (an agent that reports neither)
-            self.batch_tokens = self._smooth(self.batch_tokens, float(np.mean([r.num_tokens for r in tel.layers])) / n)
+        if tel.step_decode_tokens:
+            self._observe_decode_split(tel.step_tokens, tel.step_decode_tokens, tel)
+        else:
+            self._observe_steps(batches or [b for b in tel.step_tokens if b > 0], tel, n)
         if tel.transitions:
             self.pairs *= keep
             self.src *= keep
@@ -239,6 +229,39 @@ class DemandModel:
             self.prefetch_missed += tel.expert_misses
             self.prefetch_wasted += pf.wasted
         self.num_windows += 1
+
+    def _observe_steps(self, batches: list[int], tel: Telemetry, n: int) -> None:
+        """The batch from the steps' token counts (the step unions', else the reported ones), no decode split."""
+        if batches:
+            # The median step, not the mean: one prefill of a thousand tokens among eight decode steps would
+            # price every step's experts at a 130-token union (H200 phase run 04: 36-394 "tokens/step" at
+            # decode batches of 1-5), and with it every KV share's batch. The large steps are kept apart.
+            median = float(np.median(batches))
+            self.batch_tokens = self._smooth(self.batch_tokens, median)
+            self.step_weight += len(batches)
+            for b in batches:
+                if b > LARGE_STEP_FACTOR * median:
+                    self.large_steps[BATCH_BUCKETS.index(batch_bucket(b))] += 1.0
+        elif n and tel.layers:  # the window's mean: a prefill inflates it (an agent that reports neither)
+            self.batch_tokens = self._smooth(self.batch_tokens, float(np.mean([r.num_tokens for r in tel.layers])) / n)
+
+    def _observe_decode_split(self, tokens: tuple[int, ...], decodes: tuple[int, ...], tel: Telemetry) -> None:
+        """The batch from the decoding sequences' tokens of the steps that had any: the running batch. The
+        median of whole steps reads a window where most steps carry a prompt chunk as a batch of prompts, and
+        every KV share's batch with it (H200 phase run 37, b32 16K 56 GiB: the first plan priced at 14,304
+        tokens a step for ten sequences; runs 39-40, b256 1K: ~1,800 for 72). A step with a prompt chunk over
+        LARGE_STEP_FACTOR times the batch is a large one, at its whole size. A window where no sequence decoded
+        is read from its whole steps, as without the split: its batch is its prompts (a prefill-only load)."""
+        running = [d for d in decodes if d > 0]
+        if not running:
+            self._observe_steps([t for t in tokens if t > 0], tel, tel.step_timings_ms.num_steps)
+            return
+        self.batch_tokens = self._smooth(self.batch_tokens, float(np.median(running)))
+        steps = [(t, d) for t, d in zip(tokens, decodes, strict=True) if t > 0]
+        self.step_weight += len(steps)
+        for t, d in steps:
+            if t > d and t > LARGE_STEP_FACTOR * self.batch_tokens:
+                self.large_steps[BATCH_BUCKETS.index(batch_bucket(t))] += 1.0
 
     def _observe_reuse(self, tel: Telemetry, num_steps: int) -> None:
         """Prefix reuse: how often blocks come back and after how long, against how fast blocks are touched."""

@@ -240,6 +240,9 @@ class Telemetry(ProtocolModel):
     local_prefetch: PrefetchCounts | None = None  # v2: what the plan's local predictor did this window
     # v2: the tokens of each step (its newest MAX_UNION_STEPS), or none: the typical step's batch without unions
     step_tokens: tuple[Count, ...] = Field(default=(), max_length=MAX_UNION_STEPS)
+    # v2: of each step's tokens, those of sequences decoding (one each; the rest are prompt chunks), or none. The
+    # running batch is the decode tokens: a window of prefills alone says nothing of it.
+    step_decode_tokens: tuple[Count, ...] = Field(default=(), max_length=MAX_UNION_STEPS)
     # v2: the GPU KV blocks the share in force allows at the window's end (None: not reported). The controller
     # learns the split the agent started with from it, a split it never issued.
     kv_gpu_limit_blocks: Count | None = None
@@ -247,11 +250,18 @@ class Telemetry(ProtocolModel):
     @model_validator(mode="after")
     def _consistent(self) -> Self:
         check_v2_only(self, ("transitions", "step_unions", "queued_kv_blocks", "local_prefetch", "step_tokens",
-                             "kv_gpu_limit_blocks"), "telemetry")
+                             "step_decode_tokens", "kv_gpu_limit_blocks"), "telemetry")
         want = min(self.step_timings_ms.num_steps, MAX_UNION_STEPS)
         if self.step_tokens and len(self.step_tokens) != want:
             raise _invalid("step_tokens", f"has {len(self.step_tokens)} steps, expected {want} (the window's "
                                           f"{self.step_timings_ms.num_steps} steps, at most {MAX_UNION_STEPS})")
+        if self.step_decode_tokens:
+            if len(self.step_decode_tokens) != len(self.step_tokens):
+                raise _invalid("step_decode_tokens", f"has {len(self.step_decode_tokens)} steps, expected one per "
+                                                     f"step_tokens ({len(self.step_tokens)})")
+            for i, (d, t) in enumerate(zip(self.step_decode_tokens, self.step_tokens, strict=True)):
+                if d > t:
+                    raise _invalid(f"step_decode_tokens.{i}", f"{d} exceeds the step's {t} tokens (step_tokens.{i})")
         check_transitions(self.transitions, self.num_layers, self.num_experts)
         check_unions(self.step_unions, self.num_layers, self.num_experts)
         if self.window_end_s < self.window_start_s:

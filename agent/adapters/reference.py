@@ -102,8 +102,10 @@ class ReferenceAdapter:
         # The tap counts the routed rows on the host (eager and graph steps alike): the step's tokens are the
         # first MoE layer's rows since the last step (its counters restart with each window).
         routed = self.tap.tokens[0] if self.tap.tokens else 0
+        decodes = getattr(batch, "decodes", None)  # the scheduler's Batch: one token per decoding sequence
         self.window.observe_step(step_s, (stall_ms - self._last["expert_stall_ms"]) / 1e3,
-                                 kv_s - self._last["kv_stall_s"], tokens=routed - self._routed)
+                                 kv_s - self._last["kv_stall_s"], tokens=routed - self._routed,
+                                 decode_tokens=len(decodes) if decodes is not None else None)
         self._routed = routed
         self._last.update(expert_stall_ms=stall_ms, kv_stall_s=kv_s)
         self.policy.run_prefetch(self.clock())

@@ -50,6 +50,10 @@ def test_adapter_applies_a_static_plan_and_ships_valid_windows(tmp_path: Path) -
     tokens = [n for t in agent.telemetry for n in t.step_tokens]  # each step's tokens, graph or eager
     assert len(tokens) == rep.steps and sum(tokens) * spec.top_k * len(spec.moe_layers) == routed
     assert max(tokens) >= 10 and min(tokens) <= 4  # the prefills (prompts of 10+) and the decode steps
+    decodes = [n for t in agent.telemetry for n in t.step_decode_tokens]  # the scheduler's decoding sequences
+    assert len(decodes) == rep.steps and all(d <= n for d, n in zip(decodes, tokens, strict=True))
+    assert any(d < n for d, n in zip(decodes, tokens, strict=True)) and any(d == n > 0 for d, n in zip(
+        decodes, tokens, strict=True))  # steps with a prompt chunk, and steps of decodes alone
     assert sum(t.expert_hits + t.expert_misses for t in agent.telemetry) == rep.expert_hits + rep.expert_misses
     assert all(t.applied_plan_version == 1 for t in agent.telemetry)
     sampled = [b for t in agent.telemetry for b in t.kv.attention_mass]

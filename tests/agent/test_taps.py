@@ -62,6 +62,21 @@ def test_window_reports_each_steps_tokens_only_when_every_step_has_them() -> Non
     assert win.close({}, {}, {}, {}, 0, 0, 1, {}).step_tokens == ()
 
 
+def test_window_reports_each_steps_decode_tokens_only_when_every_step_has_them() -> None:
+    """A prompt step, then two decode steps: the decode tokens ride beside the step tokens (never above them);
+    one step that cannot tell them apart leaves the window without the split, its step tokens still sent."""
+    tap = RouterTap((0,), num_experts=4, device=torch.device("cpu"))
+    win = TelemetryWindow("agent-0", 0, "tiny", 2, 4, tap, clock=lambda: 0.0)
+    for tokens, decodes in ((1000, 0), (4, 4), (4, 9)):
+        win.observe_step(0.01, 0.0, 0.0, tokens=tokens, decode_tokens=decodes)
+    msg = win.close({}, {}, {}, {}, 0, 0, 1, {})
+    assert msg.step_decode_tokens == (0, 4, 4) and parse(Telemetry, to_json(msg)) == msg
+    win.observe_step(0.01, 0.0, 0.0, tokens=4, decode_tokens=4)
+    win.observe_step(0.01, 0.0, 0.0, tokens=4)
+    msg = win.close({}, {}, {}, {}, 0, 0, 1, {})
+    assert msg.step_tokens == (4, 4) and msg.step_decode_tokens == ()
+
+
 def test_telemetry_refuses_step_tokens_that_do_not_cover_its_steps() -> None:
     import pytest
 

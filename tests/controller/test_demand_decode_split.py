@@ -1,0 +1,68 @@
+"""The running batch from the steps' decode tokens, where the agent splits them from the prompt tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.controller.loop_fixtures import Windows, make_controller
+from tierplan.controller.protocol import ProtocolError, Telemetry, parse, to_json
+
+
+def _window(tokens: tuple[int, ...], decodes: tuple[int, ...] | None, win: Windows | None = None) -> Telemetry:
+    """A window of the fixture's routes whose steps carried `tokens`, `decodes` of them decoding (None: the
+    agent does not say). No unions: the step tokens are what the batch is read from."""
+    tel = (win or Windows(steps=len(tokens))).next(batch=4, kv_live=20)
+    extra = {} if decodes is None else {"step_decode_tokens": decodes}
+    return parse(Telemetry, to_json(tel.model_copy(update={"step_unions": (), "step_tokens": tokens, **extra})))
+
+
+def test_a_window_mostly_of_prompt_chunks_reads_the_running_batch_from_its_decode_tokens() -> None:
+    """Five of eight steps carry a 1,024-token prompt chunk beside the 4 decoding sequences: the median whole
+    step is a prompt, so without the split the batch reads 1,028 tokens (every expert wanted); with it, 4, the
+    five chunks kept apart as large steps (H200 phase run 37, b32 16K: the first plan priced at 14,304)."""
+    tokens, decodes = (1028,) * 5 + (4,) * 3, (4,) * 8
+    ctl = make_controller()
+    ctl.sync_from(_window(tokens, None))
+    assert ctl.demand.forecast().batch_tokens == pytest.approx(1028.0)
+    ctl = make_controller()
+    ctl.sync_from(_window(tokens, decodes))
+    fc = ctl.demand.forecast()
+    assert fc.batch_tokens == pytest.approx(4.0) and fc.large_step_share == pytest.approx(5 / 8)
+
+
+def test_a_window_where_nothing_decodes_is_read_from_its_whole_steps() -> None:
+    """A window of prompts alone (nothing decoding: a prefill-only load, or a run's first steps) has no running
+    batch to read: its batch is its prompts, as an agent without the split reports it, and the controller plans
+    at once. A decoding window after it brings the batch down to its decode tokens (the EWMA halves the gap)."""
+    win = Windows(steps=4)
+    ctl = make_controller()
+    ctl.sync_from(_window((512,) * 4, (0,) * 4, win))
+    assert ctl.demand.forecast().batch_tokens == pytest.approx(512.0)
+    assert ctl.demand.forecast().large_step_share == 0.0 and ctl.step_next() is not None
+    ctl.sync_from(_window((516, 4, 4, 4), (4, 4, 4, 4), win))
+    assert ctl.demand.forecast().batch_tokens == pytest.approx((512 + 4) / 2)
+
+
+def test_a_prompt_chunk_is_a_large_step_beside_the_decodes() -> None:
+    """Two decoding windows, then one whose every step carries a 2,048-token chunk beside the 4 decodes: the
+    batch stays at 4 and the chunks count as large steps (a share of the steps seen, at their own size)."""
+    win = Windows(steps=4)
+    ctl = make_controller()
+    for _ in range(2):
+        ctl.sync_from(_window((4,) * 4, (4,) * 4, win))
+    ctl.sync_from(_window((2052,) * 4, (4,) * 4, win))
+    fc = ctl.demand.forecast()
+    assert fc.batch_tokens == pytest.approx(4.0) and 0.3 < fc.large_step_share < 0.4
+
+
+def test_telemetry_refuses_decode_tokens_that_do_not_match_the_steps() -> None:
+    tel = _window((8, 4), (4, 4))
+    raw = to_json(tel)
+    for bad, where in (('"step_decode_tokens":[4,4]', '"step_decode_tokens":[4]'),
+                       ('"step_decode_tokens":[4,4]', '"step_decode_tokens":[9,4]')):
+        with pytest.raises(ProtocolError, match="step_decode_tokens"):
+            parse(Telemetry, raw.replace(bad, where))
+    v1 = tel.model_copy(update={"schema_version": 1, "transitions": (), "step_unions": (), "queued_kv_blocks": 0,
+                                "local_prefetch": None, "step_tokens": (), "kv_gpu_limit_blocks": None})
+    with pytest.raises(ProtocolError, match="step_decode_tokens"):
+        parse(Telemetry, to_json(v1))
