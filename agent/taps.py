@@ -219,16 +219,21 @@ class TelemetryWindow:
         self.step_ms: list[float] = []
         self.step_tokens: list[int | None] = []
         self.step_decode_tokens: list[int | None] = []
+        self.chunked_steps = 0
+        self.decode_split_refused = 0  # steps whose decode tokens were not within their tokens (window: no split)
         self.stalls = {c: [0, 0.0] for c in StallCause}
 
     def observe_step(self, step_s: float, expert_stall_s: float, kv_stall_s: float,
-                     tokens: int | None = None, decode_tokens: int | None = None) -> None:
+                     tokens: int | None = None, decode_tokens: int | None = None, chunked: bool = False) -> None:
         """Record one step: its duration, how long it waited on expert loads and on KV fetches, its tokens and of
-        them those of decoding sequences (None where the adapter cannot tell: then the window reports none)."""
+        them those of decoding sequences (None where the adapter cannot tell: then the window reports none), and
+        whether it ran chunked off its graphs because a layer's experts did not fit its slots at once."""
         self.step_ms.append(step_s * 1e3)
+        self.chunked_steps += int(chunked)
         self.step_tokens.append(tokens)
-        self.step_decode_tokens.append(None if tokens is None or decode_tokens is None
-                                       else min(max(0, decode_tokens), tokens))
+        bad = tokens is not None and decode_tokens is not None and not 0 <= decode_tokens <= tokens
+        self.decode_split_refused += int(bad)  # the adapter's count cannot be a share of the step's: not sent
+        self.step_decode_tokens.append(None if tokens is None or bad else decode_tokens)
         if expert_stall_s > 0 and kv_stall_s > 0:
             cause, ms = StallCause.BOTH, (expert_stall_s + kv_stall_s) * 1e3
         elif expert_stall_s > 0:
@@ -261,14 +266,16 @@ class TelemetryWindow:
             fields=dict(agent_id=self.agent_id, rank=self.rank, window_seq=self.seq, window_start_s=self.start_s,
                         window_end_s=max(now, self.start_s), model=self.model, num_layers=self.num_layers,
                         num_experts=self.num_experts, expert_hits=expert_hits, expert_misses=expert_misses,
-                        applied_plan_version=plan_version, fallbacks=dict(fallbacks)),
+                        applied_plan_version=plan_version, fallbacks=dict(fallbacks) | (
+                            {"decode_split_refused": self.decode_split_refused} if self.decode_split_refused else {})),
             router=self.tap.snapshot(), mass=self.mass_tap.snapshot() if self.mass_tap is not None else {},
             kv=(dict(kv_blocks), dict(kv_hits), dict(kv_misses)), links={k: dict(v) for k, v in links.items()},
             stalls={c: tuple(v) for c, v in self.stalls.items() if v[0]},
             steps_ms=(len(steps), math.fsum(steps) / len(steps) if steps else 0.0, _pct(steps, 0.5),
                       _pct(steps, 0.99)),
             step_tokens=tuple(known) if len(known) == every else (),
-            step_decode_tokens=tuple(decodes) if len(known) == every and len(decodes) == every else ())
+            step_decode_tokens=tuple(decodes) if len(known) == every and len(decodes) == every else (),
+            chunked_steps=self.chunked_steps)
         self.seq += 1
         self._reset()
         return draft
@@ -287,6 +294,7 @@ class WindowDraft:
     steps_ms: tuple[int, float, float, float]  # count, mean, p50, p99
     step_tokens: tuple[int, ...] = ()  # each step's tokens (the newest MAX_UNION_STEPS), or none
     step_decode_tokens: tuple[int, ...] = ()  # of them, each step's decoding sequences' tokens, or none
+    chunked_steps: int = 0  # steps run chunked off their graphs (a layer's experts over its slots)
     reuse: tuple[tuple[str, float, str], ...] = ()  # KV reuse events: prefix hash, age in seconds, tier name
     deferred: tuple[Callable[[], dict[str, Any]], ...] = ()  # more fields, made at build (off the engine thread)
 
@@ -315,5 +323,5 @@ class WindowDraft:
                         for k, v in self.links.items()),
             stalls=tuple(Stall(cause=c, count=cnt, total_ms=ms) for c, (cnt, ms) in self.stalls.items()),
             step_timings_ms=StepTimings(num_steps=n, mean=mean, p50=p50, p99=p99), step_tokens=self.step_tokens,
-            step_decode_tokens=self.step_decode_tokens,
+            step_decode_tokens=self.step_decode_tokens, chunked_steps=self.chunked_steps,
         )

@@ -131,15 +131,17 @@ class Predictor:
 
     def calibrate(self, steps: list[Any]) -> None:
         """Fold measured steps (StepRecords) into the cost model, one observation each: the cycle less its
-        stalls against its tokens, context and distinct experts (hits + misses over the MoE layers), and the
-        stalls against its demand loads (expert misses, KV blocks fetched back) and their bytes."""
+        stalls against its tokens, context, distinct experts (hits + misses over the MoE layers) and whether it
+        ran chunked, and the stalls against its demand loads (expert misses, KV blocks fetched back) and their
+        bytes."""
         eb = self.cost.shape.expert_bytes
         for s in steps:
             kv = sum(s.kv_fetch.values())
             stall = s.expert_stall_ms + s.kv_stall_ms
             self.cost.observe(s.batch_tokens, s.context_tokens, s.expert_hits + s.expert_misses,
                               s.cycle_s * 1e3 - stall, s.expert_misses + kv,
-                              s.expert_misses * eb + kv * self.kv_block_bytes, stall, expert_misses=s.expert_misses)
+                              s.expert_misses * eb + kv * self.kv_block_bytes, stall, expert_misses=s.expert_misses,
+                              chunked=float(ran_chunked(s)))
 
     def curve(self, batch: int) -> MissRatioCurves:
         """The trace's LRU curves at `batch` (a power of two, <= CURVE_MAX_BATCH): `batch` sequences walking the
@@ -167,25 +169,34 @@ class Predictor:
         return tuple(0.0 if s >= c.num_experts else float(c.expected_misses_per_step(m, b)[s])
                      for m, s in enumerate(slots))
 
+    def over_slots(self, slots: tuple[int, ...], tokens: int) -> bool:
+        """Whether a decode step of `tokens` at `slots` per MoE layer runs chunked, as the engine decides it (some
+        layer's experts over its slots), judged by each layer's mean union on the trace's curve at that batch."""
+        b = 1 << (max(1, min(tokens, CURVE_MAX_BATCH)).bit_length() - 1)
+        c = self.curve(b)
+        return any(s < c.num_experts and c.mean_union_size(m, b) > s for m, s in enumerate(slots))
+
     def _spread(self, total: int) -> tuple[int, ...]:
         """A step's count over all MoE layers as per-layer counts (the remainder to the first layers)."""
         m = self.cost.shape.num_moe_layers
         per, extra = divmod(total, m)
         return tuple(per + (1 if j < extra else 0) for j in range(m))
 
-    def _load(self, s: Any, misses: tuple[float, ...], streamed: tuple[float, ...] = ()) -> StepLoad:
+    def _load(self, s: Any, misses: tuple[float, ...], streamed: tuple[float, ...] = (), chunked: bool = False
+              ) -> StepLoad:
         """The step's load as measured: its distinct experts (hits + misses, what `calibrate` fits the active
         experts' cost on; a uniform-routing estimate in their place priced a B=4 step's 4 distinct experts as 11),
-        its KV fetches, and the given misses."""
+        its KV fetches, and the given misses and executor."""
         cpu, nvme = s.kv_fetch.get("cpu", 0), s.kv_fetch.get("nvme", 0)
         return StepLoad(batch_tokens=max(1, s.batch_tokens), context_tokens=s.context_tokens, miss_count=misses,
                         prefetch_count=streamed, active_experts=self._spread(s.expert_hits + s.expert_misses),
                         kv_fetch_bytes=cpu * self.kv_block_bytes, kv_fetch_count=cpu,
-                        kv_disk_read_bytes=nvme * self.kv_block_bytes, kv_disk_read_count=nvme)
+                        kv_disk_read_bytes=nvme * self.kv_block_bytes, kv_disk_read_count=nvme, chunked=chunked)
 
     def step_prices(self, steps: list[Any]) -> list[float]:
-        """Each of `steps` (StepRecords) priced at its measured misses: its predicted step ms."""
-        return [self.cost.step_time_ms(self._load(s, self._spread(s.expert_misses))).total_ms for s in steps]
+        """Each of `steps` (StepRecords) priced at its measured misses and executor: its predicted step ms."""
+        return [self.cost.step_time_ms(self._load(s, self._spread(s.expert_misses), chunked=ran_chunked(s))
+                                       ).total_ms for s in steps]
 
     def step_ms(self, steps: list[Any]) -> float:
         """Mean predicted step time over `steps`, each priced at its measured misses (0.0 without steps)."""
@@ -203,9 +214,15 @@ class Predictor:
             misses = self.predicted_misses(slots, s.batch_tokens)
             ahead = s.expert_prefetch_hits
             share = ahead / (ahead + s.expert_misses) if ahead else 0.0
+            chunked = s.num_prefills == 0 and self.over_slots(slots, s.batch_tokens)
             total += self.cost.step_time_ms(self._load(s, tuple(m * (1 - share) for m in misses),
-                                                       tuple(m * share for m in misses))).total_ms
+                                                       tuple(m * share for m in misses), chunked)).total_ms
         return total / len(steps) if steps else 0.0
+
+
+def ran_chunked(step: Any) -> bool:
+    """Whether a measured step (StepRecord) ran chunked off its graphs: the engine's `layer_over_slots` reason."""
+    return any(k.endswith("/layer_over_slots") for k in (getattr(step, "executors", None) or {}))
 
 
 def plan_slots(plan: Any, shape: ModelShape) -> tuple[int, ...]:

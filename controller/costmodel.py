@@ -11,7 +11,12 @@ of them loaded on demand at the layer), plus `step_ms` once per step (scheduling
 what a demand load costs the step besides the wait the agent times as its stall: the host issuing the copy and
 mapping the slot, and, where the layer's union outruns its slots, the chunks the engine then runs one after
 another (H200 phase runs 26-29: decode steps with ~400 misses spent 55-80 ms outside their timed stall where
-steps with ~50 spent 5-10, a cost no other term moved with). Bytes cross links (`controller.protocol.Link`): a
+steps with ~50 spent 5-10, a cost no other term moved with). `chunked_step_ms` is what a decode step pays once
+for running chunked off its graphs, where some layer's experts do not fit its slots at once (the reference
+engine's `eager/layer_over_slots`): over the H100 and H200 phase runs 01-40, such steps' compute was 9-27 ms
+above graph steps of the same batch beyond their misses at 0.06-0.16 ms each (bench/results/phase_h200.md,
+session 25); `StepLoad.chunked` says a step runs so, and the valuation prices each layer's chance of it.
+Bytes cross links (`controller.protocol.Link`): a
 transfer of n records and b bytes takes n * overhead + b / bandwidth (small records pay the host's per-load
 cost). KV blocks the step needs are fetched first (NVMe -> host -> HBM); attention waits for them (KV stall).
 Prefetched experts stream on the host->device link behind them, in layer order, while earlier layers compute
@@ -22,7 +27,7 @@ a link busy longer than the step stretches it (KV stall).
 
 Public API (what the optimizer, the loop and the simulator use):
 - `HardwareSpec(link_bytes_per_s={Link.H2D: ..., ...}, transfer_overhead_s, hbm_bytes, hbm_bytes_per_s)`
-- `ComputeParams(...)` the eight compute coefficients above; `ComputeParams.prior_for(shape, hw, layer_ms)`.
+- `ComputeParams(...)` the nine compute coefficients above; `ComputeParams.prior_for(shape, hw, layer_ms)`.
 - `StepLoad(batch_tokens, context_tokens, active_experts, miss_count, prefetch_count, kv_* bytes/counts)`:
   per-MoE-layer tuples (length shape.num_moe_layers, or empty for "none" / "estimate").
 - `CostModel(shape, hardware, compute=None, prior_strength=1.0, forgetting=0.98)`:
@@ -76,6 +81,7 @@ class ComputeParams:
     moe_ms_per_token: float = 0.0
     moe_ms_per_active_expert: float = 0.0
     moe_ms_per_miss: float = 0.0
+    chunked_step_ms: float = 0.0  # once per decode step run chunked off its graphs (module docstring)
 
     def as_tuple(self) -> tuple[float, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
@@ -112,6 +118,7 @@ class StepLoad:
     kv_spill_count: int = 0
     kv_disk_write_bytes: int = 0  # host -> NVMe
     kv_disk_write_count: int = 0
+    chunked: bool = False  # the step runs chunked off its graphs: some layer's experts exceed its slots
 
 
 @dataclass(frozen=True)
@@ -191,14 +198,15 @@ class CostModel:
 
     def _typical_features(self) -> list[float]:
         """The sizes the prior's spreads are scaled by: the features of a decode step of TYPICAL_STEP_TOKENS tokens
-        reading TYPICAL_CONTEXT_TOKENS of context, with the least a step routes active (top-k experts a layer)
-        and one miss a layer."""
+        reading TYPICAL_CONTEXT_TOKENS of context, with the least a step routes active (top-k experts a layer),
+        one miss a layer, and run chunked."""
         m, k = self.shape.num_moe_layers, self.shape.top_k
-        return [max(1.0, x) for x in self._features(TYPICAL_STEP_TOKENS, TYPICAL_CONTEXT_TOKENS, m * k, m)]
+        return [max(1.0, x) for x in self._features(TYPICAL_STEP_TOKENS, TYPICAL_CONTEXT_TOKENS, m * k, m, 1.0)]
 
-    def _features(self, tokens: float, ctx: float, active_sum: float, miss_sum: float = 0.0) -> list[float]:
+    def _features(self, tokens: float, ctx: float, active_sum: float, miss_sum: float = 0.0,
+                  chunked: float = 0.0) -> list[float]:
         n, m = self.shape.num_layers, self.shape.num_moe_layers
-        return [1.0, n, m, n * tokens, n * ctx, m * tokens, active_sum, miss_sum]
+        return [1.0, n, m, n * tokens, n * ctx, m * tokens, active_sum, miss_sum, chunked]
 
     def compute_ms(self, batch_tokens: float, context_tokens: float = 0.0) -> float:
         """Step compute with no stall (active experts estimated from the batch)."""
@@ -248,7 +256,7 @@ class CostModel:
             tl.compute_ms_per_layer.append(dense + expert)
             tl.stall_ms_per_moe.append(stall)
             t = routed + stall + expert
-        tl.end_ms = t + p.step_ms
+        tl.end_ms = t + p.step_ms + (p.chunked_step_ms if load.chunked else 0.0)
         tl.h2d_busy_ms = busy
         return tl
 
@@ -275,7 +283,8 @@ class CostModel:
             stalls = {StallCause.EXPERT_MISS: 0.0, StallCause.KV_MISS: 0.0, StallCause.BOTH: expert_stall + kv_stall}
         else:
             stalls = {StallCause.EXPERT_MISS: expert_stall, StallCause.KV_MISS: kv_stall, StallCause.BOTH: 0.0}
-        compute = sum(with_kv.compute_ms_per_layer) + self.compute.step_ms
+        compute = (sum(with_kv.compute_ms_per_layer) + self.compute.step_ms
+                   + (self.compute.chunked_step_ms if load.chunked else 0.0))
         return StepBreakdown(total, compute, tuple(with_kv.compute_ms_per_layer), tuple(with_kv.stall_ms_per_moe),
                              stalls, links)
 
@@ -301,7 +310,8 @@ class CostModel:
         """Fold one telemetry window in. Compute: the mean step less its stalls, against the tokens per step
         (the window's MoE layers' token counts), the distinct experts per step (exact in one-step windows) and
         the context attention reads (the GPU KV blocks at the window's end, exact in one-step windows up to
-        block rounding). Host->device link: the
+        block rounding), and the share of its steps the agent ran chunked (`Telemetry.chunked_steps`). Host->device
+        link: the
         stall time against the demand loads (expert misses and KV blocks fetched from CPU/NVMe) and their
         bytes. Both fits are robust (a step a neighbour preempted counts less) and forget slowly."""
         n = telemetry.step_timings_ms.num_steps
@@ -320,18 +330,19 @@ class CostModel:
         loads = telemetry.expert_misses + kv_loads
         demand_bytes = telemetry.expert_misses * self.shape.expert_bytes + kv_loads * self.shape.kv_bytes_per_block
         self.observe(tokens, ctx, active, compute_per_step, loads / n, demand_bytes / n, stall_total / n, weight=n,
-                     expert_misses=telemetry.expert_misses / n)
+                     expert_misses=telemetry.expert_misses / n, chunked=telemetry.chunked_steps / n)
 
     def observe(self, batch_tokens: float, context_tokens: float, active_experts: float, compute_ms: float,
                 demand_loads: float = 0.0, demand_bytes: float = 0.0, stall_ms: float = 0.0,
-                weight: float = 1.0, expert_misses: float = 0.0) -> None:
+                weight: float = 1.0, expert_misses: float = 0.0, chunked: float = 0.0) -> None:
         """Fold one observation in (a telemetry window's per-step means, or one step measured on its own, as the
         phase bench's records are): a step of `batch_tokens` tokens reading `context_tokens` of context, whose
         MoE layers ran `active_experts` distinct experts in all, took `compute_ms` besides its `stall_ms` of
         waiting on `demand_loads` host->device loads of `demand_bytes`, `expert_misses` of them experts (what the
-        compute side pays per miss: `moe_ms_per_miss`). `weight`: steps it stands for."""
-        self._compute_fit.update(self._features(batch_tokens, context_tokens, active_experts, expert_misses),
-                                 compute_ms, weight=weight)
+        compute side pays per miss: `moe_ms_per_miss`), `chunked` the share of its steps run chunked off their
+        graphs (`chunked_step_ms`). `weight`: steps it stands for."""
+        self._compute_fit.update(self._features(batch_tokens, context_tokens, active_experts, expert_misses,
+                                                chunked), compute_ms, weight=weight)
         if demand_loads:
             self._link_fit[Link.H2D].update([demand_loads, demand_bytes], stall_ms, weight=weight)
         self._refresh()

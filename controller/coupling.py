@@ -53,9 +53,11 @@ from tierplan.controller.optimizer.problem import (
 from tierplan.controller.optimizer.tables import Layout, at_capacity, backtrack, tables_of
 from tierplan.controller.valuation import (
     MAX_DEFERRED,
+    Decode,
     SplitSpace,
     Valuation,
     assemble,
+    decode_step,
     expert_groups,
     kv_grid,
     layer_options,
@@ -191,10 +193,11 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
     """The problem with the GPU KV share fixed at `gpu_blocks`: (valuation, batch, served share, KV move ms)."""
     unit = space.unit_bytes
     t = _terms(fc, cost, space, gpu_blocks, prefix_hit_share(fc, space.kv_gpu_blocks_max))
-    misses = with_large_steps(curves_at(fc, t.batch_tokens)[0], fc, t.batch_tokens)
+    decodes = curves_at(fc, t.batch_tokens)[0]
+    misses = with_large_steps(decodes, fc, t.batch_tokens)
     r = space.prefetch_recall if fc.prefetch_recall is None else fc.prefetch_recall
     groups, slot_counts, stalls = expert_groups(misses, cost, space, current_slots, t.step_ms, r,
-                                                scale=1.0 / t.served)
+                                                scale=1.0 / t.served, decode=decode_step(fc, t.batch_tokens, decodes))
     groups.append(Group("GPU KV", (Option(units_for_bytes(gpu_blocks * space.kv_block_bytes, unit), t.kv_ms,
                                           label=f"{gpu_blocks} KV blocks"),), None, GroupKind.KV))
     problem = assemble(groups, cost, space, t.step_ms, horizon_steps)
@@ -205,14 +208,16 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
 
 
 def _expert_arrays(misses: np.ndarray, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
-                   step_ms: float, recall: float, move_ms_per_unit: float, served: float, union: np.ndarray
-                   ) -> tuple[list[GroupArrays], list[Layout]]:
+                   step_ms: float, recall: float, move_ms_per_unit: float, served: float, union: np.ndarray,
+                   decode: Decode) -> tuple[list[GroupArrays], list[Layout]]:
     """Every MoE layer's options as arrays straight from the curves `misses` [M, E + 1] (no Group objects, no
     link bytes): stall + `served` x migration, so that read / served the stall is per token served and the
-    migration stays what it is, as in the exact problem. `union` [M]: the unions the chunking price reads."""
+    migration stays what it is, as in the exact problem. `union` [M]: the unions the chunking price reads;
+    `decode`: the decode step the price of leaving the graphs reads."""
     arrs, lays = [], []
     for m, curve in enumerate(misses):
-        counts, units, _, stall = layer_options(curve, cost, space, m, step_ms, recall, float(union[m]))
+        counts, units, _, stall = layer_options(curve, cost, space, m, step_ms, recall, float(union[m]),
+                                                **decode.of_layer(m))
         cost_ms = space.stall_weight * stall
         if current_slots is not None and counts[0] <= current_slots[m] <= counts[-1]:
             cost_ms = cost_ms + served * move_ms_per_unit * np.abs(units - units[current_slots[m] - counts[0]])
@@ -279,10 +284,11 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
         mid = terms[members[len(members) // 2]]
         # Chunking priced at the band's largest union: the split then holds it at every share of the band, so
         # re-priced at a larger share's batch it does not fall into chunks the middle share did not see.
-        union = at(max(terms[i].batch_tokens for i in members))[:, 0]
+        largest = max(terms[i].batch_tokens for i in members)
+        union = at(largest)[:, 0]
         mid_misses = with_large_steps(at(mid.batch_tokens), fc, mid.batch_tokens)
         arrs, lays = _expert_arrays(mid_misses, cost, space, current_slots, mid.step_ms, recall, move, mid.served,
-                                    union)
+                                    union, decode_step(fc, largest, at(largest)))
         tables = tables_of(arrs, lays, 0.0, capacity)
         for i in members:
             kv_units = units_for_bytes(grid[i] * space.kv_block_bytes, unit)
@@ -294,10 +300,13 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
             choice = backtrack(arrs, lays, tables, 0.0, left)
             assert choice is not None
             t, slots = terms[i], ranges[:, 0] + np.asarray(choice)
-            curves = np.asarray(with_large_steps(at(t.batch_tokens), fc, t.batch_tokens))  # [M, E + 1]
+            decodes = at(t.batch_tokens)
+            curves = np.asarray(with_large_steps(decodes, fc, t.batch_tokens))  # [M, E + 1]
             misses = curves[layers, slots]  # [M] each layer's loads at its chosen slot count
-            stall_ms = space.stall_weight * float(option_stall_ms(cost, misses, curves[:, 0], slots, recall,
-                                                                  t.step_ms).sum())
+            d = decode_step(fc, t.batch_tokens, decodes)
+            stall_ms = space.stall_weight * float(option_stall_ms(
+                cost, misses, curves[:, 0], slots, recall, t.step_ms, np.asarray(d.union), np.asarray(d.union_sd),
+                d.share, num_experts).sum())
             out[i] = stall_ms / t.served + _slot_move_ms(space, move, slots, ranges, current_slots) + t.kv_ms + \
                 _kv_move_ms(space, move, grid[i], current_kv)
     return out

@@ -30,7 +30,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 KV_SATURATED_GROWTH = 2.0  # a full GPU KV share hides the queue behind it: price demand as twice the share
 MIN_CURVE_STEPS = 8.0  # decayed steps a batch bucket needs before its measured curve is trusted
 MIN_RECALL_LOADS = 20.0  # decayed loads (prefetched + on demand) before the measured recall replaces the prior
-LARGE_STEP_FACTOR = 4.0  # a step of more than this many times the window's median tokens is a large one (a prefill)
+# A step of more than this many times the window's median tokens is a large one (a prefill); where the agent splits
+# the decode tokens off, a step whose prompt chunk is more than this many times the window's median decode tokens.
+LARGE_STEP_FACTOR = 4.0
 # KV demand has settled once this many windows passed with none growing more than KV_SETTLE_GROWTH over the one
 # before; until then the demand is priced at no less than the GPU KV share the agent started with (a batch that is
 # still filling holds a fraction of what it will: H200 phase runs 23-25 took KV from 2,341 to 997 blocks on the 537
@@ -59,7 +61,9 @@ def batch_bucket(tokens: float) -> int:
 
 @dataclass(frozen=True)
 class DemandForecast:
-    batch_tokens: float  # tokens per engine step (the median step where steps are reported, else the mean)
+    # tokens per engine step: the median decode tokens where the agent splits them off, else the median step where
+    # steps are reported, else the mean
+    batch_tokens: float
     misses_per_step: tuple[tuple[float, ...], ...]  # [M][E + 1] expected loads per step with 0..E slots
     union_per_step: tuple[float, ...]  # [M] distinct experts a step needs
     curve_source: str  # "measured LRU curves at B=..." or FREQUENCY_SOURCE
@@ -101,6 +105,24 @@ def frequency_curve(probs: np.ndarray, batch: float) -> tuple[np.ndarray, float]
     return tail, float(q.sum())
 
 
+def union_sd(fc: DemandForecast, batch: float) -> np.ndarray:
+    """[M] the spread of one step's union of experts at `batch` tokens, each layer's, tokens drawn independently
+    from the activation frequencies (a sum of independent needs: variance sum q(1 - q)); zeros without them."""
+    if not fc.token_probs:
+        return np.zeros(len(fc.misses_per_step))
+    q = 1.0 - (1.0 - np.clip(np.asarray(fc.token_probs), 0.0, 1.0)) ** max(1.0, batch)  # [M, E]
+    return np.sqrt((q * (1.0 - q)).sum(axis=1))
+
+
+def decode_share(fc: DemandForecast, batch_tokens: float | None = None) -> float:
+    """The share of steps that are not large ones (prefills) at the running batch `batch_tokens` (the observed
+    one by default), their share scaled with the batch as `with_large_steps` scales it."""
+    share = fc.large_step_share
+    if batch_tokens is not None and fc.batch_tokens > 0 and share > 0:
+        share = min(1.0, share * batch_tokens / fc.batch_tokens)
+    return 1.0 - share
+
+
 def with_large_steps(curves: tuple[tuple[float, ...], ...] | np.ndarray, fc: DemandForecast,
                      batch_tokens: float | None = None) -> tuple[tuple[float, ...], ...] | np.ndarray:
     """`curves` [M][E + 1] (a typical step's loads) as the expected loads of an average step: the typical steps'
@@ -138,6 +160,7 @@ class DemandModel:
         self.pairs = np.zeros((m, e, e))  # [M, E, E] decayed n(i at m, j at m+1)
         self.src = np.zeros((m, e))  # [M, E] decayed n(i at m) over windows that reported pairs
         self.batch_tokens: float | None = None
+        self.decode_batch_seen = False  # the batch came from decoding sequences' tokens (Telemetry v3's split)
         self.step_weight = 0.0  # decayed steps whose token counts were seen
         self.large_steps = np.zeros(len(BATCH_BUCKETS))  # decayed large steps (LARGE_STEP_FACTOR) by batch bucket
         self.kv_live: float | None = None
@@ -249,18 +272,25 @@ class DemandModel:
         """The batch from the decoding sequences' tokens of the steps that had any: the running batch. The
         median of whole steps reads a window where most steps carry a prompt chunk as a batch of prompts, and
         every KV share's batch with it (H200 phase run 37, b32 16K 56 GiB: the first plan priced at 14,304
-        tokens a step for ten sequences; runs 39-40, b256 1K: ~1,800 for 72). A step with a prompt chunk over
-        LARGE_STEP_FACTOR times the batch is a large one, at its whole size. A window where no sequence decoded
-        is read from its whole steps, as without the split: its batch is its prompts (a prefill-only load)."""
+        tokens a step for ten sequences; runs 39-40, b256 1K: ~1,800 for 72). A step whose prompt chunk is over
+        LARGE_STEP_FACTOR times the window's median decode tokens is a large one, at its whole size. A window
+        where nothing decoded has no running batch to read: before any decode, its whole steps are read as
+        without the split (a prefill-only load: its batch is its prompts); after, the batch stands and its steps
+        count as large ones against it (smoothed in, a window of prompts would take days of decodes back)."""
         running = [d for d in decodes if d > 0]
-        if not running:
+        if not running and not self.decode_batch_seen:
             self._observe_steps([t for t in tokens if t > 0], tel, tel.step_timings_ms.num_steps)
             return
-        self.batch_tokens = self._smooth(self.batch_tokens, float(np.median(running)))
+        if running:
+            median = float(np.median(running))
+            self.batch_tokens = self._smooth(self.batch_tokens, median)
+            self.decode_batch_seen = True
+        else:
+            median = self.batch_tokens or 1.0
         steps = [(t, d) for t, d in zip(tokens, decodes, strict=True) if t > 0]
         self.step_weight += len(steps)
         for t, d in steps:
-            if t > d and t > LARGE_STEP_FACTOR * self.batch_tokens:
+            if t - d > LARGE_STEP_FACTOR * median:
                 self.large_steps[BATCH_BUCKETS.index(batch_bucket(t))] += 1.0
 
     def _observe_reuse(self, tel: Telemetry, num_steps: int) -> None:

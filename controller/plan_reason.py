@@ -46,7 +46,7 @@ def _batch(val: Valuation, before: int, after: int) -> str:
 def _workload(prev: DemandForecast | None, fc: DemandForecast, kv_demand: float) -> str:
     union = sum(fc.union_per_step) / len(fc.union_per_step)
     num_experts = len(fc.misses_per_step[0]) - 1
-    large = (f"; {fc.large_step_share:.0%} of steps over {LARGE_STEP_FACTOR:g}x the median (prefills), their "
+    large = (f"; {fc.large_step_share:.0%} of steps over {LARGE_STEP_FACTOR:g}x the batch (prefills), their "
              "loads priced at their size" if fc.large_step_share > 0 else "")
     rising = (f"; KV demand still rising: priced at no less than the {fc.kv_filling_blocks} blocks the agent "
               "started with" if fc.kv_filling_blocks else "")

@@ -65,7 +65,7 @@ from tierplan.controller.validation import refuse_repeats as _refuse_repeats
 # version-1 message is exactly a version-2 one without those fields (a sidecar's cached plan, or an agent
 # not yet upgraded, keeps working), so a version-1 message that carries them is refused. Plan version 3
 # adds the KV retention order (protocol_kv.py) under the same rule.
-SchemaVersion = Literal[1, 2]
+SchemaVersion = Literal[1, 2, 3]
 PlanSchemaVersion = Literal[1, 2, 3]
 
 
@@ -216,7 +216,7 @@ class StepTimings(ProtocolModel):
 
 
 class Telemetry(ProtocolModel):
-    schema_version: SchemaVersion = 2
+    schema_version: SchemaVersion = 3
     agent_id: Id
     rank: Count
     window_seq: Count
@@ -240,9 +240,12 @@ class Telemetry(ProtocolModel):
     local_prefetch: PrefetchCounts | None = None  # v2: what the plan's local predictor did this window
     # v2: the tokens of each step (its newest MAX_UNION_STEPS), or none: the typical step's batch without unions
     step_tokens: tuple[Count, ...] = Field(default=(), max_length=MAX_UNION_STEPS)
-    # v2: of each step's tokens, those of sequences decoding (one each; the rest are prompt chunks), or none. The
-    # running batch is the decode tokens: a window of prefills alone says nothing of it.
+    # v3: of each step's tokens, those of sequences decoding (one each; the rest are prompt chunks), or none: the
+    # running batch, which the median whole step overstates where most steps carry a prompt chunk
     step_decode_tokens: tuple[Count, ...] = Field(default=(), max_length=MAX_UNION_STEPS)
+    # v3: steps of the window run chunked off their graphs because some layer's experts did not fit its slots at
+    # once (the reference engine's eager/layer_over_slots): a cost each such step pays once (CostModel)
+    chunked_steps: Count = 0
     # v2: the GPU KV blocks the share in force allows at the window's end (None: not reported). The controller
     # learns the split the agent started with from it, a split it never issued.
     kv_gpu_limit_blocks: Count | None = None
@@ -250,11 +253,15 @@ class Telemetry(ProtocolModel):
     @model_validator(mode="after")
     def _consistent(self) -> Self:
         check_v2_only(self, ("transitions", "step_unions", "queued_kv_blocks", "local_prefetch", "step_tokens",
-                             "step_decode_tokens", "kv_gpu_limit_blocks"), "telemetry")
+                             "kv_gpu_limit_blocks"), "telemetry")
+        check_since(self, 3, ("step_decode_tokens", "chunked_steps"), "telemetry")
         want = min(self.step_timings_ms.num_steps, MAX_UNION_STEPS)
         if self.step_tokens and len(self.step_tokens) != want:
             raise _invalid("step_tokens", f"has {len(self.step_tokens)} steps, expected {want} (the window's "
                                           f"{self.step_timings_ms.num_steps} steps, at most {MAX_UNION_STEPS})")
+        if self.chunked_steps > self.step_timings_ms.num_steps:
+            raise _invalid("chunked_steps", f"{self.chunked_steps} exceeds the window's "
+                                            f"{self.step_timings_ms.num_steps} steps")
         if self.step_decode_tokens:
             if len(self.step_decode_tokens) != len(self.step_tokens):
                 raise _invalid("step_decode_tokens", f"has {len(self.step_decode_tokens)} steps, expected one per "

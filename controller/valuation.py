@@ -20,9 +20,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.special import ndtr
 
 from tierplan.controller.costmodel import CostModel
-from tierplan.controller.demand import DemandForecast, with_large_steps
+from tierplan.controller.demand import DemandForecast, decode_share, union_sd, with_large_steps
 from tierplan.controller.optimizer import least_link_bytes
 from tierplan.controller.optimizer.problem import (
     Group,
@@ -148,8 +149,21 @@ def layer_stall_ms(cost: CostModel, num_missed: np.ndarray, num_streamed: np.nda
             + num_missed * (one_ms + cost.compute.moe_ms_per_miss))
 
 
+def over_slots_prob(counts: np.ndarray, union: np.ndarray | float, sd: np.ndarray | float, num_experts: int
+                    ) -> np.ndarray:
+    """P(a decode step's union of experts exceeds the slots) per option: the union normal around its mean `union`
+    with spread `sd` (a step function where sd is 0), with continuity; 0 with every expert resident."""
+    counts = np.asarray(counts, dtype=float)
+    gap = counts + 0.5 - np.asarray(union, dtype=float)
+    sd = np.asarray(sd, dtype=float)
+    z = np.where(sd > 0, gap / np.maximum(sd, 1e-9), np.where(gap > 0, np.inf, -np.inf))
+    return np.where(counts >= num_experts, 0.0, ndtr(-z))
+
+
 def option_stall_ms(cost: CostModel, misses: np.ndarray, union: np.ndarray | float, counts: np.ndarray,
-                    recall: float, step_ms: float) -> np.ndarray:
+                    recall: float, step_ms: float, decode_union: np.ndarray | float | None = None,
+                    union_sd: np.ndarray | float = 0.0, decode_share: float = 1.0, num_experts: int = 0
+                    ) -> np.ndarray:
     """Each option's unweighted stall: `layer_stall_ms` of its `misses` (the prefetched `recall` share streamed),
     plus, where its slot count s is below the `union` u of experts a step needs, the share 1 - s/u of those loads
     once more. The engine then computes the layer in chunks of s, one after another: each chunk after the first
@@ -157,11 +171,21 @@ def option_stall_ms(cost: CostModel, misses: np.ndarray, union: np.ndarray | flo
     chunk's loads, and nothing overlaps them. A miss curve below the union is nearly flat, so without this the
     solver starves whole layers to pay for the rest. H200 phase run 06's diagnostic (`bench/results/
     phase_h200.md`): three layers at 8 slots against a ~22-expert union cost ~2.6 ms a layer-step beyond the same
-    misses at 34-48 slots; this prices it at 0.64 of their ~3.8 ms of loads, 2.4 ms."""
+    misses at 34-48 slots; this prices it at 0.64 of their ~3.8 ms of loads, 2.4 ms. And the step leaves its
+    graphs (`CostModel`'s `chunked_step_ms`, once a step, for the `decode_share` of steps that are decodes): each
+    layer adds that times the chance a decode step's union, `decode_union` give or take `union_sd`, outruns its
+    slots (none where `decode_union` is None; `num_experts`: the layer's, none over them)."""
     stall = layer_stall_ms(cost, (1 - recall) * misses, recall * misses, 0.0, step_ms)
     chunked = layer_stall_ms(cost, misses, np.zeros_like(misses), 0.0, step_ms)
     u = np.maximum(np.asarray(union, dtype=float), 1e-9)
-    return stall + chunked * np.clip(1.0 - counts / u, 0.0, 1.0)
+    out = stall + chunked * np.clip(1.0 - counts / u, 0.0, 1.0)
+    if cost.compute.chunked_step_ms > 0 and decode_union is not None:
+        # The step pays `chunked_step_ms` once where any layer's union outruns its slots: each layer is charged
+        # its own chance of it (a union bound, tight where the split keeps every chance small, which is where
+        # the choice is whether to; where chunking is near certain, each layer's charge is flat in its slots).
+        out = out + cost.compute.chunked_step_ms * decode_share * over_slots_prob(counts, decode_union, union_sd,
+                                                                                 num_experts)
+    return out
 
 
 def prefix_hit_share(forecast: DemandForecast, gpu_blocks: int) -> float:
@@ -174,27 +198,55 @@ def prefix_hit_share(forecast: DemandForecast, gpu_blocks: int) -> float:
     return bisect.bisect_right(ages, horizon_s) / len(ages)
 
 
+@dataclass(frozen=True)
+class Decode:
+    """A decode step at the running batch, what the price of leaving the graphs reads: each MoE layer's union
+    and its spread [M], and the share of steps that are decodes (`decode_step`)."""
+
+    union: tuple[float, ...]
+    union_sd: tuple[float, ...]
+    share: float
+
+    def of_layer(self, m: int) -> dict[str, float]:
+        return {"decode_union": self.union[m], "union_sd": self.union_sd[m], "decode_share": self.share}
+
+
+def decode_step(fc: DemandForecast, batch: float, curves: tuple[tuple[float, ...], ...] | np.ndarray) -> Decode:
+    """The decode step at `batch` tokens whose per-layer loads with no slot, `curves[m][0]`, are its unions (the
+    decode curves, before `with_large_steps` mixes the prefills in)."""
+    return Decode(tuple(float(c[0]) for c in curves), tuple(float(x) for x in union_sd(fc, batch)),
+                  decode_share(fc, batch))
+
+
 def layer_options(curve: tuple[float, ...] | np.ndarray, cost: CostModel, space: SplitSpace, m: int, step_ms: float,
-                  recall: float, union: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                  recall: float, union: float | None = None, decode_union: float | None = None,
+                  union_sd: float = 0.0, decode_share: float = 1.0
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """MoE layer `m`'s options from its miss curve [E + 1]: (slot counts, their HBM units, loads per step, the
     unweighted stall each costs), each [J]: what the exact problem's groups and the coupled screen both price.
-    `union`: the step's union the chunking price reads (default: the curve's loads with no slot, curve[0])."""
-    lo, hi = slot_range(space, m, len(curve) - 1)
+    `union`: the step's union the chunking price reads (default: the curve's loads with no slot, curve[0]);
+    `decode_union`, `union_sd` and `decode_share`: a decode step's union, its spread and the decode steps' share,
+    for the price of leaving the graphs (`option_stall_ms`)."""
+    num_experts = len(curve) - 1
+    lo, hi = slot_range(space, m, num_experts)
     counts = np.arange(lo, hi + 1)
     units = -(-(counts * space.slot_bytes) // space.unit_bytes)  # units_for_bytes, vectorised
     misses = np.asarray(curve)[counts]
     u = float(curve[0]) if union is None else union
-    return counts, units, misses, option_stall_ms(cost, misses, u, counts, recall, step_ms)
+    return counts, units, misses, option_stall_ms(cost, misses, u, counts, recall, step_ms, decode_union, union_sd,
+                                                  decode_share, num_experts)
 
 
 def expert_groups(misses_per_step: tuple[tuple[float, ...], ...] | np.ndarray, cost: CostModel, space: SplitSpace,
-                  current_slots: tuple[int, ...] | None, step_ms: float, recall: float, scale: float = 1.0
-                  ) -> tuple[list[Group], list[tuple[int, ...]], list[tuple[float, ...]]]:
+                  current_slots: tuple[int, ...] | None, step_ms: float, recall: float, scale: float = 1.0,
+                  decode: Decode | None = None) -> tuple[list[Group], list[tuple[int, ...]], list[tuple[float, ...]]]:
     """One group per MoE layer from its miss curve: (groups, slot counts [M][J], unweighted stalls [M][J]).
-    `scale` multiplies the groups' costs (a coupled valuation's steps per token served), not the stalls."""
+    `scale` multiplies the groups' costs (a coupled valuation's steps per token served), not the stalls;
+    `decode`: the decode steps the price of leaving the graphs reads (none: not priced)."""
     groups, slot_counts, stalls = [], [], []
     for m, curve in enumerate(misses_per_step):
-        counts, units, misses, stall = layer_options(curve, cost, space, m, step_ms, recall)
+        counts, units, misses, stall = layer_options(curve, cost, space, m, step_ms, recall,
+                                                     **(decode.of_layer(m) if decode is not None else {}))
         labels = [f"{s} slots" for s in counts]
         cur = (int(np.flatnonzero(counts == current_slots[m])[0])
                if current_slots is not None and current_slots[m] in counts else None)
@@ -251,7 +303,8 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     step_ms = cost.compute_ms(batch, context_tokens)
     r = space.prefetch_recall if forecast.prefetch_recall is None else forecast.prefetch_recall
     groups, slot_counts, stalls = expert_groups(with_large_steps(forecast.misses_per_step, forecast), cost, space,
-                                                current_slots, step_ms, r)
+                                                current_slots, step_ms, r,
+                                                decode=decode_step(forecast, batch, forecast.misses_per_step))
     grid = kv_grid(space, kv_demand_blocks, current_kv)
     redo_ms = recompute_ms(cost, space, batch, context_tokens, step_ms)
     best_hits = prefix_hit_share(forecast, grid[-1])

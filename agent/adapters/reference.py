@@ -26,6 +26,7 @@ from tierplan.agent.outbox import Outbox
 from tierplan.agent.taps import AttentionMassTap, RouterTap, TelemetryWindow, WindowDraft
 from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
 from tierplan.runtime.engine.engine import ReferenceEngine
+from tierplan.runtime.engine.executor import Reason
 from tierplan.runtime.kv import Tier
 
 
@@ -80,7 +81,8 @@ class ReferenceAdapter:
     def _counters(self) -> dict[str, Any]:
         e, c = self.engine.experts, self.engine.cache
         links = self.engine.transfer.stats()["links"]
-        return {"expert_stall_ms": e.stalls_ms, "kv_stall_s": c.fetch_s, "expert_hits": e.hits,
+        chunked = self.engine.executors.reasons[Reason.LAYER_OVER_SLOTS]
+        return {"expert_stall_ms": e.stalls_ms, "kv_stall_s": c.fetch_s, "chunked": chunked, "expert_hits": e.hits,
                 "expert_misses": e.misses, "kv_hits": c.gpu_hits, "kv_misses": dict(c.misses_by_tier),
                 "links": {k: dict(v) for k, v in links.items()}}
 
@@ -99,15 +101,17 @@ class ReferenceAdapter:
 
     def on_step(self, batch: object, step_s: float) -> None:
         stall_ms, kv_s = self.engine.experts.stalls_ms, self.engine.cache.fetch_s
+        chunked = self.engine.executors.reasons[Reason.LAYER_OVER_SLOTS]  # the engine counts each step's executor
         # The tap counts the routed rows on the host (eager and graph steps alike): the step's tokens are the
         # first MoE layer's rows since the last step (its counters restart with each window).
         routed = self.tap.tokens[0] if self.tap.tokens else 0
         decodes = getattr(batch, "decodes", None)  # the scheduler's Batch: one token per decoding sequence
         self.window.observe_step(step_s, (stall_ms - self._last["expert_stall_ms"]) / 1e3,
                                  kv_s - self._last["kv_stall_s"], tokens=routed - self._routed,
-                                 decode_tokens=len(decodes) if decodes is not None else None)
+                                 decode_tokens=len(decodes) if decodes is not None else None,
+                                 chunked=chunked > self._last["chunked"])
         self._routed = routed
-        self._last.update(expert_stall_ms=stall_ms, kv_stall_s=kv_s)
+        self._last.update(expert_stall_ms=stall_ms, kv_stall_s=kv_s, chunked=chunked)
         self.policy.run_prefetch(self.clock())
         if self.predictor is not None:
             self.predictor.end_step()

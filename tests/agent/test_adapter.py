@@ -12,6 +12,7 @@ from tierplan.agent.static_plan import static_plan
 from tierplan.controller.protocol import AckStatus, Telemetry, parse, to_json
 from tierplan.runtime.device import Device
 from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+from tierplan.runtime.engine.executor import Reason
 from tierplan.runtime.engine.presets import preset
 from tierplan.runtime.engine.runner import ForcedRouter, Runner
 from tierplan.runtime.engine.scheduler import Scheduler
@@ -54,6 +55,9 @@ def test_adapter_applies_a_static_plan_and_ships_valid_windows(tmp_path: Path) -
     assert len(decodes) == rep.steps and all(d <= n for d, n in zip(decodes, tokens, strict=True))
     assert any(d < n for d, n in zip(decodes, tokens, strict=True)) and any(d == n > 0 for d, n in zip(
         decodes, tokens, strict=True))  # steps with a prompt chunk, and steps of decodes alone
+    # each step the engine ran chunked (a layer's experts over its slots) is counted once, in its window
+    chunked = eng.executors.reasons[Reason.LAYER_OVER_SLOTS]
+    assert sum(t.chunked_steps for t in agent.telemetry) == chunked  # none on the CPU (no graphs): below
     assert sum(t.expert_hits + t.expert_misses for t in agent.telemetry) == rep.expert_hits + rep.expert_misses
     assert all(t.applied_plan_version == 1 for t in agent.telemetry)
     sampled = [b for t in agent.telemetry for b in t.kv.attention_mass]
@@ -111,3 +115,22 @@ def test_a_window_that_fails_to_build_shows_in_the_next_windows_fallbacks(tmp_pa
         agent.close()
         eng.close()
     assert agent.outbox.failed == 1 and last.fallbacks["telemetry_build_failed"] == 1
+
+
+def test_adapter_counts_each_step_the_engine_ran_chunked(tmp_path: Path) -> None:
+    """The engine counts each step's executor and reason; a step whose count of `layer_over_slots` rose is one the
+    window reports as chunked (the CPU engine runs no graphs, so the counts are driven here)."""
+    from tierplan.runtime.engine.executor import Executor
+
+    eng = tiny_engine(tmp_path)
+    try:
+        agent = ReferenceAdapter(eng, window_steps=4)
+        for chunked in (True, False, True, True):
+            reason = Reason.LAYER_OVER_SLOTS if chunked else Reason.EXPERTS_MISSING
+            eng.executors.count(Executor.EAGER if chunked else Executor.PIECEWISE, reason)
+            agent.on_step(None, 0.001)
+        agent.flush()
+        agent.close()
+    finally:
+        eng.close()
+    assert [t.chunked_steps for t in agent.telemetry][:1] == [3]

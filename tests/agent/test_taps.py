@@ -63,18 +63,39 @@ def test_window_reports_each_steps_tokens_only_when_every_step_has_them() -> Non
 
 
 def test_window_reports_each_steps_decode_tokens_only_when_every_step_has_them() -> None:
-    """A prompt step, then two decode steps: the decode tokens ride beside the step tokens (never above them);
-    one step that cannot tell them apart leaves the window without the split, its step tokens still sent."""
+    """A prompt step, then two decode steps: the decode tokens ride beside the step tokens. One step that cannot
+    tell them apart, or says more decode tokens than the step had (counted), leaves the window without the
+    split, its step tokens still sent; past MAX_UNION_STEPS steps only the newest count."""
+    from tierplan.controller.protocol import MAX_UNION_STEPS
+
     tap = RouterTap((0,), num_experts=4, device=torch.device("cpu"))
     win = TelemetryWindow("agent-0", 0, "tiny", 2, 4, tap, clock=lambda: 0.0)
-    for tokens, decodes in ((1000, 0), (4, 4), (4, 9)):
+    for tokens, decodes in ((1000, 0), (4, 4), (4, 3)):
         win.observe_step(0.01, 0.0, 0.0, tokens=tokens, decode_tokens=decodes)
     msg = win.close({}, {}, {}, {}, 0, 0, 1, {})
-    assert msg.step_decode_tokens == (0, 4, 4) and parse(Telemetry, to_json(msg)) == msg
+    assert msg.step_decode_tokens == (0, 4, 3) and parse(Telemetry, to_json(msg)) == msg
     win.observe_step(0.01, 0.0, 0.0, tokens=4, decode_tokens=4)
     win.observe_step(0.01, 0.0, 0.0, tokens=4)
     msg = win.close({}, {}, {}, {}, 0, 0, 1, {})
-    assert msg.step_tokens == (4, 4) and msg.step_decode_tokens == ()
+    assert msg.step_tokens == (4, 4) and msg.step_decode_tokens == () and not msg.fallbacks
+    win.observe_step(0.01, 0.0, 0.0, tokens=4, decode_tokens=9)
+    msg = win.close({}, {}, {}, {}, 0, 0, 1, {})
+    assert msg.step_decode_tokens == () and msg.fallbacks == {"decode_split_refused": 1}
+    win.observe_step(0.01, 0.0, 0.0, tokens=7)  # an old step without the split, then a full window's worth with it
+    for _ in range(MAX_UNION_STEPS):
+        win.observe_step(0.01, 0.0, 0.0, tokens=4, decode_tokens=2)
+    msg = win.close({}, {}, {}, {}, 0, 0, 1, {})
+    assert msg.step_decode_tokens == (2,) * MAX_UNION_STEPS and msg.step_tokens == (4,) * MAX_UNION_STEPS
+
+
+def test_window_counts_the_steps_run_chunked() -> None:
+    tap = RouterTap((0,), num_experts=4, device=torch.device("cpu"))
+    win = TelemetryWindow("agent-0", 0, "tiny", 2, 4, tap, clock=lambda: 0.0)
+    for chunked in (True, False, True):
+        win.observe_step(0.01, 0.0, 0.0, chunked=chunked)
+    msg = win.close({}, {}, {}, {}, 0, 0, 1, {})
+    assert msg.chunked_steps == 2 and parse(Telemetry, to_json(msg)) == msg
+    assert win.close({}, {}, {}, {}, 0, 0, 1, {}).chunked_steps == 0  # each window counts its own
 
 
 def test_telemetry_refuses_step_tokens_that_do_not_cover_its_steps() -> None:

@@ -45,7 +45,8 @@ def test_a_window_where_nothing_decodes_is_read_from_its_whole_steps() -> None:
 
 def test_a_prompt_chunk_is_a_large_step_beside_the_decodes() -> None:
     """Two decoding windows, then one whose every step carries a 2,048-token chunk beside the 4 decodes: the
-    batch stays at 4 and the chunks count as large steps (a share of the steps seen, at their own size)."""
+    batch stays at 4 and the chunks count as large steps (a share of the steps seen, at their own size). A
+    chunk counts by its own tokens against the window's decodes: 40 beside 8 is large, 30 is not."""
     win = Windows(steps=4)
     ctl = make_controller()
     for _ in range(2):
@@ -53,6 +54,20 @@ def test_a_prompt_chunk_is_a_large_step_beside_the_decodes() -> None:
     ctl.sync_from(_window((2052,) * 4, (4,) * 4, win))
     fc = ctl.demand.forecast()
     assert fc.batch_tokens == pytest.approx(4.0) and 0.3 < fc.large_step_share < 0.4
+    ctl = make_controller()
+    ctl.sync_from(_window((48, 38, 8, 8), (8,) * 4, Windows(steps=4)))
+    assert ctl.demand.forecast().large_step_share == pytest.approx(1 / 4)
+
+
+def test_after_decodes_a_window_of_prompts_alone_leaves_the_batch_and_adds_large_steps() -> None:
+    """Once the batch has come from decodes, a window where nothing decodes (a burst of arrivals) does not pull
+    it toward its prompts: its steps are large ones against the batch in force."""
+    win = Windows(steps=4)
+    ctl = make_controller()
+    ctl.sync_from(_window((4,) * 4, (4,) * 4, win))
+    ctl.sync_from(_window((2048,) * 4, (0,) * 4, win))
+    fc = ctl.demand.forecast()
+    assert fc.batch_tokens == pytest.approx(4.0) and fc.large_step_share > 0.45
 
 
 def test_telemetry_refuses_decode_tokens_that_do_not_match_the_steps() -> None:
@@ -62,7 +77,8 @@ def test_telemetry_refuses_decode_tokens_that_do_not_match_the_steps() -> None:
                        ('"step_decode_tokens":[4,4]', '"step_decode_tokens":[9,4]')):
         with pytest.raises(ProtocolError, match="step_decode_tokens"):
             parse(Telemetry, raw.replace(bad, where))
-    v1 = tel.model_copy(update={"schema_version": 1, "transitions": (), "step_unions": (), "queued_kv_blocks": 0,
-                                "local_prefetch": None, "step_tokens": (), "kv_gpu_limit_blocks": None})
-    with pytest.raises(ProtocolError, match="step_decode_tokens"):
-        parse(Telemetry, to_json(v1))
+    v2 = tel.model_copy(update={"schema_version": 2})
+    with pytest.raises(ProtocolError, match="step_decode_tokens: needs schema_version 3"):
+        parse(Telemetry, to_json(v2))
+    with pytest.raises(ProtocolError, match="chunked_steps: 9 exceeds the window's 2 steps"):
+        parse(Telemetry, to_json(tel.model_copy(update={"chunked_steps": 9})))

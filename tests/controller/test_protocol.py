@@ -146,7 +146,7 @@ def test_round_trip_through_json_text_bytes_and_dict(kind: type) -> None:
     assert parse(kind, text) == msg
     assert parse(kind, text.encode()) == msg
     assert parse(kind, msg.model_dump(mode="json")) == msg
-    assert msg.schema_version == {Telemetry: 2, Plan: 3}.get(kind, 1)  # v2: the local predictor; v3: KV retention
+    assert msg.schema_version == {Telemetry: 3, Plan: 3}.get(kind, 1)  # v3: KV retention; the decode split
 
 
 def test_rejected_ack_round_trips() -> None:

@@ -170,3 +170,33 @@ def test_a_layer_below_its_step_union_pays_for_its_chunks_and_is_not_starved() -
     problem = SplitProblem(tuple(groups), capacity_units=64, unit_bytes=space.unit_bytes)  # 64 slots for both
     chosen = sorted(slot_counts[m][i] for m, i in enumerate(solve(problem).choice))
     assert chosen[0] >= u  # each layer holds its union (without the price: [4, 60], 21.2 loads a step vs 26.2)
+
+
+def test_a_decode_union_that_may_outrun_a_layers_slots_is_charged_the_chunked_step() -> None:
+    """A decode step whose union outruns any layer's slots leaves the graphs and pays `chunked_step_ms` once
+    (H100 phase run 35, b8 1K 24 GiB: plans of 8 slots in three layers against a ~40-expert union ran every decode
+    step chunked, 34-39 ms against 13-17). Each layer is charged that times its own chance of it, so a curve
+    that rewards piling slots on one layer no longer starves the other to its union's edge."""
+    from tierplan.controller.costmodel import ComputeParams
+    from tierplan.controller.valuation import Decode, over_slots_prob
+
+    e, u, sd = 64, 20.0, 3.0
+    curve = np.array([u - 0.01 * s if s < u else (u - 2.0) * ((e - s) / (e - u)) ** 0.8 for s in range(e + 1)])
+    counts = np.arange(e + 1)
+    assert over_slots_prob(counts, u, sd, e)[[10, 20, 30, 64]] == pytest.approx([1.0, 0.43, 0.0, 0.0], abs=0.01)
+    chosen = {}
+    for charge in (0.0, 20.0):
+        ctl = make_controller(compute=ComputeParams(chunked_step_ms=charge))
+        cost, step_ms = ctl.cost, 10.0
+        priced = option_stall_ms(cost, curve, u, counts, 0.0, step_ms, u, sd, 0.5, e)
+        plain = option_stall_ms(cost, curve, u, counts, 0.0, step_ms)
+        # Half the steps decode: the charge is half the chance times the chunked step.
+        assert priced - plain == pytest.approx(0.5 * charge * over_slots_prob(counts, u, sd, e))
+        space = dataclasses.replace(ctl.config.space, min_slots_per_layer=4, slot_bytes=ctl.config.space.unit_bytes)
+        decode = Decode((u, u), (sd, sd), 1.0)
+        groups, slot_counts, _ = expert_groups((tuple(curve), tuple(curve)), cost, space, None, step_ms, 0.0,
+                                               decode=decode)
+        problem = SplitProblem(tuple(groups), capacity_units=64, unit_bytes=space.unit_bytes)
+        chosen[charge] = sorted(slot_counts[m][i] for m, i in enumerate(solve(problem).choice))
+    assert chosen[0.0][0] < u + sd  # the loads alone pile slots on one layer, the other at its union's edge
+    assert chosen[20.0][0] >= u + 2 * sd  # charged: both layers clear of their unions

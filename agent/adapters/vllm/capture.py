@@ -133,32 +133,19 @@ def score_fn(router: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return SCORES.get(name) if isinstance(name, str) else None
 
 
-def _metadata_count(attn_metadata: Any, name: str) -> int | None:
-    """The integer `name` of the step's attention metadata, read on the host (no device sync) from the first
-    layer's entry, the microbatches' summed under dual-batch overlap; None where a backend does not carry it."""
+def actual_tokens(attn_metadata: Any) -> int | None:
+    """The step's real tokens from vLLM's attention metadata, read on the host (no device sync): each attention
+    layer's metadata carries `num_actual_tokens` (padding excluded), the microbatches' summed under dual-batch
+    overlap. None where a backend does not say (the window then reports no step's tokens)."""
     parts = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
     total = 0
     for part in parts:
         first = next(iter(part.values()), None) if isinstance(part, dict) else None
-        n = getattr(first, name, None)
+        n = getattr(first, "num_actual_tokens", None)
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             return None
         total += n
     return total
-
-
-def actual_tokens(attn_metadata: Any) -> int | None:
-    """The step's real tokens: each attention layer's metadata carries `num_actual_tokens` (padding excluded).
-    None where a backend does not say (the window then reports no step's tokens)."""
-    return _metadata_count(attn_metadata, "num_actual_tokens")
-
-
-def decode_tokens(attn_metadata: Any) -> int | None:
-    """Of the step's tokens, those of decoding requests: `num_decode_tokens`, which the backends that split
-    decodes from prefills carry (FlashInfer, MLA, the CPU backend; FlashAttention's metadata does not). None
-    where a backend does not say: the window then reports no decode split, and the controller reads the median
-    step as the running batch."""
-    return _metadata_count(attn_metadata, "num_decode_tokens")
 
 
 class RouterCapture:
@@ -175,7 +162,6 @@ class RouterCapture:
         self.last_error = ""
         self.on_step: Callable[[float, bool], None] | None = None
         self.last_step_tokens: int | None = None  # the last forward's real tokens (None: a dummy run, or unknown)
-        self.last_step_decode_tokens: int | None = None  # of them, decoding requests' (None: unknown)
         self._t0 = 0.0
         self._warmup = True
         self._bindable: list[tuple[int, Any]] = []  # (MoE layer index, runner), from survey() until attach()
@@ -271,13 +257,12 @@ class RouterCapture:
         ctx = get_forward_context() if is_forward_context_available() else None
         padding = getattr(ctx, "is_padding", None)
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        self.last_step_tokens = self.last_step_decode_tokens = None
+        self.last_step_tokens = None
         if ctx is None or (ctx.attn_metadata is None and not capturing) or (capturing and padding is None):
             self.row_live.zero_()  # a profile / warm-up run on dummy tokens
             return True
         if not capturing:
             self.last_step_tokens = actual_tokens(ctx.attn_metadata)
-            self.last_step_decode_tokens = decode_tokens(ctx.attn_metadata)
         if padding is None:
             self.row_live.fill_(1.0)  # no padding mask from this runner: every row is a token
         else:

@@ -141,8 +141,7 @@ class VllmWindows:
                 self.window.restart()  # the first window starts with traffic, not with the warm-up
             return False
         # vLLM never waits on an expert load (KV loads: the connector); the step's tokens from its attention metadata
-        self.window.observe_step(step_s, 0.0, 0.0, tokens=self.capture.last_step_tokens,
-                                 decode_tokens=self.capture.last_step_decode_tokens)
+        self.window.observe_step(step_s, 0.0, 0.0, tokens=self.capture.last_step_tokens)
         self.steps_in_window += 1
         if self.steps_in_window < self.window_steps:
             return False
