@@ -207,6 +207,9 @@ class TelemetryWindow:
         self.num_layers, self.num_experts, self.tap, self.clock = num_layers, num_experts, tap, clock
         self.mass_tap = mass_tap
         self.seq = 0
+        # Steps whose decode tokens were not within their tokens (their window sent no split): a running total,
+        # as the hub reads every fallback count.
+        self.decode_split_refused = 0
         self._reset()
 
     def restart(self) -> None:
@@ -220,7 +223,6 @@ class TelemetryWindow:
         self.step_tokens: list[int | None] = []
         self.step_decode_tokens: list[int | None] = []
         self.chunked_steps = 0
-        self.decode_split_refused = 0  # steps whose decode tokens were not within their tokens (window: no split)
         self.stalls = {c: [0, 0.0] for c in StallCause}
 
     def observe_step(self, step_s: float, expert_stall_s: float, kv_stall_s: float,
@@ -324,4 +326,6 @@ class WindowDraft:
             stalls=tuple(Stall(cause=c, count=cnt, total_ms=ms) for c, (cnt, ms) in self.stalls.items()),
             step_timings_ms=StepTimings(num_steps=n, mean=mean, p50=p50, p99=p99), step_tokens=self.step_tokens,
             step_decode_tokens=self.step_decode_tokens, chunked_steps=self.chunked_steps,
+            # v3 only where a v3 field is sent: an agent that reports neither still talks to an older controller
+            schema_version=3 if self.step_decode_tokens or self.chunked_steps else 2,
         )

@@ -57,6 +57,7 @@ from tierplan.controller.valuation import (
     SplitSpace,
     Valuation,
     assemble,
+    chunk_pricing,
     decode_step,
     expert_groups,
     kv_grid,
@@ -196,9 +197,14 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
     decodes = curves_at(fc, t.batch_tokens)[0]
     misses = with_large_steps(decodes, fc, t.batch_tokens)
     r = space.prefetch_recall if fc.prefetch_recall is None else fc.prefetch_recall
+    kv_units = units_for_bytes(gpu_blocks * space.kv_block_bytes, unit)
+    charged, flat_ms = chunk_pricing(decode_step(fc, t.batch_tokens, decodes), cost, space, len(decodes[0]) - 1,
+                                     _capacity(space) - kv_units)
     groups, slot_counts, stalls = expert_groups(misses, cost, space, current_slots, t.step_ms, r,
-                                                scale=1.0 / t.served, decode=decode_step(fc, t.batch_tokens, decodes))
-    groups.append(Group("GPU KV", (Option(units_for_bytes(gpu_blocks * space.kv_block_bytes, unit), t.kv_ms,
+                                                scale=1.0 / t.served, decode=charged)
+    # A share that leaves the experts no room to clear the decode unions runs every decode step chunked: its
+    # cost, per step served, rides on the share.
+    groups.append(Group("GPU KV", (Option(kv_units, t.kv_ms + space.stall_weight * flat_ms / t.served,
                                           label=f"{gpu_blocks} KV blocks"),), None, GroupKind.KV))
     problem = assemble(groups, cost, space, t.step_ms, horizon_steps)
     move_ms = _kv_move_ms(space, problem.migration_ms_per_unit, gpu_blocks, current_kv)
@@ -207,17 +213,21 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
     return val, t.batch_tokens, t.served, move_ms
 
 
+def _capacity(space: SplitSpace) -> int:
+    return capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, space.unit_bytes)
+
+
 def _expert_arrays(misses: np.ndarray, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
                    step_ms: float, recall: float, move_ms_per_unit: float, served: float, union: np.ndarray,
-                   decode: Decode) -> tuple[list[GroupArrays], list[Layout]]:
+                   decode: Decode | None) -> tuple[list[GroupArrays], list[Layout]]:
     """Every MoE layer's options as arrays straight from the curves `misses` [M, E + 1] (no Group objects, no
     link bytes): stall + `served` x migration, so that read / served the stall is per token served and the
     migration stays what it is, as in the exact problem. `union` [M]: the unions the chunking price reads;
-    `decode`: the decode step the price of leaving the graphs reads."""
+    `decode`: the decode step each layer is charged its chance of leaving the graphs against (None: not)."""
     arrs, lays = [], []
     for m, curve in enumerate(misses):
         counts, units, _, stall = layer_options(curve, cost, space, m, step_ms, recall, float(union[m]),
-                                                **decode.of_layer(m))
+                                                **(decode.of_layer(m) if decode is not None else {}))
         cost_ms = space.stall_weight * stall
         if current_slots is not None and counts[0] <= current_slots[m] <= counts[-1]:
             cost_ms = cost_ms + served * move_ms_per_unit * np.abs(units - units[current_slots[m] - counts[0]])
@@ -287,8 +297,12 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
         largest = max(terms[i].batch_tokens for i in members)
         union = at(largest)[:, 0]
         mid_misses = with_large_steps(at(mid.batch_tokens), fc, mid.batch_tokens)
+        # The decode unions at the band's largest batch, as the chunking above; their share at the middle's.
+        mid_kv = units_for_bytes(grid[members[len(members) // 2]] * space.kv_block_bytes, unit)
+        charged, _ = chunk_pricing(decode_step(fc, largest, at(largest), mid.batch_tokens), cost, space,
+                                   num_experts, capacity - mid_kv)
         arrs, lays = _expert_arrays(mid_misses, cost, space, current_slots, mid.step_ms, recall, move, mid.served,
-                                    union, decode_step(fc, largest, at(largest)))
+                                    union, charged)
         tables = tables_of(arrs, lays, 0.0, capacity)
         for i in members:
             kv_units = units_for_bytes(grid[i] * space.kv_block_bytes, unit)
@@ -303,10 +317,10 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
             decodes = at(t.batch_tokens)
             curves = np.asarray(with_large_steps(decodes, fc, t.batch_tokens))  # [M, E + 1]
             misses = curves[layers, slots]  # [M] each layer's loads at its chosen slot count
-            d = decode_step(fc, t.batch_tokens, decodes)
-            stall_ms = space.stall_weight * float(option_stall_ms(
-                cost, misses, curves[:, 0], slots, recall, t.step_ms, np.asarray(d.union), np.asarray(d.union_sd),
-                d.share, num_experts).sum())
+            d, flat_ms = chunk_pricing(decode_step(fc, t.batch_tokens, decodes), cost, space, num_experts, left)
+            stall_ms = space.stall_weight * (flat_ms + float(option_stall_ms(
+                cost, misses, curves[:, 0], slots, recall, t.step_ms, None if d is None else np.asarray(d.union),
+                0.0 if d is None else np.asarray(d.union_sd), 1.0 if d is None else d.share, num_experts).sum()))
             out[i] = stall_ms / t.served + _slot_move_ms(space, move, slots, ranges, current_slots) + t.kv_ms + \
                 _kv_move_ms(space, move, grid[i], current_kv)
     return out

@@ -64,7 +64,9 @@ from tierplan.controller.validation import refuse_repeats as _refuse_repeats
 # byte budget per step, telemetry the cross-layer counts it is trained from. Version 1 is still accepted: a
 # version-1 message is exactly a version-2 one without those fields (a sidecar's cached plan, or an agent
 # not yet upgraded, keeps working), so a version-1 message that carries them is refused. Plan version 3
-# adds the KV retention order (protocol_kv.py) under the same rule.
+# adds the KV retention order (protocol_kv.py) under the same rule; Telemetry version 3 each step's decode
+# tokens and the count of steps run chunked (an agent sends 2 where it reports neither, so an older controller
+# still reads it).
 SchemaVersion = Literal[1, 2, 3]
 PlanSchemaVersion = Literal[1, 2, 3]
 

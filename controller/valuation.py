@@ -37,6 +37,7 @@ from tierplan.controller.optimizer.problem import (
 from tierplan.controller.protocol import Link
 
 MAX_DEFERRED = 0.9  # a KV share that defers more than this of the sequences is priced as if it deferred this
+CLEAR_SDS = 2.0  # a layer holds a decode step's union clear at its mean plus this many spreads (~2 % over)
 
 
 @dataclass(frozen=True)
@@ -211,11 +212,35 @@ class Decode:
         return {"decode_union": self.union[m], "union_sd": self.union_sd[m], "decode_share": self.share}
 
 
-def decode_step(fc: DemandForecast, batch: float, curves: tuple[tuple[float, ...], ...] | np.ndarray) -> Decode:
+def decode_step(fc: DemandForecast, batch: float, curves: tuple[tuple[float, ...], ...] | np.ndarray,
+                share_batch: float | None = None) -> Decode:
     """The decode step at `batch` tokens whose per-layer loads with no slot, `curves[m][0]`, are its unions (the
-    decode curves, before `with_large_steps` mixes the prefills in)."""
+    decode curves, before `with_large_steps` mixes the prefills in); its share of the steps at `share_batch`
+    (default: `batch`)."""
     return Decode(tuple(float(c[0]) for c in curves), tuple(float(x) for x in union_sd(fc, batch)),
-                  decode_share(fc, batch))
+                  decode_share(fc, batch if share_batch is None else share_batch))
+
+
+def chunk_pricing(decode: Decode, cost: CostModel, space: SplitSpace, num_experts: int, expert_units: int
+                  ) -> tuple[Decode | None, float]:
+    """How the chunked step is priced where the experts have `expert_units` of HBM: (the decode step each layer is
+    charged its chance against, the flat ms a step). Where every layer can hold its decode union clear (its union
+    plus CLEAR_SDS spreads) within them, each layer is charged its own chance (a union bound, tight near a split
+    that clears them all); where they cannot, the step chunks whatever the split, so it pays once, flat, and no
+    layer is charged for slots that would not spare it (the per-layer sum would price it once a layer)."""
+    if cost.compute.chunked_step_ms <= 0:
+        return None, 0.0
+    need = 0
+    for m, (u, sd) in enumerate(zip(decode.union, decode.union_sd, strict=True)):
+        lo, hi = slot_range(space, m, num_experts)
+        clear = min(num_experts, math.ceil(u + CLEAR_SDS * sd))
+        if clear > hi:
+            need = expert_units + 1
+            break
+        need += units_for_bytes(max(lo, clear) * space.slot_bytes, space.unit_bytes)
+    if need <= expert_units:
+        return decode, 0.0
+    return None, cost.compute.chunked_step_ms * decode.share
 
 
 def layer_options(curve: tuple[float, ...] | np.ndarray, cost: CostModel, space: SplitSpace, m: int, step_ms: float,
@@ -302,15 +327,20 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     context_tokens = forecast.kv_gpu_used_blocks * space.kv_block_tokens  # what the step's attention reads
     step_ms = cost.compute_ms(batch, context_tokens)
     r = space.prefetch_recall if forecast.prefetch_recall is None else forecast.prefetch_recall
+    # The curve describes its bucket's batch where measured: the union's spread at that batch.
+    decode = decode_step(forecast, forecast.curve_batch or batch, forecast.misses_per_step, batch)
+    room = (capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
+            - units_for_bytes(space.kv_gpu_blocks_min * space.kv_block_bytes, unit))  # the experts' most room
+    charged, flat_ms = chunk_pricing(decode, cost, space, len(forecast.misses_per_step[0]) - 1, room)
     groups, slot_counts, stalls = expert_groups(with_large_steps(forecast.misses_per_step, forecast), cost, space,
-                                                current_slots, step_ms, r,
-                                                decode=decode_step(forecast, batch, forecast.misses_per_step))
+                                                current_slots, step_ms, r, decode=charged)
     grid = kv_grid(space, kv_demand_blocks, current_kv)
     redo_ms = recompute_ms(cost, space, batch, context_tokens, step_ms)
     best_hits = prefix_hit_share(forecast, grid[-1])
     kv_opts = tuple(Option(units=units_for_bytes(g * space.kv_block_bytes, unit),
                            cost_ms=space.kv_weight * (kv_cost_ms(kv_demand_blocks, g, step_ms) + forecast.reuse_per_step
-                                                      * redo_ms * (best_hits - prefix_hit_share(forecast, g))),
+                                                      * redo_ms * (best_hits - prefix_hit_share(forecast, g)))
+                           + flat_ms,
                            label=f"{g} KV blocks") for g in grid)
     groups.append(Group("GPU KV", kv_opts, grid.index(current_kv) if current_kv in grid else None, GroupKind.KV))
     problem = assemble(groups, cost, space, step_ms, horizon_steps)

@@ -81,6 +81,8 @@ def test_window_reports_each_steps_decode_tokens_only_when_every_step_has_them()
     win.observe_step(0.01, 0.0, 0.0, tokens=4, decode_tokens=9)
     msg = win.close({}, {}, {}, {}, 0, 0, 1, {})
     assert msg.step_decode_tokens == () and msg.fallbacks == {"decode_split_refused": 1}
+    win.observe_step(0.01, 0.0, 0.0, tokens=4, decode_tokens=5)
+    assert win.close({}, {}, {}, {}, 0, 0, 1, {}).fallbacks == {"decode_split_refused": 2}  # a running total
     win.observe_step(0.01, 0.0, 0.0, tokens=7)  # an old step without the split, then a full window's worth with it
     for _ in range(MAX_UNION_STEPS):
         win.observe_step(0.01, 0.0, 0.0, tokens=4, decode_tokens=2)
@@ -94,8 +96,11 @@ def test_window_counts_the_steps_run_chunked() -> None:
     for chunked in (True, False, True):
         win.observe_step(0.01, 0.0, 0.0, chunked=chunked)
     msg = win.close({}, {}, {}, {}, 0, 0, 1, {})
-    assert msg.chunked_steps == 2 and parse(Telemetry, to_json(msg)) == msg
-    assert win.close({}, {}, {}, {}, 0, 0, 1, {}).chunked_steps == 0  # each window counts its own
+    assert msg.chunked_steps == 2 and msg.schema_version == 3 and parse(Telemetry, to_json(msg)) == msg
+    win.observe_step(0.01, 0.0, 0.0, tokens=4)
+    msg = win.close({}, {}, {}, {}, 0, 0, 1, {})
+    assert msg.chunked_steps == 0  # each window counts its own
+    assert msg.schema_version == 2  # no v3 field sent: an older controller still reads it
 
 
 def test_telemetry_refuses_step_tokens_that_do_not_cover_its_steps() -> None:

@@ -114,3 +114,28 @@ def test_layer_valuation_agrees_with_the_step_it_values() -> None:
         misses = tuple(5 if i == j else 0 for i in range(3))
         added = m.step_time_ms(StepLoad(batch_tokens=8, miss_count=misses)).total_ms - base
         assert added == pytest.approx(m.layer_stall_ms(num_missed=5, batch_tokens=8))
+
+
+def test_a_chunked_step_pays_its_term_once_and_the_fit_learns_it_apart_from_the_misses() -> None:
+    """A step run chunked off its graphs costs `chunked_step_ms` once, beside its layers' compute. Fed steps of
+    one size, some chunked with more misses (as the engine's are: H100/H200 phase runs 01-40, +9-27 ms a step
+    beyond 0.06-0.16 ms a miss), the fit finds the step's term and the per-miss one apart."""
+    b = _model(chunked_step_ms=12.0).step_time_ms(StepLoad(batch_tokens=4, chunked=True))
+    assert b.total_ms == pytest.approx(4 * 1.0 + 3 * 2.0 + 12.0) and b.compute_ms == pytest.approx(b.total_ms)
+    cost = CostModel(_shape(), _hw(), ComputeParams(), forgetting=1.0)
+    for i in range(400):
+        chunked, misses = (i % 3 == 0), 20 + (i % 7) * 10 + (i % 2) * 15
+        cost.observe(4, 0, 8, 5.0 + 0.1 * misses + (15.0 if chunked else 0.0), expert_misses=misses,
+                     chunked=float(chunked))
+    assert cost.compute.chunked_step_ms == pytest.approx(15.0, rel=0.05)
+    assert cost.compute.moe_ms_per_miss == pytest.approx(0.1, rel=0.05)
+
+
+def test_calibrate_reads_the_share_of_a_windows_steps_run_chunked() -> None:
+    from tests.controller.loop_fixtures import Windows, make_controller
+
+    tel = Windows(steps=4).next(batch=4, kv_live=20).model_copy(update={"chunked_steps": 3, "schema_version": 3})
+    cost, seen = make_controller().cost, {}
+    cost.observe = lambda *a, **kw: seen.update(kw)  # type: ignore[method-assign]
+    cost.calibrate(tel)
+    assert seen["chunked"] == pytest.approx(3 / 4) and seen["weight"] == 4

@@ -200,3 +200,35 @@ def test_a_decode_union_that_may_outrun_a_layers_slots_is_charged_the_chunked_st
         chosen[charge] = sorted(slot_counts[m][i] for m, i in enumerate(solve(problem).choice))
     assert chosen[0.0][0] < u + sd  # the loads alone pile slots on one layer, the other at its union's edge
     assert chosen[20.0][0] >= u + 2 * sd  # charged: both layers clear of their unions
+
+
+def test_a_share_that_leaves_no_room_to_clear_the_unions_pays_the_chunked_step_once() -> None:
+    """Where the experts' room holds every layer's decode union clear (its mean plus two spreads), each layer is
+    charged its own chance of chunking the step; where it cannot (the largest KV share here), the step chunks
+    whatever the split: it pays `chunked_step_ms` once, on the share, and no layer is charged (charged once a
+    layer, four layers short of room bought slots that spared nothing and claimed the step four times over).
+    The separable valuation judges at the least KV share; with no chunked step learned nothing is charged."""
+    from tierplan.controller.costmodel import ComputeParams
+    from tierplan.controller.coupling import value_share
+
+    def valued(charge: float):
+        ctl = make_controller(compute=ComputeParams(chunked_step_ms=charge), calibrate=False)
+        win = Windows()
+        for _ in range(3):
+            ctl.sync_from(win.next(batch=4, kv_live=20))
+        fc, space = ctl.demand.forecast(), ctl.config.space
+        shares = {g: value_share(fc, ctl.cost, space, None, None, 64, g) for g in (KV_MIN, KV_MAX)}
+        return shares, build_problem(fc, ctl.cost, space, None, None, 64, 20.0)
+
+    plain, plain_sep = valued(0.0)
+    charged, charged_sep = valued(20.0)
+    room, full = KV_MIN, KV_MAX  # 54 of 64 units left to the experts; none
+    assert charged[room][0].stall_ms[0][0] > plain[room][0].stall_ms[0][0] + 10  # fewest slots: nearly sure
+    assert charged[room][0].stall_ms[0][-1] == pytest.approx(plain[room][0].stall_ms[0][-1])  # every expert: never
+    assert charged[room][0].problem.groups[-1].options[0].cost_ms == pytest.approx(
+        plain[room][0].problem.groups[-1].options[0].cost_ms)
+    assert charged[full][0].stall_ms == plain[full][0].stall_ms  # no layer charged
+    served = charged[full][2]
+    assert charged[full][0].problem.groups[-1].options[0].cost_ms == pytest.approx(
+        plain[full][0].problem.groups[-1].options[0].cost_ms + 20.0 / served)
+    assert charged_sep.stall_ms[0][0] > plain_sep.stall_ms[0][0] + 10  # the separable split: room at the least KV
