@@ -114,13 +114,26 @@ def union_sd(fc: DemandForecast, batch: float) -> np.ndarray:
     return np.sqrt((q * (1.0 - q)).sum(axis=1))
 
 
+def large_share_at(fc: DemandForecast, batch_tokens: float | None = None) -> float:
+    """The large steps' (prefills') share of the steps at the running batch `batch_tokens` (None: the observed
+    one). Every request prefills once, so in a steady stream prefills per step follow the sequences running:
+    the share scales by batch / observed. While the KV demand is still rising the prefills are the batch filling,
+    arrivals rather than turnover, so a larger batch is not read as more of them: extrapolated, a fill's window
+    of 2 decoding sequences and 3 prompts in 8 steps read as every step a prompt at the 9 sequences a share would
+    hold, every slot worth a load each step, the same in every layer, and the knapsack split the experts
+    all-or-nothing (H100 phase run 35, b8 1K 24 GiB: 66 slots in five layers, 8 in two, 47 in one; reproduced
+    on the CPU at its sizes)."""
+    share = fc.large_step_share
+    if batch_tokens is None or fc.batch_tokens <= 0 or share <= 0:
+        return share
+    ratio = batch_tokens / fc.batch_tokens
+    return min(1.0, share * (min(1.0, ratio) if fc.kv_filling_blocks else ratio))
+
+
 def decode_share(fc: DemandForecast, batch_tokens: float | None = None) -> float:
     """The share of steps that are not large ones (prefills) at the running batch `batch_tokens` (the observed
-    one by default), their share scaled with the batch as `with_large_steps` scales it."""
-    share = fc.large_step_share
-    if batch_tokens is not None and fc.batch_tokens > 0 and share > 0:
-        share = min(1.0, share * batch_tokens / fc.batch_tokens)
-    return 1.0 - share
+    one by default): `large_share_at`."""
+    return 1.0 - large_share_at(fc, batch_tokens)
 
 
 def with_large_steps(curves: tuple[tuple[float, ...], ...] | np.ndarray, fc: DemandForecast,
@@ -131,15 +144,14 @@ def with_large_steps(curves: tuple[tuple[float, ...], ...] | np.ndarray, fc: Dem
     the median step alone prices at nothing once its few experts fit (H200 phase run 20, b32 40 GiB: ~20 of
     ~150 steps were 1K prefills, each streaming the ~60 experts a layer did not hold).
     `batch_tokens`: the running batch the curves describe, where it is not the observed one (a KV share that
-    runs fewer sequences). Every request prefills once, so prefills per step scale with the sequences running:
-    their share is scaled by batch / observed. Held at the observed share, a share running a tenth of the
-    sequences would pay ten times the prefills per token served (H200 phase run 26, b128: the KV-first split
-    kept, its 51 slots a layer costing each prefill 155 ms against 40-51 ms with 77)."""
+    runs fewer sequences): their share as `large_share_at` scales it. Held at the observed share, a share running
+    a tenth of the sequences would pay ten times the prefills per token served (H200 phase run 26, b128: the
+    KV-first split kept, its 51 slots a layer costing each prefill 155 ms against 40-51 ms with 77)."""
     if not fc.large_step_misses:
         return curves  # no large step seen: the curves as they are (no copy on the valuation's path)
     share, large = fc.large_step_share, np.asarray(fc.large_step_misses)  # large: [M, E + 1], times the share
-    if batch_tokens is not None and fc.batch_tokens > 0 and share > 0:
-        scaled = min(1.0, share * batch_tokens / fc.batch_tokens)
+    if share > 0:
+        scaled = large_share_at(fc, batch_tokens)
         share, large = scaled, large * (scaled / share)
     return (1.0 - share) * np.asarray(curves) + large  # [M, E + 1]
 

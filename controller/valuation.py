@@ -296,7 +296,7 @@ def migration_ms_per_unit(cost: CostModel, space: SplitSpace, horizon_steps: int
 def assemble(groups: list[Group], cost: CostModel, space: SplitSpace, step_ms: float,
              horizon_steps: int) -> SplitProblem:
     """The problem over `groups` (the KV group last): the HBM capacity, the link budget of one predicted step
-    (never below what a split within the capacity must stream), migration amortised over the horizon."""
+    (none where no split within the capacity meets it), migration amortised over the horizon."""
     unit = space.unit_bytes
     capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
     bytes_per_s = cost.link_bytes_per_s(Link.H2D)  # inf when the fit finds no per-byte cost: no link budget
@@ -305,15 +305,20 @@ def assemble(groups: list[Group], cost: CostModel, space: SplitSpace, step_ms: f
     problem = SplitProblem(tuple(groups), capacity, unit,
                            migration_ms_per_unit=migration_ms_per_unit(cost, space, horizon_steps))
     if link_budget is not None:
-        # The link caps what a plan streams, but never below the least a split within the HBM capacity must
-        # stream (then it only ranks). The floor is over whole splits: each group's own least (all its slots)
-        # need not fit together, and a budget under the joint floor would leave no split at all.
+        # The link caps what a plan streams, where some split within the HBM capacity can keep to it. The least
+        # is over whole splits: each group's own least (all its slots) need not fit together. Where no split
+        # can, the cap is left off and flagged (`link_budget_is_floor`): the stalls the objective prices rank
+        # the splits. Raised to that least instead, the cap admitted only the splits streaming least, and
+        # where a prefill needs every expert a layer has those pile slots on some layers and starve the rest
+        # (H100 phase run 35, b8 1K 24 GiB: 66 slots in five layers, 8 in two, "host link budget binding", its
+        # decode steps chunked; reproduced on the CPU at its sizes, where the objective preferred 49 a layer).
         try:
             floor = least_link_bytes(problem)
         except InfeasibleError:  # no split fits the capacity at all: the solver says so, naming the cause
             floor = 0
-        problem = dataclasses.replace(problem, link_budget_bytes_per_step=max(link_budget, floor),
-                                      link_budget_is_floor=floor > link_budget)
+        unmet = floor > link_budget
+        problem = dataclasses.replace(problem, link_budget_bytes_per_step=None if unmet else link_budget,
+                                      link_budget_is_floor=unmet)
     return problem
 
 

@@ -141,8 +141,8 @@ class SplitProblem:
     unit_bytes: int
     link_budget_bytes_per_step: int | None = None
     migration_ms_per_unit: float = 0.0
-    # The link budget is the least any split within the capacity streams, above the link's own share of a step:
-    # no split meets the link, so the budget only ranks splits, and one a little over it breaks no promise.
+    # No split within the capacity meets the link's own share of a step (valuation.assemble): the budget is left
+    # off, or, where a caller sets one beside this flag, it only ranks splits, and one over it breaks no promise.
     link_budget_is_floor: bool = False
 
     def __post_init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.controller.loop_fixtures import Windows, make_controller
@@ -82,3 +83,24 @@ def test_telemetry_refuses_decode_tokens_that_do_not_match_the_steps() -> None:
         parse(Telemetry, to_json(v2))
     with pytest.raises(ProtocolError, match="chunked_steps: 9 exceeds the window's 2 steps"):
         parse(Telemetry, to_json(tel.model_copy(update={"chunked_steps": 9})))
+
+
+def test_a_fills_prompts_are_not_read_as_more_prompts_at_a_larger_batch() -> None:
+    """Prefills per step follow the sequences running in a steady stream, so a share running twice the batch
+    runs twice the share of prompt steps; while the KV demand still rises (the fill) the prompts are arrivals,
+    not turnover: a larger batch keeps the observed share, a smaller one still scales it down."""
+    import dataclasses
+
+    from tierplan.controller.demand import large_share_at, with_large_steps
+
+    ctl = make_controller()
+    ctl.sync_from(_window((1028, 4, 4, 4), (4,) * 4))
+    fc = ctl.demand.forecast()
+    steady, filling = dataclasses.replace(fc, kv_filling_blocks=0), dataclasses.replace(fc, kv_filling_blocks=40)
+    assert fc.large_step_share == pytest.approx(0.25)
+    assert large_share_at(steady, 8.0) == pytest.approx(0.5) and large_share_at(filling, 8.0) == pytest.approx(0.25)
+    assert large_share_at(steady, 2.0) == large_share_at(filling, 2.0) == pytest.approx(0.125)
+    assert large_share_at(steady, 64.0) == 1.0
+    a, b = np.asarray(with_large_steps(fc.misses_per_step, filling, 8.0)), np.asarray(
+        with_large_steps(fc.misses_per_step, filling))
+    assert a == pytest.approx(b)  # the curves' mix follows the same share

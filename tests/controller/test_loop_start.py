@@ -1,0 +1,82 @@
+"""A run's first plan splits the experts evenly: the controller at the sizes of H100 phase run 35's b8 1K 24 GiB
+point (qwen3-30b-a3b cut to 8 layers: 128 experts of 10 MiB, top-8, 256 KiB KV blocks, a 4 GiB budget, the run's
+KV-first start of 648 blocks) fed the first window of a fill routed by the bundled real trace: 2 sequences
+decoding and a 1,024-token prompt every third step. There the first plan gave five layers 66 slots, two 8 and one
+47 ("host link budget binding"), and the decode steps ran chunked off their graphs. Two causes, each enough: the
+link budget raised to the least any split streams admitted only the splits streaming least, which pile slots on
+some layers (a prefill needs every expert a layer has); and the fill's prompts were read as a stream's turnover,
+scaled to every step a prompt at the batch a share would hold, so every slot of every layer was worth the same."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from tierplan.api.hub_config import controller_config
+from tierplan.controller.loop import Controller
+from tierplan.controller.protocol import Link, Telemetry, Tier, parse
+from tierplan.controller.protocol_service import (
+    AgentRegistration,
+    ComputeSheet,
+    HardwareSheet,
+    PolicyKnobs,
+    ShapeSpec,
+    SplitSheet,
+)
+from tierplan.runtime.engine.routing_trace import RoutingTrace
+
+SLOT_BYTES, BLOCK_BYTES = 10 << 20, 256 << 10
+BUDGET_BYTES = (24 << 30) * 8 // 48
+LAYERS, EXPERTS, TOP_K = 8, 128, 8
+START_BLOCKS, BLOCKS_PER_SEQ = 648, 70  # the KV-first start for 8 sequences of ~1K tokens
+TRACE = Path(__file__).resolve().parents[2] / "data/routing/flame_moe_290m_sample.npz"
+
+
+def _controller() -> Controller:
+    reg = AgentRegistration(
+        agent_id="a", group="phase", engine="tierplan-reference", registered_s=0.0,
+        shape=ShapeSpec(name="qwen3-30b-a3b", num_layers=LAYERS, moe_layers=tuple(range(LAYERS)),
+                        num_experts=EXPERTS, top_k=TOP_K, expert_bytes=SLOT_BYTES, dense_bytes=0,
+                        kv_bytes_per_token=BLOCK_BYTES // 16, block_tokens=16),
+        hardware=HardwareSheet(name="H100", link_bytes_per_s=dict.fromkeys(Link, 50e9), transfer_overhead_s=2e-4,
+                               hbm_bytes=BUDGET_BYTES, hbm_bytes_per_s=3e12),
+        split=SplitSheet(hbm_budget_bytes=BUDGET_BYTES, dense_bytes=0, workspace_bytes=0, slot_bytes=SLOT_BYTES,
+                         kv_block_bytes=BLOCK_BYTES, kv_gpu_blocks_max=(BUDGET_BYTES - 64 * SLOT_BYTES) // BLOCK_BYTES,
+                         kv_gpu_blocks_min=BLOCKS_PER_SEQ - 4, kv_block_tokens=16, kv_cpu_blocks=1 << 20,
+                         kv_nvme_blocks=0),
+        compute=ComputeSheet(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01, moe_ms_per_token=0.01,
+                             moe_ms_per_active_expert=SLOT_BYTES / 3e12 * 1e3, moe_ms_per_miss=0.13))
+    # Priors only (no calibration): the same plan on any machine.
+    cfg = controller_config(reg, PolicyKnobs(min_slots_per_layer=TOP_K, horizon_steps=64, calibrate=False))
+    return Controller(dataclasses.replace(cfg, batch_coupling=True))
+
+
+def _first_window(ids: np.ndarray) -> Telemetry:
+    """8 steps: 2 sequences decoding, a 1,024-token prompt beside them every third step (the fill)."""
+    decodes = [2] * 8
+    tokens = [d + (1024 if i % 3 == 0 else 0) for i, d in enumerate(decodes)]
+    rows = ids[(np.arange(sum(tokens)) * 7) % ids.shape[0]]  # [T, L, k]
+    layers = [{"layer": m, "activation_counts": np.bincount(rows[:, m].ravel(), minlength=EXPERTS).tolist(),
+               "router_entropy_mean": 0.5, "num_tokens": sum(tokens)} for m in range(LAYERS)]
+    return parse(Telemetry, {
+        "agent_id": "a", "rank": 0, "window_seq": 0, "window_start_s": 0.0, "window_end_s": 0.9,
+        "model": "qwen3-30b-a3b", "num_layers": LAYERS, "num_experts": EXPERTS, "layers": layers,
+        "kv": {"blocks_per_tier": {"gpu": 2 * BLOCKS_PER_SEQ}, "hits_per_tier": {}, "misses_per_tier": {}},
+        "step_timings_ms": {"num_steps": 8, "mean": 20.0, "p50": 15.0, "p99": 80.0},
+        "expert_hits": 100, "expert_misses": 300, "applied_plan_version": 0, "step_tokens": tokens,
+        "step_decode_tokens": decodes, "queued_kv_blocks": 6 * BLOCKS_PER_SEQ, "kv_gpu_limit_blocks": START_BLOCKS})
+
+
+def test_the_first_plan_of_a_fill_splits_the_experts_evenly() -> None:
+    ids = RoutingTrace.load(TRACE).routes(1 << 15, LAYERS, TOP_K, EXPERTS)[0]  # [T, L, k]
+    ctl = _controller()
+    ctl.sync_from(_first_window(ids))
+    plan = ctl.step_next()
+    assert plan is not None
+    slots = [b // SLOT_BYTES for b in plan.expert_bytes_per_layer]
+    kv = plan.kv_blocks_per_tier[Tier.GPU]
+    assert sum(plan.expert_bytes_per_layer) + kv * BLOCK_BYTES <= BUDGET_BYTES
+    assert max(slots) - min(slots) <= 2, (slots, plan.reason[:300])  # run 35: [66, 66, 66, 66, 8, 66, 47, 8]
+    assert min(slots) >= 40  # each layer above the ~40-expert union of 8 decoding sequences
