@@ -9,48 +9,24 @@ scaled to every step a prompt at the batch a share would hold, so every slot of 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 
-from tierplan.api.hub_config import controller_config
+from tests.controller.qwen3_fixtures import BLOCK_BYTES, EXPERTS, LAYERS, TOP_K, qwen3_controller
 from tierplan.controller.loop import Controller
-from tierplan.controller.protocol import Link, Telemetry, Tier, parse
-from tierplan.controller.protocol_service import (
-    AgentRegistration,
-    ComputeSheet,
-    HardwareSheet,
-    PolicyKnobs,
-    ShapeSpec,
-    SplitSheet,
-)
+from tierplan.controller.protocol import Telemetry, Tier, parse
 from tierplan.runtime.engine.routing_trace import RoutingTrace
 
-SLOT_BYTES, BLOCK_BYTES = 10 << 20, 256 << 10
+SLOT_BYTES = 10 << 20
 BUDGET_BYTES = (24 << 30) * 8 // 48
-LAYERS, EXPERTS, TOP_K = 8, 128, 8
 START_BLOCKS, BLOCKS_PER_SEQ = 648, 70  # the KV-first start for 8 sequences of ~1K tokens
 TRACE = Path(__file__).resolve().parents[2] / "data/routing/flame_moe_290m_sample.npz"
 
 
 def _controller() -> Controller:
-    reg = AgentRegistration(
-        agent_id="a", group="phase", engine="tierplan-reference", registered_s=0.0,
-        shape=ShapeSpec(name="qwen3-30b-a3b", num_layers=LAYERS, moe_layers=tuple(range(LAYERS)),
-                        num_experts=EXPERTS, top_k=TOP_K, expert_bytes=SLOT_BYTES, dense_bytes=0,
-                        kv_bytes_per_token=BLOCK_BYTES // 16, block_tokens=16),
-        hardware=HardwareSheet(name="H100", link_bytes_per_s=dict.fromkeys(Link, 50e9), transfer_overhead_s=2e-4,
-                               hbm_bytes=BUDGET_BYTES, hbm_bytes_per_s=3e12),
-        split=SplitSheet(hbm_budget_bytes=BUDGET_BYTES, dense_bytes=0, workspace_bytes=0, slot_bytes=SLOT_BYTES,
-                         kv_block_bytes=BLOCK_BYTES, kv_gpu_blocks_max=(BUDGET_BYTES - 64 * SLOT_BYTES) // BLOCK_BYTES,
-                         kv_gpu_blocks_min=BLOCKS_PER_SEQ - 4, kv_block_tokens=16, kv_cpu_blocks=1 << 20,
-                         kv_nvme_blocks=0),
-        compute=ComputeSheet(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01, moe_ms_per_token=0.01,
-                             moe_ms_per_active_expert=SLOT_BYTES / 3e12 * 1e3, moe_ms_per_miss=0.13))
-    # Priors only (no calibration): the same plan on any machine.
-    cfg = controller_config(reg, PolicyKnobs(min_slots_per_layer=TOP_K, horizon_steps=64, calibrate=False))
-    return Controller(dataclasses.replace(cfg, batch_coupling=True))
+    kv_max = (BUDGET_BYTES - 64 * SLOT_BYTES) // BLOCK_BYTES
+    return qwen3_controller(BUDGET_BYTES, SLOT_BYTES, kv_max, BLOCKS_PER_SEQ - 4, 3e12, "H100", moe_ms_per_miss=0.13)
 
 
 def _first_window(ids: np.ndarray) -> Telemetry:

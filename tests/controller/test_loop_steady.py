@@ -6,47 +6,24 @@ before: the spare KV filled to the byte broke the capacity in units, and the lin
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 
-from tierplan.api.hub_config import controller_config
+from tests.controller.qwen3_fixtures import BLOCK_BYTES, EXPERTS, LAYERS, TOP_K, qwen3_controller
 from tierplan.controller.loop import Controller, Outcome
-from tierplan.controller.protocol import AckStatus, Footprint, Link, PlanAck, Telemetry, Tier, parse
-from tierplan.controller.protocol_service import (
-    AgentRegistration,
-    ComputeSheet,
-    HardwareSheet,
-    PolicyKnobs,
-    ShapeSpec,
-    SplitSheet,
-)
+from tierplan.controller.protocol import AckStatus, Footprint, PlanAck, Telemetry, Tier, parse
 from tierplan.runtime.engine.routing_trace import RoutingTrace
 
-SLOT_BYTES, BLOCK_BYTES, BUDGET_BYTES = 10 << 20, 256 << 10, 2_707_597_995
+SLOT_BYTES, BUDGET_BYTES = 10 << 20, 2_707_597_995
 KV_MAX, KV_MIN = 7768, 2088
-LAYERS, EXPERTS, TOP_K, BATCH = 8, 128, 8, 8
+BATCH = 8
 BLOCKS_PER_SEQ, QUEUED_BLOCKS = 885, 30_000  # ~14K tokens a sequence; the rest of the 40 requests waiting
 TRACE = Path(__file__).resolve().parents[2] / "data/routing/flame_moe_290m_sample.npz"
 
 
 def _controller() -> Controller:
-    reg = AgentRegistration(
-        agent_id="a", group="phase", engine="tierplan-reference", registered_s=0.0,
-        shape=ShapeSpec(name="qwen3-30b-a3b", num_layers=LAYERS, moe_layers=tuple(range(LAYERS)),
-                        num_experts=EXPERTS, top_k=TOP_K, expert_bytes=SLOT_BYTES, dense_bytes=0,
-                        kv_bytes_per_token=BLOCK_BYTES // 16, block_tokens=16),
-        hardware=HardwareSheet(name="H200", link_bytes_per_s=dict.fromkeys(Link, 50e9), transfer_overhead_s=2e-4,
-                               hbm_bytes=BUDGET_BYTES, hbm_bytes_per_s=4e12),
-        split=SplitSheet(hbm_budget_bytes=BUDGET_BYTES, dense_bytes=0, workspace_bytes=0, slot_bytes=SLOT_BYTES,
-                         kv_block_bytes=BLOCK_BYTES, kv_gpu_blocks_max=KV_MAX, kv_gpu_blocks_min=KV_MIN,
-                         kv_block_tokens=16, kv_cpu_blocks=1 << 20, kv_nvme_blocks=0),
-        compute=ComputeSheet(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01, moe_ms_per_token=0.01,
-                             moe_ms_per_active_expert=SLOT_BYTES / 4e12 * 1e3))
-    # Priors only (no calibration): the same plans on any machine.
-    cfg = controller_config(reg, PolicyKnobs(min_slots_per_layer=TOP_K, horizon_steps=64, calibrate=False))
-    return Controller(dataclasses.replace(cfg, batch_coupling=True))
+    return qwen3_controller(BUDGET_BYTES, SLOT_BYTES, KV_MAX, KV_MIN, 4e12, "H200")
 
 
 def _window(seq: int, ids: np.ndarray, kv_limit: int, applied: int) -> Telemetry:
