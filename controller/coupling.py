@@ -397,12 +397,16 @@ def _merged(best: AtShare, cur: AtShare | None, current_slots: tuple[int, ...] |
         current = 1
         batches.append(cur.batch_tokens)
         steps.append(cur.val.kv_steps[0])
-        # The current split keeps its own share's link verdict: it fits where it streams within that budget, or
-        # where that budget is a floor (it only ranks, hysteresis.py); it breaks only a real one, and then the
-        # merged budget must not read as a floor, whatever the winner's is.
+        # The current split keeps its own share's link verdict: it fits where its share has no cap (none leaves
+        # room, `assemble`) or where it streams within the cap; it breaks only a real cap, and then the merged
+        # problem carries that cap unflagged, whatever the winner's is (none included), so hysteresis owes the
+        # switch.
         own_budget = own.link_budget_bytes_per_step
-        if budget is not None and own_budget is not None and (own_link <= own_budget or own.link_budget_is_floor):
-            budget = max(budget, own_link, rest_link)
+        if own_budget is None or own_link <= own_budget:
+            if budget is not None:
+                budget = max(budget, own_link, rest_link)
+        else:
+            budget = own_budget if budget is None else min(budget, own_budget)
         is_floor = own.link_budget_is_floor
     groups = (*problem.groups[:-1], Group("GPU KV", tuple(options), current, GroupKind.KV))
     merged = dataclasses.replace(problem, groups=groups, link_budget_bytes_per_step=budget,

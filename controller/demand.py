@@ -85,6 +85,7 @@ class DemandForecast:
     large_step_share: float = 0.0
     large_step_misses: tuple[tuple[float, ...], ...] = ()
     kv_filling_blocks: int = 0  # KV demand not settled yet: the agent's start share, the least demand is priced at
+    kv_rising: bool = False  # KV demand has yet to settle (DemandModel.kv_rising): the batch is still filling
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def large_share_at(fc: DemandForecast, batch_tokens: float | None = None) -> flo
     if batch_tokens is None or fc.batch_tokens <= 0 or share <= 0:
         return share
     ratio = batch_tokens / fc.batch_tokens
-    return min(1.0, share * (min(1.0, ratio) if fc.kv_filling_blocks else ratio))
+    return min(1.0, share * (min(1.0, ratio) if fc.kv_rising else ratio))
 
 
 def decode_share(fc: DemandForecast, batch_tokens: float | None = None) -> float:
@@ -365,7 +366,8 @@ class DemandModel:
                               self.num_windows, self.reuse_per_step or 0.0, tuple(sorted(self.reuse_ages)),
                               self.touch_blocks_per_s or 0.0, self._recall(), self._precision(), token_probs=probs,
                               bucket_curves=tuple(buckets), curve_batch=float(bucket) if measured else batch,
-                              large_step_share=share, large_step_misses=large, kv_filling_blocks=filling)
+                              large_step_share=share, large_step_misses=large, kv_filling_blocks=filling,
+                              kv_rising=self.kv_rising())
 
     def kv_rising(self) -> bool:
         """Whether KV demand has yet to settle: fewer than KV_SETTLE_WINDOWS windows seen, or one of the last of

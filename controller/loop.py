@@ -395,7 +395,9 @@ class Controller:
         predictor = (LocalPredictor(version=max(1, self.demand.table_version), top_m=cfg.top_m,
                                     min_score=cfg.min_score, rows=tuple(rows)) if rows else None)
         # `link_bytes`: its demand loads at the batch it was valued at (a coupled valuation's, not the observed one).
-        link_left = max(0, (val.link_budget_bytes or 0) - link_bytes)
+        # No cap (no split leaves the link room, valuation.assemble): the demand loads already take it, nothing is
+        # left to stream ahead.
+        link_left = 0 if val.link_budget_bytes is None else max(0, val.link_budget_bytes - link_bytes)
         budget = int(min(link_left, 2 * link_bytes)) if predictor is not None else 0
         return Plan(plan_id=f"plan-{version}", version=version, base_version=self.state.applied_version(),
                     created_s=self._created_s, hbm_budget_bytes=space.capacity_bytes,

@@ -37,6 +37,7 @@ from tierplan.controller.optimizer.problem import (
 from tierplan.controller.protocol import Link
 
 MAX_DEFERRED = 0.9  # a KV share that defers more than this of the sequences is priced as if it deferred this
+LINK_CAP_ROOM = 0.5  # the link caps a plan only where some split streams at most this share of the cap
 CLEAR_SDS = 2.0  # a layer holds a decode step's union clear at its mean plus this many spreads (~2 % over)
 
 
@@ -87,7 +88,7 @@ class Valuation:
     # predicts there (compute ms, stalls [M][options]); empty for the separable one (step_ms / stall_ms hold).
     kv_batch: tuple[float, ...] = ()
     kv_steps: tuple[tuple[float, tuple[tuple[float, ...], ...]], ...] = ()
-    plan_link_budget_bytes: int | None = None  # the winner's own link budget, where the problem's was raised
+    plan_link_budget_bytes: int | None = None  # the winner's own link budget, where the merged problem's differs
 
     @property
     def link_budget_bytes(self) -> int | None:
@@ -296,7 +297,8 @@ def migration_ms_per_unit(cost: CostModel, space: SplitSpace, horizon_steps: int
 def assemble(groups: list[Group], cost: CostModel, space: SplitSpace, step_ms: float,
              horizon_steps: int) -> SplitProblem:
     """The problem over `groups` (the KV group last): the HBM capacity, the link budget of one predicted step
-    (none where no split within the capacity meets it), migration amortised over the horizon."""
+    (none where no split within the capacity streams within LINK_CAP_ROOM of it), migration amortised over the
+    horizon."""
     unit = space.unit_bytes
     capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
     bytes_per_s = cost.link_bytes_per_s(Link.H2D)  # inf when the fit finds no per-byte cost: no link budget
@@ -305,18 +307,20 @@ def assemble(groups: list[Group], cost: CostModel, space: SplitSpace, step_ms: f
     problem = SplitProblem(tuple(groups), capacity, unit,
                            migration_ms_per_unit=migration_ms_per_unit(cost, space, horizon_steps))
     if link_budget is not None:
-        # The link caps what a plan streams, where some split within the HBM capacity can keep to it. The least
-        # is over whole splits: each group's own least (all its slots) need not fit together. Where no split
-        # can, the cap is left off and flagged (`link_budget_is_floor`): the stalls the objective prices rank
-        # the splits. Raised to that least instead, the cap admitted only the splits streaming least, and
-        # where a prefill needs every expert a layer has those pile slots on some layers and starve the rest
-        # (H100 phase run 35, b8 1K 24 GiB: 66 slots in five layers, 8 in two, "host link budget binding", its
-        # decode steps chunked; reproduced on the CPU at its sizes, where the objective preferred 49 a layer).
+        # The link caps what a plan streams where the cap leaves splits to choose among: some split within the
+        # HBM capacity streams at most LINK_CAP_ROOM of it. The least is over whole splits: each group's own
+        # least (all its slots) need not fit together. Elsewhere the cap is left off and flagged
+        # (`link_budget_is_floor`): the stalls the objective prices rank the splits. A cap at or near that least
+        # admits only the splits streaming least, and where a prefill needs every expert a layer has, those pile
+        # slots on some layers and starve the rest (H100 phase run 35, b8 1K 24 GiB: 66 slots in five layers,
+        # 8 in two, "host link budget binding", its decode steps chunked; reproduced on the CPU at its sizes,
+        # where the objective preferred 49 a layer; a review found the pile at caps up to 1.3x the least, an
+        # even split from 1.45x).
         try:
             floor = least_link_bytes(problem)
         except InfeasibleError:  # no split fits the capacity at all: the solver says so, naming the cause
             floor = 0
-        unmet = floor > link_budget
+        unmet = floor > LINK_CAP_ROOM * link_budget
         problem = dataclasses.replace(problem, link_budget_bytes_per_step=None if unmet else link_budget,
                                       link_budget_is_floor=unmet)
     return problem

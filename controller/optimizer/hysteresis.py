@@ -69,9 +69,9 @@ class SplitHysteresis:
         p = self.policy
         if current is None:
             return self._switch(proposed.choice, window, "first plan", 0.0, 0.0, forced=True)
-        # A link budget at its floor only ranks (no split meets the link): the split in force a little over it
-        # is no broken promise, and forcing a switch there moved the split every window (the floor follows the
-        # curves: H200 phase run 37, b32 16K 24 GiB, 18 plans of one slot each). The gain decides, as elsewhere.
+        # A flagged link budget only ranks (no split leaves the cap room, valuation.assemble, which then sets
+        # none): the split in force over it is no broken promise, and forcing a switch there moved the split
+        # every window (H200 phase run 37, b32 16K 24 GiB, 18 plans of one slot each). The gain decides.
         binding_link = not problem.link_budget_is_floor
         broken = violations(problem, current, link_budget=binding_link)
         if broken:

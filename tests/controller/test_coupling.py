@@ -270,10 +270,11 @@ def test_large_steps_are_priced_at_their_own_size_beside_the_median_step() -> No
 
 def test_prefills_per_step_scale_with_the_batch_a_share_runs() -> None:
     """Every request prefills once, so a share running half the sequences runs half the prefills per step: the
-    large steps' share follows the running batch (at most every step), and their loads per token stay put."""
+    large steps' share follows the running batch (at most every step), and their loads per token stay put. (Up
+    only once the KV demand has settled: a fill's prompts are arrivals, test_demand_decode_split.py.)"""
     ctl = make_controller()
     ctl.sync_from(_with_prefill((4,) * 7 + (1000,)))
-    fc = ctl.demand.forecast()
+    fc = dataclasses.replace(ctl.demand.forecast(), kv_rising=False)
     typical, large = np.asarray(fc.misses_per_step), np.asarray(fc.large_step_misses)  # large: times 1/8
     assert np.allclose(with_large_steps(fc.misses_per_step, fc, fc.batch_tokens), with_large_steps(
         fc.misses_per_step, fc))
@@ -295,7 +296,7 @@ def test_measured_curves_are_anchored_at_their_bucket_not_at_the_observed_batch(
     assert curves_at(fc, 4.0)[0][0] == four and curves_at(fc, 2.0)[0][0] == two
 
 
-def _at_share(kv_blocks: int, budget: int, floor: bool) -> object:
+def _at_share(kv_blocks: int, budget: int | None, floor: bool) -> object:
     """A one-layer share, hand-made: 1 slot streams 100 bytes a step, 2 slots none; its own link budget."""
     from tierplan.controller.coupling import AtShare
     from tierplan.controller.optimizer.problem import Group, GroupKind, Option, SplitProblem
@@ -325,3 +326,7 @@ def test_the_merged_split_keeps_the_current_shares_own_link_verdict() -> None:
     assert not held.forced, held.reason
     owed = decide(_at_share(20, budget=80, floor=True), _at_share(10, budget=50, floor=False))
     assert owed.forced and "no longer fits" in owed.reason
+    owed = decide(_at_share(20, budget=None, floor=True), _at_share(10, budget=50, floor=False))  # no cap left
+    assert owed.forced and "no longer fits" in owed.reason, owed.reason
+    held = decide(_at_share(20, budget=80, floor=False), _at_share(10, budget=None, floor=True))
+    assert not held.forced, held.reason

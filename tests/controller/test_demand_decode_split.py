@@ -95,9 +95,10 @@ def test_a_fills_prompts_are_not_read_as_more_prompts_at_a_larger_batch() -> Non
 
     ctl = make_controller()
     ctl.sync_from(_window((1028, 4, 4, 4), (4,) * 4))
-    fc = ctl.demand.forecast()
-    steady, filling = dataclasses.replace(fc, kv_filling_blocks=0), dataclasses.replace(fc, kv_filling_blocks=40)
-    assert fc.large_step_share == pytest.approx(0.25)
+    filling = ctl.demand.forecast()  # one window: the KV demand has yet to settle
+    steady = dataclasses.replace(filling, kv_rising=False)
+    fc = filling
+    assert filling.kv_rising and fc.large_step_share == pytest.approx(0.25)
     assert large_share_at(steady, 8.0) == pytest.approx(0.5) and large_share_at(filling, 8.0) == pytest.approx(0.25)
     assert large_share_at(steady, 2.0) == large_share_at(filling, 2.0) == pytest.approx(0.125)
     assert large_share_at(steady, 64.0) == 1.0
