@@ -163,7 +163,7 @@ class Predictor:
 
     def predicted_misses(self, slots: tuple[int, ...], tokens: int) -> tuple[float, ...]:
         """Per MoE layer: the misses per step an LRU cache of `slots[m]` slots makes at a step of `tokens`."""
-        b = 1 << (max(1, min(tokens, CURVE_MAX_BATCH)).bit_length() - 1)
+        b = curve_batch(tokens)
         c = self.curve(b)
         # Every expert resident: no miss (the curve's cold misses belong to the warm-up, which fills the slots).
         return tuple(0.0 if s >= c.num_experts else float(c.expected_misses_per_step(m, b)[s])
@@ -172,7 +172,7 @@ class Predictor:
     def over_slots(self, slots: tuple[int, ...], tokens: int) -> bool:
         """Whether a decode step of `tokens` at `slots` per MoE layer runs chunked, as the engine decides it (some
         layer's experts over its slots), judged by each layer's mean union on the trace's curve at that batch."""
-        b = 1 << (max(1, min(tokens, CURVE_MAX_BATCH)).bit_length() - 1)
+        b = curve_batch(tokens)
         c = self.curve(b)
         return any(s < c.num_experts and c.mean_union_size(m, b) > s for m, s in enumerate(slots))
 
@@ -218,6 +218,11 @@ class Predictor:
             total += self.cost.step_time_ms(self._load(s, tuple(m * (1 - share) for m in misses),
                                                        tuple(m * share for m in misses), chunked)).total_ms
         return total / len(steps) if steps else 0.0
+
+
+def curve_batch(tokens: int) -> int:
+    """The tracked curve a step of `tokens` is priced on: the power of two at or below it, within CURVE_MAX_BATCH."""
+    return 1 << (max(1, min(tokens, CURVE_MAX_BATCH)).bit_length() - 1)
 
 
 def ran_chunked(step: Any) -> bool:

@@ -44,7 +44,6 @@ from tierplan.controller.optimizer.problem import (
     InfeasibleError,
     Option,
     SplitSolution,
-    capacity_units_of,
     evaluate,
     make_solution,
     migration_ms,
@@ -199,7 +198,7 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
     r = space.prefetch_recall if fc.prefetch_recall is None else fc.prefetch_recall
     kv_units = units_for_bytes(gpu_blocks * space.kv_block_bytes, unit)
     charged, flat_ms = chunk_pricing(decode_step(fc, t.batch_tokens, decodes), cost, space, len(decodes[0]) - 1,
-                                     _capacity(space) - kv_units)
+                                     space.capacity_units - kv_units)
     groups, slot_counts, stalls = expert_groups(misses, cost, space, current_slots, t.step_ms, r,
                                                 scale=1.0 / t.served, decode=charged)
     # A share that leaves the experts no room to clear the decode unions runs every decode step chunked: its
@@ -211,10 +210,6 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
     val = Valuation(problem, tuple(slot_counts), (gpu_blocks,), t.step_ms, tuple(stalls), (t.batch_tokens,),
                     ((t.step_ms, tuple(stalls)),))
     return val, t.batch_tokens, t.served, move_ms
-
-
-def _capacity(space: SplitSpace) -> int:
-    return capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, space.unit_bytes)
 
 
 def _expert_arrays(misses: np.ndarray, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
@@ -276,7 +271,7 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
     by_band: dict[tuple[float, float], list[int]] = {}
     for i, t in enumerate(terms):
         by_band.setdefault(_band(fc, t.batch_tokens), []).append(i)
-    capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
+    capacity = space.capacity_units
     recall = space.prefetch_recall if fc.prefetch_recall is None else fc.prefetch_recall
     move = migration_ms_per_unit(cost, space, horizon_steps)
     num_experts = len(fc.misses_per_step[0]) - 1
@@ -319,8 +314,8 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
             misses = curves[layers, slots]  # [M] each layer's loads at its chosen slot count
             d, flat_ms = chunk_pricing(decode_step(fc, t.batch_tokens, decodes), cost, space, num_experts, left)
             stall_ms = space.stall_weight * (flat_ms + float(option_stall_ms(
-                cost, misses, curves[:, 0], slots, recall, t.step_ms, None if d is None else np.asarray(d.union),
-                0.0 if d is None else np.asarray(d.union_sd), 1.0 if d is None else d.share, num_experts).sum()))
+                cost, misses, curves[:, 0], slots, recall, t.step_ms, num_experts=num_experts,
+                **(d.of_layers() if d is not None else {})).sum()))
             out[i] = stall_ms / t.served + _slot_move_ms(space, move, slots, ranges, current_slots) + t.kv_ms + \
                 _kv_move_ms(space, move, grid[i], current_kv)
     return out

@@ -226,7 +226,7 @@ class DemandModel:
         self.step_weight *= keep
         self.large_steps *= keep
         if tel.step_decode_tokens:
-            self._observe_decode_split(tel.step_tokens, tel.step_decode_tokens, tel)
+            self._observe_decode_split(tel)
         else:
             self._observe_steps(batches or [b for b in tel.step_tokens if b > 0], tel, n)
         if tel.transitions:
@@ -281,7 +281,7 @@ class DemandModel:
         elif n and tel.layers:  # the window's mean: a prefill inflates it (an agent that reports neither)
             self.batch_tokens = self._smooth(self.batch_tokens, float(np.mean([r.num_tokens for r in tel.layers])) / n)
 
-    def _observe_decode_split(self, tokens: tuple[int, ...], decodes: tuple[int, ...], tel: Telemetry) -> None:
+    def _observe_decode_split(self, tel: Telemetry) -> None:
         """The batch from the decoding sequences' tokens of the steps that had any: the running batch. The
         median of whole steps reads a window where most steps carry a prompt chunk as a batch of prompts, and
         every KV share's batch with it (H200 phase run 37, b32 16K 56 GiB: the first plan priced at 14,304
@@ -290,6 +290,7 @@ class DemandModel:
         where nothing decoded has no running batch to read: before any decode, its whole steps are read as
         without the split (a prefill-only load: its batch is its prompts); after, the batch stands and its steps
         count as large ones against it (smoothed in, a window of prompts would take days of decodes back)."""
+        tokens, decodes = tel.step_tokens, tel.step_decode_tokens
         running = [d for d in decodes if d > 0]
         if not running and not self.decode_batch_seen:
             self._observe_steps([t for t in tokens if t > 0], tel, tel.step_timings_ms.num_steps)

@@ -30,7 +30,7 @@ from tierplan.controller.demand import CurveSource, DemandForecast, DemandModel
 from tierplan.controller.kv_reuse_feed import KvReuseConfig, KvReuseFeed, Retention
 from tierplan.controller.model_shape import ModelShape
 from tierplan.controller.optimizer import Action, HysteresisPolicy, SplitHysteresis, solve
-from tierplan.controller.optimizer.problem import SplitSolution, capacity_units_of, evaluate, units_for_bytes
+from tierplan.controller.optimizer.problem import SplitSolution, evaluate, units_for_bytes
 from tierplan.controller.plan_reason import Split, explain
 from tierplan.controller.protocol import (
     MAX_RETENTION,
@@ -66,8 +66,7 @@ def with_spare_kv(split: Split, space: SplitSpace) -> tuple[Split, int]:
     every window (H200 phase run 37, b32 16K 24 GiB: 18 plans, each one slot and 40 blocks off the one before)."""
     unit = space.unit_bytes
     expert_units = sum(units_for_bytes(s * space.slot_bytes, unit) for s in split.slots)
-    free_units = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit) - \
-        expert_units
+    free_units = space.capacity_units - expert_units
     extra = max(0, min(free_units * unit // space.kv_block_bytes - split.kv_blocks,
                        space.kv_gpu_blocks_max - split.kv_blocks))
     return (replace(split, kv_blocks=split.kv_blocks + extra), extra) if extra else (split, 0)

@@ -18,6 +18,7 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.special import ndtr
@@ -75,6 +76,11 @@ class SplitSpace:
     def capacity_bytes(self) -> int:
         """Bytes for expert slots and GPU KV blocks together (what a plan's hbm_budget_bytes promises)."""
         return self.hbm_budget_bytes - self.dense_bytes - self.workspace_bytes
+
+    @property
+    def capacity_units(self) -> int:
+        """`capacity_bytes` in whole `unit_bytes`: the knapsack's capacity."""
+        return capacity_units_of(self.hbm_budget_bytes, self.dense_bytes, self.workspace_bytes, self.unit_bytes)
 
 
 @dataclass(frozen=True)
@@ -210,7 +216,13 @@ class Decode:
     share: float
 
     def of_layer(self, m: int) -> dict[str, float]:
+        """`layer_options`' arguments for MoE layer `m`."""
         return {"decode_union": self.union[m], "union_sd": self.union_sd[m], "decode_share": self.share}
+
+    def of_layers(self) -> dict[str, Any]:
+        """`option_stall_ms`' arguments for one option of every MoE layer ([M] arrays)."""
+        return {"decode_union": np.asarray(self.union), "union_sd": np.asarray(self.union_sd),
+                "decode_share": self.share}
 
 
 def decode_step(fc: DemandForecast, batch: float, curves: tuple[tuple[float, ...], ...] | np.ndarray,
@@ -231,17 +243,15 @@ def chunk_pricing(decode: Decode, cost: CostModel, space: SplitSpace, num_expert
     layer is charged for slots that would not spare it (the per-layer sum would price it once a layer)."""
     if cost.compute.chunked_step_ms <= 0:
         return None, 0.0
+    unavoidable = None, cost.compute.chunked_step_ms * decode.share
     need = 0
     for m, (u, sd) in enumerate(zip(decode.union, decode.union_sd, strict=True)):
         lo, hi = slot_range(space, m, num_experts)
         clear = min(num_experts, math.ceil(u + CLEAR_SDS * sd))
-        if clear > hi:
-            need = expert_units + 1
-            break
+        if clear > hi:  # an operator's cap keeps this layer under its union
+            return unavoidable
         need += units_for_bytes(max(lo, clear) * space.slot_bytes, space.unit_bytes)
-    if need <= expert_units:
-        return decode, 0.0
-    return None, cost.compute.chunked_step_ms * decode.share
+    return (decode, 0.0) if need <= expert_units else unavoidable
 
 
 def layer_options(curve: tuple[float, ...] | np.ndarray, cost: CostModel, space: SplitSpace, m: int, step_ms: float,
@@ -300,7 +310,7 @@ def assemble(groups: list[Group], cost: CostModel, space: SplitSpace, step_ms: f
     (none where no split within the capacity streams within LINK_CAP_ROOM of it), migration amortised over the
     horizon."""
     unit = space.unit_bytes
-    capacity = capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
+    capacity = space.capacity_units
     bytes_per_s = cost.link_bytes_per_s(Link.H2D)  # inf when the fit finds no per-byte cost: no link budget
     link_budget = (int(space.link_share * bytes_per_s * max(step_ms, 1e-3) / 1e3) if math.isfinite(bytes_per_s)
                    else None)
@@ -338,8 +348,8 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     r = space.prefetch_recall if forecast.prefetch_recall is None else forecast.prefetch_recall
     # The curve describes its bucket's batch where measured: the union's spread at that batch.
     decode = decode_step(forecast, forecast.curve_batch or batch, forecast.misses_per_step, batch)
-    room = (capacity_units_of(space.hbm_budget_bytes, space.dense_bytes, space.workspace_bytes, unit)
-            - units_for_bytes(space.kv_gpu_blocks_min * space.kv_block_bytes, unit))  # the experts' most room
+    # Judged where the experts have the most room: beside the least KV share.
+    room = space.capacity_units - units_for_bytes(space.kv_gpu_blocks_min * space.kv_block_bytes, unit)
     charged, flat_ms = chunk_pricing(decode, cost, space, len(forecast.misses_per_step[0]) - 1, room)
     groups, slot_counts, stalls = expert_groups(with_large_steps(forecast.misses_per_step, forecast), cost, space,
                                                 current_slots, step_ms, r, decode=charged)
