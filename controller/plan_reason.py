@@ -88,15 +88,19 @@ def explain(cur: Split | None, new: Split, prev_fc: DemandForecast | None, fc: D
                 continue
             gain = sum((_cost(val, m, cur.slots[m]) or 0.0) - (_cost(val, m, new.slots[m]) or 0.0) for m in layers)
             delta = sum(abs(new.slots[m] - cur.slots[m]) for m in layers)
+            what = "expert loads and decode steps run chunked" if val.chunk_charged_per_layer else "expert loads"
             if abs(gain) < 0.005:
                 effect = "no predicted cost" if verb == "fewer" else "no predicted gain"
             elif gain > 0:
-                effect = f"saves {gain:.2f} ms/step of expert loads"
+                effect = f"saves {gain:.2f} ms/step of {what}"
             else:
-                effect = f"costs {-gain:.2f} ms/step of expert loads"
+                effect = f"costs {-gain:.2f} ms/step of {what}"
             factors.append((abs(gain), f"{delta} {verb} expert slots over {len(layers)} layer(s) ({effect})"))
     factors.sort(key=lambda f: -f[0])
     parts += [text for _, text in factors[:TOP_FACTORS]]
+    if val.chunk_flat_ms > 0:
+        parts.append(f"the experts' room cannot hold every layer's decode union: decode steps run chunked off "
+                     f"their graphs whatever the split ({val.chunk_flat_ms:.2f} ms/step, priced on the KV share)")
     if Constraint.CAPACITY in sol.binding:
         parts.append("HBM budget binding")
     if Constraint.LINK in sol.binding:

@@ -95,6 +95,10 @@ class Valuation:
     kv_batch: tuple[float, ...] = ()
     kv_steps: tuple[tuple[float, tuple[tuple[float, ...], ...]], ...] = ()
     plan_link_budget_bytes: int | None = None  # the winner's own link budget, where the merged problem's differs
+    # The price of a decode step run chunked off its graphs (`chunk_pricing`): charged per layer option as its
+    # chance (the experts' costs hold it), or flat on the KV share (weighted ms/step; none charged per layer).
+    chunk_charged_per_layer: bool = False
+    chunk_flat_ms: float = 0.0
 
     @property
     def link_budget_bytes(self) -> int | None:
@@ -359,8 +363,9 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     kv_opts = tuple(Option(units=units_for_bytes(g * space.kv_block_bytes, unit),
                            cost_ms=space.kv_weight * (kv_cost_ms(kv_demand_blocks, g, step_ms) + forecast.reuse_per_step
                                                       * redo_ms * (best_hits - prefix_hit_share(forecast, g)))
-                           + flat_ms,
+                           + space.stall_weight * flat_ms,
                            label=f"{g} KV blocks") for g in grid)
     groups.append(Group("GPU KV", kv_opts, grid.index(current_kv) if current_kv in grid else None, GroupKind.KV))
     problem = assemble(groups, cost, space, step_ms, horizon_steps)
-    return Valuation(problem, tuple(slot_counts), tuple(grid), step_ms, tuple(stalls))
+    return Valuation(problem, tuple(slot_counts), tuple(grid), step_ms, tuple(stalls),
+                     chunk_charged_per_layer=charged is not None, chunk_flat_ms=space.stall_weight * flat_ms)

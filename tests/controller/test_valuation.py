@@ -237,3 +237,44 @@ def test_a_share_that_leaves_no_room_to_clear_the_unions_pays_the_chunked_step_o
     assert charged[full][0].problem.groups[-1].options[0].cost_ms == pytest.approx(
         plain[full][0].problem.groups[-1].options[0].cost_ms + 20.0 / served)
     assert charged_sep.stall_ms[0][0] > plain_sep.stall_ms[0][0] + 10  # the separable split: room at the least KV
+    # Each valuation says which way it priced the chunked step, for the plan's reason (`plan_reason.explain`).
+    assert (charged[room][0].chunk_charged_per_layer, charged[room][0].chunk_flat_ms) == (True, 0.0)
+    assert not charged[full][0].chunk_charged_per_layer
+    assert charged[full][0].chunk_flat_ms == pytest.approx(20.0 / served)
+    assert charged_sep.chunk_charged_per_layer and not plain_sep.chunk_charged_per_layer
+    assert plain[full][0].chunk_flat_ms == plain_sep.chunk_flat_ms == 0.0
+
+
+def test_the_chunked_steps_flat_price_is_weighted_and_named_in_the_plans_reason() -> None:
+    """Where even the least KV share leaves the experts no room to clear the decode unions, the separable
+    valuation puts the chunked step on every KV option, weighted as the stalls are (`stall_weight`); the reason
+    says the steps run chunked whatever the split, and a layer's effect names the chunked steps where it is
+    charged them."""
+    from tierplan.controller.costmodel import ComputeParams
+    from tierplan.controller.demand import decode_share
+    from tierplan.controller.plan_reason import Split, explain
+
+    def valued(weight: float, kv_min: int):
+        ctl = make_controller(compute=ComputeParams(chunked_step_ms=20.0), calibrate=False)
+        win = Windows()
+        for _ in range(3):
+            ctl.sync_from(win.next(batch=4, kv_live=20))
+        space = dataclasses.replace(ctl.config.space, stall_weight=weight, kv_gpu_blocks_min=kv_min)
+        return ctl.demand.forecast(), build_problem(ctl.demand.forecast(), ctl.cost, space, None, None, 64, 20.0)
+
+    fc, one = valued(1.0, KV_MAX - 18)  # the least share leaves the experts no room to clear the unions
+    _, two = valued(2.0, KV_MAX - 18)
+    assert not one.chunk_charged_per_layer and one.chunk_flat_ms == pytest.approx(20.0 * decode_share(fc, 4.0))
+    assert two.chunk_flat_ms == pytest.approx(2 * one.chunk_flat_ms)
+    kv = two.problem.groups[-1].options
+    assert kv[0].cost_ms - one.problem.groups[-1].options[0].cost_ms == pytest.approx(one.chunk_flat_ms)
+    sol = solve(one.problem)
+    new = Split(tuple(one.slot_counts[m][j] for m, j in enumerate(sol.choice[:-1])), one.kv_blocks[sol.choice[-1]])
+    assert "decode steps run chunked off their graphs whatever the split" in explain(None, new, None, fc, one, sol,
+                                                                                      None, 20.0)
+    _, roomy = valued(1.0, KV_MIN)
+    sol = solve(roomy.problem)
+    new = Split(tuple(roomy.slot_counts[m][j] for m, j in enumerate(sol.choice[:-1])), roomy.kv_blocks[sol.choice[-1]])
+    cur = Split(tuple(max(2, s - 3) for s in new.slots), new.kv_blocks)
+    reason = explain(cur, new, fc, fc, roomy, sol, None, 20.0)
+    assert "of expert loads and decode steps run chunked" in reason and "whatever the split" not in reason, reason
