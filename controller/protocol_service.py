@@ -137,6 +137,9 @@ class ComputeSheet(ProtocolModel):
     moe_ms_per_token: float = Field(default=0.0, ge=0)
     moe_ms_per_active_expert: float = Field(default=0.0, ge=0)
     moe_ms_per_miss: float = Field(default=0.0, ge=0)
+    # Once per decode step run chunked off its graphs: an engine that measured it (or an operator) gives the first
+    # plan what calibration would only learn from the windows that ran so.
+    chunked_step_ms: float = Field(default=0.0, ge=0)
 
 
 class AgentRegistration(ProtocolModel):

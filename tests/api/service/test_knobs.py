@@ -215,3 +215,17 @@ def test_min_prefetch_precision_withholds_the_table_below_it(threshold: float, w
     assert plan is not None
     assert (plan.local_predictor is None) is withheld
     assert ("prefetch table withheld" in plan.reason) is withheld
+
+
+def test_the_registrations_compute_prior_reaches_every_cost_model_term() -> None:
+    """Every term of the cost model's compute prior can be registered (a term the sheet lacked, the chunked step,
+    started every controller at 0 whatever the engine knew), and each reaches the controller as given."""
+    import dataclasses
+
+    from tierplan.controller.costmodel import ComputeParams
+    from tierplan.controller.protocol_service import ComputeSheet
+
+    assert set(ComputeSheet.model_fields) == {f.name for f in dataclasses.fields(ComputeParams)}
+    given = {name: 0.5 + i for i, name in enumerate(ComputeSheet.model_fields)}
+    reg = tiny_registration().model_copy(update={"compute": ComputeSheet(**given)})
+    assert dataclasses.asdict(controller_config(reg, PolicyKnobs()).compute) == given
