@@ -41,6 +41,7 @@ It never asserts on a figure.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,13 +237,19 @@ def plan_slots(plan: Any, shape: ModelShape) -> tuple[int, ...]:
 
 
 def predict(predictor: Predictor, outcome: Any, timed: list[Any]) -> tuple[float, str]:
-    """`predicted_step_ms` of the run (module docstring) and where it came from: each measured step priced at
-    the split of the plan it ran under (`StepRecord.plan_version`; a version not in the run's applied plans,
-    e.g. a step before the first: the initial plan's)."""
+    """`predicted_step_ms` of the run (module docstring) and where it came from: `predict_at_plans` over the
+    run's applied plans."""
+    return predict_at_plans(predictor, outcome.extra.get("plans_applied") or {}, outcome.initial_plan, timed)
+
+
+def predict_at_plans(predictor: Predictor, plans: Mapping[int, Any], initial_plan: Any, timed: list[Any]
+                     ) -> tuple[float, str]:
+    """Each measured step priced at the split of the plan it ran under (`StepRecord.plan_version`; a version not
+    in `plans`, e.g. a step before the first: `initial_plan`'s), and where the figure came from. Plans need only
+    `expert_bytes_per_layer` (a saved steps line's plans serve: bench/phase_cost_replay.py)."""
     shape = predictor.cost.shape
-    plans = outcome.extra.get("plans_applied") or {}
     slots = {v: plan_slots(p, shape) for v, p in plans.items()}
-    initial = plan_slots(outcome.initial_plan, shape)
+    initial = plan_slots(initial_plan, shape)
     prices = [predictor.split_step_ms([s], slots.get(s.plan_version, initial)) for s in timed]
     under = {s.plan_version for s in timed}
     return (_mean(prices) or 0.0,

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tierplan.bench.phase_cost_replay import replay_file
+from tierplan.bench.phase_cost_replay import replay_file, router_table, shape_of
 from tierplan.bench.phase_cost_replay import section as cost_section
 from tierplan.bench.phase_spread import apart
 from tierplan.bench.phase_steps import load_steps
@@ -88,9 +88,14 @@ def report(paths: list[Path]) -> str:
               f"{r['mean_ms']:.2f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | {r['max_ms']:.2f} | "
               f"{r['tail_share']:.1%} | {r['gc_ms']:.1f} |" for r in runs]
     replayed, skipped = [], []
+    tables: dict[tuple[int, int, int], np.ndarray] = {}  # the router's table per (MoE layers, top-k, experts)
     for p, file_lines in per_file.items():
         try:
-            replayed += replay_file(p, file_lines)
+            shape = shape_of(file_lines[0]) if file_lines else None
+            key = (shape.num_moe_layers, shape.top_k, shape.num_experts) if shape is not None else None
+            if key is not None and key not in tables:
+                tables[key] = router_table(shape)
+            replayed += replay_file(p, file_lines, tables.get(key) if key is not None else None)
         except ValueError as exc:  # a model without a built-in shape: named, the rest replayed
             skipped.append(f"{p.name}: {exc}")
     lines += ["", *cost_section(replayed), *(["", "Not replayed: " + "; ".join(skipped)] if skipped else [])]

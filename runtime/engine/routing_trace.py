@@ -33,6 +33,9 @@ _FIELDS: dict[str, tuple[np.dtype, str]] = {
     "phase": (np.dtype(np.uint8), "[T]"),
     "layers": (np.dtype(np.int32), "[L]"),
 }
+# The forced router's table length (runner.ForcedRouter): sequences walk these tokens of the fitted trace; the
+# bench's offline replay rebuilds the same table from it (bench/phase_cost_replay.py).
+ROUTER_HORIZON_TOKENS = 4096
 _MISSING_ID = -1  # the npz format's marker; never leaves this module
 _FILL_STRIDE_TOKEN = 7919  # primes: spread the fill start of all-missing rows over the experts
 _FILL_STRIDE_LAYER = 104729

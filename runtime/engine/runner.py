@@ -19,7 +19,7 @@ import torch
 
 from tierplan.runtime.engine.config import ModelSpec
 from tierplan.runtime.engine.engine import ReferenceEngine
-from tierplan.runtime.engine.routing_trace import RoutingTrace
+from tierplan.runtime.engine.routing_trace import ROUTER_HORIZON_TOKENS, RoutingTrace
 from tierplan.runtime.engine.scheduler import Batch, PreemptMode, Scheduler, Sequence
 from tierplan.runtime.engine.workloads import Request, synthetic_prompt_tokens
 from tierplan.runtime.errors import ConfigError
@@ -32,8 +32,9 @@ class ForcedRouter:
     locality) and a token's route never depends on what else shares its batch, or when it ran. The fitted
     table lives on the device (graphs gather from it) with a host copy (the engine knows a step's experts)."""
 
-    def __init__(self, trace: RoutingTrace, engine: ReferenceEngine | None = None, horizon_tokens: int = 4096, *,
-                 spec: ModelSpec | None = None, device: torch.device | None = None) -> None:
+    def __init__(self, trace: RoutingTrace, engine: ReferenceEngine | None = None,
+                 horizon_tokens: int = ROUTER_HORIZON_TOKENS, *, spec: ModelSpec | None = None,
+                 device: torch.device | None = None) -> None:
         if engine is not None:
             spec, device = engine.spec, engine.device.torch_device
         if spec is None or device is None:

@@ -65,3 +65,36 @@ def test_a_file_of_a_model_without_a_shape_is_named_and_the_rest_replayed(tmp_pa
     md = report([mine, ours])
     assert "Not replayed: phase_mine_20261205_steps_a.jsonl.gz: " in md and "model 'mine' has no built-in" in md
     assert "of 1 runs; median predicted / measured" in md  # the other file's one run
+
+
+def test_given_the_routers_table_each_run_is_also_priced_at_the_misses_its_splits_predict(tmp_path: Path) -> None:
+    """The rows' own figure, `predicted_step_ms`, replayed with this code: each step at the split of the plan it
+    ran under, the misses the trace's LRU curves predict there. A plan holding every expert predicts no miss (as
+    measured here: the two prices agree); one of 8 slots a layer predicts some, so its price rises; a line saved
+    before steps carried their plan is priced at its measured misses only."""
+    from tierplan.bench.phase_cost_replay import router_table
+
+    def planned(policy: str, seed: int, slots: int) -> dict[str, Any]:
+        run = _run(policy, seed)
+        n = len(run["steps"]["cycle_s"])
+        run["steps"] |= {"expert_misses": [0] * n, "expert_stall_ms": [0.0] * n, "plan_version": [1] * n,
+                         "expert_prefetch_hits": [0] * n}
+        run["steps"]["cycle_s"] = [c - 0.3e-3 * m for c, m in zip(run["steps"]["cycle_s"], _run(policy, seed)[
+            "steps"]["expert_misses"], strict=True)]  # the machine's step without the misses it no longer makes
+        return run | {"initial_plan_version": 1,
+                      "plans": {"1": {"expert_bytes_per_layer": [slots << 20] * 2, "kv_gpu_blocks": 64}}}
+
+    path = tmp_path / "phase_qwen3-30b-a3b_20261205_steps_r1.jsonl.gz"
+    for line in (_run("resident", 0), planned("resident", 1, 128), planned("resident", 2, 128),
+                 planned("static_lru", 3, 8)):
+        append_steps(path, line)
+    shape = shape_of(_run("resident", 0))
+    routes = router_table(shape)
+    assert routes.shape == (4096, 2, 8) and routes.max() < 128
+    got = replay_file(path, load_steps(path), routes)
+    assert got[0]["predicted_ratio"] is None  # no plans saved with it
+    assert got[2]["predicted_ratio"] == pytest.approx(got[2]["ratio"])  # every expert resident: no miss either way
+    assert got[3]["predicted_ratio"] > got[3]["ratio"] + 0.05  # 8 slots of 128: the curve's misses are priced
+    assert all(r["predicted_ratio"] is None for r in replay_file(path, load_steps(path)))  # no table, no figure
+    text = "\n".join(section(got))
+    assert "At the predicted misses" in text and "within 15% at" in text and "of 3 runs" in text, text
