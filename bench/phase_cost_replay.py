@@ -5,7 +5,8 @@ Python + numpy, no torch and no device. Each steps file is one process of a swee
 runs are replayed in the order they ran through one fresh `phase_metrics.Predictor`, as the process did (fit
 on a run's warm-up steps, price its measured steps at their measured misses, fit on them), and each run's
 mean price is set against its measured step (`predicted_step_ms_measured_misses` of the row). What it cannot
-replay: the process's calibration pass (a resident run at its first point, never saved) and the measured
+replay: the process's calibration pass (a resident run at its first point) and each point's warm-up run
+(static_lru; both discarded, never saved), and the measured
 memory bandwidth (the priors of the active experts' compute); so the first runs of a file may differ from
 their rows. Its use is to try a change to the cost model on real steps away from the device (H200 phase runs
 26-29: 36 of 57 runs within 15 % before the per-miss term, 39 with it; bench/results/phase_h200.md, session

@@ -24,10 +24,11 @@ measured steps (those after warm-up):
   of its stall as "both", as the agent's telemetry does), KV hits per tier, bytes per link, plan changes.
 - `predicted_step_ms`: the cost model's step time for what the policy planned, never for what it measured:
   the cost model (`tierplan.controller.costmodel`, calibrated step by step on the earlier runs of the model in
-  this process and this run's warm-up steps: `Predictor.calibrate`) over each measured step's tokens, context
-  and KV fetches with the expert misses the routing trace's LRU miss-ratio curve predicts at the slots per
-  layer of the plan the step ran under (`controller.predictors.miss_ratio`, the decode walk of `ForcedRouter`
-  at the step's batch), the share of them the step's loads show issued ahead of their layer
+  this process, the point's discarded warm-up run and this run's warm-up steps: `Predictor.calibrate`) over
+  each measured step's tokens, context and KV fetches with the expert misses the routing trace's LRU
+  miss-ratio curve predicts at the slots per layer of the plan the step ran under
+  (`controller.predictors.miss_ratio`, the decode walk of `ForcedRouter` at the step's batch), the share of
+  them the step's loads show issued ahead of their layer
   (`StepRecord.expert_prefetch_hits`) priced as streamed. One rule for every policy: a live one's steps are
   priced at each split it applied, from the step it took effect.
   `controller_step_ms`: a live policy's own figure, the controller's `Decision.step_ms` of the split in force.

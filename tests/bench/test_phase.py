@@ -327,16 +327,23 @@ def test_merge_adds_another_calls_rows_and_rewrites_the_report(tmp_path: Path) -
 def test_each_point_runs_a_discarded_warm_up_first_and_goes_on_without_one_that_fails(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before a point's measured runs, one run of QUICK.warmup_policy whose outcome is no row (the kernels its
-    steps need are built before the first measured policy runs); each row names it. A warm-up that fails is said
-    and the runs go on, their rows naming none."""
+    steps need are built before the first measured policy runs) but whose steps the cost model is fitted on
+    before the point's first row is predicted; each row names it. A warm-up that fails is said and the runs go
+    on, their rows naming none."""
     import tierplan.bench.phase as phase
+    from tierplan.bench.phase_metrics import Predictor
 
     real, made = phase.make, []
     monkeypatch.setattr(phase, "make", lambda name: made.append(name) or real(name))
+    fit = Predictor.calibrate
+    monkeypatch.setattr(Predictor, "calibrate", lambda self, steps: made.append(len(steps)) or fit(self, steps))
     res = _run("--points", POINT, "--policies", "resident", "--out-dir", str(tmp_path / "ok"))
     assert res.exit_code == 0, res.output
     (row,) = json.loads(next((tmp_path / "ok").glob("phase_tiny_*.json")).read_text())
-    assert made[-2:] == [QUICK.warmup_policy, "resident"] and row["warmed_by"] == QUICK.warmup_policy
+    names = [x for x in made if isinstance(x, str)]
+    assert names[-2:] == [QUICK.warmup_policy, "resident"] and row["warmed_by"] == QUICK.warmup_policy
+    between = made[made.index(QUICK.warmup_policy) + 1:made.index("resident", made.index(QUICK.warmup_policy))]
+    assert between and between[0] > 0, made  # the warm-up's steps, folded in before the measured run
     assert f"warm-up run ({QUICK.warmup_policy}, discarded)" in res.output
 
     def broken(name: str) -> object:
