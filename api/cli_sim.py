@@ -106,6 +106,9 @@ def register(app: typer.Typer) -> None:
         layer_compute_ms: Annotated[float, typer.Option(min=0, help="Dense/attention compute per layer, ms.")] = 0.19,
         layer_ms_per_token: Annotated[float, typer.Option(min=0, help="Extra compute per layer per token, ms.")
                                       ] = 0.0054,
+        chunked_step_ms: Annotated[float, typer.Option(
+            min=0, help="Once per decode step whose experts outrun a layer's slots (run chunked, off the engine's "
+                        "graphs), ms; the H100/H200 phase runs measured 9-27.")] = 0.0,
         resident_frac: Annotated[float | None, typer.Option(
             min=0.0, max=1.0, help="Expert slots as a fraction of all experts (instead of what HBM leaves).")] = None,
         policy: Annotated[str, typer.Option(
@@ -166,7 +169,8 @@ def register(app: typer.Typer) -> None:
             layers_ms = shape.kv_bytes_per_token / shape.num_layers / hw.hbm_bytes_per_s * 1e3
             prior = ComputeParams(dense_ms=layer_compute_ms, dense_ms_per_token=layer_ms_per_token,
                                   attn_ms_per_ctx_token=layers_ms,
-                                  moe_ms_per_active_expert=shape.expert_bytes / hw.hbm_bytes_per_s * 1e3)
+                                  moe_ms_per_active_expert=shape.expert_bytes / hw.hbm_bytes_per_s * 1e3,
+                                  chunked_step_ms=chunked_step_ms)
             cost = CostModel(shape, hw, prior)
             num_windows = _calibrate(cost, calibrate) if calibrate is not None else 0
             if applied is not None:
@@ -191,7 +195,8 @@ def register(app: typer.Typer) -> None:
                   "num_requests": len(reqs), "kv_gpu_blocks": kv_blocks, "expert_slots": slots,
                   "resident_frac": slots / total, "link_gbps": link_gbps, "overhead_us": overhead_us,
                   "hbm_gb": hbm_gb, "layer_compute_ms": layer_compute_ms, "layer_ms_per_token": layer_ms_per_token,
-                  "policy": policy, "max_batch": max_batch, "calibration_windows": num_windows,
+                  "chunked_step_ms": chunked_step_ms, "policy": policy, "max_batch": max_batch,
+                  "calibration_windows": num_windows,
                   "compute_params": vars(cost.compute), "h2d_overhead_us": cost.overhead_s(Link.H2D) * 1e6,
                   "h2d_gbps_fitted": cost.link_bytes_per_s(Link.H2D) / 1e9}
         json_path, png_path = write_sim_report(out, report, inputs)

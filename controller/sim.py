@@ -177,7 +177,8 @@ class Simulator:
                             kv_fetch_count=kv["fetch_count"], kv_disk_read_bytes=kv["disk_read"],
                             kv_disk_read_count=kv["disk_read_count"], kv_spill_bytes=kv["spill"],
                             kv_spill_count=kv["spill_count"], kv_disk_write_bytes=kv["disk_write"],
-                            kv_disk_write_count=kv["disk_write_count"])
+                            kv_disk_write_count=kv["disk_write_count"],
+                            chunked=out.chunked and not batch.prefills)  # a prefill step runs eagerly anyway
             b = self.cost.step_time_ms(load)
             clock += b.total_ms / 1e3
             done_at = (len(steps) + 1) * cfg.virtual_step_s + offset if cfg.virtual_step_s else clock + offset

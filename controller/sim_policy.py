@@ -27,6 +27,9 @@ class CacheOutcome:
     hits: tuple[int, ...]  # per MoE layer
     misses: tuple[int, ...]  # per MoE layer: loaded on demand when the layer found them absent
     prefetches: tuple[int, ...] = ()  # per MoE layer: loaded ahead of the layer (used or not)
+    # Some layer's union outran the slots it may hold at once: the engine runs that step chunked, off its graphs
+    # (the cost model's `chunked_step_ms` for a decode step); False where a policy cannot say (`CallablePolicy`).
+    chunked: bool = False
 
 
 class ExpertCachePolicy(Protocol):
@@ -73,7 +76,7 @@ class GlobalLRU:
                     self._lru[key] = None
             hits.append(h)
             misses.append(m)
-        return CacheOutcome(tuple(hits), tuple(misses))
+        return CacheOutcome(tuple(hits), tuple(misses), chunked=any(len(u) > self.num_slots for u in unions))
 
 
 class LayerCache:
@@ -117,7 +120,7 @@ class LayerCache:
             for e in experts:
                 if e in lru:
                     lru.move_to_end(e)
-        return CacheOutcome(tuple(hits), tuple(misses))
+        return CacheOutcome(tuple(hits), tuple(misses), chunked=any(len(u) > self.slots for u in unions))
 
 
 class CallablePolicy:
@@ -164,14 +167,15 @@ class PlanPolicy:
                       for j, layer in enumerate(moe_layers)]
 
     def on_step(self, unions: Sequence[np.ndarray]) -> CacheOutcome:
-        hits, misses = [], []
+        hits, misses, chunked = [], [], False
         for j, union in enumerate(unions):
             pinned = [e for e in union.tolist() if e in self._pinned[j]]
             rest = np.array([e for e in union.tolist() if e not in self._pinned[j]], dtype=np.int64)
             out = self._free[j].on_step([rest])
             hits.append(len(pinned) + out.hits[0])
             misses.append(out.misses[0])
-        return CacheOutcome(tuple(hits), tuple(misses))
+            chunked = chunked or out.chunked  # the unpinned experts outran the layer's other slots
+        return CacheOutcome(tuple(hits), tuple(misses), chunked=chunked)
 
 
 POLICY_NAMES = ("lru", "lru-layer", "lfu-layer")

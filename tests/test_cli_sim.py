@@ -44,6 +44,20 @@ def test_a_faster_link_makes_the_same_run_faster(tmp_path: Path) -> None:
     assert f["tokens_per_s"] > 3 * s["tokens_per_s"]
 
 
+def test_a_chunked_step_price_slows_a_cache_too_small_for_a_steps_experts(tmp_path: Path) -> None:
+    """`--chunked-step-ms` prices each decode step a layer's experts outrun its slots (a per-layer cache of 2 slots
+    against top-2 of 8 experts at batch 8): the same steps and hits, each such step slower; the input is kept."""
+    common = ["--requests", "synthetic:8,1e9,16,8", "--preset", "tiny", "--policy", "lru-layer",
+              "--resident-frac", "0.25", "--json"]
+    plain = _sim(*common, "--out", str(tmp_path / "a"))
+    charged = _sim(*common, "--chunked-step-ms", "20", "--out", str(tmp_path / "b"))
+    assert plain.exit_code == 0 and charged.exit_code == 0, plain.output + charged.output
+    p, c = (json.loads(x.output.strip().splitlines()[-1]) for x in (plain, charged))
+    assert p["steps"] == c["steps"] and p["expert_hit_rate"] == c["expert_hit_rate"]
+    assert c["step_ms_mean"] > p["step_ms_mean"] + 5  # its decode steps; the prefills run eagerly anyway
+    assert json.loads((tmp_path / "b" / "sim.json").read_text())["inputs"]["compute_params"]["chunked_step_ms"] == 20
+
+
 def test_a_config_json_is_read(tmp_path: Path) -> None:
     from tierplan.controller.model_shape import BUILTIN_CONFIGS
 

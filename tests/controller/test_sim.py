@@ -150,3 +150,32 @@ def test_a_plan_replays_with_its_per_layer_slots_and_pins() -> None:
     over = plan.model_copy(update={"pinned_experts": (ExpertKey(layer=1, expert=0), ExpertKey(layer=1, expert=1))})
     with pytest.raises(ValueError, match="pins 2 experts of layer 1, more than its 1 slots"):
         PlanPolicy(over, SHAPE.moe_layers, mb)
+
+
+def test_a_decode_step_whose_union_outruns_a_layers_slots_pays_the_chunked_step() -> None:
+    """Each built-in policy says when a layer's union outran the slots it may hold at once (the engine then
+    runs the step chunked, off its graphs); the simulator charges `chunked_step_ms` to such decode steps only
+    (a prefill runs eagerly anyway), so a cache of a few slots costs more than its misses."""
+    assert GlobalLRU(2).on_step([np.array([0, 1, 2]), np.array([3])]).chunked
+    assert not GlobalLRU(3).on_step([np.array([0, 1, 2]), np.array([3])]).chunked
+    assert LayerCache(2, 2).on_step([np.array([0]), np.array([1, 2, 3])]).chunked
+    assert not LayerCache(3, 2).on_step([np.array([0]), np.array([1, 2, 3])]).chunked
+    mb = 1 << 20
+    plan = Plan(plan_id="p1", version=1, base_version=0, created_s=0.0, hbm_budget_bytes=8 * mb,
+                expert_bytes_per_layer=(2 * mb, 2 * mb), kv_blocks_per_tier={Tier.GPU: 4},
+                pinned_experts=(ExpertKey(layer=0, expert=7),), reason="test")
+    assert not PlanPolicy(plan, SHAPE.moe_layers, mb).on_step([np.array([1, 7]), np.array([1, 2])]).chunked
+    assert PlanPolicy(plan, SHAPE.moe_layers, mb).on_step([np.array([1, 2, 7]), np.array([1])]).chunked
+
+    reqs = [SimRequest(i, 0.0, 4, 8) for i in range(4)]
+    cfg = SimConfig(kv_gpu_blocks=64, max_batch=4, virtual_step_s=0.01)
+
+    def run(charge: float) -> list:
+        cost = CostModel(SHAPE, HardwareSpec({lk: 1e9 for lk in Link}, 0.0, 1 << 30),
+                         ComputeParams(dense_ms=1.0, chunked_step_ms=charge))
+        return Simulator(SHAPE, cost, _trace(), LayerCache(1, 2), cfg, 2).run(reqs).steps  # 1 slot a layer
+
+    plain, charged = run(0.0), run(25.0)
+    extra = [c.compute_ms - p.compute_ms for p, c in zip(plain, charged, strict=True)]
+    assert [e == pytest.approx(25.0) for e in extra] == [s.num_prefills == 0 for s in plain]
+    assert any(s.num_prefills == 0 for s in plain) and any(s.num_prefills for s in plain)
