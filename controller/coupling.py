@@ -66,6 +66,7 @@ from tierplan.controller.valuation import (
     prefix_hit_share,
     recompute_ms,
     slot_range,
+    swap_ms,
 )
 
 SCREEN_BANDS = 2  # bands whose best-screened share is solved exactly after the screen (besides the current one)
@@ -176,7 +177,8 @@ class _Terms:
     kv_ms: float
 
 
-def _terms(fc: DemandForecast, cost: CostModel, space: SplitSpace, gpu_blocks: int, best_hits: float) -> _Terms:
+def _terms(fc: DemandForecast, cost: CostModel, space: SplitSpace, gpu_blocks: int, best_hits: float,
+           horizon_steps: int) -> _Terms:
     served = served_share(fc, gpu_blocks)
     batch = running_batch(fc, gpu_blocks)
     full = running_batch(fc, max(fc.kv_live_blocks, fc.kv_gpu_used_blocks, gpu_blocks))
@@ -185,14 +187,16 @@ def _terms(fc: DemandForecast, cost: CostModel, space: SplitSpace, gpu_blocks: i
     full_ms = cost.compute_ms(full, per_token_ctx * full)
     lost_reuse = fc.reuse_per_step * recompute_ms(cost, space, batch, per_token_ctx * batch, step_ms) * (
         best_hits - prefix_hit_share(fc, gpu_blocks))
-    return _Terms(served, batch, step_ms, space.kv_weight * (max(0.0, step_ms / served - full_ms) + lost_reuse))
+    swapped = swap_ms(cost, space, fc.kv_gpu_used_blocks, gpu_blocks, horizon_steps)
+    return _Terms(served, batch, step_ms,
+                  space.kv_weight * (max(0.0, step_ms / served - full_ms) + lost_reuse + swapped))
 
 
 def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
                 current_kv: int | None, horizon_steps: int, gpu_blocks: int) -> tuple[Valuation, float, float, float]:
     """The problem with the GPU KV share fixed at `gpu_blocks`: (valuation, batch, served share, KV move ms)."""
     unit = space.unit_bytes
-    t = _terms(fc, cost, space, gpu_blocks, prefix_hit_share(fc, space.kv_gpu_blocks_max))
+    t = _terms(fc, cost, space, gpu_blocks, prefix_hit_share(fc, space.kv_gpu_blocks_max), horizon_steps)
     decodes = curves_at(fc, t.batch_tokens)[0]
     misses = with_large_steps(decodes, fc, t.batch_tokens)
     r = space.prefetch_recall if fc.prefetch_recall is None else fc.prefetch_recall
@@ -268,7 +272,7 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
     grid = share_grid(fc, space, current_kv)
     unit = space.unit_bytes
     best_hits = prefix_hit_share(fc, grid[-1])
-    terms = [_terms(fc, cost, space, g, best_hits) for g in grid]
+    terms = [_terms(fc, cost, space, g, best_hits, horizon_steps) for g in grid]
     by_band: dict[tuple[float, float], list[int]] = {}
     for i, t in enumerate(terms):
         by_band.setdefault(_band(fc, t.batch_tokens), []).append(i)

@@ -76,9 +76,9 @@ def explain(cur: Split | None, new: Split, prev_fc: DemandForecast | None, fc: D
             if abs(gain) < 0.005:
                 effect = "no predicted cost: the demand fits" if new.kv_blocks < cur.kv_blocks else "no predicted gain"
             elif gain > 0:
-                effect = f"saves {gain:.2f} ms/step of sequences deferred for want of KV"
+                effect = f"saves {gain:.2f} ms/step of sequences deferred or swapped out for want of KV"
             else:
-                effect = f"costs {-gain:.2f} ms/step of sequences deferred for want of KV"
+                effect = f"costs {-gain:.2f} ms/step of sequences deferred or swapped out for want of KV"
             batch = _batch(val, cur.kv_blocks, new.kv_blocks)
             factors.append((abs(gain), f"KV GPU blocks {cur.kv_blocks} -> {new.kv_blocks} ({batch}{effect})"))
         grown = [m for m, (a, b) in enumerate(zip(cur.slots, new.slots, strict=True)) if b > a]
