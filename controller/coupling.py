@@ -60,6 +60,7 @@ from tierplan.controller.valuation import (
     decode_step,
     expert_groups,
     kv_grid,
+    landing_blocks,
     layer_options,
     migration_ms_per_unit,
     option_stall_ms,
@@ -187,7 +188,7 @@ def _terms(fc: DemandForecast, cost: CostModel, space: SplitSpace, gpu_blocks: i
     full_ms = cost.compute_ms(full, per_token_ctx * full)
     lost_reuse = fc.reuse_per_step * recompute_ms(cost, space, batch, per_token_ctx * batch, step_ms) * (
         best_hits - prefix_hit_share(fc, gpu_blocks))
-    swapped = swap_ms(cost, space, fc.kv_gpu_used_blocks, gpu_blocks, horizon_steps)
+    swapped = swap_ms(cost, space, landing_blocks(fc), gpu_blocks, horizon_steps)
     return _Terms(served, batch, step_ms,
                   space.kv_weight * (max(0.0, step_ms / served - full_ms) + lost_reuse + swapped))
 

@@ -86,6 +86,9 @@ class DemandForecast:
     large_step_misses: tuple[tuple[float, ...], ...] = ()
     kv_filling_blocks: int = 0  # KV demand not settled yet: the agent's start share, the least demand is priced at
     kv_rising: bool = False  # KV demand has yet to settle (DemandModel.kv_rising): the batch is still filling
+    # The GPU blocks the running sequences will hold when a plan made now lands, a window on (None: those in use):
+    # while the demand still rises, the share in force keeps admitting (`DemandModel.forecast`).
+    kv_gpu_landing_blocks: float | None = None
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,7 @@ class DemandModel:
         self.kv_gpu_limit: int | None = None  # the GPU KV blocks the applied plan allows (saturation test)
         self.kv_start_blocks: int | None = None  # the GPU KV share the agent ran before any plan of ours applied
         self.kv_recent: deque[float] = deque(maxlen=KV_SETTLE_WINDOWS)  # the last windows' KV demand (held + queued)
+        self.kv_written_blocks = 0.0  # KV blocks the last window's tokens wrote (each token processed adds its KV)
         self.num_windows = 0
         self.table_version = 0
         self.block_tokens, self.max_union_steps = block_tokens, max_union_steps
@@ -253,6 +257,8 @@ class DemandModel:
             self.kv_start_blocks = tel.kv_gpu_limit_blocks  # the serving shape it was started with, not ours
         self.kv_gpu = float(blocks.get(Tier.GPU, 0))
         self.kv_swapped = float(blocks.get(Tier.CPU, 0) + blocks.get(Tier.NVME, 0))
+        written = sum(tel.step_tokens) if tel.step_tokens else max((r.num_tokens for r in tel.layers), default=0)
+        self.kv_written_blocks = written / self.block_tokens
         self._observe_reuse(tel, n)
         # Every window fades the prefetch evidence, with a table or without: a table withheld for its precision
         # (loop.py) comes back once what condemned it has faded, and is measured again.
@@ -361,6 +367,14 @@ class DemandModel:
             live = max(live, KV_SATURATED_GROWTH * limit)
         filling = self.kv_start_blocks if self.kv_start_blocks is not None and self.kv_rising() else 0
         live = max(live, float(filling))
+        # While the demand rises, the share in force (ours, else the agent's start share) keeps admitting until a
+        # plan made now lands a window on: the blocks held then are those held now plus what a window writes, up
+        # to that share and the demand (H200 run 37, b32 16K 56 GiB: ~14K blocks were held when the first plan,
+        # priced at the first window's, cut the share to 10,734, and the swaps back took 3.2 s of 10.2).
+        landing = self.kv_gpu
+        in_force = limit if limit is not None else self.kv_start_blocks
+        if self.kv_rising() and in_force is not None:
+            landing = max(landing, min(float(in_force), live, self.kv_gpu + self.kv_written_blocks))
         source = f"measured LRU curves at B~{bucket}" if measured else FREQUENCY_SOURCE
         share, large = self._large_steps(at)
         return DemandForecast(batch, tuple(misses), tuple(unions), source, live, self.kv_gpu, saturated, hot,
@@ -368,7 +382,7 @@ class DemandModel:
                               self.touch_blocks_per_s or 0.0, self._recall(), self._precision(), token_probs=probs,
                               bucket_curves=tuple(buckets), curve_batch=float(bucket) if measured else batch,
                               large_step_share=share, large_step_misses=large, kv_filling_blocks=filling,
-                              kv_rising=self.kv_rising())
+                              kv_rising=self.kv_rising(), kv_gpu_landing_blocks=landing)
 
     def kv_rising(self) -> bool:
         """Whether KV demand has yet to settle: fewer than KV_SETTLE_WINDOWS windows seen, or one of the last of

@@ -302,14 +302,18 @@ def recompute_ms(cost: CostModel, space: SplitSpace, batch: float, context_token
     return max(0.0, cost.compute_ms(batch + space.kv_block_tokens, context_tokens) - step_ms)
 
 
+def landing_blocks(fc: DemandForecast) -> float:
+    """The GPU KV blocks the running sequences hold when a plan made now lands (`DemandForecast`)."""
+    return fc.kv_gpu_used_blocks if fc.kv_gpu_landing_blocks is None else fc.kv_gpu_landing_blocks
+
+
 def swap_ms(cost: CostModel, space: SplitSpace, used_blocks: float, gpu_blocks: int, horizon_steps: int) -> float:
     """A GPU KV share below the `used_blocks` the running sequences hold there swaps the excess out (HBM -> host)
     and, as their sequences run again, back in: both transfers once, block by block, amortised over the steps a
     plan is expected to hold (as migration is), whether or not a plan is in force yet. What such a cut costs: in
     H200 run 37 (b32 16K 56 GiB) six decode steps fetching 512-3,457 blocks back took 3.2 s of the 10.2 s
-    measured, 0.14-0.7 ms a block. That cut is not priced by this alone: the first plan was priced at the blocks
-    in use in its window, and the start's larger share kept admitting sequences until it landed a window later
-    (bench/results/phase_h200.md, session 26)."""
+    measured, 0.14-0.7 ms a block; the start's larger share had kept admitting sequences until the first plan
+    landed, so the blocks to read are those held then (`landing_blocks`)."""
     n = math.ceil(max(0.0, used_blocks - gpu_blocks))
     if n == 0:
         return 0.0
@@ -378,7 +382,7 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     kv_opts = tuple(Option(units=units_for_bytes(g * space.kv_block_bytes, unit),
                            cost_ms=space.kv_weight * (kv_cost_ms(kv_demand_blocks, g, step_ms) + forecast.reuse_per_step
                                                       * redo_ms * (best_hits - prefix_hit_share(forecast, g))
-                                                      + swap_ms(cost, space, forecast.kv_gpu_used_blocks, g,
+                                                      + swap_ms(cost, space, landing_blocks(forecast), g,
                                                                 horizon_steps))
                            + space.stall_weight * flat_ms,
                            label=f"{g} KV blocks") for g in grid)

@@ -317,3 +317,28 @@ def test_a_kv_share_below_the_blocks_in_use_pays_to_swap_them_out_and_back(monke
             owed = space.kv_weight * valuation.swap_ms(cost, space, 40, g, horizon)
             assert with_swap[g] - without[g] == pytest.approx(owed), g
         assert with_swap[KV_MIN] > without[KV_MIN] and with_swap[KV_MAX] == without[KV_MAX]
+
+
+def test_while_the_demand_rises_the_blocks_a_plan_lands_on_are_those_a_window_more_admits() -> None:
+    """A plan made now lands a window on, and while the KV demand still rises the share in force keeps admitting:
+    the swap is priced at the blocks held now plus what a window writes (its tokens over the block size), up to
+    that share (the agent's start share before a plan of ours, ours after) and the demand; once the demand
+    settles, at the blocks held."""
+    from tierplan.controller.valuation import landing_blocks
+
+    def forecast(windows: int, gpu: int, limit: int | None = None):
+        ctl = make_controller(calibrate=False)
+        win = Windows()
+        for _ in range(windows):  # 4 steps of 40 tokens: 160 tokens, 10 blocks of 16 a window
+            ctl.sync_from(win.next(batch=4, kv_live=gpu, queued=200, kv_gpu_limit_blocks=60,
+                                   step_tokens=[40] * 4, schema_version=2))
+        if limit is not None:
+            ctl.demand.kv_gpu_limit = limit  # a plan of ours in force
+        return ctl.demand.forecast()
+
+    rising = forecast(2, 20)
+    assert rising.kv_rising and rising.kv_gpu_used_blocks == 20 and landing_blocks(rising) == pytest.approx(30)
+    assert landing_blocks(forecast(2, 55)) == pytest.approx(60)  # no more than the start share admits
+    assert landing_blocks(forecast(2, 20, limit=25)) == pytest.approx(25)  # ours, in force, admits to 25
+    settled = forecast(8, 20)
+    assert not settled.kv_rising and landing_blocks(settled) == 20
