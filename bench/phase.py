@@ -390,9 +390,17 @@ def _discarded_run(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy
         return measure(h, ctx, make(policy), sizes, Path(tmp), prefix_tokens)
 
 
+def _settled(steps: list[Any], sizes: Sizes) -> list[Any]:
+    """A discarded run's steps past its warm-up (the last one at least), what the cost model is fitted on: its
+    first steps compile kernels (up to 2.1 s against a 4-10 ms median in H200 runs 27 and 29), and a run of such
+    outliers loosens the fit's outlier cut (costmodel_fit.OnlineLinear; a review replayed a cold prefix folded in
+    before each point's first run: 11 of 24 within 15 % against 14 with it left out)."""
+    return steps[min(sizes.warm_steps, max(0, len(steps) - 1)):]
+
+
 def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor, say: Any) -> None:
-    """One `resident` pass at the model's first point, its steps folded into the cost model (no row): the
-    first runs' predictions start from this machine's step times rather than the priors."""
+    """One `resident` pass at the model's first point, its settled steps folded into the cost model (no row):
+    the first runs' predictions start from this machine's step times rather than the priors."""
     try:
         ctx, prefix_tokens = point_context(h, point, sizes)
         out = _discarded_run(h, ctx, prefix_tokens, "resident", sizes)
@@ -400,13 +408,13 @@ def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor,
         say(f"{h.spec.name}: no calibration pass ({type(exc).__name__}: {exc}); the cost model starts from its "
             "priors")
         return
-    predictor.calibrate(out.steps)
+    predictor.calibrate(_settled(out.steps, sizes))
 
 
 def _warm_up(h: ModelHandle, ctx: PointContext, prefix_tokens: int, sizes: Sizes, predictor: Predictor,
              say: Any) -> str | None:
     """One discarded run of `sizes.warmup_policy` at the point (no row): the kernels its steps need are compiled
-    before the first measured run, and its steps are folded into the cost model, so the point's first row is
+    before the first measured run, and its settled steps are folded into the cost model, so the point's first row is
     predicted from a fit that has seen the point, as the later ones are (the first policy, tierplan, was priced
     from the previous point's fit: replayed over runs 01-40, 9 of its 24 runs within 15 % at the predicted
     misses, 14 with the point's static_lru run folded in first). The policy's name, or None where there is none
@@ -419,7 +427,7 @@ def _warm_up(h: ModelHandle, ctx: PointContext, prefix_tokens: int, sizes: Sizes
     except Exception as exc:
         say(f"warm-up run ({sizes.warmup_policy}) failed, the point's runs go on unwarmed: {type(exc).__name__}: {exc}")
         return None
-    predictor.calibrate(out.steps)
+    predictor.calibrate(_settled(out.steps, sizes))
     say(f"warm-up run ({sizes.warmup_policy}, discarded): {time.perf_counter() - t0:.1f} s")
     return sizes.warmup_policy
 

@@ -4,13 +4,14 @@ Runs in the bench process (`tierplan bench phase --steps-report DIR` adds it to 
 Python + numpy, no torch and no device. Each steps file is one process of a sweep (bench/phase_steps.py): its
 runs are replayed in the order they ran through one fresh `phase_metrics.Predictor`, as the process did (fit
 on a run's warm-up steps, price its measured steps at their measured misses, fit on them), and each run's
-mean price is set against its measured step (`predicted_step_ms_measured_misses` of the row). What it cannot
-replay: the process's calibration pass (a resident run at its first point) and each point's warm-up run
-(static_lru; both discarded, never saved), and the measured
-memory bandwidth (the priors of the active experts' compute); so the first runs of a file may differ from
-their rows. Its use is to try a change to the cost model on real steps away from the device (H200 phase runs
-26-29: 36 of 57 runs within 15 % before the per-miss term, 39 with it; bench/results/phase_h200.md, session
-22). It never edits a row.
+mean price is set against its measured step (`predicted_step_ms_measured_misses` of the row); given the forced
+router's table, also at the misses the trace's curves predict at each plan's split (`predicted_step_ms`). What it
+cannot replay: the process's calibration pass (a resident run at its first point) and each point's warm-up run
+(static_lru, folded in since session 26; both discarded, never saved), and the measured memory bandwidth (the
+priors of the active experts' compute); so the first run of a file, and of each point in rows measured since,
+may differ from its row. Its use is to try a change to the cost model on real steps away from the device
+(H200 phase runs 26-29: 36 of 57 runs within 15 % before the per-miss term, 39 with it;
+bench/results/phase_h200.md, session 22). It never edits a row.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def _predicted_ms(predictor: Predictor, line: dict[str, Any], timed: list[Simple
     plan it ran under, the misses the trace's LRU curves predict there); None for a line saved before steps
     carried their plan and prefetched loads."""
     plans = {int(v): SimpleNamespace(**p) for v, p in (line.get("plans") or {}).items()}
-    initial = plans.get(int(line.get("initial_plan_version") or -1))
+    version = line.get("initial_plan_version")
+    initial = None if version is None else plans.get(int(version))
     if initial is None or not all(hasattr(s, "plan_version") and hasattr(s, "expert_prefetch_hits") for s in timed):
         return None
     return predict_at_plans(predictor, plans, initial, timed)[0]

@@ -213,8 +213,8 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
     problem = assemble(groups, cost, space, t.step_ms, horizon_steps)
     move_ms = _kv_move_ms(space, problem.migration_ms_per_unit, gpu_blocks, current_kv)
     val = Valuation(problem, tuple(slot_counts), (gpu_blocks,), t.step_ms, tuple(stalls), (t.batch_tokens,),
-                    ((t.step_ms, tuple(stalls)),), chunk_charged_per_layer=charged is not None,
-                    chunk_flat_ms=space.stall_weight * flat_ms / t.served)
+                    ((t.step_ms + flat_ms, tuple(stalls)),), chunk_charged_per_layer=charged is not None,
+                    chunk_flat_ms=space.stall_weight * flat_ms / t.served, chunk_flat_step_ms=flat_ms)
     return val, t.batch_tokens, t.served, move_ms
 
 

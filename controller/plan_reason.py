@@ -98,9 +98,11 @@ def explain(cur: Split | None, new: Split, prev_fc: DemandForecast | None, fc: D
             factors.append((abs(gain), f"{delta} {verb} expert slots over {len(layers)} layer(s) ({effect})"))
     factors.sort(key=lambda f: -f[0])
     parts += [text for _, text in factors[:TOP_FACTORS]]
-    if val.chunk_flat_ms > 0:
-        parts.append(f"the experts' room cannot hold every layer's decode union: decode steps run chunked off "
-                     f"their graphs whatever the split ({val.chunk_flat_ms:.2f} ms/step, priced on the KV share)")
+    # The flat price is the winner's share's (a coupled valuation's option 0; the separable one's, every share's).
+    if val.chunk_flat_ms > 0 and (not val.kv_steps or new.kv_blocks == val.kv_blocks[0]):
+        parts.append(f"at this KV share some layer cannot hold its decode union clear (the experts' room, or a "
+                     f"slot cap): decode steps run chunked off their graphs whatever the expert split "
+                     f"({val.chunk_flat_ms:.2f} ms/step, priced on the KV share)")
     if Constraint.CAPACITY in sol.binding:
         parts.append("HBM budget binding")
     if Constraint.LINK in sol.binding:

@@ -27,8 +27,10 @@ class CacheOutcome:
     hits: tuple[int, ...]  # per MoE layer
     misses: tuple[int, ...]  # per MoE layer: loaded on demand when the layer found them absent
     prefetches: tuple[int, ...] = ()  # per MoE layer: loaded ahead of the layer (used or not)
-    # Some layer's union outran the slots it may hold at once: the engine runs that step chunked, off its graphs
-    # (the cost model's `chunked_step_ms` for a decode step); False where a policy cannot say (`CallablePolicy`).
+    # Some layer's union outran the slots it may hold at once (at least one, as the engine's `capacity_of`): the
+    # engine runs that step chunked, off its graphs (the cost model's `chunked_step_ms` for a decode step); False
+    # where a policy cannot say (`CallablePolicy`). A decode step over the graphs' batch leaves them too, for
+    # another reason (`batch_too_large`), which this does not price.
     chunked: bool = False
 
 
@@ -120,7 +122,7 @@ class LayerCache:
             for e in experts:
                 if e in lru:
                     lru.move_to_end(e)
-        return CacheOutcome(tuple(hits), tuple(misses), chunked=any(len(u) > self.slots for u in unions))
+        return CacheOutcome(tuple(hits), tuple(misses), chunked=any(len(u) > max(1, self.slots) for u in unions))
 
 
 class CallablePolicy:

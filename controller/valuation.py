@@ -91,7 +91,8 @@ class Valuation:
     step_ms: float  # the step's compute at the predicted batch (no stall)
     stall_ms: tuple[tuple[float, ...], ...] = ()  # [M][options] unweighted predicted stall of each layer option
     # A coupled valuation (coupling.py), per KV option: the running batch it lets through, and the step it
-    # predicts there (compute ms, stalls [M][options]); empty for the separable one (step_ms / stall_ms hold).
+    # predicts there (compute ms with any flat chunked step, stalls [M][options]); empty for the separable one
+    # (step_ms / chunk_flat_step_ms / stall_ms hold).
     kv_batch: tuple[float, ...] = ()
     kv_steps: tuple[tuple[float, tuple[tuple[float, ...], ...]], ...] = ()
     plan_link_budget_bytes: int | None = None  # the winner's own link budget, where the merged problem's differs
@@ -99,6 +100,7 @@ class Valuation:
     # chance (the experts' costs hold it), or flat on the KV share (weighted ms/step; none charged per layer).
     chunk_charged_per_layer: bool = False
     chunk_flat_ms: float = 0.0
+    chunk_flat_step_ms: float = 0.0  # that flat price in the step itself (unweighted, per decode-weighted step)
 
     @property
     def link_budget_bytes(self) -> int | None:
@@ -108,8 +110,13 @@ class Valuation:
         return self.problem.link_budget_bytes_per_step
 
     def predicted_step_ms(self, choice: tuple[int, ...]) -> float:
-        """The cost model's step time of a split: compute at its batch plus the layers' unweighted stalls."""
-        step, stalls = self.kv_steps[choice[-1]] if self.kv_steps else (self.step_ms, self.stall_ms)
+        """The cost model's step time of a split: compute at its batch (with the chunked step where its share
+        leaves no room to clear the decode unions) plus the layers' unweighted stalls (each layer's chance of
+        chunking the step included)."""
+        if self.kv_steps:
+            step, stalls = self.kv_steps[choice[-1]]
+        else:
+            step, stalls = self.step_ms + self.chunk_flat_step_ms, self.stall_ms
         return step + sum(stalls[m][j] for m, j in enumerate(choice[:-1]))
 
 
@@ -389,4 +396,5 @@ def build_problem(forecast: DemandForecast, cost: CostModel, space: SplitSpace,
     groups.append(Group("GPU KV", kv_opts, grid.index(current_kv) if current_kv in grid else None, GroupKind.KV))
     problem = assemble(groups, cost, space, step_ms, horizon_steps)
     return Valuation(problem, tuple(slot_counts), tuple(grid), step_ms, tuple(stalls),
-                     chunk_charged_per_layer=charged is not None, chunk_flat_ms=space.stall_weight * flat_ms)
+                     chunk_charged_per_layer=charged is not None, chunk_flat_ms=space.stall_weight * flat_ms,
+                     chunk_flat_step_ms=flat_ms)

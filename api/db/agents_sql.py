@@ -20,7 +20,9 @@ from tierplan.controller.protocol import Telemetry
 from tierplan.controller.protocol_service import AgentRegistration, AgentState, AgentStatus
 
 WINDOWS = TelemetryWindowRow.__table__
-COMPARED_FIELDS = ("rank", "group", "engine", "shape", "hardware", "split")  # all of a registration but its time
+# All of a registration but its time: a re-registration that changes any of these (the compute prior included,
+# which the controller is built from) is refused, never answered with the stored one as if it had been taken.
+COMPARED_FIELDS = ("rank", "group", "engine", "shape", "hardware", "split", "compute")
 
 
 def _differences(stored: AgentRegistration, new: AgentRegistration) -> list[str]:
@@ -31,7 +33,7 @@ def _differences(stored: AgentRegistration, new: AgentRegistration) -> list[str]
         a, b = old_d[field], new_d[field]
         if a == b:
             continue
-        if isinstance(a, dict):
+        if isinstance(a, dict) and isinstance(b, dict):
             paths += [f"{field}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         else:
             paths.append(field)
@@ -52,7 +54,7 @@ def register(conn: Connection, reg: AgentRegistration) -> tuple[AgentRegistratio
         if diff:
             raise Conflict(f"agent {reg.agent_id!r} already registered with a different shape: {', '.join(diff)} "
                            f"differ from its registration at {stored.registered_s}; expected the same shape, "
-                           "hardware and split (or a new agent_id)")
+                           "hardware, split and compute prior (or a new agent_id)")
         return stored, False
     conn.execute(insert(AgentRow).values(
         agent_id=reg.agent_id, rank=reg.rank, group=reg.group, engine=reg.engine, model=reg.shape.name,

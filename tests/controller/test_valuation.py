@@ -243,6 +243,9 @@ def test_a_share_that_leaves_no_room_to_clear_the_unions_pays_the_chunked_step_o
     assert charged[full][0].chunk_flat_ms == pytest.approx(20.0 / served)
     assert charged_sep.chunk_charged_per_layer and not plain_sep.chunk_charged_per_layer
     assert plain[full][0].chunk_flat_ms == plain_sep.chunk_flat_ms == 0.0
+    # and the step the share predicts pays it (unweighted), where the split has no say in it
+    extra = charged[full][0].kv_steps[0][0] - plain[full][0].kv_steps[0][0]
+    assert charged[full][0].chunk_flat_step_ms > 0 and extra == pytest.approx(charged[full][0].chunk_flat_step_ms)
 
 
 def test_the_chunked_steps_flat_price_is_weighted_and_named_in_the_plans_reason() -> None:
@@ -270,8 +273,11 @@ def test_the_chunked_steps_flat_price_is_weighted_and_named_in_the_plans_reason(
     assert kv[0].cost_ms - one.problem.groups[-1].options[0].cost_ms == pytest.approx(one.chunk_flat_ms)
     sol = solve(one.problem)
     new = Split(tuple(one.slot_counts[m][j] for m, j in enumerate(sol.choice[:-1])), one.kv_blocks[sol.choice[-1]])
-    assert "decode steps run chunked off their graphs whatever the split" in explain(None, new, None, fc, one, sol,
-                                                                                      None, 20.0)
+    assert "decode steps run chunked off their graphs whatever the expert split" in explain(
+        None, new, None, fc, one, sol, None, 20.0)
+    assert one.predicted_step_ms(sol.choice) == pytest.approx(  # the step itself pays it, unweighted
+        one.step_ms + one.chunk_flat_step_ms + sum(one.stall_ms[m][j] for m, j in enumerate(sol.choice[:-1])))
+    assert one.chunk_flat_ms > 0 and one.chunk_flat_step_ms == pytest.approx(one.chunk_flat_ms)  # stall_weight 1
     _, roomy = valued(1.0, KV_MIN)
     sol = solve(roomy.problem)
     new = Split(tuple(roomy.slot_counts[m][j] for m, j in enumerate(sol.choice[:-1])), roomy.kv_blocks[sol.choice[-1]])

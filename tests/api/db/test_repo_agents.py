@@ -27,7 +27,16 @@ def test_a_different_shape_is_refused_by_field(repo: Repository) -> None:
         repo.register_agent(registration(hbm_budget_bytes=32 * 4096))
     with pytest.raises(Conflict, match="group"):
         repo.register_agent(registration(group="other"))
+    # the compute prior too: a sidecar that now knows its chunked step is told, not handed the old prior back
+    from tierplan.controller.protocol_service import ComputeSheet
+
+    with pytest.raises(Conflict, match=r"different shape: compute differ"):
+        repo.register_agent(registration().model_copy(update={"compute": ComputeSheet(chunked_step_ms=12.0)}))
     assert repo.get_registration("agent-0") == registration()  # nothing changed
+    repo.register_agent(registration("agent-1").model_copy(update={"compute": ComputeSheet(step_ms=1.0)}))
+    with pytest.raises(Conflict, match=r"compute\.chunked_step_ms differ"):
+        repo.register_agent(registration("agent-1").model_copy(update={"compute": ComputeSheet(
+            step_ms=1.0, chunked_step_ms=12.0)}))
 
 
 def test_status_goes_new_active_stale(repo: Repository, clock: FakeClock) -> None:
