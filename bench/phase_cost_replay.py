@@ -120,18 +120,11 @@ def section(replayed: list[dict[str, Any]]) -> list[str]:
     runs = [r for r in replayed if r["ratio"] is not None and r["status"] != "candidate"]
     lines = ["## The cost model replayed", "",
              "Each file's runs in the order they ran, one fresh cost model per file (as its process fitted it, "
-             "less the calibration pass, which is not saved); each run's measured steps priced at their measured "
-             "misses, against its measured step (bench/phase_cost_replay.py).", ""]
+             "less the calibration pass and the warm-up runs, which are not saved); each run's measured steps "
+             "priced at their measured misses, against its measured step (bench/phase_cost_replay.py).", ""]
     if not runs:
         return [*lines, "No run to replay."]
-    within = sum(abs(r["ratio"] - 1) <= TOLERANCE for r in runs)
-    lines += [f"Within {TOLERANCE:.0%}: {within} of {len(runs)} runs; median predicted / measured "
-              f"{statistics.median(r['ratio'] for r in runs):.2f}.", "",
-              "| policy | runs | within 15 % | median predicted / measured |", "|---|---|---|---|"]
-    for pol in dict.fromkeys(r["policy"] for r in runs):
-        mine = [r["ratio"] for r in runs if r["policy"] == pol]
-        lines.append(f"| {pol} | {len(mine)} | {sum(abs(x - 1) <= TOLERANCE for x in mine)} | "
-                     f"{statistics.median(mine):.2f} |")
+    lines += _by_policy(runs, "ratio", "Within")
     lines += _predicted_lines([r for r in runs if r.get("predicted_ratio") is not None])
     lines += ["", "| point | policy | run | predicted / measured | at predicted misses |", "|---|---|---|---|---|"]
     lines += [f"| {r['point']} | {r['policy']} | {r['run_id']} | {r['ratio']:.2f} | "
@@ -143,18 +136,23 @@ def _f(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}"
 
 
+def _by_policy(runs: list[dict[str, Any]], key: str, lead: str) -> list[str]:
+    """Runs whose `key` ratio is within `TOLERANCE`, in all and by policy, with the median ratio."""
+    within = sum(abs(r[key] - 1) <= TOLERANCE for r in runs)
+    out = [f"{lead} {TOLERANCE:.0%}: {within} of {len(runs)} runs; median predicted / measured "
+           f"{statistics.median(r[key] for r in runs):.2f}.", "",
+           "| policy | runs | within 15 % | median predicted / measured |", "|---|---|---|---|"]
+    for pol in dict.fromkeys(r["policy"] for r in runs):
+        mine = [r[key] for r in runs if r["policy"] == pol]
+        out.append(f"| {pol} | {len(mine)} | {sum(abs(x - 1) <= TOLERANCE for x in mine)} | "
+                   f"{statistics.median(mine):.2f} |")
+    return out
+
+
 def _predicted_lines(runs: list[dict[str, Any]]) -> list[str]:
     """The rows' own figure replayed with this code: each run's steps at the misses the trace's LRU curves predict
     at the splits it ran (the issue's target reads `predicted_step_ms`), by policy."""
     if not runs:
         return []
-    within = sum(abs(r["predicted_ratio"] - 1) <= TOLERANCE for r in runs)
-    out = ["", f"At the predicted misses (the rows' `predicted_step_ms`, as this code prices it): within "
-               f"{TOLERANCE:.0%} at {within} of {len(runs)} runs; median predicted / measured "
-               f"{statistics.median(r['predicted_ratio'] for r in runs):.2f}.", "",
-           "| policy | runs | within 15 % | median predicted / measured |", "|---|---|---|---|"]
-    for pol in dict.fromkeys(r["policy"] for r in runs):
-        mine = [r["predicted_ratio"] for r in runs if r["policy"] == pol]
-        out.append(f"| {pol} | {len(mine)} | {sum(abs(x - 1) <= TOLERANCE for x in mine)} | "
-                   f"{statistics.median(mine):.2f} |")
-    return out
+    return ["", *_by_policy(runs, "predicted_ratio",
+                            "At the predicted misses (the rows' `predicted_step_ms`, as this code prices it): within")]

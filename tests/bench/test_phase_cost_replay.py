@@ -97,4 +97,4 @@ def test_given_the_routers_table_each_run_is_also_priced_at_the_misses_its_split
     assert got[3]["predicted_ratio"] > got[3]["ratio"] + 0.05  # 8 slots of 128: the curve's misses are priced
     assert all(r["predicted_ratio"] is None for r in replay_file(path, load_steps(path)))  # no table, no figure
     text = "\n".join(section(got))
-    assert "At the predicted misses" in text and "within 15% at" in text and "of 3 runs" in text, text
+    assert "At the predicted misses" in text and "it): within 15%: " in text and "of 3 runs" in text, text
