@@ -38,6 +38,7 @@ from tierplan.bench.baselines.base import (
     make_plan,
 )
 from tierplan.bench.baselines.dry_record import difference, dry_record
+from tierplan.bench.oracle_estimate import DryStep, estimate_tok_s, pick_measured
 from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, RunStop, Sizes, points, select_points
 from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
 from tierplan.bench.phase_report import device_stems, write_report
@@ -89,16 +90,23 @@ class OracleRecording(Enum):
     ENGINE = "engine"  # recorded on an engine run (the check): the replay is compared to it, the notes say how
 
 
-def _future(h: ModelHandle, ctx: PointContext, split: Split, sizes: Sizes, workdir: Path, prefix_tokens: int,
-            how: OracleRecording) -> tuple[ExpertFuture, str]:
-    """The access stream at `split`, and what the row's notes say about it (the check's verdict; "" for DRY).
-    RunRefused where the run could not take place under the split (the runner's ConfigError)."""
+def _dry(h: ModelHandle, ctx: PointContext, split: Split, sizes: Sizes, workdir: Path,
+         steps_out: list[DryStep] | None = None) -> ExpertFuture:
+    """The access stream at `split` by the dry replay (its steps to `steps_out`). RunRefused where the run could
+    not take place under the split (the runner's ConfigError)."""
     try:
-        dry = dry_record(ctx, split, h.router, virtual_step_s=sizes.virtual_step_s,
-                         engine_gpu_blocks=engine_config(h, ctx, {}, workdir).kv_gpu_blocks,
-                         stop=RunStop.of(sizes))
+        return dry_record(ctx, split, h.router, virtual_step_s=sizes.virtual_step_s,
+                          engine_gpu_blocks=engine_config(h, ctx, {}, workdir).kv_gpu_blocks,
+                          stop=RunStop.of(sizes), steps_out=steps_out)
     except ConfigError as exc:
         raise RunRefused(f"the point cannot run under this plan: {exc}") from exc
+
+
+def _future(h: ModelHandle, ctx: PointContext, split: Split, sizes: Sizes, workdir: Path, prefix_tokens: int,
+            how: OracleRecording, dry: ExpertFuture | None = None) -> tuple[ExpertFuture, str]:
+    """The access stream at `split` (`dry`: its dry replay, where the search priced it already), and what the
+    row's notes say about it (the check's verdict; "" for DRY). RunRefused as `_dry`."""
+    dry = dry if dry is not None else _dry(h, ctx, split, sizes, workdir)
     if how is OracleRecording.DRY:
         return dry, ""
     rec = FutureRecorder(h.router)
@@ -148,21 +156,52 @@ def _split_label(split: Split) -> str:
     return f"{split.expert_slots} slots {list(split.expert_slots_per_layer)}/{split.kv_gpu_blocks} KV"
 
 
+def _price_pool(h: ModelHandle, ctx: PointContext, pool: list[Split], sizes: Sizes, workdir: Path,
+                predictor: Predictor, tried: list[str]) -> tuple[dict[str, float], dict[str, ExpertFuture]]:
+    """Each split of the oracle's pool priced (bench/oracle_estimate.py) by label, and its dry replay; a split
+    the replay refuses is named in `tried` and left out."""
+    estimates: dict[str, float] = {}
+    futures: dict[str, ExpertFuture] = {}
+    for split in pool:
+        label, steps = _split_label(split), []
+        try:
+            futures[label] = _dry(h, ctx, split, sizes, workdir, steps)
+        except RunRefused as exc:
+            tried.append(f"{label}: refused ({exc})")
+            continue
+        estimates[label] = estimate_tok_s(predictor, split, futures[label], steps, sizes.warm_steps)
+    return estimates, futures
+
+
 def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, prefix_tokens: int,
             predictor: Predictor, base: dict[str, Any], store: _Store, say: Any,
             how: OracleRecording = OracleRecording.DRY) -> dict[str, Any]:
-    """Each candidate split's future recorded once (`how`) and run with Belady eviction from it, its row saved
-    as it finishes (a candidate already in the file is not run again); the row of the best tok/s."""
+    """The search (oracle.py, bench/oracle_estimate.py): where the pool holds more splits than the oracle may
+    measure, each is priced first and only the best priced are run; each run's future recorded (`how`) and run
+    with Belady eviction from it, its row saved as it finishes (a candidate already in the file is not run
+    again, and counts among those measured); the row of the best tok/s."""
     done = store.candidates(base["point"], base["device"], base["code"], base.get("repeat", 0))
     best: dict[str, Any] | None = None
     tried: list[str] = []
-    for split in oracle_splits(ctx, sizes.oracle_max_splits):
-        label = _split_label(split)
+    pool = oracle_splits(ctx, sizes.oracle_pool_splits)
+    labels = [_split_label(s) for s in pool]
+    estimates: dict[str, float] = {}
+    futures: dict[str, ExpertFuture] = {}
+    if len(pool) > sizes.oracle_max_splits:
+        estimates, futures = _price_pool(h, ctx, pool, sizes, workdir, predictor, tried)
+        chosen = set(pick_measured(labels, estimates, set(done), sizes.oracle_max_splits))
+        say(f"{base['point']} oracle: {len(pool)} splits priced, measuring " + "; ".join(
+            f"{lb} (priced {estimates[lb]:.0f} tok/s)" for lb in labels if lb in chosen and lb in estimates))
+    else:
+        chosen = set(labels)
+    for split, label in zip(pool, labels, strict=True):
+        if label not in chosen:
+            continue
         row = done.get(label)
         if row is None:
             t0 = time.perf_counter()
             try:
-                future, checked = _future(h, ctx, split, sizes, workdir, prefix_tokens, how)
+                future, checked = _future(h, ctx, split, sizes, workdir, prefix_tokens, how, futures.get(label))
                 out = measure(h, dataclasses.replace(ctx, future=future, split=split), make("oracle"), sizes, workdir,
                               prefix_tokens)
             except RunRefused as exc:
@@ -188,7 +227,11 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, pref
     out_row["search_s"] = sum(r.get("run_s", 0.0) for r in store.candidates(base["point"], base["device"],
                                                                              base["code"], base.get("repeat", 0)
                                                                              ).values())
-    out_row["notes"] = (best["notes"] + " | " if best["notes"] else "") + "splits tried: " + "; ".join(tried)
+    priced = ("; splits priced, not run: " + "; ".join(f"{lb}: {estimates[lb]:.0f} tok/s priced" for lb in labels
+                                                        if lb in estimates and lb not in chosen)) if estimates else ""
+    out_row["notes"] = (best["notes"] + " | " if best["notes"] else "") + "splits tried: " + "; ".join(tried) + priced
+    if estimates:
+        out_row["oracle_priced"] = {lb: round(v, 1) for lb, v in estimates.items()}
     return out_row
 
 

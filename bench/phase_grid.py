@@ -48,7 +48,7 @@ class Sizes:
     virtual_step_s: float
     kv_cpu_gib: float  # CPU / NVMe KV tier capacity cap (full depth; the point's need is used when smaller)
     kv_nvme_gib: float
-    oracle_max_splits: int  # candidate splits the oracle's search may try
+    oracle_max_splits: int  # candidate splits the oracle's search measures
     repeats: int  # runs of each policy at a point, in rounds of alternating order (the report shows the median)
     activation_bytes_per_token: int  # workspace allowance per batch token, taken out of the budget
     quick: bool
@@ -57,25 +57,35 @@ class Sizes:
     # point's first policy paid for them: H100 phase runs 30 and 32 (b128 1K, 40 GiB), tierplan's first 16 steps,
     # the same plan, work and misses as mv_wsa's, took 3.0 and 5.6 s against 1.3 and 1.6.
     warmup_policy: str | None = "static_lru"
+    # Splits the oracle's search prices first where it holds more than it measures (bench/oracle_estimate.py); at
+    # or below `oracle_max_splits`: every one is run, none priced.
+    oracle_priced_splits: int = 0
+
+    @property
+    def oracle_pool_splits(self) -> int:
+        """Candidate splits of the oracle's search: those priced, or those measured where more."""
+        return max(self.oracle_priced_splits, self.oracle_max_splits)
 
 
 # The issue's grid. qwen3-30b-a3b: 128 experts of 9 MiB in each of 48 layers (~54 GiB), mixtral: 8 of 336 MiB
 # in 32 (~84 GiB); both cut to 8 layers so each point's engine builds in seconds and fits beside the store.
 # Outputs of 64 tokens on average (at most 128) and 1.25 requests per batch slot: a run at full concurrency is
 # 121-150 steps (>= 100 measured after the 16 warm-up ones); a policy that runs fewer sequences at once takes
-# more. Three oracle candidates: each costs a recording pass and a run. A run stops once 128 measured steps had
-# no prefill (>= 100 decode steps at every point): the lighter points finish first, while a point whose KV share
-# holds a few of its sequences at once would otherwise take thousands of steps (the scheduler's replay: mixtral
-# b256 16K at 32 GiB 5,285 steps of 3.8 sequences; b128 4K 661), each a link-bound quarter second on the H200,
-# for the batch its first ~150 ran already (the replay stops every point at 146-367 steps; the mean batch over
-# them is never below the whole run's at b >= 32, up to 30 % above it where the drain is left out).
+# more. The oracle prices seven candidate splits and runs the best two by that price (bench/oracle_estimate.py:
+# over the saved candidates of H100/H200 phase runs 26-43, the two best priced held the best measured at all 27
+# points with two or more measured, the best priced at 26). A run stops once 128 measured steps had no prefill
+# (>= 100 decode steps at every point): the lighter points finish first, while a point whose KV share holds a few
+# of its sequences at once would otherwise take thousands of steps (the scheduler's replay: mixtral b256 16K at
+# 32 GiB 5,285 steps of 3.8 sequences; b128 4K 661), each a link-bound quarter second on the H200, for the batch
+# its first ~150 ran already (the replay stops every point at 146-367 steps; the mean batch over them is never
+# below the whole run's at b >= 32, up to 30 % above it where the drain is left out).
 FULL = Sizes(
     models=(ModelSweep("qwen3-30b-a3b", 8, 48, budgets_gib=(24.0, 40.0, 56.0)),
             ModelSweep("mixtral-8x7b", 8, 32, budgets_gib=(32.0, 56.0, 80.0))),
     batches=(1, 8, 32, 128, 256), contexts=(1024, 4096, 16384), mean_output_tokens=64, max_output_tokens=128,
     requests_per_batch=1.25,
-    warm_steps=16, stop_decode_steps=128, virtual_step_s=0.02, kv_cpu_gib=24.0, kv_nvme_gib=48.0, oracle_max_splits=3,
-    repeats=1, activation_bytes_per_token=64 << 10, quick=False)
+    warm_steps=16, stop_decode_steps=128, virtual_step_s=0.02, kv_cpu_gib=24.0, kv_nvme_gib=48.0, oracle_max_splits=2,
+    repeats=1, activation_bytes_per_token=64 << 10, quick=False, oracle_priced_splits=7)
 # CPU smoke sizes: the tiny preset (2 layers, 8 experts, top-2); few steps, so its figures are no result.
 QUICK = Sizes(
     models=(ModelSweep("tiny", 2, 2, budget_fracs=(0.4, 0.7, 1.0)),),

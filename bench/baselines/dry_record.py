@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tierplan.bench.baselines.base import ExpertFuture, FutureRecorder, PointContext, Split
+from tierplan.bench.oracle_estimate import DryStep
 from tierplan.runtime.engine.scheduler import PreemptMode, Scheduler, Sequence
 from tierplan.runtime.errors import ConfigError
 
@@ -36,12 +37,14 @@ def point_scheduler(ctx: PointContext, gpu_blocks: int) -> Scheduler:
 
 
 def dry_record(ctx: PointContext, split: Split, router: ForcedRoutes, *, engine_gpu_blocks: int,
-               virtual_step_s: float, stop: RunStop | None = None) -> ExpertFuture:
+               virtual_step_s: float, stop: RunStop | None = None, steps_out: list[DryStep] | None = None
+               ) -> ExpertFuture:
     """The access stream a run of `ctx.requests` at `split` takes (module docstring), recorded under
     `split.kv_gpu_blocks`. `engine_gpu_blocks`: the run's engine GPU KV tier (EngineConfig.kv_gpu_blocks, the
     scheduler's own budget: `point_scheduler`); `stop`: where the run stops (a fresh `RunStop`, the runner's).
     ConfigError where the runner would refuse the run (a request that can never fit the GPU KV share, no CPU
-    tier to swap to, a bad size); RuntimeError where its scheduler would make no progress."""
+    tier to swap to, a bad size); RuntimeError where its scheduler would make no progress. `steps_out`: each
+    step's tokens, context and swapped blocks are appended to it (bench/oracle_estimate.py prices them)."""
     if engine_gpu_blocks < 1:
         raise ConfigError(f"dry_record: engine_gpu_blocks must be >= 1, got {engine_gpu_blocks}")
     if not virtual_step_s > 0:  # a wall clock makes the schedule depend on host speed: no replay can know it
@@ -66,10 +69,17 @@ def dry_record(ctx: PointContext, split: Split, router: ForcedRoutes, *, engine_
             offset += sched.idle_gap_s(t_sched)  # as the runner: raises at a dead end
             continue
         run = batch.prefills + batch.decodes
+        # Blocks the swaps move are the sequences' before this step's token; the context is read after it, as the
+        # runner records a step once its sequences have their new tokens.
+        moved = sum(-(-len(s.tokens) // ctx.block_tokens) for s in batch.swapped_in + batch.preempted)
         rec.trace_rows([s.seq_id for s in run], [s.num_computed for s in run],
                        [len(s.tokens) - s.num_computed for s in run])
         for s in run:
             sched.complete(s, 0, t_sched)
+        if steps_out is not None:
+            tokens = sum(len(s.prompt) for s in batch.prefills) + len(batch.decodes)
+            steps_out.append(DryStep(len(batch.prefills), len(batch.decodes), tokens, sum(len(s.tokens) for s in run),
+                                     moved))
         steps += 1
         if stop is not None:
             stop.after_step(len(batch.prefills))

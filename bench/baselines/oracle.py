@@ -1,15 +1,16 @@
 """`oracle`: the best static split in hindsight plus Belady eviction, the limit tierplan's gap is measured to.
 
-Bench driver code. The runner tries each of `candidate_splits(ctx)` (a few static splits from the KV the batch
-needs, experts taking the rest, up to every expert resident) and keeps the best measured one; for each it
-first records the point's access stream under that split's GPU KV blocks (`ExpertFuture`; the schedule follows
-the KV split, base.py says why), by replaying the runner's scheduler on the CPU (dry_record.py; an engine run
-with `RecordingPass` records the same stream, the check), and hands it in as `ctx.future`. On the run, victims
-are ranked by Belady's rule: the resident whose next use is farthest in the future goes first (never used
-again: first of all), so the expert used soonest is evicted last. Next uses are counted in steps: an expert an
-earlier layer of the current step used counts as used now (kept), a conservative tie the step-level record
-cannot split. A run whose steps stop matching the record (`diverged_steps`) ranks those keys as never used
-again, and says so in its notes. It must never move bytes itself.
+Bench driver code. The runner tries `candidate_splits(ctx)` (static splits from the KV the batch needs, experts
+taking the rest, up to every expert resident) and keeps the best measured one; where the pool holds more than it
+measures, it runs only the best priced (bench/oracle_estimate.py). For each run it first records the point's
+access stream under that split's GPU KV blocks (`ExpertFuture`; the schedule follows the KV split, base.py says
+why), by replaying the runner's scheduler on the CPU (dry_record.py; an engine run with `RecordingPass` records
+the same stream, the check), and hands it in as `ctx.future`. On the run, victims are ranked by Belady's rule: the
+resident whose next use is farthest in the future goes first (never used again: first of all), so the expert used
+soonest is evicted last. Next uses are counted in steps: an expert an earlier layer of the current step used
+counts as used now (kept), a conservative tie the step-level record cannot split. A run whose steps stop matching
+the record (`diverged_steps`) ranks those keys as never used again, and says so in its notes. It must never move
+bytes itself.
 """
 
 from __future__ import annotations

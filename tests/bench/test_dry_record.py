@@ -17,6 +17,7 @@ from tierplan.bench.baselines import make, oracle_splits
 from tierplan.bench.baselines.base import ExpertFuture, Split
 from tierplan.bench.baselines.dry_record import difference, dry_record
 from tierplan.bench.baselines.oracle import RecordingPass
+from tierplan.bench.oracle_estimate import DryStep
 from tierplan.bench.phase_grid import QUICK, RunStop, points, select_points
 from tierplan.bench.phase_run import ModelHandle, engine_config, measure, open_model, point_context
 from tierplan.runtime.device import Device
@@ -48,6 +49,9 @@ class Case:
     diverged_steps: int | None
     prefills: tuple[int, ...]  # prefills in each step of the engine's recording run
     prefix_tokens: int
+    # Each step's (prefills, decodes, tokens computed, context tokens): the engine's recording run, the dry replay
+    engine_loads: tuple[tuple[int, int, int, int], ...] = ()
+    dry_loads: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +72,16 @@ def model() -> Iterator[ModelHandle]:
 WHOLE = dataclasses.replace(QUICK, stop_decode_steps=None)
 
 
-def _dry(h: ModelHandle, ctx: Any, split: Split, workdir: Path, stop: bool = False) -> ExpertFuture:
+def _dry(h: ModelHandle, ctx: Any, split: Split, workdir: Path, stop: bool = False,
+         steps_out: list[DryStep] | None = None) -> ExpertFuture:
     """The dry record, stopped where the phase runner stops a run at the QUICK sizes (`stop`) or run out."""
     return dry_record(ctx, split, h.router, virtual_step_s=QUICK.virtual_step_s,
                       engine_gpu_blocks=engine_config(h, ctx, {}, workdir).kv_gpu_blocks,
-                      stop=RunStop.of(QUICK) if stop else None)
+                      stop=RunStop.of(QUICK) if stop else None, steps_out=steps_out)
+
+
+def _loads(steps: list[Any]) -> tuple[tuple[int, int, int, int], ...]:
+    return tuple((s.num_prefills, s.num_decodes, s.batch_tokens, s.context_tokens) for s in steps)
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +97,13 @@ def cases(model: ModelHandle, tmp_path_factory: pytest.TempPathFactory) -> list[
             wd = tmp_path_factory.mktemp("dry")
             rec = RecordingPass(split)
             recorded = measure(model, ctx, rec, WHOLE, wd, prefix)
-            dry = _dry(model, ctx, split, wd)
+            dry_steps: list[DryStep] = []
+            dry = _dry(model, ctx, split, wd, steps_out=dry_steps)
             ran = measure(model, dataclasses.replace(ctx, future=dry, split=split), make("oracle"), WHOLE, wd, prefix)
             out.append(Case(key, ctx, split, dry, rec.future(), recorded.report.summary()["preemptions"],
                             ran.report.steps, ran.extra["diverged_steps"],
-                            tuple(s.num_prefills for s in recorded.steps), prefix))
+                            tuple(s.num_prefills for s in recorded.steps), prefix, _loads(recorded.steps),
+                            _loads(dry_steps)))
     return out
 
 
@@ -101,6 +112,13 @@ def test_the_dry_record_equals_the_engine_recording_step_for_step(cases: list[Ca
         assert difference(c.dry, c.engine) is None, (c.point, c.split, difference(c.dry, c.engine))
         assert c.dry == c.engine and c.dry.steps == c.engine.steps, (c.point, c.split)  # every step, every layer
         assert c.dry.kv_gpu_blocks == c.split.kv_gpu_blocks
+
+
+def test_the_dry_steps_carry_the_engine_runs_loads_step_for_step(cases: list[Case]) -> None:
+    """What the oracle's search prices (bench/oracle_estimate.py): each replayed step's prefills, decodes, tokens
+    computed and context are the engine run's."""
+    for c in cases:
+        assert c.dry_loads == c.engine_loads, (c.point, c.split)
 
 
 def test_the_cases_cross_preempting_calm_and_gapped_runs(cases: list[Case]) -> None:

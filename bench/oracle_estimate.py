@@ -1,0 +1,111 @@
+"""The oracle's candidate splits priced before any is measured: which of them the device runs.
+
+Bench driver code (the `tierplan bench phase` process); pure Python over a dry replay (no engine, no clock, no
+torch). The oracle is the best static split in hindsight; measuring every candidate costs a run each, and the
+candidates far from the best cost the most: on the H100 (phase run 43, qwen3 b256 4K 40 GiB) the split giving KV
+the batch's whole demand, one expert slot a layer, ran 134 s of the oracle's 198 s for 159 tok/s, against 450
+for the best candidate. So the search prices a wider pool of splits first and measures only the best few by
+that price. Each candidate's schedule and access stream come from its dry replay (dry_record.py: the scheduler
+over its KV share, the forced routes); each MoE layer's slots are run under Belady's rule over that stream at
+step granularity (the experts a step needs stay, then those used soonest after: the oracle's own victim order,
+oracle.py), giving each step's hits, misses and whether a decode step outruns a layer's slots (the engine then
+runs it chunked off its graphs); the process's cost model (phase_metrics.Predictor, fitted on this process's
+runs) prices each step from those and its tokens, context and the KV blocks its swaps move. The figure ranks
+splits; it is never reported as a throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tierplan.bench.baselines.base import ExpertFuture, Split
+
+
+@dataclass(frozen=True)
+class DryStep:
+    """One step of a dry replay, as the runner would record it (bench/phase_run.py `StepRecord`)."""
+
+    num_prefills: int
+    num_decodes: int
+    batch_tokens: int  # tokens computed: whole prompts plus one a decode
+    context_tokens: int  # tokens attention reads
+    kv_moved_blocks: int  # blocks the step's swaps move: sequences swapped back in and those preempted out
+
+    @property
+    def tokens_out(self) -> int:
+        return self.num_prefills + self.num_decodes
+
+
+@dataclass(frozen=True)
+class LayerCounts:
+    """A step's expert accesses over the MoE layers under Belady eviction."""
+
+    hits: int
+    misses: int
+    over_slots: bool  # some layer needed more experts than its slots
+
+
+def belady_counts(future: ExpertFuture, slots_per_layer: tuple[int, ...]) -> list[LayerCounts]:
+    """Each step of `future` with `slots_per_layer[m]` slots in MoE layer m, starting empty: a layer's needed
+    experts hit where resident, else load; after the step it keeps, of what it held and loaded, the experts used
+    soonest after (never used again: last). A layer that needs more than its slots loads every expert it lacks
+    (the chunks' own reloads are left out)."""
+    layers = len(slots_per_layer)
+    held: list[set[int]] = [set() for _ in range(layers)]
+    out = []
+    for t, step in enumerate(future.steps):
+        if len(step) != layers:
+            raise ValueError(f"belady_counts: step {t} has {len(step)} MoE layers, the split {layers}")
+        hits = misses = 0
+        over = False
+        for m, need in enumerate(step):
+            cap = slots_per_layer[m]
+            h = len(need & held[m])
+            hits += h
+            misses += len(need) - h
+            over = over or len(need) > cap
+            pool = held[m] | need
+            if len(pool) > cap:
+                pool = set(sorted(pool, key=lambda e, m=m: (future.next_use(m, e, t + 1), e))[:cap])
+            held[m] = pool
+        out.append(LayerCounts(hits, misses, over))
+    return out
+
+
+def priced_steps(steps: list[DryStep], counts: list[LayerCounts]) -> list[SimpleNamespace]:
+    """The replayed steps as the cost model's `Predictor.step_prices` reads measured ones: tokens, context, the
+    KV blocks moved (priced as fetches), hits and misses, and a decode step over a layer's slots run chunked."""
+    if len(steps) != len(counts):
+        raise ValueError(f"priced_steps: {len(steps)} replayed steps, {len(counts)} recorded")
+    return [SimpleNamespace(batch_tokens=s.batch_tokens, context_tokens=s.context_tokens,
+                            kv_fetch={"cpu": s.kv_moved_blocks, "nvme": 0}, expert_hits=c.hits,
+                            expert_misses=c.misses, expert_prefetch_hits=0, num_prefills=s.num_prefills,
+                            executors={"eager/layer_over_slots": 1} if c.over_slots and not s.num_prefills else {})
+            for s, c in zip(steps, counts, strict=True)]
+
+
+def estimate_tok_s(predictor: Any, split: Split, future: ExpertFuture, steps: list[DryStep],
+                   warm_steps: int) -> float:
+    """The split's output tokens over its priced step time, past the first `warm_steps` (as a row measures):
+    what ranks the oracle's candidates (0.0 where nothing is left to price)."""
+    counts = belady_counts(future, split.expert_slots_per_layer)
+    timed = priced_steps(steps, counts)[warm_steps:]
+    ms = sum(predictor.step_prices(timed))
+    return sum(s.tokens_out for s in steps[warm_steps:]) / ms * 1e3 if ms > 0 else 0.0
+
+
+def pick_measured(labels: list[str], estimates: dict[str, float], saved: set[str], count: int) -> list[str]:
+    """The candidates the oracle measures, in pool order: every one measured already (`saved`: an earlier call of
+    the same code, resumed), then the best priced of the rest until `count` in all; a label not priced (its dry
+    replay refused the split) is never picked."""
+    if count < 1:
+        raise ValueError(f"pick_measured: count must be >= 1, got {count}")
+    chosen = {lb for lb in labels if lb in saved}
+    for lb in sorted((lb for lb in labels if lb in estimates and lb not in chosen), key=lambda lb: -estimates[lb]):
+        if len(chosen) >= count:
+            break
+        chosen.add(lb)
+    return [lb for lb in labels if lb in chosen]

@@ -1,0 +1,106 @@
+"""The oracle's search priced before it is measured (bench/oracle_estimate.py): Belady's counts on a stream by
+hand and on random streams (never more misses with more slots), the price ranking splits by their misses, which
+candidates are picked, and the phase runner measuring only the best priced of a wider pool."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierplan.bench.baselines.base import ExpertFuture, Split
+from tierplan.bench.oracle_estimate import DryStep, belady_counts, estimate_tok_s, pick_measured
+from tierplan.bench.phase_metrics import Predictor
+from tierplan.controller.model_shape import ModelShape
+
+
+def _future(*layers: list[set[int]]) -> ExpertFuture:
+    """A stream from each MoE layer's sets, step by step (`layers[m][t]`)."""
+    return ExpertFuture(tuple(tuple(frozenset(layer[t]) for layer in layers) for t in range(len(layers[0]))), 1)
+
+
+def test_belady_keeps_the_experts_used_soonest() -> None:
+    # Two slots: step 1 loads expert 2 and must drop one of 0 and 1 or 2 itself; both come back before 2 never
+    # does, so Belady keeps 0 and 1 (LRU would have dropped 0 or 1 and missed again).
+    counts = belady_counts(_future([{0, 1}, {2}, {0}, {1}, {2}]), (2,))
+    assert [(c.hits, c.misses) for c in counts] == [(0, 2), (0, 1), (1, 0), (1, 0), (0, 1)]
+    assert not any(c.over_slots for c in counts)
+    # A step needing more experts than the layer's slots is over them (the engine runs it chunked); two layers add up.
+    counts = belady_counts(_future([{0, 1, 2}, {0}], [{5}, {5}]), (2, 1))
+    assert [(c.hits, c.misses, c.over_slots) for c in counts] == [(0, 4, True), (2, 0, False)]
+    with pytest.raises(ValueError, match=r"step 0 has 1 MoE layers, the split 2"):
+        belady_counts(_future([{0}]), (1, 1))
+
+
+def test_belady_never_misses_more_with_more_slots() -> None:
+    rng = random.Random(7)
+    for _ in range(40):
+        steps = [set(rng.sample(range(12), rng.randint(1, 5))) for _ in range(rng.randint(5, 40))]
+        future = _future(steps)
+        misses = [sum(c.misses for c in belady_counts(future, (s,))) for s in range(1, 13)]
+        assert misses == sorted(misses, reverse=True), misses
+        assert misses[-1] == len(set().union(*steps))  # every expert resident: cold misses only
+
+
+def _predictor() -> Predictor:
+    shape = ModelShape(name="t", num_layers=2, moe_layers=(0, 1), num_experts=16, top_k=2, expert_bytes=1 << 20,
+                       dense_bytes=0, kv_bytes_per_token=64, block_tokens=16)
+    return Predictor.for_shape(shape, 1024, 2e9)
+
+
+def test_the_price_ranks_splits_by_the_loads_they_make() -> None:
+    rng = random.Random(3)
+    layers = [[set(rng.sample(range(16), 4)) for _ in range(60)] for _ in range(2)]
+    future = _future(*layers)
+    steps = [DryStep(0, 2, 2, 64 + t, 0) for t in range(60)]
+    tok_s = [estimate_tok_s(_predictor(), Split((s, s), 8), future, steps, 4) for s in (4, 8, 12, 16)]
+    assert tok_s == sorted(tok_s) and tok_s[0] < tok_s[-1], tok_s  # fewer misses, then none chunked: faster
+    # KV blocks moved by swaps cost time too; no step left to price prices nothing.
+    swapping = [dataclasses.replace(s, kv_moved_blocks=40) for s in steps]
+    assert estimate_tok_s(_predictor(), Split((16, 16), 8), future, swapping, 4) < tok_s[-1]
+    assert estimate_tok_s(_predictor(), Split((16, 16), 8), future, steps, 60) == 0.0
+
+
+def test_the_best_priced_are_picked_after_the_saved_ones() -> None:
+    labels = ["a", "b", "c", "d"]
+    est = {"a": 10.0, "b": 30.0, "c": 20.0}  # d: its dry replay refused the split
+    assert pick_measured(labels, est, set(), 2) == ["b", "c"]  # in pool order
+    assert pick_measured(labels, est, {"a"}, 2) == ["a", "b"]  # a saved one counts among those measured
+    assert pick_measured(labels, est, {"a", "c"}, 1) == ["a", "c"]  # and is never dropped
+    assert pick_measured(labels, est, set(), 9) == ["a", "b", "c"]  # never the unpriced one
+    with pytest.raises(ValueError, match=r"count must be >= 1, got 0"):
+        pick_measured(labels, est, set(), 0)
+
+
+def test_the_phase_runner_measures_only_the_best_priced_splits(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierplan.bench.phase as phase
+    from tierplan.bench.phase_grid import QUICK
+
+    sizes = dataclasses.replace(QUICK, oracle_max_splits=1, oracle_priced_splits=3)
+    monkeypatch.setattr(phase, "QUICK", sizes)
+    real_measure, real_price, ran, priced = phase.measure, phase.estimate_tok_s, [], []
+
+    def measure(h: Any, ctx: Any, policy: Any, *a: Any, **kw: Any) -> Any:
+        if policy.name == "oracle":
+            ran.append(ctx.split)
+        return real_measure(h, ctx, policy, *a, **kw)
+
+    def price(predictor: Any, split: Split, *a: Any) -> float:
+        real_price(predictor, split, *a)  # the real pricing runs; the test then ranks the middle split first
+        priced.append(split)
+        return 100.0 if len(priced) == 2 else 1.0
+
+    monkeypatch.setattr(phase, "measure", measure)
+    monkeypatch.setattr(phase, "estimate_tok_s", price)
+    quiet = type("Quiet", (), {"print": staticmethod(lambda *_a, **_k: None)})()
+    path = phase.run_phase_bench(tmp_path, quick=True, point_spec="b4c32f0.4", policies=("oracle",), console=quiet)
+    rows = phase.load_rows(path["tiny"])
+    assert len(priced) == 3 and ran == [priced[1]]  # three priced, the best priced alone run
+    cands = [r for r in rows if r["status"] == "candidate"]
+    oracle = next(r for r in rows if r["policy"] == "oracle" and r["status"] != "candidate")
+    assert len(cands) == 1 and oracle["oracle_split"] == cands[0]["oracle_split"]
+    assert oracle["notes"].count("tok/s priced") == 2 and sorted(oracle["oracle_priced"].values()) == [1.0, 1.0, 100.0]
