@@ -67,18 +67,18 @@ class Sizes:
         return max(self.oracle_priced_splits, self.oracle_max_splits)
 
 
-# The grid. qwen3-30b-a3b: 128 experts of 9 MiB in each of 48 layers (~54 GiB), mixtral: 8 of 336 MiB
-# in 32 (~84 GiB); both cut to 8 layers so each point's engine builds in seconds and fits beside the store.
-# Outputs of 64 tokens on average (at most 128) and 1.25 requests per batch slot: a run at full concurrency is
-# 121-150 steps (>= 100 measured after the 16 warm-up ones); a policy that runs fewer sequences at once takes
-# more. The oracle prices seven candidate splits and runs the best two by that price (bench/oracle_estimate.py:
-# over the saved candidates of H100/H200 phase runs 26-43, the two best priced held the best measured at all 27
-# points with two or more measured, the best priced at 26). A run stops once 128 measured steps had no prefill
-# (>= 100 decode steps at every point): the lighter points finish first, while a point whose KV share holds a few
-# of its sequences at once would otherwise take thousands of steps (the scheduler's replay: mixtral b256 16K at
-# 32 GiB 5,285 steps of 3.8 sequences; b128 4K 661), each a link-bound quarter second on the H200, for the batch
-# its first ~150 ran already (the replay stops every point at 146-367 steps; the mean batch over them is never
-# below the whole run's at b >= 32, up to 30 % above it where the drain is left out).
+# The grid. qwen3-30b-a3b: 128 experts of 9 MiB in each of 48 layers (~54 GiB), mixtral: 8 of 336 MiB in
+# 32 (~84 GiB); both cut to 8 layers so each point's engine builds in seconds and fits beside the store. Outputs
+# of 64 tokens on average (at most 128) and 1.25 requests per batch slot: a run at full concurrency is 121-150
+# steps (>= 100 measured after the 16 warm-up ones); a policy that runs fewer sequences at once takes more. The
+# oracle prices seven candidate splits and runs the best two by that price (bench/oracle_estimate.py: over the
+# saved candidates of H100/H200 phase runs 26-45, 31 points with two or more measured, the two best priced held
+# the best measured at 30, and one within 12 % of it at the 31st). A run stops once 128 measured steps had no
+# prefill (>= 100 decode steps at every point): the lighter points finish first, while a point whose KV share
+# holds a few of its sequences at once would otherwise take thousands of steps (the scheduler's replay: mixtral
+# b256 16K at 32 GiB 5,285 steps of 3.8 sequences; b128 4K 661), each a link-bound quarter second on the H200, for
+# the batch its first ~150 ran already (the replay stops every point at 146-367 steps; the mean batch over them is
+# never below the whole run's at b >= 32, up to 30 % above it where the drain is left out).
 FULL = Sizes(
     models=(ModelSweep("qwen3-30b-a3b", 8, 48, budgets_gib=(24.0, 40.0, 56.0)),
             ModelSweep("mixtral-8x7b", 8, 32, budgets_gib=(32.0, 56.0, 80.0))),

@@ -30,7 +30,9 @@ def test_belady_keeps_the_experts_used_soonest() -> None:
     assert not any(c.over_slots for c in counts)
     # A step needing more experts than the layer's slots is over them (the engine runs it chunked); two layers add up.
     counts = belady_counts(_future([{0, 1, 2}, {0}], [{5}, {5}]), (2, 1))
-    assert [(c.hits, c.misses, c.over_slots) for c in counts] == [(0, 4, True), (2, 0, False)]
+    assert [(c.hits, c.misses, c.over_slots, c.extra_chunks) for c in counts] == [(0, 4, True, 1), (2, 0, False, 0)]
+    # Seven experts in groups of two: four groups, three past the first.
+    assert belady_counts(_future([set(range(7))]), (2,))[0].extra_chunks == 3
     with pytest.raises(ValueError, match=r"step 0 has 1 MoE layers, the split 2"):
         belady_counts(_future([{0}]), (1, 1))
 
@@ -48,7 +50,7 @@ def test_belady_never_misses_more_with_more_slots() -> None:
 def _predictor() -> Predictor:
     shape = ModelShape(name="t", num_layers=2, moe_layers=(0, 1), num_experts=16, top_k=2, expert_bytes=1 << 20,
                        dense_bytes=0, kv_bytes_per_token=64, block_tokens=16)
-    return Predictor.for_shape(shape, 1024, 2e9)
+    return Predictor.for_shape(shape, 1024, 2e9, memory_bytes_per_s=1e11)  # each active expert read: 0.01 ms
 
 
 def test_the_price_ranks_splits_by_the_loads_they_make() -> None:
@@ -62,6 +64,22 @@ def test_the_price_ranks_splits_by_the_loads_they_make() -> None:
     swapping = [dataclasses.replace(s, kv_moved_blocks=40) for s in steps]
     assert estimate_tok_s(_predictor(), Split((16, 16), 8), future, swapping, 4) < tok_s[-1]
     assert estimate_tok_s(_predictor(), Split((16, 16), 8), future, steps, 60) == 0.0
+
+
+def test_a_layer_run_in_groups_pays_each_group_past_its_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierplan.bench.oracle_estimate as oe
+
+    future = _future([set(range(6))] * 10, [set(range(6))] * 10)
+    steps = [DryStep(0, 6, 6, 64, 0)] * 10  # 6 tokens out a step
+
+    def step_ms(slots: int) -> float:  # the priced ms a step, past the 2 warm-up steps
+        return 6 / estimate_tok_s(_predictor(), Split((slots, slots), 8), future, steps, 2) * 1e3
+
+    charge, charged, whole = oe.CHUNK_MS, step_ms(1), step_ms(6)
+    monkeypatch.setattr(oe, "CHUNK_MS", 0.0)
+    # One slot a layer: 6 groups, 5 past the first, in each of 2 layers; 6 slots: one group, nothing charged.
+    assert charge > 0 and charged == pytest.approx(step_ms(1) + 10 * charge)
+    assert whole == pytest.approx(step_ms(6))
 
 
 def test_the_best_priced_are_picked_after_the_saved_ones() -> None:
