@@ -73,7 +73,8 @@ def router_table(shape: ModelShape, trace: Path = ROUTING) -> np.ndarray:
                                            shape.num_experts)[0]
 
 
-def _predicted_ms(predictor: Predictor, line: dict[str, Any], timed: list[SimpleNamespace]) -> float | None:
+def _predicted_ms(predictor: Predictor, line: dict[str, Any], timed: list[SimpleNamespace],
+                  before: SimpleNamespace | None = None) -> float | None:
     """The run's steps priced as its row's `predicted_step_ms` is (`predict_at_plans`: each at the split of the
     plan it ran under, the misses the trace's LRU curves predict there); None for a line saved before steps
     carried their plan and prefetched loads."""
@@ -82,7 +83,7 @@ def _predicted_ms(predictor: Predictor, line: dict[str, Any], timed: list[Simple
     initial = None if version is None else plans.get(int(version))
     if initial is None or not all(hasattr(s, "plan_version") and hasattr(s, "expert_prefetch_hits") for s in timed):
         return None
-    return predict_at_plans(predictor, plans, initial, timed)[0]
+    return predict_at_plans(predictor, plans, initial, timed, before)[0]
 
 
 def replay_file(path: Path, lines: list[dict[str, Any]], routes: np.ndarray | None = None) -> list[dict[str, Any]]:
@@ -103,9 +104,10 @@ def replay_file(path: Path, lines: list[dict[str, Any]], routes: np.ndarray | No
         warm = min(int(line.get("warm_steps") or 0), len(steps) - 1)
         timed = steps[warm:]
         predictor.calibrate(steps[:warm])
-        predicted = _predicted_ms(predictor, line, timed) if routes is not None else None
+        before = steps[warm - 1] if warm else None
+        predicted = _predicted_ms(predictor, line, timed, before) if routes is not None else None
         priced = predictor.step_ms(timed)
-        predictor.calibrate(timed)
+        predictor.calibrate(timed, before)
         measured_ms = sum(s.cycle_s for s in timed) / len(timed) * 1e3
         ok = measured_ms > 0
         out.append({"point": line["point"], "policy": line["policy"], "status": line.get("status"),

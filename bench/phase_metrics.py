@@ -30,7 +30,10 @@ measured steps (those after warm-up):
   (`controller.predictors.miss_ratio`, the decode walk of `ForcedRouter` at the step's batch), the share of
   them the step's loads show issued ahead of their layer
   (`StepRecord.expert_prefetch_hits`) priced as streamed. One rule for every policy: a live one's steps are
-  priced at each split it applied, from the step it took effect.
+  priced at each split it applied, from the step it took effect; that step also pays the GPU KV blocks its
+  plan's share evicts, at the time a block took at the plan changes measured before
+  (`Predictor.evict_ms_per_block`: 0.27-0.41 ms on the H100, against ~5 us of link; such steps held 6-26 % of
+  some live runs' measured time in phase runs 29-45).
   `controller_step_ms`: a live policy's own figure, the controller's `Decision.step_ms` of the split in force.
   It is a typical step at the batch the controller saw, not the run's mix of decodes and prefills: on the H200
   it was 0.1-8.6x the measured step (phase runs 17-25, bench/results/phase_h200.md).
@@ -69,6 +72,10 @@ CURVE_ACCESSES = 16384  # expert accesses per layer a curve is built from (steps
 # within 15 % at 0.99, 142 at 0.98, 138 at 0.995, 128 at 0.9975 (chosen on those steps: a later sweep says
 # whether it holds).
 STEP_FORGETTING = 0.99
+# A plan that evicts GPU KV blocks moves them to the host before the next step: each such plan change measured is
+# an observation of the time a block costs (H100 phase runs 41-45: 0.27-0.41 ms a block, against ~5 us of link);
+# the newer ones weigh more, as the fit's steps do.
+EVICT_FORGETTING = 0.9
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -109,6 +116,8 @@ class Predictor:
     kv_block_bytes: int
     ids_host: np.ndarray | None = None  # the forced router's table [T, L_moe, k]
     _curves: dict[int, MissRatioCurves] = field(default_factory=dict)
+    _evict_sum: float = 0.0  # ms outside the forward at plan changes that evicted KV blocks, forgetting older ones
+    _evict_blocks: float = 0.0  # the blocks they evicted, forgotten alike
 
     @classmethod
     def for_model(cls, h: Any) -> Predictor:
@@ -131,19 +140,37 @@ class Predictor:
                           hbm_bytes_per_s=memory_bytes_per_s)
         return cls(CostModel(shape, hw, forgetting=STEP_FORGETTING), kv_block_bytes, ids_host)
 
-    def calibrate(self, steps: list[Any]) -> None:
+    def calibrate(self, steps: list[Any], before: Any = None) -> None:
         """Fold measured steps (StepRecords) into the cost model, one observation each: the cycle less its
         stalls against its tokens, context, distinct experts (hits + misses over the MoE layers) and whether it
         ran chunked, and the stalls against its demand loads (expert misses, KV blocks fetched back) and their
-        bytes."""
+        bytes. A step a new plan took effect at (its `plan_version` not the step before's; `before`: the step
+        before the first, of the same run) that moved KV blocks to the host spent its cycle outside the forward on
+        them: that time goes to the price of a block a plan evicts (`evict_ms_per_block`), not to compute."""
         eb = self.cost.shape.expert_bytes
         for s in steps:
             kv = sum(s.kv_fetch.values())
             stall = s.expert_stall_ms + s.kv_stall_ms
+            applied_ms = 0.0
+            evicted = (getattr(s, "link_bytes", None) or {}).get("d2h", 0) // max(1, self.kv_block_bytes)
+            changed = before is not None and getattr(s, "plan_version", None) != getattr(before, "plan_version", None)
+            if changed and evicted > 0:
+                applied_ms = max(0.0, (s.cycle_s - s.step_s) * 1e3)
+                self._evict_sum = EVICT_FORGETTING * self._evict_sum + applied_ms
+                self._evict_blocks = EVICT_FORGETTING * self._evict_blocks + evicted
             self.cost.observe(s.batch_tokens, s.context_tokens, s.expert_hits + s.expert_misses,
-                              s.cycle_s * 1e3 - stall, s.expert_misses + kv,
+                              s.cycle_s * 1e3 - stall - applied_ms, s.expert_misses + kv,
                               s.expert_misses * eb + kv * self.kv_block_bytes, stall, expert_misses=s.expert_misses,
                               chunked=float(ran_chunked(s)))
+            before = s
+
+    @property
+    def evict_ms_per_block(self) -> float:
+        """The time a plan's application spends a GPU KV block it moves to the host: measured at the plan changes
+        calibrated so far (forgetting older ones), else the host link's per-record prior and its bytes."""
+        if self._evict_blocks > 0:
+            return self._evict_sum / self._evict_blocks
+        return self.cost.transfer_ms(Link.D2H, self.kv_block_bytes, 1)
 
     def curve(self, batch: int) -> MissRatioCurves:
         """The trace's LRU curves at `batch` (a power of two, <= CURVE_MAX_BATCH): `batch` sequences walking the
@@ -232,30 +259,54 @@ def ran_chunked(step: Any) -> bool:
     return any(k.endswith("/layer_over_slots") for k in (getattr(step, "executors", None) or {}))
 
 
+def plan_kv_blocks(plan: Any) -> int | None:
+    """A plan's GPU KV blocks: a `Plan`'s tier caps, or a saved steps line's `kv_gpu_blocks` (None: neither)."""
+    tiers = getattr(plan, "kv_blocks_per_tier", None)
+    if tiers is not None:  # keyed by the protocol's Tier, a str enum: "gpu" finds it
+        gpu = tiers.get("gpu")
+        return None if gpu is None else int(gpu)
+    n = getattr(plan, "kv_gpu_blocks", None)
+    return None if n is None else int(n)
+
+
 def plan_slots(plan: Any, shape: ModelShape) -> tuple[int, ...]:
     """Expert slots per MoE layer that a plan's caps allow."""
     return tuple(plan.expert_bytes_per_layer[layer] // shape.expert_bytes for layer in shape.moe_layers)
 
 
-def predict(predictor: Predictor, outcome: Any, timed: list[Any]) -> tuple[float, str]:
+def predict(predictor: Predictor, outcome: Any, timed: list[Any], before: Any = None) -> tuple[float, str]:
     """`predicted_step_ms` of the run (module docstring) and where it came from: `predict_at_plans` over the
-    run's applied plans."""
-    return predict_at_plans(predictor, outcome.extra.get("plans_applied") or {}, outcome.initial_plan, timed)
+    run's applied plans (`before`: the step before the first timed one)."""
+    return predict_at_plans(predictor, outcome.extra.get("plans_applied") or {}, outcome.initial_plan, timed,
+                            before)
 
 
-def predict_at_plans(predictor: Predictor, plans: Mapping[int, Any], initial_plan: Any, timed: list[Any]
-                     ) -> tuple[float, str]:
+def predict_at_plans(predictor: Predictor, plans: Mapping[int, Any], initial_plan: Any, timed: list[Any],
+                     before: Any = None) -> tuple[float, str]:
     """Each measured step priced at the split of the plan it ran under (`StepRecord.plan_version`; a version not
-    in `plans`, e.g. a step before the first: `initial_plan`'s), and where the figure came from. Plans need only
-    `expert_bytes_per_layer` (a saved steps line's plans serve: bench/phase_cost_replay.py)."""
+    in `plans`, e.g. a step before the first: `initial_plan`'s), and where the figure came from. A step a new
+    plan took effect at also pays, at `Predictor.evict_ms_per_block`, the GPU KV blocks the plan's share leaves
+    no room for: those the step before held (its context in whole blocks) beyond the share. Plans need only
+    `expert_bytes_per_layer` and their GPU KV blocks (a saved steps line's plans serve:
+    bench/phase_cost_replay.py)."""
     shape = predictor.cost.shape
     slots = {v: plan_slots(p, shape) for v, p in plans.items()}
     initial = plan_slots(initial_plan, shape)
     prices = [predictor.split_step_ms([s], slots.get(s.plan_version, initial)) for s in timed]
+    evicted = 0
+    for i, s in enumerate(timed):
+        prev = timed[i - 1] if i else before
+        if prev is not None and s.plan_version != prev.plan_version:
+            share = plan_kv_blocks(plans.get(s.plan_version, initial_plan))
+            held = -(-prev.context_tokens // shape.block_tokens) if share is not None else 0
+            n = max(0, held - share) if share is not None else 0
+            prices[i] += n * predictor.evict_ms_per_block
+            evicted += n
     under = {s.plan_version for s in timed}
     return (_mean(prices) or 0.0,
             "split: cost model over the trace's LRU miss curve" + (
-                f", each step at the split of the plan it ran under ({len(under)} plans)" if len(under) > 1 else ""))
+                f", each step at the split of the plan it ran under ({len(under)} plans)" if len(under) > 1 else "")
+            + (f", {evicted} KV blocks the plans evicted" if evicted else ""))
 
 
 def controller_step_ms(outcome: Any, warm: int, num_timed: int) -> float | None:
@@ -323,14 +374,15 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
     timed = steps[warm:]
     hits, misses = sum(s.expert_hits for s in timed), sum(s.expert_misses for s in timed)
     predictor.calibrate(steps[:warm])
-    predicted, source = predict(predictor, outcome, timed)
+    before = steps[warm - 1] if warm else None
+    predicted, source = predict(predictor, outcome, timed, before)
     prices = predictor.step_prices(timed)
     priced = _mean(prices) or 0.0
     # The same pricing over decode and prefill steps apart (a prefill needs every expert: where the cost model
     # errs is told apart by step kind; compare with decode_step_ms / prefill_step_ms).
     priced_decode = _mean([p for p, s in zip(prices, timed, strict=True) if s.num_prefills == 0])
     priced_prefill = _mean([p for p, s in zip(prices, timed, strict=True) if s.num_prefills > 0])
-    predictor.calibrate(timed)
+    predictor.calibrate(timed, before)
     rep = outcome.report
     stalls = _stalls(timed)
     applied = sum(a.status is AckStatus.APPLIED for a in outcome.acks)

@@ -336,7 +336,8 @@ def test_each_point_runs_a_discarded_warm_up_first_and_goes_on_without_one_that_
     real, made = phase.make, []
     monkeypatch.setattr(phase, "make", lambda name: made.append(name) or real(name))
     fit = Predictor.calibrate
-    monkeypatch.setattr(Predictor, "calibrate", lambda self, steps: made.append(len(steps)) or fit(self, steps))
+    monkeypatch.setattr(Predictor, "calibrate",
+                        lambda self, steps, *a, **kw: made.append(len(steps)) or fit(self, steps, *a, **kw))
     res = _run("--points", POINT, "--policies", "resident", "--out-dir", str(tmp_path / "ok"))
     assert res.exit_code == 0, res.output
     (row,) = json.loads(next((tmp_path / "ok").glob("phase_tiny_*.json")).read_text())
