@@ -42,7 +42,9 @@ class DryStep:
     num_decodes: int
     batch_tokens: int  # tokens computed: whole prompts plus one a decode
     context_tokens: int  # tokens attention reads
-    kv_moved_blocks: int  # blocks the step's swaps move: sequences swapped back in and those preempted out
+    # Blocks the step's swaps move, back in and out (no StepRecord field counts them: a run's records hold the
+    # blocks fetched back and the link's bytes), priced as fetches.
+    kv_moved_blocks: int
 
     @property
     def tokens_out(self) -> int:
@@ -102,23 +104,18 @@ def priced_steps(steps: list[DryStep], counts: list[LayerCounts]) -> list[Simple
 def estimate_tok_s(predictor: Any, split: Split, future: ExpertFuture, steps: list[DryStep],
                    warm_steps: int) -> float:
     """The split's output tokens over its priced step time, past the first `warm_steps` (as a row measures):
-    what ranks the oracle's candidates (0.0 where nothing is left to price). Each group of a layer run in groups
+    what ranks the oracle's candidates (0.0 where nothing is priced). Each group of a layer run in groups
     past its first pays CHUNK_MS besides."""
     counts = belady_counts(future, split.expert_slots_per_layer)
-    timed = priced_steps(steps, counts)[warm_steps:]
-    ms = sum(predictor.step_prices(timed)) + CHUNK_MS * sum(c.extra_chunks for c in counts[warm_steps:])
-    return sum(s.tokens_out for s in steps[warm_steps:]) / ms * 1e3 if ms > 0 else 0.0
+    warm = min(warm_steps, max(0, len(steps) - 1))  # as a row: a run shorter than its warm-up measures its last step
+    timed = priced_steps(steps, counts)[warm:]
+    ms = sum(predictor.step_prices(timed)) + CHUNK_MS * sum(c.extra_chunks for c in counts[warm:])
+    return sum(s.tokens_out for s in steps[warm:]) / ms * 1e3 if ms > 0 else 0.0
 
 
-def pick_measured(labels: list[str], estimates: dict[str, float], saved: set[str], count: int) -> list[str]:
-    """The candidates the oracle measures, in pool order: every one measured already (`saved`: an earlier call of
-    the same code, resumed), then the best priced of the rest until `count` in all; a label not priced (its dry
-    replay refused the split) is never picked."""
-    if count < 1:
-        raise ValueError(f"pick_measured: count must be >= 1, got {count}")
-    chosen = {lb for lb in labels if lb in saved}
-    for lb in sorted((lb for lb in labels if lb in estimates and lb not in chosen), key=lambda lb: -estimates[lb]):
-        if len(chosen) >= count:
-            break
-        chosen.add(lb)
-    return [lb for lb in labels if lb in chosen]
+def measure_order(labels: list[str], estimates: dict[str, float], saved: set[str]) -> list[str]:
+    """The order the oracle tries candidates in until it has measured as many as it may: every one measured
+    already (`saved`: an earlier call of the same code, resumed) in pool order, then the priced rest, best price
+    first; a label not priced (its dry replay refused the split) is never tried."""
+    first = [lb for lb in labels if lb in saved]
+    return first + sorted((lb for lb in labels if lb in estimates and lb not in saved), key=lambda lb: -estimates[lb])

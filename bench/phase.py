@@ -38,7 +38,7 @@ from tierplan.bench.baselines.base import (
     make_plan,
 )
 from tierplan.bench.baselines.dry_record import difference, dry_record
-from tierplan.bench.oracle_estimate import DryStep, estimate_tok_s, pick_measured
+from tierplan.bench.oracle_estimate import DryStep, estimate_tok_s, measure_order
 from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, RunStop, Sizes, points, select_points
 from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
 from tierplan.bench.phase_report import device_stems, write_report
@@ -177,26 +177,29 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, pref
             predictor: Predictor, base: dict[str, Any], store: _Store, say: Any,
             how: OracleRecording = OracleRecording.DRY) -> dict[str, Any]:
     """The search (oracle.py, bench/oracle_estimate.py): where the pool holds more splits than the oracle may
-    measure, each is priced first and only the best priced are run; each run's future recorded (`how`) and run
-    with Belady eviction from it, its row saved as it finishes (a candidate already in the file is not run
-    again, and counts among those measured); the row of the best tok/s."""
+    measure, each is priced first and only the best priced are run (one the run refuses makes way for the next);
+    each run's future recorded (`how`) and run with Belady eviction from it, its row saved as it finishes (a
+    candidate already in the file is not run again, and counts among those measured); the row of the best
+    tok/s."""
     done = store.candidates(base["point"], base["device"], base["code"], base.get("repeat", 0))
     best: dict[str, Any] | None = None
     tried: list[str] = []
     pool = oracle_splits(ctx, sizes.oracle_pool_splits)
     labels = [_split_label(s) for s in pool]
+    by_label = dict(zip(labels, pool, strict=True))
     estimates: dict[str, float] = {}
     futures: dict[str, ExpertFuture] = {}
+    order, quota = labels, len(labels)
     if len(pool) > sizes.oracle_max_splits:
         estimates, futures = _price_pool(h, ctx, pool, sizes, workdir, predictor, tried)
-        chosen = set(pick_measured(labels, estimates, set(done), sizes.oracle_max_splits))
-        say(f"{base['point']} oracle: {len(pool)} splits priced, measuring " + "; ".join(
-            f"{lb} (priced {estimates[lb]:.0f} tok/s)" for lb in labels if lb in chosen and lb in estimates))
-    else:
-        chosen = set(labels)
-    for split, label in zip(pool, labels, strict=True):
-        if label not in chosen:
-            continue
+        order, quota = measure_order(labels, estimates, set(done)), sizes.oracle_max_splits
+        say(f"{base['point']} oracle: {len(pool)} splits priced, best first: " + "; ".join(
+            f"{lb} {estimates[lb]:.0f} tok/s" for lb in order if lb in estimates))
+    measured: list[str] = []
+    for label in order:
+        if len(measured) >= quota:
+            break
+        split = by_label[label]
         row = done.get(label)
         if row is None:
             t0 = time.perf_counter()
@@ -204,7 +207,7 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, pref
                 future, checked = _future(h, ctx, split, sizes, workdir, prefix_tokens, how, futures.get(label))
                 out = measure(h, dataclasses.replace(ctx, future=future, split=split), make("oracle"), sizes, workdir,
                               prefix_tokens)
-            except RunRefused as exc:
+            except RunRefused as exc:  # the next in the order takes its place
                 tried.append(f"{label}: refused ({exc})")
                 continue
             row = measured_row(base, out, sizes.warm_steps, predictor, _tokens_per_request(ctx))
@@ -218,6 +221,7 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, pref
             tried.append(f"{label}: {row['decode_tok_s']:.1f} tok/s")
         else:
             tried.append(f"{label}: {row['decode_tok_s']:.1f} tok/s (saved)")
+        measured.append(label)
         if best is None or row["decode_tok_s"] > best["decode_tok_s"]:
             best = row
     if best is None:
@@ -228,7 +232,7 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, pref
                                                                              base["code"], base.get("repeat", 0)
                                                                              ).values())
     priced = ("; splits priced, not run: " + "; ".join(f"{lb}: {estimates[lb]:.0f} tok/s priced" for lb in labels
-                                                        if lb in estimates and lb not in chosen)) if estimates else ""
+                                                        if lb in estimates and lb not in measured)) if estimates else ""
     out_row["notes"] = (best["notes"] + " | " if best["notes"] else "") + "splits tried: " + "; ".join(tried) + priced
     if estimates:
         out_row["oracle_priced"] = {lb: round(v, 1) for lb, v in estimates.items()}

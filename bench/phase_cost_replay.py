@@ -106,7 +106,7 @@ def replay_file(path: Path, lines: list[dict[str, Any]], routes: np.ndarray | No
         predictor.calibrate(steps[:warm])
         before = steps[warm - 1] if warm else None
         predicted = _predicted_ms(predictor, line, timed, before) if routes is not None else None
-        priced = predictor.step_ms(timed)
+        priced = predictor.step_ms(timed, before)
         predictor.calibrate(timed, before)
         measured_ms = sum(s.cycle_s for s in timed) / len(timed) * 1e3
         ok = measured_ms > 0

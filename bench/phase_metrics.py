@@ -32,8 +32,8 @@ measured steps (those after warm-up):
   (`StepRecord.expert_prefetch_hits`) priced as streamed. One rule for every policy: a live one's steps are
   priced at each split it applied, from the step it took effect; that step also pays the GPU KV blocks its
   plan's share evicts, at the time a block took at the plan changes measured before
-  (`Predictor.evict_ms_per_block`: 0.27-0.41 ms on the H100, against ~5 us of link; such steps held 6-26 % of
-  some live runs' measured time in phase runs 29-45).
+  (`Predictor.evict_ms_per_block`: 0.17-0.50 ms a block on the H100/H200, against ~5 us of link; such steps
+  held 6-26 % of some live runs' measured time in phase runs 29-45).
   `controller_step_ms`: a live policy's own figure, the controller's `Decision.step_ms` of the split in force.
   It is a typical step at the batch the controller saw, not the run's mix of decodes and prefills: on the H200
   it was 0.1-8.6x the measured step (phase runs 17-25, bench/results/phase_h200.md).
@@ -73,7 +73,8 @@ CURVE_ACCESSES = 16384  # expert accesses per layer a curve is built from (steps
 # whether it holds).
 STEP_FORGETTING = 0.99
 # A plan that evicts GPU KV blocks moves them to the host before the next step: each such plan change measured is
-# an observation of the time a block costs (H100 phase runs 41-45: 0.27-0.41 ms a block, against ~5 us of link);
+# an observation of the time a block costs (H100/H200 phase runs 29-45: 0.17-0.50 ms a block where over 1,000 moved,
+# against ~5 us of link bytes; a change moving a few blocks also pays its expert remaps, up to ~100 ms);
 # the newer ones weigh more, as the fit's steps do.
 EVICT_FORGETTING = 0.9
 
@@ -144,17 +145,15 @@ class Predictor:
         """Fold measured steps (StepRecords) into the cost model, one observation each: the cycle less its
         stalls against its tokens, context, distinct experts (hits + misses over the MoE layers) and whether it
         ran chunked, and the stalls against its demand loads (expert misses, KV blocks fetched back) and their
-        bytes. A step a new plan took effect at (its `plan_version` not the step before's; `before`: the step
-        before the first, of the same run) that moved KV blocks to the host spent its cycle outside the forward on
-        them: that time goes to the price of a block a plan evicts (`evict_ms_per_block`), not to compute."""
+        bytes. A step a new plan took effect at whose plan moved GPU KV blocks to the host (`plan_evictions`;
+        `before`: the step before the first, of the same run) spent its cycle outside the forward on them: that
+        time goes to the price of a block a plan evicts (`evict_ms_per_block`), not to compute."""
         eb = self.cost.shape.expert_bytes
         for s in steps:
             kv = sum(s.kv_fetch.values())
             stall = s.expert_stall_ms + s.kv_stall_ms
             applied_ms = 0.0
-            evicted = (getattr(s, "link_bytes", None) or {}).get("d2h", 0) // max(1, self.kv_block_bytes)
-            changed = before is not None and getattr(s, "plan_version", None) != getattr(before, "plan_version", None)
-            if changed and evicted > 0:
+            if (evicted := plan_evictions(s, before, self.kv_block_bytes)) > 0:
                 applied_ms = max(0.0, (s.cycle_s - s.step_s) * 1e3)
                 self._evict_sum = EVICT_FORGETTING * self._evict_sum + applied_ms
                 self._evict_blocks = EVICT_FORGETTING * self._evict_blocks + evicted
@@ -222,14 +221,21 @@ class Predictor:
                         kv_fetch_bytes=cpu * self.kv_block_bytes, kv_fetch_count=cpu,
                         kv_disk_read_bytes=nvme * self.kv_block_bytes, kv_disk_read_count=nvme, chunked=chunked)
 
-    def step_prices(self, steps: list[Any]) -> list[float]:
-        """Each of `steps` (StepRecords) priced at its measured misses and executor: its predicted step ms."""
-        return [self.cost.step_time_ms(self._load(s, self._spread(s.expert_misses), chunked=ran_chunked(s))
-                                       ).total_ms for s in steps]
+    def step_prices(self, steps: list[Any], before: Any = None) -> list[float]:
+        """Each of `steps` (StepRecords) priced at its measured misses and executor, and a step a new plan took
+        effect at also at the KV blocks that plan moved to the host (`plan_evictions`; `before` as `calibrate`'s):
+        its predicted step ms."""
+        out = []
+        for s in steps:
+            load = self._load(s, self._spread(s.expert_misses), chunked=ran_chunked(s))
+            out.append(self.cost.step_time_ms(load).total_ms
+                       + plan_evictions(s, before, self.kv_block_bytes) * self.evict_ms_per_block)
+            before = s
+        return out
 
-    def step_ms(self, steps: list[Any]) -> float:
+    def step_ms(self, steps: list[Any], before: Any = None) -> float:
         """Mean predicted step time over `steps`, each priced at its measured misses (0.0 without steps)."""
-        return _mean(self.step_prices(steps)) or 0.0
+        return _mean(self.step_prices(steps, before)) or 0.0
 
     def split_step_ms(self, steps: list[Any], slots: tuple[int, ...]) -> float:
         """Mean predicted step time over `steps` at a static split of `slots` per MoE layer: each step's
@@ -257,6 +263,16 @@ def curve_batch(tokens: int) -> int:
 def ran_chunked(step: Any) -> bool:
     """Whether a measured step (StepRecord) ran chunked off its graphs: the engine's `layer_over_slots` reason."""
     return any(k.endswith("/layer_over_slots") for k in (getattr(step, "executors", None) or {}))
+
+
+def plan_evictions(step: Any, before: Any, kv_block_bytes: int) -> int:
+    """The GPU KV blocks the plan that took effect at `step` moved to the host (0 where `step` runs the plan
+    `before` ran, or either is unknown). The runner's hook applies a plan after the step before it ended and
+    before that step's record is taken (bench/phase_run.py `measure`): its spill is in that record's d2h bytes,
+    its time in `step`'s cycle, outside the forward."""
+    if before is None or getattr(step, "plan_version", None) == getattr(before, "plan_version", None):
+        return 0
+    return (getattr(before, "link_bytes", None) or {}).get("d2h", 0) // max(1, kv_block_bytes)
 
 
 def plan_kv_blocks(plan: Any) -> int | None:
@@ -376,7 +392,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
     predictor.calibrate(steps[:warm])
     before = steps[warm - 1] if warm else None
     predicted, source = predict(predictor, outcome, timed, before)
-    prices = predictor.step_prices(timed)
+    prices = predictor.step_prices(timed, before)
     priced = _mean(prices) or 0.0
     # The same pricing over decode and prefill steps apart (a prefill needs every expert: where the cost model
     # errs is told apart by step kind; compare with decode_step_ms / prefill_step_ms).

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tierplan.bench.baselines.base import ExpertFuture, Split
-from tierplan.bench.oracle_estimate import DryStep, belady_counts, estimate_tok_s, pick_measured
+from tierplan.bench.oracle_estimate import DryStep, belady_counts, estimate_tok_s, measure_order
 from tierplan.bench.phase_metrics import Predictor
 from tierplan.controller.model_shape import ModelShape
 
@@ -23,8 +23,8 @@ def _future(*layers: list[set[int]]) -> ExpertFuture:
 
 
 def test_belady_keeps_the_experts_used_soonest() -> None:
-    # Two slots: step 1 loads expert 2 and must drop one of 0 and 1 or 2 itself; both come back before 2 never
-    # does, so Belady keeps 0 and 1 (LRU would have dropped 0 or 1 and missed again).
+    # Two slots: step 1 loads expert 2 and must drop one of 0, 1 and 2; 0 and 1 come back before 2 does, so Belady
+    # keeps them (LRU would have dropped 0 or 1 and missed again).
     counts = belady_counts(_future([{0, 1}, {2}, {0}, {1}, {2}]), (2,))
     assert [(c.hits, c.misses) for c in counts] == [(0, 2), (0, 1), (1, 0), (1, 0), (0, 1)]
     assert not any(c.over_slots for c in counts)
@@ -60,10 +60,12 @@ def test_the_price_ranks_splits_by_the_loads_they_make() -> None:
     steps = [DryStep(0, 2, 2, 64 + t, 0) for t in range(60)]
     tok_s = [estimate_tok_s(_predictor(), Split((s, s), 8), future, steps, 4) for s in (4, 8, 12, 16)]
     assert tok_s == sorted(tok_s) and tok_s[0] < tok_s[-1], tok_s  # fewer misses, then none chunked: faster
-    # KV blocks moved by swaps cost time too; no step left to price prices nothing.
+    # KV blocks moved by swaps cost time too; a replay shorter than its warm-up is priced at its last step, as a row
+    # measures it.
     swapping = [dataclasses.replace(s, kv_moved_blocks=40) for s in steps]
     assert estimate_tok_s(_predictor(), Split((16, 16), 8), future, swapping, 4) < tok_s[-1]
-    assert estimate_tok_s(_predictor(), Split((16, 16), 8), future, steps, 60) == 0.0
+    last = estimate_tok_s(_predictor(), Split((16, 16), 8), future, steps, 59)
+    assert last > 0 and estimate_tok_s(_predictor(), Split((16, 16), 8), future, steps, 60) == last
 
 
 def test_a_layer_run_in_groups_pays_each_group_past_its_first(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,15 +84,12 @@ def test_a_layer_run_in_groups_pays_each_group_past_its_first(monkeypatch: pytes
     assert whole == pytest.approx(step_ms(6))
 
 
-def test_the_best_priced_are_picked_after_the_saved_ones() -> None:
+def test_the_saved_are_tried_first_then_the_best_priced() -> None:
     labels = ["a", "b", "c", "d"]
     est = {"a": 10.0, "b": 30.0, "c": 20.0}  # d: its dry replay refused the split
-    assert pick_measured(labels, est, set(), 2) == ["b", "c"]  # in pool order
-    assert pick_measured(labels, est, {"a"}, 2) == ["a", "b"]  # a saved one counts among those measured
-    assert pick_measured(labels, est, {"a", "c"}, 1) == ["a", "c"]  # and is never dropped
-    assert pick_measured(labels, est, set(), 9) == ["a", "b", "c"]  # never the unpriced one
-    with pytest.raises(ValueError, match=r"count must be >= 1, got 0"):
-        pick_measured(labels, est, set(), 0)
+    assert measure_order(labels, est, set()) == ["b", "c", "a"]  # never the unpriced one
+    assert measure_order(labels, est, {"c"}) == ["c", "b", "a"]  # a saved one first: it counts among those measured
+    assert measure_order(labels, est, {"d", "a"}) == ["a", "d", "b", "c"]  # saved ones in pool order, priced or not
 
 
 def test_the_phase_runner_measures_only_the_best_priced_splits(tmp_path: Path,
@@ -110,15 +109,39 @@ def test_the_phase_runner_measures_only_the_best_priced_splits(tmp_path: Path,
     def price(predictor: Any, split: Split, *a: Any) -> float:
         real_price(predictor, split, *a)  # the real pricing runs; the test then ranks the middle split first
         priced.append(split)
-        return 100.0 if len(priced) == 2 else 1.0
+        return 100.0 if len(priced) % 3 == 2 else 1.0
 
     monkeypatch.setattr(phase, "measure", measure)
     monkeypatch.setattr(phase, "estimate_tok_s", price)
     quiet = type("Quiet", (), {"print": staticmethod(lambda *_a, **_k: None)})()
-    path = phase.run_phase_bench(tmp_path, quick=True, point_spec="b4c32f0.4", policies=("oracle",), console=quiet)
+    path = phase.run_phase_bench(tmp_path / "a", quick=True, point_spec="b4c32f0.4", policies=("oracle",),
+                                 console=quiet)
     rows = phase.load_rows(path["tiny"])
     assert len(priced) == 3 and ran == [priced[1]]  # three priced, the best priced alone run
     cands = [r for r in rows if r["status"] == "candidate"]
     oracle = next(r for r in rows if r["policy"] == "oracle" and r["status"] != "candidate")
     assert len(cands) == 1 and oracle["oracle_split"] == cands[0]["oracle_split"]
     assert oracle["notes"].count("tok/s priced") == 2 and sorted(oracle["oracle_priced"].values()) == [1.0, 1.0, 100.0]
+
+    # A best priced split the run refuses makes way for the next in the order.
+    refuse = {"left": 1}
+
+    def refusing(h: Any, ctx: Any, policy: Any, *a: Any, **kw: Any) -> Any:
+        if policy.name == "oracle" and refuse["left"]:
+            refuse["left"] -= 1
+            ran.append(ctx.split)
+            raise phase.RunRefused("the point cannot run under this plan: a test's refusal")
+        return measure(h, ctx, policy, *a, **kw)
+
+    monkeypatch.setattr(phase, "measure", refusing)
+    priced.clear()
+    ran.clear()
+    path = phase.run_phase_bench(tmp_path / "b", quick=True, point_spec="b4c32f0.4", policies=("oracle",),
+                                 console=quiet)
+    oracle = next(r for r in phase.load_rows(path["tiny"]) if r["policy"] == "oracle" and r["status"] != "candidate")
+    assert len(ran) == 2 and ran[0] == priced[1] and ran[1] != priced[1]
+    assert "a test's refusal" in oracle["notes"] and oracle["oracle_split"] != _label(priced[1])
+
+
+def _label(split: Split) -> str:
+    return f"{split.expert_slots} slots {list(split.expert_slots_per_layer)}/{split.kv_gpu_blocks} KV"

@@ -103,7 +103,8 @@ def test_given_the_routers_table_each_run_is_also_priced_at_the_misses_its_split
 def test_a_plan_that_evicts_kv_blocks_pays_them_at_the_time_plan_changes_measured() -> None:
     """A step a new plan took effect at, whose share leaves no room for blocks the step before held, pays each
     at `evict_ms_per_block`, learned from the plan changes calibrated (their time outside the forward over the
-    blocks they moved to the host), not folded into compute."""
+    blocks the plan moved to the host: in the record of the step before, as the runner's hook books them), not
+    folded into compute; priced at the measured misses, such a step pays the blocks its plan moved."""
     from types import SimpleNamespace
 
     from tierplan.bench.phase_cost_replay import router_table
@@ -112,13 +113,13 @@ def test_a_plan_that_evicts_kv_blocks_pays_them_at_the_time_plan_changes_measure
     def steps(evicted: int, apply_ms: float) -> list[SimpleNamespace]:
         out = []
         for i in range(20):
-            moved = evicted if i == 10 else 0
-            cycle = 0.004 + (apply_ms / 1e3 if i == 10 else 0.0)
             out.append(SimpleNamespace(
                 batch_tokens=4, context_tokens=1600, expert_hits=8, expert_misses=0, expert_prefetch_hits=0,
                 expert_stall_ms=0.0, kv_stall_ms=0.0, kv_fetch={"cpu": 0, "nvme": 0}, num_prefills=0,
-                executors={}, cycle_s=cycle, step_s=0.004, plan_version=1 if i < 10 else 2,
-                link_bytes={"h2d": 0, "d2h": moved * KV_BLOCK_BYTES}))
+                executors={}, cycle_s=0.004 + (apply_ms / 1e3 if i == 10 else 0.0), step_s=0.004,
+                plan_version=1 if i < 10 else 2,
+                # the plan applied after step 9 ended: its spill is in step 9's record, its time in step 10's cycle
+                link_bytes={"h2d": 0, "d2h": (evicted if i == 9 else 0) * KV_BLOCK_BYTES}))
         return out
 
     shape = shape_of(_run("resident", 0))
@@ -128,6 +129,9 @@ def test_a_plan_that_evicts_kv_blocks_pays_them_at_the_time_plan_changes_measure
     run = steps(40, 12.0)  # 40 blocks out (1,600 tokens held = 100 blocks, a share of 60) in 12 ms
     pred.calibrate(run[:8])
     assert pred.evict_ms_per_block == prior  # no plan change seen yet
+    quiet = Predictor.for_shape(shape, KV_BLOCK_BYTES, 2e9, ids_host=router_table(shape))
+    quiet.calibrate(steps(0, 12.0))  # a change that moved no block teaches nothing
+    assert quiet.evict_ms_per_block == prior
     pred.calibrate(run[8:], before=run[7])
     assert pred.evict_ms_per_block == pytest.approx(0.3)
     plan = SimpleNamespace(expert_bytes_per_layer=[128 << 20] * 2, kv_gpu_blocks=60)
@@ -135,6 +139,8 @@ def test_a_plan_that_evicts_kv_blocks_pays_them_at_the_time_plan_changes_measure
     cut, source = predict_at_plans(pred, {2: plan}, plan, run[8:], before=run[7])
     kept, _ = predict_at_plans(pred, {2: roomy}, roomy, run[8:], before=run[7])
     assert cut - kept == pytest.approx(40 * 0.3 / 12) and "40 KV blocks the plans evicted" in source
-    assert predict_at_plans(pred, {2: plan}, plan, run[8:])[0] == pytest.approx(kept + 40 * 0.3 / 12)
     assert predict_at_plans(pred, {2: plan}, plan, run[11:], before=run[10])[0] == pytest.approx(
         predict_at_plans(pred, {2: roomy}, roomy, run[11:], before=run[10])[0])  # no change among these steps
+    measured = pred.step_prices(run[8:], before=run[7])
+    assert measured[2] - measured[1] == pytest.approx(40 * 0.3)  # the step the plan took effect at
+    assert pred.step_prices(steps(0, 0.0)[8:])[2] == pytest.approx(measured[1])
