@@ -312,10 +312,11 @@ def predict_at_plans(predictor: Predictor, plans: Mapping[int, Any], initial_pla
     evicted = 0
     for i, s in enumerate(timed):
         prev = timed[i - 1] if i else before
-        if prev is not None and s.plan_version != prev.plan_version:
-            share = plan_kv_blocks(plans.get(s.plan_version, initial_plan))
-            held = -(-prev.context_tokens // shape.block_tokens) if share is not None else 0
-            n = max(0, held - share) if share is not None else 0
+        if prev is None or s.plan_version == prev.plan_version:
+            continue
+        share = plan_kv_blocks(plans.get(s.plan_version, initial_plan))
+        if share is not None:
+            n = max(0, -(-prev.context_tokens // shape.block_tokens) - share)
             prices[i] += n * predictor.evict_ms_per_block
             evicted += n
     under = {s.plan_version for s in timed}

@@ -69,9 +69,10 @@ def dry_record(ctx: PointContext, split: Split, router: ForcedRoutes, *, engine_
             offset += sched.idle_gap_s(t_sched)  # as the runner: raises at a dead end
             continue
         run = batch.prefills + batch.decodes
-        # The swaps move the blocks of the tokens a sequence has computed; the context is read after the step, as
-        # the runner records a step once its sequences have their new tokens.
-        moved = sum(-(-s.num_computed // ctx.block_tokens) for s in batch.swapped_in + batch.preempted)
+        # The swaps move the blocks of the tokens a sequence has computed (read before the step adds one); the
+        # context is read after the step, as the runner records a step once its sequences have their new tokens.
+        moved = (sum(-(-s.num_computed // ctx.block_tokens) for s in batch.swapped_in + batch.preempted)
+                 if steps_out is not None else 0)
         rec.trace_rows([s.seq_id for s in run], [s.num_computed for s in run],
                        [len(s.tokens) - s.num_computed for s in run])
         for s in run:
