@@ -105,8 +105,9 @@ class PagedKVCache:
         self.spills += len(victims)
 
     def _move_all(self, blocks: list[int], dst: Tier) -> None:
-        """Issue every move, then wait for all (the first error re-raised once all have ended)."""
-        futs = [self.handler.move(b, dst) for b in blocks]
+        """Issue every move (one request per memory pair: `move_list`), then wait for all (the first error
+        re-raised once all have ended)."""
+        futs = self.handler.move_list(blocks, dst)
         first: BaseException | None = None
         for f in futs:
             try:

@@ -154,26 +154,18 @@ def test_a_block_table_never_points_into_another_tier(tiny, tmp_path: Path) -> N
         eng.close()
 
 
-def test_a_spill_issues_every_move_before_it_waits(tiny, tmp_path: Path) -> None:
-    """A plan's or a preemption's spill overlaps its moves (one at a time paid a whole round trip per block):
-    every move is issued before the first wait, each block lands where it was sent, its bytes unchanged, and
-    blocks already there are neither moved nor counted."""
+def test_a_spill_moves_its_blocks_as_one_request(tiny, tmp_path: Path) -> None:
+    """A plan's or a preemption's spill goes as one segmented request (one at a time paid a whole round trip
+    per block): each block lands where it was sent, its bytes unchanged, and blocks already there are neither
+    moved nor counted."""
     cfg = EngineConfig(block_tokens=auto_block_tokens(tiny), kv_cpu_blocks=8, workdir=tmp_path)
     eng = ReferenceEngine(tiny, Device("cpu"), cfg)
-    cache, events = eng.cache, []
-    real_move = cache.handler.move
+    cache, requests = eng.cache, []
+    real_submit = cache.handler.engine.submit
 
-    def move(block_id, dst, *args, **kwargs):
-        fut = real_move(block_id, dst, *args, **kwargs)
-        real_wait = fut.wait
-        events.append("move")
-
-        def wait(*a, **k):
-            events.append("wait")
-            return real_wait(*a, **k)
-
-        fut.wait = wait
-        return fut
+    def submit(req):
+        requests.append(req)
+        return real_submit(req)
 
     try:
         cache.grow(0, 4 * cfg.block_tokens)
@@ -182,9 +174,9 @@ def test_a_spill_issues_every_move_before_it_waits(tiny, tmp_path: Path) -> None
             cache.stores.memory(cache.manager.location(b)).fill_(i + 1)
         cache.spill(blocks[:1], Tier.CPU)
         spills = cache.spills
-        cache.handler.move = move  # type: ignore[method-assign]
+        cache.handler.engine.submit = submit  # type: ignore[method-assign]
         cache.spill(blocks, Tier.CPU)
-        assert events == ["move"] * 3 + ["wait"] * 3
+        assert [len(r.segments or ()) for r in requests] == [3]
         assert cache.spills == spills + 3
         for i, b in enumerate(blocks):
             loc = cache.manager.location(b)
