@@ -38,6 +38,7 @@ from tierplan.runtime.transfer import (
 )
 
 PAIRS = tuple(f"{a.value}->{b.value}" for a in Tier for b in Tier if a is not b)
+_SEGMENTED = frozenset({(Tier.GPU, Tier.CPU), (Tier.CPU, Tier.GPU)})  # one memory link: a list is one request
 
 
 class KVMoveFuture(OpFuture):
@@ -259,14 +260,17 @@ class KVTransferHandler:
         `deadline_s` is absolute, on the engine's clock. May wait for a free staging buffer (GPU<->NVMe).
         """
         self._check_open(f"move of KV block {block_id}")
-        move = self.manager.prepare_move(block_id, dst)
-        job = _MoveJob(move, KVMoveFuture(move), Priority(priority), deadline_s)
+        return self._start(self.manager.prepare_move(block_id, dst), Priority(priority), deadline_s)
+
+    def _start(self, move: KVMove, priority: Priority, deadline_s: float | None) -> KVMoveFuture:
+        """Run a reserved move hop by hop; a refusal (closed, no staging) undoes the reservation and raises."""
+        job = _MoveJob(move, KVMoveFuture(move), priority, deadline_s)
         with self._cv:  # counted before any byte moves, so close() waits for it
             closed = self._closed
             self._num_inflight += 0 if closed else 1
         try:
             if closed:
-                raise ConfigError(f"move of KV block {block_id}: KVTransferHandler is closed")
+                raise ConfigError(f"move of KV block {move.block_id}: KVTransferHandler is closed")
             self._plan(job)
         except BaseException:
             if job.staging is not None:
@@ -284,6 +288,96 @@ class KVTransferHandler:
         except Exception as exc:
             self._finish(job, exc)
         return job.future
+
+    def move_list(self, block_ids: list[int], dst: Tier, priority: Priority = Priority.NORMAL,
+                  deadline_s: float | None = None) -> list[KVMoveFuture]:
+        """Start moving every listed block to `dst`: a future each, in list order. A block that cannot be
+        reserved (busy, already there, no room) raises here and undoes the list's reservations, nothing queued;
+        later failures (a copy, a checksum, a closed handler) come from that block's wait(), the block staying
+        where it was while the others land. The blocks of a memory pair (GPU->CPU, CPU->GPU) go as one request,
+        a segment a block: one device event, one queue entry and one hand-off for the list, where a request a
+        block paid its own round trip. Moves through NVMe go hop by hop, as `move` does."""
+        self._check_open(f"move of {len(block_ids)} KV blocks")
+        moves: list[KVMove] = []
+        try:
+            for b in block_ids:
+                moves.append(self.manager.prepare_move(b, dst))
+        except BaseException:
+            for m in moves:
+                self.manager.complete_move(m, ok=False)
+            raise
+        futures: dict[int, KVMoveFuture] = {}
+        by_pair: dict[tuple[Tier, Tier], list[KVMove]] = {}
+        for m in moves:
+            by_pair.setdefault((m.src.tier, m.dst.tier), []).append(m)
+        for pair, group in by_pair.items():
+            if pair in _SEGMENTED:
+                jobs = self._jobs(group, Priority(priority), deadline_s)
+                self._submit_segmented(jobs)
+                futures.update((job.move.block_id, job.future) for job in jobs)
+                continue
+            for m in group:
+                try:
+                    futures[m.block_id] = self._start(m, Priority(priority), deadline_s)
+                except Exception as exc:  # refused after the list's others were queued: this block's failure
+                    futures[m.block_id] = failed = KVMoveFuture(m)
+                    failed.set_result(exc)
+        return [futures[b] for b in block_ids]
+
+    def _jobs(self, moves: list[KVMove], priority: Priority, deadline_s: float | None) -> list[_MoveJob]:
+        """A job each for reserved moves, counted in flight (close() waits for them; each ends in `_finish`)."""
+        jobs = [_MoveJob(m, KVMoveFuture(m), priority, deadline_s) for m in moves]
+        with self._cv:
+            closed = self._closed
+            self._num_inflight += len(jobs)
+        if closed:
+            for job in jobs:
+                self._finish(job, ConfigError(f"move of KV block {job.move.block_id}: KVTransferHandler is closed"))
+        return jobs
+
+    def _submit_segmented(self, jobs: list[_MoveJob]) -> None:
+        """One request for single-hop memory moves of one pair, a segment a job."""
+        jobs = [job for job in jobs if not job.future.done()]
+        if jobs and jobs[0].move.src.tier is Tier.CPU:  # the bytes are on the host already: hash or verify them
+            jobs = [job for job in jobs if self._host_bytes_ok(job)]
+        if not jobs:
+            return
+        src_tier, dst_tier = jobs[0].move.src.tier, jobs[0].move.dst.tier
+        (hop,) = HOP_PLANS[(src_tier, dst_tier)]
+        landed = self.stores.tier_tensor(dst_tier)  # [N, B]
+        b = self.block_bytes
+
+        def segment_done(i: int, error: BaseException | None) -> None:  # on the link's worker or retire thread
+            job = jobs[i]
+            if error is not None:
+                m = job.move
+                error = TransferError(f"move {m.pair} of KV block {m.block_id} ({m.src} -> {m.dst}): "
+                                      f"{hop.link.value} transfer failed: {error}")
+            elif hop.lands_on_host:
+                try:
+                    self._check_host_bytes(job.move, landed[job.move.dst.index])
+                except Exception as exc:
+                    error = exc
+            self._finish(job, error)
+
+        try:
+            self.engine.submit(TransferRequest(
+                hop.link, TrafficClass.KV, self.stores.tier_tensor(src_tier).view(-1), landed.view(-1),
+                priority=jobs[0].priority, deadline_s=jobs[0].deadline_s, after=self.stores.device.record_event(),
+                segments=[(job.move.src.index * b, job.move.dst.index * b, b) for job in jobs],
+                on_segment_done=segment_done,
+            ))
+        except Exception as exc:  # nothing queued: every block stays where it was
+            for job in jobs:
+                self._finish(job, exc)
+
+    def _host_bytes_ok(self, job: _MoveJob) -> bool:
+        try:
+            self._check_host_bytes(job.move, self.stores.memory(job.move.src))
+        except Exception as exc:
+            self._finish(job, exc)
+            return False
+        return True
 
     def _submit_hop(self, job: _MoveJob, i: int) -> None:
         hop = job.hops[i]

@@ -81,6 +81,15 @@ class KVTierStores:
             raise ConfigError("this KVTierStores has no GPU tier (capacity 0)")
         return self._gpu
 
+    def tier_tensor(self, tier: Tier) -> torch.Tensor:
+        """The GPU or CPU tier's blocks [capacity, block_bytes] uint8 (the GPU tier without its scratch rows): the
+        buffer one request addresses a list of blocks in, by byte offset."""
+        if tier is Tier.GPU and self._gpu is not None:
+            return self._gpu[: self.capacity[Tier.GPU]]
+        if tier is Tier.CPU and self._cpu is not None:
+            return self._cpu
+        raise ConfigError(f"tier_tensor({tier.value}): absent, or the NVMe tier (no memory view; use region())")
+
     def memory(self, spec: KVBlockSpec) -> torch.Tensor:
         """The block's bytes as a contiguous [block_bytes] uint8 view (GPU tier: device, CPU tier: host)."""
         self._check(spec, "memory")

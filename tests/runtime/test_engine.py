@@ -154,6 +154,37 @@ def test_a_block_table_never_points_into_another_tier(tiny, tmp_path: Path) -> N
         eng.close()
 
 
+def test_a_spill_moves_its_blocks_as_one_request(tiny, tmp_path: Path) -> None:
+    """A plan's or a preemption's spill goes as one segmented request (one at a time paid a whole round trip
+    per block): each block lands where it was sent, its bytes unchanged, and blocks already there are neither
+    moved nor counted."""
+    cfg = EngineConfig(block_tokens=auto_block_tokens(tiny), kv_cpu_blocks=8, workdir=tmp_path)
+    eng = ReferenceEngine(tiny, Device("cpu"), cfg)
+    cache, requests = eng.cache, []
+    real_submit = cache.handler.engine.submit
+
+    def submit(req):
+        requests.append(req)
+        return real_submit(req)
+
+    try:
+        cache.grow(0, 4 * cfg.block_tokens)
+        blocks = cache.blocks_of(0)
+        for i, b in enumerate(blocks):
+            cache.stores.memory(cache.manager.location(b)).fill_(i + 1)
+        cache.spill(blocks[:1], Tier.CPU)
+        spills = cache.spills
+        cache.handler.engine.submit = submit  # type: ignore[method-assign]
+        cache.spill(blocks, Tier.CPU)
+        assert [len(r.segments or ()) for r in requests] == [3]
+        assert cache.spills == spills + 3
+        for i, b in enumerate(blocks):
+            loc = cache.manager.location(b)
+            assert loc.tier is Tier.CPU and bool((cache.stores.memory(loc) == i + 1).all())
+    finally:
+        eng.close()
+
+
 def test_freeze_gc_freezes_load_time_objects_until_close(tiny, tmp_path: Path) -> None:
     """freeze_gc=True: after construction the load-time objects sit in the permanent generation (a full
     collection skips them); close() gives them back to the collector. Generated tokens are unchanged."""

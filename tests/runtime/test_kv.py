@@ -378,6 +378,97 @@ def test_close_waits_for_moves_then_refuses_new_work(rig: Rig) -> None:
     assert snapshot(rig.manager) == before
 
 
+# ---- lists of moves ---------------------------------------------------------------------------------
+def _requests(rig: Rig) -> list[Any]:
+    """Every request the rig's handler submits from now on, in order."""
+    seen: list[Any] = []
+    real = rig.engine.submit
+
+    def submit(req: Any) -> Any:
+        seen.append(req)
+        return real(req)
+
+    rig.engine.submit = submit  # type: ignore[method-assign]
+    return seen
+
+
+def test_a_list_moves_each_memory_pair_as_one_request_and_keeps_every_byte(make_rig: Any) -> None:
+    """GPU->CPU and CPU->GPU lists go as one segmented request each (a segment a block, out of index order),
+    NVMe moves hop by hop; every block lands bit-exact, its checksum recorded where it reached the host."""
+    rig = make_rig(capacity=12)
+    gpu = [rig.manager.allocate(Tier.GPU) for _ in range(6)]
+    nvme = [rig.manager.allocate(Tier.NVME) for _ in range(2)]
+    data = {b: random_block(seed=100 + b) for b in gpu + nvme}
+    for b, want in data.items():
+        rig.handler.write(b, want)
+        if b in gpu:
+            rig.handler.mark_dirty(b)  # as the engine's kernels leave them: no checksum until bytes reach the host
+    seen = _requests(rig)
+    order = gpu[::-2] + gpu[::2]
+    futures = rig.handler.move_list(order, Tier.CPU)
+    assert [f.move.block_id for f in futures] == order
+    for f in futures:
+        f.wait(timeout_s=10)
+    assert [len(r.segments) for r in seen] == [6]
+    assert all(rig.manager.checksum(b) == checksum(data[b]) for b in gpu)
+    seen.clear()
+    futures = rig.handler.move_list(nvme + gpu, Tier.GPU)  # two NVMe blocks hop by hop, the six CPU ones as one
+    for f in futures:
+        f.wait(timeout_s=10)
+    assert sorted(len(r.segments or ()) for r in seen) == [0, 0, 0, 0, 6]
+    for b, want in data.items():
+        assert rig.manager.location(b).tier is Tier.GPU and torch.equal(rig.handler.read(b), want)
+    stats = rig.handler.stats()
+    assert (stats["moves_ok"], stats["moves_failed"], stats["moves_in_flight"]) == (14, 0, 0)
+    assert stats["bytes_by_pair"]["gpu->cpu"] == stats["bytes_by_pair"]["cpu->gpu"] == 6 * BLOCK_BYTES
+
+
+def test_a_list_that_cannot_be_reserved_changes_nothing(make_rig: Any) -> None:
+    rig = make_rig(capacity=4)
+    blocks = [rig.manager.allocate(Tier.CPU) for _ in range(3)]
+    for b in blocks:
+        rig.handler.write(b, random_block(seed=b))
+    rig.manager.allocate(Tier.GPU)
+    rig.manager.allocate(Tier.GPU)  # room for two of the three
+    before, seen = snapshot(rig.manager), _requests(rig)
+    with pytest.raises(err.CapacityError, match="full"):
+        rig.handler.move_list(blocks, Tier.GPU)
+    rig.manager.acquire(blocks[2])
+    with pytest.raises(err.BusyError, match="reader"):
+        rig.handler.move_list(blocks, Tier.NVME)
+    rig.manager.release(blocks[2])
+    assert snapshot(rig.manager) == before and seen == [] and rig.handler.stats()["moves_in_flight"] == 0
+
+
+def test_a_corrupt_block_of_a_list_stays_and_the_others_land(make_rig: Any) -> None:
+    """A checksum mismatch at a CPU source fails that block's future alone; a copy that fails fails its own."""
+    rig = make_rig(verify=frozenset({Tier.CPU, Tier.NVME}))
+    blocks = [rig.manager.allocate(Tier.CPU) for _ in range(4)]
+    data = {b: random_block(seed=200 + b) for b in blocks}
+    for b, want in data.items():
+        rig.handler.write(b, want)
+    bad = blocks[1]
+    flip_byte(rig.stores, rig.manager.location(bad), 5)
+    futures = rig.handler.move_list(blocks, Tier.GPU)
+    with pytest.raises(err.CorruptDataError, match=f"KV block {bad} on tier cpu"):
+        futures[1].wait(timeout_s=10)
+    for b, f in zip(blocks, futures, strict=True):
+        if b != bad:
+            f.wait(timeout_s=10)
+            assert torch.equal(rig.handler.read(b), data[b])
+    assert rig.manager.location(bad).tier is Tier.CPU and not rig.manager.is_moving(bad)
+    stats = rig.handler.stats()
+    assert (stats["moves_ok"], stats["moves_failed"], stats["corrupt_detected"]) == (3, 1, 1)
+    rig.engine.close()  # the list's request is refused: every block fails and stays
+    good = [b for b in blocks if b != bad]
+    before = snapshot(rig.manager)
+    futures = rig.handler.move_list(good, Tier.CPU)
+    for f in futures:
+        with pytest.raises(err.TransferError, match="closed"):
+            f.wait(timeout_s=10)
+    assert snapshot(rig.manager) == before and rig.handler.stats()["moves_in_flight"] == 0
+
+
 # ---- the device path --------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
@@ -398,3 +489,26 @@ def test_every_pair_chain_and_corruption_on_a_real_gpu(make_rig: Any) -> None:
     with pytest.raises(err.CorruptDataError):
         rig.handler.move(block, Tier.GPU).wait(timeout_s=30)
     assert rig.manager.location(block).tier is Tier.NVME
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+def test_lists_of_moves_on_a_real_gpu_follow_the_kernels_and_keep_every_byte(make_rig: Any) -> None:
+    """A list spilled right after the compute stream wrote it, and fetched back into indices the stream still
+    read, is bit-exact both ways (one recorded event orders the whole request)."""
+    rig = make_rig(capacity=64, device=Device("cuda"))
+    blocks = [rig.manager.allocate(Tier.GPU) for _ in range(48)]
+    for b in blocks:
+        rig.handler.write(b, random_block(seed=300 + b))
+    for i, b in enumerate(blocks):
+        rig.stores.memory(rig.manager.location(b)).fill_(i + 1)  # queued on the compute stream
+        rig.handler.mark_dirty(b)
+    for f in rig.handler.move_list(blocks, Tier.CPU):
+        f.wait(timeout_s=30)
+    for i, b in enumerate(blocks):
+        assert torch.equal(rig.handler.read(b), torch.full((BLOCK_BYTES,), i + 1, dtype=torch.uint8))
+    for f in rig.handler.move_list(blocks[::-1], Tier.GPU):
+        f.wait(timeout_s=30)
+    for i, b in enumerate(blocks):
+        loc = rig.manager.location(b)
+        assert loc.tier is Tier.GPU and bool((rig.stores.memory(loc) == i + 1).all())

@@ -174,18 +174,19 @@ def test_kv_fetches_a_steps_blocks_as_one_list_by_the_plugged_order(tiny, tmp_pa
     ranked: list[list[int]] = []
     c.set_victim_order(lambda bs: ranked.append(list(bs)) or bs[::-1])
     events: list[str] = []
-    real = c.handler.move
+    real = c.handler.move_list
 
-    def move(b, dst, *a, **k):
-        events.append("issue")
-        fut = real(b, dst, *a, **k)
-        wait = fut.wait
-        fut.wait = lambda *x, **y: (events.append("wait"), wait(*x, **y))[1]  # type: ignore[method-assign]
-        return fut
+    def move_list(bs, dst, *a, **k):
+        events.append(f"issue {len(bs)}")
+        futs = real(bs, dst, *a, **k)
+        for fut in futs:
+            wait = fut.wait
+            fut.wait = lambda *x, _w=wait, **y: (events.append("wait"), _w(*x, **y))[1]  # type: ignore[method-assign]
+        return futs
 
-    c.handler.move = move  # type: ignore[method-assign]
+    c.handler.move_list = move_list  # type: ignore[method-assign]
     c.ensure_on_gpu(c.blocks_of(0) + c.blocks_of(1))
-    assert events == ["issue"] * 4 + ["wait"] * 4
+    assert events == ["issue 4"] + ["wait"] * 4
     c.grow(2, c.block_tokens, protect=set(c.blocks_of(0)))  # the GPU is full: the plugged order picks the victim
     assert ranked and c.manager.location(c.blocks_of(1)[-1]).tier.value == "cpu"
     eng.close()
