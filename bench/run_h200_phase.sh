@@ -31,6 +31,11 @@ for model in ${models//,/ }; do
   fi
 done
 { git log -1 --format=%h; git status --short; nvidia-smi -L; nvidia-smi topo -m; } > "$out/commit.txt" 2>&1
+# The KV tiers' device tests first (moves one by one and as lists, after the compute stream's writes): seconds, out
+# of this call's SECONDS, so every sweep call also checks the mechanism its runs move KV blocks with.
+t0=$SECONDS
+step 90 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_kv.py
+secs=$(( secs - (SECONDS - t0) ))
 step "$secs" phase.log python3 -m tierplan.api.cli bench phase --device cuda --gpus "$gpus" --models "$models" \
   --points "$points" --policies tierplan,kv_tiering,static_lru,resident,oracle,static_lfru,fluxmoe,mv_wsa \
   --out-dir "$out" --save-steps --deadline-s $(( secs > 40 ? secs - 20 : secs )) "$@"
