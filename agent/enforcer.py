@@ -60,8 +60,8 @@ class _Target:
 
 
 def _kv_moves(by_tier: dict[KVTier, list[int]], limit: dict[KVTier, int]) -> list[tuple[tuple[int, ...], KVTier]]:
-    """Spills (oldest blocks first) that bring each tier to at most its limit, bottom tier first so no move
-    needs to make room; PlanRefused if the blocks cannot fit."""
+    """Spills (each tier's blocks in the order given, first to go first) that bring each tier to at most its
+    limit, bottom tier first so no move needs to make room; PlanRefused if the blocks cannot fit."""
     gpu, cpu, nvme = by_tier[KVTier.GPU], by_tier[KVTier.CPU], by_tier[KVTier.NVME]
     gpu_out = gpu[: max(0, len(gpu) - limit[KVTier.GPU])]
     cpu_excess = max(0, len(cpu) + len(gpu_out) - limit[KVTier.CPU])
@@ -244,12 +244,15 @@ class Enforcer:
     def _plan_kv(self, limit: dict[KVTier, int]) -> list[tuple[tuple[int, ...], KVTier]]:
         """The spills that bring every tier within `limit`. Blocks being read or moved count where they are
         (a moving one at its source) and go last in their tier, so idle blocks spill first; a plan whose
-        limits would need one of them moved is refused before anything changes."""
+        limits would need one of them moved is refused before anything changes. GPU blocks go newest sequence
+        first (the scheduler's preemption order: `PagedKVCache.newest_sequences_first`); lower tiers' in the
+        order they were allocated."""
         manager = self.cache.manager
         idle: dict[KVTier, list[int]] = {t: [] for t in KVTier}
         busy: dict[KVTier, list[int]] = {t: [] for t in KVTier}
         for b in manager.blocks():
             (busy if manager.refcount(b) or manager.is_moving(b) else idle)[manager.location(b).tier].append(b)
+        idle[KVTier.GPU] = self.cache.newest_sequences_first(idle[KVTier.GPU])
         moves = _kv_moves({t: idle[t] + busy[t] for t in KVTier}, limit)
         stuck = {b for t in KVTier for b in busy[t]} & {b for blocks, _ in moves for b in blocks}
         if stuck:

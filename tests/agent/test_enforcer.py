@@ -219,6 +219,24 @@ def test_kv_blocks_are_spilled_down_to_the_plans_tier_counts(agent: Agent) -> No
     cache.free(1000)
 
 
+def test_a_cut_of_the_kv_share_spills_the_sequences_the_scheduler_preempts_first(agent: Agent) -> None:
+    """The newest sequence's blocks go first (the scheduler swaps out the newest running sequence), so the
+    sequences that keep running keep theirs: oldest first spilled those, and the next step fetched them back."""
+    cache = agent.engine.cache
+    for seq in (1000, 1001, 1002):  # 1002 started last
+        cache.grow(seq, 2 * cache.block_tokens)
+    cache.grow(1000, 3 * cache.block_tokens)  # the oldest grew a block since: the newest block is not the newest seq's
+
+    ack = agent.enforcer.apply(make_plan(agent, kv={Tier.GPU: 4, Tier.CPU: 8, Tier.NVME: 8}))
+
+    assert ack.status is AckStatus.APPLIED, ack.reason
+    on_gpu = {seq: sum(cache.manager.location(b).tier is KVTier.GPU for b in cache.blocks_of(seq))
+              for seq in (1000, 1001, 1002)}
+    assert on_gpu == {1000: 3, 1001: 1, 1002: 0}
+    for seq in (1000, 1001, 1002):
+        cache.free(seq)
+
+
 def test_experts_over_a_new_cap_are_evicted_and_old_pins_released(agent: Agent) -> None:
     eng = agent.engine
     for e in range(6):
