@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -103,10 +104,10 @@ def build_block_table(segments: list[Segment], cache: PagedKVCache,
     if rows is None:
         rows = [cache.gpu_indices(s.seq_id) for s in segments]
     width = max(1, *(len(r) for r in rows))
-    host = torch.zeros(len(rows), width, dtype=torch.int32)
+    host = np.zeros((len(rows), width), dtype=np.int32)  # numpy takes a list row ~5x faster than torch.tensor
     for i, r in enumerate(rows):
-        host[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    return host.to(cache.device.torch_device, non_blocking=True)
+        host[i, : len(r)] = r
+    return torch.from_numpy(host).to(cache.device.torch_device, non_blocking=True)
 
 
 FUSED_NORM = True  # on a GPU with Triton: one fused kernel per norm (kernels/rmsnorm.py)

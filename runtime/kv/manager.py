@@ -170,6 +170,19 @@ class KVBlockManager:
         with self._lock:
             return self._get(block_id).spec
 
+    def locations(self, block_ids: list[int]) -> list[KVBlockSpec]:
+        """`location` of each block, in order, under one lock: a step looks up every block of its batch (8,208
+        at b8 16K on qwen3's 8 layers), and a lock and a call a block cost ~1.3 us each on this project's CPU
+        box, more than the step's attention on the device. UnknownBlockError names the first unknown block."""
+        with self._lock:
+            blocks = self._blocks
+            try:
+                return [blocks[b].spec for b in block_ids]
+            except (KeyError, TypeError):
+                for b in block_ids:
+                    self._get(b)  # raises for the first unknown one
+                raise
+
     def is_moving(self, block_id: int) -> bool:
         with self._lock:
             return self._get(block_id).move is not None

@@ -228,6 +228,21 @@ def test_manager_books_of_a_move(busy_books: tuple[KVBlockManager, dict[str, Any
     assert manager.blocks() == sorted([ids["g0"], ids["g1"], ids["moving"], ids["n0"], new])
 
 
+def test_locations_of_a_list_are_each_blocks_in_order_and_name_an_unknown_one() -> None:
+    manager = KVBlockManager({Tier.GPU: 4, Tier.CPU: 4})
+    ids = [manager.allocate(Tier.GPU), manager.allocate(Tier.CPU), manager.allocate(Tier.GPU)]
+    move = manager.prepare_move(ids[0], Tier.CPU)  # in flight: at its source until it completes
+    want = [manager.location(b) for b in ids[::-1]]
+    assert manager.locations(ids[::-1]) == want and manager.locations([]) == []
+    manager.complete_move(move, ok=True)
+    assert manager.locations(ids[:1]) == [move.dst]
+    manager.free(ids[1])
+    with pytest.raises(err.UnknownBlockError, match=f"KV block {ids[1]} was freed"):
+        manager.locations([ids[2], ids[1], 99])
+    with pytest.raises(err.UnknownBlockError, match="never allocated"):
+        manager.locations([ids[2], "x"])  # type: ignore[list-item]
+
+
 def test_absent_tier_is_refused() -> None:
     manager = KVBlockManager({Tier.GPU: 1})
     block = manager.allocate(Tier.GPU)
