@@ -31,10 +31,12 @@ for model in ${models//,/ }; do
   fi
 done
 { git log -1 --format=%h; git status --short; nvidia-smi -L; nvidia-smi topo -m; } > "$out/commit.txt" 2>&1
-# The KV tiers' device tests first (moves one by one and as lists, after the compute stream's writes): seconds, out
-# of this call's SECONDS, so every sweep call also checks the mechanism its runs move KV blocks with.
+# The KV tiers' device tests first (moves one by one and as lists, after the compute stream's writes) and the
+# engine's exact check with KV spilled every step: out of this call's SECONDS, so every sweep call also checks the
+# mechanism its runs move KV blocks with, bit for bit.
 t0=$SECONDS
-step 90 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_kv.py
+step 150 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_kv.py \
+  tests/runtime/test_gpu.py -k "kv or (engine_exact_on_cuda_with_the_paged_kernel and beside_copy-False-issued)"
 secs=$(( secs - (SECONDS - t0) ))
 step "$secs" phase.log python3 -m tierplan.api.cli bench phase --device cuda --gpus "$gpus" --models "$models" \
   --points "$points" --policies tierplan,kv_tiering,static_lru,resident,oracle,static_lfru,fluxmoe,mv_wsa \
