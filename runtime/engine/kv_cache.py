@@ -84,12 +84,19 @@ class PagedKVCache:
     def blocks_of(self, seq_id: int) -> list[int]:
         return self.tables.get(seq_id, [])
 
+    def touch(self, seq_id: int) -> None:
+        """The sequence (re)joins the running batch now (a swap-in): it ranks newest in `newest_sequences_first`,
+        as it sits last in the scheduler's running list, the first to be preempted."""
+        if seq_id in self.tables:
+            self.tables[seq_id] = self.tables.pop(seq_id)
+
     def newest_sequences_first(self, blocks: list[int]) -> list[int]:
         """`blocks` in the order a cut of the GPU share should spill them: those no sequence holds, then the
-        blocks of the sequence that started last, whole sequences at a time. The scheduler preempts the newest
-        running sequence first, so a plan's spill in this order takes the blocks its next preemptions park anyway;
-        oldest first took those of sequences that kept running, and the next step fetched them back (H100 run 47,
-        b128 16K 40 GiB: 2,075 blocks spilled at the plan change, 1,758 fetched back at the next step)."""
+        blocks of the sequence that started (or was swapped back in: `touch`) last, whole sequences at a time.
+        The scheduler preempts the newest running sequence first, so a plan's spill in this order takes the
+        blocks its next preemptions park anyway; oldest first took those of sequences that kept running, and the
+        next step fetched them back (H100 run 47, b128 16K 40 GiB: 2,075 blocks spilled at the plan change,
+        1,758 fetched back at the next step)."""
         rank = {b: r for r, seq in enumerate(reversed(self.tables)) for b in self.tables[seq]}
         return sorted(blocks, key=lambda b: rank.get(b, -1))
 
@@ -146,13 +153,15 @@ class PagedKVCache:
         t0 = time.perf_counter()
         gpu = Tier.GPU  # a local: an enum member read through its class costs ~0.3 us, thousands of times a step
         locs = self.manager.locations(need)
-        missing = ([b for b, loc in zip(need, locs, strict=True) if loc.tier is not gpu]
-                   if any(loc.tier is not gpu for loc in locs) else [])
-        self.gpu_hits += len(need) - len(missing)
-        if not missing:
+        if all(loc.tier is gpu for loc in locs):
+            self.gpu_hits += len(need)
             return
-        for loc in self.manager.locations(missing):
-            self.misses_by_tier[loc.tier] += 1
+        missing = []
+        for b, loc in zip(need, locs, strict=True):
+            if loc.tier is not gpu:
+                self.misses_by_tier[loc.tier] += 1
+                missing.append(b)
+        self.gpu_hits += len(need) - len(missing)
         protect = set(need)
         self._make_room(Tier.GPU, protect, victim_order, len(missing))
         self._move_all(missing, Tier.GPU)

@@ -159,6 +159,8 @@ class Runner:
                     cache.spill(cache.blocks_of(s.seq_id), Tier.CPU)
                 else:
                     cache.free(s.seq_id)
+            for s in batch.swapped_in:  # last in the running list now: the next to be preempted
+                cache.touch(s.seq_id)
             if batch.empty:
                 offset += self.sched.idle_gap_s(t_sched)  # raises at a dead end
                 continue

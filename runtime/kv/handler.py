@@ -303,25 +303,36 @@ class KVTransferHandler:
             for b in block_ids:
                 moves.append(self.manager.prepare_move(b, dst))
         except BaseException:
-            for m in moves:
+            for m in reversed(moves):  # the free indices back in the order they were taken from
                 self.manager.complete_move(m, ok=False)
             raise
         futures: dict[int, KVMoveFuture] = {}
         by_pair: dict[tuple[Tier, Tier], list[KVMove]] = {}
         for m in moves:
             by_pair.setdefault((m.src.tier, m.dst.tier), []).append(m)
-        for pair, group in by_pair.items():
-            if pair in _SEGMENTED:
-                jobs = self._jobs(group, Priority(priority), deadline_s)
-                self._submit_segmented(jobs)
-                futures.update((job.move.block_id, job.future) for job in jobs)
-                continue
-            for m in group:
-                try:
-                    futures[m.block_id] = self._start(m, Priority(priority), deadline_s)
-                except Exception as exc:  # refused after the list's others were queued: this block's failure
-                    futures[m.block_id] = failed = KVMoveFuture(m)
-                    failed.set_result(exc)
+        started: set[int] = set()  # blocks whose move has a future (it ends in `_finish`, or was refused and undone)
+        try:
+            for pair, group in by_pair.items():
+                if pair in _SEGMENTED:
+                    jobs = self._jobs(group, Priority(priority), deadline_s)
+                    started.update(m.block_id for m in group)
+                    self._submit_segmented(jobs)
+                    futures.update((job.move.block_id, job.future) for job in jobs)
+                    continue
+                for m in group:
+                    started.add(m.block_id)
+                    try:
+                        futures[m.block_id] = self._start(m, Priority(priority), deadline_s)
+                    except Exception as exc:  # refused (undone) after the list's others were queued: its failure
+                        futures[m.block_id] = failed = KVMoveFuture(m)
+                        failed.set_result(exc)
+                        with self._stats_lock:
+                            self._moves_failed += 1
+        except BaseException:  # e.g. interrupted waiting for staging: the moves not started give their reservation back
+            for m in reversed(moves):
+                if m.block_id not in started:
+                    self.manager.complete_move(m, ok=False)
+            raise
         return [futures[b] for b in block_ids]
 
     def _jobs(self, moves: list[KVMove], priority: Priority, deadline_s: float | None) -> list[_MoveJob]:
@@ -344,8 +355,13 @@ class KVTransferHandler:
             return
         src_tier, dst_tier = jobs[0].move.src.tier, jobs[0].move.dst.tier
         (hop,) = HOP_PLANS[(src_tier, dst_tier)]
-        landed = self.stores.tier_tensor(dst_tier)  # [N, B]
         b = self.block_bytes
+        try:
+            source, landed = self.stores.tier_tensor(src_tier), self.stores.tier_tensor(dst_tier)  # [N, B] each
+        except Exception as exc:
+            for job in jobs:
+                self._finish(job, exc)
+            return
 
         def segment_done(i: int, error: BaseException | None) -> None:  # on the link's worker or retire thread
             job = jobs[i]
@@ -362,7 +378,7 @@ class KVTransferHandler:
 
         try:
             self.engine.submit(TransferRequest(
-                hop.link, TrafficClass.KV, self.stores.tier_tensor(src_tier).view(-1), landed.view(-1),
+                hop.link, TrafficClass.KV, source.view(-1), landed.view(-1),
                 priority=jobs[0].priority, deadline_s=jobs[0].deadline_s, after=self.stores.device.record_event(),
                 segments=[(job.move.src.index * b, job.move.dst.index * b, b) for job in jobs],
                 on_segment_done=segment_done,

@@ -230,9 +230,18 @@ def test_a_cut_of_the_kv_share_spills_the_sequences_the_scheduler_preempts_first
     ack = agent.enforcer.apply(make_plan(agent, kv={Tier.GPU: 4, Tier.CPU: 8, Tier.NVME: 8}))
 
     assert ack.status is AckStatus.APPLIED, ack.reason
-    on_gpu = {seq: sum(cache.manager.location(b).tier is KVTier.GPU for b in cache.blocks_of(seq))
-              for seq in (1000, 1001, 1002)}
-    assert on_gpu == {1000: 3, 1001: 1, 1002: 0}
+    def on_gpu() -> dict[int, int]:
+        return {seq: sum(cache.manager.location(b).tier is KVTier.GPU for b in cache.blocks_of(seq))
+                for seq in (1000, 1001, 1002)}
+
+    assert on_gpu() == {1000: 3, 1001: 1, 1002: 0}
+    cache.ensure_on_gpu(cache.blocks_of(1002))  # 1002 swapped back in (two of 1000's blocks make room)
+    assert on_gpu() == {1000: 1, 1001: 1, 1002: 2}
+    cache.touch(1002)  # the runner touches a sequence it swaps in: the newest again
+    cache.touch(1000)  # then 1000: the newest of all, the first to go
+    assert agent.enforcer.apply(make_plan(agent, version=2, kv={Tier.GPU: 2, Tier.CPU: 8, Tier.NVME: 8})
+                                ).status is AckStatus.APPLIED
+    assert on_gpu() == {1000: 0, 1001: 1, 1002: 1}  # 1000's block, then one of 1002's; 1001 keeps its own
     for seq in (1000, 1001, 1002):
         cache.free(seq)
 

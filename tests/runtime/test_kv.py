@@ -484,6 +484,39 @@ def test_a_corrupt_block_of_a_list_stays_and_the_others_land(make_rig: Any) -> N
     assert snapshot(rig.manager) == before and rig.handler.stats()["moves_in_flight"] == 0
 
 
+def test_a_copy_that_fails_mid_list_fails_the_rest_and_the_landed_ones_stay_landed(
+        make_rig: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine fails a segmented request from its failed copy on: blocks copied before it land, that one and
+    the later ones fail and stay where they were, readable; nothing is left in flight."""
+    rig = make_rig()
+    blocks = [rig.manager.allocate(Tier.GPU) for _ in range(5)]
+    data = {b: random_block(seed=400 + b) for b in blocks}
+    for b, want in data.items():
+        rig.handler.write(b, want)
+    real, calls = rig.engine.device.copy_range, []
+
+    def copy_range(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("injected copy failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rig.engine.device, "copy_range", copy_range)
+    futures = rig.handler.move_list(blocks, Tier.CPU)
+    for i, f in enumerate(futures):
+        if i < 2:
+            f.wait(timeout_s=10)
+        else:
+            with pytest.raises(err.TransferError, match="injected copy failure"):
+                f.wait(timeout_s=10)
+    monkeypatch.undo()
+    assert [rig.manager.location(b).tier for b in blocks] == [Tier.CPU] * 2 + [Tier.GPU] * 3
+    for b, want in data.items():
+        assert torch.equal(rig.handler.read(b), want) and not rig.manager.is_moving(b)
+    stats = rig.handler.stats()
+    assert (stats["moves_ok"], stats["moves_failed"], stats["moves_in_flight"]) == (2, 3, 0)
+
+
 # ---- the device path --------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
@@ -515,7 +548,8 @@ def test_lists_of_moves_on_a_real_gpu_follow_the_kernels_and_keep_every_byte(mak
     blocks = [rig.manager.allocate(Tier.GPU) for _ in range(48)]
     for b in blocks:
         rig.handler.write(b, random_block(seed=300 + b))
-    for i, b in enumerate(blocks):
+    torch.cuda._sleep(200_000_000)  # the compute stream busy for a while: the fills below land after the list is
+    for i, b in enumerate(blocks):  # queued, so only the request's recorded event keeps its copies behind them
         rig.stores.memory(rig.manager.location(b)).fill_(i + 1)  # queued on the compute stream
         rig.handler.mark_dirty(b)
     for f in rig.handler.move_list(blocks, Tier.CPU):
