@@ -77,7 +77,16 @@ def test_the_cause_compares_per_token_figures() -> None:
     rows = [_row("resident", 200.0, running=2.0, engine_step_ms=9.0),
             _row("tierplan", 100.0, running=2.0, step_ms=20.0, engine_step_ms=9.5)]  # 10.5 ms/step between steps
     (p,), _ = summarize(rows)
-    assert p["cause"].startswith("engine overhead between steps (planner solves, spills, hooks): 5.250 vs 0.500")
+    assert p["cause"].startswith("engine overhead between steps (KV moves of plan changes and preemptions, planner "
+                                 "solves, hooks): 5.250 vs 0.500")
+    # H100 run 47, b128 16K 40 GiB: a KV stall beside ~7x as much time between steps; the larger names the cause
+    rows = [_row("kv_tiering", 193.2, running=2.7, step_ms=14.1, engine_step_ms=11.8),
+            _row("tierplan", 64.2, running=2.6, step_ms=41.0, engine_step_ms=13.0, stall_ms_kv=4.1)]
+    (p,), _ = summarize(rows)
+    assert p["cause"].startswith("engine overhead between steps") and "10.769 vs 0.852" in p["cause"]
+    rows[1]["stall_ms_kv"] = 40.0  # a KV stall larger than the time between steps: the split again
+    (p,), _ = summarize(rows)
+    assert p["cause"].startswith("split: KV short (KV stall 15.385 vs 0.000 ms/token)")
 
 
 def test_a_best_run_that_served_a_few_requests_before_the_stop_is_not_the_same_work() -> None:
