@@ -6,7 +6,8 @@ prefill): their mean, median, 90th percentile and slowest, the collector's pause
 time the slowest 5 % of them took. Per point and policy with two runs or more (repeats, or calls that measured
 it again): how far apart their means and their medians lie. Means apart with medians together: a few slow
 steps (host, collector); medians apart too: the whole run was slower (device clock, placement). Then the cost
-model replayed over the same steps (bench/phase_cost_replay.py). It never edits a row's figure.
+model replayed over the same steps (bench/phase_cost_replay.py), and the runs that spent a tenth of their wall or
+more between steps, with what each plan change cost there. It never edits a row's figure.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tierplan.bench.phase_spread import apart
 from tierplan.bench.phase_steps import load_steps
 
 TAIL_SHARE = 0.05  # the slowest steps whose share of the decode time is reported
+BETWEEN_SHARE = 0.1  # runs whose time between steps is at least this share of their measured wall are listed
 
 
 def run_summary(line: dict[str, Any]) -> dict[str, Any] | None:
@@ -39,6 +41,30 @@ def run_summary(line: dict[str, Any]) -> dict[str, Any] | None:
             "mean_ms": float(decode.mean()), "p50_ms": float(np.median(decode)),
             "p90_ms": float(np.percentile(decode, 90)), "max_ms": float(decode.max()),
             "tail_share": float(tail.sum() / decode.sum()), "gc_ms": float(sum(gc))}
+
+
+def between_summary(line: dict[str, Any]) -> dict[str, Any] | None:
+    """A run's time between steps after its warm-up (the wall outside the forward: plan changes' and
+    preemptions' KV moves, solves, hooks), and at each plan change in it the gap before the step the plan ran
+    first, with the GPU KV blocks spilled for it (booked in the step before and that step) and fetched back at
+    it. None where that time is under BETWEEN_SHARE of the measured wall."""
+    cols, warm = line["steps"], int(line.get("warm_steps") or 0)
+    cycles, forward = cols.get("cycle_s", []), cols.get("step_s", [])
+    if len(forward) != len(cycles):  # lines without the forward's own time
+        return None
+    gaps = [(c - f) * 1e3 for c, f in zip(cycles, forward, strict=True)]
+    wall, between = sum(cycles[warm:]) * 1e3, sum(gaps[warm:])
+    if wall <= 0 or between < BETWEEN_SHARE * wall:
+        return None
+    versions, links, fetched = cols.get("plan_version", []), cols.get("link_bytes", []), cols.get("kv_fetch", [])
+    block = int(line.get("kv_block_bytes") or 0) or 1
+    changes = []
+    for i in range(max(1, warm), len(versions)):
+        if versions[i] != versions[i - 1]:
+            spilled = sum(int((links[j] or {}).get("d2h", 0)) for j in (i - 1, i)) // block
+            changes.append((gaps[i], spilled, sum((fetched[i] or {}).values()) if i < len(fetched) else 0))
+    return {"point": line["point"], "policy": line["policy"], "run_id": line.get("run_id"), "wall_ms": wall,
+            "between_ms": between, "changes": changes}
 
 
 def spread_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -87,6 +113,16 @@ def report(paths: list[Path]) -> str:
     lines += [f"| {r['point']} | {r['policy']} | {r['run_id']}/{r['repeat']} | {r['decode_steps']} | "
               f"{r['mean_ms']:.2f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | {r['max_ms']:.2f} | "
               f"{r['tail_share']:.1%} | {r['gc_ms']:.1f} |" for r in runs]
+    betweens = [b for lines_ in per_file.values() for line in lines_ if (b := between_summary(line)) is not None]
+    lines += ["", "## Time between steps", "",
+              f"Runs whose wall outside the forward (after the warm-up) is {BETWEEN_SHARE:.0%} of their measured wall "
+              "or more, and at each plan change in it: the gap before the plan's first step, the GPU KV blocks "
+              "spilled for it (the step before and that step) and fetched back at it.", ""]
+    lines += ["| point | policy | run | measured wall ms | between steps ms | at plan changes: gap ms / spilled / "
+              "fetched |", "|---|---|---|---|---|---|"]
+    lines += [f"| {b['point']} | {b['policy']} | {b['run_id']} | {b['wall_ms']:.0f} | {b['between_ms']:.0f} "
+              f"({b['between_ms'] / b['wall_ms']:.0%}) | "
+              f"{'; '.join(f'{g:.0f} / {s_} / {f}' for g, s_, f in b['changes']) or 'none'} |" for b in betweens]
     replayed, skipped = [], []
     tables: dict[tuple[int, int, int], np.ndarray] = {}  # the router's table per (MoE layers, top-k, experts)
     for p, file_lines in per_file.items():

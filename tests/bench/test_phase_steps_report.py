@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from tierplan.api.cli import app
 from tierplan.bench.phase_steps import append_steps
-from tierplan.bench.phase_steps_report import run_summary, spread_rows
+from tierplan.bench.phase_steps_report import between_summary, run_summary, spread_rows
 
 
 def _line(policy: str, decode_ms: list[float], run_id: str, warm: int = 2) -> dict[str, Any]:
@@ -36,6 +36,24 @@ def test_slow_steps_and_a_slower_run_are_told_apart() -> None:
         _line("once", base, "1"))]
     verdicts = {r["policy"]: r["verdict"] for r in spread_rows([r for r in runs if r])}
     assert verdicts == {"same": "alike", "hiccup": "a few slow steps", "slower": "the whole run slower"}
+
+
+def test_the_time_between_steps_and_what_each_plan_change_moved() -> None:
+    """H100 run 47, b128 16K 40 GiB in small: a plan after the warm-up spills blocks (booked in the step before it
+    and its own) and fetches some back; the gap before its first step is the run's time between steps."""
+    block = 1 << 18
+    line = {"point": "p", "policy": "tierplan", "run_id": "r", "warm_steps": 2, "kv_block_bytes": block,
+            "steps": {"cycle_s": [0.05, 0.05, 0.01, 0.01, 3.25, 0.01], "step_s": [0.04, 0.04, 0.01, 0.01, 0.01, 0.01],
+                      "plan_version": [1, 1, 1, 1, 2, 2],
+                      "link_bytes": [{}, {}, {}, {"d2h": 100 * block}, {"d2h": 20 * block}, {}],
+                      "kv_fetch": [{}, {}, {}, {}, {"cpu": 17, "nvme": 0}, {}]}}
+    b = between_summary(line)
+    assert b is not None and round(b["between_ms"]) == 3240 and round(b["wall_ms"]) == 3280
+    assert [(round(g), s, f) for g, s, f in b["changes"]] == [(3240, 120, 17)]
+    line["steps"]["cycle_s"][4] = 0.012  # 2 ms between steps of 42 ms: under a tenth, not listed
+    assert between_summary(line) is None
+    del line["steps"]["step_s"]  # a line without the forward's own time: nothing to tell
+    assert between_summary(line) is None
 
 
 def test_the_cli_writes_the_report_or_names_what_is_missing(tmp_path: Path) -> None:
