@@ -60,7 +60,8 @@ def _link_bytes_per_s(path: Path) -> dict[str, float]:
     return {r["run_id"]: r["link_gb_s"] * 1e9 for r in rows if r.get("run_id") and r.get("link_gb_s")}
 
 
-def _steps(line: dict[str, Any]) -> list[SimpleNamespace]:
+def step_records(line: dict[str, Any]) -> list[SimpleNamespace]:
+    """A saved line's steps as records with the runner's `StepRecord` fields."""
     cols = line["steps"]
     n = len(cols.get("cycle_s", []))
     return [SimpleNamespace(**{k: v[i] for k, v in cols.items()}) for i in range(n)]
@@ -98,7 +99,7 @@ def replay_file(path: Path, lines: list[dict[str, Any]], routes: np.ndarray | No
     predictor = Predictor.for_shape(shape_of(first), int(first["kv_block_bytes"]), link, ids_host=routes)
     out = []
     for line in lines:
-        steps = _steps(line)
+        steps = step_records(line)
         if not steps:
             continue
         warm = min(int(line.get("warm_steps") or 0), len(steps) - 1)

@@ -75,14 +75,6 @@ def _served(r: dict[str, Any]) -> tuple[int, int] | None:
     return None if left is None or not total else (total - left, total)
 
 
-def _excess_stalls(tp: dict[str, Any], best: dict[str, Any]) -> tuple[float, float, float]:
-    """tierplan's expert stall, KV stall and time between steps per output token, each less the best run's."""
-    both_tp, both_b = tp["stall_ms_both"], best["stall_ms_both"]
-    return (_per_token(tp, tp["stall_ms_expert"] + both_tp) - _per_token(best, best["stall_ms_expert"] + both_b),
-            _per_token(tp, tp["stall_ms_kv"] + both_tp) - _per_token(best, best["stall_ms_kv"] + both_b),
-            _between(tp) - _between(best))
-
-
 def _cause(tp: dict[str, Any], best: dict[str, Any]) -> str:
     """What the stall breakdown says about tierplan's shortfall against `best`, per output token."""
     pred = tp.get("predicted_over_measured")
@@ -94,7 +86,7 @@ def _cause(tp: dict[str, Any], best: dict[str, Any]) -> str:
     run_tp, run_b = tp.get("mean_running_batch"), best.get("mean_running_batch")
     h2d = (tp.get("link_bytes") or {}).get("h2d", 0)
     served_tp, served_b = _served(tp), _served(best)
-    stalls = _excess_stalls(tp, best)
+    stalls = (exp_tp - exp_b, kv_tp - kv_b, _between(tp) - _between(best))  # tierplan's excess per output token
     largest = max(range(3), key=stalls.__getitem__)
     if served_tp is not None and served_b is not None and served_b[0] < 0.5 * served_tp[0]:
         why = (f"not the same work: {best['policy']} served {served_b[0]} of {served_b[1]} requests before the run's "

@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from tierplan.bench.phase_cost_replay import replay_file, router_table, shape_of
+from tierplan.bench.phase_cost_replay import replay_file, router_table, shape_of, step_records
 from tierplan.bench.phase_cost_replay import section as cost_section
+from tierplan.bench.phase_metrics import plan_evictions
 from tierplan.bench.phase_spread import apart
 from tierplan.bench.phase_steps import load_steps
 
@@ -46,23 +47,22 @@ def run_summary(line: dict[str, Any]) -> dict[str, Any] | None:
 def between_summary(line: dict[str, Any]) -> dict[str, Any] | None:
     """A run's time between steps after its warm-up (the wall outside the forward: plan changes' and
     preemptions' KV moves, solves, hooks), and at each plan change in it the gap before the step the plan ran
-    first, with the GPU KV blocks spilled for it (booked in the step before and that step) and fetched back at
-    it. None where that time is under BETWEEN_SHARE of the measured wall."""
-    cols, warm = line["steps"], int(line.get("warm_steps") or 0)
-    cycles, forward = cols.get("cycle_s", []), cols.get("step_s", [])
-    if len(forward) != len(cycles):  # lines without the forward's own time
+    first, with the GPU KV blocks spilled for it (the plan's own, `plan_evictions`, and those of its first step)
+    and fetched back at it. None where that time is under BETWEEN_SHARE of the measured wall."""
+    if "step_s" not in line["steps"]:  # lines without the forward's own time
         return None
-    gaps = [(c - f) * 1e3 for c, f in zip(cycles, forward, strict=True)]
-    wall, between = sum(cycles[warm:]) * 1e3, sum(gaps[warm:])
+    steps, warm = step_records(line), int(line.get("warm_steps") or 0)
+    block = int(line.get("kv_block_bytes") or 0) or 1
+    gaps = [(s.cycle_s - s.step_s) * 1e3 for s in steps]
+    wall, between = sum(s.cycle_s for s in steps[warm:]) * 1e3, sum(gaps[warm:])
     if wall <= 0 or between < BETWEEN_SHARE * wall:
         return None
-    versions, links, fetched = cols.get("plan_version", []), cols.get("link_bytes", []), cols.get("kv_fetch", [])
-    block = int(line.get("kv_block_bytes") or 0) or 1
     changes = []
-    for i in range(max(1, warm), len(versions)):
-        if versions[i] != versions[i - 1]:
-            spilled = sum(int((links[j] or {}).get("d2h", 0)) for j in (i - 1, i)) // block
-            changes.append((gaps[i], spilled, sum((fetched[i] or {}).values()) if i < len(fetched) else 0))
+    for i in range(max(1, warm), len(steps)):
+        s, prev = steps[i], steps[i - 1]
+        if getattr(s, "plan_version", None) != getattr(prev, "plan_version", None):
+            spilled = plan_evictions(s, prev, block) + (getattr(s, "link_bytes", None) or {}).get("d2h", 0) // block
+            changes.append((gaps[i], spilled, sum((getattr(s, "kv_fetch", None) or {}).values())))
     return {"point": line["point"], "policy": line["policy"], "run_id": line.get("run_id"), "wall_ms": wall,
             "between_ms": between, "changes": changes}
 

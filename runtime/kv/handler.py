@@ -298,6 +298,7 @@ class KVTransferHandler:
         a segment a block: one device event, one queue entry and one hand-off for the list, where a request a
         block paid its own round trip. Moves through NVMe go hop by hop, as `move` does."""
         self._check_open(f"move of {len(block_ids)} KV blocks")
+        priority = Priority(priority)
         moves: list[KVMove] = []
         try:
             for b in block_ids:
@@ -314,7 +315,7 @@ class KVTransferHandler:
         try:
             for pair, group in by_pair.items():
                 if pair in _SEGMENTED:
-                    jobs = self._jobs(group, Priority(priority), deadline_s)
+                    jobs = self._jobs(group, priority, deadline_s)
                     started.update(m.block_id for m in group)
                     self._submit_segmented(jobs)
                     futures.update((job.move.block_id, job.future) for job in jobs)
@@ -322,7 +323,7 @@ class KVTransferHandler:
                 for m in group:
                     started.add(m.block_id)
                     try:
-                        futures[m.block_id] = self._start(m, Priority(priority), deadline_s)
+                        futures[m.block_id] = self._start(m, priority, deadline_s)
                     except Exception as exc:  # refused (undone) after the list's others were queued: its failure
                         futures[m.block_id] = failed = KVMoveFuture(m)
                         failed.set_result(exc)
@@ -366,9 +367,7 @@ class KVTransferHandler:
         def segment_done(i: int, error: BaseException | None) -> None:  # on the link's worker or retire thread
             job = jobs[i]
             if error is not None:
-                m = job.move
-                error = TransferError(f"move {m.pair} of KV block {m.block_id} ({m.src} -> {m.dst}): "
-                                      f"{hop.link.value} transfer failed: {error}")
+                error = _transfer_error(job.move, hop.link, error)
             elif hop.lands_on_host:
                 try:
                     self._check_host_bytes(job.move, landed[job.move.dst.index])
@@ -413,11 +412,7 @@ class KVTransferHandler:
         """Runs on the link's worker or retire thread: check what landed, then queue the next hop or finish."""
         try:
             if h.error is not None:  # h.ok is still False inside on_done; the error is what counts
-                m = job.move
-                raise TransferError(
-                    f"move {m.pair} of KV block {m.block_id} ({m.src} -> {m.dst}): "
-                    f"{h.request.link.value} transfer failed: {h.error}"
-                ) from h.error
+                raise _transfer_error(job.move, h.request.link, h.error)
             hop = job.hops[i]
             if hop.lands_on_host is not None:
                 self._check_host_bytes(job.move, hop.lands_on_host)
@@ -494,6 +489,14 @@ class KVTransferHandler:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _transfer_error(move: KVMove, link: Link, error: BaseException) -> TransferError:
+    """A move's failed copy, naming the block, its ends and the link (caused by the link's error)."""
+    out = TransferError(f"move {move.pair} of KV block {move.block_id} ({move.src} -> {move.dst}): {link.value} "
+                        f"transfer failed: {error}")
+    out.__cause__ = error
+    return out
 
 
 def _caps(capacity: dict[Tier, int]) -> dict[str, int]:
