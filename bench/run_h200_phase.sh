@@ -14,6 +14,8 @@
 # offline study of the cost model. After the call: unpack $OUT/phase_out.tgz into
 # bench/results/h200/phase_runNN/ and merge its JSON into bench/results (rows once each, the report rewritten):
 #   tierplan bench phase --merge bench/results/h200/phase_runNN/phase_<model>_<date>.json
+# then gzip -9 -n that run's JSON (the merged file holds its rows; the device tool sends the working tree, tracked
+# files included, 64 MiB at most: the per-run copies of the merged JSON passed it in session 29).
 set -uo pipefail
 out=${1:?usage: run_h200_phase.sh OUT POINTS [MODELS] [SECONDS] [EXTRA...]}
 points=${2:?usage: run_h200_phase.sh OUT POINTS [MODELS] [SECONDS] [EXTRA...]}
