@@ -4,8 +4,8 @@ The byte-moving half of the KV tiers, modelled on vLLM v1 `kv_offload`'s worker/
 reserves (`prepare_move`), this handler copies, then reports `complete_move(ok)`. Every copy is a KV-class
 request on the engine's links: GPU<->CPU over H2D/D2H, CPU<->NVMe over H2DISK/DISK2H, GPU<->NVMe in two
 hops through a page-aligned staging buffer. Hops are chained by the engine's `on_done` callbacks, so no
-link worker ever blocks on another link. Checksums (xxh3 of host bytes) are taken when bytes first reach
-the host and verified when they come from a tier in `manager.verify_tiers`; a mismatch fails the move and
+link worker ever blocks on another link. Checksums (xxh3 of host bytes) are taken when bytes reach the host
+bound for a tier in `manager.verify_tiers` and verified when they come from one; a mismatch fails the move and
 the block stays where it was. Never decides which block goes where, never hashes device memory.
 """
 
@@ -149,10 +149,16 @@ class KVTransferHandler:
             )
 
     def _check_host_bytes(self, move: KVMove, data: torch.Tensor) -> None:
-        """Bytes of a moving block are on the host: record their checksum, or verify it if `src` asks so."""
+        """Bytes of a moving block are on the host: verify them if `src` is a verified tier; record their
+        checksum if they have none and `dst` is one (the only place it will be compared). A block bound for a
+        tier nobody verifies is not hashed until its bytes next reach the host on the way to one: a plan's cut
+        spilled ~16,600 dirty GPU blocks to the CPU, and hashing each on the link worker (xxh3 at ~8 GB/s on
+        the CI box, ~34 us per 256 KiB block) was a share of the 75 us a block the cut took on the H100 host,
+        for checksums that nothing read (bench/results/phase_h200.md, session 29)."""
         expected = self.manager.checksum(move.block_id)
         if expected is None:
-            self.manager.set_checksum(move.block_id, checksum(data))
+            if move.dst.tier in self.manager.verify_tiers:
+                self.manager.set_checksum(move.block_id, checksum(data))
         elif move.src.tier in self.manager.verify_tiers:
             self._verify(move.block_id, move.src, expected, data, f"move {move.pair}")
 

@@ -409,8 +409,9 @@ def _requests(rig: Rig) -> list[Any]:
 
 def test_a_list_moves_each_memory_pair_as_one_request_and_keeps_every_byte(make_rig: Any) -> None:
     """GPU->CPU and CPU->GPU lists go as one segmented request each (a segment a block, out of index order),
-    NVMe moves hop by hop; every block lands bit-exact, its checksum recorded where it reached the host."""
-    rig = make_rig(capacity=12)
+    NVMe moves hop by hop; every block lands bit-exact, its checksum recorded where it reached the host bound for
+    a verified tier (the CPU is one here)."""
+    rig = make_rig(capacity=12, verify=frozenset({Tier.CPU, Tier.NVME}))
     gpu = [rig.manager.allocate(Tier.GPU) for _ in range(6)]
     nvme = [rig.manager.allocate(Tier.NVME) for _ in range(2)]
     data = {b: random_block(seed=100 + b) for b in gpu + nvme}
@@ -436,6 +437,32 @@ def test_a_list_moves_each_memory_pair_as_one_request_and_keeps_every_byte(make_
     stats = rig.handler.stats()
     assert (stats["moves_ok"], stats["moves_failed"], stats["moves_in_flight"]) == (14, 0, 0)
     assert stats["bytes_by_pair"]["gpu->cpu"] == stats["bytes_by_pair"]["cpu->gpu"] == 6 * BLOCK_BYTES
+
+
+def test_a_block_is_hashed_only_on_its_way_to_a_tier_that_verifies_it(make_rig: Any) -> None:
+    """With only NVMe verified, dirty GPU blocks spilled to the CPU get no checksum (nothing would compare it);
+    the move on to NVMe hashes the CPU bytes, and a copy corrupted on NVMe is caught on its way back."""
+    rig = make_rig(capacity=4)
+    blocks = [rig.manager.allocate(Tier.GPU) for _ in range(3)]
+    data = {b: random_block(seed=300 + b) for b in blocks}
+    for b, want in data.items():
+        rig.handler.write(b, want)
+        rig.handler.mark_dirty(b)
+    for f in rig.handler.move_list(blocks, Tier.CPU):
+        f.wait(timeout_s=10)
+    assert [rig.manager.checksum(b) for b in blocks] == [None] * 3
+    for f in rig.handler.move_list(blocks[:2], Tier.NVME):
+        f.wait(timeout_s=10)
+    assert [rig.manager.checksum(b) for b in blocks] == [checksum(data[blocks[0]]), checksum(data[blocks[1]]), None]
+    flip_byte(rig.stores, rig.manager.location(blocks[1]), 7)
+    futures = rig.handler.move_list(blocks, Tier.GPU)
+    futures[0].wait(timeout_s=10)
+    futures[2].wait(timeout_s=10)
+    with pytest.raises(err.CorruptDataError, match=f"KV block {blocks[1]} on tier nvme"):
+        futures[1].wait(timeout_s=10)
+    assert torch.equal(rig.handler.read(blocks[0]), data[blocks[0]])
+    assert torch.equal(rig.handler.read(blocks[2]), data[blocks[2]])
+    assert rig.manager.location(blocks[1]).tier is Tier.NVME
 
 
 def test_a_list_that_cannot_be_reserved_changes_nothing(make_rig: Any) -> None:
