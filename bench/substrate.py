@@ -5,7 +5,8 @@ Every figure is compared with a baseline measured in the same run, as a ratio:
   * expert loads pinned host -> slot (map + engine copy) vs raw pinned host -> device copies, per size;
   * map + set access per slot (CUDA VMM or the mmap twin);
   * the transfer engine's achieved bandwidth per link vs raw copies (memory) or raw O_DIRECT I/O (disk);
-  * latency of a small urgent KV transfer submitted behind a 1 GiB expert stream, with and without chunks.
+  * latency of a small urgent KV transfer submitted behind a 1 GiB expert stream, with and without chunks;
+  * KV block lists GPU <-> CPU through the KV handler, one move at a time and as one list, vs raw copies.
 Writes substrate_<device>.json, .md and .png into the output folder.
 """
 
@@ -251,7 +252,7 @@ def urgent_behind_stream(dev: Device, chunk_bytes: int | None, stream_bytes: int
             "stream_ms_median": statistics.median(big_lat) * 1e3}
 
 
-SECTIONS = ("raw", "loads", "map", "links", "urgent", "calls")
+SECTIONS = ("raw", "loads", "map", "links", "urgent", "calls", "kvmoves")
 
 
 _ENGINE = EngineConfig()  # the reference engine's defaults, which the default load config measures
@@ -347,6 +348,12 @@ def run_substrate_bench(out_dir: Path, device: str = "cuda", quick: bool = False
                             for c, k, u in [(4 * MiB, 16 * MiB, False), (8 * MiB, 16 * MiB, False),
                                             (None, 16 * MiB, False), (8 * MiB, 64 * MiB, True)]]
         say(f"urgent kv: {res['urgent_kv']}")
+    if "kvmoves" in sections:
+        from tierplan.bench.kv_moves import kv_move_costs
+
+        # The phase sweep's KV block (qwen3-30b-a3b, 16 tokens) and a cut's worth of them (a 1 GiB list).
+        res["kv_moves"] = kv_move_costs(dev, 64 << 10 if quick else 256 << 10, 64 if quick else 4096, reps)
+        say(f"kv moves: {res['kv_moves']}")
     write_substrate_report(out_dir, res, device)
     return res
 

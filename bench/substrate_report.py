@@ -69,6 +69,8 @@ def write_substrate_report(out_dir: Path, res: dict, device: str) -> None:
                f"{u['max_inflight_bytes'] >> 20} MiB | "
                f"{u['urgent_latency_ms_median']:.3f} | {u['urgent_queue_delay_ms_median']:.3f} | "
                f"{u['stream_ms_median']:.2f} |" for u in res["urgent_kv"]]
+    if "kv_moves" in res:
+        md += _kv_moves_md(res["kv_moves"])
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
     if {"raw_h2d_gbps", "expert_loads", "urgent_kv"} <= set(res):
         _plot(stem.with_suffix(".png"), res)
@@ -135,3 +137,19 @@ def _plot(path: Path, res: dict) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _kv_moves_md(k: dict) -> list[str]:
+    """The kvmoves section: µs per block of a GPU <-> CPU list, one move at a time, as one list, raw copies."""
+    md = ["", f"## KV block lists through the KV handler ({k['num_blocks']:,} blocks of {k['block_bytes'] >> 10} "
+          f"KiB, median of {k['reps']}), µs per block", "",
+          "| direction | raw copies | one list | one move at a time | list / raw | each / list "
+          "| list: caller submits · waits | list: link worker hook · issue · blocked · retire |",
+          "|---|---|---|---|---|---|---|---|"]
+    for d, name in (("to_cpu", "GPU -> CPU"), ("to_gpu", "CPU -> GPU")):
+        lst = k["list"]
+        worker = " · ".join(f"{lst[f'{d}_worker_{p}_us']:.1f}" for p in ("hook", "issue", "blocked", "retire"))
+        md.append(f"| {name} | {k[f'raw_{d}_us']:.1f} | {lst[f'{d}_us']:.1f} | {k['each'][f'{d}_us']:.1f} | "
+                  f"{k[f'list_over_raw_{d}']:.2f} | {k[f'each_over_list_{d}']:.2f} | "
+                  f"{lst[f'{d}_submit_us']:.1f} · {lst[f'{d}_wait_us']:.1f} | {worker} |")
+    return md
