@@ -363,15 +363,14 @@ def plot(rows: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
 
 
 def device_stems(rows: list[dict[str, Any]], stem: Path) -> dict[str, Path]:
-    """Each device of `rows` and the stem of its report: the device with the most rows keeps `stem` (the H200's
-    sweep stays `phase_<model>_<day>.md` when another card's rows join its JSON), the others add their name
+    """Each device of `rows` and the stem of its report: the device of the first row (the sweep the JSON was
+    started for) keeps `stem`, so the H200's sweep stays `phase_<model>_<day>.md` however many rows another
+    card's calls add (by the most rows, the H100's runs 49-51 took the name over); the others add their name
     (`..._nvidia-h100-80gb-hbm3.md`). A report never mixes devices (`phase_store.latest`)."""
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["device"]] = counts.get(r["device"], 0) + 1
-    main = max(counts, key=lambda d: (counts[d], d)) if counts else None
+    main = rows[0]["device"] if rows else None
     slug = lambda d: "-".join("".join(c if c.isalnum() else " " for c in d.lower()).split())  # noqa: E731
-    return {d: stem if d == main else stem.with_name(f"{stem.name}_{slug(d)}") for d in counts}
+    return {d: stem if d == main else stem.with_name(f"{stem.name}_{slug(d)}") for d in dict.fromkeys(
+        r["device"] for r in rows)}
 
 
 def write_report(rows: list[dict[str, Any]], stem: Path, sizes: Any, device: str) -> list[Path]:

@@ -309,15 +309,15 @@ def test_merge_adds_another_calls_rows_and_rewrites_the_report(tmp_path: Path) -
     assert load_rows(out / src.name) == rows
     md = (out / src.name).with_suffix(".md").read_text()
     assert "| kv_tiering |" in md and "| resident |" in md
-    # Another card's rows join the JSON: the report of the device with the most rows keeps its name, the other
-    # card gets its own, and neither mixes the two.
-    other = [{**r, "device": "NVIDIA H100 80GB HBM3", "run_id": "h100"} for r in rows[:1]]
+    # Another card's rows join the JSON, more of them than the first card's: the report of the device the JSON
+    # started on keeps its name, the other card gets its own, and neither mixes the two.
+    other = [{**r, "device": "NVIDIA H100 80GB HBM3", "run_id": f"h100-{i}"} for i in range(2) for r in rows]
     write_rows(tmp_path / src.name, other)
     res = CliRunner().invoke(app, ["bench", "phase", "--out-dir", str(out), "--merge", str(tmp_path / src.name)])
     assert res.exit_code == 0, res.output
     h100 = out / f"{src.stem}_nvidia-h100-80gb-hbm3.md"
     assert (out / src.name).with_suffix(".md").read_text() == md and h100.is_file()
-    assert "Device: NVIDIA H100 80GB HBM3." in h100.read_text() and "| kv_tiering |" not in h100.read_text()
+    assert "Device: NVIDIA H100 80GB HBM3." in h100.read_text() and f"Rows: {len(rows)} " in h100.read_text()
     res = CliRunner().invoke(app, ["bench", "phase", "--out-dir", str(out), "--merge", str(tmp_path / "no.json")])
     assert res.exit_code == 2 and "no.json: no such file" in " ".join(res.output.split())
     res = CliRunner().invoke(app, ["bench", "phase", "--out-dir", str(out), "--merge", str(out / src.name)])
