@@ -102,7 +102,7 @@ def tiny_registration(agent_id: str = "agent-0", group: str = "default", kv_gpu_
         split=SplitSheet(hbm_budget_bytes=budget_bytes, dense_bytes=0, workspace_bytes=0, slot_bytes=slot_bytes,
                          kv_block_bytes=kv_block_bytes, kv_gpu_blocks_max=KV_GPU_CAPACITY,
                          kv_gpu_blocks_min=kv_gpu_blocks_min, kv_block_tokens=BLOCK_TOKENS,
-                         kv_cpu_blocks=KV_CPU_BLOCKS, kv_nvme_blocks=KV_NVME_BLOCKS),
+                         kv_cpu_blocks=KV_CPU_BLOCKS, kv_nvme_blocks=KV_NVME_BLOCKS, max_running_seqs=MAX_BATCH),
         # The tiny model's step on this box, roughly (a few ms): the prior the windows then correct.
         compute=ComputeSheet(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01, moe_ms_per_token=0.01,
                              moe_ms_per_active_expert=0.05))

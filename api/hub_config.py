@@ -62,7 +62,8 @@ def controller_config(reg: AgentRegistration, knobs: PolicyKnobs) -> ControllerC
                        dense_bytes=split.dense_bytes, workspace_bytes=split.workspace_bytes,
                        slot_bytes=split.slot_bytes, kv_block_bytes=split.kv_block_bytes,
                        kv_gpu_blocks_max=split.kv_gpu_blocks_max, kv_gpu_blocks_min=split.kv_gpu_blocks_min,
-                       min_slots_per_layer=knobs.min_slots_per_layer, kv_block_tokens=split.kv_block_tokens,
+                       max_running_seqs=split.max_running_seqs, min_slots_per_layer=knobs.min_slots_per_layer,
+                       kv_block_tokens=split.kv_block_tokens,
                        link_share=knobs.link_share, max_slots_per_layer=knobs.max_slots_per_layer,
                        stall_weight=knobs.stall_weight, kv_weight=knobs.kv_weight)
     compute = ComputeParams(**reg.compute.model_dump()) if reg.compute is not None else None

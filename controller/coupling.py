@@ -91,20 +91,35 @@ class AtShare:
         return float("inf") if self.sol is None else self.sol.objective_ms + self.kv_move_ms
 
 
-def served_share(fc: DemandForecast, gpu_blocks: float) -> float:
-    """Share of the KV the sequences want (held in every tier plus queued) that `gpu_blocks` hold."""
+def runnable_blocks(fc: DemandForecast, max_running_seqs: int | None) -> float:
+    """The GPU KV blocks the most sequences the engine runs at once (`max_running_seqs`, vLLM's max_num_seqs)
+    hold, at the blocks per running sequence seen; inf where that is unknown. Blocks past it run no more
+    sequences: the queue behind a full batch waits for a sequence to finish, not for KV. Without the cap a share
+    three times the one in force read as three times the batch, past the engine's batch of 8 (H100 phase run
+    49, b8 16K 24 GiB: 16.6 tokens a step priced at 8 expert slots a layer, measured 5-7 at 12-20 ms a token),
+    and the plans swung between that share and a third of it six times in 134 steps."""
+    if max_running_seqs is None or fc.kv_gpu_used_blocks <= 0 or fc.batch_tokens <= 0:
+        return float("inf")
+    return fc.kv_gpu_used_blocks * max_running_seqs / fc.batch_tokens
+
+
+def served_share(fc: DemandForecast, gpu_blocks: float, max_running_seqs: int | None = None) -> float:
+    """Share of the KV the sequences want (held in every tier plus queued) that `gpu_blocks` hold and run:
+    no more than `runnable_blocks` count."""
     want = max(fc.kv_live_blocks, fc.kv_gpu_used_blocks)
     if want <= 0:
         return 1.0
-    return max(1.0 - MAX_DEFERRED, min(1.0, gpu_blocks / want))
+    return max(1.0 - MAX_DEFERRED, min(1.0, min(gpu_blocks, runnable_blocks(fc, max_running_seqs)) / want))
 
 
-def running_batch(fc: DemandForecast, gpu_blocks: float) -> float:
-    """Tokens per step with `gpu_blocks` of GPU KV: the observed batch per block in use, times the blocks held."""
+def running_batch(fc: DemandForecast, gpu_blocks: float, max_running_seqs: int | None = None) -> float:
+    """Tokens per step with `gpu_blocks` of GPU KV: the observed batch per block in use, times the blocks held
+    (those `runnable_blocks` count)."""
     used = fc.kv_gpu_used_blocks
     if used <= 0:  # nothing in use to scale from: the batch stays as observed
         return fc.batch_tokens
-    return max(1.0, fc.batch_tokens / served_share(fc, used) * served_share(fc, gpu_blocks))
+    return max(1.0, fc.batch_tokens / served_share(fc, used, max_running_seqs)
+               * served_share(fc, gpu_blocks, max_running_seqs))
 
 
 def _observed_at(fc: DemandForecast) -> float:
@@ -180,9 +195,10 @@ class _Terms:
 
 def _terms(fc: DemandForecast, cost: CostModel, space: SplitSpace, gpu_blocks: int, best_hits: float,
            horizon_steps: int) -> _Terms:
-    served = served_share(fc, gpu_blocks)
-    batch = running_batch(fc, gpu_blocks)
-    full = running_batch(fc, max(fc.kv_live_blocks, fc.kv_gpu_used_blocks, gpu_blocks))
+    cap = space.max_running_seqs
+    served = served_share(fc, gpu_blocks, cap)
+    batch = running_batch(fc, gpu_blocks, cap)
+    full = running_batch(fc, max(fc.kv_live_blocks, fc.kv_gpu_used_blocks, gpu_blocks), cap)
     per_token_ctx = fc.kv_gpu_used_blocks * space.kv_block_tokens / max(fc.batch_tokens, 1e-9)
     step_ms = cost.compute_ms(batch, per_token_ctx * batch)
     full_ms = cost.compute_ms(full, per_token_ctx * full)
@@ -337,7 +353,7 @@ def search_shares(fc: DemandForecast, cost: CostModel, space: SplitSpace, curren
     best_in: dict[tuple[float, float], int] = {}  # band -> its best-screened share
     for i in sorted(range(len(grid)), key=lambda i: est[i]):
         if est[i] < float("inf"):
-            best_in.setdefault(_band(fc, running_batch(fc, grid[i])), i)
+            best_in.setdefault(_band(fc, running_batch(fc, grid[i], space.max_running_seqs)), i)
     picks = set(sorted(best_in.values(), key=lambda i: est[i])[:SCREEN_BANDS])
     if current_kv in grid:
         picks.add(grid.index(current_kv))

@@ -117,6 +117,9 @@ class SplitSheet(ProtocolModel):
     kv_block_tokens: int = Field(default=16, ge=1, strict=True)
     kv_cpu_blocks: Count
     kv_nvme_blocks: Count
+    # The most sequences the engine runs in one step (vLLM's max_num_seqs; None: not known): GPU KV past what they
+    # hold runs no more of them, however long the queue.
+    max_running_seqs: int | None = Field(default=None, ge=1, strict=True)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

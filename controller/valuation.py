@@ -53,6 +53,7 @@ class SplitSpace:
     kv_block_bytes: int
     kv_gpu_blocks_max: int  # the GPU KV tier's capacity
     kv_gpu_blocks_min: int  # below this one sequence can no longer run
+    max_running_seqs: int | None = None  # the most sequences a step runs (vLLM's max_num_seqs; None: unknown)
     min_slots_per_layer: int = 1
     kv_block_tokens: int = 16
     kv_options: int = 64  # at most this many KV block counts are offered (evenly spaced)

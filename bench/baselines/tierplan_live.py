@@ -59,6 +59,7 @@ def registration(engine: ReferenceEngine, ctx: PointContext, agent_id: str = "co
                          slot_bytes=ctx.expert_stride_bytes, kv_block_bytes=ctx.kv_block_bytes,
                          kv_gpu_blocks_max=engine.cache.manager.capacity[Tier.GPU],
                          kv_gpu_blocks_min=kv_floor_blocks(ctx), kv_block_tokens=ctx.block_tokens,
+                         max_running_seqs=ctx.batch,
                          kv_cpu_blocks=ctx.kv_cpu_blocks, kv_nvme_blocks=ctx.kv_nvme_blocks),
         compute=ComputeSheet(step_ms=1.0, dense_ms=0.5, moe_ms=0.3, dense_ms_per_token=0.01, moe_ms_per_token=0.01,
                              moe_ms_per_active_expert=active_expert_prior_ms(ctx)))

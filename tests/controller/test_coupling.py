@@ -103,6 +103,30 @@ def test_a_share_runs_the_batch_its_blocks_hold() -> None:
     assert running_batch(idle, 40) == 2.0  # nothing in use to scale from
 
 
+def test_blocks_past_what_the_engines_most_sequences_hold_run_no_larger_batch() -> None:
+    """With the engine's max running sequences known (vLLM's max_num_seqs), a share holding more than they do
+    serves no more of the demand: 2 tokens a step on 16 blocks, at most 4 sequences, so 32 blocks run them all."""
+    ctl = make_controller()
+    fc = _forecast(ctl, batch=2.0, used=16.0, live=64.0, obs=_curve(2.0), buckets={})
+    assert served_share(fc, 64, 4) == pytest.approx(0.5) == served_share(fc, 32, 4)
+    assert running_batch(fc, 64, 4) == pytest.approx(4.0) == running_batch(fc, 200, 4)
+    assert running_batch(fc, 24, 4) == pytest.approx(3.0) and served_share(fc, 16, 4) == pytest.approx(0.25)
+    assert served_share(fc, 64, None) == 1.0  # no cap known: the blocks alone
+
+
+def test_the_coupled_split_spends_no_hbm_on_kv_the_engine_cannot_run() -> None:
+    """Where admitting everyone pays (the experts of 8 tokens are nearly those of 2), the split takes the
+    largest share that fits; at most 4 sequences a step, no share past the 32 blocks they hold is worth a slot."""
+    ctl = _decode_bound(load_ms=2.0)
+    fc = _forecast(ctl, batch=2.0, used=16.0, live=64.0, obs=_curve(2.0), buckets={4: _curve(2.4), 8: _curve(2.4)})
+    space = ctl.config.space
+    val, sol = solve_coupled(fc, ctl.cost, space, None, None, 32, _solve)
+    assert val.kv_blocks[sol.choice[-1]] > 32
+    capped = dataclasses.replace(space, max_running_seqs=4)
+    val, sol = solve_coupled(fc, ctl.cost, capped, None, None, 32, _solve)
+    assert val.kv_blocks[sol.choice[-1]] <= 32
+
+
 def test_curves_come_from_the_batch_bucket_they_price() -> None:
     ctl = make_controller()
     measured = _curve(7.0)

@@ -53,6 +53,12 @@ def expert_footprint(shape: ModelShape) -> tuple[int, ...]:
     return tuple(shape.num_experts * shape.expert_bytes if layer in moe else 0 for layer in range(shape.num_layers))
 
 
+def max_num_seqs(vllm_config: Any) -> int | None:
+    """The scheduler's max_num_seqs (the most sequences a step runs), None where this vLLM has no such setting."""
+    n = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
 def build_registration(shape: ModelShape, vllm_config: Any, settings: VllmPluginSettings,
                        rank: int = 0) -> AgentRegistration:
     cc = vllm_config.cache_config
@@ -75,4 +81,5 @@ def build_registration(shape: ModelShape, vllm_config: Any, settings: VllmPlugin
         split=SplitSheet(hbm_budget_bytes=budget, dense_bytes=shape.dense_bytes, workspace_bytes=0,
                          slot_bytes=shape.expert_bytes, kv_block_bytes=block_bytes, kv_gpu_blocks_max=gpu_blocks,
                          kv_gpu_blocks_min=gpu_blocks, kv_block_tokens=block_tokens,
-                         kv_cpu_blocks=cpu_blocks, kv_nvme_blocks=nvme_blocks))
+                         kv_cpu_blocks=cpu_blocks, kv_nvme_blocks=nvme_blocks,
+                         max_running_seqs=max_num_seqs(vllm_config)))

@@ -123,6 +123,16 @@ def test_the_tiers_capacity_is_our_connectors_own_config_when_it_is_configured()
     assert tier_capacity(cfg, s) == (64, 256)
 
 
+def test_the_registration_carries_the_schedulers_max_num_seqs() -> None:
+    """The controller prices no GPU KV past what the most sequences a step runs hold: vLLM's max_num_seqs."""
+    from tierplan.agent.adapters.vllm.registration import build_registration
+
+    cfg = vllm_config()
+    assert build_registration(SHAPE, cfg, VllmPluginSettings()).split.max_running_seqs is None  # not given
+    cfg.scheduler_config = SimpleNamespace(max_num_seqs=48)
+    assert build_registration(SHAPE, cfg, VllmPluginSettings()).split.max_running_seqs == 48
+
+
 def test_an_error_in_our_step_hook_never_reaches_vllms_forward() -> None:
     tap = InPlaceRouterTap(SHAPE.moe_layers, SHAPE.num_experts, SHAPE.top_k, torch.device("cpu"))
     cap = RouterCapture(tap, SHAPE, 64, torch.device("cpu"))
