@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tierplan.runtime.device import Device
+from tierplan.runtime.future import wait_all
 from tierplan.runtime.kv import Tier
 from tierplan.runtime.kv.handler import KVTransferHandler
 from tierplan.runtime.kv.manager import KVBlockManager
@@ -63,8 +64,7 @@ def _round_trip(dev: Device, engine: TransferEngine, handler: KVTransferHandler,
         if as_list:
             futures = handler.move_list(blocks, dst)
             t1 = time.perf_counter()
-            for f in futures:
-                f.wait()
+            wait_all(futures)  # as the engine waits for a list (PagedKVCache._move_all)
         else:
             t1 = t0
             for b in blocks:

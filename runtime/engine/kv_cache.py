@@ -21,6 +21,7 @@ import torch
 from tierplan.runtime.device import Device
 from tierplan.runtime.engine.config import AttentionKind, ModelSpec
 from tierplan.runtime.errors import CapacityError, ConfigError
+from tierplan.runtime.future import wait_all
 from tierplan.runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
 from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES
 from tierplan.runtime.staging import StagingPool
@@ -121,17 +122,10 @@ class PagedKVCache:
         self.spills += len(victims)
 
     def _move_all(self, blocks: list[int], dst: Tier) -> None:
-        """Issue every move (one request per memory pair: `move_list`), then wait for all (the first error
-        re-raised once all have ended)."""
-        futs = self.handler.move_list(blocks, dst)
-        first: BaseException | None = None
-        for f in futs:
-            try:
-                f.wait()
-            except BaseException as exc:  # the block stayed where it was (the handler's contract)
-                first = first or exc
-        if first is not None:
-            raise first
+        """Issue every move (one request per memory pair: `move_list`), then wait for all (`wait_all`: the last
+        first, so the caller wakes about once, not once a block taking the GIL from the link's worker; the first
+        error in list order re-raised once all have ended, each failed block staying where it was)."""
+        wait_all(self.handler.move_list(blocks, dst))
 
     # ---- what the engine calls --------------------------------------------------------------------
     def grow(self, seq_id: int, num_tokens: int, protect: Iterable[int] = (),
