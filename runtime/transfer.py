@@ -39,7 +39,7 @@ import torch
 from tierplan.runtime.device import Device
 from tierplan.runtime.errors import ConfigError, TransferError
 from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES, FileRegion
-from tierplan.runtime.transfer_handle import QueuedTransfer, TransferHandle, nbytes, num_chunks
+from tierplan.runtime.transfer_handle import QueuedTransfer, TransferHandle, nbytes, num_chunks, segment_groups
 from tierplan.runtime.transfer_types import Buffer, ClassStats, Link, LinkStats, Priority, TrafficClass, TransferRequest
 from tierplan.runtime.transfer_worker import MEMORY_LINKS, LinkQueue, LinkWorker, TransferStats
 
@@ -48,7 +48,17 @@ __all__ = ["Buffer", "ClassStats", "Link", "LinkStats", "Priority", "TrafficClas
 
 MIN_CHUNK_BYTES = 2 << 20
 DEFAULT_CHUNK_BYTES = 8 << 20  # expert loads of 9-24 MiB pipeline best at this size (bench/results/design_notes.md)
+# A list of small segments with no per-segment hook (a KV list) goes in groups of whole segments, each group one
+# chunk: its copies back to back under one event, retired together. A chunk a segment paid the worker's issue and
+# retire a block, ~31 us of the 57 a 256 KiB KV block took on the H100 host (bench/results/h200/kvmoves_run01).
+MAX_GROUP_PARTS = 64
 DEFAULT_INFLIGHT_BYTES = 16 << 20  # ~0.3 ms of PCIe Gen5: the most an urgent transfer waits behind
+
+
+def _groups_segments(req: TransferRequest) -> bool:
+    """A memory-link list whose segments have no hook of their own: its segments may go in groups."""
+    return (req.segments is not None and len(req.segments) > 1 and req.link in MEMORY_LINKS
+            and req.before_segment is None and req.segment_after is None and req.on_segment_issued is None)
 
 
 class TransferEngine:
@@ -193,14 +203,21 @@ class TransferEngine:
                                   f"{len(req.segments or [None])} segment(s)")
             all_segs.append(self._validate(req, checked))
         now, cb = self.clock(), self.chunk_bytes
+        group_bytes = cb if cb is not None else DEFAULT_CHUNK_BYTES
         out = []
         for req, segs in zip(reqs, all_segs, strict=True):
-            seg_chunks = [num_chunks(n, cb) for _s, _d, n in segs]
-            total_chunks = sum(seg_chunks)
+            groups = None
+            if _groups_segments(req) and all(n <= group_bytes for _s, _d, n in segs):
+                groups = segment_groups(segs, group_bytes, MAX_GROUP_PARTS)
+                seg_chunks = [1] * len(segs)
+                total_chunks = len(groups)
+            else:
+                seg_chunks = [num_chunks(n, cb) for _s, _d, n in segs]
+                total_chunks = sum(seg_chunks)
             h = TransferHandle(req, sum(n for _s, _d, n in segs), total_chunks, now,
                                seg_chunks if req.segments is not None else None)
             key = (int(req.priority), float("inf") if req.deadline_s is None else req.deadline_s, next(self._seq))
-            out.append((h, QueuedTransfer(key, h, segs, cb, total_chunks)))
+            out.append((h, QueuedTransfer(key, h, segs, cb, total_chunks, groups)))
         return out
 
     def submit_now(self, req: TransferRequest) -> TransferHandle:

@@ -81,14 +81,19 @@ class TransferHandle:
             self.error = failed
         self._seg_failures.setdefault(seg, failed)
 
-    def chunk_retired(self, seg: int) -> tuple[bool, bool]:
-        """One more chunk accounted: (the transfer's last, its segment's last) (stats lock held)."""
+    def chunk_retired(self, seg: int, seg_end: int | None = None) -> tuple[bool, list[int]]:
+        """One more chunk accounted, of segment `seg` or (a group) of segments [seg, seg_end): (the transfer's last,
+        the segments it finished) (stats lock held)."""
         self._remaining -= 1
         last = self._remaining == 0
         if self._seg_left is None:
-            return last, last
-        self._seg_left[seg] -= 1
-        return last, self._seg_left[seg] == 0
+            return last, [seg] if last else []
+        done = []
+        for s in range(seg, seg + 1 if seg_end is None else seg_end):
+            self._seg_left[s] -= 1
+            if self._seg_left[s] == 0:
+                done.append(s)
+        return last, done
 
     def segment_error(self, seg: int) -> BaseException | None:
         """What segment `seg` reports when done: a failed chunk's error, else its own hook's."""
@@ -116,7 +121,8 @@ class TransferHandle:
 class Chunk:
     """One copy a worker issues: `length_bytes` from `src_offset_bytes` of the request's src to `dst_offset_bytes`
     of its dst (absolute), the chunk of segment `seg` that comes `first` and/or `last` in it; `key` is its
-    transfer's queue key (priority, deadline, arrival)."""
+    transfer's queue key (priority, deadline, arrival). A group (`parts` set) is whole segments [seg, seg_end)
+    of a list, each (src_offset_bytes, dst_offset_bytes, num_bytes), copied back to back under one event."""
 
     key: tuple[int, float, int]
     handle: TransferHandle
@@ -126,6 +132,12 @@ class Chunk:
     length_bytes: int
     first: bool
     last: bool
+    parts: list[tuple[int, int, int]] | None = None
+    seg_end: int = -1  # a group's end (exclusive); -1: seg + 1
+
+    @property
+    def segs(self) -> range:
+        return range(self.seg, self.seg_end if self.parts is not None else self.seg + 1)
 
 
 class QueuedTransfer:
@@ -133,20 +145,29 @@ class QueuedTransfer:
     reaches them (`head` is the next one), so submitting a prefetch list of many segments costs O(1) per segment
     and the link starts copying sooner. Chunks of one transfer leave in order, back to back at equal key."""
 
-    __slots__ = ("chunk_bytes", "handle", "head", "key", "left", "seg", "segs", "span", "spans")
+    __slots__ = ("chunk_bytes", "groups", "handle", "head", "key", "left", "seg", "segs", "span", "spans")
 
     def __init__(self, key: tuple[int, float, int], handle: TransferHandle, segs: list[tuple[int, int, int]],
-                 chunk_bytes: int | None, num_chunks: int) -> None:
+                 chunk_bytes: int | None, num_chunks: int, groups: list[int] | None = None) -> None:
+        """groups: the list's segments as group chunks, each group's end (`segment_groups`); None: chunks cut
+        from each segment (`chunk_spans`)."""
         self.key, self.handle, self.segs, self.chunk_bytes = key, handle, segs, chunk_bytes
+        self.groups = groups
         self.left = num_chunks  # chunks not yet taken, head included
         self.seg, self.span = 0, 0
-        self.spans = chunk_spans(segs[0][2], chunk_bytes)
+        self.spans = chunk_spans(segs[0][2], chunk_bytes) if groups is None else []
         self.head = self._cut()
 
     def __lt__(self, other: QueuedTransfer) -> bool:
         return self.key < other.key
 
     def _cut(self) -> Chunk:
+        if self.groups is not None:
+            end = self.groups[self.span]
+            parts = self.segs[self.seg:end]
+            src, dst, _n = parts[0]
+            return Chunk(self.key, self.handle, self.seg, src, dst, sum(n for _s, _d, n in parts), True, True,
+                         parts, end)
         src, dst, _n = self.segs[self.seg]
         off, length = self.spans[self.span]
         return Chunk(self.key, self.handle, self.seg, src + off, dst + off, length, self.span == 0,
@@ -156,7 +177,10 @@ class QueuedTransfer:
         """The head chunk; the next one becomes the head (check `left` before taking: 0 means none is left)."""
         ch = self.head
         self.left -= 1
-        if self.left:
+        if self.left and self.groups is not None:
+            self.seg, self.span = self.groups[self.span], self.span + 1
+            self.head = self._cut()
+        elif self.left:
             if self.span + 1 < len(self.spans):
                 self.span += 1
             else:
@@ -173,6 +197,19 @@ def nbytes(buf: Buffer) -> int:
 def num_chunks(n: int, chunk_bytes: int | None) -> int:
     """How many chunks `chunk_spans` cuts n bytes into (O(1): submission counts them without cutting)."""
     return 1 if chunk_bytes is None or n < 2 * chunk_bytes else n // chunk_bytes
+
+
+def segment_groups(segs: list[tuple[int, int, int]], group_bytes: int, max_parts: int) -> list[int]:
+    """Consecutive segments in groups of at most `max_parts` and `group_bytes` (one segment at least): each
+    group's end index (exclusive)."""
+    ends, size, count = [], 0, 0
+    for i, (_s, _d, n) in enumerate(segs):
+        if count and (count == max_parts or size + n > group_bytes):
+            ends.append(i)
+            size, count = 0, 0
+        size, count = size + n, count + 1
+    ends.append(len(segs))
+    return ends
 
 
 def chunk_spans(n: int, chunk_bytes: int | None) -> list[tuple[int, int]]:

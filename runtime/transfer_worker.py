@@ -33,6 +33,14 @@ class _SegmentFailed(Exception):
     """A segment's before_segment hook raised: that segment fails alone (the error is in h.segment_errors)."""
 
 
+class _PartFailed(Exception):
+    """Part `index` of a group's copies raised (its cause): the parts before it were copied, it and the rest not."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"part {index} of a group")
+        self.index = index
+
+
 class LinkQueue:
     """One link's queue: transfers by (priority, deadline, arrival), idle jobs, the chunks callers issued
     themselves (`direct`, for the worker to retire; `direct_busy`: callers issuing now), and the closing flag."""
@@ -139,9 +147,12 @@ class LinkWorker:
             if ch.first and req.segment_after is not None:
                 for ev in req.segment_after[ch.seg]:
                     self.device.stream_wait(ev, stream)
-            ev = self.device.copy_range(req.dst, ch.dst_offset_bytes, req.src, ch.src_offset_bytes, ch.length_bytes,
-                                        stream, stream_is_current=not urgent and not caller)  # _run made it current
-            return ev if self.device.is_cuda else None
+            if ch.parts is not None:
+                ev = self._issue_parts(ch, stream, not urgent and not caller)
+            else:
+                ev = self.device.copy_range(req.dst, ch.dst_offset_bytes, req.src, ch.src_offset_bytes,
+                                            ch.length_bytes, stream, stream_is_current=not urgent and not caller)
+            return ev if self.device.is_cuda else None  # _run made the bulk stream current
         src = byte_slice(req.src, ch.src_offset_bytes, ch.length_bytes)
         dst = byte_slice(req.dst, ch.dst_offset_bytes, ch.length_bytes)
         if link in (Link.DISK2H, Link.H2DISK) and req.after is not None:
@@ -152,15 +163,35 @@ class LinkWorker:
         dst.file.write_from(dst.offset_bytes, src)  # H2DISK
         return None
 
+    def _issue_parts(self, ch: Chunk, stream: Any, current: bool) -> Event:
+        """A group's copies back to back on `stream`, an event recorded after the last only (stream order makes it
+        cover them all). _PartFailed(i) when part i's copy raised: the parts before it are waited for first, so
+        they have landed when the group is retired with it and the rest failed."""
+        req, parts = ch.handle.request, ch.parts
+        assert parts is not None
+        last = len(parts) - 1
+        ev: Event | None = None
+        for i, (src, dst, n) in enumerate(parts):
+            try:
+                ev = self.device.copy_range(req.dst, dst, req.src, src, n, stream, stream_is_current=current,
+                                            record=i == last)
+            except Exception as exc:
+                if i and self.device.is_cuda:
+                    self.device.record_event(stream).synchronize()
+                raise _PartFailed(i) from exc
+        assert ev is not None
+        return ev
+
     def _bypasses(self, ch: Chunk) -> bool:
         """An URGENT KV chunk of a memory link with an urgent stream: issued at once, outside the bound (urgent
         expert loads, e.g. a plan's, stay in the bounded bulk queue: they are large)."""
         return (self.urgent_stream is not None and ch.key[0] == int(Priority.URGENT)
                 and ch.handle.request.traffic is TrafficClass.KV)
 
-    def _retire(self, ch: Chunk, event: Event | None, failed: BaseException | None) -> None:
+    def _retire(self, ch: Chunk, event: Event | None, failed: BaseException | None, failed_from: int = 0) -> None:
         """Account a chunk (here, or in order on the link's retire thread); `event` (None if the copy is known
-        done) is waited for first, on the worker."""
+        done) is waited for first, on the worker. `failed_from`: of a group, the first part `failed` fails (the
+        parts before it landed)."""
         if event is not None and failed is None:
             t0 = time.perf_counter()
             try:
@@ -172,14 +203,14 @@ class LinkWorker:
         if rq is not None:
             if failed is not None and ch.handle.error is None:
                 ch.handle.error = failed  # now, on the worker: the transfer's later chunks must not be issued
-            rq.put((ch, failed))
+            rq.put((ch, failed, failed_from))
             return
-        self._account_timed(ch, failed)
+        self._account_timed(ch, failed, failed_from)
 
-    def _account_timed(self, ch: Chunk, failed: BaseException | None) -> None:
+    def _account_timed(self, ch: Chunk, failed: BaseException | None, failed_from: int = 0) -> None:
         t0 = time.perf_counter()
         try:
-            self._account(ch, failed)
+            self._account(ch, failed, failed_from)
         finally:
             self.stats.add_time(self.link, "retire_s", time.perf_counter() - t0)
 
@@ -204,25 +235,31 @@ class LinkWorker:
         finally:
             self.stats.add_time(self.link, "hook_s", time.perf_counter() - t0)
 
-    def _account(self, ch: Chunk, failed: BaseException | None) -> None:
-        h = ch.handle
-        if failed is not None:  # this chunk failed or was skipped: its segment reports it (not those already moved)
-            h.chunk_failed(ch.seg, failed)
-        seg_error = h.segment_errors.get(ch.seg) if h.segment_errors else None
+    def _account(self, ch: Chunk, failed: BaseException | None, failed_from: int = 0) -> None:
+        h, segs = ch.handle, ch.segs
+        if failed is not None:  # failed or skipped: its segments report it (not those already moved)
+            for s in segs[failed_from:]:
+                h.chunk_failed(s, failed)
+        if ch.parts is None:
+            seg_error = h.segment_errors.get(ch.seg) if h.segment_errors else None
+            moved = ch.length_bytes if failed is None and seg_error is None else 0
+        else:  # a group's segments have no hook of their own: only a failed copy fails them
+            moved = sum(n for _s, _d, n in (ch.parts if failed is None else ch.parts[:failed_from]))
         with self.stats.lock:
             ls = self.stats.links[self.link]
             ls.chunks += 1
-            ls.bytes += ch.length_bytes if failed is None and seg_error is None else 0
-            last, seg_last = h.chunk_retired(ch.seg)
-        if seg_last and h.request.on_segment_done is not None:
-            error = h.segment_error(ch.seg)
-            try:
-                h.request.on_segment_done(ch.seg, error)
-            except Exception as exc:
-                if error is None:
-                    h.segment_errors[ch.seg] = exc
-                else:
-                    error.add_note(f"on_segment_done({ch.seg}) also failed: {exc!r}")
+            ls.bytes += moved
+            last, done = h.chunk_retired(ch.seg, ch.seg_end if ch.parts is not None else None)
+        if h.request.on_segment_done is not None:
+            for s in done:
+                error = h.segment_error(s)
+                try:
+                    h.request.on_segment_done(s, error)
+                except Exception as exc:
+                    if error is None:
+                        h.segment_errors[s] = exc
+                    else:
+                        error.add_note(f"on_segment_done({s}) also failed: {exc!r}")
         if last:
             self._finish(h)
 
@@ -274,6 +311,10 @@ class LinkWorker:
         req = h.request
         try:
             ev = self._issue(ch, first, caller)
+        except _PartFailed as exc:
+            self.stats.add_time(self.link, "issue_s", time.perf_counter() - t0)
+            self._retire(ch, None, exc.__cause__ or exc, exc.index)
+            return None
         except _SegmentFailed:
             self.stats.add_time(self.link, "issue_s", time.perf_counter() - t0)
             self._retire(ch, None, None)  # the segment failed alone: its error is in h.segment_errors

@@ -149,6 +149,48 @@ def test_engine_links_on_cuda_are_exact_and_urgent_overtakes(dev: Device, tmp_pa
     back.close()
 
 
+def test_kv_lists_go_in_groups_on_cuda_exact_and_a_failed_part_lands_those_before_it(
+        dev: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hook-free list of 256 KiB segments, scattered both ways, goes as groups of one event each: every byte
+    lands; a copy failing at part 3 leaves parts 0-2 landed by the time wait() raises, the rest untouched."""
+    from tierplan.runtime.errors import TransferError
+    from tierplan.runtime.transfer import MAX_GROUP_PARTS
+
+    blk, n = 256 << 10, MAX_GROUP_PARTS + 6
+    eng = TransferEngine(dev)
+    host, back = dev.alloc_host(n * blk), dev.alloc_host(n * blk)
+    host.tensor.copy_(_rand(n * blk, 9))
+    d = dev.alloc(n * blk)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(3)).tolist()
+    segs = [(i * blk, p * blk, blk) for i, p in enumerate(perm)]
+    try:
+        eng.submit(TransferRequest(Link.H2D, TrafficClass.KV, host.tensor, d, segments=segs)).wait()
+        eng.submit(TransferRequest(Link.D2H, TrafficClass.KV, d, back.tensor,
+                                   segments=[(p, i, k) for i, p, k in segs])).wait()
+        assert torch.equal(back.tensor, host.tensor)
+        assert eng.stats()["links"]["h2d"]["chunks"] == eng.stats()["links"]["d2h"]["chunks"] == 2
+        back.tensor.zero_()
+        real, calls = dev.copy_range, []
+
+        def flaky(*a, **kw):
+            calls.append(1)
+            if len(calls) == 4:
+                raise RuntimeError("copy failed (injected)")
+            return real(*a, **kw)
+
+        monkeypatch.setattr(dev, "copy_range", flaky)
+        h = eng.submit(TransferRequest(Link.D2H, TrafficClass.KV, d, back.tensor,
+                                       segments=[(p, i, k) for i, p, k in segs]))
+        with pytest.raises(TransferError, match="copy failed"):
+            h.wait()
+        assert torch.equal(back.tensor[: 3 * blk], host.tensor[: 3 * blk])
+        assert not back.tensor[3 * blk :].any()
+    finally:
+        eng.close()
+        host.close()
+        back.close()
+
+
 @pytest.mark.parametrize(("map_in", "poison", "publish"), [("beside_copy", False, "issued"),
                                                             ("before_copy", False, "issued"),
                                                             ("beside_copy", True, "issued"),

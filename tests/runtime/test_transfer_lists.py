@@ -252,3 +252,70 @@ def test_a_queued_list_moves_the_segments_it_was_submitted_with(engine, gate, ra
     assert torch.equal(dst[:4096], src[:4096]) and torch.equal(dst[CHUNK : 2 * CHUNK + 5], src[4096 : CHUNK + 4101])
     assert torch.equal(dst[4096:CHUNK], before[4096:CHUNK])
     assert torch.equal(dst[2 * CHUNK + 5 :], before[2 * CHUNK + 5 :])
+
+
+def test_segment_groups_end_at_the_part_or_byte_bound() -> None:
+    from tierplan.runtime.transfer_handle import segment_groups
+
+    segs = [(0, 0, 4096)] * 10
+    assert segment_groups(segs, 1 << 20, 4) == [4, 8, 10]
+    assert segment_groups(segs, 3 * 4096, 64) == [3, 6, 9, 10]
+    assert segment_groups([(0, 0, 1 << 20), (0, 0, 1), (0, 0, 1 << 20)], 1 << 20, 64) == [1, 2, 3]
+    assert segment_groups([(0, 0, 5)], 1, 64) == [1]  # one segment a group at least
+
+
+@pytest.mark.parametrize("link", [Link.H2D, Link.D2H])
+def test_a_list_of_small_segments_without_hooks_goes_in_groups(engine, rand, link):
+    """A KV-style list (small segments, no per-segment hook) is issued as groups of whole segments, one chunk
+    each (MAX_GROUP_PARTS segments at most): every segment lands exactly and reports done once, in list order;
+    the same list with an on_segment_issued hook goes a chunk a segment."""
+    from tierplan.runtime.transfer import MAX_GROUP_PARTS
+
+    n = MAX_GROUP_PARTS + 6
+    src, dst = rand(n * 4096), rand(2 * n * 4096)
+    before = dst.clone()
+    segs = [(i * 4096, (2 * n - 1 - 2 * i) * 4096, 4096) for i in range(n)]  # scattered, out of order
+    done: list[tuple[int, BaseException | None]] = []
+    h = engine.submit(req(link, src, dst, traffic=TrafficClass.KV, segments=segs,
+                          on_segment_done=lambda i, err: done.append((i, err))))
+    assert h.wait(T).ok and done == [(i, None) for i in range(n)]
+    mask = torch.ones_like(dst, dtype=torch.bool)
+    for s_off, d_off, k in segs:
+        assert torch.equal(dst[d_off : d_off + k], src[s_off : s_off + k])
+        mask[d_off : d_off + k] = False
+    assert torch.equal(dst[mask], before[mask])
+    ls = link_stats(engine, link)
+    assert (ls.chunks, ls.bytes) == (2, n * 4096)
+    engine.submit(req(link, src, dst, traffic=TrafficClass.KV, segments=segs,
+                      on_segment_issued=lambda i, ev: None)).wait(T)
+    assert link_stats(engine, link).chunks == 2 + n
+
+
+def test_a_copy_failing_mid_group_lands_the_parts_before_it_and_fails_the_rest(
+        engine, rand, monkeypatch: pytest.MonkeyPatch):
+    """Part 3 of a group fails its copy: segments 0-2 land and report done, 3 and every later one (the rest of
+    its group, the next group skipped) report the copy's error and leave dst as it was; only landed bytes count."""
+    from tierplan.runtime.transfer import MAX_GROUP_PARTS
+
+    n = MAX_GROUP_PARTS + 6
+    src, dst = rand(n * 4096), rand(n * 4096)
+    before = dst.clone()
+    dev, calls, boom = engine.device, [], RuntimeError("copy failed (injected)")
+    real = dev.copy_range
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise boom
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dev, "copy_range", flaky)
+    done: dict[int, BaseException | None] = {}
+    h = engine.submit(req(Link.D2H, src, dst, traffic=TrafficClass.KV,
+                          segments=[(i * 4096, i * 4096, 4096) for i in range(n)],
+                          on_segment_done=lambda i, err: done.__setitem__(i, err)))
+    with pytest.raises(TransferError, match="copy failed"):
+        h.wait(T)
+    assert done == {i: (None if i < 3 else boom) for i in range(n)} and len(calls) == 4
+    assert torch.equal(dst[: 3 * 4096], src[: 3 * 4096]) and torch.equal(dst[3 * 4096 :], before[3 * 4096 :])
+    assert link_stats(engine, Link.D2H).bytes == 3 * 4096 and class_stats(engine, TrafficClass.KV).failures == 1
