@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -72,6 +73,20 @@ def link_stats(eng: TransferEngine, link: Link) -> LinkStats:
 
 def req(link: Link, src, dst, **kw) -> TransferRequest:
     return TransferRequest(link, kw.pop("traffic", TrafficClass.EXPERT), src, dst, **kw)
+
+
+def fail_copy_at(monkeypatch: pytest.MonkeyPatch, device: Any, n: int, error: BaseException) -> list[int]:
+    """Make `device.copy_range`'s n-th call (1-based) raise `error`, the others copy; the list of calls made."""
+    real, calls = device.copy_range, []
+
+    def copy_range(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == n:
+            raise error
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(device, "copy_range", copy_range)
+    return calls
 
 
 # ---- slot pool (test_slots*.py) ---------------------------------------------------------------------

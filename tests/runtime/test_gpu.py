@@ -153,6 +153,7 @@ def test_kv_lists_go_in_groups_on_cuda_exact_and_a_failed_part_lands_those_befor
         dev: Device, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hook-free list of 256 KiB segments, scattered both ways, goes as groups of one event each: every byte
     lands; a copy failing at part 3 leaves parts 0-2 landed by the time wait() raises, the rest untouched."""
+    from tests.runtime.conftest import fail_copy_at
     from tierplan.runtime.errors import TransferError
     from tierplan.runtime.transfer import MAX_GROUP_PARTS
 
@@ -170,15 +171,7 @@ def test_kv_lists_go_in_groups_on_cuda_exact_and_a_failed_part_lands_those_befor
         assert torch.equal(back.tensor, host.tensor)
         assert eng.stats()["links"]["h2d"]["chunks"] == eng.stats()["links"]["d2h"]["chunks"] == 2
         back.tensor.zero_()
-        real, calls = dev.copy_range, []
-
-        def flaky(*a, **kw):
-            calls.append(1)
-            if len(calls) == 4:
-                raise RuntimeError("copy failed (injected)")
-            return real(*a, **kw)
-
-        monkeypatch.setattr(dev, "copy_range", flaky)
+        fail_copy_at(monkeypatch, dev, 4, RuntimeError("copy failed (injected)"))
         h = eng.submit(TransferRequest(Link.D2H, TrafficClass.KV, d, back.tensor,
                                        segments=[(p, i, k) for i, p, k in segs]))
         with pytest.raises(TransferError, match="copy failed"):

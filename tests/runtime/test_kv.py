@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.runtime.conftest import fail_copy_at
 from tierplan.runtime import errors as err
 from tierplan.runtime.checksum import checksum
 from tierplan.runtime.device import Device
@@ -520,15 +521,7 @@ def test_a_copy_that_fails_mid_list_fails_the_rest_and_the_landed_ones_stay_land
     data = {b: random_block(seed=400 + b) for b in blocks}
     for b, want in data.items():
         rig.handler.write(b, want)
-    real, calls = rig.engine.device.copy_range, []
-
-    def copy_range(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 3:
-            raise OSError("injected copy failure")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(rig.engine.device, "copy_range", copy_range)
+    fail_copy_at(monkeypatch, rig.engine.device, 3, OSError("injected copy failure"))
     futures = rig.handler.move_list(blocks, Tier.CPU)
     for i, f in enumerate(futures):
         if i < 2:

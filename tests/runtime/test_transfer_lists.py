@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import wait_until
-from tests.runtime.conftest import CHUNK, T, class_stats, link_stats, req
+from tests.runtime.conftest import CHUNK, T, class_stats, fail_copy_at, link_stats, req
 from tierplan.runtime.device import HostEvent
 from tierplan.runtime.errors import ConfigError, TransferError
 from tierplan.runtime.nvme import DirectFile
@@ -173,16 +173,8 @@ def test_a_failed_copy_fails_only_the_segments_it_did_not_move(engine, rand, mon
     """Regression (review): a copy failing in segment 1 made segment 0, already moved, report that error too
     (and its loaded expert was then evicted). Segment 1 reports it, segment 2 (skipped) too; 0 is fine."""
     src, dst = rand(3 * CHUNK), rand(3 * CHUNK)
-    dev, calls, boom = engine.device, [], RuntimeError("copy failed (injected)")
-    real = dev.copy_range
-
-    def flaky(*a, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise boom
-        return real(*a, **kw)
-
-    monkeypatch.setattr(dev, "copy_range", flaky)
+    boom = RuntimeError("copy failed (injected)")
+    fail_copy_at(monkeypatch, engine.device, 2, boom)
     done: dict[int, BaseException | None] = {}
     h = engine.submit(req(Link.H2D, src, dst, segments=[(i * CHUNK, i * CHUNK, CHUNK) for i in range(3)],
                           on_segment_done=lambda i, err: done.__setitem__(i, err)))
@@ -300,16 +292,8 @@ def test_a_copy_failing_mid_group_lands_the_parts_before_it_and_fails_the_rest(
     n = MAX_GROUP_PARTS + 6
     src, dst = rand(n * 4096), rand(n * 4096)
     before = dst.clone()
-    dev, calls, boom = engine.device, [], RuntimeError("copy failed (injected)")
-    real = dev.copy_range
-
-    def flaky(*a, **kw):
-        calls.append(1)
-        if len(calls) == 4:
-            raise boom
-        return real(*a, **kw)
-
-    monkeypatch.setattr(dev, "copy_range", flaky)
+    boom = RuntimeError("copy failed (injected)")
+    calls = fail_copy_at(monkeypatch, engine.device, 4, boom)
     done: dict[int, BaseException | None] = {}
     h = engine.submit(req(Link.D2H, src, dst, traffic=TrafficClass.KV,
                           segments=[(i * 4096, i * 4096, 4096) for i in range(n)],
