@@ -363,10 +363,11 @@ def plot(rows: list[dict[str, Any]], stem: Path, title: str) -> list[Path]:
 
 
 def device_stems(rows: list[dict[str, Any]], stem: Path) -> dict[str, Path]:
-    """Each device of `rows` and the stem of its report: the device of the first row (the sweep the JSON was
-    started for) keeps `stem`, so the H200's sweep stays `phase_<model>_<day>.md` however many rows another
-    card's calls add (by the most rows, the H100's runs 49-51 took the name over); the others add their name
-    (`..._nvidia-h100-80gb-hbm3.md`). A report never mixes devices (`phase_store.latest`)."""
+    """Each device of `rows` and the stem of its report: the device of the first row (the sweep the file's chain
+    of days started with: a new day's JSON begins with the last day's rows, `phase.py`) keeps `stem`, so the
+    H200's sweep stays `phase_<model>_<day>.md` however many rows another card's calls add (by the most rows,
+    the H100's runs 49-51 took the name over); the others add their name (`..._nvidia-h100-80gb-hbm3.md`). A
+    report never mixes devices (`phase_store.latest`)."""
     main = rows[0]["device"] if rows else None
     slug = lambda d: "-".join("".join(c if c.isalnum() else " " for c in d.lower()).split())  # noqa: E731
     return {d: stem if d == main else stem.with_name(f"{stem.name}_{slug(d)}") for d in dict.fromkeys(

@@ -100,7 +100,9 @@ def runnable_blocks(fc: DemandForecast, max_running_seqs: int | None) -> float:
     and the plans swung between that share and a third of it six times in 134 steps."""
     if max_running_seqs is None or fc.kv_gpu_used_blocks <= 0 or fc.batch_tokens <= 0:
         return float("inf")
-    return fc.kv_gpu_used_blocks * max_running_seqs / fc.batch_tokens
+    # Never below the blocks in use: a batch over the cap is not sequences (prompt chunks in an older agent's
+    # step tokens, several tokens a sequence), and the share in force must not read as deferring its own demand.
+    return fc.kv_gpu_used_blocks * max(1.0, max_running_seqs / fc.batch_tokens)
 
 
 def served_share(fc: DemandForecast, gpu_blocks: float, max_running_seqs: int | None = None) -> float:

@@ -75,6 +75,26 @@ class OpFuture:
             raise self.error
 
 
+def wait_every(futures: Sequence[OpFuture]) -> None:
+    """Wait until every future is done, through errors and interrupts (what they move is still in flight and must
+    land or fail before the caller goes on), then raise the first interrupt, else the first error in list order.
+    The last is waited for first: a list's futures end in order, so the caller wakes about once, not once a
+    future taking the GIL from the link's worker."""
+    interrupt: BaseException | None = None
+    for f in [*futures[-1:], *futures]:
+        while not f.done():
+            try:
+                f.wait()
+            except BaseException as exc:
+                if not f.done():  # interrupted while waiting: keep it, wait on
+                    interrupt = interrupt or exc
+    if interrupt is not None:
+        raise interrupt
+    for f in futures:
+        if f.error is not None:
+            raise f.error
+
+
 def wait_all(futures: Sequence[OpFuture], timeout_s: float | None = None) -> None:
     """Wait for every future, then raise the first error in list order. Waits for the last one first: a prefetch
     list's loads complete in list order, so the caller wakes once instead of once per future (each wake-up takes

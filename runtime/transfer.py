@@ -56,9 +56,11 @@ DEFAULT_INFLIGHT_BYTES = 16 << 20  # ~0.3 ms of PCIe Gen5: the most an urgent tr
 
 
 def _groups_segments(req: TransferRequest) -> bool:
-    """A memory-link list whose segments have no hook of their own: its segments may go in groups."""
+    """A memory-link KV list whose segments have no hook of their own: its segments may go in groups (a group's
+    first segment is done only when its last is; an expert list wants each load as soon as it lands)."""
     return (req.segments is not None and len(req.segments) > 1 and req.link in MEMORY_LINKS
-            and req.before_segment is None and req.segment_after is None and req.on_segment_issued is None)
+            and req.traffic is TrafficClass.KV and req.before_segment is None and req.segment_after is None
+            and req.on_segment_issued is None)
 
 
 class TransferEngine:

@@ -85,7 +85,7 @@ class LinkWorker:
         self.link, self.queue, self.device, self.stats, self.clock = link, q, device, stats, clock
         self.max_inflight_bytes, self.max_inflight_chunks = max_inflight_bytes, max_inflight_chunks
         self.num_threads, self.stream, self.urgent_stream = num_threads, stream, urgent_stream
-        self._retire_queue: queue.SimpleQueue[tuple[Chunk, BaseException | None] | None] | None = (
+        self._retire_queue: queue.SimpleQueue[tuple[Chunk, BaseException | None, int] | None] | None = (
             queue.SimpleQueue() if retire_thread and link in MEMORY_LINKS else None)
         self._threads: list[threading.Thread] = []
         # One issuer at a time on the bulk stream (the worker, or a caller's `issue_now`): copies leave in the order
@@ -153,6 +153,7 @@ class LinkWorker:
                 ev = self.device.copy_range(req.dst, ch.dst_offset_bytes, req.src, ch.src_offset_bytes,
                                             ch.length_bytes, stream, stream_is_current=not urgent and not caller)
             return ev if self.device.is_cuda else None  # _run made the bulk stream current
+        assert ch.parts is None, "segment groups are cut on memory links only"  # a group's bytes are not one range
         src = byte_slice(req.src, ch.src_offset_bytes, ch.length_bytes)
         dst = byte_slice(req.dst, ch.dst_offset_bytes, ch.length_bytes)
         if link in (Link.DISK2H, Link.H2DISK) and req.after is not None:
@@ -303,7 +304,9 @@ class LinkWorker:
         earlier failure, failed, or copied already: the CPU twin)."""
         h = ch.handle
         if h.error is not None or (h.segment_errors and ch.seg in h.segment_errors):
-            self._retire(ch, None, h.error)  # an earlier chunk failed: skip the copy, still account
+            # An earlier chunk failed: skip the copy, still account. A group has no hook of its own to fail a
+            # segment alone, but if one had, its parts report that error, never a move that did not happen.
+            self._retire(ch, None, h.error if h.error is not None or ch.parts is None else h.segment_errors[ch.seg])
             return None
         with self.stats.lock:
             first = h.start(self.clock())

@@ -21,7 +21,7 @@ import torch
 from tierplan.runtime.device import Device
 from tierplan.runtime.engine.config import AttentionKind, ModelSpec
 from tierplan.runtime.errors import CapacityError, ConfigError
-from tierplan.runtime.future import wait_all
+from tierplan.runtime.future import wait_every
 from tierplan.runtime.kv import KVBlockManager, KVTierStores, KVTransferHandler, Tier
 from tierplan.runtime.nvme import DIRECT_ALIGN_BYTES
 from tierplan.runtime.staging import StagingPool
@@ -122,10 +122,9 @@ class PagedKVCache:
         self.spills += len(victims)
 
     def _move_all(self, blocks: list[int], dst: Tier) -> None:
-        """Issue every move (one request per memory pair: `move_list`), then wait for all (`wait_all`: the last
-        first, so the caller wakes about once, not once a block taking the GIL from the link's worker; the first
-        error in list order re-raised once all have ended, each failed block staying where it was)."""
-        wait_all(self.handler.move_list(blocks, dst))
+        """Issue every move (one request per memory pair: `move_list`), then wait for all (`wait_every`: the
+        first error in list order re-raised once all have ended, each failed block staying where it was)."""
+        wait_every(self.handler.move_list(blocks, dst))
 
     # ---- what the engine calls --------------------------------------------------------------------
     def grow(self, seq_id: int, num_tokens: int, protect: Iterable[int] = (),

@@ -112,6 +112,8 @@ def test_blocks_past_what_the_engines_most_sequences_hold_run_no_larger_batch() 
     assert running_batch(fc, 64, 4) == pytest.approx(4.0) == running_batch(fc, 200, 4)
     assert running_batch(fc, 24, 4) == pytest.approx(3.0) and served_share(fc, 16, 4) == pytest.approx(0.25)
     assert served_share(fc, 64, None) == 1.0  # no cap known: the blocks alone
+    over = dataclasses.replace(fc, batch_tokens=8.0)  # more tokens a step than sequences: prompt chunks
+    assert served_share(over, 16, 4) == served_share(over, 16, None)  # the share in force defers nothing more
 
 
 def test_the_coupled_split_spends_no_hbm_on_kv_the_engine_cannot_run() -> None:

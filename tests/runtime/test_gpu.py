@@ -152,7 +152,8 @@ def test_engine_links_on_cuda_are_exact_and_urgent_overtakes(dev: Device, tmp_pa
 def test_kv_lists_go_in_groups_on_cuda_exact_and_a_failed_part_lands_those_before_it(
         dev: Device, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hook-free list of 256 KiB segments, scattered both ways, goes as groups of one event each: every byte
-    lands; a copy failing at part 3 leaves parts 0-2 landed by the time wait() raises, the rest untouched."""
+    lands, each segment's bytes already in place when it reports done (the copies held back behind a sleeping
+    stream); a copy failing at part 3 leaves parts 0-2 landed by the time wait() raises, the rest untouched."""
     from tests.runtime.conftest import fail_copy_at
     from tierplan.runtime.errors import TransferError
     from tierplan.runtime.transfer import MAX_GROUP_PARTS
@@ -166,9 +167,20 @@ def test_kv_lists_go_in_groups_on_cuda_exact_and_a_failed_part_lands_those_befor
     segs = [(i * blk, p * blk, blk) for i, p in enumerate(perm)]
     try:
         eng.submit(TransferRequest(Link.H2D, TrafficClass.KV, host.tensor, d, segments=segs)).wait()
-        eng.submit(TransferRequest(Link.D2H, TrafficClass.KV, d, back.tensor,
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # the list's copies wait ~tens of ms behind this: a segment reported done
+            torch.cuda._sleep(50_000_000)  # before its group's event would see bytes not there yet
+            held = torch.cuda.Event()
+            held.record(side)
+        landed: list[bool] = []
+
+        def done(i: int, err: BaseException | None) -> None:
+            landed.append(err is None and torch.equal(back.tensor[i * blk : (i + 1) * blk],
+                                                      host.tensor[i * blk : (i + 1) * blk]))
+
+        eng.submit(TransferRequest(Link.D2H, TrafficClass.KV, d, back.tensor, after=held, on_segment_done=done,
                                    segments=[(p, i, k) for i, p, k in segs])).wait()
-        assert torch.equal(back.tensor, host.tensor)
+        assert torch.equal(back.tensor, host.tensor) and landed == [True] * n
         assert eng.stats()["links"]["h2d"]["chunks"] == eng.stats()["links"]["d2h"]["chunks"] == 2
         back.tensor.zero_()
         fail_copy_at(monkeypatch, dev, 4, RuntimeError("copy failed (injected)"))

@@ -281,6 +281,8 @@ def test_a_list_of_small_segments_without_hooks_goes_in_groups(engine, rand, lin
     engine.submit(req(link, src, dst, traffic=TrafficClass.KV, segments=segs,
                       on_segment_issued=lambda i, ev: None)).wait(T)
     assert link_stats(engine, link).chunks == 2 + n
+    engine.submit(req(link, src, dst, segments=segs)).wait(T)  # an expert list: each segment done as it lands
+    assert link_stats(engine, link).chunks == 2 + 2 * n
 
 
 def test_a_copy_failing_mid_group_lands_the_parts_before_it_and_fails_the_rest(
