@@ -27,7 +27,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from tierplan.bench.baselines import BASELINES, make, oracle_splits
+from tierplan.bench.baselines import BASELINES, POLICIES, make, oracle_splits
 from tierplan.bench.baselines.base import (
     ExpertFuture,
     FutureRecorder,
@@ -359,9 +359,9 @@ def sweep_grid(quick: bool = False, point_spec: str = "", policies: tuple[str, .
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"--repeats must be an integer >= 1, got {repeats!r}")
         sizes = dataclasses.replace(sizes, repeats=repeats)
-    bad = [p for p in policies if p not in BASELINES]
+    bad = [p for p in policies if p not in POLICIES]
     if bad:
-        raise ValueError(f"unknown policy {bad}; expected some of {', '.join(BASELINES)}")
+        raise ValueError(f"unknown policy {bad}; expected some of {', '.join(POLICIES)}")
     known = tuple(m.name for m in sizes.models)
     if [m for m in models if m not in known]:
         raise ValueError(f"unknown model {[m for m in models if m not in known]} for this sweep; expected some of "

@@ -15,18 +15,21 @@ if TYPE_CHECKING:
 
 BASELINES: tuple[str, ...] = ("resident", "static_lru", "static_lfru", "fluxmoe", "kv_tiering", "mv_wsa",
                               "tierplan", "oracle")
+VARIANTS: tuple[str, ...] = ("tierplan_rs",)  # run only when named, never baselines in the report
+POLICIES: tuple[str, ...] = BASELINES + VARIANTS
 # name -> (module under bench.baselines, class)
 _WHERE: dict[str, tuple[str, str]] = {
     "resident": ("static", "Resident"), "static_lru": ("static", "StaticLRU"), "static_lfru": ("lfru", "StaticLFRU"),
     "fluxmoe": ("fluxmoe", "FluxMoE"), "kv_tiering": ("kv_tiering", "KVTiering"), "mv_wsa": ("mv_wsa", "MarginalWSA"),
     "tierplan": ("tierplan_live", "TierplanLive"), "oracle": ("oracle", "Oracle"),
+    "tierplan_rs": ("tierplan_live", "TierplanResidentStart"),
 }
 
 
 def make(name: str) -> Baseline:
     """A fresh baseline by its row name; ValueError naming the known ones otherwise."""
     if name not in _WHERE:
-        raise ValueError(f"unknown baseline {name!r}: expected one of {', '.join(BASELINES)}")
+        raise ValueError(f"unknown baseline {name!r}: expected one of {', '.join(POLICIES)}")
     module, cls = _WHERE[name]
     return getattr(importlib.import_module(f"tierplan.bench.baselines.{module}"), cls)()
 

@@ -174,10 +174,31 @@ class TierplanLive:
             return ProcessPlanSource(type(self).factory, config)
         return type(self).factory(config)
 
+    def start_split(self, ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str]:
+        """The split the agent applies before the first step, and its reason's opening."""
+        split = initial_split(ctx, engine)
+        return split, f"KV first ({split.kv_gpu_blocks} GPU blocks for the batch), experts the rest"
+
     def start(self, engine: ReferenceEngine, ctx: PointContext) -> PolicyRun:
         self.controller = self.make_controller(engine, ctx)
-        split = initial_split(ctx, engine)
-        plan = make_plan(ctx, split, self.name, f"KV first ({split.kv_gpu_blocks} GPU blocks for the batch), experts "
-                         f"the rest; then {self.allocator}")
+        split, why = self.start_split(ctx, engine)
+        plan = make_plan(ctx, split, self.name, f"{why}; then {self.allocator}")
         return PolicyRun(plan, source=AfterInitialPlan(self.controller), window_steps=WINDOW_STEPS, split=split,
                          notes=self.notes or f"live: {self.allocator}", local_predictor=self.local_predictor)
+
+
+class TierplanResidentStart(TierplanLive):
+    """`tierplan` started from the resident split (every expert that fits, KV the rest) instead of KV first: the
+    same controller, only the start differs. A variant to measure the start with (`--policies tierplan,
+    tierplan_rs,...`), never a baseline: the report sets tierplan against the baselines, not its variants. At the
+    16K points the controller's first plan cut the KV-first start's share to about resident's (H100 runs 49-51:
+    18,691 -> 2,070-2,080 GPU blocks, ~16,600 moved in 1.24 s of a 2.46 s run at b256 16K 40 GiB); runs 20-22
+    (session ~15's controller) found the resident start held the batch back at 1K-4K."""
+
+    name = "tierplan_rs"
+
+    def start_split(self, ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str]:
+        from tierplan.bench.baselines.static import all_experts_bytes, fixed_split
+
+        split = fixed_split(ctx, engine, all_experts_bytes(ctx))
+        return split, f"resident start ({split.expert_slots} expert slots, {split.kv_gpu_blocks} GPU KV blocks)"

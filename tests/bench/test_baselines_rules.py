@@ -190,6 +190,17 @@ def test_live_policies_start_kv_first(tmp_path: Path, name: str) -> None:
     assert f"KV first ({run.split.kv_gpu_blocks} GPU blocks" in run.initial_plan.reason
 
 
+def test_the_resident_start_variant_runs_tierplans_controller_from_the_resident_split(tmp_path: Path) -> None:
+    """tierplan_rs: the same live controller as tierplan, started from the split `resident` applies."""
+    eng, ctx = bp.context(tmp_path)
+    try:
+        run, resident = _in_process("tierplan_rs").start(eng, ctx), make("resident").start(eng, ctx)
+    finally:
+        eng.close()
+    assert run.split == resident.split and run.source is not None
+    assert run.initial_plan.reason.startswith(f"tierplan_rs: resident start ({run.split.expert_slots} expert slots")
+
+
 def test_kv_first_keeps_a_tokens_experts_per_layer_when_the_demand_outgrows_the_budget(tmp_path: Path) -> None:
     from tierplan.bench.baselines.base import kv_first_split
 

@@ -54,6 +54,12 @@ def test_a_degraded_baseline_stays_in_best_and_is_marked() -> None:
     assert "| mv_wsa (degraded) | 300.0 |" in markdown(rows, "t", False, "cpu")
 
 
+def test_a_tierplan_variant_is_never_the_best_baseline() -> None:
+    rows = [_row("resident", 100.0), _row("tierplan_rs", 300.0), _row("tierplan", 160.0)]
+    per, _targets = summarize(rows)
+    assert per[0]["best"] == "resident" and per[0]["vs_best"] == 1.6
+
+
 def test_the_oracle_target_compares_time_per_token_not_step_time() -> None:
     # The oracle runs 8 sequences a step at 16 ms, tierplan 2 at 8 ms: the oracle's step is twice as long, yet
     # its time per token is half tierplan's (tok/s 500 vs 250).
