@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,29 +149,24 @@ class KVTransferHandler:
                 f"mismatch, expected {expected:#018x}, got {got:#018x}"
             )
 
-    def _check_host_bytes(self, move: KVMove, data: torch.Tensor) -> None:
-        """Bytes of a moving block are on the host: verify them if `src` is a verified tier; record their
-        checksum if they have none and `dst` is one (the only place it will be compared). A block bound for a
-        tier nobody verifies is not hashed until its bytes next reach the host on the way to one: a plan's cut
-        spilled ~16,600 dirty GPU blocks to the CPU, and hashing each on the link worker (xxh3 at ~8 GB/s on
-        the CI box, ~34 us per 256 KiB block) was a share of the 75 us a block the cut took on the H100 host,
-        for checksums that nothing read (bench/results/phase_h200.md, session 29)."""
-        expected = self.manager.checksum(move.block_id)
-        if expected is None:
-            if move.dst.tier in self.manager.verify_tiers:
-                self.manager.set_checksum(move.block_id, checksum(data))
-        elif move.src.tier in self.manager.verify_tiers:
-            self._verify(move.block_id, move.src, expected, data, f"move {move.pair}")
-
-    def _hashes(self, move: KVMove) -> bool:
-        """Whether `_check_host_bytes` would hash or verify the move's bytes: where not, a list's blocks need no
-        host view made each (~7 us a block on the H100 host: a list CPU -> GPU took 30 us a block to submit
-        against 9 the other way, bench/results/h200/kvmoves_run01)."""
+    def _check_host_bytes(self, move: KVMove, data: Callable[[], torch.Tensor]) -> None:
+        """Bytes of a moving block are on the host (`data()` views them): verify them if `src` is a verified
+        tier; record their checksum if they have none and `dst` is one (the only place it will be compared). A
+        block bound for a tier nobody verifies is not hashed until its bytes next reach the host on the way to
+        one: a plan's cut spilled ~16,600 dirty GPU blocks to the CPU, and hashing each on the link worker (xxh3
+        at ~8 GB/s on the CI box, ~34 us per 256 KiB block) was a share of the 75 us a block the cut took on the
+        H100 host, for checksums that nothing read (bench/results/phase_h200.md, session 29). The view is made
+        only to hash or verify: one a block cost a CPU -> GPU list ~7 us a block on that host (30 us a block to
+        submit against 9 the other way, bench/results/h200/kvmoves_run01)."""
         verified = self.manager.verify_tiers
         if not verified:
-            return False
+            return
         expected = self.manager.checksum(move.block_id)
-        return move.dst.tier in verified if expected is None else move.src.tier in verified
+        if expected is None:
+            if move.dst.tier in verified:
+                self.manager.set_checksum(move.block_id, checksum(data()))
+        elif move.src.tier in verified:
+            self._verify(move.block_id, move.src, expected, data(), f"move {move.pair}")
 
     # ---- synchronous block I/O ----------------------------------------------------------------------
     def _copy(self, link: Link, src: Buffer, dst: Buffer, after: Event | None = None) -> None:
@@ -299,7 +295,7 @@ class KVTransferHandler:
             raise
         try:
             if move.src.tier is Tier.CPU:  # the bytes are on the host already: hash or verify them now
-                self._check_host_bytes(move, self.stores.memory(move.src))
+                self._check_host_bytes(move, lambda: self.stores.memory(move.src))
             self._submit_hop(job, 0)
         except Exception as exc:
             self._finish(job, exc)
@@ -367,7 +363,7 @@ class KVTransferHandler:
         """One request for single-hop memory moves of one pair, a segment a job."""
         jobs = [job for job in jobs if not job.future.done()]
         if jobs and jobs[0].move.src.tier is Tier.CPU:  # the bytes are on the host already: hash or verify them
-            jobs = [job for job in jobs if not self._hashes(job.move) or self._host_bytes_ok(job)]
+            jobs = [job for job in jobs if self._host_bytes_ok(job)]
         if not jobs:
             return
         src_tier, dst_tier = jobs[0].move.src.tier, jobs[0].move.dst.tier
@@ -386,8 +382,7 @@ class KVTransferHandler:
                 error = _transfer_error(job.move, hop.link, error)
             elif hop.lands_on_host:
                 try:
-                    if self._hashes(job.move):
-                        self._check_host_bytes(job.move, landed[job.move.dst.index])
+                    self._check_host_bytes(job.move, lambda: landed[job.move.dst.index])
                 except Exception as exc:
                     error = exc
             self._finish(job, error)
@@ -405,7 +400,7 @@ class KVTransferHandler:
 
     def _host_bytes_ok(self, job: _MoveJob) -> bool:
         try:
-            self._check_host_bytes(job.move, self.stores.memory(job.move.src))
+            self._check_host_bytes(job.move, lambda: self.stores.memory(job.move.src))
         except Exception as exc:
             self._finish(job, exc)
             return False
@@ -431,8 +426,9 @@ class KVTransferHandler:
             if h.error is not None:  # h.ok is still False inside on_done; the error is what counts
                 raise _transfer_error(job.move, h.request.link, h.error)
             hop = job.hops[i]
-            if hop.lands_on_host is not None:
-                self._check_host_bytes(job.move, hop.lands_on_host)
+            landed = hop.lands_on_host
+            if landed is not None:
+                self._check_host_bytes(job.move, lambda: landed)
             if i + 1 < len(job.hops):
                 self._submit_hop(job, i + 1)
                 return
