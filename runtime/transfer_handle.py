@@ -81,15 +81,15 @@ class TransferHandle:
             self.error = failed
         self._seg_failures.setdefault(seg, failed)
 
-    def chunk_retired(self, seg: int, seg_end: int | None = None) -> tuple[bool, list[int]]:
-        """One more chunk accounted, of segment `seg` or (a group) of segments [seg, seg_end): (the transfer's last,
-        the segments it finished) (stats lock held)."""
+    def chunk_retired(self, segs: range) -> tuple[bool, list[int]]:
+        """One more chunk accounted, of segments `segs` (one, or a group's): (the transfer's last, the segments it
+        finished) (stats lock held)."""
         self._remaining -= 1
         last = self._remaining == 0
         if self._seg_left is None:
-            return last, [seg] if last else []
+            return last, list(segs) if last else []
         done = []
-        for s in range(seg, seg + 1 if seg_end is None else seg_end):
+        for s in segs:
             self._seg_left[s] -= 1
             if self._seg_left[s] == 0:
                 done.append(s)
@@ -121,8 +121,9 @@ class TransferHandle:
 class Chunk:
     """One copy a worker issues: `length_bytes` from `src_offset_bytes` of the request's src to `dst_offset_bytes`
     of its dst (absolute), the chunk of segment `seg` that comes `first` and/or `last` in it; `key` is its
-    transfer's queue key (priority, deadline, arrival). A group (`parts` set) is whole segments [seg, seg_end)
-    of a list, each (src_offset_bytes, dst_offset_bytes, num_bytes), copied back to back under one event."""
+    transfer's queue key (priority, deadline, arrival); it belongs to segments [seg, seg_end). A group (`parts`
+    set) is whole segments of a list, each (src_offset_bytes, dst_offset_bytes, num_bytes), copied back to back
+    under one event."""
 
     key: tuple[int, float, int]
     handle: TransferHandle
@@ -132,12 +133,12 @@ class Chunk:
     length_bytes: int
     first: bool
     last: bool
+    seg_end: int
     parts: list[tuple[int, int, int]] | None = None
-    seg_end: int = -1  # a group's end (exclusive); -1: seg + 1
 
     @property
     def segs(self) -> range:
-        return range(self.seg, self.seg_end if self.parts is not None else self.seg + 1)
+        return range(self.seg, self.seg_end)
 
 
 class QueuedTransfer:
@@ -167,11 +168,11 @@ class QueuedTransfer:
             parts = self.segs[self.seg:end]
             src, dst, _n = parts[0]
             return Chunk(self.key, self.handle, self.seg, src, dst, sum(n for _s, _d, n in parts), True, True,
-                         parts, end)
+                         end, parts)
         src, dst, _n = self.segs[self.seg]
         off, length = self.spans[self.span]
         return Chunk(self.key, self.handle, self.seg, src + off, dst + off, length, self.span == 0,
-                      self.span == len(self.spans) - 1)
+                      self.span == len(self.spans) - 1, self.seg + 1)
 
     def take(self) -> Chunk:
         """The head chunk; the next one becomes the head (check `left` before taking: 0 means none is left)."""

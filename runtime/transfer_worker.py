@@ -250,7 +250,7 @@ class LinkWorker:
             ls = self.stats.links[self.link]
             ls.chunks += 1
             ls.bytes += moved
-            last, done = h.chunk_retired(ch.seg, ch.seg_end if ch.parts is not None else None)
+            last, done = h.chunk_retired(segs)
         if h.request.on_segment_done is not None:
             for s in done:
                 error = h.segment_error(s)
