@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tierplan.bench.baselines import VARIANTS
 from tierplan.bench.phase_spread import repeat_line, same_work, spread, spread_line
 
 ORACLE, TIERPLAN = "oracle", "tierplan"
@@ -132,7 +133,7 @@ def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[st
     """Per point: tierplan / best non-oracle baseline and / oracle (tok/s); and the Acceptance targets."""
     per: list[dict[str, Any]] = []
     for key, pol in _by_point(rows).items():
-        others = [v for k, v in pol.items() if k != ORACLE and not k.startswith(TIERPLAN) and v.get("decode_tok_s")]
+        others = [v for k, v in pol.items() if k not in (ORACLE, TIERPLAN, *VARIANTS) and v.get("decode_tok_s")]
         best = max(others, key=lambda r: r["decode_tok_s"]) if others else None
         static = [v for v in others if v["policy"] in STATIC_BASELINES]
         best_static = max(static, key=lambda r: r["decode_tok_s"]) if static else None

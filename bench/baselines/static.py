@@ -45,6 +45,11 @@ def fixed_split(ctx: PointContext, engine: ReferenceEngine, expert_bytes: int) -
     return clamp_split(ctx, split_for(ctx, min(expert_bytes, all_experts_bytes(ctx), expert_room_bytes(ctx))), engine)
 
 
+def resident_split(ctx: PointContext, engine: ReferenceEngine) -> Split:
+    """Every expert that fits (even per layer), KV the rest: `resident`'s split, and `tierplan_rs`'s start."""
+    return fixed_split(ctx, engine, all_experts_bytes(ctx))
+
+
 class Resident:
     name = "resident"
     needs_future = False
@@ -53,7 +58,7 @@ class Resident:
         return {}
 
     def start(self, engine: ReferenceEngine, ctx: PointContext) -> PolicyRun:
-        split = fixed_split(ctx, engine, all_experts_bytes(ctx))
+        split = resident_split(ctx, engine)
         fit = split.expert_slots == ctx.num_moe * ctx.num_experts
         why = ("every expert resident" if fit else f"{split.expert_slots} of {ctx.num_moe * ctx.num_experts} experts "
                "fit (even per layer, LRU streaming)") + f"; KV gets the rest: {split.kv_gpu_blocks} GPU blocks"

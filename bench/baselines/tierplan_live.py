@@ -198,7 +198,7 @@ class TierplanResidentStart(TierplanLive):
     name = "tierplan_rs"
 
     def start_split(self, ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str]:
-        from tierplan.bench.baselines.static import all_experts_bytes, fixed_split
+        from tierplan.bench.baselines.static import resident_split
 
-        split = fixed_split(ctx, engine, all_experts_bytes(ctx))
+        split = resident_split(ctx, engine)
         return split, f"resident start ({split.expert_slots} expert slots, {split.kv_gpu_blocks} GPU KV blocks)"
