@@ -156,9 +156,11 @@ def test_kv_lists_go_in_groups_on_cuda_exact_and_a_failed_part_lands_those_befor
     stream); a copy failing at part 3 leaves parts 0-2 landed by the time wait() raises, the rest untouched."""
     from tests.runtime.conftest import fail_copy_at
     from tierplan.runtime.errors import TransferError
-    from tierplan.runtime.transfer import MAX_GROUP_PARTS
+    from tierplan.runtime.transfer import DEFAULT_CHUNK_BYTES, MAX_GROUP_PARTS
 
-    blk, n = 256 << 10, MAX_GROUP_PARTS + 6
+    blk = 256 << 10
+    per_group = min(MAX_GROUP_PARTS, DEFAULT_CHUNK_BYTES // blk)  # a group stops at chunk_bytes: 32 blocks at 8 MiB
+    n = 2 * per_group + 6  # two full groups and a short one
     eng = TransferEngine(dev)
     host, back = dev.alloc_host(n * blk), dev.alloc_host(n * blk)
     host.tensor.copy_(_rand(n * blk, 9))
@@ -181,7 +183,7 @@ def test_kv_lists_go_in_groups_on_cuda_exact_and_a_failed_part_lands_those_befor
         eng.submit(TransferRequest(Link.D2H, TrafficClass.KV, d, back.tensor, after=held, on_segment_done=done,
                                    segments=[(p, i, k) for i, p, k in segs])).wait()
         assert torch.equal(back.tensor, host.tensor) and landed == [True] * n
-        assert eng.stats()["links"]["h2d"]["chunks"] == eng.stats()["links"]["d2h"]["chunks"] == 2
+        assert eng.stats()["links"]["h2d"]["chunks"] == eng.stats()["links"]["d2h"]["chunks"] == 3
         back.tensor.zero_()
         fail_copy_at(monkeypatch, dev, 4, RuntimeError("copy failed (injected)"))
         h = eng.submit(TransferRequest(Link.D2H, TrafficClass.KV, d, back.tensor,
