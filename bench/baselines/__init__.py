@@ -15,14 +15,14 @@ if TYPE_CHECKING:
 
 BASELINES: tuple[str, ...] = ("resident", "static_lru", "static_lfru", "fluxmoe", "kv_tiering", "mv_wsa",
                               "tierplan", "oracle")
-VARIANTS: tuple[str, ...] = ("tierplan_rs",)  # run only when named, never baselines in the report
+VARIANTS: tuple[str, ...] = ("tierplan_rs", "tierplan_kf")  # run only when named, never baselines in the report
 POLICIES: tuple[str, ...] = BASELINES + VARIANTS
 # name -> (module under bench.baselines, class)
 _WHERE: dict[str, tuple[str, str]] = {
     "resident": ("static", "Resident"), "static_lru": ("static", "StaticLRU"), "static_lfru": ("lfru", "StaticLFRU"),
     "fluxmoe": ("fluxmoe", "FluxMoE"), "kv_tiering": ("kv_tiering", "KVTiering"), "mv_wsa": ("mv_wsa", "MarginalWSA"),
     "tierplan": ("tierplan_live", "TierplanLive"), "oracle": ("oracle", "Oracle"),
-    "tierplan_rs": ("tierplan_live", "TierplanResidentStart"),
+    "tierplan_rs": ("tierplan_live", "TierplanResidentStart"), "tierplan_kf": ("tierplan_live", "TierplanKVFirst"),
 }
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from tierplan.bench.baselines.base import PointContext
 from tierplan.bench.baselines.tierplan_live import (
+    KVFirstStart,
     TierplanLive,
     controller_class,
 )
@@ -41,7 +42,7 @@ def rho_controller(config: Any) -> Any:
     return RhoController(config)
 
 
-class FluxMoE(TierplanLive):
+class FluxMoE(KVFirstStart, TierplanLive):
     name = "fluxmoe"
     allocator = "FluxMoE's rho rule (dead zone [0.9, 1.0]), even expert share per layer"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tierplan.bench.baselines.tierplan_live import TierplanLive, controller_class
+from tierplan.bench.baselines.tierplan_live import KVFirstStart, TierplanLive, controller_class
 
 if TYPE_CHECKING:
     pass
@@ -33,7 +33,7 @@ def greedy_controller(config: Any) -> Any:
     return GreedyController(config)
 
 
-class MarginalWSA(TierplanLive):
+class MarginalWSA(KVFirstStart, TierplanLive):
     name = "mv_wsa"
     allocator = "the equal-marginal greedy (WiSP MV-WSA): most step time saved per byte first"
 

@@ -3,15 +3,14 @@
 Bench driver code. Builds the controller exactly as the service would for this engine (`api.hub_config.
 controller_config` from the engine's `AgentRegistration` and the group's knobs, then `controller.loop.
 Controller`, as api/demo_loop.py's `_controller` does) and hands it to the runner as the plan source. The run
-starts KV first (`initial_split`: GPU blocks for the batch's largest requests whole, experts the rest: the
-serving shape an operator declares, as vLLM's max_num_seqs and max_model_len; `mv_wsa` and `fluxmoe` start
-there too, so only the allocator differs), which the enforcer applies before the first step, so the budget
-holds from step one and the controller moves away from it only where its model says it pays. Not the resident
-split (every expert that fits): its few KV blocks held the batch back for the first windows, and more of the
-run's prefills fell in the measured steps (H200 phase runs 20-22, bench/results/phase_h200.md).
-The controller never issued that plan, so `AfterInitialPlan` shifts plan versions between the agent and the
-controller by one. `mv_wsa` and `fluxmoe` reuse this with another allocator. It must never move bytes or
-build a plan itself.
+starts from the serving shape an operator declares (vLLM's max_num_seqs and max_model_len), which the enforcer
+applies before the first step, so the budget holds from step one and the controller moves away from it only
+where its model says it pays. Which shape (`start_split`): KV first (GPU blocks for the batch's largest requests
+whole, experts the rest; `mv_wsa` and `fluxmoe` always start there, so only the allocator differs) where that
+share runs enough sequences that a step's tokens share the experts it streams (`KV_FIRST_MIN_BATCHES`), else
+the resident split (every expert that fits, KV the rest). The controller never issued that plan, so
+`AfterInitialPlan` shifts plan versions between the agent and the controller by one. `mv_wsa` and `fluxmoe`
+reuse this with another allocator. It must never move bytes or build a plan itself.
 """
 
 from __future__ import annotations
@@ -19,7 +18,15 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from tierplan.bench.baselines.base import PointContext, PolicyRun, Split, kv_first_split, kv_floor_blocks, make_plan
+from tierplan.bench.baselines.base import (
+    PointContext,
+    PolicyRun,
+    Split,
+    kv_first_split,
+    kv_floor_blocks,
+    make_plan,
+    request_kv_blocks,
+)
 
 if TYPE_CHECKING:
     from tierplan.controller.protocol import Plan, PlanAck, Telemetry
@@ -88,6 +95,42 @@ def controller_config(engine: ReferenceEngine, ctx: PointContext, calibrate: boo
 
 def initial_split(ctx: PointContext, engine: ReferenceEngine) -> Split:
     return kv_first_split(ctx, engine)
+
+
+# KV first pays where its share runs at least this many times num_experts / top_k sequences: a decode step's
+# tokens then route to about every expert of a layer, so the experts it streams are shared by many tokens; with
+# fewer, each token pays for loads of its own and the experts KV first gave up cost more than its sequences
+# earn. H100 phase runs 52-53 (bench/results/phase_h200.md, session 30), tierplan from KV first against
+# tierplan_rs from the resident split, the same controller: KV first 2.5x at b128 4K 40 GiB (its share runs ~103
+# sequences) and 1.15x at b256 1K 40 GiB (256); the resident start 1.07-1.24x at the 16K b128/b256 40 GiB points
+# (~22) and 1.14-1.66x at three b8 points (0.94x at b8 16K 24 GiB). 2 x 128 / 8 = 32 for qwen3 sits between; the
+# factor is chosen from these runs, not derived, and the 16K 56 GiB points (~32-36) sit on it, unmeasured.
+KV_FIRST_MIN_BATCHES = 2.0
+
+
+def sequences_run(ctx: PointContext, gpu_blocks: int) -> int:
+    """About how many sequences `gpu_blocks` run at once: the point's requests' mean KV blocks whole (prompt and
+    output) into them, at most the batch."""
+    blocks = request_kv_blocks(ctx.requests, ctx.block_tokens)
+    mean = sum(blocks) / len(blocks) if blocks else 1.0
+    return min(ctx.batch, int(gpu_blocks / max(1.0, mean)))
+
+
+def chosen_start(ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str]:
+    """tierplan's start (module docstring): KV first where its share runs at least `KV_FIRST_MIN_BATCHES` x
+    num_experts / top_k sequences (`sequences_run`), else the resident split; with the reason's opening."""
+    from tierplan.bench.baselines.static import resident_split
+
+    kv_first = kv_first_split(ctx, engine)
+    held = sequences_run(ctx, kv_first.kv_gpu_blocks)
+    need = KV_FIRST_MIN_BATCHES * ctx.num_experts / max(1, ctx.top_k)
+    rule = f"{need:g} = {KV_FIRST_MIN_BATCHES:g} x experts / top-k"
+    if held >= need:
+        return kv_first, (f"KV first ({kv_first.kv_gpu_blocks} GPU blocks for the batch, ~{held} sequences at "
+                          f"once, >= {rule}), experts the rest")
+    split = resident_split(ctx, engine)
+    return split, (f"resident start ({split.expert_slots} expert slots, {split.kv_gpu_blocks} GPU KV blocks: KV "
+                   f"first's {kv_first.kv_gpu_blocks} would run ~{held} sequences at once, < {rule})")
 
 
 class AfterInitialPlan:
@@ -175,9 +218,9 @@ class TierplanLive:
         return type(self).factory(config)
 
     def start_split(self, ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str]:
-        """The split the agent applies before the first step, and its reason's opening."""
-        split = initial_split(ctx, engine)
-        return split, f"KV first ({split.kv_gpu_blocks} GPU blocks for the batch), experts the rest"
+        """The split the agent applies before the first step, and its reason's opening: tierplan's own choice
+        (`chosen_start`)."""
+        return chosen_start(ctx, engine)
 
     def start(self, engine: ReferenceEngine, ctx: PointContext) -> PolicyRun:
         self.controller = self.make_controller(engine, ctx)
@@ -185,6 +228,21 @@ class TierplanLive:
         plan = make_plan(ctx, split, self.name, f"{why}; then {self.allocator}")
         return PolicyRun(plan, source=AfterInitialPlan(self.controller), window_steps=WINDOW_STEPS, split=split,
                          notes=self.notes or f"live: {self.allocator}", local_predictor=self.local_predictor)
+
+
+class KVFirstStart:
+    """The start `mv_wsa`, `fluxmoe` and `tierplan_kf` share: KV first, whatever the batch it runs."""
+
+    def start_split(self, ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str]:
+        split = initial_split(ctx, engine)
+        return split, f"KV first ({split.kv_gpu_blocks} GPU blocks for the batch), experts the rest"
+
+
+class TierplanKVFirst(KVFirstStart, TierplanLive):
+    """`tierplan` always started KV first (its start through session 29): a variant to measure `chosen_start`
+    against (`--policies tierplan,tierplan_kf,...`), never a baseline."""
+
+    name = "tierplan_kf"
 
 
 class TierplanResidentStart(TierplanLive):

@@ -173,11 +173,11 @@ def test_fluxmoe_streams_with_the_two_layer_window(tmp_path: Path) -> None:
         eng.close()
 
 
-@pytest.mark.parametrize("name", ["tierplan", "mv_wsa", "fluxmoe"])
-def test_live_policies_start_kv_first(tmp_path: Path, name: str) -> None:
-    """The three live policies start from one split, so only their allocators differ: the batch's whole KV
-    demand, experts the rest (not the resident split, whose few KV blocks held the batch back for the first
-    windows on the H200)."""
+@pytest.mark.parametrize("name", ["mv_wsa", "fluxmoe", "tierplan_kf"])
+def test_live_baselines_start_kv_first(tmp_path: Path, name: str) -> None:
+    """mv_wsa, fluxmoe (and tierplan's KV-first variant) start from one split whatever the batch, so only their
+    allocators differ: the batch's whole KV demand, experts the rest (at batch 4, where tierplan starts
+    resident)."""
     eng, ctx = bp.context(tmp_path)
     try:
         run = _in_process(name).start(eng, ctx)
@@ -188,6 +188,33 @@ def test_live_policies_start_kv_first(tmp_path: Path, name: str) -> None:
     assert run.split.expert_slots == (ctx.hbm_budget_bytes - demand * ctx.kv_block_bytes) // ctx.expert_stride_bytes
     assert run.split.expert_slots < ctx.num_moe * ctx.num_experts  # the resident split would hold every expert
     assert f"KV first ({run.split.kv_gpu_blocks} GPU blocks" in run.initial_plan.reason
+
+
+def test_tierplan_starts_kv_first_only_where_its_share_runs_twice_experts_over_top_k_sequences(
+        tmp_path: Path) -> None:
+    """tierplan's start: the resident split at batch 4 (KV first would run 4 sequences, under 2 x 8 / 2 = 8 of
+    the tiny model), KV first at batch 12 (all 12 requests fit the GPU tier: 12 >= 8), whose reasons say why."""
+    from tierplan.bench.baselines.base import kv_first_split
+    from tierplan.bench.baselines.static import resident_split
+    from tierplan.bench.baselines.tierplan_live import sequences_run
+
+    runs = {}
+    for batch in (4, 12):
+        eng, ctx = bp.context(tmp_path / str(batch), batch=batch)
+        try:
+            assert 2 * ctx.num_experts / ctx.top_k == 8
+            runs[batch] = (_in_process("tierplan").start(eng, ctx), resident_split(ctx, eng),
+                           kv_first_split(ctx, eng), sequences_run(ctx, kv_first_split(ctx, eng).kv_gpu_blocks))
+        finally:
+            eng.close()
+    small, resident, kv_first, held = runs[4]
+    assert held == 4 and small.split == resident != kv_first
+    assert "resident start (" in small.initial_plan.reason and "would run ~4 sequences at once, < 8" in \
+        small.initial_plan.reason
+    large, resident, kv_first, held = runs[12]
+    assert held >= 8 and large.split == kv_first != resident
+    assert f"KV first ({kv_first.kv_gpu_blocks} GPU blocks for the batch, ~{held} sequences at once, >= 8" in \
+        large.initial_plan.reason
 
 
 def test_the_resident_start_variant_runs_tierplans_controller_from_the_resident_split(tmp_path: Path) -> None:
