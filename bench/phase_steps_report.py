@@ -6,8 +6,9 @@ prefill): their mean, median, 90th percentile and slowest, the collector's pause
 time the slowest 5 % of them took. Per point and policy with two runs or more (repeats, or calls that measured
 it again): how far apart their means and their medians lie. Means apart with medians together: a few slow
 steps (host, collector); medians apart too: the whole run was slower (device clock, placement). Then the cost
-model replayed over the same steps (bench/phase_cost_replay.py), and the runs that spent a tenth of their wall or
-more between steps, with what each plan change cost there. It never edits a row's figure.
+model replayed over the same steps (bench/phase_cost_replay.py), the runs that spent a tenth of their wall or
+more between steps, with what each plan change cost there, and how often decode steps ran chunked off their
+graphs against the union model (bench/phase_chunking.py). It never edits a row's figure.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from tierplan.bench.phase_chunking import chunk_rows, token_probs
+from tierplan.bench.phase_chunking import section as chunk_section
 from tierplan.bench.phase_cost_replay import replay_file, router_table, shape_of, step_records
 from tierplan.bench.phase_cost_replay import section as cost_section
 from tierplan.bench.phase_metrics import plan_evictions
@@ -123,7 +126,7 @@ def report(paths: list[Path]) -> str:
     lines += [f"| {b['point']} | {b['policy']} | {b['run_id']} | {b['wall_ms']:.0f} | {b['between_ms']:.0f} "
               f"({b['between_ms'] / b['wall_ms']:.0%}) | "
               f"{'; '.join(f'{g:.0f} / {s_} / {f}' for g, s_, f in b['changes']) or 'none'} |" for b in betweens]
-    replayed, skipped = [], []
+    replayed, chunking, skipped = [], [], []
     tables: dict[tuple[int, int, int], np.ndarray] = {}  # the router's table per (MoE layers, top-k, experts)
     for p, file_lines in per_file.items():
         try:
@@ -132,7 +135,10 @@ def report(paths: list[Path]) -> str:
             if key is not None and key not in tables:
                 tables[key] = router_table(shape)
             replayed += replay_file(p, file_lines, tables.get(key) if key is not None else None)
+            if key is not None:
+                chunking += chunk_rows(file_lines, token_probs(tables[key], key[2]))
         except ValueError as exc:  # a model without a built-in shape: named, the rest replayed
             skipped.append(f"{p.name}: {exc}")
     lines += ["", *cost_section(replayed), *(["", "Not replayed: " + "; ".join(skipped)] if skipped else [])]
+    lines += ["", *chunk_section(chunking)]
     return "\n".join(lines) + "\n"
