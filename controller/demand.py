@@ -40,15 +40,15 @@ LARGE_STEP_FACTOR = 4.0
 # where that is cheaper per token (H200 phase runs 26-27, b128 1K and b8 16K: a floor at the start's share left
 # 37-51 expert slots a layer, and the prefills that need every expert made the runs 0.59-0.64x of the best).
 KV_SETTLE_WINDOWS = 4
-KV_SETTLE_GROWTH = 0.1
 # The decode batch's swing: each step's decoding tokens over the running batch, counted in quarter-octave bins
 # from 1/8 to 8 (decayed as the frequencies are). A chunked decode step's chance averaged over them errs 0.092 on
-# the share of steps run chunked in the H100/H200 phase runs 01-53, where the chance at their mean batch alone
+# the share of steps run chunked in the H100/H200 phase runs 01-53, where the chance at the running batch alone
 # errs 0.206 (236 plans neither all nor none chunked; bench/phase_chunking.py, bench/results/phase_h200.md,
 # session 30): at b8 16K 24 GiB the batch swung 2-4.5 about a mean of 2.8 and 41 % of the steps chunked.
 DECODE_RATIO_BINS = tuple(float(2.0 ** (q / 4)) for q in range(-12, 13))
 MIN_DECODE_MIX_STEPS = 8.0  # decayed decode steps before the swing is read (fewer: the running batch alone)
 MIN_DECODE_MIX_WEIGHT = 0.01  # bins under this share of the steps are left out of the forecast
+KV_SETTLE_GROWTH = 0.1
 
 
 class CurveSource(StrEnum):
