@@ -40,14 +40,6 @@ LARGE_STEP_FACTOR = 4.0
 # where that is cheaper per token (H200 phase runs 26-27, b128 1K and b8 16K: a floor at the start's share left
 # 37-51 expert slots a layer, and the prefills that need every expert made the runs 0.59-0.64x of the best).
 KV_SETTLE_WINDOWS = 4
-# The decode batch's swing: each step's decoding tokens over the running batch, counted in quarter-octave bins
-# from 1/8 to 8 (decayed as the frequencies are). A chunked decode step's chance averaged over them errs 0.092 on
-# the share of steps run chunked in the H100/H200 phase runs 01-53, where the chance at the running batch alone
-# errs 0.206 (236 plans neither all nor none chunked; bench/phase_chunking.py, bench/results/phase_h200.md,
-# session 30): at b8 16K 24 GiB the batch swung 2-4.5 about a mean of 2.8 and 41 % of the steps chunked.
-DECODE_RATIO_BINS = tuple(float(2.0 ** (q / 4)) for q in range(-12, 13))
-MIN_DECODE_MIX_STEPS = 8.0  # decayed decode steps before the swing is read (fewer: the running batch alone)
-MIN_DECODE_MIX_WEIGHT = 0.01  # bins under this share of the steps are left out of the forecast
 KV_SETTLE_GROWTH = 0.1
 
 
@@ -97,9 +89,6 @@ class DemandForecast:
     # The GPU blocks the running sequences will hold when a plan made now lands, a window on (None: those in use):
     # while the demand still rises, the share in force keeps admitting (`DemandModel.forecast`).
     kv_gpu_landing_blocks: float | None = None
-    # The decode batch's swing: (each step's decoding tokens over `batch_tokens`, the share of steps there), the
-    # shares summing to 1; empty: priced at `batch_tokens` alone (DECODE_RATIO_BINS).
-    decode_batch_mix: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -189,7 +178,6 @@ class DemandModel:
         self.batch_tokens: float | None = None
         self.decode_batch_seen = False  # the batch came from decoding sequences' tokens (Telemetry v3's split)
         self.step_weight = 0.0  # decayed steps whose token counts were seen
-        self.decode_ratios = np.zeros(len(DECODE_RATIO_BINS))  # decayed decode steps by tokens / running batch
         self.large_steps = np.zeros(len(BATCH_BUCKETS))  # decayed large steps (LARGE_STEP_FACTOR) by batch bucket
         self.kv_live: float | None = None
         self.kv_live_now = 0.0
@@ -241,7 +229,6 @@ class DemandModel:
         n = tel.step_timings_ms.num_steps
         self.step_weight *= keep
         self.large_steps *= keep
-        self.decode_ratios *= keep
         if tel.step_decode_tokens:
             self._observe_decode_split(tel)
         else:
@@ -318,7 +305,6 @@ class DemandModel:
             median = float(np.median(running))
             self.batch_tokens = self._smooth(self.batch_tokens, median)
             self.decode_batch_seen = True
-            self._count_ratios(running)
         else:
             median = self.batch_tokens or 1.0
         steps = [(t, d) for t, d in zip(tokens, decodes, strict=True) if t > 0]
@@ -326,24 +312,6 @@ class DemandModel:
         for t, d in steps:
             if t - d > LARGE_STEP_FACTOR * median:
                 self.large_steps[BATCH_BUCKETS.index(batch_bucket(t))] += 1.0
-
-    def _count_ratios(self, running: list[int]) -> None:
-        """Each decoding step's tokens over the running batch, into the nearest quarter-octave bin (clamped)."""
-        log_bins = np.log2(DECODE_RATIO_BINS)
-        idx = np.rint((np.log2(np.asarray(running, dtype=float) / max(self.batch_tokens or 1.0, 1e-9)) - log_bins[0])
-                      * 4).astype(int)
-        np.add.at(self.decode_ratios, np.clip(idx, 0, len(DECODE_RATIO_BINS) - 1), 1.0)
-
-    def decode_batch_mix(self) -> tuple[tuple[float, float], ...]:
-        """The forecast's `decode_batch_mix`: the bins holding MIN_DECODE_MIX_WEIGHT of the decayed decode steps or
-        more, their shares renormalised; empty before MIN_DECODE_MIX_STEPS of them."""
-        total = float(self.decode_ratios.sum())
-        if total < MIN_DECODE_MIX_STEPS:
-            return ()
-        kept = [(r, w / total) for r, w in zip(DECODE_RATIO_BINS, self.decode_ratios, strict=True)
-                if w / total >= MIN_DECODE_MIX_WEIGHT]
-        norm = sum(w for _r, w in kept)
-        return tuple((r, w / norm) for r, w in kept)
 
     def _observe_reuse(self, tel: Telemetry, num_steps: int) -> None:
         """Prefix reuse: how often blocks come back and after how long, against how fast blocks are touched."""
@@ -414,8 +382,7 @@ class DemandModel:
                               self.touch_blocks_per_s or 0.0, self._recall(), self._precision(), token_probs=probs,
                               bucket_curves=tuple(buckets), curve_batch=float(bucket) if measured else batch,
                               large_step_share=share, large_step_misses=large, kv_filling_blocks=filling,
-                              kv_rising=self.kv_rising(), kv_gpu_landing_blocks=landing,
-                              decode_batch_mix=self.decode_batch_mix())
+                              kv_rising=self.kv_rising(), kv_gpu_landing_blocks=landing)
 
     def kv_rising(self) -> bool:
         """Whether KV demand has yet to settle: fewer than KV_SETTLE_WINDOWS windows seen, or one of the last of

@@ -169,29 +169,21 @@ def layer_stall_ms(cost: CostModel, num_missed: np.ndarray, num_streamed: np.nda
             + num_missed * (one_ms + cost.compute.moe_ms_per_miss))
 
 
-def over_slots_prob(counts: np.ndarray, union: np.ndarray | float, sd: np.ndarray | float, num_experts: int,
-                    weights: np.ndarray | None = None) -> np.ndarray:
+def over_slots_prob(counts: np.ndarray, union: np.ndarray | float, sd: np.ndarray | float, num_experts: int
+                    ) -> np.ndarray:
     """P(a decode step's union of experts exceeds the slots) per option: the union normal around its mean `union`
-    with spread `sd` (a step function where sd is 0), with continuity; 0 with every expert resident. With
-    `weights` [J], `union` and `sd` carry a last axis of J batches the decode steps run at (`Decode.mix_weights`)
-    and the chance is their weighted mean."""
+    with spread `sd` (a step function where sd is 0), with continuity; 0 with every expert resident."""
     counts = np.asarray(counts, dtype=float)
-    union, sd = np.asarray(union, dtype=float), np.asarray(sd, dtype=float)
-    if weights is not None:
-        counts = counts[..., None]
-    gap = counts + 0.5 - union
+    gap = counts + 0.5 - np.asarray(union, dtype=float)
+    sd = np.asarray(sd, dtype=float)
     z = np.where(sd > 0, gap / np.maximum(sd, 1e-9), np.where(gap > 0, np.inf, -np.inf))
-    p = ndtr(-z)
-    if weights is not None:
-        p = (p * np.asarray(weights, dtype=float)).sum(axis=-1)
-        counts = counts[..., 0]
-    return np.where(counts >= num_experts, 0.0, p)
+    return np.where(counts >= num_experts, 0.0, ndtr(-z))
 
 
 def option_stall_ms(cost: CostModel, misses: np.ndarray, union: np.ndarray | float, counts: np.ndarray,
                     recall: float, step_ms: float, decode_union: np.ndarray | float | None = None,
-                    union_sd: np.ndarray | float = 0.0, decode_share: float = 1.0, num_experts: int = 0,
-                    mix_weights: np.ndarray | None = None) -> np.ndarray:
+                    union_sd: np.ndarray | float = 0.0, decode_share: float = 1.0, num_experts: int = 0
+                    ) -> np.ndarray:
     """Each option's unweighted stall: `layer_stall_ms` of its `misses` (the prefetched `recall` share streamed),
     plus, where its slot count s is below the `union` u of experts a step needs, the share 1 - s/u of those loads
     once more. The engine then computes the layer in chunks of s, one after another: each chunk after the first
@@ -202,8 +194,7 @@ def option_stall_ms(cost: CostModel, misses: np.ndarray, union: np.ndarray | flo
     misses at 34-48 slots; this prices it at 0.64 of their ~3.8 ms of loads, 2.4 ms. And the step leaves its
     graphs (`CostModel`'s `chunked_step_ms`, once a step, for the `decode_share` of steps that are decodes): each
     layer adds that times the chance a decode step's union, `decode_union` give or take `union_sd`, outruns its
-    slots (none where `decode_union` is None; `num_experts`: the layer's, none over them; `mix_weights`: the
-    batches a decode step runs at, `decode_union` and `union_sd` then with a last axis of them, `over_slots_prob`)."""
+    slots (none where `decode_union` is None; `num_experts`: the layer's, none over them)."""
     stall = layer_stall_ms(cost, (1 - recall) * misses, recall * misses, 0.0, step_ms)
     chunked = layer_stall_ms(cost, misses, np.zeros_like(misses), 0.0, step_ms)
     u = np.maximum(np.asarray(union, dtype=float), 1e-9)
@@ -213,7 +204,7 @@ def option_stall_ms(cost: CostModel, misses: np.ndarray, union: np.ndarray | flo
         # its own chance of it (a union bound, tight where the split keeps every chance small, which is where
         # the choice is whether to; where chunking is near certain, each layer's charge is flat in its slots).
         out = out + cost.compute.chunked_step_ms * decode_share * over_slots_prob(counts, decode_union, union_sd,
-                                                                                 num_experts, mix_weights)
+                                                                                 num_experts)
     return out
 
 
@@ -230,60 +221,29 @@ def prefix_hit_share(forecast: DemandForecast, gpu_blocks: int) -> float:
 @dataclass(frozen=True)
 class Decode:
     """A decode step at the running batch, what the price of leaving the graphs reads: each MoE layer's union
-    and its spread [M], and the share of steps that are decodes (`decode_step`). Where the forecast knows the
-    batch's swing (`DemandForecast.decode_batch_mix`), the chance is read over it: each layer's union and spread
-    at each of those batches [M][J] and their weights [J] (empty: at the running batch alone)."""
+    and its spread [M], and the share of steps that are decodes (`decode_step`)."""
 
     union: tuple[float, ...]
     union_sd: tuple[float, ...]
     share: float
-    mix_union: tuple[tuple[float, ...], ...] = ()
-    mix_sd: tuple[tuple[float, ...], ...] = ()
-    mix_weights: tuple[float, ...] = ()
 
-    def of_layer(self, m: int) -> dict[str, Any]:
+    def of_layer(self, m: int) -> dict[str, float]:
         """`layer_options`' arguments for MoE layer `m`."""
-        if self.mix_weights:
-            return {"decode_union": np.asarray(self.mix_union[m]), "union_sd": np.asarray(self.mix_sd[m]),
-                    "decode_share": self.share, "mix_weights": np.asarray(self.mix_weights)}
         return {"decode_union": self.union[m], "union_sd": self.union_sd[m], "decode_share": self.share}
 
     def of_layers(self) -> dict[str, Any]:
-        """`option_stall_ms`' arguments for one option of every MoE layer ([M] arrays, [M, J] with the swing)."""
-        if self.mix_weights:
-            return {"decode_union": np.asarray(self.mix_union), "union_sd": np.asarray(self.mix_sd),
-                    "decode_share": self.share, "mix_weights": np.asarray(self.mix_weights)}
+        """`option_stall_ms`' arguments for one option of every MoE layer ([M] arrays)."""
         return {"decode_union": np.asarray(self.union), "union_sd": np.asarray(self.union_sd),
                 "decode_share": self.share}
-
-
-def _frequency_union(fc: DemandForecast, batch: float) -> np.ndarray:
-    """[M] distinct experts of `batch` independent tokens drawn from the activation frequencies."""
-    p = np.clip(np.asarray(fc.token_probs, dtype=float), 0.0, 1.0)  # [M, E]
-    return (1.0 - (1.0 - p) ** max(1.0, batch)).sum(axis=1)
 
 
 def decode_step(fc: DemandForecast, batch: float, curves: tuple[tuple[float, ...], ...] | np.ndarray,
                 share_batch: float | None = None) -> Decode:
     """The decode step at `batch` tokens whose per-layer loads with no slot, `curves[m][0]`, are its unions (the
     decode curves, before `with_large_steps` mixes the prefills in); its share of the steps at `share_batch`
-    (default: `batch`). With the batch's swing and the activation frequencies, each layer's union at each batch
-    of the swing is the curve's scaled by the frequencies' union there over theirs at `batch` (the measured
-    curve keeps its level), at most the layer's experts."""
-    union = tuple(float(c[0]) for c in curves)
-    base = Decode(union, tuple(float(x) for x in union_sd(fc, batch)),
+    (default: `batch`)."""
+    return Decode(tuple(float(c[0]) for c in curves), tuple(float(x) for x in union_sd(fc, batch)),
                   decode_share(fc, batch if share_batch is None else share_batch))
-    if not fc.decode_batch_mix or not fc.token_probs:
-        return base
-    num_experts = len(fc.token_probs[0])
-    at = np.maximum(_frequency_union(fc, batch), 1e-9)  # [M]
-    ratios = [r for r, _w in fc.decode_batch_mix]
-    mix_union = np.stack([np.minimum(num_experts, np.asarray(union) * _frequency_union(fc, batch * r) / at)
-                          for r in ratios], axis=1)  # [M, J]
-    mix_sd = np.stack([union_sd(fc, batch * r) for r in ratios], axis=1)  # [M, J]
-    return dataclasses.replace(base, mix_union=tuple(tuple(float(x) for x in row) for row in mix_union),
-                               mix_sd=tuple(tuple(float(x) for x in row) for row in mix_sd),
-                               mix_weights=tuple(float(w) for _r, w in fc.decode_batch_mix))
 
 
 def chunk_pricing(decode: Decode, cost: CostModel, space: SplitSpace, num_experts: int, expert_units: int
@@ -307,14 +267,14 @@ def chunk_pricing(decode: Decode, cost: CostModel, space: SplitSpace, num_expert
 
 
 def layer_options(curve: tuple[float, ...] | np.ndarray, cost: CostModel, space: SplitSpace, m: int, step_ms: float,
-                  recall: float, union: float | None = None, decode_union: float | np.ndarray | None = None,
-                  union_sd: float | np.ndarray = 0.0, decode_share: float = 1.0,
-                  mix_weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                  recall: float, union: float | None = None, decode_union: float | None = None,
+                  union_sd: float = 0.0, decode_share: float = 1.0
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """MoE layer `m`'s options from its miss curve [E + 1]: (slot counts, their HBM units, loads per step, the
     unweighted stall each costs), each [J]: what the exact problem's groups and the coupled screen both price.
     `union`: the step's union the chunking price reads (default: the curve's loads with no slot, curve[0]);
     `decode_union`, `union_sd` and `decode_share`: a decode step's union, its spread and the decode steps' share,
-    for the price of leaving the graphs (`option_stall_ms`; with `mix_weights`, over the batch's swing)."""
+    for the price of leaving the graphs (`option_stall_ms`)."""
     num_experts = len(curve) - 1
     lo, hi = slot_range(space, m, num_experts)
     counts = np.arange(lo, hi + 1)
@@ -322,7 +282,7 @@ def layer_options(curve: tuple[float, ...] | np.ndarray, cost: CostModel, space:
     misses = np.asarray(curve)[counts]
     u = float(curve[0]) if union is None else union
     return counts, units, misses, option_stall_ms(cost, misses, u, counts, recall, step_ms, decode_union, union_sd,
-                                                  decode_share, num_experts, mix_weights)
+                                                  decode_share, num_experts)
 
 
 def expert_groups(misses_per_step: tuple[tuple[float, ...], ...] | np.ndarray, cost: CostModel, space: SplitSpace,

@@ -105,24 +105,3 @@ def test_a_fills_prompts_are_not_read_as_more_prompts_at_a_larger_batch() -> Non
     a, b = np.asarray(with_large_steps(fc.misses_per_step, filling, 8.0)), np.asarray(
         with_large_steps(fc.misses_per_step, filling))
     assert a == pytest.approx(b)  # the curves' mix follows the same share
-
-
-def test_the_decode_batch_swing_is_read_from_each_steps_decode_tokens() -> None:
-    """Steps decoding 2 and 8 tokens in turn (median 5): the forecast carries each step's tokens over the running
-    batch, in quarter-octave bins, half the steps each side; a batch that never swings has one bin; before
-    MIN_DECODE_MIX_STEPS decode steps, none (priced at the running batch alone)."""
-    from tierplan.controller.demand import MIN_DECODE_MIX_STEPS
-
-    win = Windows(steps=8)
-    ctl = make_controller()
-    ctl.sync_from(_window((2, 8) * 4, (2, 8) * 4, win))
-    mix = ctl.demand.forecast().decode_batch_mix
-    assert ctl.demand.forecast().batch_tokens == pytest.approx(5.0)
-    assert [w for _r, w in mix] == pytest.approx([0.5, 0.5])
-    assert [r for r, _w in mix] == pytest.approx([2 ** (-1.25), 2 ** 0.75])  # 2/5 and 8/5, to the nearest bin
-    steady = make_controller()
-    steady.sync_from(_window((4,) * 8, (4,) * 8, win))
-    assert steady.demand.forecast().decode_batch_mix == ((1.0, 1.0),)
-    few = make_controller()
-    few.sync_from(_window((4,) * 4, (4,) * 4, Windows(steps=4)))
-    assert MIN_DECODE_MIX_STEPS > 4 and few.demand.forecast().decode_batch_mix == ()

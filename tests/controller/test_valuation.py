@@ -348,38 +348,3 @@ def test_while_the_demand_rises_the_blocks_a_plan_lands_on_are_those_a_window_mo
     assert landing_blocks(forecast(2, 20, limit=25)) == pytest.approx(25)  # ours, in force, admits to 25
     settled = forecast(8, 20)
     assert not settled.kv_rising and landing_blocks(settled) == 20
-
-
-def test_the_chunked_step_is_priced_over_the_decode_batchs_swing() -> None:
-    """b8 16K 24 GiB on the H100 (phase run 52): a 22-slot split's decode batch swung 2-4.5 about 2.8, and 41 % of
-    its decode steps ran chunked, where the chance at 2.8 alone is lower. With the swing in the forecast, each
-    layer's chance is the weighted mean of its chances at each batch of it, the union there scaled from the
-    measured curve's by the activation frequencies; a layer with room for the swing's largest union pays none."""
-    from tierplan.controller.demand import union_sd
-    from tierplan.controller.valuation import decode_step, over_slots_prob
-
-    e, k = 128, 8
-    fc = make_controller().demand.forecast()
-    probs = tuple(tuple([k / e] * e) for _ in fc.misses_per_step)
-    uniform = dataclasses.replace(fc, token_probs=probs)
-    swing = dataclasses.replace(uniform, decode_batch_mix=((0.7, 0.6), (1.6, 0.4)))
-
-    def freq_union(b: float) -> float:
-        return e * (1 - (1 - k / e) ** b)
-
-    curves = tuple(tuple([0.9 * freq_union(2.8)] + [0.0] * e) for _ in fc.misses_per_step)  # a measured union 0.9x
-    plain, mixed = decode_step(uniform, 2.8, curves), decode_step(swing, 2.8, curves)
-    assert plain.mix_weights == () and mixed.mix_weights == (0.6, 0.4)
-    assert mixed.mix_union[0] == pytest.approx((0.9 * freq_union(1.96), 0.9 * freq_union(4.48)))
-    assert mixed.mix_sd[0] == pytest.approx((union_sd(swing, 1.96)[0], union_sd(swing, 4.48)[0]))
-    counts = np.arange(e + 1)
-    args = mixed.of_layer(0)
-    chance = over_slots_prob(counts, args["decode_union"], args["union_sd"], e, args["mix_weights"])
-    assert chance == pytest.approx(0.6 * over_slots_prob(counts, mixed.mix_union[0][0], mixed.mix_sd[0][0], e)
-                                   + 0.4 * over_slots_prob(counts, mixed.mix_union[0][1], mixed.mix_sd[0][1], e))
-    at_mean = over_slots_prob(counts, plain.union[0], plain.union_sd[0], e)
-    assert chance[24] > at_mean[24] + 0.2 and chance[50] == pytest.approx(0.0, abs=1e-4)
-    layers = mixed.of_layers()  # one option per layer, the whole split at once (the coupled screen)
-    both = over_slots_prob(np.array([24] * len(curves)), layers["decode_union"], layers["union_sd"], e,
-                           layers["mix_weights"])
-    assert both == pytest.approx([chance[24]] * len(curves))
