@@ -4,10 +4,11 @@ Runs in the bench process (`tierplan bench phase --steps-report DIR` adds it to 
 Python + numpy over the saved per-step records (bench/phase_steps.py), no torch and no device. The engine runs a
 decode step eagerly, in chunks, where some layer's union of experts outruns its slots (`eager/layer_over_slots`);
 the valuation prices that chance per layer with the union normal around its mean at the observed batch
-(`controller.valuation.over_slots_prob`, the spread of independent tokens, `controller.demand.union_sd`). Per run
+(`controller.valuation.over_slots_prob`, the spread of independent tokens, `controller.demand.union_sd`; its
+union is the measured curve's at the batch's bucket, here the router's frequencies' at the plan's mean batch). Per run
 and plan, decode steps under one split: the share measured chunked, and P(some layer's union over its slots)
-three ways from the routing table the runs were forced by: at the steps' mean batch (as the valuation prices
-it), averaged over each step's own batch (the batch's swing between prefills, known here, not to a
+three ways from the routing table the runs were forced by: at the steps' mean batch (about as the valuation
+prices it), averaged over each step's own batch (the batch's swing between prefills, known here, not to a
 controller), and at the mean batch with the union's spread widened by the batch's (its coefficient of
 variation through the union's slope: what a controller could learn from the decode tokens of each step). Its
 use is to try a change to that price on real steps away from the device (bench/results/phase_h200.md, session
@@ -58,9 +59,11 @@ def p_chunked(probs: np.ndarray, slots: list[int], batch: float, batch_cv: float
     return 1.0 - float(np.prod([1.0 - p for p in per_layer]))
 
 
-def chunk_rows(lines: list[dict[str, Any]], probs: np.ndarray) -> list[dict[str, Any]]:
+def chunk_rows(lines: list[dict[str, Any]], probs: np.ndarray, moe_layers: tuple[int, ...] | None = None
+               ) -> list[dict[str, Any]]:
     """Per run and plan with `MIN_DECODE_STEPS` decode steps or more: the measured share chunked and the three
-    predictions (module docstring). Lines without plans or executors per step are skipped."""
+    predictions (module docstring). `moe_layers`: the model layers `probs`' rows are (a plan's bytes are per model
+    layer; None: every layer is one). Lines without plans or executors per step are skipped."""
     out = []
     for line in lines:
         cols, plans = line.get("steps") or {}, line.get("plans") or {}
@@ -74,7 +77,11 @@ def chunk_rows(lines: list[dict[str, Any]], probs: np.ndarray) -> list[dict[str,
             plan = plans.get(str(version))
             if plan is None or len(steps) < MIN_DECODE_STEPS:
                 continue
-            slots = [int(b) // int(line["slot_bytes"]) for b in plan["expert_bytes_per_layer"]]
+            per_layer = plan["expert_bytes_per_layer"]
+            layers = moe_layers if moe_layers is not None else tuple(range(len(per_layer)))
+            if max(layers, default=-1) >= len(per_layer):
+                continue
+            slots = [int(per_layer[layer]) // int(line["slot_bytes"]) for layer in layers]
             if len(slots) != probs.shape[0]:
                 continue
             batch = np.array([cols["batch_tokens"][i] for i in steps], dtype=float)
@@ -94,7 +101,7 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["## Decode steps run chunked off their graphs", "",
              "Per run and plan (decode steps under one split, after the warm-up): the share the engine ran chunked "
              "(`eager/layer_over_slots`) against P(some layer's union over its slots) from the forced router's "
-             "table: at the mean batch (as the valuation prices it), over each step's batch, and at the mean "
+             "table: at the mean batch (about as the valuation prices it), over each step's batch, and at the mean "
              "batch with the union's spread widened by the batch's (bench/phase_chunking.py).", ""]
     if not rows:
         return [*lines, "No plan with enough decode steps and per-step executors here."]

@@ -128,6 +128,7 @@ def report(paths: list[Path]) -> str:
               f"{'; '.join(f'{g:.0f} / {s_} / {f}' for g, s_, f in b['changes']) or 'none'} |" for b in betweens]
     replayed, chunking, skipped = [], [], []
     tables: dict[tuple[int, int, int], np.ndarray] = {}  # the router's table per (MoE layers, top-k, experts)
+    probs: dict[tuple[int, int, int], np.ndarray] = {}  # its per-token routing probabilities
     for p, file_lines in per_file.items():
         try:
             shape = shape_of(file_lines[0]) if file_lines else None
@@ -135,8 +136,10 @@ def report(paths: list[Path]) -> str:
             if key is not None and key not in tables:
                 tables[key] = router_table(shape)
             replayed += replay_file(p, file_lines, tables.get(key) if key is not None else None)
-            if key is not None:
-                chunking += chunk_rows(file_lines, token_probs(tables[key], key[2]))
+            if key is not None and shape is not None:
+                if key not in probs:
+                    probs[key] = token_probs(tables[key], key[2])
+                chunking += chunk_rows(file_lines, probs[key], tuple(shape.moe_layers))
         except ValueError as exc:  # a model without a built-in shape: named, the rest replayed
             skipped.append(f"{p.name}: {exc}")
     lines += ["", *cost_section(replayed), *(["", "Not replayed: " + "; ".join(skipped)] if skipped else [])]

@@ -271,7 +271,8 @@ def clamp_split(ctx: PointContext, split: Split, engine: ReferenceEngine) -> Spl
 
 def kv_first_split(ctx: PointContext, engine: ReferenceEngine) -> Split:
     """KV first: GPU blocks for the batch's whole demand (`kv_demand_blocks`), experts the rest (even, at most
-    every expert), within this engine; the live policies' start. At least top_k slots a layer, where the demand
+    every expert), within this engine; mv_wsa's, fluxmoe's and tierplan_kf's start, and tierplan's where its share runs
+    enough sequences (`tierplan_live.chosen_start`). At least top_k slots a layer, where the demand
     would take more: a layer of fewer slots than a token's experts runs every step in chunks of them, one
     synchronised load after another (at B=128-256 or 16K context the demand outgrows the scaled budgets)."""
     floor = min(ctx.top_k, ctx.num_experts)

@@ -46,7 +46,8 @@ def fixed_split(ctx: PointContext, engine: ReferenceEngine, expert_bytes: int) -
 
 
 def resident_split(ctx: PointContext, engine: ReferenceEngine) -> Split:
-    """Every expert that fits (even per layer), KV the rest: `resident`'s split, and `tierplan_rs`'s start."""
+    """Every expert that fits (even per layer), KV the rest: `resident`'s split, `tierplan_rs`'s start, and
+    tierplan's where KV first's share would run too few sequences (`tierplan_live.chosen_start`)."""
     return fixed_split(ctx, engine, all_experts_bytes(ctx))
 
 

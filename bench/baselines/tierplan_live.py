@@ -6,9 +6,10 @@ Controller`, as api/demo_loop.py's `_controller` does) and hands it to the runne
 starts from the serving shape an operator declares (vLLM's max_num_seqs and max_model_len), which the enforcer
 applies before the first step, so the budget holds from step one and the controller moves away from it only
 where its model says it pays. Which shape (`start_split`): KV first (GPU blocks for the batch's largest requests
-whole, experts the rest; `mv_wsa` and `fluxmoe` always start there, so only the allocator differs) where that
-share runs enough sequences that a step's tokens share the experts it streams (`KV_FIRST_MIN_BATCHES`), else
-the resident split (every expert that fits, KV the rest). The controller never issued that plan, so
+whole, experts the rest) where that share runs enough sequences that a step's tokens share the experts it
+streams (`KV_FIRST_MIN_BATCHES`), else the resident split (every expert that fits, KV the rest). `mv_wsa`,
+`fluxmoe` and the variant `tierplan_kf` always start KV first: among them only the allocator differs; where
+tierplan starts resident, it differs from them in its start too. The controller never issued that plan, so
 `AfterInitialPlan` shifts plan versions between the agent and the controller by one. `mv_wsa` and `fluxmoe`
 reuse this with another allocator. It must never move bytes or build a plan itself.
 """
@@ -246,7 +247,7 @@ class TierplanKVFirst(KVFirstStart, TierplanLive):
 
 
 class TierplanResidentStart(TierplanLive):
-    """`tierplan` started from the resident split (every expert that fits, KV the rest) instead of KV first: the
+    """`tierplan` always started from the resident split (every expert that fits, KV the rest): the
     same controller, only the start differs. A variant to measure the start with (`--policies tierplan,
     tierplan_rs,...`), never a baseline: the report sets tierplan against the baselines, not its variants. At the
     16K points the controller's first plan cut the KV-first start's share to about resident's (H100 runs 49-51:

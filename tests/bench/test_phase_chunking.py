@@ -59,3 +59,13 @@ def test_plans_with_too_few_decode_steps_or_no_executors_are_left_out() -> None:
     del line["steps"]["executors"]
     assert chunk_rows([line], PROBS) == []
     assert section([])[-1].startswith("No plan with enough decode steps")
+
+
+def test_a_plans_bytes_per_model_layer_are_read_at_the_moe_layers() -> None:
+    """A model whose first layer is dense (deepseek's first three are): the plan's bytes are per model layer, the
+    routing probabilities per MoE layer, so the slots are read at the MoE layers' indices, not dropped."""
+    line = _line([4] * MIN_DECODE_STEPS, [False] * MIN_DECODE_STEPS)
+    line["plans"]["1"]["expert_bytes_per_layer"] = [0, 10 * SLOT, 12 * SLOT]
+    assert chunk_rows([line], PROBS) == []  # three layers against two rows of probabilities: not these layers
+    (row,) = chunk_rows([line], PROBS, moe_layers=(1, 2))
+    assert row["min_slots"] == 10 and row["at_mean"] == pytest.approx(p_chunked(PROBS, [10, 12], 4.0))
