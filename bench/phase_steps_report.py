@@ -135,10 +135,9 @@ def report(paths: list[Path]) -> str:
             key = (shape.num_moe_layers, shape.top_k, shape.num_experts) if shape is not None else None
             if key is not None and key not in tables:
                 tables[key] = router_table(shape)
+                probs[key] = token_probs(tables[key], key[2])
             replayed += replay_file(p, file_lines, tables.get(key) if key is not None else None)
-            if key is not None and shape is not None:
-                if key not in probs:
-                    probs[key] = token_probs(tables[key], key[2])
+            if key is not None:
                 chunking += chunk_rows(file_lines, probs[key], tuple(shape.moe_layers))
         except ValueError as exc:  # a model without a built-in shape: named, the rest replayed
             skipped.append(f"{p.name}: {exc}")

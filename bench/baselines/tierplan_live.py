@@ -28,6 +28,7 @@ from tierplan.bench.baselines.base import (
     make_plan,
     request_kv_blocks,
 )
+from tierplan.bench.baselines.static import resident_split
 
 if TYPE_CHECKING:
     from tierplan.controller.protocol import Plan, PlanAck, Telemetry
@@ -94,10 +95,6 @@ def controller_config(engine: ReferenceEngine, ctx: PointContext, calibrate: boo
     return dataclasses.replace(cfg, space=dataclasses.replace(cfg.space, prefetch_recall=0.3))
 
 
-def initial_split(ctx: PointContext, engine: ReferenceEngine) -> Split:
-    return kv_first_split(ctx, engine)
-
-
 # KV first pays where its share runs at least this many times num_experts / top_k sequences: a decode step's
 # tokens then route to about every expert of a layer, so the experts it streams are shared by many tokens; with
 # fewer, each token pays for loads of its own and the experts KV first gave up cost more than its sequences
@@ -120,8 +117,6 @@ def sequences_run(ctx: PointContext, gpu_blocks: int) -> int:
 def chosen_start(ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str]:
     """tierplan's start (module docstring): KV first where its share runs at least `KV_FIRST_MIN_BATCHES` x
     num_experts / top_k sequences (`sequences_run`), else the resident split; with the reason's opening."""
-    from tierplan.bench.baselines.static import resident_split
-
     kv_first = kv_first_split(ctx, engine)
     held = sequences_run(ctx, kv_first.kv_gpu_blocks)
     need = KV_FIRST_MIN_BATCHES * ctx.num_experts / max(1, ctx.top_k)
@@ -235,7 +230,7 @@ class KVFirstStart:
     """The start `mv_wsa`, `fluxmoe` and `tierplan_kf` share: KV first, whatever the batch it runs."""
 
     def start_split(self, ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str]:
-        split = initial_split(ctx, engine)
+        split = kv_first_split(ctx, engine)
         return split, f"KV first ({split.kv_gpu_blocks} GPU blocks for the batch), experts the rest"
 
 
@@ -257,7 +252,5 @@ class TierplanResidentStart(TierplanLive):
     name = "tierplan_rs"
 
     def start_split(self, ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str]:
-        from tierplan.bench.baselines.static import resident_split
-
         split = resident_split(ctx, engine)
         return split, f"resident start ({split.expert_slots} expert slots, {split.kv_gpu_blocks} GPU KV blocks)"
