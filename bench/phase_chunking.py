@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from tierplan.controller.chunk_whole import swing_of
+from tierplan.controller.demand import swing_ratios
 from tierplan.controller.valuation import over_slots_prob
 
 MIN_DECODE_STEPS = 20  # a plan's decode steps fewer than this tell no share
@@ -59,6 +61,15 @@ def p_chunked(probs: np.ndarray, slots: list[int], batch: float, batch_cv: float
     return 1.0 - float(np.prod([1.0 - p for p in per_layer]))
 
 
+def p_swing(probs: np.ndarray, slots: list[int], batch: np.ndarray) -> float:
+    """P(some layer's union outruns its slots) as the controller prices a split now (controller/chunk_whole.py):
+    over `swing_ratios` quantiles of the steps' batch over its median, at the median."""
+    median = float(np.median(batch))
+    ratios = swing_ratios(list(batch / median)) or (1.0,)
+    union = (1.0 - (1.0 - np.clip(probs, 0.0, 1.0)) ** max(1.0, median)).sum(axis=1)
+    return swing_of(probs, ratios, median, union, 1.0).p_any(slots, probs.shape[1])
+
+
 def chunk_rows(lines: list[dict[str, Any]], probs: np.ndarray, moe_layers: tuple[int, ...] | None = None
                ) -> list[dict[str, Any]]:
     """Per run and plan with `MIN_DECODE_STEPS` decode steps or more: the measured share chunked and the three
@@ -91,7 +102,7 @@ def chunk_rows(lines: list[dict[str, Any]], probs: np.ndarray, moe_layers: tuple
                         "plan": version, "steps": len(steps), "batch": mean, "batch_cv": cv, "min_slots": min(slots),
                         "measured": float(np.mean(chunked)), "at_mean": p_chunked(probs, slots, mean),
                         "per_step": float(np.mean([p_chunked(probs, slots, b) for b in batch])),
-                        "with_cv": p_chunked(probs, slots, mean, cv)})
+                        "with_cv": p_chunked(probs, slots, mean, cv), "swing": p_swing(probs, slots, batch)})
     return out
 
 
@@ -101,19 +112,21 @@ def section(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["## Decode steps run chunked off their graphs", "",
              "Per run and plan (decode steps under one split, after the warm-up): the share the engine ran chunked "
              "(`eager/layer_over_slots`) against P(some layer's union over its slots) from the forced router's "
-             "table: at the mean batch (about as the valuation prices it), over each step's batch, and at the mean "
-             "batch with the union's spread widened by the batch's (bench/phase_chunking.py).", ""]
+             "table: at the mean batch (as the knapsack's per-layer charge prices it), over each step's batch, at "
+             "the mean batch with the union's spread widened by the batch's, and over eight quantiles of the steps' "
+             "batch over their median, as the coupled search prices a whole split (controller/chunk_whole.py; "
+             "bench/phase_chunking.py).", ""]
     if not rows:
         return [*lines, "No plan with enough decode steps and per-step executors here."]
-    keys = ("at_mean", "per_step", "with_cv")
+    keys = ("at_mean", "per_step", "with_cv", "swing")
     mixed = [r for r in rows if any(0.02 < r[k] < 0.98 for k in ("measured", *keys))]
     for name, group in (("every plan", rows), ("plans neither all nor none chunked", mixed)):
         if group:
             errs = ", ".join(f"{k} {np.mean([abs(r[k] - r['measured']) for r in group]):.3f}" for k in keys)
             lines.append(f"Mean absolute error, {name} ({len(group)}): {errs}.")
     lines += ["", "| point | policy | run | plan | decode steps | batch | batch cv | least slots | measured | at mean "
-              "| per step | with cv |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| per step | with cv | swing |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['point']} | {r['policy']} | {r['run_id']} | {r['plan']} | {r['steps']} | {r['batch']:.1f} | "
               f"{r['batch_cv']:.2f} | {r['min_slots']} | {r['measured']:.2f} | {r['at_mean']:.2f} | "
-              f"{r['per_step']:.2f} | {r['with_cv']:.2f} |" for r in mixed]
+              f"{r['per_step']:.2f} | {r['with_cv']:.2f} | {r['swing']:.2f} |" for r in mixed]
     return lines

@@ -13,7 +13,9 @@ more grows both. Neither is priced right without the other, so each candidate sh
   there (the cache's temporal locality, which the frequency model lacks);
 - the objective, in ms per step of the whole demand: the step at that batch (compute + stalls) / served(g),
   less the compute at the full batch (a share that defers nothing costs its stalls, as in the separable split),
-  plus the prefix reuses the share loses and the KV blocks it must move.
+  plus the prefix reuses the share loses and the KV blocks it must move. Inside a share the knapsack charges each
+  layer its own chance of running a decode step chunked off the graphs; across shares a solved split pays it once,
+  on the whole split over the batch's swing (chunk_whole.py).
 Which shares: a screen prices every share of the grid from one capacity table of the experts per band (the
 batches between two anchors): the split best at the band's middle share, at the capacity a share leaves,
 priced at that share's own batch (a split that fits, so an upper bound). The objective jumps where a layer's
@@ -34,8 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tierplan.controller.chunk_whole import ChunkPrice, swing_at, whole_chunk_ms
 from tierplan.controller.costmodel import CostModel
-from tierplan.controller.demand import BATCH_BUCKETS, DemandForecast, frequency_curve, with_large_steps
+from tierplan.controller.demand import BATCH_BUCKETS, DemandForecast, decode_share, frequency_curve, with_large_steps
 from tierplan.controller.optimizer.problem import (
     Constraint,
     Group,
@@ -85,10 +88,11 @@ class AtShare:
     sol: SplitSolution | None  # None: no split fits with this share
     kv_move_ms: float  # migrating the KV group to this share, per step (the single-option group has no current)
     why_not: str = ""
+    chunk_mend_ms: float = 0.0  # the solved split's chunked step priced whole, less the knapsack's charge (weighted)
 
     @property
     def objective_ms(self) -> float:
-        return float("inf") if self.sol is None else self.sol.objective_ms + self.kv_move_ms
+        return float("inf") if self.sol is None else self.sol.objective_ms + self.kv_move_ms + self.chunk_mend_ms
 
 
 def runnable_blocks(fc: DemandForecast, max_running_seqs: int | None) -> float:
@@ -230,10 +234,22 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
                                           label=f"{gpu_blocks} KV blocks"),), None, GroupKind.KV))
     problem = assemble(groups, cost, space, t.step_ms, horizon_steps)
     move_ms = _kv_move_ms(space, problem.migration_ms_per_unit, gpu_blocks, current_kv)
+    price = ChunkPrice(cost.compute.chunked_step_ms, charged, flat_ms,
+                       swing_at(fc, t.batch_tokens, np.asarray(decodes)[:, 0], decode_share(fc, t.batch_tokens)),
+                       len(decodes[0]) - 1)
     val = Valuation(problem, tuple(slot_counts), (gpu_blocks,), t.step_ms, tuple(stalls), (t.batch_tokens,),
                     ((t.step_ms + flat_ms, tuple(stalls)),), chunk_charged_per_layer=charged is not None,
-                    chunk_flat_ms=space.stall_weight * flat_ms / t.served, chunk_flat_step_ms=flat_ms)
+                    chunk_flat_ms=space.stall_weight * flat_ms / t.served, chunk_flat_step_ms=flat_ms,
+                    chunk_price=price)
     return val, t.batch_tokens, t.served, move_ms
+
+
+def chunk_mend_ms(val: Valuation, slots: tuple[int, ...]) -> float:
+    """A coupled share's split `slots` [M]: its chunked step priced on the whole split (chunk_whole.py) less what
+    its knapsack charged, per step (unweighted); 0 for a valuation without the price."""
+    if val.chunk_price is None:
+        return 0.0
+    return val.chunk_price.mend_ms(slots)
 
 
 def _expert_arrays(misses: np.ndarray, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
@@ -336,10 +352,11 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
             decodes = at(t.batch_tokens)
             curves = np.asarray(with_large_steps(decodes, fc, t.batch_tokens))  # [M, E + 1]
             misses = curves[layers, slots]  # [M] each layer's loads at its chosen slot count
-            d, flat_ms = chunk_pricing(decode_step(fc, t.batch_tokens, decodes), cost, space, num_experts, left)
-            stall_ms = space.stall_weight * (flat_ms + float(option_stall_ms(
-                cost, misses, curves[:, 0], slots, recall, t.step_ms, num_experts=num_experts,
-                **(d.of_layers() if d is not None else {})).sum()))
+            # The chunked step priced on this split as a whole, over the batch's swing (chunk_whole.py).
+            swing = swing_at(fc, t.batch_tokens, decodes[:, 0], decode_share(fc, t.batch_tokens))
+            stall_ms = space.stall_weight * (whole_chunk_ms(cost.compute.chunked_step_ms, swing, slots, num_experts)
+                                             + float(option_stall_ms(cost, misses, curves[:, 0], slots, recall,
+                                                                     t.step_ms, num_experts=num_experts).sum()))
             out[i] = stall_ms / t.served + _slot_move_ms(space, move, slots, ranges, current_slots) + t.kv_ms + \
                 _kv_move_ms(space, move, grid[i], current_kv)
     return out
@@ -363,10 +380,20 @@ def search_shares(fc: DemandForecast, cost: CostModel, space: SplitSpace, curren
     for i in sorted(picks):
         val, batch, served, move_ms = value_share(fc, cost, space, current_slots, current_kv, horizon_steps, grid[i])
         try:
-            done[i] = AtShare(grid[i], batch, served, val, solve_fn(val), move_ms)
+            sol = solve_fn(val)
         except InfeasibleError as e:
             done[i] = AtShare(grid[i], batch, served, val, None, move_ms, str(e))
+            continue
+        # The shares are ranked with the chunked step priced on each one's solved split, not the knapsack's
+        # per-layer charges (chunk_whole.py).
+        mend_ms = space.stall_weight * chunk_mend_ms(val, slots_of(val, sol.choice)) / served
+        done[i] = AtShare(grid[i], batch, served, val, sol, move_ms, chunk_mend_ms=mend_ms)
     return done
+
+
+def slots_of(val: Valuation, choice: tuple[int, ...]) -> tuple[int, ...]:
+    """The slot counts [M] of a choice's expert groups."""
+    return tuple(counts[j] for counts, j in zip(val.slot_counts, choice[:-1], strict=True))
 
 
 def solve_coupled(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
@@ -385,7 +412,8 @@ def solve_coupled(fc: DemandForecast, cost: CostModel, space: SplitSpace, curren
         raise InfeasibleError(next(a.why_not for a in done.values() if a.why_not))
     grid = share_grid(fc, space, current_kv)
     cur = done.get(grid.index(current_kv)) if current_kv in grid else None
-    val = _merged(best, cur if cur is not None and cur.kv_blocks != best.kv_blocks else None, current_slots)
+    val = _merged(best, cur if cur is not None and cur.kv_blocks != best.kv_blocks else None, current_slots,
+                  space.stall_weight)
     choice = (*best.sol.choice[:-1], 0)
     detail = (f"{best.sol.detail}; best of {len(done)} GPU KV shares, each with the batch it runs "
               f"({best.kv_blocks} blocks: {best.batch_tokens:.1f} tokens/step)")
@@ -395,11 +423,23 @@ def solve_coupled(fc: DemandForecast, cost: CostModel, space: SplitSpace, curren
     return val, sol
 
 
-def _merged(best: AtShare, cur: AtShare | None, current_slots: tuple[int, ...] | None) -> Valuation:
+def _mended_step(val: Valuation, choice: tuple[int, ...]) -> tuple[float, tuple[tuple[float, ...], ...]]:
+    """A share's predicted step (compute, stalls) with `choice`'s chunked step priced whole (none: as charged)."""
+    step_ms, stalls = val.kv_steps[0]
+    return (step_ms + chunk_mend_ms(val, slots_of(val, choice)) if choice else step_ms), stalls
+
+
+def _merged(best: AtShare, cur: AtShare | None, current_slots: tuple[int, ...] | None,
+            stall_weight: float = 1.0) -> Valuation:
     """The winner's valuation with the current share as a second KV option (module docstring)."""
     problem, val = best.val.problem, best.val
-    options, blocks, current = [problem.groups[-1].options[0]], [best.kv_blocks], None
-    batches, steps = [best.batch_tokens], [val.kv_steps[0]]
+    # Each share's option carries its split's chunked step priced whole (chunk_whole.py): exact for the winner's
+    # split and for the current one at its own share, the two that hysteresis and the plan's reason evaluate (at
+    # the winner's share the current split reads the winner's mend: one option holds one).
+    best_kv = problem.groups[-1].options[0]
+    options = [dataclasses.replace(best_kv, cost_ms=best_kv.cost_ms + best.chunk_mend_ms)]
+    blocks, current = [best.kv_blocks], None
+    batches, steps = [best.batch_tokens], [_mended_step(val, best.sol.choice if best.sol else ())]
     budget, is_floor = problem.link_budget_bytes_per_step, problem.link_budget_is_floor
     if cur is not None and current_slots is not None and all(
             s in counts for s, counts in zip(current_slots, val.slot_counts, strict=True)):
@@ -411,11 +451,13 @@ def _merged(best: AtShare, cur: AtShare | None, current_slots: tuple[int, ...] |
         rest_ms = sum(o.cost_ms + migration_ms(problem, g, o) for g, o in here)
         rest_link = sum(o.link_bytes for _, o in here)
         own_kv = own.groups[-1].options[0]
-        options.append(Option(own_kv.units, own_ms - rest_ms, max(0, own_link - rest_link), own_kv.label))
+        own_mend_ms = stall_weight * chunk_mend_ms(cur.val, tuple(current_slots)) / cur.served
+        options.append(Option(own_kv.units, own_ms - rest_ms + own_mend_ms, max(0, own_link - rest_link),
+                              own_kv.label))
         blocks.append(cur.kv_blocks)
         current = 1
         batches.append(cur.batch_tokens)
-        steps.append(cur.val.kv_steps[0])
+        steps.append(_mended_step(cur.val, own_choice))
         # The current split keeps its own share's link verdict: it fits where its share has no cap (none leaves
         # room, `assemble`) or where it streams within the cap; it breaks only a real cap, and then the merged
         # problem carries that cap unflagged, whatever the winner's is (none included), so hysteresis owes the

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -41,6 +42,9 @@ LARGE_STEP_FACTOR = 4.0
 # 37-51 expert slots a layer, and the prefills that need every expert made the runs 0.59-0.64x of the best).
 KV_SETTLE_WINDOWS = 4
 KV_SETTLE_GROWTH = 0.1
+DECODE_RATIO_STEPS = 512  # the newest pure decode steps whose batch swing is kept
+SWING_QUANTILES = 8  # the decode steps' batch ratios kept as this many equally likely quantiles
+MIN_SWING_STEPS = 16  # pure decode steps seen before their swing is used (fewer: the median batch alone)
 
 
 class CurveSource(StrEnum):
@@ -89,6 +93,9 @@ class DemandForecast:
     # The GPU blocks the running sequences will hold when a plan made now lands, a window on (None: those in use):
     # while the demand still rises, the share in force keeps admitting (`DemandModel.forecast`).
     kv_gpu_landing_blocks: float | None = None
+    # Pure decode steps' tokens over their window's median, as equally likely quantiles (`swing_ratios`;
+    # () until enough are seen): the running batch's swing between prefills, which the chunked step's price reads.
+    decode_batch_ratios: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,15 @@ def frequency_curve(probs: np.ndarray, batch: float) -> tuple[np.ndarray, float]
     q_sorted = np.sort(q)[::-1]
     tail = np.concatenate([np.cumsum(q_sorted[::-1])[::-1], [0.0]])  # [E + 1] sum of the not-resident
     return tail, float(q.sum())
+
+
+def swing_ratios(ratios: Sequence[float], n: int = SWING_QUANTILES) -> tuple[float, ...]:
+    """`n` equally likely ratios standing for `ratios` (their quantile midpoints); () with fewer than
+    MIN_SWING_STEPS of them."""
+    if len(ratios) < MIN_SWING_STEPS:
+        return ()
+    qs = (np.arange(n) + 0.5) / n
+    return tuple(float(x) for x in np.quantile(np.asarray(ratios, dtype=float), qs))
 
 
 def union_sd(fc: DemandForecast, batch: float) -> np.ndarray:
@@ -179,6 +195,7 @@ class DemandModel:
         self.decode_batch_seen = False  # the batch came from decoding sequences' tokens (Telemetry v3's split)
         self.step_weight = 0.0  # decayed steps whose token counts were seen
         self.large_steps = np.zeros(len(BATCH_BUCKETS))  # decayed large steps (LARGE_STEP_FACTOR) by batch bucket
+        self.decode_ratios: deque[float] = deque(maxlen=DECODE_RATIO_STEPS)  # pure decode steps' tokens / median
         self.kv_live: float | None = None
         self.kv_live_now = 0.0
         self.kv_queued_now = 0.0
@@ -309,6 +326,7 @@ class DemandModel:
             median = self.batch_tokens or 1.0
         steps = [(t, d) for t, d in zip(tokens, decodes, strict=True) if t > 0]
         self.step_weight += len(steps)
+        self.decode_ratios.extend(d / median for t, d in steps if t == d)  # a prompt chunk runs off the graphs anyway
         for t, d in steps:
             if t - d > LARGE_STEP_FACTOR * median:
                 self.large_steps[BATCH_BUCKETS.index(batch_bucket(t))] += 1.0
@@ -382,7 +400,8 @@ class DemandModel:
                               self.touch_blocks_per_s or 0.0, self._recall(), self._precision(), token_probs=probs,
                               bucket_curves=tuple(buckets), curve_batch=float(bucket) if measured else batch,
                               large_step_share=share, large_step_misses=large, kv_filling_blocks=filling,
-                              kv_rising=self.kv_rising(), kv_gpu_landing_blocks=landing)
+                              kv_rising=self.kv_rising(), kv_gpu_landing_blocks=landing,
+                              decode_batch_ratios=swing_ratios(self.decode_ratios))
 
     def kv_rising(self) -> bool:
         """Whether KV demand has yet to settle: fewer than KV_SETTLE_WINDOWS windows seen, or one of the last of

@@ -18,7 +18,7 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from scipy.special import ndtr
@@ -36,6 +36,9 @@ from tierplan.controller.optimizer.problem import (
     units_for_bytes,
 )
 from tierplan.controller.protocol import Link
+
+if TYPE_CHECKING:  # chunk_whole reads this module's chances
+    from tierplan.controller.chunk_whole import ChunkPrice
 
 MAX_DEFERRED = 0.9  # a KV share that defers more than this of the sequences is priced as if it deferred this
 LINK_CAP_ROOM = 0.5  # the link caps a plan only where some split streams at most this share of the cap
@@ -102,6 +105,7 @@ class Valuation:
     chunk_charged_per_layer: bool = False
     chunk_flat_ms: float = 0.0
     chunk_flat_step_ms: float = 0.0  # that flat price in the step itself (unweighted, per decode-weighted step)
+    chunk_price: ChunkPrice | None = None  # a coupled share's: how a chosen split's chunked step is mended
 
     @property
     def link_budget_bytes(self) -> int | None:

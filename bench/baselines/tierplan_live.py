@@ -125,8 +125,14 @@ def chosen_start(ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str
         return kv_first, (f"KV first ({kv_first.kv_gpu_blocks} GPU blocks for the batch, ~{held} sequences at "
                           f"once, >= {rule}), experts the rest")
     split = resident_split(ctx, engine)
-    return split, (f"resident start ({split.expert_slots} expert slots, {split.kv_gpu_blocks} GPU KV blocks: KV "
-                   f"first's {kv_first.kv_gpu_blocks} would run ~{held} sequences at once, < {rule})")
+    return split, resident_reason(split, f"KV first's {kv_first.kv_gpu_blocks} would run ~{held} sequences at "
+                                         f"once, < {rule}")
+
+
+def resident_reason(split: Split, why: str = "") -> str:
+    """The reason's opening for a start from the resident split, with `why` where it was chosen."""
+    tail = f": {why}" if why else ""
+    return f"resident start ({split.expert_slots} expert slots, {split.kv_gpu_blocks} GPU KV blocks{tail})"
 
 
 class AfterInitialPlan:
@@ -253,4 +259,4 @@ class TierplanResidentStart(TierplanLive):
 
     def start_split(self, ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str]:
         split = resident_split(ctx, engine)
-        return split, f"resident start ({split.expert_slots} expert slots, {split.kv_gpu_blocks} GPU KV blocks)"
+        return split, resident_reason(split)
