@@ -14,8 +14,9 @@
 # offline study of the cost model. After the call: unpack $OUT/phase_out.tgz into
 # bench/results/h200/phase_runNN/ and merge its JSON into bench/results (rows once each, the report rewritten):
 #   tierplan bench phase --merge bench/results/h200/phase_runNN/phase_<model>_<date>.json
-# then gzip -9 -n that run's JSON (the merged file holds its rows; the device tool sends the working tree, tracked
-# files included, 64 MiB at most: the per-run copies of the merged JSON passed it in session 29).
+# then gzip -9 -n that run's JSON and delete the run's PNGs (the merged file holds its rows, and its report draws
+# them again; the device tool sends the working tree, tracked files included, 64 MiB at most: the per-run copies
+# of the merged JSON passed it in session 29, the per-run plots, 15.9 MB, were removed in session 31).
 set -uo pipefail
 out=${1:?usage: run_h200_phase.sh OUT POINTS [MODELS] [SECONDS] [EXTRA...]}
 points=${2:?usage: run_h200_phase.sh OUT POINTS [MODELS] [SECONDS] [EXTRA...]}
