@@ -49,6 +49,9 @@ def test_a_swinging_batch_chunks_more_than_its_mean_says_and_the_per_step_mixtur
     assert row["at_mean"] == pytest.approx(p_chunked(PROBS, [10, 12], 6.0))
     assert row["per_step"] == pytest.approx((p_chunked(PROBS, [10, 12], 2.0) + p_chunked(PROBS, [10, 12], 10.0)) / 2)
     assert abs(row["per_step"] - row["measured"]) < abs(row["at_mean"] - row["measured"])
+    # The controller's price (controller/chunk_whole.py): quantiles of the batch over its median, here half at
+    # 2 / 6 and half at 10 / 6, so the same mixture.
+    assert row["swing"] == pytest.approx(row["per_step"])
     text = "\n".join(section([row]))
     assert "Mean absolute error, every plan (1): at_mean" in text and "| p | resident | r | 1 |" in text
 
