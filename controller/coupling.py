@@ -438,7 +438,7 @@ def _merged(best: AtShare, cur: AtShare | None, current_slots: tuple[int, ...] |
     # the winner's share the current split reads the winner's mend: one option holds one).
     best_kv = problem.groups[-1].options[0]
     options = [dataclasses.replace(best_kv, cost_ms=best_kv.cost_ms + best.chunk_mend_ms)]
-    blocks, current = [best.kv_blocks], None
+    blocks, current, mends = [best.kv_blocks], None, [best.chunk_mend_ms]
     batches, steps = [best.batch_tokens], [_mended_step(val, best.sol.choice if best.sol else ())]
     budget, is_floor = problem.link_budget_bytes_per_step, problem.link_budget_is_floor
     if cur is not None and current_slots is not None and all(
@@ -455,6 +455,7 @@ def _merged(best: AtShare, cur: AtShare | None, current_slots: tuple[int, ...] |
         options.append(Option(own_kv.units, own_ms - rest_ms + own_mend_ms, max(0, own_link - rest_link),
                               own_kv.label))
         blocks.append(cur.kv_blocks)
+        mends.append(own_mend_ms)
         current = 1
         batches.append(cur.batch_tokens)
         steps.append(_mended_step(cur.val, own_choice))
@@ -473,4 +474,5 @@ def _merged(best: AtShare, cur: AtShare | None, current_slots: tuple[int, ...] |
     merged = dataclasses.replace(problem, groups=groups, link_budget_bytes_per_step=budget,
                                  link_budget_is_floor=is_floor)
     return dataclasses.replace(val, problem=merged, kv_blocks=tuple(blocks), kv_batch=tuple(batches),
-                               kv_steps=tuple(steps), plan_link_budget_bytes=problem.link_budget_bytes_per_step)
+                               kv_steps=tuple(steps), plan_link_budget_bytes=problem.link_budget_bytes_per_step,
+                               kv_chunk_mend_ms=tuple(mends))

@@ -27,9 +27,21 @@ class Split:
         return f"{sum(self.slots)} expert slots ({per}/layer) + {self.kv_blocks} KV blocks"
 
 
+def _kv_index(val: Valuation, blocks: int) -> int | None:
+    """The KV option a split of `blocks` GPU blocks stands on: its own, else the largest below it (a plan's spare
+    HBM goes to KV beyond the option the solve chose, `with_spare_kv`); None below every option."""
+    if blocks in val.kv_blocks:
+        return val.kv_blocks.index(blocks)
+    below = [i for i, k in enumerate(val.kv_blocks) if k < blocks]
+    return max(below, key=lambda i: val.kv_blocks[i]) if below else None
+
+
 def _cost(val: Valuation, group: int, value: int) -> float | None:
     """The predicted ms/step of option `value` (slots, or KV blocks for the last group) under this valuation."""
-    counts = val.kv_blocks if group == len(val.problem.groups) - 1 else val.slot_counts[group]
+    if group == len(val.problem.groups) - 1:
+        i = _kv_index(val, value)
+        return None if i is None else val.problem.groups[group].options[i].cost_ms
+    counts = val.slot_counts[group]
     if value not in counts:
         return None
     return val.problem.groups[group].options[counts.index(value)].cost_ms
@@ -37,10 +49,23 @@ def _cost(val: Valuation, group: int, value: int) -> float | None:
 
 def _batch(val: Valuation, before: int, after: int) -> str:
     """A coupled valuation's running batch under each share ("" for the separable one)."""
-    if not val.kv_batch or before not in val.kv_blocks or after not in val.kv_blocks:
+    i, j = _kv_index(val, before), _kv_index(val, after)
+    if not val.kv_batch or i is None or j is None:
         return ""
-    b0, b1 = (val.kv_batch[val.kv_blocks.index(k)] for k in (before, after))
-    return f"runs {b0:.1f} -> {b1:.1f} tokens/step; "
+    return f"runs {val.kv_batch[i]:.1f} -> {val.kv_batch[j]:.1f} tokens/step; "
+
+
+def _chunk_part(val: Valuation, before: int, after: int) -> str:
+    """The part of a KV move's effect that is the chunked decode step priced on each whole split (a coupled
+    valuation's mends, coupling.py): "" where none is kept or it is nil."""
+    i, j = _kv_index(val, before), _kv_index(val, after)
+    if not val.kv_chunk_mend_ms or i is None or j is None:
+        return ""
+    part = val.kv_chunk_mend_ms[i] - val.kv_chunk_mend_ms[j]
+    if abs(part) < 0.005:
+        return ""
+    verb = "saving" if part > 0 else "costing"
+    return f", {verb} {abs(part):.2f} of it in decode steps run chunked (each split priced whole)"
 
 
 def _workload(prev: DemandForecast | None, fc: DemandForecast, kv_demand: float) -> str:
@@ -79,6 +104,7 @@ def explain(cur: Split | None, new: Split, prev_fc: DemandForecast | None, fc: D
                 effect = f"saves {gain:.2f} ms/step of sequences deferred or swapped out for want of KV"
             else:
                 effect = f"costs {-gain:.2f} ms/step of sequences deferred or swapped out for want of KV"
+            effect += _chunk_part(val, cur.kv_blocks, new.kv_blocks)
             batch = _batch(val, cur.kv_blocks, new.kv_blocks)
             factors.append((abs(gain), f"KV GPU blocks {cur.kv_blocks} -> {new.kv_blocks} ({batch}{effect})"))
         grown = [m for m, (a, b) in enumerate(zip(cur.slots, new.slots, strict=True)) if b > a]

@@ -106,6 +106,7 @@ class Valuation:
     chunk_flat_ms: float = 0.0
     chunk_flat_step_ms: float = 0.0  # that flat price in the step itself (unweighted, per decode-weighted step)
     chunk_price: ChunkPrice | None = None  # a coupled share's: how a chosen split's chunked step is mended
+    kv_chunk_mend_ms: tuple[float, ...] = ()  # a merged coupled valuation's, per KV option: the mend it carries
 
     @property
     def link_budget_bytes(self) -> int | None:
