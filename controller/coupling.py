@@ -18,12 +18,12 @@ more grows both. Neither is priced right without the other, so each candidate sh
   on the whole split over the batch's swing (chunk_whole.py).
 Which shares: a screen prices every share of the grid from one capacity table of the experts per band (the
 batches between two anchors): the split best at the band's middle share, at the capacity a share leaves,
-priced at that share's own batch (a split that fits, so an upper bound). The objective jumps where a layer's
-slot count changes, so no local search is safe. Then the best-screened share of each of the best
-`SCREEN_BANDS` bands and the current share are solved exactly, each with its link budget.
-The winner is handed on as one `Valuation` whose KV group holds the winning share and the current one, priced
-so that `evaluate` of either whole split gives its own objective (and the current split its own link verdict):
-hysteresis and the plan's reason compare the two.
+priced at that share's own batch (a split that fits; an estimate, not a bound: the split is the knapsack's, then
+priced whole). The objective jumps where a layer's slot count changes, so no local search is safe. Then the
+best-screened share of each of the best `SCREEN_BANDS` bands and the current share are solved exactly, each with
+its link budget. The winner is handed on as one `Valuation` whose KV group holds the winning share and the
+current one, priced so that `evaluate` of either whole split gives its own objective (and the current split its own
+link verdict): hysteresis and the plan's reason compare the two.
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ def share_grid(fc: DemandForecast, space: SplitSpace, current_kv: int | None) ->
 
 def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots: tuple[int, ...] | None,
            current_kv: int | None, horizon_steps: int) -> list[float]:
-    """Per grid share, an upper bound on its objective (module docstring: one table per band, the band's middle
+    """Per grid share, an estimate of its objective (module docstring: one table per band, the band's middle
     split re-priced at each share's own batch), plus its KV cost and move; no link budget (the exact solves that
     follow have it). inf where the experts' floor does not fit beside the share."""
     grid = share_grid(fc, space, current_kv)
@@ -345,7 +345,8 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
             if left < 0 or not math.isfinite(float(at_capacity(tables[0], left))):
                 continue
             # The split best at the band's middle share, priced at this share's own batch: a split that fits,
-            # so an upper bound on this share's best, and close to it where the curves move little.
+            # close to this share's best where the curves move little (not a bound: the knapsack picks by the
+            # per-layer chunk charges, the split is priced whole).
             choice = backtrack(arrs, lays, tables, 0.0, left)
             assert choice is not None
             t, slots = terms[i], ranges[:, 0] + np.asarray(choice)
@@ -434,8 +435,9 @@ def _merged(best: AtShare, cur: AtShare | None, current_slots: tuple[int, ...] |
     """The winner's valuation with the current share as a second KV option (module docstring)."""
     problem, val = best.val.problem, best.val
     # Each share's option carries its split's chunked step priced whole (chunk_whole.py): exact for the winner's
-    # split and for the current one at its own share, the two that hysteresis and the plan's reason evaluate (at
-    # the winner's share the current split reads the winner's mend: one option holds one).
+    # split and for the current one at its own share, the two that hysteresis and the plan's reason evaluate. At
+    # the winner's share the current split reads the winner's mend (one option holds one): the two then differ by
+    # the knapsack's per-layer charges, as the knapsack itself ranks splits within a share.
     best_kv = problem.groups[-1].options[0]
     options = [dataclasses.replace(best_kv, cost_ms=best_kv.cost_ms + best.chunk_mend_ms)]
     blocks, current, mends = [best.kv_blocks], None, [best.chunk_mend_ms]

@@ -313,7 +313,8 @@ class Controller:
                                         fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"kept ({why}): {reason}",
                                         val.predicted_step_ms(choice)))
             return None
-        reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand) + self._shadow_note()
+        reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand,
+                         val.kv_blocks[choice[-1]]) + self._shadow_note()
         if spare:
             reason += f"; {spare} more KV blocks from HBM no option valued"
         if cur is not None:

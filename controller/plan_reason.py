@@ -27,21 +27,9 @@ class Split:
         return f"{sum(self.slots)} expert slots ({per}/layer) + {self.kv_blocks} KV blocks"
 
 
-def _kv_index(val: Valuation, blocks: int) -> int | None:
-    """The KV option a split of `blocks` GPU blocks stands on: its own, else the largest below it (a plan's spare
-    HBM goes to KV beyond the option the solve chose, `with_spare_kv`); None below every option."""
-    if blocks in val.kv_blocks:
-        return val.kv_blocks.index(blocks)
-    below = [i for i, k in enumerate(val.kv_blocks) if k < blocks]
-    return max(below, key=lambda i: val.kv_blocks[i]) if below else None
-
-
 def _cost(val: Valuation, group: int, value: int) -> float | None:
     """The predicted ms/step of option `value` (slots, or KV blocks for the last group) under this valuation."""
-    if group == len(val.problem.groups) - 1:
-        i = _kv_index(val, value)
-        return None if i is None else val.problem.groups[group].options[i].cost_ms
-    counts = val.slot_counts[group]
+    counts = val.kv_blocks if group == len(val.problem.groups) - 1 else val.slot_counts[group]
     if value not in counts:
         return None
     return val.problem.groups[group].options[counts.index(value)].cost_ms
@@ -49,23 +37,22 @@ def _cost(val: Valuation, group: int, value: int) -> float | None:
 
 def _batch(val: Valuation, before: int, after: int) -> str:
     """A coupled valuation's running batch under each share ("" for the separable one)."""
-    i, j = _kv_index(val, before), _kv_index(val, after)
-    if not val.kv_batch or i is None or j is None:
+    if not val.kv_batch or before not in val.kv_blocks or after not in val.kv_blocks:
         return ""
-    return f"runs {val.kv_batch[i]:.1f} -> {val.kv_batch[j]:.1f} tokens/step; "
+    b0, b1 = (val.kv_batch[val.kv_blocks.index(k)] for k in (before, after))
+    return f"runs {b0:.1f} -> {b1:.1f} tokens/step; "
 
 
 def _chunk_part(val: Valuation, before: int, after: int) -> str:
-    """The part of a KV move's effect that is the chunked decode step priced on each whole split (a coupled
-    valuation's mends, coupling.py): "" where none is kept or it is nil."""
-    i, j = _kv_index(val, before), _kv_index(val, after)
-    if not val.kv_chunk_mend_ms or i is None or j is None:
+    """The part of a KV move's effect that comes from pricing the chunked decode step on each whole split instead
+    of per layer (a coupled valuation's mends, coupling.py): "" where none is kept or it is nil."""
+    if not val.kv_chunk_mend_ms or before not in val.kv_blocks or after not in val.kv_blocks:
         return ""
-    part = val.kv_chunk_mend_ms[i] - val.kv_chunk_mend_ms[j]
+    part = val.kv_chunk_mend_ms[val.kv_blocks.index(before)] - val.kv_chunk_mend_ms[val.kv_blocks.index(after)]
     if abs(part) < 0.005:
         return ""
-    verb = "saving" if part > 0 else "costing"
-    return f", {verb} {abs(part):.2f} of it in decode steps run chunked (each split priced whole)"
+    return (f", {part:+.2f} of it from pricing the decode steps run chunked on each whole split rather than per "
+            "layer")
 
 
 def _workload(prev: DemandForecast | None, fc: DemandForecast, kv_demand: float) -> str:
@@ -85,7 +72,10 @@ def _workload(prev: DemandForecast | None, fc: DemandForecast, kv_demand: float)
 
 
 def explain(cur: Split | None, new: Split, prev_fc: DemandForecast | None, fc: DemandForecast, val: Valuation,
-            sol: SplitSolution, cur_ms: float | None, kv_demand: float) -> str:
+            sol: SplitSolution, cur_ms: float | None, kv_demand: float, new_kv_option: int | None = None) -> str:
+    """`new_kv_option`: the KV option `new` stands on where its share is more (a plan's spare HBM goes to KV past
+    the option the solve chose, `with_spare_kv`); None: its own."""
+    option = new.kv_blocks if new_kv_option is None else new_kv_option
     parts = [_workload(prev_fc, fc, kv_demand)]
     if fc.reuse_per_step > 0:
         parts.append(f"prefix reuse {fc.reuse_per_step:.1f} blocks/step, "
@@ -96,7 +86,7 @@ def explain(cur: Split | None, new: Split, prev_fc: DemandForecast | None, fc: D
     else:
         kv_group = len(val.problem.groups) - 1
         if new.kv_blocks != cur.kv_blocks:
-            before, after = _cost(val, kv_group, cur.kv_blocks), _cost(val, kv_group, new.kv_blocks)
+            before, after = _cost(val, kv_group, cur.kv_blocks), _cost(val, kv_group, option)
             gain = (before or 0.0) - (after or 0.0)
             if abs(gain) < 0.005:
                 effect = "no predicted cost: the demand fits" if new.kv_blocks < cur.kv_blocks else "no predicted gain"
@@ -104,8 +94,8 @@ def explain(cur: Split | None, new: Split, prev_fc: DemandForecast | None, fc: D
                 effect = f"saves {gain:.2f} ms/step of sequences deferred or swapped out for want of KV"
             else:
                 effect = f"costs {-gain:.2f} ms/step of sequences deferred or swapped out for want of KV"
-            effect += _chunk_part(val, cur.kv_blocks, new.kv_blocks)
-            batch = _batch(val, cur.kv_blocks, new.kv_blocks)
+            effect += _chunk_part(val, cur.kv_blocks, option)
+            batch = _batch(val, cur.kv_blocks, option)
             factors.append((abs(gain), f"KV GPU blocks {cur.kv_blocks} -> {new.kv_blocks} ({batch}{effect})"))
         grown = [m for m, (a, b) in enumerate(zip(cur.slots, new.slots, strict=True)) if b > a]
         shrunk = [m for m, (a, b) in enumerate(zip(cur.slots, new.slots, strict=True)) if b < a]
@@ -124,11 +114,13 @@ def explain(cur: Split | None, new: Split, prev_fc: DemandForecast | None, fc: D
             factors.append((abs(gain), f"{delta} {verb} expert slots over {len(layers)} layer(s) ({effect})"))
     factors.sort(key=lambda f: -f[0])
     parts += [text for _, text in factors[:TOP_FACTORS]]
-    # The flat price is the winner's share's (a coupled valuation's option 0; the separable one's, every share's).
-    if val.chunk_flat_ms > 0 and (not val.kv_steps or new.kv_blocks == val.kv_blocks[0]):
+    # The flat price is the winner's share's (a coupled valuation's option 0; the separable one's, every share's),
+    # with the winner's whole-split mend where the coupled search priced its split whole.
+    if val.chunk_flat_ms > 0 and (not val.kv_steps or option == val.kv_blocks[0]):
+        flat_ms = val.chunk_flat_ms + (val.kv_chunk_mend_ms[0] if val.kv_chunk_mend_ms else 0.0)
         parts.append(f"at this KV share some layer cannot hold its decode union clear (the experts' room, or a "
                      f"slot cap): decode steps run chunked off their graphs whatever the expert split "
-                     f"({val.chunk_flat_ms:.2f} ms/step, priced on the KV share)")
+                     f"({flat_ms:.2f} ms/step, priced on the KV share)")
     if Constraint.CAPACITY in sol.binding:
         parts.append("HBM budget binding")
     if Constraint.LINK in sol.binding:

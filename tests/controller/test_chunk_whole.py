@@ -133,8 +133,8 @@ def test_a_swing_that_chunks_the_kv_heavier_split_moves_the_split_to_the_experts
 def test_the_reason_prices_a_kv_move_against_the_option_the_plan_stands_on_and_names_its_chunked_part() -> None:
     """A plan's spare HBM goes to KV past the option the solve chose (`with_spare_kv`): the reason's KV factor is
     still the difference between the current share's option and that one (not the current option's whole cost,
-    as read against no option at all), with its running batches, and says how much of it is the chunked decode
-    step priced on each whole split."""
+    as read against no option at all), with its running batches, and says how much of it comes from pricing the
+    chunked decode step on each whole split rather than per layer."""
     import re
 
     from tierplan.controller.plan_reason import Split, explain
@@ -152,10 +152,10 @@ def test_the_reason_prices_a_kv_move_against_the_option_the_plan_stands_on_and_n
     assert val.kv_blocks[1] == 28 and val.kv_blocks[0] < 28 and len(val.kv_chunk_mend_ms) == 2
     won = slots_of(val, sol.choice)
     new = Split(won, val.kv_blocks[0] + 3)  # three spare blocks past the option
-    text = explain(cur, new, None, fc, val, sol, None, 40.0)
+    text = explain(cur, new, None, fc, val, sol, None, 40.0, val.kv_blocks[0])
     kv = val.problem.groups[-1].options
     gain = kv[1].cost_ms - kv[0].cost_ms
     factor = re.search(r"KV GPU blocks 28 -> \d+ \(runs [\d.]+ -> [\d.]+ tokens/step; (saves|costs) ([\d.]+)", text)
     assert factor is not None and float(factor.group(2)) == pytest.approx(abs(gain), abs=0.01)
     part = val.kv_chunk_mend_ms[1] - val.kv_chunk_mend_ms[0]
-    assert abs(part) >= 0.005 and f"{abs(part):.2f} of it in decode steps run chunked" in text
+    assert abs(part) >= 0.005 and f"{part:+.2f} of it from pricing the decode steps run chunked" in text
