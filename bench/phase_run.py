@@ -168,7 +168,7 @@ def _decisions(history: list[Any]) -> list[tuple[int, float]]:
     return [(int(d.window), float(d.step_ms)) for d in history if getattr(d, "step_ms", 0.0) > 0]
 
 
-REASON_CHARS = 600  # of each issued plan's reason kept in the row (the whole of one is up to 4000)
+REASON_CHARS = 1200  # of each plan's reason kept in the row (up to 4000; 600 cut the gain and margin off, session 31)
 
 
 def _plans_issued(history: list[Any]) -> list[dict[str, Any]]:
