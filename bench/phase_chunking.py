@@ -66,8 +66,7 @@ def p_swing(probs: np.ndarray, slots: list[int], batch: np.ndarray) -> float:
     over `swing_ratios` quantiles of the steps' batch over its median, at the median."""
     median = float(np.median(batch))
     ratios = swing_ratios(list(batch / median)) or (1.0,)
-    union = (1.0 - (1.0 - np.clip(probs, 0.0, 1.0)) ** max(1.0, median)).sum(axis=1)
-    return swing_of(probs, ratios, median, union, 1.0).p_any(slots, probs.shape[1])
+    return swing_of(probs, ratios, median, union_moments(probs, median)[0], 1.0).p_any(slots, probs.shape[1])
 
 
 def chunk_rows(lines: list[dict[str, Any]], probs: np.ndarray, moe_layers: tuple[int, ...] | None = None

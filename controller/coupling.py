@@ -234,9 +234,10 @@ def value_share(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_
                                           label=f"{gpu_blocks} KV blocks"),), None, GroupKind.KV))
     problem = assemble(groups, cost, space, t.step_ms, horizon_steps)
     move_ms = _kv_move_ms(space, problem.migration_ms_per_unit, gpu_blocks, current_kv)
-    price = ChunkPrice(cost.compute.chunked_step_ms, charged, flat_ms,
-                       swing_at(fc, t.batch_tokens, np.asarray(decodes)[:, 0], decode_share(fc, t.batch_tokens)),
-                       len(decodes[0]) - 1)
+    # No chunked step learned: nothing to mend (the knapsack charged none either).
+    price = None if cost.compute.chunked_step_ms <= 0 else ChunkPrice(
+        cost.compute.chunked_step_ms, charged, flat_ms,
+        swing_at(fc, t.batch_tokens, np.asarray(decodes)[:, 0], decode_share(fc, t.batch_tokens)), len(decodes[0]) - 1)
     val = Valuation(problem, tuple(slot_counts), (gpu_blocks,), t.step_ms, tuple(stalls), (t.batch_tokens,),
                     ((t.step_ms + flat_ms, tuple(stalls)),), chunk_charged_per_layer=charged is not None,
                     chunk_flat_ms=space.stall_weight * flat_ms / t.served, chunk_flat_step_ms=flat_ms,
@@ -353,11 +354,13 @@ def screen(fc: DemandForecast, cost: CostModel, space: SplitSpace, current_slots
             decodes = at(t.batch_tokens)
             curves = np.asarray(with_large_steps(decodes, fc, t.batch_tokens))  # [M, E + 1]
             misses = curves[layers, slots]  # [M] each layer's loads at its chosen slot count
-            # The chunked step priced on this split as a whole, over the batch's swing (chunk_whole.py).
-            swing = swing_at(fc, t.batch_tokens, decodes[:, 0], decode_share(fc, t.batch_tokens))
-            stall_ms = space.stall_weight * (whole_chunk_ms(cost.compute.chunked_step_ms, swing, slots, num_experts)
-                                             + float(option_stall_ms(cost, misses, curves[:, 0], slots, recall,
-                                                                     t.step_ms, num_experts=num_experts).sum()))
+            # The chunked step priced on this split as a whole, over the batch's swing (chunk_whole.py); the
+            # swing is built only where a chunked step has been learned (a grid share at a time, every solve).
+            chunk_ms = 0.0 if cost.compute.chunked_step_ms <= 0 else whole_chunk_ms(
+                cost.compute.chunked_step_ms, swing_at(fc, t.batch_tokens, decodes[:, 0],
+                                                       decode_share(fc, t.batch_tokens)), slots, num_experts)
+            stall_ms = space.stall_weight * (chunk_ms + float(option_stall_ms(
+                cost, misses, curves[:, 0], slots, recall, t.step_ms, num_experts=num_experts).sum()))
             out[i] = stall_ms / t.served + _slot_move_ms(space, move, slots, ranges, current_slots) + t.kv_ms + \
                 _kv_move_ms(space, move, grid[i], current_kv)
     return out

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from tierplan.controller.costmodel import ComputeParams, CostModel, HardwareSpec
-from tierplan.controller.coupling import solve_coupled
+from tierplan.controller.coupling import slots_of, solve_coupled
 from tierplan.controller.curve_shadow import CurveShadow
 from tierplan.controller.demand import CurveSource, DemandForecast, DemandModel
 from tierplan.controller.kv_reuse_feed import KvReuseConfig, KvReuseFeed, Retention
@@ -296,7 +296,7 @@ class Controller:
                                                   and decision.gain_ms <= floor_ms)
         choice = cur_choice if keep and cur_choice is not None else decision.choice
         new, spare = with_spare_kv(
-            Split(tuple(val.slot_counts[m][j] for m, j in enumerate(choice[:-1])), val.kv_blocks[choice[-1]]),
+            Split(slots_of(val, choice), val.kv_blocks[choice[-1]]),
             space)
         retention = self.kv_reuse.retention(self._retention_bound())
         if not keep and new == cur:  # the solve's split with its spare HBM as KV is the one in force
