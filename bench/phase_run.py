@@ -171,11 +171,18 @@ def _decisions(history: list[Any]) -> list[tuple[int, float]]:
 REASON_CHARS = 1200  # of each plan's reason kept in the row (up to 4000; 600 cut the gain and margin off, session 31)
 
 
+def _shares(d: Any) -> list[dict[str, Any]]:
+    """Every KV share a decision's coupled search solved, term by term (coupling.ShareTerms): which term moved a
+    split offline, from the row alone."""
+    return [s.as_row() for s in getattr(d, "shares", ())]
+
+
 def _plans_issued(history: list[Any]) -> list[dict[str, Any]]:
-    """The plans a live controller issued, as the row shows them: when, the split, the batch it saw, why."""
+    """The plans a live controller issued, as the row shows them: when, the split, the batch it saw, why, and the
+    shares it weighed."""
     return [{"window": int(d.window), "kv_gpu_blocks": int(d.split.kv_blocks), "expert_slots": int(sum(d.split.slots)),
              "batch_tokens": round(float(d.batch_tokens), 2), "predicted_step_ms": round(float(d.step_ms), 3),
-             "reason": str(d.reason)[:REASON_CHARS]}
+             "reason": str(d.reason)[:REASON_CHARS], "shares": _shares(d)}
             for d in history if d.outcome is DecisionOutcome.ISSUED]
 
 
@@ -192,7 +199,8 @@ def _plans_held(history: list[Any]) -> dict[str, Any] | None:
     held = [d for d in history if d.outcome is DecisionOutcome.HELD]
     return {"count": len(held),
             "last": [{"window": int(d.window), "batch_tokens": round(float(d.batch_tokens), 2),
-                      "kv_demand_blocks": round(float(d.kv_demand_blocks), 1), "reason": str(d.reason)[:REASON_CHARS]}
+                      "kv_demand_blocks": round(float(d.kv_demand_blocks), 1), "reason": str(d.reason)[:REASON_CHARS],
+                      "shares": _shares(d)}
                      for d in held[-HELD_KEPT:]]}
 
 

@@ -78,6 +78,32 @@ RATIO_CLIP = (0.25, 4.0)  # measured / frequency correction of a rescaled curve,
 
 
 @dataclass(frozen=True)
+class ShareTerms:
+    """One KV share the coupled search solved exactly, term by term (ms per step of the whole demand, weighted as
+    the objective weighs them, unless named a step): what a plan's record keeps of every share it weighed, so that
+    a move between shares can be traced offline to the term that made it (H100 phase run 54, b8 16K 24 GiB: a plan
+    moved from 2,115 to 3,517 KV blocks and no row said which term paid for it)."""
+
+    kv_blocks: int
+    batch_tokens: float  # the running batch the share lets through
+    served: float  # the share of the wanted KV it holds and runs
+    compute_ms: float  # the step's compute at that batch (unweighted)
+    expert_slots: int  # the solved split's slots, all layers (0: no split fits)
+    experts_ms: float  # the solved split's expert options: stalls / served, per-layer chunk charges, migration
+    kv_ms: float  # the KV option: sequences deferred or swapped, reuse lost, a flat chunked step
+    kv_move_ms: float  # moving the GPU KV share there
+    chunk_mend_ms: float  # the chunked step priced whole on the solved split, less the knapsack's charges
+    objective_ms: float  # the sum: what the shares are ranked by
+    screened_ms: float  # the screen's estimate of the objective, which picked the share to solve
+    step_ms: float  # the predicted step at that batch (compute, stalls, chunked step priced whole; unweighted)
+
+    def as_row(self) -> dict[str, float | int | None]:
+        """The terms as a JSON row: floats to 3 decimals, None where not finite (no split fits, not screened)."""
+        return {k: (round(v, 3) if math.isfinite(v) else None) if isinstance(v, float) else v
+                for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True)
 class AtShare:
     """One KV share's valuation: its problem (the KV group one option), batch, served share, solution."""
 
@@ -89,10 +115,25 @@ class AtShare:
     kv_move_ms: float  # migrating the KV group to this share, per step (the single-option group has no current)
     why_not: str = ""
     chunk_mend_ms: float = 0.0  # the solved split's chunked step priced whole, less the knapsack's charge (weighted)
+    screened_ms: float = float("nan")  # the screen's estimate (nan: not screened)
 
     @property
     def objective_ms(self) -> float:
         return float("inf") if self.sol is None else self.sol.objective_ms + self.kv_move_ms + self.chunk_mend_ms
+
+    def terms(self) -> ShareTerms:
+        """What this share's objective is made of, for the plan's record (`ShareTerms`)."""
+        if self.sol is None:
+            return ShareTerms(self.kv_blocks, self.batch_tokens, self.served, self.val.step_ms, 0, 0.0, 0.0,
+                              self.kv_move_ms, 0.0, float("inf"), self.screened_ms, 0.0)
+        kv_ms = self.val.problem.groups[-1].options[0].cost_ms
+        step_ms, stalls = self.val.kv_steps[0]
+        stall_ms = sum(stalls[m][j] for m, j in enumerate(self.sol.choice[:-1]))
+        mend_ms = chunk_mend_ms(self.val, slots_of(self.val, self.sol.choice))
+        return ShareTerms(self.kv_blocks, self.batch_tokens, self.served, self.val.step_ms,
+                          sum(slots_of(self.val, self.sol.choice)), self.sol.objective_ms - kv_ms, kv_ms,
+                          self.kv_move_ms, self.chunk_mend_ms, self.objective_ms, self.screened_ms,
+                          step_ms + stall_ms + mend_ms)
 
 
 def runnable_blocks(fc: DemandForecast, max_running_seqs: int | None) -> float:
@@ -386,12 +427,12 @@ def search_shares(fc: DemandForecast, cost: CostModel, space: SplitSpace, curren
         try:
             sol = solve_fn(val)
         except InfeasibleError as e:
-            done[i] = AtShare(grid[i], batch, served, val, None, move_ms, str(e))
+            done[i] = AtShare(grid[i], batch, served, val, None, move_ms, str(e), screened_ms=float(est[i]))
             continue
         # The shares are ranked with the chunked step priced on each one's solved split, not the knapsack's
         # per-layer charges (chunk_whole.py).
         mend_ms = space.stall_weight * chunk_mend_ms(val, slots_of(val, sol.choice)) / served
-        done[i] = AtShare(grid[i], batch, served, val, sol, move_ms, chunk_mend_ms=mend_ms)
+        done[i] = AtShare(grid[i], batch, served, val, sol, move_ms, chunk_mend_ms=mend_ms, screened_ms=float(est[i]))
     return done
 
 
@@ -418,6 +459,7 @@ def solve_coupled(fc: DemandForecast, cost: CostModel, space: SplitSpace, curren
     cur = done.get(grid.index(current_kv)) if current_kv in grid else None
     val = _merged(best, cur if cur is not None and cur.kv_blocks != best.kv_blocks else None, current_slots,
                   space.stall_weight)
+    val = dataclasses.replace(val, shares=tuple(done[i].terms() for i in sorted(done)))
     choice = (*best.sol.choice[:-1], 0)
     detail = (f"{best.sol.detail}; best of {len(done)} GPU KV shares, each with the batch it runs "
               f"({best.kv_blocks} blocks: {best.batch_tokens:.1f} tokens/step)")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from tierplan.controller.costmodel import ComputeParams, CostModel, HardwareSpec
-from tierplan.controller.coupling import slots_of, solve_coupled
+from tierplan.controller.coupling import ShareTerms, slots_of, solve_coupled
 from tierplan.controller.curve_shadow import CurveShadow
 from tierplan.controller.demand import CurveSource, DemandForecast, DemandModel
 from tierplan.controller.kv_reuse_feed import KvReuseConfig, KvReuseFeed, Retention
@@ -151,6 +151,7 @@ class Decision:
     predicted_ms: float  # predicted cost per step of the split (stall + KV deferral)
     reason: str
     step_ms: float = 0.0  # predicted step time of the split: compute at the batch plus its expert stall
+    shares: tuple[ShareTerms, ...] = ()  # every KV share the coupled search solved, term by term (none: separable)
 
 
 @dataclass
@@ -311,7 +312,7 @@ class Controller:
                 return self._issue(cur, fc, f"kept split ({why}): {reason}", val, retention, choice)
             now.history.append(Decision(Outcome.HELD, now.plan.version if now.plan else 0, fc.num_windows,
                                         fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"kept ({why}): {reason}",
-                                        val.predicted_step_ms(choice)))
+                                        val.predicted_step_ms(choice), val.shares))
             return None
         reason = explain(cur, new, now.forecast, fc, val, sol, cur_ms, kv_demand,
                          val.kv_blocks[choice[-1]]) + self._shadow_note()
@@ -338,7 +339,8 @@ class Controller:
         self.state.record_issued(plan)
         now.forecast = fc
         now.history.append(Decision(Outcome.ISSUED, plan.version, fc.num_windows, fc.batch_tokens,
-                                    fc.kv_live_blocks, split, cost_ms, plan.reason, val.predicted_step_ms(choice)))
+                                    fc.kv_live_blocks, split, cost_ms, plan.reason, val.predicted_step_ms(choice),
+                                    val.shares))
         return plan
 
     def _retention_bound(self) -> int:

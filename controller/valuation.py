@@ -37,8 +37,9 @@ from tierplan.controller.optimizer.problem import (
 )
 from tierplan.controller.protocol import Link
 
-if TYPE_CHECKING:  # chunk_whole reads this module's chances
+if TYPE_CHECKING:  # chunk_whole reads this module's chances; coupling builds on this module
     from tierplan.controller.chunk_whole import ChunkPrice
+    from tierplan.controller.coupling import ShareTerms
 
 MAX_DEFERRED = 0.9  # a KV share that defers more than this of the sequences is priced as if it deferred this
 LINK_CAP_ROOM = 0.5  # the link caps a plan only where some split streams at most this share of the cap
@@ -107,6 +108,7 @@ class Valuation:
     chunk_flat_step_ms: float = 0.0  # that flat price in the step itself (unweighted, per decode-weighted step)
     chunk_price: ChunkPrice | None = None  # a coupled share's: how a chosen split's chunked step is mended
     kv_chunk_mend_ms: tuple[float, ...] = ()  # a merged coupled valuation's, per KV option: the mend it carries
+    shares: tuple[ShareTerms, ...] = ()  # a coupled valuation's: every share solved exactly (coupling.ShareTerms)
 
     @property
     def link_budget_bytes(self) -> int | None:

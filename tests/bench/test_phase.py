@@ -96,6 +96,9 @@ def test_rows_time_the_whole_measured_span_and_name_the_batch(swept: tuple[Path,
     # A live controller's plans are in its row, each with the split, the batch it saw and why; a static none.
     plans = by["tierplan"]["plans_issued"]
     assert plans and all(p["reason"] and p["kv_gpu_blocks"] > 0 and p["expert_slots"] > 0 for p in plans)
+    # ... and every KV share it weighed, term by term, the plan's own among them (coupling.ShareTerms).
+    assert all(any(s["kv_blocks"] <= p["kv_gpu_blocks"] and s["objective_ms"] is not None for s in p["shares"])
+               for p in plans)
     assert by["resident"]["plans_issued"] == []
     # ... and how often it kept its split since, with the last reasons (why no plan beat the one in force).
     held = by["tierplan"]["plans_held"]

@@ -356,3 +356,29 @@ def test_the_merged_split_keeps_the_current_shares_own_link_verdict() -> None:
     assert owed.forced and "no longer fits" in owed.reason, owed.reason
     held = decide(_at_share(20, budget=80, floor=False), _at_share(10, budget=None, floor=True))
     assert not held.forced, held.reason
+
+
+def test_the_valuation_keeps_every_share_it_solved_term_by_term() -> None:
+    """A plan's record names what each share weighed cost (coupling.ShareTerms): the terms add up to the objective
+    the shares were ranked by, the lowest is the winner's, whose step is the plan's predicted step."""
+    ctl = make_controller()
+    fc = _forecast(ctl, batch=2.0, used=16.0, live=64.0, obs=_curve(2.0), buckets={8: _curve(8.0, 0.1)})
+    val, sol = solve_coupled(fc, ctl.cost, ctl.config.space, (4, 4), 64, 32, _solve)
+    assert len(val.shares) == sol.stats["kv_shares_valued"] >= 3
+    assert {s.kv_blocks for s in val.shares} >= {val.kv_blocks[0], 64}
+    for s in val.shares:
+        if s.expert_slots == 0:  # no split fits beside this share (the current one here): last, and the row says so
+            assert s.objective_ms == float("inf") and s.as_row()["objective_ms"] is None
+            continue
+        assert np.isfinite(s.screened_ms)
+        assert s.experts_ms + s.kv_ms + s.kv_move_ms + s.chunk_mend_ms == pytest.approx(s.objective_ms, rel=1e-12)
+    won = min(val.shares, key=lambda s: s.objective_ms)
+    assert won.kv_blocks == val.kv_blocks[0] and won.batch_tokens == pytest.approx(val.kv_batch[0])
+    assert won.step_ms == pytest.approx(val.predicted_step_ms(sol.choice), rel=1e-12)
+    assert won.expert_slots == sum(val.slot_counts[m][j] for m, j in enumerate(sol.choice[:-1]))
+    row = won.as_row()
+    assert row["kv_blocks"] == won.kv_blocks and row["objective_ms"] == round(won.objective_ms, 3)
+    loop = make_controller()  # the loop's decision carries them to the phase rows (bench/phase_run.py)
+    loop.sync_from(Windows().next(batch=2, kv_live=16))
+    assert loop.step_next() is not None and loop.history[-1].shares
+    assert min(s.objective_ms for s in loop.history[-1].shares) < float("inf")
