@@ -65,6 +65,22 @@ def swing_of(probs: np.ndarray, ratios: Sequence[float], batch: float, union: np
     return Swing(q.sum(axis=2) * scale, np.sqrt((q * (1.0 - q)).sum(axis=2)), share)
 
 
+def unions_high(fc: DemandForecast, batch: float, top_k: int) -> np.ndarray:
+    """[M] each layer's step union at `batch` tokens, on the high side (for what must leave it room): the larger
+    of the activation frequencies' union (`swing_of`'s scaling) and the union of tokens routed uniformly, each
+    scaled per layer by the measured union over theirs at the forecast's batch. The frequencies alone read low
+    while few tokens are seen, as when the first plan is made: after one window of 4 tokens a layer had seen 3
+    of its 8 experts, and their union at 12 tokens read 3.0 where 6.2 is measured."""
+    base, at = np.asarray(fc.union_per_step, dtype=float), max(1.0, fc.batch_tokens)
+    num_experts = len(fc.misses_per_step[0]) - 1 if fc.misses_per_step else len(fc.hot_order[0])
+    uniform = np.full((base.size, num_experts), min(1.0, top_k / max(1, num_experts)))
+    high = swing_of(uniform, (max(1.0, batch) / at,), at, base, 1.0).union[0]
+    if fc.token_probs:
+        high = np.maximum(high, swing_of(np.asarray(fc.token_probs, dtype=float), (max(1.0, batch) / at,), at,
+                                         base, 1.0).union[0])
+    return np.minimum(high, num_experts)
+
+
 def whole_chunk_ms(chunked_step_ms: float, swing: Swing, slots: np.ndarray | Sequence[int], num_experts: int
                    ) -> float:
     """The chunked step priced on the whole split `slots` [M], per step (unweighted)."""

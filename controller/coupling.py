@@ -229,6 +229,15 @@ def curves_at(fc: DemandForecast, batch: float) -> tuple[tuple[tuple[float, ...]
                   for a, b in zip(low, high, strict=True))
     return mixed, f"{why_low} and {why_high}, at B={batch:.1f} between them"
 
+def busiest_batch(fc: DemandForecast, gpu_blocks: float, max_running_seqs: int | None = None) -> float:
+    """The most decode tokens a step may carry under a share of `gpu_blocks`: the engine's cap on running
+    sequences where it is known (a share that holds fewer now may hold more once short sequences replace long
+    ones), else the share's running batch at the top of the decode steps' swing; never below the batch seen."""
+    if max_running_seqs is not None:
+        return float(max(max_running_seqs, fc.batch_tokens))
+    top = max(fc.decode_batch_ratios, default=1.0)
+    return max(fc.batch_tokens, running_batch(fc, gpu_blocks) * max(1.0, top))
+
 
 @dataclass(frozen=True)
 class _Terms:

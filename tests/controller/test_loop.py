@@ -255,6 +255,19 @@ def test_pins_leave_room_for_the_layers_step_union() -> None:
     assert any(p.pinned_experts for p in plans)
 
 
+@pytest.mark.parametrize("cap", [1, 12])
+def test_pins_leave_room_for_the_busiest_step_the_engine_may_run(cap: int) -> None:
+    """One token a step now, but the engine runs up to `cap` sequences a step: the pins are sized for the union
+    of `cap` tokens (~6.2 of 8 experts at 12, whose headroom takes every slot), not the batch seen so far, which
+    a filling batch soon outgrows (H100 phase run 54, b8 16K 24 GiB: pinned for 1 token, chunked at 3)."""
+    import dataclasses
+
+    ctl, win = make_controller(), Windows()
+    ctl.config = dataclasses.replace(ctl.config, space=dataclasses.replace(ctl.config.space, max_running_seqs=cap))
+    plans = drive(ctl, win, [(6, 1, 3, 0)])
+    assert plans and any(p.pinned_experts for p in plans) == (cap == 1)
+
+
 def test_spare_hbm_goes_to_kv_within_the_tier() -> None:
     """What the split leaves of the capacity becomes GPU KV blocks, never past the tier's capacity; less than a
     block, or none, changes nothing."""
