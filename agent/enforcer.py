@@ -95,6 +95,7 @@ class Enforcer:
         self._pool_layer = {m: i for i, m in enumerate(self.moe_layers)}
         self.applied_version = 0
         self.num_applied = 0
+        self.expert_slots: dict[int, int] = {}  # the applied plan's slots, by MoE model layer (telemetry reports them)
         self.num_rejected: dict[RejectReason, int] = dict.fromkeys(RejectReason, 0)
 
     # ---- the one entry point ------------------------------------------------------------------------
@@ -115,6 +116,8 @@ class Enforcer:
                                 f"applied_version stays {self.applied_version}): {type(exc).__name__}: {exc}")
         self.applied_version = plan.version
         self.num_applied += 1
+        stride = self.pool.layout.stride_bytes
+        self.expert_slots = {layer: plan.expert_bytes_per_layer[layer] // stride for layer in self.moe_layers}
         return PlanAck(agent_id=self.agent_id, rank=self.rank, plan_id=plan.plan_id, version=plan.version,
                        status=AckStatus.APPLIED, applied_s=now_s, footprint=self.footprint())
 

@@ -327,5 +327,5 @@ class WindowDraft:
             step_timings_ms=StepTimings(num_steps=n, mean=mean, p50=p50, p99=p99), step_tokens=self.step_tokens,
             step_decode_tokens=self.step_decode_tokens, chunked_steps=self.chunked_steps,
             # v3 only where a v3 field is sent: an agent that reports neither still talks to an older controller
-            schema_version=3 if self.step_decode_tokens or self.chunked_steps else 2,
+            schema_version=3 if self.step_decode_tokens or self.chunked_steps or fields.get("expert_slots") else 2,
         )

@@ -125,6 +125,11 @@ class ControllerConfig:
     kv_retention_max: int = 1024  # prefixes a plan's kv_retention lists (also at most the CPU + NVMe blocks)
     kv_retention_refresh: float = 0.25  # share of the list that must change to re-issue a kept split for it
     batch_coupling: bool = True  # value each KV share at the batch it runs (coupling.py); False: separable
+    # Weigh the first plan against the split the agent reports it started with (Telemetry.expert_slots), hysteresis
+    # and moves priced as for any later plan; False: the first plan is the solve's, whatever the start.
+    weigh_start: bool = True
+    # While the KV demand still rises, no layer gives up expert slots (`step_next` says why); False: none held.
+    hold_slots_while_filling: bool = True
 
 
 def pinned_by_layer(shape: ModelShape, pinned: tuple[ExpertKey, ...]) -> dict[int, tuple[int, ...]]:
@@ -158,6 +163,7 @@ class Decision:
 @dataclass
 class _Current:
     split: Split | None = None
+    start: Split | None = None  # the split the agent started with (reported), before any plan of ours applied
     forecast: DemandForecast | None = None
     plan: Plan | None = None
     history: list[Decision] = field(default_factory=list)
@@ -221,6 +227,11 @@ class Controller:
             self.cost.calibrate(telemetry)
         self.demand.observe(telemetry)
         self.kv_reuse.observe(telemetry)
+        if self.config.weigh_start and telemetry.applied_plan_version == 0 and telemetry.expert_slots \
+                and telemetry.kv_gpu_limit_blocks is not None:
+            reported = {row.layer: row.slots for row in telemetry.expert_slots}
+            slots = tuple(reported.get(layer, 0) for layer in self.config.shape.moe_layers)
+            self._now.start = Split(slots, telemetry.kv_gpu_limit_blocks)
         self._created_s = max(self._created_s, telemetry.window_end_s)
         self._fresh = True
         return rec
@@ -278,7 +289,9 @@ class Controller:
         if not self._prefetch_pays(fc):  # no table goes out: nothing is streamed ahead of a layer
             fc = replace(fc, prefetch_recall=0.0)
         kv_demand = fc.kv_live_blocks
-        cur = now.split
+        # Before any plan of ours applies, the split the agent started with (where it reports one) is the one in
+        # force: the first plan is weighed against it, its moves priced, as any later plan is.
+        cur = now.split if now.split is not None else now.start
         cur_slots, cur_kv = (cur.slots, cur.kv_blocks) if cur else (None, None)
         space = cfg.space
         if cfg.batch_coupling:
@@ -301,8 +314,18 @@ class Controller:
             Split(slots_of(val, choice), val.kv_blocks[choice[-1]]),
             space)
         retention = self.kv_reuse.retention(self._retention_bound())
+        shrunk = 0 if keep or cur is None or decision.forced else sum(
+            max(0, a - b) for a, b in zip(cur.slots, new.slots, strict=True))
         if not keep and new == cur:  # the solve's split with its spare HBM as KV is the one in force
             keep, why = True, "the new split, its spare HBM given to KV, is the current one"
+        elif shrunk and fc.kv_rising and cfg.hold_slots_while_filling:
+            # A filling batch's windows price the experts for a step the batch outgrows (1 decode token a step
+            # in the first window, 3-5 a few windows on): 28 of tierplan's plans in H100 phase runs 45-56 took
+            # slots from a layer while the KV demand still rose; at b8 the first of them left 19-22 of the next 23
+            # decode steps chunked, and at b256 1K 40 GiB one that moved ~290 slots to KV ran 1,241 tok/s against
+            # 2,735 for its twin that did not (run 55). Slots move once the demand settles.
+            keep, why = True, (f"KV demand still rising: no layer gives up expert slots while the batch fills "
+                               f"(the new split takes {shrunk})")
         elif keep:
             why = decision.reason if decision.action is Action.KEEP else \
                 f"saves {decision.gain_ms:.3g} ms/step, under {floor_ms:.3g} ms ({cfg.hysteresis:.0%} of the step)"

@@ -217,6 +217,13 @@ class StepTimings(ProtocolModel):
         return self
 
 
+class LayerSlots(ProtocolModel):
+    """A MoE layer's expert slots in the split in force (telemetry's `expert_slots`)."""
+
+    layer: LayerIndex
+    slots: Count
+
+
 class Telemetry(ProtocolModel):
     schema_version: SchemaVersion = 3
     agent_id: Id
@@ -251,12 +258,16 @@ class Telemetry(ProtocolModel):
     # v2: the GPU KV blocks the share in force allows at the window's end (None: not reported). The controller
     # learns the split the agent started with from it, a split it never issued.
     kv_gpu_limit_blocks: Count | None = None
+    # v3: each MoE layer's expert slots in the split in force at the window's end, by model layer (empty: not
+    # reported); with kv_gpu_limit_blocks, the whole split the agent started with, which the first plan is weighed
+    # against as any later plan is against the split in force.
+    expert_slots: tuple[LayerSlots, ...] = Field(default=(), max_length=MAX_LAYERS)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
         check_v2_only(self, ("transitions", "step_unions", "queued_kv_blocks", "local_prefetch", "step_tokens",
                              "kv_gpu_limit_blocks"), "telemetry")
-        check_since(self, 3, ("step_decode_tokens", "chunked_steps"), "telemetry")
+        check_since(self, 3, ("step_decode_tokens", "chunked_steps", "expert_slots"), "telemetry")
         want = min(self.step_timings_ms.num_steps, MAX_UNION_STEPS)
         if self.step_tokens and len(self.step_tokens) != want:
             raise _invalid("step_tokens", f"has {len(self.step_tokens)} steps, expected {want} (the window's "
@@ -273,6 +284,13 @@ class Telemetry(ProtocolModel):
                     raise _invalid(f"step_decode_tokens.{i}", f"{d} exceeds the step's {t} tokens (step_tokens.{i})")
         check_transitions(self.transitions, self.num_layers, self.num_experts)
         check_unions(self.step_unions, self.num_layers, self.num_experts)
+        for i, row in enumerate(self.expert_slots):
+            if row.layer >= self.num_layers:
+                raise _invalid(f"expert_slots.{i}.layer",
+                               f"layer {row.layer} is out of range for num_layers={self.num_layers}")
+            if row.slots > self.num_experts:
+                raise _invalid(f"expert_slots.{i}.slots", f"{row.slots} exceed num_experts={self.num_experts}")
+        _refuse_repeats("expert_slots", [row.layer for row in self.expert_slots], ".layer")
         if self.window_end_s < self.window_start_s:
             raise _invalid("window_end_s", f"{self.window_end_s} is before window_start_s={self.window_start_s}")
         _check_layer_rows(self.layers, "activation_counts", self.num_layers, self.num_experts)

@@ -24,7 +24,7 @@ from tierplan.agent.local_policy import LocalPolicy, ScanRule
 from tierplan.agent.local_predictor import LayerAheadPredictor
 from tierplan.agent.outbox import Outbox
 from tierplan.agent.taps import AttentionMassTap, RouterTap, TelemetryWindow, WindowDraft
-from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
+from tierplan.controller.protocol import AckStatus, LayerSlots, Plan, PlanAck, Telemetry
 from tierplan.runtime.engine.engine import ReferenceEngine
 from tierplan.runtime.engine.executor import Reason
 from tierplan.runtime.kv import Tier
@@ -164,8 +164,10 @@ class ReferenceAdapter:
         extra: dict[str, Any] = {}
         if self.queue_probe is not None:
             extra["queued_kv_blocks"] = int(self.queue_probe())
-        if self.enforcer.applied_version > 0:  # the share in force (before any plan: the engine's, not reported)
+        if self.enforcer.applied_version > 0:  # the split in force (before any plan: the engine's, not reported)
             extra["kv_gpu_limit_blocks"] = cache.manager.limit(Tier.GPU)
+            extra["expert_slots"] = tuple(LayerSlots(layer=layer, slots=n)
+                                          for layer, n in self.enforcer.expert_slots.items())
         # The predictor's pairs and unions are listed and made into protocol parts by the outbox thread.
         deferred = (self.predictor.window_snapshot().fields,) if self.predictor is not None else ()
         if extra or deferred:

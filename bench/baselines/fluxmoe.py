@@ -51,6 +51,7 @@ class FluxMoE(KVFirstStart, TierplanLive):
 
     factory = staticmethod(rho_controller)
     batch_coupling = False  # its allocator as published: every layer priced at the observed batch
+    tierplan_guards = False
     notes = ("KV capped at its demand, experts the rest, rho rule in between; no expert compression (FluxMoE "
              "compresses experts; ours move at full size)")
 

@@ -39,3 +39,4 @@ class MarginalWSA(KVFirstStart, TierplanLive):
 
     factory = staticmethod(greedy_controller)
     batch_coupling = False  # its allocator as published: every layer priced at the observed batch
+    tierplan_guards = False

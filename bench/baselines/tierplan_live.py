@@ -192,6 +192,9 @@ class TierplanLive:
     allocator = "the MCKP optimizer (exact DP) over the predictors' miss-ratio curves and the cost model"
     factory = staticmethod(mckp_controller)  # config -> controller; module-level, so a child process can build it
     batch_coupling = True  # each KV share valued at the batch it runs (controller/coupling.py)
+    # tierplan's own rules around its first plans (ControllerConfig.weigh_start, hold_slots_while_filling); the
+    # baselines that reuse this controller with their allocator re-plan as published, without them.
+    tierplan_guards = True
     notes = ""  # the rows' notes (default: "live: " and the allocator)
 
     def __init__(self, calibrate: bool = True, planner: str = "process", local_predictor: bool = False) -> None:
@@ -214,7 +217,9 @@ class TierplanLive:
 
     def make_controller(self, engine: ReferenceEngine, ctx: PointContext) -> Any:
         config = dataclasses.replace(controller_config(engine, ctx, self.calibrate),
-                                     batch_coupling=type(self).batch_coupling)
+                                     batch_coupling=type(self).batch_coupling,
+                                     weigh_start=type(self).tierplan_guards,
+                                     hold_slots_while_filling=type(self).tierplan_guards)
         if self.planner == "process":
             from tierplan.bench.baselines.plan_process import ProcessPlanSource
 

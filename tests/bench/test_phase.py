@@ -95,14 +95,17 @@ def test_rows_time_the_whole_measured_span_and_name_the_batch(swept: tuple[Path,
     assert by["tierplan"]["controller_step_ms"] > 0 and by["resident"]["controller_step_ms"] is None
     # A live controller's plans are in its row, each with the split, the batch it saw and why; a static none.
     plans = by["tierplan"]["plans_issued"]
-    assert plans and all(p["reason"] and p["kv_gpu_blocks"] > 0 and p["expert_slots"] > 0 for p in plans)
-    # ... and every KV share it weighed, term by term, the plan's own among them (coupling.ShareTerms).
-    assert all(any(s["kv_blocks"] <= p["kv_gpu_blocks"] and s["objective_ms"] is not None for s in p["shares"])
-               for p in plans)
+    assert all(p["reason"] and p["kv_gpu_blocks"] > 0 and p["expert_slots"] > 0 for p in plans)
     assert by["resident"]["plans_issued"] == []
-    # ... and how often it kept its split since, with the last reasons (why no plan beat the one in force).
+    # ... and how often it kept its split since, with the last reasons (why no plan beat the one in force): tierplan
+    # weighs its first plan against its start, so a short run may keep the start throughout.
     held = by["tierplan"]["plans_held"]
     assert held["count"] >= len(held["last"]) and all(h["reason"] and h["window"] > 0 for h in held["last"])
+    assert plans or held["count"] > 0
+    # ... every decision with the KV shares it weighed, term by term (coupling.ShareTerms), the plan's own among them.
+    assert all(any(s["kv_blocks"] <= p["kv_gpu_blocks"] and s["objective_ms"] is not None for s in p["shares"])
+               for p in plans)
+    assert all(any(s["objective_ms"] is not None for s in h["shares"]) for h in held["last"])
     assert by["resident"]["plans_held"] is None
     oracle = by["oracle"]
     assert isinstance(oracle["diverged_steps"], int) and f"diverged_steps {oracle['diverged_steps']}" in oracle["notes"]

@@ -15,7 +15,7 @@ import numpy as np
 
 from tests.controller.qwen3_fixtures import BLOCK_BYTES, EXPERTS, LAYERS, TOP_K, qwen3_controller
 from tierplan.controller.loop import Controller
-from tierplan.controller.protocol import Telemetry, Tier, parse
+from tierplan.controller.protocol import LayerSlots, Telemetry, Tier, parse
 from tierplan.runtime.engine.routing_trace import RoutingTrace
 
 SLOT_BYTES = 10 << 20
@@ -56,3 +56,29 @@ def test_the_first_plan_of_a_fill_splits_the_experts_evenly() -> None:
     assert sum(plan.expert_bytes_per_layer) + kv * BLOCK_BYTES <= BUDGET_BYTES
     assert max(slots) - min(slots) <= 2, (slots, plan.reason[:300])  # run 35: [66, 66, 66, 66, 8, 66, 47, 8]
     assert min(slots) >= 40  # each layer above the ~40-expert union of 8 decoding sequences
+
+
+def _resident_window(ids: np.ndarray, start: tuple[int, ...], start_blocks: int) -> Telemetry:
+    """The first window of a fill from a reported resident start (H100 phase run 54, b8 1K 24 GiB): 1 sequence
+    decoding a step, a 1,024-token prompt every third step; the agent reports the split it started with."""
+    tel = _first_window(ids)
+    tokens = [1 + (1024 if i % 3 == 0 else 0) for i in range(8)]
+    return tel.model_copy(update={"step_tokens": tuple(tokens), "step_decode_tokens": (1,) * 8,
+                                  "kv_gpu_limit_blocks": start_blocks, "queued_kv_blocks": 2 * BLOCKS_PER_SEQ,
+                                  "expert_slots": tuple(LayerSlots(layer=m, slots=n) for m, n in enumerate(start))})
+
+
+def test_a_filling_batch_takes_no_slots_from_the_start_it_reported() -> None:
+    """Run 54's first plan, priced at the filling window's 1 token a step, moved slots between layers ([44] * 8
+    to [30, 29, 66, 66, 66, 29, 33, 29]) and 19 of 23 decode steps at 4 tokens ran chunked. With the start split
+    reported, the first plan is weighed against it (a move of nothing is held by the margin), and while the KV
+    demand still rises no layer gives slots up, even where the solve would take 131 of them from two layers."""
+    ids = RoutingTrace.load(TRACE).routes(1 << 15, LAYERS, TOP_K, EXPERTS)[0]
+    for start, why in (((44,) * 6 + (43,) * 2, "below the 10% margin"),
+                       ((100, 100) + (10,) * 6, "no layer gives up expert slots while the batch fills")):
+        ctl = _controller()
+        start_blocks = (BUDGET_BYTES - sum(start) * SLOT_BYTES) // BLOCK_BYTES
+        ctl.sync_from(Telemetry.model_validate(_resident_window(ids, start, start_blocks).model_dump()))
+        assert ctl.step_next() is None
+        decision = ctl.history[-1]
+        assert decision.split.slots == start and why in decision.reason, decision.reason[:400]

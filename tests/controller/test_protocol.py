@@ -226,6 +226,11 @@ CASES = [
      "layers.1.activation_counts: has 3 entries, expected num_experts=4"),
     (Telemetry, _set("layers.1.layer", 3), "layers.1.layer: 3 is out of range for num_layers=3"),
     (Telemetry, _set("layers.1.layer", 0), "layers.1.layer: 0 repeats layers.0.layer"),
+    (Telemetry, _set("expert_slots", [{"layer": 3, "slots": 1}]),
+     "expert_slots.0.layer: layer 3 is out of range for num_layers=3"),
+    (Telemetry, _set("expert_slots", [{"layer": 1, "slots": 5}]), "expert_slots.0.slots: 5 exceed num_experts=4"),
+    (Telemetry, _set("expert_slots", [{"layer": 1, "slots": 2}, {"layer": 1, "slots": 3}]),
+     "expert_slots.1.layer: 1 repeats expert_slots.0.layer"),
     (Telemetry, _set("layers.0.cooccurrence.1", {"a": 2, "b": 4, "count": 1}),
      "layers.0.cooccurrence.1.b: expert 4 is out of range for num_experts=4"),
     (Telemetry, _set("layers.0.cooccurrence.1", {"a": 3, "b": 0, "count": 1}),
@@ -377,6 +382,8 @@ def telemetry_windows(draw: st.DrawFn) -> dict[str, Any]:
         "expert_misses": draw(counts),
         "applied_plan_version": draw(counts),
         "fallbacks": draw(st.dictionaries(ids, counts, max_size=3)),
+        "expert_slots": [{"layer": layer, "slots": draw(st.integers(0, num_experts))}
+                         for layer in draw(st.lists(st.integers(0, num_layers - 1), unique=True, max_size=num_layers))],
     }
 
 

@@ -19,8 +19,12 @@ from tierplan.agent.sidecar_ipc import (
     PlanRequest,
     encode_frame,
 )
+from tierplan.controller.protocol import LayerSlots
 
-MESSAGES = [registration(), telemetry(3), ack(2), PlanRequest(agent_id="a", since_version=4), plan(5)]
+# The last: a window naming the split in force per layer (its rows decode from JSON as the service's would).
+MESSAGES = [registration(), telemetry(3), ack(2), PlanRequest(agent_id="a", since_version=4), plan(5),
+            telemetry(4, applied=1).model_copy(update={"expert_slots": (LayerSlots(layer=0, slots=3),
+                                                                         LayerSlots(layer=1, slots=4))})]
 
 
 def raw(payload: bytes) -> bytes:
