@@ -128,7 +128,8 @@ class ControllerConfig:
     # Weigh the first plan against the split the agent reports it started with (Telemetry.expert_slots), hysteresis
     # and moves priced as for any later plan; False: the first plan is the solve's, whatever the start.
     weigh_start: bool = True
-    # While the KV demand still rises, no layer gives up expert slots (`step_next` says why); False: none held.
+    # While the batch first fills (the KV demand rising, never settled yet), no layer gives up expert slots
+    # (`step_next` says why); False: none held.
     hold_slots_while_filling: bool = True
 
 
@@ -318,14 +319,15 @@ class Controller:
             max(0, a - b) for a, b in zip(cur.slots, new.slots, strict=True))
         if not keep and new == cur:  # the solve's split with its spare HBM as KV is the one in force
             keep, why = True, "the new split, its spare HBM given to KV, is the current one"
-        elif shrunk and fc.kv_rising and cfg.hold_slots_while_filling:
+        elif shrunk and fc.kv_first_fill and cfg.hold_slots_while_filling:
             # A filling batch's windows price the experts for a step the batch outgrows (1 decode token a step
             # in the first window, 3-5 a few windows on): 28 of tierplan's plans in H100 phase runs 45-56 took
             # slots from a layer while the KV demand still rose; at b8 the first of them left 19-22 of the next 23
             # decode steps chunked, and at b256 1K 40 GiB one that moved ~290 slots to KV ran 1,241 tok/s against
-            # 2,735 for its twin that did not (run 55). Slots move once the demand settles.
-            keep, why = True, (f"KV demand still rising: no layer gives up expert slots while the batch fills "
-                               f"(the new split takes {shrunk})")
+            # 2,735 for its twin that did not (run 55). Slots move once the demand has settled; a later rise (a
+            # workload that grows) is priced on a batch measured, and moves them freely.
+            keep, why = True, (f"KV demand still rising: no layer gives up expert slots while the batch first "
+                               f"fills (the new split takes {shrunk})")
         elif keep:
             why = decision.reason if decision.action is Action.KEEP else \
                 f"saves {decision.gain_ms:.3g} ms/step, under {floor_ms:.3g} ms ({cfg.hysteresis:.0%} of the step)"

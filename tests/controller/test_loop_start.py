@@ -75,7 +75,7 @@ def test_a_filling_batch_takes_no_slots_from_the_start_it_reported() -> None:
     demand still rises no layer gives slots up, even where the solve would take 131 of them from two layers."""
     ids = RoutingTrace.load(TRACE).routes(1 << 15, LAYERS, TOP_K, EXPERTS)[0]
     for start, why in (((44,) * 6 + (43,) * 2, "below the 10% margin"),
-                       ((100, 100) + (10,) * 6, "no layer gives up expert slots while the batch fills")):
+                       ((100, 100) + (10,) * 6, "no layer gives up expert slots while the batch first fills")):
         ctl = _controller()
         start_blocks = (BUDGET_BYTES - sum(start) * SLOT_BYTES) // BLOCK_BYTES
         ctl.sync_from(Telemetry.model_validate(_resident_window(ids, start, start_blocks).model_dump()))
