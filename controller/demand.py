@@ -90,7 +90,7 @@ class DemandForecast:
     large_step_misses: tuple[tuple[float, ...], ...] = ()
     kv_filling_blocks: int = 0  # KV demand not settled yet: the agent's start share, the least demand is priced at
     kv_rising: bool = False  # KV demand has yet to settle (DemandModel.kv_rising): the batch is still filling
-    kv_first_fill: bool = False  # rising, and never settled yet: the run's first fill, from the start split
+    kv_first_fill: bool = False  # rising, and never settled nor fallen yet: the run's first fill, from the start
     # The GPU blocks the running sequences will hold when a plan made now lands, a window on (None: those in use):
     # while the demand still rises, the share in force keeps admitting (`DemandModel.forecast`).
     kv_gpu_landing_blocks: float | None = None
@@ -205,7 +205,7 @@ class DemandModel:
         self.kv_gpu_limit: int | None = None  # the GPU KV blocks the applied plan allows (saturation test)
         self.kv_start_blocks: int | None = None  # the GPU KV share the agent ran before any plan of ours applied
         self.kv_recent: deque[float] = deque(maxlen=KV_SETTLE_WINDOWS)  # the last windows' KV demand (held + queued)
-        self.kv_settled_once = False  # the KV demand settled at least once: the batch's first fill is over
+        self.kv_fill_over = False  # the batch's first fill is over (see `observe`)
         self.kv_written_blocks = 0.0  # KV blocks the last window's tokens wrote (each token processed adds its KV)
         self.num_windows = 0
         self.table_version = 0
@@ -272,7 +272,10 @@ class DemandModel:
         self.kv_live_now = float(sum(blocks.values())) + self.kv_queued_now
         self.kv_live = self._smooth(self.kv_live, self.kv_live_now)
         self.kv_recent.append(self.kv_live_now)
-        self.kv_settled_once = self.kv_settled_once or not self.kv_rising()
+        # The first fill is over once the demand settles, or falls by more than the settling margin (sequences
+        # finished: turnover, not a fill; a demand that swings never settles).
+        fell = len(self.kv_recent) >= 2 and self.kv_recent[-1] < (1.0 - KV_SETTLE_GROWTH) * self.kv_recent[-2]
+        self.kv_fill_over = self.kv_fill_over or fell or not self.kv_rising()
         if tel.kv_gpu_limit_blocks is not None and tel.applied_plan_version == 0:
             self.kv_start_blocks = tel.kv_gpu_limit_blocks  # the serving shape it was started with, not ours
         self.kv_gpu = float(blocks.get(Tier.GPU, 0))
@@ -404,7 +407,7 @@ class DemandModel:
                               bucket_curves=tuple(buckets), curve_batch=float(bucket) if measured else batch,
                               large_step_share=share, large_step_misses=large, kv_filling_blocks=filling,
                               kv_rising=self.kv_rising(), kv_gpu_landing_blocks=landing,
-                              kv_first_fill=self.kv_rising() and not self.kv_settled_once,
+                              kv_first_fill=self.kv_rising() and not self.kv_fill_over,
                               decode_batch_ratios=swing_ratios(self.decode_ratios))
 
     def kv_rising(self) -> bool:

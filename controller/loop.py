@@ -128,7 +128,7 @@ class ControllerConfig:
     # Weigh the first plan against the split the agent reports it started with (Telemetry.expert_slots), hysteresis
     # and moves priced as for any later plan; False: the first plan is the solve's, whatever the start.
     weigh_start: bool = True
-    # While the batch first fills (the KV demand rising, never settled yet), no layer gives up expert slots
+    # While the batch first fills (the KV demand rising, never settled nor fallen yet), no layer gives up slots
     # (`step_next` says why); False: none held.
     hold_slots_while_filling: bool = True
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from tests.controller.loop_fixtures import Windows, make_controller
 from tests.controller.qwen3_fixtures import BLOCK_BYTES, EXPERTS, LAYERS, TOP_K, qwen3_controller
 from tierplan.controller.loop import Controller
 from tierplan.controller.protocol import LayerSlots, Telemetry, Tier, parse
@@ -82,3 +84,16 @@ def test_a_filling_batch_takes_no_slots_from_the_start_it_reported() -> None:
         assert ctl.step_next() is None
         decision = ctl.history[-1]
         assert decision.split.slots == start and why in decision.reason, decision.reason[:400]
+
+
+@pytest.mark.parametrize(("lives", "filling"), [
+    ((10, 20, 30, 45), True),  # still rising from the start
+    ((10, 20, 40, 40, 40, 40), False),  # settled: 4 windows none of which grew over 10 %
+    ((10, 20, 40, 30, 45), False),  # fell: sequences finished, turnover rather than a fill (rising again after)
+])
+def test_the_first_fill_ends_once_the_kv_demand_settles_or_falls(lives: tuple[int, ...], filling: bool) -> None:
+    ctl, win = make_controller(), Windows()
+    for live in lives:
+        ctl.sync_from(win.next(batch=2, kv_live=live))
+    fc = ctl.demand.forecast()
+    assert fc.kv_first_fill is filling and (fc.kv_rising or not filling)
