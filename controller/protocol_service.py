@@ -254,6 +254,8 @@ class PolicyKnobs(ProtocolModel):
     auto_promote: bool = False  # promote the shadow when it wins (else only report its score)
     calibrate: bool = True
     batch_coupling: bool = True  # value each GPU KV share at the batch it runs (False: at the observed batch)
+    weigh_start: bool = True  # weigh the first plan against the split the agent reports it started with
+    hold_slots_while_filling: bool = True  # no layer gives up expert slots while the batch first fills
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -16,7 +16,7 @@ from tierplan.api.bench_api import synthetic_window
 from tierplan.api.demo_loop import tiny_registration
 from tierplan.api.hub_config import controller_config, knobs_misfit
 from tierplan.controller.loop import Controller, Decision, Outcome
-from tierplan.controller.protocol import AckStatus, Footprint, Plan, PlanAck
+from tierplan.controller.protocol import AckStatus, Footprint, Plan, PlanAck, Telemetry
 from tierplan.controller.protocol_service import PolicyKnobs
 
 SLOT_BYTES = 3 * 4096
@@ -41,9 +41,11 @@ def knobs(**changed: Any) -> PolicyKnobs:
     return PolicyKnobs.model_validate({"calibrate": False, **changed})
 
 
-def run(k: PolicyKnobs, max_running_seqs: int | None = None) -> Run:
+def run(k: PolicyKnobs, max_running_seqs: int | None = None, start: tuple[tuple[int, int], int] | None = None
+        ) -> Run:
     """Each plan is applied (acked) before the next window, as an agent would. `max_running_seqs`: the engine's
-    cap on running sequences, if other than the demo's."""
+    cap on running sequences, if other than the demo's; `start`: the split the agent reports it started with
+    (each MoE layer's slots, GPU KV blocks) until a plan applies."""
     reg = tiny_registration()
     if max_running_seqs is not None:
         reg = reg.model_copy(update={"split": reg.split.model_copy(update={"max_running_seqs": max_running_seqs})})
@@ -54,6 +56,9 @@ def run(k: PolicyKnobs, max_running_seqs: int | None = None) -> Run:
         late = seq >= NUM_WINDOWS // 2
         tel = synthetic_window("agent-0", seq, rng, applied_plan_version=applied, batch_tokens=12 if late else 2,
                                kv_blocks=50 if late else 10, hot=seq // 4)
+        if start is not None and applied == 0:
+            tel = Telemetry.model_validate({**tel.model_dump(), "schema_version": 3, "kv_gpu_limit_blocks": start[1],
+                                            "expert_slots": [{"layer": m, "slots": n} for m, n in enumerate(start[0])]})
         ctl.sync_from(tel)
         plan = ctl.step_next()
         decisions += ctl.pop_decisions()
@@ -184,6 +189,21 @@ def test_batch_coupling_values_each_kv_share_at_its_batch(base: Run) -> None:
     assert [round(d.step_ms, 6) for d in separable.decisions] != [round(d.step_ms, 6) for d in base.decisions]
     assert any("tokens/step; " in p.reason for p in base.plans)  # the batch each share runs, in words
     assert not any("tokens/step; " in p.reason for p in separable.plans)
+
+
+LOPSIDED = ((8, 2), 34)  # a start the solve would even out: 8 and 2 slots, the rest of the 64 units KV
+
+
+def test_weigh_start_weighs_the_first_plan_against_the_reported_start() -> None:
+    weighed, forced = run(knobs(), start=LOPSIDED), run(knobs(weigh_start=False), start=LOPSIDED)
+    assert forced.decisions[0].outcome is Outcome.ISSUED and "first split" in forced.decisions[0].reason
+    assert "first split" not in weighed.decisions[0].reason  # its factors read against the start's split
+
+
+def test_hold_slots_while_filling_keeps_the_start_while_the_batch_first_fills() -> None:
+    held, free = run(knobs(), start=LOPSIDED), run(knobs(hold_slots_while_filling=False), start=LOPSIDED)
+    assert "while the batch first fills" in held.decisions[0].reason and held.decisions[0].split.slots == (8, 2)
+    assert free.decisions[0].outcome is Outcome.ISSUED and min(free.decisions[0].split.slots) > 2
 
 
 def test_knobs_an_agent_cannot_run_with_are_named() -> None:
