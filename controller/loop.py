@@ -6,11 +6,12 @@ feeds the demand models; it decides nothing. `step_next()` forecasts, values eve
 MoE layer: resident slots; KV: GPU blocks; see valuation.py), solves the knapsack exactly (DP by default,
 the HiGHS MILP on request) for the candidate KV shares, each at the batch it runs (coupling.py; the
 separable split with `batch_coupling=False`), gives the HBM no option valued to GPU KV blocks (`with_spare_kv`),
-holds the current split unless the new one is better by the hysteresis margin, and emits a `Plan` with the
-split, pins and eviction orders from the activation frequencies, the local transition table and its prefetch byte
-budget, the KV retention order (prefix hashes, most likely reused first, from the reuse predictor `sync_from`
-feeds live: kv_reuse_feed.py; a kept split is re-issued when that order moves by `kv_retention_refresh`), and a
-reason naming the top factors.
+holds the current split (before our first plan applies: the one the agent reports it started with) unless the new
+one is better by the hysteresis margin, takes no slots from a layer while the batch first fills, and emits a
+`Plan` with the split, pins (leaving room for the union of the busiest step) and eviction orders from the
+activation frequencies, the local transition table and its prefetch byte budget, the KV retention order (prefix
+hashes, most likely reused first, from the reuse predictor `sync_from` feeds live: kv_reuse_feed.py; a kept split
+is re-issued when that order moves by `kv_retention_refresh`), and a reason naming the top factors.
 An operator's pinned experts are always in the plan's pins (their layers get the slots for them); `predictor`
 picks the forecast's curve source, and a shadow source is scored beside it (controller/curve_shadow.py),
 promoted only when it predicts better.
