@@ -127,13 +127,11 @@ class AtShare:
             return ShareTerms(self.kv_blocks, self.batch_tokens, self.served, self.val.step_ms, 0, 0.0, 0.0,
                               self.kv_move_ms, 0.0, float("inf"), self.screened_ms, 0.0)
         kv_ms = self.val.problem.groups[-1].options[0].cost_ms
-        step_ms, stalls = self.val.kv_steps[0]
-        stall_ms = sum(stalls[m][j] for m, j in enumerate(self.sol.choice[:-1]))
-        mend_ms = chunk_mend_ms(self.val, slots_of(self.val, self.sol.choice))
-        return ShareTerms(self.kv_blocks, self.batch_tokens, self.served, self.val.step_ms,
-                          sum(slots_of(self.val, self.sol.choice)), self.sol.objective_ms - kv_ms, kv_ms,
-                          self.kv_move_ms, self.chunk_mend_ms, self.objective_ms, self.screened_ms,
-                          step_ms + stall_ms + mend_ms)
+        slots = slots_of(self.val, self.sol.choice)
+        return ShareTerms(self.kv_blocks, self.batch_tokens, self.served, self.val.step_ms, sum(slots),
+                          self.sol.objective_ms - kv_ms, kv_ms, self.kv_move_ms, self.chunk_mend_ms,
+                          self.objective_ms, self.screened_ms,
+                          self.val.predicted_step_ms(self.sol.choice) + chunk_mend_ms(self.val, slots))
 
 
 def runnable_blocks(fc: DemandForecast, max_running_seqs: int | None) -> float:
@@ -228,6 +226,7 @@ def curves_at(fc: DemandForecast, batch: float) -> tuple[tuple[tuple[float, ...]
     mixed = tuple(tuple(float((1 - w) * x + w * y) for x, y in zip(a, b, strict=True))
                   for a, b in zip(low, high, strict=True))
     return mixed, f"{why_low} and {why_high}, at B={batch:.1f} between them"
+
 
 def busiest_batch(fc: DemandForecast, gpu_blocks: float, max_running_seqs: int | None = None) -> float:
     """The most decode tokens a step may carry under a share of `gpu_blocks`: the engine's cap on running

@@ -389,7 +389,8 @@ class DemandModel:
         live = max(self.kv_live or 0.0, self.kv_live_now)
         if saturated and limit is not None and not self.kv_queued_now:
             live = max(live, KV_SATURATED_GROWTH * limit)
-        filling = self.kv_start_blocks if self.kv_start_blocks is not None and self.kv_rising() else 0
+        rising = self.kv_rising()
+        filling = self.kv_start_blocks if self.kv_start_blocks is not None and rising else 0
         live = max(live, float(filling))
         # While the demand rises, the share in force (ours, else the agent's start share) keeps admitting until a
         # plan made now lands a window on: the blocks held then are those held now plus what a window writes, up
@@ -397,7 +398,7 @@ class DemandModel:
         # priced at the first window's, cut the share to 10,734, and the swaps back took 3.2 s of 10.2).
         landing = self.kv_gpu
         in_force = limit if limit is not None else self.kv_start_blocks
-        if self.kv_rising() and in_force is not None:
+        if rising and in_force is not None:
             landing = max(landing, min(float(in_force), live, self.kv_gpu + self.kv_written_blocks))
         source = f"measured LRU curves at B~{bucket}" if measured else FREQUENCY_SOURCE
         share, large = self._large_steps(at)
@@ -406,8 +407,8 @@ class DemandModel:
                               self.touch_blocks_per_s or 0.0, self._recall(), self._precision(), token_probs=probs,
                               bucket_curves=tuple(buckets), curve_batch=float(bucket) if measured else batch,
                               large_step_share=share, large_step_misses=large, kv_filling_blocks=filling,
-                              kv_rising=self.kv_rising(), kv_gpu_landing_blocks=landing,
-                              kv_first_fill=self.kv_rising() and not self.kv_fill_over,
+                              kv_rising=rising, kv_gpu_landing_blocks=landing,
+                              kv_first_fill=rising and not self.kv_fill_over,
                               decode_batch_ratios=swing_ratios(self.decode_ratios))
 
     def kv_rising(self) -> bool:
