@@ -194,6 +194,7 @@ class DemandModel:
         self.src = np.zeros((m, e))  # [M, E] decayed n(i at m) over windows that reported pairs
         self.batch_tokens: float | None = None
         self.decode_batch_seen = False  # the batch came from decoding sequences' tokens (Telemetry v3's split)
+        self.batch_newest: float | None = None  # the newest step's decoding sequences (Telemetry v3's split)
         self.step_weight = 0.0  # decayed steps whose token counts were seen
         self.large_steps = np.zeros(len(BATCH_BUCKETS))  # decayed large steps (LARGE_STEP_FACTOR) by batch bucket
         self.decode_ratios: deque[float] = deque(maxlen=DECODE_RATIO_STEPS)  # pure decode steps' tokens / median
@@ -276,6 +277,14 @@ class DemandModel:
         # finished: turnover, not a fill; a demand that swings never settles).
         fell = len(self.kv_recent) >= 2 and self.kv_recent[-1] < (1.0 - KV_SETTLE_GROWTH) * self.kv_recent[-2]
         self.kv_fill_over = self.kv_fill_over or fell or not self.kv_rising()
+        if self.batch_newest is not None and not self.kv_fill_over:
+            # While the batch first fills, its window's median lags the sequences the blocks in use already hold,
+            # and smoothing with the emptier windows before lags it more: every KV share's batch scales from
+            # batch / blocks in use (coupling.running_batch), so a share was priced at a third to a fifth of the
+            # batch it then ran (H100 phase run 55, b256 1K 40 GiB: 24.6 tokens a step for a share that ran
+            # ~118, which took 288 expert slots from four layers; 17.0 s against 8.0 for the twin that did not).
+            # Until the fill ends, the batch is the newest step's; smoothing goes on from there.
+            self.batch_tokens = max(self.batch_tokens or 0.0, self.batch_newest)
         if tel.kv_gpu_limit_blocks is not None and tel.applied_plan_version == 0:
             self.kv_start_blocks = tel.kv_gpu_limit_blocks  # the serving shape it was started with, not ours
         self.kv_gpu = float(blocks.get(Tier.GPU, 0))
@@ -325,6 +334,7 @@ class DemandModel:
             self._observe_steps([t for t in tokens if t > 0], tel, tel.step_timings_ms.num_steps)
             return
         if running:
+            self.batch_newest = float(running[-1])
             median = float(np.median(running))
             self.batch_tokens = self._smooth(self.batch_tokens, median)
             self.decode_batch_seen = True

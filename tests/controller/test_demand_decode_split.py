@@ -105,3 +105,24 @@ def test_a_fills_prompts_are_not_read_as_more_prompts_at_a_larger_batch() -> Non
     a, b = np.asarray(with_large_steps(fc.misses_per_step, filling, 8.0)), np.asarray(
         with_large_steps(fc.misses_per_step, filling))
     assert a == pytest.approx(b)  # the curves' mix follows the same share
+
+
+def test_while_the_batch_first_fills_it_is_read_at_the_newest_step() -> None:
+    """A filling batch (sequences admitted one by one, the KV demand not settled yet) is read at the newest
+    step's decoding sequences, not its window's median smoothed with the emptier windows before: every KV share's
+    batch scales from it against the blocks in use at the window's end (H100 phase run 55, b256 1K 40 GiB: a
+    share priced at 24.6 tokens a step ran ~118). Once the fill is over, smoothing goes on from there."""
+    win = Windows(steps=8)
+    ctl = make_controller()
+    rising = (1, 1, 2, 2, 3, 3, 4, 4)
+    ctl.sync_from(_window(rising, rising, win))
+    fc = ctl.demand.forecast()
+    assert fc.kv_first_fill and fc.batch_tokens == pytest.approx(4.0)  # the median: 2.5
+    more = (5,) * 4 + (8,) * 4
+    ctl.sync_from(_window(more, more, win))
+    assert ctl.demand.forecast().batch_tokens == pytest.approx(8.0)  # smoothed medians: (4 + 6.5) / 2
+    for _ in range(2):  # the demand (20 blocks a window) settles after four windows: the fill is over
+        ctl.sync_from(_window((8,) * 8, (8,) * 8, win))
+    assert not ctl.demand.forecast().kv_first_fill
+    ctl.sync_from(_window((6,) * 8, (6,) * 8, win))
+    assert ctl.demand.forecast().batch_tokens == pytest.approx(7.0)
