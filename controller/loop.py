@@ -74,6 +74,22 @@ def with_spare_kv(split: Split, space: SplitSpace) -> tuple[Split, int]:
     return (replace(split, kv_blocks=split.kv_blocks + extra), extra) if extra else (split, 0)
 
 
+def in_units(split: Split, space: SplitSpace) -> Split:
+    """A split the agent started with (sized in bytes by whoever launched it), as the problem counts splits: each
+    layer's slots and the KV share rounded up to whole HBM units. Filled to the byte, it reads up to a unit a group
+    over the capacity, and a split that "no longer fits" forces a switch past the hysteresis margin and the
+    first-fill hold (H100 phase run 60, b128 16K 40 GiB: the resident start read 4,100 units of 4,095, and the
+    first plan moved 91 slots to KV while the demand rose; its twin in run 59, the same work as resident, had not).
+    Over by no more than the rounding, its KV share gives up the blocks of the excess; over by more, the budget
+    did shrink: it stays as it is, and the switch is owed."""
+    unit = space.unit_bytes
+    expert_units = sum(units_for_bytes(s * space.slot_bytes, unit) for s in split.slots)
+    over = expert_units + units_for_bytes(split.kv_blocks * space.kv_block_bytes, unit) - space.capacity_units
+    if over <= 0 or over > len(split.slots) + 1:
+        return split
+    return replace(split, kv_blocks=max(0, (space.capacity_units - expert_units) * unit // space.kv_block_bytes))
+
+
 def num_pins(slots: int, union: float, top_k: int, pin_frac: float, operator_pins: int = 0) -> int:
     """Experts to pin in a layer of `slots` slots whose steps need `union` distinct experts on average.
 
@@ -233,7 +249,7 @@ class Controller:
                 and telemetry.kv_gpu_limit_blocks is not None:
             reported = {row.layer: row.slots for row in telemetry.expert_slots}
             slots = tuple(reported.get(layer, 0) for layer in self.config.shape.moe_layers)
-            self._now.start = Split(slots, telemetry.kv_gpu_limit_blocks)
+            self._now.start = in_units(Split(slots, telemetry.kv_gpu_limit_blocks), self.config.space)
         self._created_s = max(self._created_s, telemetry.window_end_s)
         self._fresh = True
         return rec
