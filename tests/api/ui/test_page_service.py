@@ -32,7 +32,10 @@ def filled_service(tmp_path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     settings = Settings(db_url=f"sqlite:///{tmp_path / 'service.db'}", bootstrap_token=TOKEN, plan_interval_s=0.05)
     with serving(create_app(settings)) as base:
         auth = {"Authorization": f"Bearer {TOKEN}"}
-        demo_knobs = {"min_slots_per_layer": 2, "horizon_steps": 16, "hysteresis": 0.05}  # api/demo_loop.py's
+        # api/demo_loop.py's knobs, and no calibration: fitted to the box's step timings, the cost model made the
+        # plans depend on its load (one replay of the same telemetry issued 1 plan, another 3; a clean-clone CI
+        # run failed on it); at the prior the replay issues the same 5 plans every time
+        demo_knobs = {"min_slots_per_layer": 2, "horizon_steps": 16, "hysteresis": 0.05, "calibrate": False}
         for why, knobs in (("start with the defaults, recorded", {}),
                            ("the demo's slot floor (top_k) and horizon; react faster to the batch", demo_knobs)):
             current = httpx.get(f"{base}/v1/policies/default").json()["version"]
