@@ -65,8 +65,8 @@ def batch_bucket(tokens: float) -> int:
 
 @dataclass(frozen=True)
 class DemandForecast:
-    # tokens per engine step: the median decode tokens where the agent splits them off, else the median step where
-    # steps are reported, else the mean
+    # tokens per engine step: the median decode tokens where the agent splits them off (while the batch first
+    # fills, no less than the newest step's), else the median step where steps are reported, else the mean
     batch_tokens: float
     misses_per_step: tuple[tuple[float, ...], ...]  # [M][E + 1] expected loads per step with 0..E slots
     union_per_step: tuple[float, ...]  # [M] distinct experts a step needs
