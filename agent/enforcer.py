@@ -116,8 +116,7 @@ class Enforcer:
                                 f"applied_version stays {self.applied_version}): {type(exc).__name__}: {exc}")
         self.applied_version = plan.version
         self.num_applied += 1
-        stride = self.pool.layout.stride_bytes
-        self.expert_slots = {layer: plan.expert_bytes_per_layer[layer] // stride for layer in self.moe_layers}
+        self.expert_slots = {self.moe_layers[i]: cap for i, cap in target.caps.items()}
         return PlanAck(agent_id=self.agent_id, rank=self.rank, plan_id=plan.plan_id, version=plan.version,
                        status=AckStatus.APPLIED, applied_s=now_s, footprint=self.footprint())
 

@@ -66,12 +66,15 @@ def with_spare_kv(split: Split, space: SplitSpace) -> tuple[Split, int]:
     layer's slots and the KV share rounded up to whole units), not in bytes: filled to the byte, a split used a
     unit or two more than the capacity the next problem gives, read as "no longer fits", and that forced a switch
     every window (H200 phase run 37, b32 16K 24 GiB: 18 plans, each one slot and 40 blocks off the one before)."""
-    unit = space.unit_bytes
-    expert_units = sum(units_for_bytes(s * space.slot_bytes, unit) for s in split.slots)
-    free_units = space.capacity_units - expert_units
-    extra = max(0, min(free_units * unit // space.kv_block_bytes - split.kv_blocks,
-                       space.kv_gpu_blocks_max - split.kv_blocks))
+    fit = units_beside(split.slots, space) * space.unit_bytes // space.kv_block_bytes
+    extra = max(0, min(fit - split.kv_blocks, space.kv_gpu_blocks_max - split.kv_blocks))
     return (replace(split, kv_blocks=split.kv_blocks + extra), extra) if extra else (split, 0)
+
+
+def units_beside(slots: tuple[int, ...], space: SplitSpace) -> int:
+    """The problem's HBM units left beside `slots` per MoE layer, each layer's slots rounded up to whole units as
+    the problem counts a split (negative where the slots alone are over the capacity)."""
+    return space.capacity_units - sum(units_for_bytes(s * space.slot_bytes, space.unit_bytes) for s in slots)
 
 
 def in_units(split: Split, space: SplitSpace) -> Split:
@@ -83,11 +86,11 @@ def in_units(split: Split, space: SplitSpace) -> Split:
     Over by no more than the rounding, its KV share gives up the blocks of the excess; over by more, the budget
     did shrink: it stays as it is, and the switch is owed."""
     unit = space.unit_bytes
-    expert_units = sum(units_for_bytes(s * space.slot_bytes, unit) for s in split.slots)
-    over = expert_units + units_for_bytes(split.kv_blocks * space.kv_block_bytes, unit) - space.capacity_units
+    free = units_beside(split.slots, space)
+    over = units_for_bytes(split.kv_blocks * space.kv_block_bytes, unit) - free
     if over <= 0 or over > len(split.slots) + 1:
         return split
-    return replace(split, kv_blocks=max(0, (space.capacity_units - expert_units) * unit // space.kv_block_bytes))
+    return replace(split, kv_blocks=max(0, free * unit // space.kv_block_bytes))
 
 
 def num_pins(slots: int, union: float, top_k: int, pin_frac: float, operator_pins: int = 0) -> int:

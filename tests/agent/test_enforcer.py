@@ -333,3 +333,13 @@ def test_a_pinned_expert_the_layer_asks_for_needs_no_second_slot(agent: Agent) -
     assert agent.enforcer.apply(make_plan(agent, caps=(3, 4), pinned=[(0, 0)])).status is AckStatus.APPLIED
     eng.experts.ensure(0, [0, 1, 2])
     assert eng.pool.num_bound(0) == 3 and all(eng.pool.is_resident(0, e) for e in (0, 1, 2))
+
+
+def test_the_applied_plans_slots_are_kept_by_model_layer(agent: Agent) -> None:
+    """What the adapter reports as the split in force (`Telemetry.expert_slots`): each MoE layer's cap of the plan
+    last applied, none before one; a refused plan leaves them as they were."""
+    assert agent.enforcer.expert_slots == {}
+    assert agent.enforcer.apply(make_plan(agent, caps=(3, 5))).status is AckStatus.APPLIED
+    assert agent.enforcer.expert_slots == {0: 3, 1: 5}
+    refused = agent.enforcer.apply(make_plan(agent, version=3, caps=(5, 3)))  # built on version 2, never applied
+    assert refused.status is AckStatus.REJECTED and agent.enforcer.expert_slots == {0: 3, 1: 5}
