@@ -100,14 +100,12 @@ def controller_config(engine: ReferenceEngine, ctx: PointContext, calibrate: boo
 # fewer, each token pays for loads of its own and the experts KV first gave up cost more than its sequences
 # earn. H100 phase runs 52-53 (bench/results/phase_h200.md, session 30), tierplan from KV first against
 # tierplan_rs from the resident split, the same controller: KV first 2.5x at b128 4K 40 GiB (its share runs ~103
-# sequences, 6.4 x 128 / 8) and 1.15x at b256 1K 40 GiB (256); the resident start 1.07-1.24x at the 16K b128/b256
-# 40 GiB points (~22) and 1.14-1.66x at three b8 points. At the 16K 56 GiB points KV first runs ~32 (b32) and ~35
-# (b128), 2.0-2.2 x: there it lost to static_lru in every run, seven on the H100/H200 (phase runs 37-57,
-# 0.59-0.93x of it, with 5-6 preemptions each where static_lru had none), and resident itself beat it at b32
-# (267.8 to 241.5 tok/s, H100 run 57). Mixtral (8 / 2 = 4) agrees on the H200 (run 25, the fluxmoe allocator from
-# KV first against resident): KV first 0.79x resident at b8 1K 80 GiB (2 x), 1.39x at b32 (8 x). So the factor
-# sits between 2.2 and 6.4, chosen from these runs, not derived: 4 (64 sequences for qwen3, 16 for mixtral).
-KV_FIRST_MIN_BATCHES = 4.0
+# sequences) and 1.15x at b256 1K 40 GiB (256); the resident start 1.07-1.24x at the 16K b128/b256 40 GiB points
+# (~22) and 1.14-1.66x at three b8 points (0.94x at b8 16K 24 GiB). 2 x 128 / 8 = 32 for qwen3 sits between; the
+# factor is chosen from these runs, not derived, and the 16K 56 GiB points (~32-36) sit on it, unmeasured. Measured
+# in H100 runs 54-55 (session 31): the resident start 1.06-1.81x tierplan_kf at the four b8 points, 0.93x at
+# b128 16K 40 GiB.
+KV_FIRST_MIN_BATCHES = 2.0
 
 
 def sequences_run(ctx: PointContext, gpu_blocks: int) -> int:

@@ -190,32 +190,30 @@ def test_live_baselines_start_kv_first(tmp_path: Path, name: str) -> None:
     assert f"KV first ({run.split.kv_gpu_blocks} GPU blocks" in run.initial_plan.reason
 
 
-def test_tierplan_starts_kv_first_only_where_its_share_runs_four_times_experts_over_top_k_sequences(
+def test_tierplan_starts_kv_first_only_where_its_share_runs_twice_experts_over_top_k_sequences(
         tmp_path: Path) -> None:
-    """tierplan's start: the resident split at batch 4 and 12 (KV first would run 4 and 12 sequences, under
-    4 x 8 / 2 = 16 of the tiny model; 12 is over the factor 2 it had through session 33), KV first at batch 16 (all
-    16 requests fit the GPU tier: 16 >= 16), whose reasons say why."""
+    """tierplan's start: the resident split at batch 4 (KV first would run 4 sequences, under 2 x 8 / 2 = 8 of
+    the tiny model), KV first at batch 12 (all 12 requests fit the GPU tier: 12 >= 8), whose reasons say why."""
     from tierplan.bench.baselines.base import kv_first_split
     from tierplan.bench.baselines.static import resident_split
     from tierplan.bench.baselines.tierplan_live import sequences_run
 
     runs = {}
-    for batch in (4, 12, 16):
-        eng, ctx = bp.context(tmp_path / str(batch), bp.requests(max(12, batch)), batch=batch)
+    for batch in (4, 12):
+        eng, ctx = bp.context(tmp_path / str(batch), batch=batch)
         try:
-            assert 4 * ctx.num_experts / ctx.top_k == 16
+            assert 2 * ctx.num_experts / ctx.top_k == 8
             runs[batch] = (_in_process("tierplan").start(eng, ctx), resident_split(ctx, eng),
                            kv_first_split(ctx, eng), sequences_run(ctx, kv_first_split(ctx, eng).kv_gpu_blocks))
         finally:
             eng.close()
-    for batch in (4, 12):
-        small, resident, kv_first, held = runs[batch]
-        assert held == batch and small.split == resident != kv_first
-        assert "resident start (" in small.initial_plan.reason and \
-            f"would run ~{batch} sequences at once, < 16" in small.initial_plan.reason
-    large, resident, kv_first, held = runs[16]
-    assert held >= 16 and large.split == kv_first != resident
-    assert f"KV first ({kv_first.kv_gpu_blocks} GPU blocks for the batch, ~{held} sequences at once, >= 16" in \
+    small, resident, kv_first, held = runs[4]
+    assert held == 4 and small.split == resident != kv_first
+    assert "resident start (" in small.initial_plan.reason and "would run ~4 sequences at once, < 8" in \
+        small.initial_plan.reason
+    large, resident, kv_first, held = runs[12]
+    assert held >= 8 and large.split == kv_first != resident
+    assert f"KV first ({kv_first.kv_gpu_blocks} GPU blocks for the batch, ~{held} sequences at once, >= 8" in \
         large.initial_plan.reason
 
 
