@@ -102,9 +102,13 @@ def controller_config(engine: ReferenceEngine, ctx: PointContext, calibrate: boo
 # tierplan_rs from the resident split, the same controller: KV first 2.5x at b128 4K 40 GiB (its share runs ~103
 # sequences) and 1.15x at b256 1K 40 GiB (256); the resident start 1.07-1.24x at the 16K b128/b256 40 GiB points
 # (~22) and 1.14-1.66x at three b8 points (0.94x at b8 16K 24 GiB). 2 x 128 / 8 = 32 for qwen3 sits between; the
-# factor is chosen from these runs, not derived, and the 16K 56 GiB points (~32-36) sit on it, unmeasured. Measured
-# in H100 runs 54-55 (session 31): the resident start 1.06-1.81x tierplan_kf at the four b8 points, 0.93x at
-# b128 16K 40 GiB.
+# factor is chosen from these runs, not derived. Measured in H100 runs 54-55 (session 31): the resident start
+# 1.06-1.81x tierplan_kf at the four b8 points, 0.93x at b128 16K 40 GiB. The 16K 56 GiB points sit on it (~32 at
+# b32, ~35 at b128): there tierplan from KV first lost to static_lru in all seven runs (phase runs 37-57,
+# 0.59-0.93x, 5-6 preemptions each) yet beat resident 1.36x at b128 (H100 run 57); a larger factor would also start
+# resident at b32 1K 24/40 GiB (32 sequences, KV first keeping 299/572 slots: tierplan 1.31x/1.00x the best
+# baseline there) and b128/b256 4K 24 GiB (~40; KV first 1.56-1.71x resident), so it stays until the two starts
+# are measured side by side there.
 KV_FIRST_MIN_BATCHES = 2.0
 
 
