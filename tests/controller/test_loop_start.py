@@ -16,7 +16,7 @@ import pytest
 
 from tests.controller.loop_fixtures import Windows, make_controller
 from tests.controller.qwen3_fixtures import BLOCK_BYTES, EXPERTS, LAYERS, TOP_K, qwen3_controller
-from tierplan.controller.loop import Controller
+from tierplan.controller.loop import Controller, in_units
 from tierplan.controller.plan_reason import Split
 from tierplan.controller.protocol import LayerSlots, Telemetry, Tier, parse
 from tierplan.runtime.engine.routing_trace import RoutingTrace
@@ -106,8 +106,6 @@ def test_a_start_filled_to_the_byte_is_not_read_as_over_the_budget() -> None:
     fits" forced a first plan past the margin and the first-fill hold: 91 slots to KV while the demand rose. Over
     by the rounding alone, the start is the split in force, its KV share a few blocks short, and a first plan must
     clear the margin; over by more (the budget did shrink), the switch is still owed."""
-    from tierplan.controller.loop import in_units
-
     budget = (40 << 30) * 8 // 48  # 6.67 GiB: the unit (~1.7 MiB) divides neither a slot nor a KV block
     ids = RoutingTrace.load(TRACE).routes(1 << 15, LAYERS, TOP_K, EXPERTS)[0]
     start = (60,) * 7 + (59,)
