@@ -108,37 +108,50 @@ def moe_vs_grouped(dev: Device, hidden: int, inter: int, experts: int, top_k: in
             "moe_layer_ms": t_ours * 1e3, "grouped_gemm_ms": t_bare * 1e3, "ratio": t_ours / t_bare}
 
 
-def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, block: int, reps: int) -> dict:
-    from tierplan.runtime.engine.kernels.paged_attention import interpreted, paged_decode_attention
+def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, block: int, reps: int,
+                  padded_to: int = 0) -> dict:
+    """`padded_to`: the batch's rows are padded to this CUDA-graph bucket as the engine pads a decode step
+    (padding rows read one token of a block no sequence owns); the kernel also runs with its splits sized by the
+    padded rows (as before phase run 61) beside the engine's sizing, in the same run."""
+    from tierplan.runtime.engine.graphs import fewest_rows
+    from tierplan.runtime.engine.kernels.paged_attention import interpreted, num_splits, paged_decode_attention
 
     g = torch.Generator().manual_seed(1)
     nb = ctx // block
+    rows = max(batch, padded_to)
     tdev = dev.torch_device
-    k = torch.randn(batch * nb, block, hkv, d, generator=g).to(torch.bfloat16).to(tdev)  # [N, T, Hkv, D]
-    v = torch.randn(batch * nb, block, hkv, d, generator=g).to(torch.bfloat16).to(tdev)
-    table = torch.randperm(batch * nb, generator=g).view(batch, nb).to(torch.int32).to(tdev)  # scattered blocks
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device=tdev)
-    q = torch.randn(batch, hq, d, generator=g).to(torch.bfloat16).to(tdev)
-    kc = k[table.long()].reshape(batch, ctx, hkv, d).transpose(1, 2).contiguous()  # [B, Hkv, C, D] contiguous
-    vc = v[table.long()].reshape(batch, ctx, hkv, d).transpose(1, 2).contiguous()
-    qs = q.view(batch, hq, 1, d)
+    k = torch.randn(batch * nb + 1, block, hkv, d, generator=g).to(torch.bfloat16).to(tdev)  # [N, T, Hkv, D]
+    v = torch.randn(batch * nb + 1, block, hkv, d, generator=g).to(torch.bfloat16).to(tdev)
+    table = torch.full((rows, nb), batch * nb, dtype=torch.int32)  # padding rows: the last block only
+    table[:batch] = torch.randperm(batch * nb, generator=g).view(batch, nb)  # scattered blocks
+    table = table.to(tdev)
+    lens = torch.tensor([ctx] * batch + [1] * (rows - batch), dtype=torch.int32, device=tdev)
+    q = torch.randn(rows, hq, d, generator=g).to(torch.bfloat16).to(tdev)
+    real_rows = fewest_rows(rows) if padded_to else None
+    real_table = table[:batch].long()
+    kc = k[real_table].reshape(batch, ctx, hkv, d).transpose(1, 2).contiguous()  # [B, Hkv, C, D] contiguous
+    vc = v[real_table].reshape(batch, ctx, hkv, d).transpose(1, 2).contiguous()
+    qs = q[:batch].view(batch, hq, 1, d)
 
     kernel = dev.is_cuda or interpreted()  # on a plain CPU the engine reads paged KV with torch instead
 
-    def ours() -> None:
+    def ours(splits_rows: int | None = real_rows) -> None:
         if kernel:
-            paged_decode_attention(q, k, v, table, lens)
+            paged_decode_attention(q, k, v, table, lens, real_rows=splits_rows)
             return
-        kk = k[table.long()].reshape(batch, ctx, hkv, d).transpose(1, 2)  # [B, Hkv, C, D] gathered by table
-        vv = v[table.long()].reshape(batch, ctx, hkv, d).transpose(1, 2)
+        kk = k[real_table].reshape(batch, ctx, hkv, d).transpose(1, 2)  # [B, Hkv, C, D] gathered by table
+        vv = v[real_table].reshape(batch, ctx, hkv, d).transpose(1, 2)
         F.scaled_dot_product_attention(qs, kk, vv, enable_gqa=True)
 
     def sdpa() -> None:
         F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True)
 
     t_ours, t_sdpa = timed_gpu(dev, ours, reps), timed_gpu(dev, sdpa, reps)
-    return {"batch": batch, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "block": block,
+    t_rows = timed_gpu(dev, lambda: ours(None), reps) if padded_to and kernel else None
+    return {"batch": batch, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "block": block, "padded_to": rows,
+            "splits": num_splits(rows, hkv, real_rows), "splits_by_padded_rows": num_splits(rows, hkv),
             "paged_ms": t_ours * 1e3, "sdpa_ms": t_sdpa * 1e3, "ratio": t_ours / t_sdpa,
+            "paged_ms_splits_by_padded_rows": None if t_rows is None else t_rows * 1e3,
             "paged_kernel": "triton" if kernel else "torch gather + SDPA (CPU reference)"}
 
 
@@ -292,8 +305,11 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
         raise ValueError(f"unknown bench sections {sorted(unknown)}; expected some of {SECTIONS}")
     res["moe"] = [moe_vs_grouped(dev, *s, reps) for s in shapes] if "moe" in sections else []
     say(f"moe: {res['moe']}")
-    att = [(2, 64, 4, 2, 16, 16)] if quick else [(b, c, 32, 4, 128, 16) for b in (32, 128) for c in (4096, 16384)]
-    res["attention"] = [paged_vs_sdpa(dev, *a, reps) for a in att] if "attention" in sections else []
+    # (batch, padded to): full buckets, and the decode steps of phase run 61 (8 and 9 sequences of 16K context)
+    att = [((2, 64, 4, 2, 16, 16), 0), ((3, 64, 4, 2, 16, 16), 4)] if quick else \
+        [((b, c, 32, 4, 128, 16), 0) for b in (32, 128) for c in (4096, 16384)] + \
+        [((b, 16384, 32, 4, 128, 16), p) for b, p in ((8, 0), (9, 16), (12, 16), (16, 0), (17, 24))]
+    res["attention"] = [paged_vs_sdpa(dev, *a, reps, padded_to=p) for a, p in att] if "attention" in sections else []
     say(f"attention: {res['attention']}")
     res["decode"] = []
     modes = [g for g, name in ((True, "decode"), (False, "eager")) if name in sections and (dev.is_cuda or not g)]
@@ -334,10 +350,12 @@ def run_engine_bench(out_dir: Path, device: str = "cuda", quick: bool = False, c
           "| MoE layer | batch | ours ms | bare grouped GEMM ms | ratio |", "|---|---|---|---|---|"]
     md += [f"| h{m['hidden']} i{m['inter']} E{m['experts']} k{m['top_k']} | {m['batch']} | {m['moe_layer_ms']:.3f} | "
            f"{m['grouped_gemm_ms']:.3f} | {m['ratio']:.2f} |" for m in res["moe"]]
-    md += ["", "| decode attention | batch | ctx | paged ms | SDPA contiguous ms | ratio |",
-           "|---|---|---|---|---|---|"]
-    md += [f"| {a['hq']}q/{a['hkv']}kv d{a['d']} | {a['batch']} | {a['ctx']} | {a['paged_ms']:.3f} | "
-           f"{a['sdpa_ms']:.3f} | {a['ratio']:.2f} |" for a in res["attention"]]
+    md += ["", "| decode attention | batch | padded to | ctx | splits | paged ms | SDPA contiguous ms | ratio "
+           "| splits by padded rows | paged ms with those |", "|---|---|---|---|---|---|---|---|---|---|"]
+    md += [f"| {a['hq']}q/{a['hkv']}kv d{a['d']} | {a['batch']} | {a['padded_to']} | {a['ctx']} | {a['splits']} | "
+           f"{a['paged_ms']:.3f} | {a['sdpa_ms']:.3f} | {a['ratio']:.2f} | {a['splits_by_padded_rows']} | "
+           + ("—" if a["paged_ms_splits_by_padded_rows"] is None else f"{a['paged_ms_splits_by_padded_rows']:.3f}")
+           + " |" for a in res["attention"]]
     md += ["", "Decode: agent off and on interleaved in blocks of steps, ABBA order, over fresh batches (rounds); "
            "overhead = on time / off time - 1 over all blocks, and the median (p25..p75) of the per-quad ratios.", "",
            "| decode, all experts resident | step | batch | steps × rounds | block | telemetry window (steps) "

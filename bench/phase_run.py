@@ -239,6 +239,9 @@ class StepRecord:
     # Of expert_hits: loads issued ahead of their layer (agent prefetch, a streaming window) that had landed or
     # were in flight when the layer asked (OnDemandExperts.prefetch_hits).
     expert_prefetch_hits: int = 0
+    # GPU time of the step's CUDA-graph replays (DecodeGraphs.take_gpu_ms); None: no graph replayed (eager, CPU).
+    # step_s beyond it is host time between pieces: tells a slow kernel from a starved engine thread.
+    graph_gpu_ms: float | None = None
 
 
 @dataclass
@@ -289,7 +292,8 @@ class _Recorder:
             link_bytes={k: now["links"][k] - last["links"].get(k, 0) for k in now["links"]},
             executors={k: n - last["ran"].get(k, 0) for k, n in now["ran"].items() if n > last["ran"].get(k, 0)},
             gc_ms=gc_ms - self._gc_ms, plan_version=plan_version,
-            expert_prefetch_hits=now["prefetch_hits"] - last["prefetch_hits"]))
+            expert_prefetch_hits=now["prefetch_hits"] - last["prefetch_hits"],
+            graph_gpu_ms=self.eng.graphs.take_gpu_ms() if self.eng.graphs is not None else None))
         self._last, self._gc_ms = now, gc_ms
 
 

@@ -97,8 +97,11 @@ def test_bench_engine_quick_writes_json_and_markdown(tmp_path: Path) -> None:
     r = runner.invoke(app, ["bench", "engine", "--device", "cpu", "--quick", "--out-dir", str(tmp_path)])
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "engine_cpu.json").read_text())
-    assert len(res["moe"]) == 2 and len(res["attention"]) == 1 and len(res["decode"]) == 2 and len(res["prefill"]) == 2
+    assert len(res["moe"]) == 2 and len(res["attention"]) == 2 and len(res["decode"]) == 2 and len(res["prefill"]) == 2
     assert all(m["ratio"] > 0 for m in res["moe"]) and "SDPA" in (tmp_path / "engine_cpu.md").read_text()
+    full, padded = res["attention"]  # 3 sequences padded to a bucket of 4: timed with both split sizings
+    assert (full["padded_to"], full["paged_ms_splits_by_padded_rows"]) == (2, None)
+    assert padded["padded_to"] == 4 and padded["paged_ms_splits_by_padded_rows"] > 0
 
 
 def test_bench_engine_prefill_times_mixed_steps_on_both_decode_paths(tmp_path: Path) -> None:
@@ -139,4 +142,4 @@ def test_bench_engine_attention_runs_on_a_plain_cpu(tmp_path: Path, monkeypatch:
                             "--out-dir", str(tmp_path)])
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "engine_cpu.json").read_text())
-    assert [a["paged_kernel"] for a in res["attention"]] == ["torch gather + SDPA (CPU reference)"]
+    assert [a["paged_kernel"] for a in res["attention"]] == ["torch gather + SDPA (CPU reference)"] * 2

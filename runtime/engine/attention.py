@@ -268,6 +268,7 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
                      cache: PagedKVCache, layer: int, spec: ModelSpec,
                      observer: MassObserver | None = None, meta: StepMeta | None = None) -> torch.Tensor:
     """One token per segment: write all new K/V rows at once, then one paged-kernel launch for the batch."""
+    from tierplan.runtime.engine.graphs import fewest_rows  # graphs imports this module
     from tierplan.runtime.engine.kernels.paged_attention import paged_decode_attention
 
     n = x.shape[0]
@@ -278,7 +279,7 @@ def gqa_decode_paged(x: torch.Tensor, w: dict[str, torch.Tensor], positions: tor
     kv = cache.gpu[:, layer]  # [Nblk, 2, T, Hkv, D]
     kv[meta.slot, 0, meta.offset] = k
     kv[meta.slot, 1, meta.offset] = v
-    out = paged_decode_attention(q, kv[:, 0], kv[:, 1], table, meta.lens)  # [B, Hq, D]
+    out = paged_decode_attention(q, kv[:, 0], kv[:, 1], table, meta.lens, real_rows=fewest_rows(n))  # [B, Hq, D]
     if isinstance(observer, QCapture):
         if layer in observer.saved:
             observer.saved[layer].copy_(q)

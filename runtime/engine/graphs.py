@@ -33,6 +33,16 @@ from tierplan.runtime.engine.hooks import StepRouting
 from tierplan.runtime.engine.model import FwdState, MoEModel
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def fewest_rows(rows: int) -> int:
+    """The fewest sequences a decode step of `rows` rows can hold: one more than the bucket below it (padding
+    rows fill the rest). The paged kernel sizes its context splits by it (`num_splits`), the same for a replay
+    and for the padded eager step, so both give the same bits."""
+    below = [b for b in BUCKETS if b < rows]
+    return below[-1] + 1 if below else 1
+
+
 _IDS = ("tokens", "positions", "trace_rows", "row_src", "forced")  # rows of the int64 staging buffer
 _Hooks = tuple[Callable[[int], None], Callable[[int], None]]  # residency work before / after MoE layer p
 
@@ -72,6 +82,11 @@ class DecodeGraphs:
         self._pools = (torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()) if capture else (None, None)
         self.capture_failures = 0
         self.last_capture_error: str | None = None  # the last capture's error, for reports (counted above)
+        # Timing events around each graph replay of the last step (`take_gpu_ms`); a pair per piece, made once.
+        n_pairs = model.num_pieces if capture else 0
+        self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        for _ in range(n_pairs)]
+        self._timed = 0  # pairs recorded since the last take_gpu_ms
 
     def reset(self) -> None:
         """Forget every captured graph (the hooks changed: a graph bakes in the forced table's address)."""
@@ -217,7 +232,7 @@ class DecodeGraphs:
             return None
         self.model.pool.wait_published()  # the graph reads every expert: loads published once issued (I3)
         if got.graphs is not None:
-            got.graphs[0].replay()
+            self._timed_replay(got.graphs[0], 0)
             assert got.logits is not None
             logits = got.logits[: len(seqs)].clone()
         else:
@@ -240,7 +255,7 @@ class DecodeGraphs:
             if p:
                 before_moe(p - 1)
             if got.graphs is not None:
-                got.graphs[p].replay()
+                self._timed_replay(got.graphs[p], p)
             else:
                 st = self._piece(st, p, bb, got.saved_q, table=True)
             if p:
@@ -250,6 +265,25 @@ class DecodeGraphs:
         logits = logits_all[: len(seqs)].clone() if got.graphs is not None else logits_all[: len(seqs)]
         self._after_replay(seqs, starts, got)
         return logits
+
+    def _timed_replay(self, graph: torch.cuda.CUDAGraph, p: int) -> None:
+        start, end = self._events[p]
+        start.record()
+        graph.replay()
+        end.record()
+        self._timed = p + 1
+
+    def take_gpu_ms(self) -> float | None:
+        """GPU time of the last step's graph replays (ms, the sum over its pieces; each from the stream reaching
+        the replay to its end), then forgotten: None if no graph replayed since the last call (an eager step, a
+        CPU). The wall time of a step beyond it went to the host between pieces (residency work, launches, the
+        GIL) or to other work on the stream. Blocks until the last replay has finished (after a step it has)."""
+        if not self._timed:
+            return None
+        self._events[self._timed - 1][1].synchronize()
+        total = sum(a.elapsed_time(b) for a, b in self._events[: self._timed])
+        self._timed = 0
+        return total
 
     def step_routes(self, p: int, b: int) -> torch.Tensor:
         """MoE layer p's routes for the b real rows of the piece just queued [b, k] (a device tensor)."""

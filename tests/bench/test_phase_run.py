@@ -411,10 +411,12 @@ def test_each_step_counts_the_loads_its_layers_found_issued_ahead() -> None:
 
     experts = NS(hits=0, prefetch_hits=0, misses=0, stalls_ms=0.0)
     eng = NS(experts=experts, cache=NS(fetch_s=0.0, gpu_hits=0, misses_by_tier={}),
-             transfer=NS(stats=lambda: {"links": {}}), executors=NS(runs={}))
+             transfer=NS(stats=lambda: {"links": {}}), executors=NS(runs={}),
+             graphs=NS(take_gpu_ms=iter([None, 3.5, None]).__next__))  # each step's graph GPU time, taken once
     rec = _Recorder(eng)  # type: ignore[arg-type]
     batch = NS(prefills=[], decodes=[NS(tokens=[1, 2])])
     for hits, ahead in ((5, 2), (9, 2), (12, 6)):
         experts.hits, experts.prefetch_hits = hits, ahead
         rec.after_step(batch, 0.01, 0.01, 0.0)  # type: ignore[arg-type]
     assert [(s.expert_hits, s.expert_prefetch_hits) for s in rec.steps] == [(5, 2), (4, 0), (3, 4)]
+    assert [s.graph_gpu_ms for s in rec.steps] == [None, 3.5, None]

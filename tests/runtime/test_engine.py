@@ -296,12 +296,12 @@ def mixed_step_gaps(spec, device: str, workdir: Path, monkeypatch: pytest.Monkey
     a third kernel engine with a quarter of the experts resident (the rest streamed in) gives the same bits."""
     import tierplan.runtime.engine.kernels.paged_attention as paged
 
-    calls: list[int] = []
+    calls: list[tuple[int, int | None]] = []
     real = paged.paged_decode_attention
 
-    def counted(q, *args):
-        calls.append(q.shape[0])
-        return real(q, *args)
+    def counted(q, *args, **kwargs):
+        calls.append((q.shape[0], kwargs.get("real_rows")))
+        return real(q, *args, **kwargs)
 
     monkeypatch.setattr(paged, "paged_decode_attention", counted)
     out, sampled = {}, {}
@@ -326,7 +326,8 @@ def mixed_step_gaps(spec, device: str, workdir: Path, monkeypatch: pytest.Monkey
         sampled[kernel, resident] = first + mass.drain()
         misses = eng.experts.misses
         eng.close()
-        assert calls == ([2] * spec.num_layers * 2 if kernel else [])  # the decode rows, one batch a layer and step
+        # the decode rows, one batch a layer and step, its splits sized by the rows that hold a sequence
+        assert calls == ([(2, 2)] * spec.num_layers * 2 if kernel else [])
         out[kernel, resident] = decode, mixed[[1, 2, 0]], misses  # rows as seq 0, 1, 2
     ref, got = sampled[False, 1.0], sampled[True, 1.0]
     assert [(m.block, m.samples) for m in got] == [(m.block, m.samples) for m in ref] and got

@@ -255,6 +255,9 @@ def test_cuda_graph_decode_matches_eager_decode(tmp_path: Path, batch: int) -> N
             from tierplan.runtime.engine.executor import Reason
 
             assert eng.executors.reasons == {Reason.PREFILL: 1, Reason.ALL_RESIDENT: 5}
+            assert eng.graphs is not None
+            gpu_ms = eng.graphs.take_gpu_ms()  # the last decode step's replay, then forgotten
+            assert gpu_ms is not None and gpu_ms > 0 and eng.graphs.take_gpu_ms() is None
         eng.close()
     assert out[False].tokens == out[True].tokens
     if batch == 4:  # a full bucket runs the very same kernels: the same bits

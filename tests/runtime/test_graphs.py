@@ -39,6 +39,7 @@ def test_graph_steps_match_eager_steps(tiny, tmp_path: Path, batch: int) -> None
     b = graphed.generate(prompts, 6)
     # every decode step after the prefill replays
     assert graphed.executors.reasons == {Reason.PREFILL: 1, Reason.ALL_RESIDENT: 5}
+    assert graphed.graphs is not None and graphed.graphs.take_gpu_ms() is None  # nothing captured: no GPU time
     # padding rows wrote only the scratch block: no real sequence's KV changed
     assert a.tokens == b.tokens
     if batch == 4:

@@ -54,6 +54,33 @@ def test_context_splits_combine_to_the_reference(target: int, monkeypatch: pytes
     assert (out.float() - ref.float()).norm() / ref.float().norm() < 1e-2
 
 
+def test_padding_rows_of_a_bucket_do_not_thin_the_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket's splits are sized by the fewest sequences it can hold, not by its padded rows (phase run 61:
+    9 sequences in a bucket of 16 walked twice the context per program of 8 in a bucket of 8)."""
+    import tierplan.runtime.engine.kernels.paged_attention as pa
+    from tierplan.runtime.engine.graphs import fewest_rows
+
+    assert [fewest_rows(b) for b in (1, 2, 4, 8, 16, 20, 24, 256)] == [1, 2, 3, 5, 9, 17, 17, 193]
+    monkeypatch.setattr(pa, "TARGET_PROGRAMS", 512)
+    assert pa.num_splits(16, 4) == 8  # sized by the padded batch: 9 sequences got 9 x 4 x 8 = 288 programs
+    assert pa.num_splits(16, 4, real_rows=fewest_rows(16)) == pa.num_splits(9, 4) == 15
+    assert pa.num_splits(8, 4, real_rows=99) == pa.num_splits(8, 4)  # never more rows than the batch has
+
+
+def test_a_padded_batch_with_its_real_rows_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """5 sequences padded to a bucket of 8 (padding rows: one token): more splits, same attention."""
+    import tierplan.runtime.engine.kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "TARGET_PROGRAMS", 64)
+    lens = [40, 3, 64, 17, 29, 1, 1, 1]
+    q, k, v, table, ctx = _case(8, 4, 2, 32, 16, lens, seed=5)
+    assert pa.num_splits(8, 2, real_rows=5) > pa.num_splits(8, 2)
+    ref = paged_decode_reference(q, k, v, table, ctx)
+    out = paged_decode_attention(q, k, v, table, ctx, real_rows=5)
+    assert torch.isfinite(out.float()).all()
+    assert (out.float() - ref.float()).norm() / ref.float().norm() < 1e-2
+
+
 def test_kernel_only_reads_the_context() -> None:
     """Poison everything past each context: the output must not change."""
     q, k, v, table, ctx = _case(2, 4, 2, 16, 16, [9, 20], seed=3)

@@ -4,9 +4,10 @@ One query token per sequence reads its K/V through a block table (flash-decoding
 KV head h, split s) loads the G = Hq / Hkv query heads that share head h, walks its share of the context
 BLOCK_T tokens at a time (each token's block looked up in the table) with an online softmax (running max,
 running sum, float32 accumulator), and a second kernel combines the splits in a fixed order. The number of
-splits depends only on the batch and head counts and the walk order is fixed, so the result is the same
-whichever tier a block was fetched from. On a CPU, Triton runs the same kernel in
-its interpreter (TRITON_INTERPRET=1), which is how CI checks it. Never moves blocks; reads only.
+splits depends only on the shapes (batch, head counts, and the fewest rows of the batch that hold a sequence)
+and the walk order is fixed, so the result is the same whichever tier a block was fetched from. On a CPU,
+Triton runs the same kernel in its interpreter (TRITON_INTERPRET=1), which is how CI checks it. Never moves
+blocks; reads only.
 """
 
 from __future__ import annotations
@@ -30,9 +31,15 @@ TARGET_PROGRAMS = 512  # splits of the context so that B * Hkv * splits reaches 
 MAX_SPLITS = 32
 
 
-def num_splits(batch: int, kv_heads: int) -> int:
-    """Context splits per (sequence, KV head): a function of the shapes only, never of where blocks live."""
-    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // (batch * kv_heads))))
+def num_splits(batch: int, kv_heads: int, real_rows: int | None = None) -> int:
+    """Context splits per (sequence, KV head): a function of the shapes only, never of where blocks live.
+
+    `real_rows`: the fewest of the `batch` rows that can hold a sequence (a CUDA-graph bucket pads the rest with
+    one-token rows, whose programs end at once). The splits are sized so that those rows alone reach
+    TARGET_PROGRAMS: sized by the padded batch, 9 sequences in a bucket of 16 got 288 working programs where 8 in
+    a bucket of 8 got 512, each walking twice the context (`tierplan bench engine` times both sizings)."""
+    rows = batch if real_rows is None else max(1, min(batch, real_rows))
+    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // (rows * kv_heads))))
 
 
 if HAS_TRITON:
@@ -108,9 +115,10 @@ def interpreted() -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           real_rows: int | None = None) -> torch.Tensor:
     """q [B, Hq, D]; k/v_cache [Nblk, T, Hkv, D] (any block stride); block_tables [B, M] int32 GPU slots;
-    context_lens [B] int32 -> out [B, Hq, D]."""
+    context_lens [B] int32 -> out [B, Hq, D]. `real_rows`: see `num_splits` (None: every row holds one)."""
     if not HAS_TRITON:
         raise RuntimeError("paged_decode_attention needs triton (pip install 'tierplan[gpu]' or '[dev]')")
     bsz, hq, d = q.shape
@@ -122,7 +130,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"paged_decode_attention: {name}={v} must be a power of two >= 16 (Triton tiles)")
     g = hq // hkv
     out = torch.empty_like(q)
-    ns = num_splits(bsz, hkv)
+    ns = num_splits(bsz, hkv, real_rows)
     m = torch.empty(bsz, hq, ns, dtype=torch.float32, device=q.device)  # [B, Hq, S] running max per split
     l_sum = torch.empty_like(m)  # [B, Hq, S]
     acc = torch.empty(bsz, hq, ns, d, dtype=torch.float32, device=q.device)  # [B, Hq, S, D]
