@@ -24,6 +24,7 @@ agent imports only `controller.protocol`. It must never build a plan itself or t
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -59,6 +60,14 @@ class InProcessLoop:
         self.acks: list[PlanAck] = []
         self.trimmed = 0
         self.peak_over_budget_bytes = 0  # most bytes a between-steps footprint exceeded the applied plan's budget
+        # How far behind decode the source plans (wait_for_plans=False): each window's sync_from + step_next on
+        # the outbox thread (seconds), the windows still queued behind it when it started, and for each applied
+        # plan the steps from the end of the window it answers to its application. A plan landing many windows
+        # after its window was priced on a batch and a queue that have moved on.
+        self.planner_s: list[float] = []
+        self.windows_queued: list[int] = []
+        self.plan_lag_steps: list[int] = []
+        self._answered: dict[int, int] = {}  # plan version -> the step its window ended at
         self.adapter = ReferenceAdapter(engine, window_steps=window_steps, sink=self._sink,
                                         local_predictor=local_predictor, **adapter_kwargs)
         self._applied: Plan | None = None
@@ -66,6 +75,17 @@ class InProcessLoop:
     def _sink(self, tel: Telemetry) -> None:
         """Outbox thread: the window goes to the source; a plan it answers with waits for the engine thread."""
         self.telemetry.append(tel)
+        ws = self.adapter.window_steps
+        ended = min((tel.window_seq + 1) * ws, self.adapter.steps)  # window k closes at step (k + 1) * ws
+        self.windows_queued.append(max(0, self.adapter.steps // ws - tel.window_seq - 1))
+        t0 = time.perf_counter()
+        try:
+            self._plan_from(tel, ended)
+        finally:
+            self.planner_s.append(time.perf_counter() - t0)
+
+    def _plan_from(self, tel: Telemetry, ended: int) -> None:
+        """Outbox thread: hand over the queued acks and the window, ask for a plan (`ended`: its window's last step)."""
         with self._lock:
             acks, self._acks_out = self._acks_out, []
         try:
@@ -87,6 +107,7 @@ class InProcessLoop:
         if plan is not None:
             with self._lock:
                 self._pending = plan
+                self._answered[plan.version] = ended
 
     def on_step(self, batch: object, step_s: float) -> None:
         a = self.adapter
@@ -106,6 +127,10 @@ class InProcessLoop:
         return self._apply(plan, tell_source=False)
 
     def _apply(self, plan: Plan, tell_source: bool = True) -> PlanAck:
+        with self._lock:
+            ended = self._answered.pop(plan.version, None)
+        if ended is not None:
+            self.plan_lag_steps.append(self.adapter.steps - ended)
         ack = self.adapter.apply(plan)
         self.plans.append(plan)
         self.acks.append(ack)
@@ -141,6 +166,7 @@ class InProcessLoop:
         applied = sum(a.status is AckStatus.APPLIED for a in self.acks)
         return {"windows": len(self.telemetry), "plans": len(self.plans), "applied": applied,
                 "rejected": len(self.acks) - applied, "telemetry_refused": len(self.refused),
-                "planner_errors": len(self.planner_errors),
+                "planner_errors": len(self.planner_errors), "planner_s": list(self.planner_s),
+                "windows_queued": list(self.windows_queued), "plan_lag_steps": list(self.plan_lag_steps),
                 "trimmed": self.trimmed, "peak_over_budget_bytes": self.peak_over_budget_bytes,
                 "prefetch": pred}

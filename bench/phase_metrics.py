@@ -326,6 +326,14 @@ def predict_at_plans(predictor: Predictor, plans: Mapping[int, Any], initial_pla
             + (f", {evicted} KV blocks the plans evicted" if evicted else ""))
 
 
+def _pct_ms(seconds: list[float] | None, q: float) -> float | None:
+    """The q-quantile of `seconds`, in ms (q = 1: the most); None without any."""
+    if not seconds:
+        return None
+    xs = sorted(seconds)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3
+
+
 def controller_step_ms(outcome: Any, warm: int, num_timed: int) -> float | None:
     """A live policy's own prediction: the controller's `Decision.step_ms` of the split in force, averaged over
     the measured steps (steps before its first decision left out; None: no decision). It prices one typical step
@@ -437,6 +445,12 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "executor_steps": _sum(timed, "executors"),  # "executor/reason": measured steps (graph, piecewise, eager)
         "plan_changes": max(0, applied - 1), "plans_rejected": len(outcome.acks) - applied,
         "planner_errors": outcome.loop_stats.get("planner_errors", 0),
+        # How far the live planner ran behind decode (closed_loop.InProcessLoop): its time a window, the windows
+        # queued behind the one it took, and each applied plan's steps from its window's end.
+        "planner_ms_p50": _pct_ms(outcome.loop_stats.get("planner_s"), 0.5),
+        "planner_ms_max": _pct_ms(outcome.loop_stats.get("planner_s"), 1.0),
+        "windows_queued_max": max(outcome.loop_stats.get("windows_queued") or [0]),
+        "plan_lag_steps": list(outcome.loop_stats.get("plan_lag_steps") or []),
         "peak_hbm_bytes": outcome.extra.get("peak_hbm_bytes"),
         "over_budget_steps": outcome.extra.get("over_budget_steps"),
         "diverged_steps": diverged, "local_predictor": outcome.extra.get("local_predictor"),

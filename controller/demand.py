@@ -55,6 +55,13 @@ class CurveSource(StrEnum):
 
 
 FREQUENCY_SOURCE = "activation frequencies (an LRU cache, tokens independent)"
+# A layer's frequency curve (irm_lru.lru_curve, ~30-40 ms each) is computed again only once the layer's per-token
+# probabilities moved by more than LRU_REUSE_PROB (largest change of one expert's) or the batch by more than
+# LRU_REUSE_BATCH of itself: 16 of them a forecast took ~0.45 s of a ~0.5 s step_next on a 2-core box, where a
+# b8 1K decode window lasts ~32 ms on an H100 (phase run 62: the first plan applied 128 steps after its window).
+LRU_REUSE_PROB = 0.002
+LRU_REUSE_BATCH = 0.02
+LRU_MEMO_PER_LAYER = 8
 
 
 def batch_bucket(tokens: float) -> int:
@@ -211,6 +218,9 @@ class DemandModel:
         self.num_windows = 0
         self.table_version = 0
         self.block_tokens, self.max_union_steps = block_tokens, max_union_steps
+        self._lru_memo: list[list[tuple[float, np.ndarray, tuple[np.ndarray, float]]]] = [
+            [] for _ in self.moe_layers]  # per layer: (batch, probs, curve), newest last (`_lru`)
+        self.lru_curves_computed = 0  # frequency curves computed, not reused (tests, reports)
         self.union_steps_skipped = 0  # reported steps past max_union_steps, left out of the curves (per layer)
         self.reuse_ages: deque[float] = deque(maxlen=max_reuse_ages)
         self.reuse_per_step: float | None = None
@@ -364,6 +374,19 @@ class DemandModel:
         e = self.num_experts
         return self.freq[m] / self.tokens[m] if self.tokens[m] else np.full(e, self.top_k / e)
 
+    def _lru(self, m: int, batch: float) -> tuple[np.ndarray, float]:
+        """`lru_curve` of layer m at `batch`, reused while neither moved past LRU_REUSE_PROB / LRU_REUSE_BATCH."""
+        probs, memo = self._token_probs(m), self._lru_memo[m]
+        for i, (b0, p0, got) in enumerate(memo):
+            if abs(batch - b0) <= LRU_REUSE_BATCH * batch and float(np.abs(probs - p0).max()) <= LRU_REUSE_PROB:
+                memo.append(memo.pop(i))  # most recently used last
+                return got
+        got = lru_curve(probs, batch)
+        self.lru_curves_computed += 1
+        memo.append((batch, probs.copy(), got))
+        del memo[:-LRU_MEMO_PER_LAYER]
+        return got
+
     def _measured(self, m: int, bucket: int) -> tuple[np.ndarray, float] | None:
         if self.curves.num_steps(m, bucket) < MIN_CURVE_STEPS:
             return None
@@ -381,7 +404,7 @@ class DemandModel:
         for m in range(num_moe):
             got = at[bucket][m] if at else None
             if got is None:
-                got = lru_curve(self._token_probs(m), batch)
+                got = self._lru(m, batch)
                 measured = False
             misses.append(tuple(float(x) for x in got[0]))
             unions.append(got[1])
@@ -441,7 +464,7 @@ class DemandModel:
             for i in np.flatnonzero(shares > 0):
                 b = BATCH_BUCKETS[int(i)]
                 got = at[b][m] if at else None
-                acc += shares[i] * (got[0] if got is not None else lru_curve(self._token_probs(m), b)[0])
+                acc += shares[i] * (got[0] if got is not None else self._lru(m, b)[0])
             out.append(tuple(float(x) for x in acc))
         return float(shares.sum()), tuple(out)
 

@@ -339,7 +339,7 @@ class Controller:
             max(0, a - b) for a, b in zip(cur.slots, new.slots, strict=True))
         if not keep and new == cur:  # the solve's split with its spare HBM as KV is the one in force
             keep, why = True, "the new split, its spare HBM given to KV, is the current one"
-        elif shrunk and fc.kv_first_fill and cfg.hold_slots_while_filling:
+        elif shrunk and fc.kv_first_fill and cfg.hold_slots_while_filling and not self._keeps_the_union(cur, new, fc):
             # A filling batch's windows price the experts for a step the batch outgrows (1 decode token a step
             # in the first window, 3-5 a few windows on): 28 of tierplan's plans in H100 phase runs 45-56 took
             # slots from a layer while the KV demand still rose; at b8 the first of them left 19-22 of the next 23
@@ -347,7 +347,8 @@ class Controller:
             # 2,735 for its twin that did not (run 55). Slots move once the demand has settled; a later rise (a
             # workload that grows) is priced on a batch measured, and moves them freely.
             keep, why = True, (f"KV demand still rising: no layer gives up expert slots while the batch first "
-                               f"fills (the new split takes {shrunk})")
+                               f"fills (the new split takes {shrunk}, and leaves a layer fewer than a step needs "
+                               "at the busiest batch its KV share runs)")
         elif keep:
             why = decision.reason if decision.action is Action.KEEP else \
                 f"saves {decision.gain_ms:.3g} ms/step, under {floor_ms:.3g} ms ({cfg.hysteresis:.0%} of the step)"
@@ -367,6 +368,19 @@ class Controller:
         if cur is not None:
             reason += f"; {decision.reason}"
         return self._issue(new, fc, reason, val, retention, choice)
+
+    def _keeps_the_union(self, cur: Split, new: Split, fc: DemandForecast) -> bool:
+        """Whether every layer `new` takes slots from keeps at least the experts a step needs (the union, on the
+        high side) at the busiest batch `new`'s KV share runs. Such a move cannot leave the grown batch's steps
+        short of slots, which is what the first-fill hold guards against (its comment in step_next); H100 phase
+        run 62, b8 1K 40 GiB: a plan pricing 134 -> 306 KV blocks at 8.49 -> 2.64 ms/step of deferral took 4 of
+        623 slots and was held for three windows, the run ending on the start's 2.5 sequences a step against
+        static_lru's 4.8. Without routing seen (no union to read) it cannot tell: False."""
+        if not fc.union_per_step:
+            return False
+        space, top_k = self.config.space, self.config.shape.top_k
+        unions = unions_high(fc, busiest_batch(fc, new.kv_blocks, space.max_running_seqs), top_k)
+        return all(b >= math.ceil(float(u)) for a, b, u in zip(cur.slots, new.slots, unions, strict=True) if b < a)
 
     def _issue(self, split: Split, fc: DemandForecast, reason: str, val: Valuation, retention: Retention,
                choice: tuple[int, ...]) -> Plan:

@@ -255,7 +255,7 @@ class PolicyKnobs(ProtocolModel):
     calibrate: bool = True
     batch_coupling: bool = True  # value each GPU KV share at the batch it runs (False: at the observed batch)
     weigh_start: bool = True  # weigh the first plan against the split the agent reports it started with
-    hold_slots_while_filling: bool = True  # no layer gives up expert slots while the batch first fills
+    hold_slots_while_filling: bool = True  # while the batch first fills, slots leave a layer only above a step's union
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -153,3 +153,9 @@ def test_without_waiting_for_plans_the_engine_runs_on_while_the_planner_is_busy(
     assert [p.plan_id for p in loop.plans] == ["p1"] and loop.acks[0].status.value == "applied"
     assert [a.plan_id for a in source.acks] == ["p1"], "the ack reached the source"
     assert before_finish and not any(on_main for _name, on_main in before_finish), before_finish
+    # how far behind decode it planned: every window timed, windows piled up behind the stuck one, and the plan
+    # applied steps after the end of the window it answers (the whole first replay ran meanwhile)
+    st = loop.stats()
+    assert len(st["planner_s"]) == len(loop.telemetry) and max(st["planner_s"]) > 0
+    assert max(st["windows_queued"]) >= 1
+    assert len(st["plan_lag_steps"]) == 1 and st["plan_lag_steps"][0] >= 4, st

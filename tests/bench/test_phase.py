@@ -97,6 +97,10 @@ def test_rows_time_the_whole_measured_span_and_name_the_batch(swept: tuple[Path,
     plans = by["tierplan"]["plans_issued"]
     assert all(p["reason"] and p["kv_gpu_blocks"] > 0 and p["expert_slots"] > 0 for p in plans)
     assert by["resident"]["plans_issued"] == []
+    # ... and how far behind decode it planned: its time a window, and each applied plan's lag in steps.
+    live = by["tierplan"]
+    assert live["planner_ms_p50"] > 0 and live["planner_ms_max"] >= live["planner_ms_p50"]
+    assert len(live["plan_lag_steps"]) == live["plan_changes"] and all(n >= 0 for n in live["plan_lag_steps"])
     # ... and how often it kept its split since, with the last reasons (why no plan beat the one in force): tierplan
     # weighs its first plan against its start, so a short run may keep the start throughout.
     held = by["tierplan"]["plans_held"]

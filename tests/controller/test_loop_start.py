@@ -87,6 +87,27 @@ def test_a_filling_batch_takes_no_slots_from_the_start_it_reported() -> None:
         assert decision.split.slots == start and why in decision.reason, decision.reason[:400]
 
 
+def test_a_filling_batch_takes_the_few_slots_its_layers_can_spare_for_kv() -> None:
+    """H100 phase run 62, b8 1K 40 GiB: from a resident start of 623 slots and 171 KV blocks, a plan giving KV 306
+    blocks for 4 slots was held three windows by the first-fill hold and the run ended on the start's 2.5
+    sequences a step (static_lru 4.8). A move whose layers keep at least a step's union at the busiest batch the
+    new KV share runs goes out while the batch fills; one that cuts a layer below it is still held (above)."""
+    ids = RoutingTrace.load(TRACE).routes(1 << 15, LAYERS, TOP_K, EXPERTS)[0]
+    start, start_blocks = (78,) * 7 + (77,), 172
+    budget = sum(start) * SLOT_BYTES + start_blocks * BLOCK_BYTES
+    ctl = qwen3_controller(budget, SLOT_BYTES, (budget - 64 * SLOT_BYTES) // BLOCK_BYTES, BLOCKS_PER_SEQ - 4, 3e12,
+                           "H100", moe_ms_per_miss=0.13)
+    tel = _resident_window(ids, start, start_blocks).model_copy(update={
+        "queued_kv_blocks": 300, "step_decode_tokens": (2,) * 8,
+        "step_tokens": tuple(2 + (1024 if i % 3 == 0 else 0) for i in range(8))})
+    ctl.sync_from(Telemetry.model_validate(tel.model_dump()))
+    plan = ctl.step_next()
+    assert plan is not None, ctl.history[-1].reason[:400]
+    slots = [b // SLOT_BYTES for b in plan.expert_bytes_per_layer]
+    assert plan.kv_blocks_per_tier[Tier.GPU] > 2 * start_blocks and sum(slots) < sum(start)
+    assert min(slots) >= 70 and "first fills" not in plan.reason  # a few slots each, far above a step's union
+
+
 @pytest.mark.parametrize(("lives", "filling"), [
     ((10, 20, 30, 45), True),  # still rising from the start
     ((10, 20, 40, 40, 40, 40), False),  # settled: 4 windows none of which grew over 10 %

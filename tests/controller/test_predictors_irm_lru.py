@@ -53,3 +53,24 @@ def test_it_never_prices_fewer_loads_than_a_cache_of_the_most_frequent() -> None
 def test_no_routed_expert_loads_nothing() -> None:
     got, union = lru_curve(np.zeros(8), 4)
     assert union == 0.0 and np.array_equal(got, np.zeros(9))
+
+
+def test_the_demand_model_reuses_a_layers_curve_while_its_frequencies_hold() -> None:
+    """A curve costs ~40 ms a layer; the forecast computes one again only once the layer's frequencies (or the
+    batch) moved past the tolerance, and a reused one is the very curve a fresh computation gives."""
+    from tests.controller.loop_fixtures import Windows, make_controller
+    from tierplan.controller.demand import CurveSource
+
+    ctl, win = make_controller(), Windows()
+    ctl.sync_from(win.next(batch=2, kv_live=10))
+    dm = ctl.demand
+    first = dm.forecast(CurveSource.FREQUENCY)
+    computed = dm.lru_curves_computed
+    assert computed >= len(dm.moe_layers)
+    again = dm.forecast(CurveSource.FREQUENCY)  # nothing observed since: every curve reused
+    assert dm.lru_curves_computed == computed and again.misses_per_step == first.misses_per_step
+    fresh = [lru_curve(dm._token_probs(m), first.batch_tokens)[0] for m in range(len(dm.moe_layers))]
+    assert [tuple(float(x) for x in c) for c in fresh] == list(first.misses_per_step)
+    ctl.sync_from(win.next(batch=2, kv_live=12))  # a few tokens move a tiny model's frequencies past it
+    dm.forecast(CurveSource.FREQUENCY)
+    assert dm.lru_curves_computed > computed
