@@ -106,6 +106,8 @@ class InProcessLoop:
             return
         if plan is not None:
             with self._lock:
+                if self._pending is not None:  # replaced before the engine thread took it: never applied
+                    self._answered.pop(self._pending.version, None)
                 self._pending = plan
                 self._answered[plan.version] = ended
 
@@ -129,9 +131,9 @@ class InProcessLoop:
     def _apply(self, plan: Plan, tell_source: bool = True) -> PlanAck:
         with self._lock:
             ended = self._answered.pop(plan.version, None)
-        if ended is not None:
-            self.plan_lag_steps.append(self.adapter.steps - ended)
         ack = self.adapter.apply(plan)
+        if ended is not None and ack.status is AckStatus.APPLIED:
+            self.plan_lag_steps.append(self.adapter.steps - ended)
         self.plans.append(plan)
         self.acks.append(ack)
         if tell_source and self.wait_for_plans:

@@ -111,8 +111,9 @@ def moe_vs_grouped(dev: Device, hidden: int, inter: int, experts: int, top_k: in
 def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, block: int, reps: int,
                   padded_to: int = 0) -> dict:
     """`padded_to`: the batch's rows are padded to this CUDA-graph bucket as the engine pads a decode step
-    (padding rows read one token of a block no sequence owns); the kernel also runs with its splits sized by the
-    padded rows (as before phase run 61) beside the engine's sizing, in the same run."""
+    (padding rows read one token of a block no sequence owns). The kernel runs with the engine's split sizing
+    (by the fewest sequences the rows can hold) and, beside it in the same run, with its splits sized by the
+    rows themselves (the sizing before phase run 61)."""
     from tierplan.runtime.engine.graphs import fewest_rows
     from tierplan.runtime.engine.kernels.paged_attention import interpreted, num_splits, paged_decode_attention
 
@@ -127,7 +128,7 @@ def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, 
     table = table.to(tdev)
     lens = torch.tensor([ctx] * batch + [1] * (rows - batch), dtype=torch.int32, device=tdev)
     q = torch.randn(rows, hq, d, generator=g).to(torch.bfloat16).to(tdev)
-    real_rows = fewest_rows(rows) if padded_to else None
+    real_rows = fewest_rows(rows)  # as the engine sizes the splits (attention.gqa_decode_paged)
     real_table = table[:batch].long()
     kc = k[real_table].reshape(batch, ctx, hkv, d).transpose(1, 2).contiguous()  # [B, Hkv, C, D] contiguous
     vc = v[real_table].reshape(batch, ctx, hkv, d).transpose(1, 2).contiguous()
@@ -147,7 +148,7 @@ def paged_vs_sdpa(dev: Device, batch: int, ctx: int, hq: int, hkv: int, d: int, 
         F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True)
 
     t_ours, t_sdpa = timed_gpu(dev, ours, reps), timed_gpu(dev, sdpa, reps)
-    t_rows = timed_gpu(dev, lambda: ours(None), reps) if padded_to and kernel else None
+    t_rows = timed_gpu(dev, lambda: ours(None), reps) if kernel else None
     return {"batch": batch, "ctx": ctx, "hq": hq, "hkv": hkv, "d": d, "block": block, "padded_to": rows,
             "splits": num_splits(rows, hkv, real_rows), "splits_by_padded_rows": num_splits(rows, hkv),
             "paged_ms": t_ours * 1e3, "sdpa_ms": t_sdpa * 1e3, "ratio": t_ours / t_sdpa,

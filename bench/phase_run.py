@@ -264,6 +264,8 @@ class _Recorder:
         self.eng = eng
         self.steps: list[StepRecord] = []
         self._last = self._snap()
+        if eng.graphs is not None:
+            eng.graphs.take_gpu_ms()  # a replay before this run (a warm-up) is none of its steps' GPU time
         self._gc_ms = 0.0
 
     def _snap(self) -> dict[str, Any]:

@@ -55,12 +55,12 @@ class CurveSource(StrEnum):
 
 
 FREQUENCY_SOURCE = "activation frequencies (an LRU cache, tokens independent)"
-# A layer's frequency curve (irm_lru.lru_curve, ~30-40 ms each) is computed again only once the layer's per-token
-# probabilities moved by more than LRU_REUSE_PROB (largest change of one expert's) or the batch by more than
-# LRU_REUSE_BATCH of itself: 16 of them a forecast took ~0.45 s of a ~0.5 s step_next on a 2-core box, where a
-# b8 1K decode window lasts ~32 ms on an H100 (phase run 62: the first plan applied 128 steps after its window).
-LRU_REUSE_PROB = 0.002
-LRU_REUSE_BATCH = 0.02
+# A layer's frequency curve (irm_lru.lru_curve, ~30-40 ms each) is a function of each expert's chance to be needed
+# in a step, q = 1 - (1 - p)^batch, alone: it is computed again only once some expert's q moved by more than
+# LRU_REUSE_Q (the union then moves by at most LRU_REUSE_Q x experts). 16 of them a forecast took ~0.45 s of a
+# ~0.5 s step_next on a 2-core box, where a b8 1K decode window lasts ~32 ms on an H100 (phase run 62: the first
+# plan applied 128 steps after its window).
+LRU_REUSE_Q = 0.002
 LRU_MEMO_PER_LAYER = 8
 
 
@@ -218,8 +218,8 @@ class DemandModel:
         self.num_windows = 0
         self.table_version = 0
         self.block_tokens, self.max_union_steps = block_tokens, max_union_steps
-        self._lru_memo: list[list[tuple[float, np.ndarray, tuple[np.ndarray, float]]]] = [
-            [] for _ in self.moe_layers]  # per layer: (batch, probs, curve), newest last (`_lru`)
+        self._lru_memo: list[list[tuple[np.ndarray, tuple[np.ndarray, float]]]] = [
+            [] for _ in self.moe_layers]  # per layer: (q, curve), most recently used last (`_lru`)
         self.lru_curves_computed = 0  # frequency curves computed, not reused (tests, reports)
         self.union_steps_skipped = 0  # reported steps past max_union_steps, left out of the curves (per layer)
         self.reuse_ages: deque[float] = deque(maxlen=max_reuse_ages)
@@ -375,15 +375,17 @@ class DemandModel:
         return self.freq[m] / self.tokens[m] if self.tokens[m] else np.full(e, self.top_k / e)
 
     def _lru(self, m: int, batch: float) -> tuple[np.ndarray, float]:
-        """`lru_curve` of layer m at `batch`, reused while neither moved past LRU_REUSE_PROB / LRU_REUSE_BATCH."""
+        """`lru_curve` of layer m at `batch`, reused while no expert's q moved past LRU_REUSE_Q (shared arrays:
+        callers copy what they change)."""
         probs, memo = self._token_probs(m), self._lru_memo[m]
-        for i, (b0, p0, got) in enumerate(memo):
-            if abs(batch - b0) <= LRU_REUSE_BATCH * batch and float(np.abs(probs - p0).max()) <= LRU_REUSE_PROB:
-                memo.append(memo.pop(i))  # most recently used last
+        q = 1.0 - (1.0 - np.clip(probs, 0.0, 1.0)) ** max(1.0, float(batch))  # [E] as lru_curve reads it
+        for i, (q0, got) in enumerate(memo):
+            if float(np.abs(q - q0).max()) <= LRU_REUSE_Q:
+                memo.append(memo.pop(i))
                 return got
         got = lru_curve(probs, batch)
         self.lru_curves_computed += 1
-        memo.append((batch, probs.copy(), got))
+        memo.append((q, got))
         del memo[:-LRU_MEMO_PER_LAYER]
         return got
 

@@ -226,6 +226,7 @@ class DecodeGraphs:
     # ---- running a staged step ---------------------------------------------------------------------
     def replay(self, seqs: list[int], starts: list[int], bb: int) -> torch.Tensor | None:
         """The whole-step graph over the staged rows: logits [B, V] (a fresh tensor), None if capture failed."""
+        self._timed = 0  # this step's replays only (`take_gpu_ms`)
         self.model.pool.map_all_for_read()  # the graph (and its capture's warm-up) reads every expert's range
         got = self._get(bb, self._watched(), piecewise=False)
         if got is None:
@@ -247,6 +248,7 @@ class DecodeGraphs:
         """The piecewise graphs over the staged rows; before_moe(p) runs on the host before the piece that
         computes MoE layer p's experts (make them resident, order the stream), after_moe(p) once it is queued.
         None if capture failed (nothing was replayed)."""
+        self._timed = 0  # this step's replays only (`take_gpu_ms`)
         got = self._get(bb, self._watched(), piecewise=True, residency=(before_moe, after_moe))
         if got is None:
             return None

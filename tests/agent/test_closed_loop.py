@@ -159,3 +159,39 @@ def test_without_waiting_for_plans_the_engine_runs_on_while_the_planner_is_busy(
     assert len(st["planner_s"]) == len(loop.telemetry) and max(st["planner_s"]) > 0
     assert max(st["windows_queued"]) >= 1
     assert len(st["plan_lag_steps"]) == 1 and st["plan_lag_steps"][0] >= 4, st
+
+
+class OnePlan:
+    """Issues `plan` from the first window, nothing after; keeps the acks."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan, self.acks = plan, []
+
+    def sync_from(self, telemetry: Telemetry) -> None:
+        return None
+
+    def step_next(self) -> Plan | None:
+        plan, self.plan = self.plan, None
+        return plan
+
+    def record_ack(self, ack: PlanAck) -> None:
+        self.acks.append(ack)
+
+
+@pytest.mark.parametrize("base_version", [0, 5])  # 5: built on a plan this agent never applied -> rejected
+def test_a_plans_lag_is_counted_only_once_it_applies(tmp_path: Path, base_version: int) -> None:
+    eng = tiny_engine(tmp_path)
+    plan = _tiny_plan(eng).model_copy(update={"base_version": base_version})
+    source = OnePlan(plan)
+    try:
+        loop = InProcessLoop(eng, source, window_steps=2, hbm_budget_bytes=plan.hbm_budget_bytes)
+        reqs = [Request(i, 0.0, 10 + 3 * i, 6, (), "test") for i in range(4)]
+        Runner(eng, Scheduler(8, eng.cfg.block_tokens, max_batch=4), ForcedRouter(flame_trace(), eng),
+               on_step=loop.on_step).run(reqs)
+        loop.finish()
+    finally:
+        eng.close()
+    applied = [a.status.value for a in source.acks] == ["applied"]
+    assert applied == (base_version == 0), source.acks
+    # waiting for plans, a window's plan applies at that window's own end: no lag
+    assert loop.stats()["plan_lag_steps"] == ([0] if applied else [])

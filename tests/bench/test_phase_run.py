@@ -412,7 +412,7 @@ def test_each_step_counts_the_loads_its_layers_found_issued_ahead() -> None:
     experts = NS(hits=0, prefetch_hits=0, misses=0, stalls_ms=0.0)
     eng = NS(experts=experts, cache=NS(fetch_s=0.0, gpu_hits=0, misses_by_tier={}),
              transfer=NS(stats=lambda: {"links": {}}), executors=NS(runs={}),
-             graphs=NS(take_gpu_ms=iter([None, 3.5, None]).__next__))  # each step's graph GPU time, taken once
+             graphs=NS(take_gpu_ms=iter([2.0, None, 3.5, None]).__next__))  # cleared at start, then a step each
     rec = _Recorder(eng)  # type: ignore[arg-type]
     batch = NS(prefills=[], decodes=[NS(tokens=[1, 2])])
     for hits, ahead in ((5, 2), (9, 2), (12, 6)):

@@ -56,8 +56,8 @@ def test_no_routed_expert_loads_nothing() -> None:
 
 
 def test_the_demand_model_reuses_a_layers_curve_while_its_frequencies_hold() -> None:
-    """A curve costs ~40 ms a layer; the forecast computes one again only once the layer's frequencies (or the
-    batch) moved past the tolerance, and a reused one is the very curve a fresh computation gives."""
+    """A curve costs ~40 ms a layer; the forecast computes one again only once some expert's chance to be needed
+    in a step moved past the tolerance, and a reused one is the very curve a fresh computation gives."""
     from tests.controller.loop_fixtures import Windows, make_controller
     from tierplan.controller.demand import CurveSource
 
