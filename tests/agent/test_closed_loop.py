@@ -3,6 +3,7 @@ its type), never a telemetry build failure, and the telemetry still reached the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,19 @@ from tierplan.runtime.engine.scheduler import Scheduler
 from tierplan.runtime.engine.workloads import Request
 
 DATA = Path(__file__).parents[2] / "data"
+
+
+def _run_four(eng, make_loop: Callable[[], InProcessLoop]) -> InProcessLoop:
+    """Four requests through the loop `make_loop` builds on `eng`, its last window handed over; `eng` closed."""
+    try:
+        loop = make_loop()
+        reqs = [Request(i, 0.0, 10 + 3 * i, 6, (), "test") for i in range(4)]
+        Runner(eng, Scheduler(8, eng.cfg.block_tokens, max_batch=4), ForcedRouter(flame_trace(), eng),
+               on_step=loop.on_step).run(reqs)
+        loop.finish()
+    finally:
+        eng.close()
+    return loop
 
 
 class FailingPlanner:
@@ -37,16 +51,8 @@ class FailingPlanner:
                                  IndexError("list index out of range")])
 def test_any_planner_exception_is_a_counted_planner_error(tmp_path: Path, exc: Exception) -> None:
     eng = tiny_engine(tmp_path)
-    bt = eng.cfg.block_tokens
     source = FailingPlanner(exc)
-    try:
-        loop = InProcessLoop(eng, source, window_steps=4)
-        reqs = [Request(i, 0.0, 10 + 3 * i, 6, (), "test") for i in range(4)]
-        trace = flame_trace()
-        Runner(eng, Scheduler(8, bt, max_batch=4), ForcedRouter(trace, eng), on_step=loop.on_step).run(reqs)
-        loop.finish()
-    finally:
-        eng.close()
+    loop = _run_four(eng, lambda: InProcessLoop(eng, source, window_steps=4))
     windows = len(loop.telemetry)
     assert windows >= 2 and source.synced == windows
     assert loop.adapter.outbox.failed == 0  # not mistaken for a window that failed to build
@@ -71,14 +77,7 @@ def test_a_source_that_fails_to_take_telemetry_is_a_counted_planner_error(tmp_pa
     """Not refused telemetry (a ValueError), not a window that failed to build: this window's planner error."""
     eng = tiny_engine(tmp_path)
     source = DeadSource(exc)
-    try:
-        loop = InProcessLoop(eng, source, window_steps=4, wait_for_plans=wait)
-        reqs = [Request(i, 0.0, 10 + 3 * i, 6, (), "test") for i in range(4)]
-        Runner(eng, Scheduler(8, eng.cfg.block_tokens, max_batch=4), ForcedRouter(flame_trace(), eng),
-               on_step=loop.on_step).run(reqs)
-        loop.finish()
-    finally:
-        eng.close()
+    loop = _run_four(eng, lambda: InProcessLoop(eng, source, window_steps=4, wait_for_plans=wait))
     windows = len(loop.telemetry)
     assert windows >= 2 and source.synced == windows and loop.adapter.outbox.failed == 0
     assert loop.planner_errors == [f"{type(exc).__name__}: {exc}"] * windows and loop.refused == []
@@ -183,14 +182,7 @@ def test_a_plans_lag_is_counted_only_once_it_applies(tmp_path: Path, base_versio
     eng = tiny_engine(tmp_path)
     plan = _tiny_plan(eng).model_copy(update={"base_version": base_version})
     source = OnePlan(plan)
-    try:
-        loop = InProcessLoop(eng, source, window_steps=2, hbm_budget_bytes=plan.hbm_budget_bytes)
-        reqs = [Request(i, 0.0, 10 + 3 * i, 6, (), "test") for i in range(4)]
-        Runner(eng, Scheduler(8, eng.cfg.block_tokens, max_batch=4), ForcedRouter(flame_trace(), eng),
-               on_step=loop.on_step).run(reqs)
-        loop.finish()
-    finally:
-        eng.close()
+    loop = _run_four(eng, lambda: InProcessLoop(eng, source, window_steps=2, hbm_budget_bytes=plan.hbm_budget_bytes))
     applied = [a.status.value for a in source.acks] == ["applied"]
     assert applied == (base_version == 0), source.acks
     # waiting for plans, a window's plan applies at that window's own end: no lag
