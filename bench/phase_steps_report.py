@@ -7,8 +7,9 @@ time the slowest 5 % of them took. Per point and policy with two runs or more (r
 it again): how far apart their means and their medians lie. Means apart with medians together: a few slow
 steps (host, collector); medians apart too: the whole run was slower (device clock, placement). Then the cost
 model replayed over the same steps (bench/phase_cost_replay.py), the runs that spent a tenth of their wall or
-more between steps, with what each plan change cost there, and how often decode steps ran chunked off their
-graphs against the union model (bench/phase_chunking.py). It never edits a row's figure.
+more between steps, with what each plan change cost there, the decode forwards' GPU time against their host time
+(where the steps carry `graph_gpu_ms`), and how often decode steps ran chunked off their graphs against the union
+model (bench/phase_chunking.py). It never edits a row's figure.
 """
 
 from __future__ import annotations
@@ -70,6 +71,23 @@ def between_summary(line: dict[str, Any]) -> dict[str, Any] | None:
             "between_ms": between, "changes": changes}
 
 
+def forward_split(line: dict[str, Any]) -> dict[str, Any] | None:
+    """A run's decode forwards after its warm-up, split into the GPU time of their graph replays (`graph_gpu_ms`,
+    CUDA events) and the rest (host work between pieces, launches, waits): medians over the steps that replayed.
+    None for runs saved without it or with no replayed decode step."""
+    cols, warm = line["steps"], int(line.get("warm_steps") or 0)
+    if "graph_gpu_ms" not in cols:
+        return None
+    pairs = [(f * 1e3, g) for f, g, n in zip(cols["step_s"][warm:], cols["graph_gpu_ms"][warm:],
+                                             cols["num_prefills"][warm:], strict=True) if n == 0 and g is not None]
+    if not pairs:
+        return None
+    fwd, gpu = np.array([f for f, _ in pairs]), np.array([g for _, g in pairs])
+    return {"point": line["point"], "policy": line["policy"], "run_id": line.get("run_id"), "steps": len(pairs),
+            "forward_ms": float(np.median(fwd)), "gpu_ms": float(np.median(gpu)),
+            "host_ms": float(np.median(fwd - gpu))}
+
+
 def spread_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per point and policy with >= 2 runs: how far apart their mean and median decode cycles lie, and the
     verdict (the module docstring's)."""
@@ -126,6 +144,15 @@ def report(paths: list[Path]) -> str:
     lines += [f"| {b['point']} | {b['policy']} | {b['run_id']} | {b['wall_ms']:.0f} | {b['between_ms']:.0f} "
               f"({b['between_ms'] / b['wall_ms']:.0%}) | "
               f"{'; '.join(f'{g:.0f} / {s_} / {f}' for g, s_, f in b['changes']) or 'none'} |" for b in betweens]
+    splits = [f for lines_ in per_file.values() for line in lines_ if (f := forward_split(line)) is not None]
+    if splits:
+        lines += ["", "## Decode forward: GPU against host", "",
+                  "Decode steps that replayed CUDA graphs, after the warm-up (medians): the forward's wall, the GPU "
+                  "time of its replays (CUDA events around each), and the rest (host work between pieces, "
+                  "launches, waits).", "",
+                  "| point | policy | run | steps | forward ms | GPU ms | host ms |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {f['point']} | {f['policy']} | {f['run_id']} | {f['steps']} | {f['forward_ms']:.2f} | "
+                  f"{f['gpu_ms']:.2f} | {f['host_ms']:.2f} |" for f in splits]
     replayed, chunking, skipped = [], [], []
     tables: dict[tuple[int, int, int], np.ndarray] = {}  # the router's table per (MoE layers, top-k, experts)
     probs: dict[tuple[int, int, int], np.ndarray] = {}  # its per-token routing probabilities

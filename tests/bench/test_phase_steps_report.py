@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from tierplan.api.cli import app
 from tierplan.bench.phase_steps import append_steps
-from tierplan.bench.phase_steps_report import between_summary, run_summary, spread_rows
+from tierplan.bench.phase_steps_report import between_summary, forward_split, run_summary, spread_rows
 
 
 def _line(policy: str, decode_ms: list[float], run_id: str, warm: int = 2) -> dict[str, Any]:
@@ -54,6 +54,21 @@ def test_the_time_between_steps_and_what_each_plan_change_moved() -> None:
     assert between_summary(line) is None
     del line["steps"]["step_s"]  # a line without the forward's own time: nothing to tell
     assert between_summary(line) is None
+
+
+def test_a_decode_forward_is_split_into_its_replays_gpu_time_and_the_host_rest() -> None:
+    """Steps saved with `graph_gpu_ms`: the forward's wall against its graph replays' GPU time (prefills, the
+    warm-up and eager steps left out); lines saved before it, or with no replayed step, give nothing."""
+    line = {"point": "p", "policy": "tierplan", "run_id": "r", "warm_steps": 1,
+            "steps": {"step_s": [0.05, 0.020, 0.012, 0.010, 0.014], "num_prefills": [1, 1, 0, 0, 0],
+                      "graph_gpu_ms": [None, None, 8.0, 7.0, None]}}
+    f = forward_split(line)
+    assert f is not None and f["steps"] == 2 and f["forward_ms"] == 11.0 and f["gpu_ms"] == 7.5
+    assert f["host_ms"] == 3.5
+    line["steps"]["graph_gpu_ms"] = [None] * 5
+    assert forward_split(line) is None
+    del line["steps"]["graph_gpu_ms"]
+    assert forward_split(line) is None
 
 
 def test_the_cli_writes_the_report_or_names_what_is_missing(tmp_path: Path) -> None:
