@@ -284,7 +284,7 @@ def test_urgent_stream_on_cuda_overtakes_a_deep_bulk_queue(dev: Device) -> None:
         b.close()
 
 
-@pytest.mark.parametrize("batch", [3, 5, 17])
+@pytest.mark.parametrize("batch", [3, 5, 9, 17])  # 9: a bucket of 16, its splits sized by its fewest 9 rows
 def test_replayed_and_padded_eager_steps_are_bit_identical_on_cuda(tmp_path: Path, batch: int) -> None:
     from tests.runtime.test_graphs import replay_vs_padded_eager
     from tierplan.runtime.engine.presets import preset
@@ -350,6 +350,29 @@ def test_engine_exact_on_cuda_in_each_execution_mode(tmp_path: Path, mode: str, 
     r = run_exact_check(preset("tiny"), 0.5, "cuda", workdir=tmp_path, mode=mode, expert_map_in="on_read" if
                         mode == "on_read" else "beside_copy", expert_store=StoreKind(store))
     assert r.line() == "exact: max_abs_diff=0.0 tokens_equal=True ok" and r.mode_steps and r.ok
+
+
+def test_a_piecewise_steps_gpu_time_sums_its_pieces_on_cuda(tmp_path: Path) -> None:
+    """Steps with experts missing replay piecewise graphs: the last step's GPU time covers all its pieces, is
+    taken once, and a step that then runs eagerly (a prefill) leaves none behind."""
+    from tests.runtime.test_graphs import PROMPTS
+    from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+    from tierplan.runtime.engine.executor import Reason
+    from tierplan.runtime.engine.presets import preset
+    from tierplan.runtime.selfcheck.exact import auto_block_tokens
+
+    spec = preset("tiny")
+    eng = ReferenceEngine(spec, Device("cuda"), EngineConfig(block_tokens=auto_block_tokens(spec), decode_kernel=True,
+                                                             decode_graphs=True, resident_frac=0.25,
+                                                             workdir=tmp_path / "p"))
+    try:
+        eng.generate(PROMPTS[:2], 3)  # 2 rows x top-2 fit the slots: piecewise
+        assert eng.executors.reasons == {Reason.PREFILL: 1, Reason.EXPERTS_MISSING: 2}
+        assert eng.graphs is not None and eng.graphs._timed == eng.model.num_pieces
+        gpu_ms = eng.graphs.take_gpu_ms()
+        assert gpu_ms is not None and gpu_ms > 0 and eng.graphs.take_gpu_ms() is None
+    finally:
+        eng.close()
 
 
 def test_forced_routes_replay_the_graph_on_cuda(tmp_path: Path) -> None:
