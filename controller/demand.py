@@ -23,7 +23,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from tierplan.controller.predictors.irm_lru import lru_curve
+from tierplan.controller.predictors.irm_lru import lru_curve, step_need
 from tierplan.controller.predictors.miss_ratio import MissRatioCurves
 from tierplan.controller.protocol import Successor, Telemetry, Tier, TransitionRow
 
@@ -118,7 +118,7 @@ class BucketCurves:
 def frequency_curve(probs: np.ndarray, batch: float) -> tuple[np.ndarray, float]:
     """Expected loads per step with 0..E slots holding the most frequent experts, tokens drawn independently
     from the per-token probabilities `probs` [E]; and the step's expected union."""
-    q = 1.0 - (1.0 - np.clip(probs, 0.0, 1.0)) ** max(1.0, batch)  # [E] P(needed in a step)
+    q = step_need(probs, batch)  # [E] P(needed in a step)
     q_sorted = np.sort(q)[::-1]
     tail = np.concatenate([np.cumsum(q_sorted[::-1])[::-1], [0.0]])  # [E + 1] sum of the not-resident
     return tail, float(q.sum())
@@ -138,7 +138,7 @@ def union_sd(fc: DemandForecast, batch: float) -> np.ndarray:
     from the activation frequencies (a sum of independent needs: variance sum q(1 - q)); zeros without them."""
     if not fc.token_probs:
         return np.zeros(len(fc.misses_per_step))
-    q = 1.0 - (1.0 - np.clip(np.asarray(fc.token_probs), 0.0, 1.0)) ** max(1.0, batch)  # [M, E]
+    q = step_need(np.asarray(fc.token_probs), batch)  # [M, E]
     return np.sqrt((q * (1.0 - q)).sum(axis=1))
 
 
@@ -378,7 +378,7 @@ class DemandModel:
         """`lru_curve` of layer m at `batch`, reused while no expert's q moved past LRU_REUSE_Q (shared arrays:
         callers copy what they change)."""
         probs, memo = self._token_probs(m), self._lru_memo[m]
-        q = 1.0 - (1.0 - np.clip(probs, 0.0, 1.0)) ** max(1.0, float(batch))  # [E] as lru_curve reads it
+        q = step_need(probs, batch)  # [E] as lru_curve reads it
         for i, (q0, got) in enumerate(memo):
             if float(np.abs(q - q0).max()) <= LRU_REUSE_Q:
                 memo.append(memo.pop(i))

@@ -35,12 +35,18 @@ MAX_GAP = 128  # steps between two uses looked at; a reuse from further back cou
 POOL_EXPERTS = 0.05  # cells whose count's mean and spread agree to this many experts share one CDF
 
 
+def step_need(probs: np.ndarray, batch: float) -> np.ndarray:
+    """P(an expert is needed in a step of `batch` tokens), tokens drawn independently from the per-token
+    probabilities `probs` (any shape, last axis experts): 1 - (1 - p)^batch, at least one token a step."""
+    return 1.0 - (1.0 - np.clip(np.asarray(probs, dtype=np.float64), 0.0, 1.0)) ** max(1.0, float(batch))
+
+
 def lru_curve(probs: np.ndarray, batch: float) -> tuple[np.ndarray, float]:
     """(loads per step with 0..E LRU slots [E + 1], the step's expected union), tokens of a `batch`-token step
     drawn independently from the per-token probabilities `probs` [E] (summing to top-k)."""
     p = np.asarray(probs, dtype=np.float64)
     e = p.size
-    q_all = 1.0 - (1.0 - np.clip(p, 0.0, 1.0)) ** max(1.0, float(batch))  # [E] P(needed in a step)
+    q_all = step_need(p, batch)  # [E] P(needed in a step)
     q = q_all[q_all > 0]  # [n] experts ever routed
     union = float(q.sum())
     if q.size == 0:

@@ -39,8 +39,8 @@ def fewest_rows(rows: int) -> int:
     """The fewest sequences a decode step of `rows` rows can hold: one more than the bucket below it (padding
     rows fill the rest). The paged kernel sizes its context splits by it (`num_splits`), the same for a replay
     and for the padded eager step, so both give the same bits."""
-    below = [b for b in BUCKETS if b < rows]
-    return below[-1] + 1 if below else 1
+    i = bisect.bisect_left(BUCKETS, rows)  # BUCKETS[:i] are the buckets below
+    return BUCKETS[i - 1] + 1 if i else 1
 
 
 _IDS = ("tokens", "positions", "trace_rows", "row_src", "forced")  # rows of the int64 staging buffer
