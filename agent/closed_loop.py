@@ -8,7 +8,9 @@ deterministic (the same plans at the same steps on every run); it costs the engi
 acceptable in process, never over a network. With `wait_for_plans=False` the engine never waits: the window is
 built and planned on the outbox thread while decode goes on, and a plan is applied at the first window end after
 it is ready (a window later, as a sidecar's plans arrive); every call into the source then runs on the outbox
-thread (acks are queued and handed over before the next window), so the source needs no lock. Plans then
+thread (acks are queued and handed over before the next window), so the source needs no lock. A planner behind
+decode catches up: a window with newer ones closed behind it is synced but not planned from (`windows_unplanned`;
+at most MAX_UNPLANNED in a row), as a plan priced on it would land after a newer one was seen. Plans then
 depend on timing: runs are not repeatable step for step. Telemetry the source refuses is counted, never
 dropped silently; so is any other exception the source raises (`planner_errors`, with the type name).
 A policy's starting plan, which the source never issued, goes in with `apply_initial` before the first step
@@ -31,6 +33,11 @@ from typing import Any, Protocol
 from tierplan.agent.adapters.reference import ReferenceAdapter
 from tierplan.controller.protocol import AckStatus, Plan, PlanAck, Telemetry
 from tierplan.runtime.engine.engine import ReferenceEngine
+
+# wait_for_plans=False: windows in a row synced without a plan while newer ones queue behind them. A planner that
+# cannot keep up even with syncing still plans every this many windows. Phase run 62 (H100, b8 1K 56 GiB): with
+# every queued window planned in turn (~0.5 s each against ~32 ms windows), the first plan applied 128 steps late.
+MAX_UNPLANNED = 8
 
 
 class PlanSource(Protocol):
@@ -66,6 +73,8 @@ class InProcessLoop:
         # after its window was priced on a batch and a queue that have moved on.
         self.planner_s: list[float] = []
         self.windows_queued: list[int] = []
+        self.windows_unplanned = 0
+        self._unplanned_run = 0  # windows synced without a plan since the last one planned from
         self.plan_lag_steps: list[int] = []
         self._answered: dict[int, int] = {}  # plan version -> the step its window ended at
         self.adapter = ReferenceAdapter(engine, window_steps=window_steps, sink=self._sink,
@@ -77,15 +86,20 @@ class InProcessLoop:
         self.telemetry.append(tel)
         ws = self.adapter.window_steps
         ended = min((tel.window_seq + 1) * ws, self.adapter.steps)  # window k closes at step (k + 1) * ws
-        self.windows_queued.append(max(0, self.adapter.steps // ws - tel.window_seq - 1))
+        queued = max(0, self.adapter.steps // ws - tel.window_seq - 1)
+        self.windows_queued.append(queued)
+        plan = queued == 0 or self._unplanned_run >= MAX_UNPLANNED
+        self._unplanned_run = 0 if plan else self._unplanned_run + 1
+        self.windows_unplanned += not plan
         t0 = time.perf_counter()
         try:
-            self._plan_from(tel, ended)
+            self._plan_from(tel, ended, plan)
         finally:
             self.planner_s.append(time.perf_counter() - t0)
 
-    def _plan_from(self, tel: Telemetry, ended: int) -> None:
-        """Outbox thread: hand over the queued acks and the window, ask for a plan (`ended`: its window's last step)."""
+    def _plan_from(self, tel: Telemetry, ended: int, plan_it: bool = True) -> None:
+        """Outbox thread: hand over the queued acks and the window, ask for a plan unless `plan_it` is False
+        (`ended`: its window's last step)."""
         with self._lock:
             acks, self._acks_out = self._acks_out, []
         try:
@@ -97,6 +111,8 @@ class InProcessLoop:
             return
         except Exception as exc:  # the source itself failed (a planner's process that hung or died): counted
             self.planner_errors.append(f"{type(exc).__name__}: {exc}")
+            return
+        if not plan_it:
             return
         try:
             plan = self.source.step_next()
@@ -169,6 +185,7 @@ class InProcessLoop:
         return {"windows": len(self.telemetry), "plans": len(self.plans), "applied": applied,
                 "rejected": len(self.acks) - applied, "telemetry_refused": len(self.refused),
                 "planner_errors": len(self.planner_errors), "planner_s": list(self.planner_s),
-                "windows_queued": list(self.windows_queued), "plan_lag_steps": list(self.plan_lag_steps),
+                "windows_queued": list(self.windows_queued), "windows_unplanned": self.windows_unplanned,
+                "plan_lag_steps": list(self.plan_lag_steps),
                 "trimmed": self.trimmed, "peak_over_budget_bytes": self.peak_over_budget_bytes,
                 "prefetch": pred}

@@ -450,6 +450,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "planner_ms_p50": _pct_ms(outcome.loop_stats.get("planner_s"), 0.5),
         "planner_ms_max": _pct_ms(outcome.loop_stats.get("planner_s"), 1.0),
         "windows_queued_max": max(outcome.loop_stats.get("windows_queued") or [0]),
+        "windows_unplanned": outcome.loop_stats.get("windows_unplanned", 0),
         "plan_lag_steps": list(outcome.loop_stats.get("plan_lag_steps") or []),
         "peak_hbm_bytes": outcome.extra.get("peak_hbm_bytes"),
         "over_budget_steps": outcome.extra.get("over_budget_steps"),

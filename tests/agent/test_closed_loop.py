@@ -158,6 +158,10 @@ def test_without_waiting_for_plans_the_engine_runs_on_while_the_planner_is_busy(
     assert len(st["planner_s"]) == len(loop.telemetry) and max(st["planner_s"]) > 0
     assert max(st["windows_queued"]) >= 1
     assert len(st["plan_lag_steps"]) == 1 and st["plan_lag_steps"][0] >= 4, st
+    # windows that queued behind the stuck one were synced, never planned from: the planner caught up
+    planned = sum(name == "step_next" for name, _ in source.calls)
+    assert st["windows_unplanned"] >= 1 and planned == len(loop.telemetry) - st["windows_unplanned"], st
+    assert sum(name == "sync_from" for name, _ in source.calls) == len(loop.telemetry)
 
 
 class OnePlan:

@@ -74,3 +74,36 @@ def test_the_demand_model_reuses_a_layers_curve_while_its_frequencies_hold() -> 
     ctl.sync_from(win.next(batch=2, kv_live=12))  # a few tokens move a tiny model's frequencies past it
     dm.forecast(CurveSource.FREQUENCY)
     assert dm.lru_curves_computed > computed
+
+
+def _full_grid(probs: np.ndarray, batch: float) -> np.ndarray:
+    """lru_curve's model over every (gap, earlier position, this position) cell in float64, no symmetry used."""
+    from scipy.special import ndtr
+
+    from tierplan.controller.predictors.irm_lru import MAX_GAP, POSITIONS
+
+    q = 1.0 - (1.0 - probs) ** max(1.0, batch)
+    q = q[q > 0]
+    pos = (np.arange(POSITIONS) + 0.5) / POSITIONS
+    absent = (1.0 - q)[None, :] ** np.arange(MAX_GAP)[:, None]
+    untouched = (absent[:, None, None, :] * (1.0 - q * (1.0 - pos)[:, None])[None, :, None, :]
+                 * (1.0 - q * pos[:, None])[None, None, :, :])
+    touched = 1.0 - untouched
+    v = touched * untouched
+    moments = [(x.sum(axis=-1, keepdims=True) - x).ravel() for x in (touched, v, v * (untouched - touched))]
+    weight = np.broadcast_to((q * q * absent / POSITIONS**2)[:, None, None, :], touched.shape).ravel()
+    mean, sd = moments[0], np.maximum(np.sqrt(np.maximum(moments[1], 0.0)), 1e-6)
+    x = (np.arange(1, probs.size + 1)[None, :] - 0.5 - mean[:, None]) / sd[:, None]
+    below = ndtr(x) + (moments[2] / sd**3)[:, None] * (1.0 - x**2) * np.exp(-0.5 * x**2) / (6.0 * np.sqrt(2 * np.pi))
+    below = np.maximum.accumulate(np.clip(below, 0.0, 1.0), axis=1)
+    return np.maximum(q.sum() - np.concatenate([[0.0], weight @ below]), 0.0)
+
+
+@pytest.mark.parametrize(("experts", "top_k", "batch"), [(8, 2, 1), (8, 2, 5), (24, 4, 3)])
+def test_the_symmetric_float32_form_is_the_full_grid(experts: int, top_k: int, batch: int) -> None:
+    """lru_curve computes each pair of positions once (a pair and its mirror see the same count), its sums in
+    float32, and pools cells of like count: within pooling's error of every cell priced on its own in float64."""
+    rng = np.random.default_rng(experts * batch)
+    probs = np.minimum(top_k * rng.dirichlet(np.full(experts, 0.5)), 0.95)
+    got, union = lru_curve(probs, batch)
+    np.testing.assert_allclose(got, _full_grid(probs, batch), rtol=0.02, atol=0.01 * union)
