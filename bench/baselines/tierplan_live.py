@@ -7,7 +7,8 @@ starts from the serving shape an operator declares (vLLM's max_num_seqs and max_
 applies before the first step, so the budget holds from step one and the controller moves away from it only
 where its model says it pays. Which shape (`start_split`): KV first (GPU blocks for the batch's largest requests
 whole, experts the rest) where that share runs enough sequences that a step's tokens share the experts it
-streams (`KV_FIRST_MIN_BATCHES`), else the resident split (every expert that fits, KV the rest). `mv_wsa`,
+streams (`KV_FIRST_MIN_BATCHES`) or where it costs next to no expert slots (`KV_FIRST_FREE_SLOT_SHARE`), else
+the resident split (every expert that fits, KV the rest). `mv_wsa`,
 `fluxmoe` and the variant `tierplan_kf` always start KV first: among them only the allocator differs; where
 tierplan starts resident, it differs from them in its start too. The controller never issued that plan, so
 `AfterInitialPlan` shifts plan versions between the agent and the controller by one. `mv_wsa` and `fluxmoe`
@@ -110,6 +111,15 @@ def controller_config(engine: ReferenceEngine, ctx: PointContext, calibrate: boo
 # baseline there) and b128/b256 4K 24 GiB (~40; KV first 1.56-1.71x resident), so it stays until the two starts
 # are measured side by side there.
 KV_FIRST_MIN_BATCHES = 2.0
+# Below that, KV first still pays where it costs next to no experts: at most this share of the resident split's
+# slots, and its smallest layer holds a decode step's union at the batch it runs (uniform routing, the largest
+# union). H100 phase run 62, b8 1K 40/56 GiB: KV first kept 611/885 slots against the resident 623/897 (2.0 %/1.3 %)
+# for 651/614 KV blocks against 171/134, all 8 sequences against 2.5 a step, a 128-expert layer holding 76/110 slots
+# against a 51.6-expert union at 8 tokens: fluxmoe 846.2/681.1 tok/s and static_lru 440.1/750.6 against the
+# resident split's 554.9/529.2 (tierplan from it 536.7/503.8). Not at b8 1K 24 GiB (338 against 350 slots, 3.4 %,
+# 42 a layer under the union: resident 206.3, fluxmoe 220.1, tierplan from the resident split 230.2) nor at b8 16K
+# 56 GiB (574 against 753 slots, 24 %: KV first 253-256 tok/s, resident 274.6; sessions 33-35's rows).
+KV_FIRST_FREE_SLOT_SHARE = 0.05
 
 
 def sequences_run(ctx: PointContext, gpu_blocks: int) -> int:
@@ -120,19 +130,46 @@ def sequences_run(ctx: PointContext, gpu_blocks: int) -> int:
     return min(ctx.batch, int(gpu_blocks / max(1.0, mean)))
 
 
-def chosen_start(ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str]:
-    """tierplan's start (module docstring): KV first where its share runs at least `KV_FIRST_MIN_BATCHES` x
-    num_experts / top_k sequences (`sequences_run`), else the resident split; with the reason's opening."""
-    kv_first = kv_first_split(ctx, engine)
-    held = sequences_run(ctx, kv_first.kv_gpu_blocks)
-    need = KV_FIRST_MIN_BATCHES * ctx.num_experts / max(1, ctx.top_k)
+def uniform_union(num_experts: int, top_k: int, tokens: int) -> float:
+    """Experts a layer's step of `tokens` tokens needs when every token picks top_k of num_experts uniformly (the
+    largest union any routing gives for that many tokens): E (1 - (1 - k/E)^tokens)."""
+    return num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** max(1, tokens))
+
+
+def kv_first_pays(kv_first: Split, held: int, resident: Split, resident_held: int, num_experts: int,
+                  top_k: int) -> str | None:
+    """Why KV first (running ~`held` sequences) beats the resident split (running ~`resident_held`) as a start,
+    or None where it does not: its share runs at least `KV_FIRST_MIN_BATCHES` x num_experts / top_k sequences,
+    or it costs at most `KV_FIRST_FREE_SLOT_SHARE` of the resident split's slots for more sequences while its
+    smallest layer holds a step's union at its batch (`uniform_union`)."""
+    need = KV_FIRST_MIN_BATCHES * num_experts / max(1, top_k)
     rule = f"{need:g} = {KV_FIRST_MIN_BATCHES:g} x experts / top-k"
     if held >= need:
+        return f">= {rule}"
+    given_up = resident.expert_slots - kv_first.expert_slots
+    union = uniform_union(num_experts, top_k, held)
+    if held > resident_held and given_up <= KV_FIRST_FREE_SLOT_SHARE * resident.expert_slots \
+            and min(kv_first.expert_slots_per_layer) >= union:
+        return (f"< {rule}, for {given_up} of the resident split's {resident.expert_slots} slots, every layer "
+                f">= a {union:.1f}-expert step at {held} tokens")
+    return None
+
+
+def chosen_start(ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str]:
+    """tierplan's start (module docstring): KV first where `kv_first_pays`, else the resident split; with the
+    reason's opening."""
+    kv_first, resident = kv_first_split(ctx, engine), resident_split(ctx, engine)
+    held = sequences_run(ctx, kv_first.kv_gpu_blocks)
+    why = kv_first_pays(kv_first, held, resident, sequences_run(ctx, resident.kv_gpu_blocks), ctx.num_experts,
+                        ctx.top_k)
+    if why is not None:
         return kv_first, (f"KV first ({kv_first.kv_gpu_blocks} GPU blocks for the batch, ~{held} sequences at "
-                          f"once, >= {rule}), experts the rest")
-    split = resident_split(ctx, engine)
-    return split, resident_reason(split, f"KV first's {kv_first.kv_gpu_blocks} would run ~{held} sequences at "
-                                         f"once, < {rule}")
+                          f"once, {why}), experts the rest")
+    need = KV_FIRST_MIN_BATCHES * ctx.num_experts / max(1, ctx.top_k)
+    return resident, resident_reason(resident, f"KV first's {kv_first.kv_gpu_blocks} would run ~{held} sequences "
+                                               f"at once, < {need:g} = {KV_FIRST_MIN_BATCHES:g} x experts / top-k, "
+                                               f"for {resident.expert_slots - kv_first.expert_slots} of "
+                                               f"{resident.expert_slots} slots")
 
 
 def resident_reason(split: Split, why: str = "") -> str:

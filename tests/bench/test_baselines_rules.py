@@ -217,6 +217,31 @@ def test_tierplan_starts_kv_first_only_where_its_share_runs_twice_experts_over_t
         large.initial_plan.reason
 
 
+@pytest.mark.parametrize(("kf_slots", "kf_held", "rs_slots", "rs_held", "kv_first"), [
+    (611, 8, 623, 2, True),  # b8 1K 40 GiB (H100 run 62): 12 of 623 slots for all 8 sequences, 76 a layer
+    (885, 8, 897, 2, True),  # b8 1K 56 GiB: 12 of 897
+    (338, 8, 350, 2, False),  # b8 1K 24 GiB: 42 slots a layer, under a 51.6-expert step at 8 tokens
+    (574, 8, 753, 2, False),  # b8 16K 56 GiB: 179 of 753 slots (24 %)
+    (885, 2, 897, 2, False),  # no more sequences for the slots
+])
+def test_below_the_batch_rule_kv_first_starts_only_where_it_costs_next_to_no_experts(
+        kf_slots: int, kf_held: int, rs_slots: int, rs_held: int, kv_first: bool) -> None:
+    """qwen3's 8 MoE layers of 128 experts, top-8 (2 x 128 / 8 = 32 sequences for the batch rule), at the b8
+    splits the H100 runs measured: KV first where it gives up at most 5 % of the resident split's slots for more
+    sequences and each layer keeps a step's union; the reason says so."""
+    from tierplan.bench.baselines.base import Split
+    from tierplan.bench.baselines.tierplan_live import kv_first_pays
+
+    def split(slots: int) -> Split:
+        return Split(tuple(slots // 8 + (m < slots % 8) for m in range(8)), 0)
+
+    why = kv_first_pays(split(kf_slots), kf_held, split(rs_slots), rs_held, 128, 8)
+    assert (why is not None) == kv_first, why
+    if kv_first:
+        assert f"for {rs_slots - kf_slots} of the resident split's {rs_slots} slots" in why and "51.6-expert" in why
+    assert kv_first_pays(split(kf_slots), 32, split(rs_slots), rs_held, 128, 8) == ">= 32 = 2 x experts / top-k"
+
+
 def test_the_resident_start_variant_runs_tierplans_controller_from_the_resident_split(tmp_path: Path) -> None:
     """tierplan_rs: the same live controller as tierplan, started from the split `resident` applies."""
     eng, ctx = bp.context(tmp_path)
