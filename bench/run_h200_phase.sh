@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One chunk of the phase sweep on the lent H200 (issue 14; bench/results/phase_h200.md), sent through the device
 # tool from the repo root, carrying .whl (pydantic wheels: see bench/h200_env.sh):
-#   [GPUS=N] [POLICIES=a,b,...] bash bench/run_h200_phase.sh "$OUT" POINTS [MODELS] [SECONDS] [EXTRA...]
+#   [GPUS=N] [POLICIES=a,b,...] [GPU_TESTS=all] bash bench/run_h200_phase.sh "$OUT" POINTS [MODELS] [SECONDS] [EXTRA...]
 # e.g. bash bench/run_h200_phase.sh "$OUT" b8c1024g40,b32c1024g40 qwen3-30b-a3b 520
 #      GPUS=2 bash bench/run_h200_phase.sh "$OUT" qwen3-30b-a3b:b32c1024g56,mixtral-8x7b:b1c1024g32 \
 #        qwen3-30b-a3b,mixtral-8x7b 520          (nvidia-h200-x2: a worker per GPU, each claims the next point)
@@ -37,9 +37,14 @@ done
 # The KV tiers' device tests first (moves one by one and as lists, after the compute stream's writes) and the
 # engine's exact check with KV spilled every step: out of this call's SECONDS, so every sweep call also checks the
 # mechanism its runs move KV blocks with, bit for bit.
+# GPU_TESTS=all: every GPU test instead (after a change to the engine's device code, one call checks it too).
 t0=$SECONDS
-step 150 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_kv.py \
-  tests/runtime/test_gpu.py -k "kv or (engine_exact_on_cuda_with_the_paged_kernel and beside_copy-False-issued)"
+if [ "${GPU_TESTS:-}" = all ]; then
+  step 300 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests
+else
+  step 150 pytest_gpu.log python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_kv.py \
+    tests/runtime/test_gpu.py -k "kv or (engine_exact_on_cuda_with_the_paged_kernel and beside_copy-False-issued)"
+fi
 secs=$(( secs - (SECONDS - t0) ))  # a failed device test shows in pytest_gpu.log and the output; the sweep still runs
 secs=$(( secs > 60 ? secs : 60 ))
 step "$secs" phase.log python3 -m tierplan.api.cli bench phase --device cuda --gpus "$gpus" --models "$models" \
