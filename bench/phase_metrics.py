@@ -105,7 +105,9 @@ def timing(steps: list[Any]) -> dict[str, float | None]:
             "decode_steps": len(decode),
             "decode_step_ms_p50": float(np.median(decode)) * 1e3 if decode else None,
             "decode_step_ms_max": max(decode) * 1e3 if decode else None,
-            "gc_ms": sum(s.gc_ms for s in steps)}
+            "gc_ms": sum(s.gc_ms for s in steps),
+            # CUDA-graph captures of new buckets, left out of the wall time above (phase_run.server_clock)
+            "graph_capture_ms": sum(getattr(s, "capture_ms", 0.0) for s in steps)}
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,6 +243,10 @@ class StepRecord:
     # GPU time of the step's CUDA-graph replays (DecodeGraphs.take_gpu_ms); None: no graph replayed (eager, CPU).
     # step_s beyond it is host time between pieces: tells a slow kernel from a starved engine thread.
     graph_gpu_ms: float | None = None
+    # Wall time this step spent capturing CUDA graphs of a new bucket (DecodeGraphs.capture_s), already taken out
+    # of step_s and cycle_s: a server captures its buckets at start-up (H100 phase runs 61-63: 50-80 ms a bucket,
+    # up to 29 % of a run's measured wall time where its batch drained through six buckets).
+    capture_ms: float = 0.0
 
 
 @dataclass
@@ -257,6 +262,17 @@ class Outcome:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def capture_s(eng: ReferenceEngine) -> float:
+    """The engine's CUDA-graph capture time so far (s; 0 without graphs)."""
+    return eng.graphs.capture_s if eng.graphs is not None else 0.0
+
+
+def server_clock(eng: ReferenceEngine) -> Callable[[], float]:
+    """perf_counter less the engine's capture time so far: the clock of a server that captured its graphs at
+    start-up. Every step timer of a run reads it (the runner's step and request times, the cycles)."""
+    return lambda: time.perf_counter() - capture_s(eng)
+
+
 class _Recorder:
     """Counters of the engine before and after each step (the runner's hook, after the agent's)."""
 
@@ -267,6 +283,7 @@ class _Recorder:
         if eng.graphs is not None:
             eng.graphs.take_gpu_ms()  # a replay before this run (a warm-up) is none of its steps' GPU time
         self._gc_ms = 0.0
+        self._capture_s = capture_s(eng)
 
     def _snap(self) -> dict[str, Any]:
         e, c = self.eng.experts, self.eng.cache
@@ -295,8 +312,9 @@ class _Recorder:
             executors={k: n - last["ran"].get(k, 0) for k, n in now["ran"].items() if n > last["ran"].get(k, 0)},
             gc_ms=gc_ms - self._gc_ms, plan_version=plan_version,
             expert_prefetch_hits=now["prefetch_hits"] - last["prefetch_hits"],
-            graph_gpu_ms=self.eng.graphs.take_gpu_ms() if self.eng.graphs is not None else None))
-        self._last, self._gc_ms = now, gc_ms
+            graph_gpu_ms=self.eng.graphs.take_gpu_ms() if self.eng.graphs is not None else None,
+            capture_ms=(capture_s(self.eng) - self._capture_s) * 1e3))
+        self._last, self._gc_ms, self._capture_s = now, gc_ms, capture_s(self.eng)
 
 
 def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdir: Path, prefix_tokens: int,
@@ -315,8 +333,9 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
         virtual = {"t": 0.0}
         hooks: list[Any] = []
         # The runner first: it plugs the forced routes into the engine, which a policy may read when it starts.
+        clock_s = server_clock(eng)
         runner = Runner(eng, sched, router or h.router, on_step=lambda b, s: [f(b, s) for f in hooks],
-                        virtual_step_s=sizes.virtual_step_s)
+                        virtual_step_s=sizes.virtual_step_s, clock=clock_s)
         run = policy.start(eng, ctx)
 
         def queued_blocks() -> int:  # the KV a larger GPU share would let run now (the controller's telemetry)
@@ -350,7 +369,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
 
             def hook(batch: Batch, step_s: float) -> None:
                 # The step's cycle ends here, before this step's own hooks (they belong to the next cycle).
-                t = time.perf_counter()
+                t = clock_s()
                 stop.after_step(len(batch.prefills))
                 cycle_s, clock["last"] = t - clock["last"], t
                 gc_ms = gc_watch.ms[True]  # the pauses up to here fell in this cycle (a later one's belong to the next)
@@ -366,7 +385,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
 
             hooks.append(hook)
             try:
-                clock["last"] = time.perf_counter()
+                clock["last"] = clock_s()
                 report = runner.run(list(ctx.requests), block_tokens_for_prefixes=prefix_tokens,
                                     stop=lambda: stop.reached)
             except ConfigError as exc:  # e.g. a request longer than the GPU KV share the plan left

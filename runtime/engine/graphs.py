@@ -22,6 +22,7 @@ eagerly (executor.py counts why). On a CPU nothing is captured: the same static-
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -82,6 +83,9 @@ class DecodeGraphs:
         self._pools = (torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()) if capture else (None, None)
         self.capture_failures = 0
         self.last_capture_error: str | None = None  # the last capture's error, for reports (counted above)
+        # Wall time spent capturing (warm-up and capture of each new bucket, failed ones too): a server captures
+        # its buckets at start-up, so a bench takes it out of its step clocks (`capture_s` only grows).
+        self.capture_s = 0.0
         # Timing events around each graph replay of the last step (`take_gpu_ms`); a pair per piece, made once.
         n_pairs = model.num_pieces if capture else 0
         self._events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -192,6 +196,16 @@ class DecodeGraphs:
         if not self.capture:
             book[key] = _Captured(None, None, saved_q)
             return book[key]
+        t0 = time.perf_counter()
+        try:
+            return self._capture(book, key, bb, saved_q, piecewise, residency)
+        finally:
+            torch.cuda.synchronize(dev)  # the warm-up's kernels end here, not in the replay timed after
+            self.capture_s += time.perf_counter() - t0
+
+    def _capture(self, book: dict[tuple[int, tuple[int, ...]], _Captured | None], key: tuple[int, tuple[int, ...]],
+                 bb: int, saved_q: dict[int, torch.Tensor], piecewise: bool,
+                 residency: _Hooks | None) -> _Captured | None:
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture. The warm-up runs the
         # staged step itself (it rewrites the same K/V rows the step writes: idempotent), with its residency work
         # between pieces, so it reads only experts made resident for it.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -412,11 +413,27 @@ def test_each_step_counts_the_loads_its_layers_found_issued_ahead() -> None:
     experts = NS(hits=0, prefetch_hits=0, misses=0, stalls_ms=0.0)
     eng = NS(experts=experts, cache=NS(fetch_s=0.0, gpu_hits=0, misses_by_tier={}),
              transfer=NS(stats=lambda: {"links": {}}), executors=NS(runs={}),
-             graphs=NS(take_gpu_ms=iter([2.0, None, 3.5, None]).__next__))  # cleared at start, then a step each
+             graphs=NS(take_gpu_ms=iter([2.0, None, 3.5, None]).__next__,  # cleared at start, then a step each
+                       capture_s=0.5))  # captured before the run: none of its steps' time
     rec = _Recorder(eng)  # type: ignore[arg-type]
     batch = NS(prefills=[], decodes=[NS(tokens=[1, 2])])
-    for hits, ahead in ((5, 2), (9, 2), (12, 6)):
-        experts.hits, experts.prefetch_hits = hits, ahead
+    for hits, ahead, captured_s in ((5, 2, 0.5), (9, 2, 0.56), (12, 6, 0.56)):
+        experts.hits, experts.prefetch_hits, eng.graphs.capture_s = hits, ahead, captured_s
         rec.after_step(batch, 0.01, 0.01, 0.0)  # type: ignore[arg-type]
     assert [(s.expert_hits, s.expert_prefetch_hits) for s in rec.steps] == [(5, 2), (4, 0), (3, 4)]
     assert [s.graph_gpu_ms for s in rec.steps] == [None, 3.5, None]
+    assert [round(s.capture_ms, 6) for s in rec.steps] == [0.0, 60.0, 0.0]  # the step that captured a bucket
+
+
+def test_the_runs_clocks_leave_out_graph_captures() -> None:
+    """A server captures its buckets at start-up: a run's clock stands still while the engine captures."""
+    from types import SimpleNamespace as NS
+
+    from tierplan.bench.phase_run import server_clock
+
+    eng = NS(graphs=NS(capture_s=0.0))
+    clock = server_clock(eng)  # type: ignore[arg-type]
+    t0 = clock()
+    eng.graphs.capture_s = 100.0  # 100 s of captures since t0
+    assert clock() - t0 < -99.0
+    assert server_clock(NS(graphs=None))() == pytest.approx(time.perf_counter(), abs=1.0)  # type: ignore[arg-type]

@@ -375,6 +375,28 @@ def test_a_piecewise_steps_gpu_time_sums_its_pieces_on_cuda(tmp_path: Path) -> N
         eng.close()
 
 
+def test_capture_time_is_counted_once_per_bucket_on_cuda(tmp_path: Path) -> None:
+    """A new bucket's warm-up and capture add to capture_s (the phase bench's clocks leave it out); replaying
+    captured buckets adds nothing."""
+    from tests.runtime.test_graphs import PROMPTS
+    from tierplan.runtime.engine.engine import EngineConfig, ReferenceEngine
+    from tierplan.runtime.engine.presets import preset
+    from tierplan.runtime.selfcheck.exact import auto_block_tokens
+
+    spec = preset("tiny")
+    eng = ReferenceEngine(spec, Device("cuda"), EngineConfig(block_tokens=auto_block_tokens(spec), decode_kernel=True,
+                                                             decode_graphs=True, workdir=tmp_path / "c"))
+    try:
+        assert eng.graphs is not None and eng.graphs.capture_s == 0.0
+        eng.generate(PROMPTS[:2], 3)
+        first = eng.graphs.capture_s
+        assert first > 0
+        eng.generate(PROMPTS[2:4], 3)  # the same bucket of 2: replayed, not captured again
+        assert eng.graphs.capture_s == first
+    finally:
+        eng.close()
+
+
 def test_forced_routes_replay_the_graph_on_cuda(tmp_path: Path) -> None:
     from tests.runtime.test_offload_exec import forced_graph_vs_eager
     from tierplan.runtime.engine.presets import preset
