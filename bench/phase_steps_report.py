@@ -78,14 +78,17 @@ def forward_split(line: dict[str, Any]) -> dict[str, Any] | None:
     cols, warm = line["steps"], int(line.get("warm_steps") or 0)
     if "graph_gpu_ms" not in cols:
         return None
-    pairs = [(f * 1e3, g) for f, g, n in zip(cols["step_s"][warm:], cols["graph_gpu_ms"][warm:],
-                                             cols["num_prefills"][warm:], strict=True) if n == 0 and g is not None]
+    reads = [h + m for h, m in zip(cols["expert_hits"][warm:], cols["expert_misses"][warm:], strict=True)]
+    pairs = [(f * 1e3, g, r) for f, g, n, r in zip(cols["step_s"][warm:], cols["graph_gpu_ms"][warm:],
+                                                   cols["num_prefills"][warm:], reads, strict=True)
+             if n == 0 and g is not None]
     if not pairs:
         return None
-    fwd, gpu = np.array([f for f, _ in pairs]), np.array([g for _, g in pairs])
+    fwd, gpu, rd = (np.array([p[i] for p in pairs], dtype=float) for i in range(3))
     return {"point": line["point"], "policy": line["policy"], "run_id": line.get("run_id"), "steps": len(pairs),
             "forward_ms": float(np.median(fwd)), "gpu_ms": float(np.median(gpu)),
-            "host_ms": float(np.median(fwd - gpu))}
+            "host_ms": float(np.median(fwd - gpu)), "reads": float(np.median(rd)),
+            "host_us_per_read": float(np.median((fwd - gpu) / np.maximum(rd, 1.0))) * 1e3}
 
 
 def spread_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -149,10 +152,14 @@ def report(paths: list[Path]) -> str:
         lines += ["", "## Decode forward: GPU against host", "",
                   "Decode steps that replayed CUDA graphs, after the warm-up (medians): the forward's wall, the GPU "
                   "time of its replays (CUDA events around each), and the rest (host work between pieces, "
-                  "launches, waits).", "",
-                  "| point | policy | run | steps | forward ms | GPU ms | host ms |", "|---|---|---|---|---|---|---|"]
+                  "launches, waits); the (layer, expert) reads a step made (hits and misses over the MoE layers) and "
+                  "the host time per read: a piecewise step's host work is per expert (H100 runs 50-63, fit over "
+                  "their clean piecewise steps: ~38 us a read in all).", "",
+                  "| point | policy | run | steps | forward ms | GPU ms | host ms | expert reads | host us / read |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {f['point']} | {f['policy']} | {f['run_id']} | {f['steps']} | {f['forward_ms']:.2f} | "
-                  f"{f['gpu_ms']:.2f} | {f['host_ms']:.2f} |" for f in splits]
+                  f"{f['gpu_ms']:.2f} | {f['host_ms']:.2f} | {f['reads']:.0f} | {f['host_us_per_read']:.1f} |"
+                  for f in splits]
     replayed, chunking, skipped = [], [], []
     tables: dict[tuple[int, int, int], np.ndarray] = {}  # the router's table per (MoE layers, top-k, experts)
     probs: dict[tuple[int, int, int], np.ndarray] = {}  # its per-token routing probabilities

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from typer.testing import CliRunner
 
 from tierplan.api.cli import app
@@ -61,10 +62,12 @@ def test_a_decode_forward_is_split_into_its_replays_gpu_time_and_the_host_rest()
     warm-up and eager steps left out); lines saved before it, or with no replayed step, give nothing."""
     line = {"point": "p", "policy": "tierplan", "run_id": "r", "warm_steps": 1,
             "steps": {"step_s": [0.05, 0.020, 0.012, 0.010, 0.014], "num_prefills": [1, 1, 0, 0, 0],
-                      "graph_gpu_ms": [None, None, 8.0, 7.0, None]}}
+                      "graph_gpu_ms": [None, None, 8.0, 7.0, None], "expert_hits": [0, 0, 380, 290, 0],
+                      "expert_misses": [0, 0, 20, 10, 0]}}
     f = forward_split(line)
     assert f is not None and f["steps"] == 2 and f["forward_ms"] == 11.0 and f["gpu_ms"] == 7.5
-    assert f["host_ms"] == 3.5
+    assert f["host_ms"] == 3.5 and f["reads"] == 350.0
+    assert f["host_us_per_read"] == pytest.approx(1e3 * (4.0 / 400 + 3.0 / 300) / 2)  # host ms / reads, per step
     line["steps"]["graph_gpu_ms"] = [None] * 5
     assert forward_split(line) is None
     del line["steps"]["graph_gpu_ms"]
