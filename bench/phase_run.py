@@ -298,7 +298,7 @@ class _Recorder:
     def after_step(self, batch: Batch, step_s: float, cycle_s: float, gc_ms: float, plan_version: int = 0) -> None:
         """`gc_ms`: the collector's pauses so far, read where the step's cycle ended (the pauses the cycle holds);
         `plan_version`: the plan the step ran under."""
-        now, last = self._snap(), self._last
+        now, last, captured_s = self._snap(), self._last, capture_s(self.eng)
         run = batch.prefills + batch.decodes
         self.steps.append(StepRecord(
             step_s=step_s, cycle_s=cycle_s, num_prefills=len(batch.prefills), num_decodes=len(batch.decodes),
@@ -313,8 +313,8 @@ class _Recorder:
             gc_ms=gc_ms - self._gc_ms, plan_version=plan_version,
             expert_prefetch_hits=now["prefetch_hits"] - last["prefetch_hits"],
             graph_gpu_ms=self.eng.graphs.take_gpu_ms() if self.eng.graphs is not None else None,
-            capture_ms=(capture_s(self.eng) - self._capture_s) * 1e3))
-        self._last, self._gc_ms, self._capture_s = now, gc_ms, capture_s(self.eng)
+            capture_ms=(captured_s - self._capture_s) * 1e3))
+        self._last, self._gc_ms, self._capture_s = now, gc_ms, captured_s
 
 
 def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdir: Path, prefix_tokens: int,

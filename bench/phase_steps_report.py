@@ -84,7 +84,7 @@ def forward_split(line: dict[str, Any]) -> dict[str, Any] | None:
              if n == 0 and g is not None]
     if not pairs:
         return None
-    fwd, gpu, rd = (np.array([p[i] for p in pairs], dtype=float) for i in range(3))
+    fwd, gpu, rd = np.array(pairs, dtype=float).T  # [steps] each
     return {"point": line["point"], "policy": line["policy"], "run_id": line.get("run_id"), "steps": len(pairs),
             "forward_ms": float(np.median(fwd)), "gpu_ms": float(np.median(gpu)),
             "host_ms": float(np.median(fwd - gpu)), "reads": float(np.median(rd)),

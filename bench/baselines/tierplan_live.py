@@ -136,14 +136,20 @@ def uniform_union(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** max(1, tokens))
 
 
+def batch_rule(num_experts: int, top_k: int) -> tuple[float, str]:
+    """The sequences KV first's share must run to pay on its own (`KV_FIRST_MIN_BATCHES` x num_experts / top_k),
+    and the rule as the start's reason writes it."""
+    need = KV_FIRST_MIN_BATCHES * num_experts / max(1, top_k)
+    return need, f"{need:g} = {KV_FIRST_MIN_BATCHES:g} x experts / top-k"
+
+
 def kv_first_pays(kv_first: Split, held: int, resident: Split, resident_held: int, num_experts: int,
                   top_k: int) -> str | None:
     """Why KV first (running ~`held` sequences) beats the resident split (running ~`resident_held`) as a start,
     or None where it does not: its share runs at least `KV_FIRST_MIN_BATCHES` x num_experts / top_k sequences,
     or it costs at most `KV_FIRST_FREE_SLOT_SHARE` of the resident split's slots for more sequences while its
     smallest layer holds a step's union at its batch (`uniform_union`)."""
-    need = KV_FIRST_MIN_BATCHES * num_experts / max(1, top_k)
-    rule = f"{need:g} = {KV_FIRST_MIN_BATCHES:g} x experts / top-k"
+    need, rule = batch_rule(num_experts, top_k)
     if held >= need:
         return f">= {rule}"
     given_up = resident.expert_slots - kv_first.expert_slots
@@ -165,11 +171,10 @@ def chosen_start(ctx: PointContext, engine: ReferenceEngine) -> tuple[Split, str
     if why is not None:
         return kv_first, (f"KV first ({kv_first.kv_gpu_blocks} GPU blocks for the batch, ~{held} sequences at "
                           f"once, {why}), experts the rest")
-    need = KV_FIRST_MIN_BATCHES * ctx.num_experts / max(1, ctx.top_k)
+    rule = batch_rule(ctx.num_experts, ctx.top_k)[1]
     return resident, resident_reason(resident, f"KV first's {kv_first.kv_gpu_blocks} would run ~{held} sequences "
-                                               f"at once, < {need:g} = {KV_FIRST_MIN_BATCHES:g} x experts / top-k, "
-                                               f"for {resident.expert_slots - kv_first.expert_slots} of "
-                                               f"{resident.expert_slots} slots")
+                                               f"at once, < {rule}, for {resident.expert_slots - kv_first.expert_slots}"
+                                               f" of {resident.expert_slots} slots")
 
 
 def resident_reason(split: Split, why: str = "") -> str:
