@@ -36,7 +36,8 @@ from tierplan.runtime.engine.engine import ReferenceEngine
 
 # wait_for_plans=False: windows in a row synced without a plan while newer ones queue behind them. A planner that
 # cannot keep up even with syncing still plans every this many windows. Phase run 62 (H100, b8 1K 56 GiB): with
-# every queued window planned in turn (~0.5 s each against ~32 ms windows), the first plan applied 128 steps late.
+# every queued window planned in turn (a solve took ~0.5 s on a 2-core CPU box; the H100's decode windows ~32 ms),
+# the first plan applied 128 steps after its window.
 MAX_UNPLANNED = 8
 
 
