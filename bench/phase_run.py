@@ -304,7 +304,7 @@ class _Recorder:
             step_s=step_s, cycle_s=cycle_s, num_prefills=len(batch.prefills), num_decodes=len(batch.decodes),
             tokens_out=len(run),
             batch_tokens=sum(len(s.prompt) for s in batch.prefills) + len(batch.decodes),
-            context_tokens=sum(len(s.tokens) for s in run), expert_hits=now["hits"] - last["hits"],
+            context_tokens=sum(s.num_tokens for s in run), expert_hits=now["hits"] - last["hits"],
             expert_misses=now["misses"] - last["misses"], expert_stall_ms=now["stall_ms"] - last["stall_ms"],
             kv_stall_ms=(now["kv_s"] - last["kv_s"]) * 1e3, kv_gpu_hits=now["kv_hits"] - last["kv_hits"],
             kv_fetch={t: now["fetch"][t] - last["fetch"][t] for t in now["fetch"]},
@@ -341,7 +341,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
         def queued_blocks() -> int:  # the KV a larger GPU share would let run now (the controller's telemetry)
             room = max(0, ctx.batch - len(sched.running) - len(sched.swapped))
             waiting = [s for s in sched.waiting if s.arrival_s <= virtual["t"]][:room]
-            return sum(_blocks(len(s.tokens) + 1, ctx.block_tokens) for s in [*waiting, *sched.swapped])
+            return sum(_blocks(s.num_tokens + 1, ctx.block_tokens) for s in [*waiting, *sched.swapped])
 
         # The agent's layer-ahead predictor (a per-layer host copy of the routes) only where the policy uses it:
         # `PolicyRun.local_predictor` where the baselines define it, else the live policies (a plan source).

@@ -71,24 +71,51 @@ def between_summary(line: dict[str, Any]) -> dict[str, Any] | None:
             "between_ms": between, "changes": changes}
 
 
-def forward_split(line: dict[str, Any]) -> dict[str, Any] | None:
-    """A run's decode forwards after its warm-up, split into the GPU time of their graph replays (`graph_gpu_ms`,
-    CUDA events) and the rest (host work between pieces, launches, waits): medians over the steps that replayed.
-    None for runs saved without it or with no replayed decode step."""
+def _replayed(line: dict[str, Any]) -> list[tuple[float, float, int, float, int, bool]]:
+    """A run's decode forwards after its warm-up that replayed graphs: (forward ms, GPU ms, expert reads, context
+    tokens, sequences, clean: no expert miss and no KV fetch in the step)."""
     cols, warm = line["steps"], int(line.get("warm_steps") or 0)
     if "graph_gpu_ms" not in cols:
+        return []
+    n = len(cols["step_s"])
+    ctx = cols.get("context_tokens") or [0] * n
+    seqs = cols.get("num_decodes") or [0] * n
+    fetch = cols.get("kv_fetch") or [{}] * n
+    return [(cols["step_s"][i] * 1e3, cols["graph_gpu_ms"][i], cols["expert_hits"][i] + cols["expert_misses"][i],
+             float(ctx[i]), seqs[i], not cols["expert_misses"][i] and not sum(fetch[i].values()))
+            for i in range(warm, n) if cols["num_prefills"][i] == 0 and cols["graph_gpu_ms"][i] is not None]
+
+
+def forward_split(line: dict[str, Any]) -> dict[str, Any] | None:
+    """A run's decode forwards after its warm-up, split into the GPU time of their graph replays (`graph_gpu_ms`,
+    CUDA events) and the rest (host work between pieces, launches, waits): medians over the steps that replayed,
+    with the host time per expert read and per 1,000 tokens of context. None for runs saved without it or with
+    no replayed decode step."""
+    steps = _replayed(line)
+    if not steps:
         return None
-    reads = [h + m for h, m in zip(cols["expert_hits"][warm:], cols["expert_misses"][warm:], strict=True)]
-    pairs = [(f * 1e3, g, r) for f, g, n, r in zip(cols["step_s"][warm:], cols["graph_gpu_ms"][warm:],
-                                                   cols["num_prefills"][warm:], reads, strict=True)
-             if n == 0 and g is not None]
-    if not pairs:
-        return None
-    fwd, gpu, rd = np.array(pairs, dtype=float).T  # [steps] each
-    return {"point": line["point"], "policy": line["policy"], "run_id": line.get("run_id"), "steps": len(pairs),
+    fwd, gpu, rd, ctx = np.array([s[:4] for s in steps], dtype=float).T  # [steps] each
+    host = fwd - gpu
+    return {"point": line["point"], "policy": line["policy"], "run_id": line.get("run_id"), "steps": len(steps),
             "forward_ms": float(np.median(fwd)), "gpu_ms": float(np.median(gpu)),
-            "host_ms": float(np.median(fwd - gpu)), "reads": float(np.median(rd)),
-            "host_us_per_read": float(np.median((fwd - gpu) / np.maximum(rd, 1.0))) * 1e3}
+            "host_ms": float(np.median(host)), "reads": float(np.median(rd)), "context_tokens": float(np.median(ctx)),
+            "host_us_per_read": float(np.median(host / np.maximum(rd, 1.0))) * 1e3,
+            "host_us_per_kctx": float(np.median(host / np.maximum(ctx / 1e3, 1e-3))) * 1e3}
+
+
+def host_fit(lines: list[dict[str, Any]], min_steps: int = 50) -> dict[str, float] | None:
+    """Least squares of the host rest of the replayed decode forwards with no miss and no KV fetch (after each
+    run's warm-up) on a constant, the (layer, expert) reads, the context in 1,000 tokens and the sequences:
+    ms each, with R^2. None below `min_steps` such steps."""
+    rows = [(1.0, rd, ctx / 1e3, n, f - g) for line in lines for f, g, rd, ctx, n, clean in _replayed(line) if clean]
+    if len(rows) < min_steps:
+        return None
+    a = np.array(rows, dtype=float)
+    x, y = a[:, :4], a[:, 4]
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    r2 = 1.0 - float(np.var(y - x @ coef)) / float(np.var(y)) if np.var(y) > 0 else 1.0
+    return {"steps": len(rows), "const_ms": float(coef[0]), "per_read_ms": float(coef[1]),
+            "per_kctx_ms": float(coef[2]), "per_seq_ms": float(coef[3]), "r2": r2}
 
 
 def spread_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -149,17 +176,21 @@ def report(paths: list[Path]) -> str:
               f"{'; '.join(f'{g:.0f} / {s_} / {f}' for g, s_, f in b['changes']) or 'none'} |" for b in betweens]
     splits = [f for lines_ in per_file.values() for line in lines_ if (f := forward_split(line)) is not None]
     if splits:
+        fit = host_fit([line for lines_ in per_file.values() for line in lines_])
+        said = (f"over their {fit['steps']:,} replayed decode steps with no miss and no KV fetch, the host rest is "
+                f"{fit['const_ms']:.2f} ms + {fit['per_read_ms'] * 1e3:.1f} us a read + {fit['per_kctx_ms'] * 1e3:.1f} "
+                f"us per 1,000 context tokens + {fit['per_seq_ms'] * 1e3:.1f} us a sequence (least squares, R^2 "
+                f"{fit['r2']:.2f})" if fit is not None else "too few clean steps for a fit")
         lines += ["", "## Decode forward: GPU against host", "",
                   "Decode steps that replayed CUDA graphs, after the warm-up (medians): the forward's wall, the GPU "
-                  "time of its replays (CUDA events around each), and the rest (host work between pieces, "
-                  "launches, waits); the (layer, expert) reads a step made (hits and misses over the MoE layers) and "
-                  "the host time per read: a piecewise step's host work is per expert (H100 runs 50-63, fit over "
-                  "their clean piecewise steps: ~38 us a read in all).", "",
-                  "| point | policy | run | steps | forward ms | GPU ms | host ms | expert reads | host us / read |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "time of its replays (CUDA events around each), and the rest (host work before and between the "
+                  "pieces, launches, waits); the (layer, expert) reads a step made (hits and misses over the MoE "
+                  f"layers), its context, and the host rest per read and per 1,000 context tokens: {said}.", "",
+                  "| point | policy | run | steps | forward ms | GPU ms | host ms | expert reads | context tokens "
+                  "| host us / read | host us / 1K context |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {f['point']} | {f['policy']} | {f['run_id']} | {f['steps']} | {f['forward_ms']:.2f} | "
-                  f"{f['gpu_ms']:.2f} | {f['host_ms']:.2f} | {f['reads']:.0f} | {f['host_us_per_read']:.1f} |"
-                  for f in splits]
+                  f"{f['gpu_ms']:.2f} | {f['host_ms']:.2f} | {f['reads']:.0f} | {f['context_tokens']:.0f} | "
+                  f"{f['host_us_per_read']:.1f} | {f['host_us_per_kctx']:.1f} |" for f in splits]
     replayed, chunking, skipped = [], [], []
     tables: dict[tuple[int, int, int], np.ndarray] = {}  # the router's table per (MoE layers, top-k, experts)
     probs: dict[tuple[int, int, int], np.ndarray] = {}  # its per-token routing probabilities

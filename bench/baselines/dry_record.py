@@ -74,12 +74,12 @@ def dry_record(ctx: PointContext, split: Split, router: ForcedRoutes, *, engine_
         moved = (sum(-(-s.num_computed // ctx.block_tokens) for s in batch.swapped_in + batch.preempted)
                  if steps_out is not None else 0)
         rec.trace_rows([s.seq_id for s in run], [s.num_computed for s in run],
-                       [len(s.tokens) - s.num_computed for s in run])
+                       [s.num_tokens - s.num_computed for s in run])
         for s in run:
             sched.complete(s, 0, t_sched)
         if steps_out is not None:
             tokens = sum(len(s.prompt) for s in batch.prefills) + len(batch.decodes)
-            steps_out.append(DryStep(len(batch.prefills), len(batch.decodes), tokens, sum(len(s.tokens) for s in run),
+            steps_out.append(DryStep(len(batch.prefills), len(batch.decodes), tokens, sum(s.num_tokens for s in run),
                                      moved))
         steps += 1
         if stop is not None:

@@ -9,6 +9,7 @@ between tiers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -98,7 +99,7 @@ def observe(observer: MassObserver | None, layer: int, s: Segment, q_last: torch
 
 
 def build_block_table(segments: list[Segment], cache: PagedKVCache,
-                      rows: list[list[int]] | None = None) -> torch.Tensor:
+                      rows: Sequence[Sequence[int] | np.ndarray] | None = None) -> torch.Tensor:
     """[S, M] int32 GPU slots of each segment's blocks (zero padded), made on the host, copied once.
     rows: the segments' `cache.gpu_indices`, when the caller already looked them up."""
     if rows is None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+import numpy as np
 import torch
 
 from tierplan.runtime.device import Device
@@ -270,7 +271,7 @@ class ReferenceEngine:
         segs = self._prepare(seqs, tokens, starts)
         table = self.model.forced_routes
         trace_rows = table.trace_rows(seqs, starts, [len(t) for t in tokens]) if table is not None else None
-        rows = [self.cache.gpu_indices(s) for s in seqs] if self.graphs is not None else None
+        rows = self.cache.gpu_rows(seqs) if self.graphs is not None else None
         executor, reason = self._pick(tokens, rows, trace_rows)
         try:
             logits = self._run(executor, reason, seqs, tokens, starts, segs, rows, trace_rows)
@@ -283,17 +284,21 @@ class ReferenceEngine:
     def _prepare(self, seqs: list[int], tokens: list[list[int]], starts: list[int]) -> list[Segment]:
         """KV blocks for the new tokens, then every block of the step on the GPU (fetched as one list)."""
         segs, row = [], 0
-        protect = {b for q in seqs for b in self.cache.blocks_of(q)}  # this step's blocks: never spilled by grow
         for s, toks, p in zip(seqs, tokens, starts, strict=True):
-            self.cache.grow(s, p + len(toks), protect=protect)
-            protect.update(self.cache.blocks_of(s))
             segs.append(Segment(s, row, len(toks), p))
             row += len(toks)
-        self.cache.ensure_on_gpu([b for s in seqs for b in self.cache.blocks_of(s)])
+        growing = [(s, p + len(toks)) for s, toks, p in zip(seqs, tokens, starts, strict=True)
+                   if self.cache.needs_blocks(s, p + len(toks))]
+        if growing:  # most decode steps grow none: no set of every block of the batch then
+            protect = {b for q in seqs for b in self.cache.blocks_of(q)}  # this step's blocks: never spilled by grow
+            for s, num_tokens in growing:
+                self.cache.grow(s, num_tokens, protect=protect)
+                protect.update(self.cache.blocks_of(s))
+        self.cache.ensure_seqs_on_gpu(seqs)
         self.experts.begin_step()
         return segs
 
-    def _pick(self, tokens: list[list[int]], rows: list[list[int]] | None,
+    def _pick(self, tokens: list[list[int]], rows: list[np.ndarray] | None,
               trace_rows: list[int] | None) -> tuple[Executor, Reason]:
         """The executor for this step and why. Shape reasons come first, so whether a step that fits the graph's
         buffers replays, runs piecewise or runs eagerly over the padded rows never depends on a shape."""
@@ -321,7 +326,7 @@ class ReferenceEngine:
         return Executor.PIECEWISE, Reason.EXPERTS_MISSING
 
     def _run(self, executor: Executor, reason: Reason, seqs: list[int], tokens: list[list[int]], starts: list[int],
-             segs: list[Segment], rows: list[list[int]] | None, trace_rows: list[int] | None) -> torch.Tensor:
+             segs: list[Segment], rows: list[np.ndarray] | None, trace_rows: list[int] | None) -> torch.Tensor:
         g = self.graphs
         if g is not None and (executor is not Executor.EAGER or reason in PADDED):
             assert rows is not None

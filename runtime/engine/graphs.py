@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tierplan.runtime.device import Device, Event
@@ -105,7 +106,7 @@ class DecodeGraphs:
 
     # ---- staging -----------------------------------------------------------------------------------
     def stage(self, seqs: Sequence[int], tokens: list[list[int]], starts: Sequence[int],
-              tables: list[list[int]], trace_rows: list[int] | None) -> int:
+              tables: list[np.ndarray], trace_rows: list[int] | None) -> int:
         """Copy one decode step's inputs into the static buffers; returns its bucket Bb."""
         b = len(seqs)
         bb = self.bucket(b)

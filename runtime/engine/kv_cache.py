@@ -2,8 +2,11 @@
 
 One block holds every layer's K and V for `block_tokens` tokens (GQA: [L, 2, T, Hkv, D]; MLA: the
 compressed latent [L, T, R + P]), so one block id names one unit of placement. Kernels only read blocks on
-the GPU tier: before a step, `ensure_on_gpu` brings the batch's blocks back (spilling idle blocks GPU -> CPU
--> NVMe to make room). Moving bytes is the KV handler's job; which blocks to spill is a policy passed in
+the GPU tier: before a step, `ensure_seqs_on_gpu` brings the batch's blocks back (spilling idle blocks GPU -> CPU
+-> NVMe to make room). Each sequence's GPU indices (`gpu_rows`) are kept between steps while no block moved or went
+(the manager's `epoch`), so a decode step looks up only its new blocks: every block of the batch was looked up
+twice a step, and the H100's decode steps took ~0.5 us of host time per block of context (phase runs 64-68, steps
+with graph_gpu_ms). Moving bytes is the KV handler's job; which blocks to spill is a policy passed in
 (`victim_order`, which the agent plugs in with `set_victim_order`; by default the oldest block first), never
 decided here beyond "not in use by this step". A step's missing blocks are fetched as one list: room made for
 all of them, every move issued, then waited for together.
@@ -16,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 
 from tierplan.runtime.device import Device
@@ -73,6 +77,10 @@ class PagedKVCache:
         self.misses_by_tier = {Tier.CPU: 0, Tier.NVME: 0}  # blocks fetched back, by where they were
         self.fetch_s = 0.0  # time steps spent waiting for fetched blocks (the KV-miss stall)
         self.victim_order: BlockOrder = oldest_first
+        # GPU indices of each sequence's first len(row) blocks, valid while the manager's epoch is `_rows_epoch`
+        # (tables only grow at their end; a sequence's blocks go only with it, which bumps the epoch).
+        self._rows: dict[int, np.ndarray] = {}
+        self._rows_epoch = -1
 
     def set_victim_order(self, fn: BlockOrder | None) -> None:
         """Plug a spill ranking in (the agent's policy); None restores oldest-first."""
@@ -140,6 +148,59 @@ class PagedKVCache:
             table.append(b)
             keep.add(b)
 
+    def needs_blocks(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether `grow(seq_id, num_tokens)` would allocate (most decode steps: no)."""
+        return len(self.blocks_of(seq_id)) < self.num_blocks_for(num_tokens)
+
+    def _known_rows(self) -> dict[int, np.ndarray]:
+        """The cached rows, emptied first if a block moved or went since they were looked up."""
+        epoch = self.manager.epoch  # read before any lookup: a move completing meanwhile shows at the next call
+        if epoch != self._rows_epoch:
+            self._rows, self._rows_epoch = {}, epoch
+        return self._rows
+
+    def _cached(self, rows: dict[int, np.ndarray], seq_id: int, num_blocks: int) -> int:
+        """How many leading blocks of the sequence's table `rows` holds (a row longer than the table, which no
+        path makes, is dropped: looked up again whole)."""
+        row = rows.get(seq_id)
+        if row is not None and len(row) > num_blocks:
+            del rows[seq_id]
+            return 0
+        return 0 if row is None else len(row)
+
+    def ensure_seqs_on_gpu(self, seq_ids: list[int], victim_order: BlockOrder | None = None) -> None:
+        """`ensure_on_gpu` over every block of these sequences, looking up only those no cached row holds (on the
+        GPU since the last move) and caching what it finds; one elsewhere: the whole list through `ensure_on_gpu`."""
+        rows = self._known_rows()
+        tables = [self.blocks_of(s) for s in seq_ids]
+        have = [self._cached(rows, s, len(t)) for s, t in zip(seq_ids, tables, strict=True)]
+        locs = self.manager.locations([b for t, n in zip(tables, have, strict=True) for b in t[n:]])
+        gpu = Tier.GPU
+        if not all(loc.tier is gpu for loc in locs):
+            self.ensure_on_gpu([b for t in tables for b in t], victim_order)
+            return
+        self.gpu_hits += sum(len(t) for t in tables)
+        at = 0
+        for s, t, n in zip(seq_ids, tables, have, strict=True):
+            if len(t) > n:
+                new = np.fromiter((loc.index for loc in locs[at : at + len(t) - n]), dtype=np.int32, count=len(t) - n)
+                rows[s] = np.concatenate((rows[s], new)) if n else new
+                at += len(t) - n
+
+    def gpu_rows(self, seq_ids: list[int]) -> list[np.ndarray]:
+        """`gpu_indices` of each sequence as int32 arrays, kept between calls while no block moves or goes (the rows
+        handed out are the cache's: read them, never write them)."""
+        rows = self._known_rows()
+        out = []
+        for s in seq_ids:
+            blocks = self.blocks_of(s)
+            n = self._cached(rows, s, len(blocks))
+            if n < len(blocks):
+                new = np.asarray(self._indices(s, blocks[n:]), dtype=np.int32)
+                rows[s] = np.concatenate((rows[s], new)) if n else new
+            out.append(rows[s] if blocks else np.zeros(0, dtype=np.int32))
+        return out
+
     def ensure_on_gpu(self, block_ids: Iterable[int], victim_order: BlockOrder | None = None) -> None:
         """Bring every listed block to the GPU tier (kernels read only there), the missing ones as one list."""
         need = list(block_ids)
@@ -178,7 +239,9 @@ class PagedKVCache:
 
     def gpu_indices(self, seq_id: int) -> list[int]:
         """GPU-tier indices of the sequence's blocks, in order (all must be on the GPU: kernels read only there)."""
-        blocks = self.blocks_of(seq_id)
+        return self._indices(seq_id, self.blocks_of(seq_id))
+
+    def _indices(self, seq_id: int, blocks: list[int]) -> list[int]:
         locs, gpu = self.manager.locations(blocks), Tier.GPU
         if any(loc.tier is not gpu for loc in locs):
             b, loc = next((b, loc) for b, loc in zip(blocks, locs, strict=True) if loc.tier is not gpu)
@@ -196,6 +259,7 @@ class PagedKVCache:
             self.handler.mark_dirty(table[i])
 
     def free(self, seq_id: int) -> None:
+        self._rows.pop(seq_id, None)
         for b in self.tables.pop(seq_id, []):
             self.manager.free(b)
 

@@ -165,7 +165,7 @@ class Runner:
                 offset += self.sched.idle_gap_s(t_sched)  # raises at a dead end
                 continue
             run = batch.prefills + batch.decodes
-            toks = [s.tokens[s.num_computed :] for s in run]
+            toks = [s.tokens_from(s.num_computed) for s in run]
             for s in batch.prefills:
                 admitted.setdefault(s.seq_id, wall())
             start = self.clock()

@@ -8,7 +8,8 @@ flight can be neither moved nor freed. Every refusal is decided before any state
 `set_limits` bounds the blocks a tier may hold below its capacity (the agent installs a plan's KV blocks
 per tier): allocations and moves into a tier at its limit are refused and `num_free` counts only the room
 under it, so whoever makes room spills instead of growing past it.
-Thread-safe with one lock. Never moves bytes, never decides which block goes where.
+`epoch` counts location changes (completed moves, frees): a reader may keep the locations it looked up while it
+stays the same. Thread-safe with one lock. Never moves bytes, never decides which block goes where.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class KVBlockManager:
         self._next_id = itertools.count()
         self._num_ids = 0  # every id < _num_ids was handed out once; the ones not in _blocks were freed
         self._limits: dict[Tier, int] = {}  # set_limits: at most this many used indices; absent tier: capacity
+        # Bumped whenever a block's location changes (a completed move) or a block goes (free): a reader that
+        # cached locations while it held a value may reuse them until it changes (allocations move nothing).
+        self.epoch = 0
 
     # ---- lookups (call with the lock held) ---------------------------------------------------------
     def _was_freed(self, block_id: object) -> bool:
@@ -148,6 +152,7 @@ class KVBlockManager:
                 raise BusyError(f"free: KV block {block_id} is held by {blk.refcount} reader(s); expected 0")
             del self._blocks[block_id]
             self._free_indices[blk.spec.tier].append(blk.spec.index)
+            self.epoch += 1
 
     # ---- readers ------------------------------------------------------------------------------------
     def acquire(self, block_id: int) -> None:
@@ -237,6 +242,7 @@ class KVBlockManager:
             if ok:
                 self._free_indices[move.src.tier].append(move.src.index)
                 blk.spec = move.dst
+                self.epoch += 1
             else:
                 self._free_indices[move.dst.tier].append(move.dst.index)
 

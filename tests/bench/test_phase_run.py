@@ -416,7 +416,7 @@ def test_each_step_counts_the_loads_its_layers_found_issued_ahead() -> None:
              graphs=NS(take_gpu_ms=iter([2.0, None, 3.5, None]).__next__,  # cleared at start, then a step each
                        capture_s=0.5))  # captured before the run: none of its steps' time
     rec = _Recorder(eng)  # type: ignore[arg-type]
-    batch = NS(prefills=[], decodes=[NS(tokens=[1, 2])])
+    batch = NS(prefills=[], decodes=[NS(num_tokens=2)])
     for hits, ahead, captured_s in ((5, 2, 0.5), (9, 2, 0.56), (12, 6, 0.56)):
         experts.hits, experts.prefetch_hits, eng.graphs.capture_s = hits, ahead, captured_s
         rec.after_step(batch, 0.01, 0.01, 0.0)  # type: ignore[arg-type]

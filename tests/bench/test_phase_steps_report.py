@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from tierplan.api.cli import app
 from tierplan.bench.phase_steps import append_steps
-from tierplan.bench.phase_steps_report import between_summary, forward_split, run_summary, spread_rows
+from tierplan.bench.phase_steps_report import between_summary, forward_split, host_fit, run_summary, spread_rows
 
 
 def _line(policy: str, decode_ms: list[float], run_id: str, warm: int = 2) -> dict[str, Any]:
@@ -63,11 +64,12 @@ def test_a_decode_forward_is_split_into_its_replays_gpu_time_and_the_host_rest()
     line = {"point": "p", "policy": "tierplan", "run_id": "r", "warm_steps": 1,
             "steps": {"step_s": [0.05, 0.020, 0.012, 0.010, 0.014], "num_prefills": [1, 1, 0, 0, 0],
                       "graph_gpu_ms": [None, None, 8.0, 7.0, None], "expert_hits": [0, 0, 380, 290, 0],
-                      "expert_misses": [0, 0, 20, 10, 0]}}
+                      "expert_misses": [0, 0, 20, 10, 0], "context_tokens": [0, 0, 8000, 2000, 0]}}
     f = forward_split(line)
     assert f is not None and f["steps"] == 2 and f["forward_ms"] == 11.0 and f["gpu_ms"] == 7.5
-    assert f["host_ms"] == 3.5 and f["reads"] == 350.0
+    assert f["host_ms"] == 3.5 and f["reads"] == 350.0 and f["context_tokens"] == 5000.0
     assert f["host_us_per_read"] == pytest.approx(1e3 * (4.0 / 400 + 3.0 / 300) / 2)  # host ms / reads, per step
+    assert f["host_us_per_kctx"] == pytest.approx(1e3 * (4.0 / 8 + 3.0 / 2) / 2)  # host ms / 1K context, per step
     line["steps"]["graph_gpu_ms"] = [None] * 5
     assert forward_split(line) is None
     del line["steps"]["graph_gpu_ms"]
@@ -85,3 +87,27 @@ def test_the_cli_writes_the_report_or_names_what_is_missing(tmp_path: Path) -> N
     assert res.exit_code == 0, res.output
     text = (tmp_path / "phase_steps_report.md").read_text()
     assert "Policies run twice or more at a point: 1; means within 5 %: 1" in text and "| p | resident | 2 |" in text
+
+
+def test_the_host_fit_finds_what_the_host_rest_grows_with() -> None:
+    """Host rest = 0.5 ms + 30 us per 1,000 context tokens + 20 us a sequence, nothing per read: the fit says so;
+    steps with a miss or a KV fetch (their waits are no host work) and the warm-up stay out."""
+    rng = np.random.default_rng(0)
+    n = 200
+    reads, ctx, seqs = rng.integers(100, 400, n), rng.integers(1000, 200000, n), rng.integers(1, 33, n)
+    gpu = rng.uniform(2.0, 5.0, n)
+    host = 0.5 + 0.030 * ctx / 1e3 + 0.020 * seqs
+    misses = [0] * n
+    misses[5] = 40  # a step that waited on loads: its host rest is no fit point
+    host[5] += 50.0
+    line = {"point": "p", "policy": "tierplan", "run_id": "r", "warm_steps": 3,
+            "steps": {"step_s": list((gpu + host) / 1e3), "num_prefills": [0] * n, "graph_gpu_ms": list(gpu),
+                      "expert_hits": list(reads), "expert_misses": misses, "context_tokens": list(ctx),
+                      "num_decodes": list(seqs), "kv_fetch": [{"cpu": 0, "nvme": 0}] * n}}
+    line["steps"]["step_s"][0] = 1.0  # the warm-up's slow step
+    fit = host_fit([line])
+    assert fit is not None and fit["steps"] == n - 4
+    assert fit["const_ms"] == pytest.approx(0.5, abs=1e-6) and fit["per_read_ms"] == pytest.approx(0.0, abs=1e-8)
+    assert fit["per_kctx_ms"] == pytest.approx(0.030) and fit["per_seq_ms"] == pytest.approx(0.020)
+    assert fit["r2"] == pytest.approx(1.0)
+    assert host_fit([line], min_steps=n) is None

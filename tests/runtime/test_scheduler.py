@@ -203,3 +203,13 @@ def test_a_step_clock_makes_batches_independent_of_host_speed(tmp_path: Path) ->
         finally:
             eng.close()
     assert batches[0] == batches[1] and outs[0] == outs[1]
+
+
+@pytest.mark.parametrize(("prompt", "output"), [(5, 0), (5, 3), (1, 1)])
+def test_tokens_from_and_num_tokens_say_what_the_whole_token_list_says(prompt: int, output: int) -> None:
+    """The runner reads a step's tokens through `tokens_from` (no copy of the whole context a step)."""
+    s = seq(0, prompt)
+    s.output = [100 + i for i in range(output)]
+    assert s.num_tokens == len(s.tokens)
+    for start in range(s.num_tokens + 2):
+        assert s.tokens_from(start) == s.tokens[start:]
