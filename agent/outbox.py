@@ -2,8 +2,9 @@
 
 The engine thread only snapshots a window (`WindowDraft`: host arrays and values); building it into a
 `Telemetry` (per-layer parts checked on the arrays, the message validated: `WindowDraft.build`) happens
-here, with a GIL yield after each layer (see `_yield_gil`). Messages reach `sink` in window order. A window
-that fails to build is never dropped silently: it is counted in `failed` with its error kept.
+here, with a GIL yield after each layer (see `_yield_gil`); `build_spans` keeps when each build ran. Messages
+reach `sink` in window order. A window that fails to build is never dropped silently: it is counted in `failed`
+with its error kept.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Outbox:
         self.sent = 0
         self.failed = 0
         self.build_ms: deque[float] = deque(maxlen=1024)  # how long each recent message took to build and sink
+        # (start, end) perf_counter of each recent build alone: Python under the GIL beside the engine thread (a
+        # bench lays them over its steps; the sink's own time is the source's to tell).
+        self.build_spans: deque[tuple[float, float]] = deque(maxlen=4096)
         self.last_error: BaseException | None = None
         self._q: queue.Queue[WindowDraft | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tierplan-telemetry-outbox", daemon=True)
@@ -59,7 +63,9 @@ class Outbox:
                 if draft is None:
                     return
                 t0 = time.perf_counter()
-                self.sink(draft.build(between_layers=_yield_gil))
+                msg = draft.build(between_layers=_yield_gil)
+                self.build_spans.append((t0, time.perf_counter()))
+                self.sink(msg)
                 self.build_ms.append((time.perf_counter() - t0) * 1e3)
                 self.sent += 1
             except Exception as exc:  # kept and counted: the engine thread must not die of it

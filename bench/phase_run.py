@@ -247,6 +247,23 @@ class StepRecord:
     # of step_s and cycle_s: a server captures its buckets at start-up (H100 phase run 62, b32 1K 56 GiB: each
     # first decode step in a new bucket took 46-148 ms against 3-16 ms, 23-29 % of a run's measured wall time).
     capture_ms: float = 0.0
+    # Of this step's cycle: how long the engine's other threads held the GIL for the agent's telemetry (the
+    # outbox's builds) and a child-process planner's messages (packing, validating): set once the run has ended
+    # (`overlap_ms`), as a span may outlast the step it started in. The engine thread waits out such work
+    # between its launches; live policies' decode steps ran slowest at the window's first steps.
+    outbox_ms: float = 0.0
+
+
+def overlap_ms(cycles: list[tuple[float, float]], spans: list[tuple[float, float]]) -> list[float]:
+    """For each (start, end) cycle, the ms that the union of `spans` covers of it (both on one clock)."""
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in merged if a < t1 and b > t0) * 1e3
+            for t0, t1 in cycles]
 
 
 @dataclass
@@ -364,12 +381,15 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                 eng.experts.set_victim_order(run.victim_order)
             rec = _Recorder(eng)
             enforcer, seen = loop.adapter.enforcer, {"peak": 0, "over": 0}
-            clock = {"last": 0.0}
+            clock = {"last": 0.0, "raw": 0.0}
+            cycles: list[tuple[float, float]] = []  # each step's cycle on perf_counter (the threads' spans' clock)
             stop = RunStop.of(sizes)  # the rule the oracle's dry record follows too
 
             def hook(batch: Batch, step_s: float) -> None:
                 # The step's cycle ends here, before this step's own hooks (they belong to the next cycle).
-                t = clock_s()
+                t, raw = clock_s(), time.perf_counter()
+                cycles.append((clock["raw"], raw))
+                clock["raw"] = raw
                 stop.after_step(len(batch.prefills))
                 cycle_s, clock["last"] = t - clock["last"], t
                 gc_ms = gc_watch.ms[True]  # the pauses up to here fell in this cycle (a later one's belong to the next)
@@ -385,7 +405,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
 
             hooks.append(hook)
             try:
-                clock["last"] = clock_s()
+                clock["last"], clock["raw"] = clock_s(), time.perf_counter()
                 report = runner.run(list(ctx.requests), block_tokens_for_prefixes=prefix_tokens,
                                     stop=lambda: stop.reached)
             except ConfigError as exc:  # e.g. a request longer than the GPU KV share the plan left
@@ -393,6 +413,9 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
         finally:
             loop.finish()
             gc_watch.close()
+        spans = [*loop.adapter.outbox.build_spans, *getattr(run.source, "host_spans", ())]
+        for step, busy_ms in zip(rec.steps, overlap_ms(cycles, spans), strict=True):
+            step.outbox_ms = busy_ms
         history = list(getattr(run.source, "history", None) or []) if run.source is not None else []
         decisions = _decisions(history)
         if (close_error := run.close()) is not None:  # the controller's process could not stop cleanly: counted

@@ -96,11 +96,15 @@ def forward_split(line: dict[str, Any]) -> dict[str, Any] | None:
         return None
     fwd, gpu, rd, ctx = np.array([s[:4] for s in steps], dtype=float).T  # [steps] each
     host = fwd - gpu
+    cols, warm = line["steps"], int(line.get("warm_steps") or 0)
+    outbox = [cols["outbox_ms"][i] for i in range(warm, len(cols["step_s"])) if cols["num_prefills"][i] == 0
+              and cols["graph_gpu_ms"][i] is not None] if "outbox_ms" in cols else []
     return {"point": line["point"], "policy": line["policy"], "run_id": line.get("run_id"), "steps": len(steps),
             "forward_ms": float(np.median(fwd)), "gpu_ms": float(np.median(gpu)),
             "host_ms": float(np.median(host)), "reads": float(np.median(rd)), "context_tokens": float(np.median(ctx)),
             "host_us_per_read": float(np.median(host / np.maximum(rd, 1.0))) * 1e3,
-            "host_us_per_kctx": float(np.median(host / np.maximum(ctx / 1e3, 1e-3))) * 1e3}
+            "host_us_per_kctx": float(np.median(host / np.maximum(ctx / 1e3, 1e-3))) * 1e3,
+            "outbox_ms": float(np.mean(outbox)) if outbox else None}
 
 
 def host_fit(lines: list[dict[str, Any]], min_steps: int = 50) -> dict[str, float] | None:
@@ -186,11 +190,14 @@ def report(paths: list[Path]) -> str:
                   "time of its replays (CUDA events around each), and the rest (host work before and between the "
                   "pieces, launches, waits); the (layer, expert) reads a step made (hits and misses over the MoE "
                   f"layers), its context, and the host rest per read and per 1,000 context tokens: {said}.", "",
+                  "The last column is the mean time a cycle shared the GIL with the telemetry's builds and a "
+                  "child-process planner's messages (`outbox_ms`; steps saved before it: -).", "",
                   "| point | policy | run | steps | forward ms | GPU ms | host ms | expert reads | context tokens "
-                  "| host us / read | host us / 1K context |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| host us / read | host us / 1K context | outbox ms |", "|---" * 12 + "|"]
         lines += [f"| {f['point']} | {f['policy']} | {f['run_id']} | {f['steps']} | {f['forward_ms']:.2f} | "
                   f"{f['gpu_ms']:.2f} | {f['host_ms']:.2f} | {f['reads']:.0f} | {f['context_tokens']:.0f} | "
-                  f"{f['host_us_per_read']:.1f} | {f['host_us_per_kctx']:.1f} |" for f in splits]
+                  f"{f['host_us_per_read']:.1f} | {f['host_us_per_kctx']:.1f} | "
+                  f"{'-' if f['outbox_ms'] is None else format(f['outbox_ms'], '.2f')} |" for f in splits]
     replayed, chunking, skipped = [], [], []
     tables: dict[tuple[int, int, int], np.ndarray] = {}  # the router's table per (MoE layers, top-k, experts)
     probs: dict[tuple[int, int, int], np.ndarray] = {}  # its per-token routing probabilities

@@ -16,7 +16,8 @@ Nothing is lost silently: an exception the child raises comes back and is raised
 not survive pickling, as a ValueError (a ValueError's kind: the loop counts refused telemetry by it) or a
 RuntimeError naming its type; a call that gets no answer within `timeout_s` kills the child and raises
 TimeoutError; a child that died is reported with its exit code; `close` returns why it could not stop the child
-cleanly (None when it did). The child stops by itself once its parent is gone. `history` (the controller's
+cleanly (None when it did). `host_spans` keeps when this side worked on each call (the phase runner lays them
+over its steps: `StepRecord.outbox_ms`). The child stops by itself once its parent is gone. `history` (the controller's
 decisions) is fetched on read, and at `close`. It must never build a plan itself.
 """
 
@@ -26,6 +27,8 @@ import multiprocessing as mp
 import os
 import pickle
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -117,6 +120,9 @@ class ProcessPlanSource:
         self._history: list[Any] = []
         self._closed = True  # until the child has answered: a failed start leaves nothing for close to do
         self._stopped_why: str | None = None  # why the child was killed (a call with no answer), for close
+        # (start, end) perf_counter of this side's work per call, the wait for the child left out: packing and
+        # sending, receiving and validating (pydantic-core holds the GIL throughout, beside the engine thread).
+        self.host_spans: deque[tuple[float, float]] = deque(maxlen=8192)
         try:
             self._proc.start()
         except BaseException:  # e.g. a factory that does not pickle: nothing runs, nothing is left open
@@ -138,21 +144,27 @@ class ProcessPlanSource:
             self._stopped_why = f"{name}: no answer within {self.timeout_s:g} s (killed)"
             raise TimeoutError(f"{name}: the controller's process gave no answer within {self.timeout_s:g} s "
                                "(killed)")
+        t0 = time.perf_counter()
         try:
-            status, value = self._conn.recv()
-        except (EOFError, OSError) as exc:
-            self._proc.join(timeout=5.0)
-            raise RuntimeError(f"{name}: the controller's process ended (exit code {self._proc.exitcode})") from exc
-        if status == "err":
-            raise value
-        return _unpack(value)
+            try:
+                status, value = self._conn.recv()
+            except (EOFError, OSError) as exc:
+                self._proc.join(timeout=5.0)
+                raise RuntimeError(f"{name}: the controller's process ended (exit code {self._proc.exitcode})") from exc
+            if status == "err":
+                raise value
+            return _unpack(value)
+        finally:
+            self.host_spans.append((t0, time.perf_counter()))
 
     def _call(self, name: str, *args: Any) -> Any:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{name}: the controller's process was closed")
+            t0 = time.perf_counter()
             try:
                 self._conn.send((name, tuple(_pack(a) for a in args)))
+                self.host_spans.append((t0, time.perf_counter()))
             except (BrokenPipeError, ConnectionResetError, OSError) as exc:
                 self._proc.join(timeout=5.0)
                 raise RuntimeError(f"{name}: the controller's process ended (exit code "

@@ -212,6 +212,10 @@ class AfterInitialPlan:
     def history(self) -> list[Any]:
         return list(getattr(self.source, "history", []))
 
+    @property
+    def host_spans(self) -> list[tuple[float, float]]:  # a controller in a child process: this side's work per call
+        return list(getattr(self.source, "host_spans", []))
+
     def close(self) -> str | None:
         """A controller in a child process stops (an in-process one has nothing to close): why not cleanly, or None."""
         close = getattr(self.source, "close", None)

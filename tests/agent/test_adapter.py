@@ -84,6 +84,7 @@ def test_outbox_keeps_order_and_counts_a_window_that_fails_to_build() -> None:
         box.put(Draft(n))  # type: ignore[arg-type]
     box.join()
     assert got == [0, 2, 3] and box.sent == 3 and box.failed == 1 and "bad window" in str(box.last_error)
+    assert len(box.build_spans) == 3 and all(a <= b for a, b in box.build_spans)  # each build's own span
     box.close()
     with pytest.raises(RuntimeError, match="closed"):
         box.put(Draft(5))  # type: ignore[arg-type]

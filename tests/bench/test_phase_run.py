@@ -312,6 +312,7 @@ def test_each_step_records_the_plan_it_ran_under(tmp_path: Path) -> None:
     class Again:  # a plan source that re-issues the starting split once, as version 2
         def __init__(self, plan: Any) -> None:
             self.plan, self.sent = plan, False
+            self.host_spans = [(0.0, 1e12)]  # a source busy all along: every step's whole cycle
 
         def sync_from(self, telemetry: Any) -> None:
             return None
@@ -341,6 +342,7 @@ def test_each_step_records_the_plan_it_ran_under(tmp_path: Path) -> None:
         h.close()
     versions = [s.plan_version for s in out.steps]
     assert versions[:2] == [1, 1] and versions[-1] == 2 and versions == sorted(versions), versions
+    assert all(s.outbox_ms >= s.cycle_s * 1e3 * 0.999 for s in out.steps)  # the source's spans reach the steps
     first = versions.index(2)
     assert first % 2 == 0  # from a window's first step
     assert sorted(out.extra["plans_applied"]) == [1, 2]
@@ -437,3 +439,13 @@ def test_the_runs_clocks_leave_out_graph_captures() -> None:
     eng.graphs.capture_s = 100.0  # 100 s of captures since t0
     assert clock() - t0 < -99.0
     assert server_clock(NS(graphs=None))() == pytest.approx(time.perf_counter(), abs=1.0)  # type: ignore[arg-type]
+
+
+def test_a_steps_outbox_time_is_the_union_of_the_spans_over_its_cycle() -> None:
+    """Spans of the outbox's builds and a planner's messages, overlapping or not, are counted once per cycle."""
+    from tierplan.bench.phase_run import overlap_ms
+
+    cycles = [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]
+    spans = [(0.5, 1.5), (1.2, 1.4), (2.9, 4.0), (-1.0, 0.1)]
+    assert overlap_ms(cycles, spans) == pytest.approx([600.0, 500.0, 100.0])
+    assert overlap_ms(cycles, []) == [0.0, 0.0, 0.0]

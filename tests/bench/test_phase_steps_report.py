@@ -70,6 +70,9 @@ def test_a_decode_forward_is_split_into_its_replays_gpu_time_and_the_host_rest()
     assert f["host_ms"] == 3.5 and f["reads"] == 350.0 and f["context_tokens"] == 5000.0
     assert f["host_us_per_read"] == pytest.approx(1e3 * (4.0 / 400 + 3.0 / 300) / 2)  # host ms / reads, per step
     assert f["host_us_per_kctx"] == pytest.approx(1e3 * (4.0 / 8 + 3.0 / 2) / 2)  # host ms / 1K context, per step
+    assert f["outbox_ms"] is None  # saved before steps carried it
+    line["steps"]["outbox_ms"] = [9.0, 9.0, 1.0, 2.0, 9.0]
+    assert forward_split(line)["outbox_ms"] == 1.5  # type: ignore[index]
     line["steps"]["graph_gpu_ms"] = [None] * 5
     assert forward_split(line) is None
     del line["steps"]["graph_gpu_ms"]
