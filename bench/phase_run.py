@@ -252,6 +252,17 @@ class StepRecord:
     # (`overlap_ms`), as a span may outlast the step it started in. The engine thread waits out such work
     # between its launches; live policies' decode steps ran slowest at the window's first steps.
     outbox_ms: float = 0.0
+    # Of this step's cycle: how long a planner in a child process was working on a call (wall), and the CPU time
+    # its threads spent meanwhile (planner_cpu_ms / planner_ms: the cores it kept busy beside the engine).
+    planner_ms: float = 0.0
+    planner_cpu_ms: float = 0.0
+
+
+def cpu_overlap_ms(cycles: list[tuple[float, float]], spans: list[tuple[float, float, float]]) -> list[float]:
+    """For each (start, end) cycle, the CPU ms of the (start, end, cpu_s) spans that fall in it, each span's CPU
+    spread evenly over its wall time (the spans are one process's calls, one at a time)."""
+    return [sum(cpu * 1e3 * max(0.0, min(b, t1) - max(a, t0)) / (b - a) for a, b, cpu in spans
+                if b > a and a < t1 and b > t0) for t0, t1 in cycles]
 
 
 def overlap_ms(cycles: list[tuple[float, float]], spans: list[tuple[float, float]]) -> list[float]:
@@ -414,8 +425,11 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
             loop.finish()
             gc_watch.close()
         spans = [*loop.adapter.outbox.build_spans, *getattr(run.source, "host_spans", ())]
-        for step, busy_ms in zip(rec.steps, overlap_ms(cycles, spans), strict=True):
-            step.outbox_ms = busy_ms
+        solves = list(getattr(run.source, "solve_spans", ()))
+        for step, busy_ms, solve_ms, cpu_ms in zip(rec.steps, overlap_ms(cycles, spans),
+                                                   overlap_ms(cycles, [(a, b) for a, b, _ in solves]),
+                                                   cpu_overlap_ms(cycles, solves), strict=True):
+            step.outbox_ms, step.planner_ms, step.planner_cpu_ms = busy_ms, solve_ms, cpu_ms
         history = list(getattr(run.source, "history", None) or []) if run.source is not None else []
         decisions = _decisions(history)
         if (close_error := run.close()) is not None:  # the controller's process could not stop cleanly: counted

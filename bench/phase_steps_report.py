@@ -97,14 +97,24 @@ def forward_split(line: dict[str, Any]) -> dict[str, Any] | None:
     fwd, gpu, rd, ctx = np.array([s[:4] for s in steps], dtype=float).T  # [steps] each
     host = fwd - gpu
     cols, warm = line["steps"], int(line.get("warm_steps") or 0)
-    outbox = [cols["outbox_ms"][i] for i in range(warm, len(cols["step_s"])) if cols["num_prefills"][i] == 0
-              and cols["graph_gpu_ms"][i] is not None] if "outbox_ms" in cols else []
+    kept = [i for i in range(warm, len(cols["step_s"])) if cols["num_prefills"][i] == 0
+            and cols["graph_gpu_ms"][i] is not None]
+
+    def mean_of(name: str) -> float | None:  # a column saved since session 37; None before
+        return float(np.mean([cols[name][i] for i in kept])) if name in cols else None
+
+    solve_ms, solve_cpu_ms = mean_of("planner_ms"), mean_of("planner_cpu_ms")
     return {"point": line["point"], "policy": line["policy"], "run_id": line.get("run_id"), "steps": len(steps),
             "forward_ms": float(np.median(fwd)), "gpu_ms": float(np.median(gpu)),
             "host_ms": float(np.median(host)), "reads": float(np.median(rd)), "context_tokens": float(np.median(ctx)),
             "host_us_per_read": float(np.median(host / np.maximum(rd, 1.0))) * 1e3,
             "host_us_per_kctx": float(np.median(host / np.maximum(ctx / 1e3, 1e-3))) * 1e3,
-            "outbox_ms": float(np.mean(outbox)) if outbox else None}
+            "outbox_ms": mean_of("outbox_ms"), "planner_ms": solve_ms,
+            "planner_cores": solve_cpu_ms / solve_ms if solve_ms and solve_cpu_ms is not None else None}
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def host_fit(lines: list[dict[str, Any]], min_steps: int = 50) -> dict[str, float] | None:
@@ -190,14 +200,17 @@ def report(paths: list[Path]) -> str:
                   "time of its replays (CUDA events around each), and the rest (host work before and between the "
                   "pieces, launches, waits); the (layer, expert) reads a step made (hits and misses over the MoE "
                   f"layers), its context, and the host rest per read and per 1,000 context tokens: {said}.", "",
-                  "The last column is the mean time a cycle shared the GIL with the telemetry's builds and a "
-                  "child-process planner's messages (`outbox_ms`; steps saved before it: -).", "",
+                  "The last columns: the mean time a cycle shared the GIL with the telemetry's builds and a "
+                  "child-process planner's messages (`outbox_ms`), and the mean time a planner's process worked "
+                  "during a cycle with the cores it kept busy meanwhile (`planner_ms`, `planner_cpu_ms`; steps "
+                  "saved before session 37: -).", "",
                   "| point | policy | run | steps | forward ms | GPU ms | host ms | expert reads | context tokens "
-                  "| host us / read | host us / 1K context | outbox ms |", "|---" * 12 + "|"]
+                  "| host us / read | host us / 1K context | outbox ms | planner ms (cores) |", "|---" * 13 + "|"]
         lines += [f"| {f['point']} | {f['policy']} | {f['run_id']} | {f['steps']} | {f['forward_ms']:.2f} | "
                   f"{f['gpu_ms']:.2f} | {f['host_ms']:.2f} | {f['reads']:.0f} | {f['context_tokens']:.0f} | "
                   f"{f['host_us_per_read']:.1f} | {f['host_us_per_kctx']:.1f} | "
-                  f"{'-' if f['outbox_ms'] is None else format(f['outbox_ms'], '.2f')} |" for f in splits]
+                  f"{_fmt(f['outbox_ms'])} | {_fmt(f['planner_ms'])} ({_fmt(f['planner_cores'], '.1f')}) |"
+                  for f in splits]
     replayed, chunking, skipped = [], [], []
     tables: dict[tuple[int, int, int], np.ndarray] = {}  # the router's table per (MoE layers, top-k, experts)
     probs: dict[tuple[int, int, int], np.ndarray] = {}  # its per-token routing probabilities

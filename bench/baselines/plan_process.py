@@ -16,9 +16,10 @@ Nothing is lost silently: an exception the child raises comes back and is raised
 not survive pickling, as a ValueError (a ValueError's kind: the loop counts refused telemetry by it) or a
 RuntimeError naming its type; a call that gets no answer within `timeout_s` kills the child and raises
 TimeoutError; a child that died is reported with its exit code; `close` returns why it could not stop the child
-cleanly (None when it did). `host_spans` keeps when this side worked on each call (the phase runner lays them
-over its steps: `StepRecord.outbox_ms`). The child stops by itself once its parent is gone. `history` (the controller's
-decisions) is fetched on read, and at `close`. It must never build a plan itself.
+cleanly (None when it did). `host_spans` keeps when this side worked on each call and `solve_spans` when the
+child did, with its CPU time (the phase runner lays them over its steps: `StepRecord.outbox_ms`, `planner_ms`,
+`planner_cpu_ms`). The child stops by itself once its parent is gone. `history` (the controller's decisions) is
+fetched on read, and at `close`. It must never build a plan itself.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def _serve(conn: Any, factory: Callable[[Any], Any], config: Any, parent_pid: in
         if name == "stop":
             conn.send(("ok", None))
             return
+        cpu0 = time.process_time()  # every thread of this process: how many cores the call kept busy
         try:
             if failed is not None:
                 raise failed
@@ -102,9 +104,10 @@ def _serve(conn: Any, factory: Callable[[Any], Any], config: Any, parent_pid: in
             else:
                 result = getattr(source, name)(*(_unpack(a) for a in args))
                 result = None if name == "sync_from" else result  # the loop ignores it; it need not pickle
-            conn.send(("ok", _pack(result)))
+            reply = ("ok", _pack(result))
         except BaseException as exc:
-            conn.send(("err", portable(exc)))
+            reply = ("err", portable(exc))
+        conn.send((*reply, time.process_time() - cpu0))
 
 
 class ProcessPlanSource:
@@ -123,6 +126,9 @@ class ProcessPlanSource:
         # (start, end) perf_counter of this side's work per call, the wait for the child left out: packing and
         # sending, receiving and validating (pydantic-core holds the GIL throughout, beside the engine thread).
         self.host_spans: deque[tuple[float, float]] = deque(maxlen=8192)
+        # (sent, answered, child CPU s) per call: the child's work from the request's send to its reply, and the
+        # CPU time its threads spent on it (over the wall: the cores it kept busy beside the engine).
+        self.solve_spans: deque[tuple[float, float, float]] = deque(maxlen=8192)
         try:
             self._proc.start()
         except BaseException:  # e.g. a factory that does not pickle: nothing runs, nothing is left open
@@ -137,8 +143,8 @@ class ProcessPlanSource:
             raise
         self._closed = False
 
-    def _answer(self, name: str) -> Any:
-        """The child's reply to the request just sent (under the lock): its value, or its error raised."""
+    def _answer(self, name: str, sent_s: float | None = None) -> Any:
+        """The child's reply to the request just sent at `sent_s` (under the lock): its value, or its error raised."""
         if not self._conn.poll(self.timeout_s):
             self._stop(kill=True)
             self._stopped_why = f"{name}: no answer within {self.timeout_s:g} s (killed)"
@@ -147,10 +153,12 @@ class ProcessPlanSource:
         t0 = time.perf_counter()
         try:
             try:
-                status, value = self._conn.recv()
+                status, value, *cpu_s = self._conn.recv()  # a call's reply carries the child's CPU time
             except (EOFError, OSError) as exc:
                 self._proc.join(timeout=5.0)
                 raise RuntimeError(f"{name}: the controller's process ended (exit code {self._proc.exitcode})") from exc
+            if sent_s is not None and cpu_s:
+                self.solve_spans.append((sent_s, t0, float(cpu_s[0])))
             if status == "err":
                 raise value
             return _unpack(value)
@@ -164,12 +172,13 @@ class ProcessPlanSource:
             t0 = time.perf_counter()
             try:
                 self._conn.send((name, tuple(_pack(a) for a in args)))
-                self.host_spans.append((t0, time.perf_counter()))
+                sent_s = time.perf_counter()
+                self.host_spans.append((t0, sent_s))
             except (BrokenPipeError, ConnectionResetError, OSError) as exc:
                 self._proc.join(timeout=5.0)
                 raise RuntimeError(f"{name}: the controller's process ended (exit code "
                                    f"{self._proc.exitcode})") from exc
-            return self._answer(name)
+            return self._answer(name, sent_s)
 
     def sync_from(self, telemetry: Any) -> None:
         self._call("sync_from", telemetry)

@@ -216,6 +216,10 @@ class AfterInitialPlan:
     def host_spans(self) -> list[tuple[float, float]]:  # a controller in a child process: this side's work per call
         return list(getattr(self.source, "host_spans", []))
 
+    @property
+    def solve_spans(self) -> list[tuple[float, float, float]]:  # and the child's: (sent, answered, its CPU s)
+        return list(getattr(self.source, "solve_spans", []))
+
     def close(self) -> str | None:
         """A controller in a child process stops (an in-process one has nothing to close): why not cleanly, or None."""
         close = getattr(self.source, "close", None)

@@ -313,6 +313,7 @@ def test_each_step_records_the_plan_it_ran_under(tmp_path: Path) -> None:
         def __init__(self, plan: Any) -> None:
             self.plan, self.sent = plan, False
             self.host_spans = [(0.0, 1e12)]  # a source busy all along: every step's whole cycle
+            self.solve_spans = [(0.0, 1e9, 2e9)]  # and a planner on two cores all along
 
         def sync_from(self, telemetry: Any) -> None:
             return None
@@ -343,6 +344,8 @@ def test_each_step_records_the_plan_it_ran_under(tmp_path: Path) -> None:
     versions = [s.plan_version for s in out.steps]
     assert versions[:2] == [1, 1] and versions[-1] == 2 and versions == sorted(versions), versions
     assert all(s.outbox_ms >= s.cycle_s * 1e3 * 0.999 for s in out.steps)  # the source's spans reach the steps
+    assert all(s.planner_ms >= s.cycle_s * 1e3 * 0.999 for s in out.steps)
+    assert all(s.planner_cpu_ms == pytest.approx(2 * s.planner_ms) for s in out.steps)
     first = versions.index(2)
     assert first % 2 == 0  # from a window's first step
     assert sorted(out.extra["plans_applied"]) == [1, 2]
@@ -449,3 +452,11 @@ def test_a_steps_outbox_time_is_the_union_of_the_spans_over_its_cycle() -> None:
     spans = [(0.5, 1.5), (1.2, 1.4), (2.9, 4.0), (-1.0, 0.1)]
     assert overlap_ms(cycles, spans) == pytest.approx([600.0, 500.0, 100.0])
     assert overlap_ms(cycles, []) == [0.0, 0.0, 0.0]
+
+
+def test_a_planners_cpu_time_is_spread_over_its_call_and_split_between_cycles() -> None:
+    from tierplan.bench.phase_run import cpu_overlap_ms
+
+    cycles = [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]
+    spans = [(0.5, 1.5, 2.0), (2.5, 2.5, 1.0)]  # 2 CPU s over 1 s of wall (two cores); a call of no wall: nothing
+    assert cpu_overlap_ms(cycles, spans) == pytest.approx([1000.0, 1000.0, 0.0])

@@ -71,8 +71,11 @@ def test_a_decode_forward_is_split_into_its_replays_gpu_time_and_the_host_rest()
     assert f["host_us_per_read"] == pytest.approx(1e3 * (4.0 / 400 + 3.0 / 300) / 2)  # host ms / reads, per step
     assert f["host_us_per_kctx"] == pytest.approx(1e3 * (4.0 / 8 + 3.0 / 2) / 2)  # host ms / 1K context, per step
     assert f["outbox_ms"] is None  # saved before steps carried it
-    line["steps"]["outbox_ms"] = [9.0, 9.0, 1.0, 2.0, 9.0]
-    assert forward_split(line)["outbox_ms"] == 1.5  # type: ignore[index]
+    assert f["planner_ms"] is None and f["planner_cores"] is None
+    line["steps"] |= {"outbox_ms": [9.0, 9.0, 1.0, 2.0, 9.0], "planner_ms": [0.0, 0.0, 4.0, 2.0, 0.0],
+                      "planner_cpu_ms": [0.0, 0.0, 8.0, 4.0, 0.0]}
+    f = forward_split(line)
+    assert f is not None and f["outbox_ms"] == 1.5 and f["planner_ms"] == 3.0 and f["planner_cores"] == 2.0
     line["steps"]["graph_gpu_ms"] = [None] * 5
     assert forward_split(line) is None
     del line["steps"]["graph_gpu_ms"]

@@ -143,6 +143,7 @@ def test_concurrent_calls_each_get_their_own_reply() -> None:
     assert errors == []
     # this side's work on each call, a refused one too: the send, then the reply's receipt
     assert len(src.host_spans) >= 3 * 200 * 2 * 2 and all(a <= b for a, b in src.host_spans)
+    assert len(src.solve_spans) >= 3 * 200 * 2 and all(a <= b and cpu >= 0 for a, b, cpu in src.solve_spans)
 
 
 def test_a_factory_that_does_not_pickle_fails_at_once_and_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
