@@ -8,8 +8,8 @@ it again): how far apart their means and their medians lie. Means apart with med
 steps (host, collector); medians apart too: the whole run was slower (device clock, placement). Then the cost
 model replayed over the same steps (bench/phase_cost_replay.py), the runs that spent a tenth of their wall or
 more between steps, with what each plan change cost there, the decode forwards' GPU time against their host time
-(where the steps carry `graph_gpu_ms`), and how often decode steps ran chunked off their graphs against the union
-model (bench/phase_chunking.py). It never edits a row's figure.
+(where the steps carry `graph_gpu_ms`; also by their place in the telemetry window), and how often decode steps
+ran chunked off their graphs against the union model (bench/phase_chunking.py). It never edits a row's figure.
 """
 
 from __future__ import annotations
@@ -113,6 +113,29 @@ def forward_split(line: dict[str, Any]) -> dict[str, Any] | None:
             "planner_cores": solve_cpu_ms / solve_ms if solve_ms and solve_cpu_ms is not None else None}
 
 
+def window_places(line: dict[str, Any]) -> dict[str, Any] | None:
+    """A run's replayed decode forwards after its warm-up by their place in the telemetry window (place 0: the
+    first step after a window closed, when the engine thread has just snapshotted the taps and a live planner
+    starts on that window): the median forward ms at each place, and the mean `outbox_ms` / `planner_ms` there
+    where the steps carry them. None for runs without `graph_gpu_ms` or a window, or with an empty place."""
+    cols, warm, ws = line["steps"], int(line.get("warm_steps") or 0), int(line.get("window_steps") or 0)
+    if ws < 2 or "graph_gpu_ms" not in cols:
+        return None
+    at: list[list[int]] = [[] for _ in range(ws)]
+    for i in range(warm, len(cols["step_s"])):
+        if cols["num_prefills"][i] == 0 and cols["graph_gpu_ms"][i] is not None:
+            at[i % ws].append(i)
+    if not all(at):
+        return None
+
+    def per_place(name: str) -> list[float] | None:
+        return [float(np.mean([cols[name][i] for i in idx])) for idx in at] if name in cols else None
+
+    return {"point": line["point"], "policy": line["policy"], "run_id": line.get("run_id"),
+            "forward_ms": [float(np.median([cols["step_s"][i] for i in idx])) * 1e3 for idx in at],
+            "outbox_ms": per_place("outbox_ms"), "planner_ms": per_place("planner_ms")}
+
+
 def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -211,6 +234,21 @@ def report(paths: list[Path]) -> str:
                   f"{f['host_us_per_read']:.1f} | {f['host_us_per_kctx']:.1f} | "
                   f"{_fmt(f['outbox_ms'])} | {_fmt(f['planner_ms'])} ({_fmt(f['planner_cores'], '.1f')}) |"
                   for f in splits]
+    places = [w for lines_ in per_file.values() for line in lines_ if (w := window_places(line)) is not None]
+    if places:
+        def row(xs: list[float] | None, spec: str) -> str:
+            return "-" if xs is None else " / ".join(format(x, spec) for x in xs)
+
+        lines += ["", "## Decode forward by place in the window", "",
+                  "The replayed decode forwards after the warm-up by their place in the telemetry window (place 0: "
+                  "the first step after a window closed; a live planner then works on that window): median forward "
+                  "ms at each place, and the mean ms each place shared with the telemetry's builds and planner "
+                  "messages (`outbox_ms`) and with the planner's process at work (`planner_ms`); -: saved before "
+                  "session 37.", "",
+                  "| point | policy | run | forward ms by place | outbox ms by place | planner ms by place |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {w['point']} | {w['policy']} | {w['run_id']} | {row(w['forward_ms'], '.1f')} | "
+                  f"{row(w['outbox_ms'], '.1f')} | {row(w['planner_ms'], '.0f')} |" for w in places]
     replayed, chunking, skipped = [], [], []
     tables: dict[tuple[int, int, int], np.ndarray] = {}  # the router's table per (MoE layers, top-k, experts)
     probs: dict[tuple[int, int, int], np.ndarray] = {}  # its per-token routing probabilities

@@ -11,7 +11,14 @@ from typer.testing import CliRunner
 
 from tierplan.api.cli import app
 from tierplan.bench.phase_steps import append_steps
-from tierplan.bench.phase_steps_report import between_summary, forward_split, host_fit, run_summary, spread_rows
+from tierplan.bench.phase_steps_report import (
+    between_summary,
+    forward_split,
+    host_fit,
+    run_summary,
+    spread_rows,
+    window_places,
+)
 
 
 def _line(policy: str, decode_ms: list[float], run_id: str, warm: int = 2) -> dict[str, Any]:
@@ -117,3 +124,21 @@ def test_the_host_fit_finds_what_the_host_rest_grows_with() -> None:
     assert fit["per_kctx_ms"] == pytest.approx(0.030) and fit["per_seq_ms"] == pytest.approx(0.020)
     assert fit["r2"] == pytest.approx(1.0)
     assert host_fit([line], min_steps=n) is None
+
+
+def test_decode_forwards_are_told_by_their_place_in_the_window() -> None:
+    """Place i % window_steps after the warm-up: medians of the replayed decode forwards, means of what ran beside
+    them; prefills and eager steps stay out; a run with an empty place or without graph times gives nothing."""
+    n = 12
+    step_s = [0.010 if i % 4 == 0 else 0.004 for i in range(n)]
+    step_s[5] = 0.5  # a prefill: left out
+    line = {"point": "p", "policy": "tierplan", "run_id": "r", "warm_steps": 4, "window_steps": 4,
+            "steps": {"step_s": step_s, "num_prefills": [1 if i == 5 else 0 for i in range(n)],
+                      "graph_gpu_ms": [2.0] * n, "planner_ms": [8.0 if i % 4 == 1 else 0.0 for i in range(n)]}}
+    w = window_places(line)
+    assert w is not None and w["forward_ms"] == pytest.approx([10.0, 4.0, 4.0, 4.0])
+    assert w["planner_ms"] == pytest.approx([0.0, 8.0, 0.0, 0.0]) and w["outbox_ms"] is None
+    line["steps"]["graph_gpu_ms"] = [None if i % 4 == 3 else 2.0 for i in range(n)]  # place 3: eager only
+    assert window_places(line) is None
+    del line["steps"]["graph_gpu_ms"]
+    assert window_places(line) is None
