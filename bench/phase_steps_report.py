@@ -71,11 +71,20 @@ def between_summary(line: dict[str, Any]) -> dict[str, Any] | None:
             "between_ms": between, "changes": changes}
 
 
+def _replayed_at(line: dict[str, Any]) -> list[int]:
+    """Indices of a run's decode steps after its warm-up that replayed graphs (none saved without `graph_gpu_ms`)."""
+    cols, warm = line["steps"], int(line.get("warm_steps") or 0)
+    if "graph_gpu_ms" not in cols:
+        return []
+    return [i for i in range(warm, len(cols["step_s"]))
+            if cols["num_prefills"][i] == 0 and cols["graph_gpu_ms"][i] is not None]
+
+
 def _replayed(line: dict[str, Any]) -> list[tuple[float, float, int, float, int, bool]]:
     """A run's decode forwards after its warm-up that replayed graphs: (forward ms, GPU ms, expert reads, context
     tokens, sequences, clean: no expert miss and no KV fetch in the step)."""
-    cols, warm = line["steps"], int(line.get("warm_steps") or 0)
-    if "graph_gpu_ms" not in cols:
+    cols, at = line["steps"], _replayed_at(line)
+    if not at:  # also a line saved without graph times (nor, then, every column read below)
         return []
     n = len(cols["step_s"])
     ctx = cols.get("context_tokens") or [0] * n
@@ -83,7 +92,7 @@ def _replayed(line: dict[str, Any]) -> list[tuple[float, float, int, float, int,
     fetch = cols.get("kv_fetch") or [{}] * n
     return [(cols["step_s"][i] * 1e3, cols["graph_gpu_ms"][i], cols["expert_hits"][i] + cols["expert_misses"][i],
              float(ctx[i]), seqs[i], not cols["expert_misses"][i] and not sum(fetch[i].values()))
-            for i in range(warm, n) if cols["num_prefills"][i] == 0 and cols["graph_gpu_ms"][i] is not None]
+            for i in at]
 
 
 def forward_split(line: dict[str, Any]) -> dict[str, Any] | None:
@@ -96,9 +105,7 @@ def forward_split(line: dict[str, Any]) -> dict[str, Any] | None:
         return None
     fwd, gpu, rd, ctx = np.array([s[:4] for s in steps], dtype=float).T  # [steps] each
     host = fwd - gpu
-    cols, warm = line["steps"], int(line.get("warm_steps") or 0)
-    kept = [i for i in range(warm, len(cols["step_s"])) if cols["num_prefills"][i] == 0
-            and cols["graph_gpu_ms"][i] is not None]
+    cols, kept = line["steps"], _replayed_at(line)
 
     def mean_of(name: str) -> float | None:  # a column saved since session 37; None before
         return float(np.mean([cols[name][i] for i in kept])) if name in cols else None
@@ -118,13 +125,12 @@ def window_places(line: dict[str, Any]) -> dict[str, Any] | None:
     first step after a window closed, when the engine thread has just snapshotted the taps and a live planner
     starts on that window): the median forward ms at each place, and the mean `outbox_ms` / `planner_ms` there
     where the steps carry them. None for runs without `graph_gpu_ms` or a window, or with an empty place."""
-    cols, warm, ws = line["steps"], int(line.get("warm_steps") or 0), int(line.get("window_steps") or 0)
-    if ws < 2 or "graph_gpu_ms" not in cols:
+    cols, ws = line["steps"], int(line.get("window_steps") or 0)
+    if ws < 2:
         return None
     at: list[list[int]] = [[] for _ in range(ws)]
-    for i in range(warm, len(cols["step_s"])):
-        if cols["num_prefills"][i] == 0 and cols["graph_gpu_ms"][i] is not None:
-            at[i % ws].append(i)
+    for i in _replayed_at(line):
+        at[i % ws].append(i)
     if not all(at):
         return None
 
