@@ -283,12 +283,12 @@ class ReferenceEngine:
 
     def _prepare(self, seqs: list[int], tokens: list[list[int]], starts: list[int]) -> list[Segment]:
         """KV blocks for the new tokens, then every block of the step on the GPU (fetched as one list)."""
-        segs, row = [], 0
+        segs, row, growing = [], 0, []
         for s, toks, p in zip(seqs, tokens, starts, strict=True):
             segs.append(Segment(s, row, len(toks), p))
             row += len(toks)
-        growing = [(s, p + len(toks)) for s, toks, p in zip(seqs, tokens, starts, strict=True)
-                   if self.cache.needs_blocks(s, p + len(toks))]
+            if self.cache.needs_blocks(s, p + len(toks)):
+                growing.append((s, p + len(toks)))
         if growing:  # most decode steps grow none: no set of every block of the batch then
             protect = {b for q in seqs for b in self.cache.blocks_of(q)}  # this step's blocks: never spilled by grow
             for s, num_tokens in growing:

@@ -139,7 +139,7 @@ class PagedKVCache:
              victim_order: BlockOrder | None = None) -> None:
         """Give the sequence enough blocks for `num_tokens` tokens; new blocks are allocated on the GPU."""
         table = self.tables.setdefault(seq_id, [])
-        if len(table) >= self.num_blocks_for(num_tokens):
+        if not self.needs_blocks(seq_id, num_tokens):
             return  # most decode steps: no set of the step's blocks built per sequence (8,000 at b8 16K)
         keep = set(protect) | set(table)
         while len(table) < self.num_blocks_for(num_tokens):
@@ -168,6 +168,12 @@ class PagedKVCache:
             return 0
         return 0 if row is None else len(row)
 
+    @staticmethod
+    def _extend(rows: dict[int, np.ndarray], seq_id: int, have: int, indices: list[int]) -> None:
+        """The sequence's kept row, of `have` leading blocks, followed by these blocks' GPU indices."""
+        new = np.asarray(indices, dtype=np.int32)
+        rows[seq_id] = np.concatenate((rows[seq_id], new)) if have else new
+
     def ensure_seqs_on_gpu(self, seq_ids: list[int], victim_order: BlockOrder | None = None) -> None:
         """`ensure_on_gpu` over every block of these sequences, looking up only those no cached row holds (on the
         GPU since the last move) and caching what it finds; one elsewhere: the whole list through `ensure_on_gpu`."""
@@ -183,8 +189,7 @@ class PagedKVCache:
         at = 0
         for s, t, n in zip(seq_ids, tables, have, strict=True):
             if len(t) > n:
-                new = np.fromiter((loc.index for loc in locs[at : at + len(t) - n]), dtype=np.int32, count=len(t) - n)
-                rows[s] = np.concatenate((rows[s], new)) if n else new
+                self._extend(rows, s, n, [loc.index for loc in locs[at : at + len(t) - n]])
                 at += len(t) - n
 
     def gpu_rows(self, seq_ids: list[int]) -> list[np.ndarray]:
@@ -196,8 +201,7 @@ class PagedKVCache:
             blocks = self.blocks_of(s)
             n = self._cached(rows, s, len(blocks))
             if n < len(blocks):
-                new = np.asarray(self._indices(s, blocks[n:]), dtype=np.int32)
-                rows[s] = np.concatenate((rows[s], new)) if n else new
+                self._extend(rows, s, n, self._indices(s, blocks[n:]))
             out.append(rows[s] if blocks else np.zeros(0, dtype=np.int32))
         return out
 
