@@ -53,6 +53,10 @@ def register(bench_app: typer.Typer) -> None:
             min=1, help="Runs of each policy at a point, in rounds of alternating order; the report shows each "
                         "policy's median run and every run's tok/s (default: the sweep's, 1; another "
                         "measurement, as --requests-per-batch).")] = None,
+        planner_cores: Annotated[int | None, typer.Option(
+            help="CPUs a live policy's controller process may run on beside the engine (0: all of them; default: "
+                 "the sweep's, 4; it runs at a lower priority either way; another measurement, as "
+                 "--requests-per-batch).")] = None,
         save_steps: Annotated[bool, typer.Option(
             help="Also keep every run's per-step records (gzip'd JSON lines, one file per process, beside the "
                  "JSON): for fitting the cost model or studying noise away from the device.")] = False,
@@ -138,7 +142,8 @@ def register(bench_app: typer.Typer) -> None:
                 fail(f"--gpus {gpus}: torch sees {torch.cuda.device_count()} CUDA device(s) here")
             try:
                 failed = sharded(err, out_dir, gpus, "cuda", quick, points, policies, models, fresh,
-                                 requests_per_batch, oracle_recording, report, save_steps, repeats, deadline_s)
+                                 requests_per_batch, oracle_recording, report, save_steps, repeats, deadline_s,
+                                 planner_cores)
             except ValueError as exc:
                 fail(str(exc))
             if failed:
@@ -159,14 +164,16 @@ def register(bench_app: typer.Typer) -> None:
                                 progress=lambda n: bar.advance(task["id"], n), on_total=on_total,
                                 requests_per_batch=requests_per_batch,
                                 oracle_recording=recordings[oracle_recording], report=report,
-                                save_steps=save_steps, repeats=repeats, queue=queue, deadline_s=deadline_s)
+                                save_steps=save_steps, repeats=repeats, queue=queue, deadline_s=deadline_s,
+                                planner_cores=planner_cores)
         except (ValueError, ConfigError, ProtocolError) as exc:
             fail(str(exc))
 
 
 def sharded(err: Any, out_dir: Path, gpus: int, device: str, quick: bool, points: str, policies: str, models: str,
             fresh: bool, requests_per_batch: float | None, oracle_recording: str, report: bool,
-            save_steps: bool = False, repeats: int | None = None, deadline_s: float | None = None) -> bool:
+            save_steps: bool = False, repeats: int | None = None, deadline_s: float | None = None,
+            planner_cores: int | None = None) -> bool:
     """`--gpus N`: the sweep's points over N worker processes, one per GPU on `device` "cuda" (on "cpu" the
     same workers without GPUs: the CPU test of this path), then one report. True if a worker failed (its rows
     stay: a rerun resumes). ValueError for a bad option, before any worker starts. `deadline_s` is each
@@ -177,7 +184,8 @@ def sharded(err: Any, out_dir: Path, gpus: int, device: str, quick: bool, points
     from tierplan.bench.phase_shards import run_workers
 
     t0 = time.perf_counter()
-    sizes, grid = sweep_grid(quick, points, _split(policies), _split(models), requests_per_batch, repeats)
+    sizes, grid = sweep_grid(quick, points, _split(policies), _split(models), requests_per_batch, repeats,
+                             planner_cores)
     day = time.strftime("%Y%m%d")  # the workers' JSON is named by the day they start (before midnight, say)
     args = ["--device", device, "--oracle-recording", oracle_recording, *(["--quick"] if quick else []),
             *(["--fresh"] if fresh else []), *(["--save-steps"] if save_steps else []),
@@ -185,6 +193,7 @@ def sharded(err: Any, out_dir: Path, gpus: int, device: str, quick: bool, points
             *(["--models", models] if models else []),
             *(["--requests-per-batch", str(requests_per_batch)] if requests_per_batch is not None else []),
             *(["--repeats", str(repeats)] if repeats is not None else []),
+            *(["--planner-cores", str(planner_cores)] if planner_cores is not None else []),
             *(["--deadline-s", f"{max(1.0, deadline_s - (time.perf_counter() - t0)):.1f}"]
               if deadline_s is not None else [])]
     err.print(f"phase: {len(grid)} point(s) over {gpus} worker(s); each one's output in {out_dir}/phase_worker*.log",

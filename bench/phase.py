@@ -292,7 +292,8 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
                     requests_per_batch: float | None = None,
                     oracle_recording: OracleRecording = OracleRecording.DRY, report: bool = True,
                     save_steps: bool = False, repeats: int | None = None,
-                    queue: Path | None = None, deadline_s: float | None = None) -> dict[str, Path]:
+                    queue: Path | None = None, deadline_s: float | None = None,
+                    planner_cores: int | None = None) -> dict[str, Path]:
     """Run the sweep (module docstring); returns {model: its JSON path}. ValueError for an unknown policy,
     model or point (nothing run). `on_total(n)` is told the number of runs still to do before the first.
     `requests_per_batch` overrides the sizes' (fewer requests: shorter runs at large batches); rows measured at
@@ -303,7 +304,8 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
     each policy at a point; another measurement, as `requests_per_batch`). `queue`: the points come from this
     queue file (a worker of a sweep over several GPUs), claimed one at a time, instead of `point_spec`.
     `deadline_s`: start no point whose runs would end later than this many seconds from now (`phase_timing`;
-    skipped points are named, and a rerun takes them up)."""
+    skipped points are named, and a rerun takes them up). `planner_cores` overrides the sizes' (the CPUs a live
+    policy's controller process may use; 0: all)."""
     from tierplan.runtime.device import Device
 
     if deadline_s is not None and not deadline_s > 0:
@@ -314,7 +316,7 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
         point_spec = ",".join(claims.specs())
         if not point_spec:
             raise ValueError(f"--queue {queue}: it holds no points")
-    sizes, grid = sweep_grid(quick, point_spec, policies, models, requests_per_batch, repeats)
+    sizes, grid = sweep_grid(quick, point_spec, policies, models, requests_per_batch, repeats, planner_cores)
     say = console.print if console is not None else print
     pols = policies or BASELINES
     dev = Device(device)
@@ -347,9 +349,9 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
 
 def sweep_grid(quick: bool = False, point_spec: str = "", policies: tuple[str, ...] = (),
                models: tuple[str, ...] = (), requests_per_batch: float | None = None,
-               repeats: int | None = None) -> tuple[Sizes, list[Point]]:
+               repeats: int | None = None, planner_cores: int | None = None) -> tuple[Sizes, list[Point]]:
     """The sweep's sizes and its points (`--points` / `--models` applied); ValueError for an unknown policy,
-    model or point, or a bad `requests_per_batch` or `repeats` (nothing run)."""
+    model or point, or a bad `requests_per_batch`, `repeats` or `planner_cores` (nothing run)."""
     sizes = QUICK if quick else FULL
     if requests_per_batch is not None:
         if not requests_per_batch > 0:
@@ -359,6 +361,10 @@ def sweep_grid(quick: bool = False, point_spec: str = "", policies: tuple[str, .
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"--repeats must be an integer >= 1, got {repeats!r}")
         sizes = dataclasses.replace(sizes, repeats=repeats)
+    if planner_cores is not None:
+        if isinstance(planner_cores, bool) or not isinstance(planner_cores, int) or planner_cores < 0:
+            raise ValueError(f"--planner-cores must be an integer >= 0 (0: every CPU), got {planner_cores!r}")
+        sizes = dataclasses.replace(sizes, planner_cores=planner_cores)
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise ValueError(f"unknown policy {bad}; expected some of {', '.join(POLICIES)}")

@@ -60,6 +60,9 @@ class Sizes:
     # Splits the oracle's search prices first where it holds more than it measures (bench/oracle_estimate.py); at
     # or below `oracle_max_splits`: every one is run, none priced.
     oracle_priced_splits: int = 0
+    # CPUs a live policy's controller process may run on beside the engine (0: all of the engine's;
+    # bench/baselines/plan_process.py): its solves' bursts then leave the engine's thread the rest.
+    planner_cores: int = 4
 
     @property
     def oracle_pool_splits(self) -> int:

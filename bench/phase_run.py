@@ -141,8 +141,7 @@ def point_context(h: ModelHandle, point: Point, sizes: Sizes) -> tuple[PointCont
         kv_cpu_blocks=max(1, min(total_blocks, max(tier_cap, budget // h.kv_block_bytes))),
         kv_nvme_blocks=max(1, min(total_blocks, int(sizes.kv_nvme_gib * GIB * point.kept_frac) // h.kv_block_bytes)),
         link_bytes_per_s=h.link_bytes_per_s, memory_bytes_per_s=h.memory_bytes_per_s, requests=reqs,
-        num_layers=h.spec.num_layers,
-        top_k=h.spec.top_k), prefix_tokens
+        num_layers=h.spec.num_layers, top_k=h.spec.top_k, planner_cores=sizes.planner_cores), prefix_tokens
 
 
 def engine_config(h: ModelHandle, ctx: PointContext, options: dict[str, Any], workdir: Path) -> EngineConfig:

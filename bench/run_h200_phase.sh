@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One chunk of the phase sweep on the lent H200 (issue 14; bench/results/phase_h200.md), sent through the device
 # tool from the repo root, carrying .whl (pydantic wheels: see bench/h200_env.sh):
-#   [GPUS=N] [POLICIES=a,b,...] [GPU_TESTS=all] bash bench/run_h200_phase.sh "$OUT" POINTS [MODELS] [SECONDS] [EXTRA...]
+#   [GPUS=N] [POLICIES=a,b,...] [GPU_TESTS=all] [PLANNER_CORES=N] bash bench/run_h200_phase.sh "$OUT" POINTS [MODELS] \
+#     [SECONDS] [EXTRA...]       (PLANNER_CORES: --planner-cores, the CPUs a live policy's planner process may use)
 # e.g. bash bench/run_h200_phase.sh "$OUT" b8c1024g40,b32c1024g40 qwen3-30b-a3b 520
 #      GPUS=2 bash bench/run_h200_phase.sh "$OUT" qwen3-30b-a3b:b32c1024g56,mixtral-8x7b:b1c1024g32 \
 #        qwen3-30b-a3b,mixtral-8x7b 520          (nvidia-h200-x2: a worker per GPU, each claims the next point)
@@ -52,7 +53,7 @@ secs=$(( secs - (SECONDS - t0) ))  # a failed device test shows in pytest_gpu.lo
 secs=$(( secs > 60 ? secs : 60 ))
 step "$secs" phase.log python3 -m tierplan.api.cli bench phase --device cuda --gpus "$gpus" --models "$models" \
   --points "$points" --policies "${POLICIES:-tierplan,kv_tiering,static_lru,resident,oracle,static_lfru,fluxmoe,mv_wsa}" \
-  --out-dir "$out" --save-steps --deadline-s $(( secs > 40 ? secs - 20 : secs )) "$@"
+  --out-dir "$out" --save-steps ${PLANNER_CORES:+--planner-cores "$PLANNER_CORES"} --deadline-s $(( secs > 40 ? secs - 20 : secs )) "$@"
 if ! ls "$out"/phase_*.md >/dev/null 2>&1 || [ "$(tail -n 1 "$out/phase.log" | grep -c 'rows in\|report from')" = 0 ]; then
   # cut off by the timeout (its workers with it: timeout signals the whole process group): report what finished
   python3 - "$out" "$models" <<'PY'

@@ -67,6 +67,12 @@ LRU_MEMO_PER_LAYER = 8
 LRU_THREADS = 16  # at most this many curves computed at once (`DemandModel._warm_lru`)
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (a controller confined beside an engine: bench/baselines/plan_process.py),
+    not the machine's: more threads than that only take turns."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def batch_bucket(tokens: float) -> int:
     """The tracked batch size nearest to `tokens` on a log scale."""
     t = max(1.0, tokens)
@@ -415,7 +421,7 @@ class DemandModel:
                     todo[(m, batch)] = q
         if len(todo) < 2:
             return
-        with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, LRU_THREADS)) as pool:
+        with ThreadPoolExecutor(min(len(todo), _usable_cpus(), LRU_THREADS)) as pool:
             got = list(pool.map(lambda key: lru_curve(self._token_probs(key[0]), key[1]), todo))
         for ((m, _), q), curve in zip(todo.items(), got, strict=True):
             if self._memo(m, q) is None:  # two batches of one layer can share a q within the tolerance

@@ -154,6 +154,7 @@ class PointContext:
     num_layers: int = 0  # model layers in the run (expert_bytes_per_layer's length); 0: max(moe_layers) + 1
     top_k: int = 1
     memory_bytes_per_s: float = 0.0  # device memory read bandwidth, measured (0: unknown)
+    planner_cores: int = 0  # CPUs a controller's child process may use (Sizes.planner_cores; 0: all)
 
     @property
     def num_model_layers(self) -> int:

@@ -10,6 +10,10 @@ call instead. The protocol's messages cross the pipe as their JSON (`_pack`): pi
 took 20-60 ms a window with thousands of cross-layer pairs, on the outbox thread and under the GIL, where
 pydantic-core writes the JSON in 2-5 ms; the child validates it whole, as any process boundary of the protocol
 does. The constructor returns once the child has built the controller (its imports are no window's delay).
+The child yields the CPU to the engine: it runs at a lower priority (CHILD_NICE) and, given `cores`, on that
+many of the engine's CPUs only (H100 phase runs 69-73: a live planner's solves kept 2-4 cores busy, in bursts of
+up to 16 threads, and the engine's decode forward was 1-5 ms slower at the steps they fell on;
+bench/results/phase_h200.md, session 38).
 Calls are serialised (one lock: a reply never goes to another thread's call).
 
 Nothing is lost silently: an exception the child raises comes back and is raised here as itself, or, if it does
@@ -34,6 +38,26 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 PARENT_CHECK_S = 2.0  # how often an idle child looks whether its parent is still there
+CHILD_NICE = 5  # the child's priority below the engine's: where both want a core, the engine's thread gets it
+
+
+def cpu_share(cores: int) -> tuple[int, ...]:
+    """The CPUs a child confined to `cores` of them runs on: the last `cores` of those this process may use (all of
+    them for `cores` <= 0 or at least their number; () where the platform cannot tell, as on macOS)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return ()
+    allowed = sorted(os.sched_getaffinity(0))
+    return tuple(allowed[-cores:]) if 0 < cores < len(allowed) else tuple(allowed)
+
+
+def _confine(cpus: tuple[int, ...]) -> tuple[int, ...]:
+    """The child, before it builds the controller: run on `cpus` only, at CHILD_NICE; the CPUs it got. Its
+    thread pools (numpy's, the demand model's curves: controller/demand.py sizes its pool by them) then share
+    those cores, however many threads they start."""
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+    os.nice(CHILD_NICE)
+    return tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -73,16 +97,18 @@ def _unpack(value: Any) -> Any:
     return value
 
 
-def _serve(conn: Any, factory: Callable[[Any], Any], config: Any, parent_pid: int) -> None:
-    """The child: build the controller, say so, then answer (name, arguments) requests until told to stop or
-    its parent is gone."""
+def _serve(conn: Any, factory: Callable[[Any], Any], config: Any, parent_pid: int,
+           cpus: tuple[int, ...] = ()) -> None:
+    """The child: confine itself to `cpus` (`_confine`), build the controller, say so with the CPUs it runs on,
+    then answer (name, arguments) requests until told to stop or its parent is gone."""
+    got = _confine(cpus)
     try:
         source = factory(config)
     except BaseException as exc:  # every request gets it: never a ValueError (that would read as refused telemetry)
         source, failed = None, RuntimeError(f"building the controller failed: {type(exc).__name__}: {exc}")
     else:
         failed = None
-    conn.send(("ready", None))
+    conn.send(("ready", got))
     while True:
         try:
             if not conn.poll(PARENT_CHECK_S):
@@ -113,10 +139,13 @@ def _serve(conn: Any, factory: Callable[[Any], Any], config: Any, parent_pid: in
 class ProcessPlanSource:
     """A `PlanSource` (agent/closed_loop.py) over a controller in a child process (see the module docstring)."""
 
-    def __init__(self, factory: Callable[[Any], Any], config: Any, timeout_s: float = 120.0) -> None:
+    def __init__(self, factory: Callable[[Any], Any], config: Any, timeout_s: float = 120.0, cores: int = 0) -> None:
+        """cores: how many of this process's CPUs the child may run on (`cpu_share`; 0: all of them); it runs at
+        CHILD_NICE either way. `cpus` tells which it got."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, factory, config, os.getpid()),
+        self.cpus: tuple[int, ...] = ()
+        self._proc = ctx.Process(target=_serve, args=(child, factory, config, os.getpid(), cpu_share(cores)),
                                  name="tierplan-controller", daemon=True)
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -137,7 +166,7 @@ class ProcessPlanSource:
             raise
         child.close()
         try:  # built before the run starts: the controller's imports and set-up are no window's delay
-            self._answer("start")
+            self.cpus = tuple(self._answer("start") or ())
         except BaseException:
             self._stop(kill=True)
             raise

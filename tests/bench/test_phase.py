@@ -65,6 +65,9 @@ def test_every_policy_has_a_row_with_every_field_of_the_issue(swept: tuple[Path,
             assert r["notes"], r["policy"]
     # Every policy runs at the smoke point: one that does not (refused, degraded) is a bug to look at.
     assert {r["policy"]: r["status"] for r in rows} == dict.fromkeys(BASELINES, "ok")
+    # A live policy's planner process says where it ran (plan_process.cpu_share: the sweep's cores, or all)
+    live = [r for r in rows if r["policy"] in ("tierplan", "fluxmoe", "mv_wsa")]
+    assert live and all("planner process on " in r["notes"] for r in live), [r["notes"] for r in live]
 
 
 def test_rows_time_the_whole_measured_span_and_name_the_batch(swept: tuple[Path, list[dict]]) -> None:

@@ -193,3 +193,52 @@ def test_protocol_messages_cross_as_json_and_are_validated_in_the_child() -> Non
             src.sync_from(bad)
     finally:
         assert src.close() is None
+
+
+class _Probe:
+    """A "controller" that answers step_next with where its process runs: CPUs, niceness, the demand model's
+    thread count."""
+
+    def __init__(self, config: object) -> None:
+        pass
+
+    def step_next(self) -> tuple[list[int], int, int]:
+        from tierplan.controller.demand import _usable_cpus
+
+        return sorted(os.sched_getaffinity(0)), os.nice(0), _usable_cpus()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
+def test_the_child_runs_confined_to_its_cpus_below_the_engines_priority() -> None:
+    from tierplan.bench.baselines.plan_process import CHILD_NICE, cpu_share
+
+    allowed = sorted(os.sched_getaffinity(0))
+    assert cpu_share(0) == tuple(allowed) == cpu_share(len(allowed) + 3)  # 0 or more than there are: all
+    assert cpu_share(1) == (allowed[-1],)
+    mine = os.nice(0)
+    for cores, want in ((1, [allowed[-1]]), (0, allowed)):
+        src = ProcessPlanSource(_Probe, None, cores=cores)
+        try:
+            assert src.cpus == tuple(want)
+            cpus, nice, threads = src.step_next()
+            assert cpus == want and threads == len(want)
+            assert nice == min(19, mine + CHILD_NICE)  # the engine's thread wins a contended core
+        finally:
+            assert src.close() is None
+    assert os.nice(0) == mine and sorted(os.sched_getaffinity(0)) == allowed  # the engine's process is untouched
+
+
+def test_the_planner_cores_are_the_sweeps_unless_given_and_bad_ones_are_refused() -> None:
+    from tierplan.bench.phase import sweep_grid
+
+    assert sweep_grid(quick=True)[0].planner_cores == 4
+    assert sweep_grid(quick=True, planner_cores=0)[0].planner_cores == 0
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="--planner-cores must be an integer >= 0"):
+            sweep_grid(quick=True, planner_cores=bad)
+
+
+def test_cpu_ranges_read_as_a_person_writes_them() -> None:
+    from tierplan.bench.baselines.tierplan_live import _ranges
+
+    assert _ranges((12, 13, 14, 15)) == "12-15" and _ranges((0, 2, 3, 7)) == "0,2-3,7" and _ranges((5,)) == "5"
