@@ -110,14 +110,26 @@ def timing(steps: list[Any]) -> dict[str, float | None]:
             "graph_capture_ms": sum(getattr(s, "capture_ms", 0.0) for s in steps)}
 
 
+# Why a prefill's steps have their own fit (`Predictor.prefill`): one fit over both kinds, with ~100 steps of
+# memory, saw a point's few large eager steps beside its many small graph replays, gave the per-token and
+# per-expert terms what the decode steps' fixed cost is (its fixed terms clamped at zero), and priced a b1 decode
+# step of 3.3 ms at 1.4. Replayed over the H100/H200 phase steps of runs 01-73 (session 38): 669 of 948 runs within
+# 15 % with two fits, 644 with one (tierplan, each point's first policy: 73 of 137 against 63); the decode steps
+# alone 474 of 869 runs against 452. A fit over those steps of one code on one H100 (runs 69-73) prices 85 of 94
+# runs' decode steps within 15 % with the same four terms: what is left is the online fit's, not the terms'.
 @dataclass
 class Predictor:
-    """One cost model per model in this process, calibrated as the runs go, and the routing trace's LRU
-    miss-ratio curves per tracked batch (built on first use)."""
+    """The cost model per model in this process, calibrated as the runs go, and the routing trace's LRU
+    miss-ratio curves per tracked batch (built on first use). The model is fitted twice, on the decode steps
+    (`cost`: CUDA graph replays, or chunked off them) and on the steps that hold a prefill (`prefill`: run eagerly),
+    and each step is priced by its own kind's fit (`model_for`): one fit over both explained a prefill's thousands
+    of tokens and a decode step's fixed cost with the same coefficients, and its fixed terms went to zero
+    (the comment above)."""
 
-    cost: CostModel
+    cost: CostModel  # the decode steps' fit (and the link, shape and priors every price reads)
     kv_block_bytes: int
     ids_host: np.ndarray | None = None  # the forced router's table [T, L_moe, k]
+    prefill: CostModel | None = None  # the fit of steps holding a prefill (None: `cost` prices them too)
     _curves: dict[int, MissRatioCurves] = field(default_factory=dict)
     _evict_sum: float = 0.0  # ms outside the forward at plan changes that evicted KV blocks, forgetting older ones
     _evict_blocks: float = 0.0  # the blocks they evicted, forgotten alike
@@ -141,7 +153,12 @@ class Predictor:
         hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, link_bytes_per_s),
                           transfer_overhead_s=TRANSFER_OVERHEAD_PRIOR_S, hbm_bytes=0, name=name,
                           hbm_bytes_per_s=memory_bytes_per_s)
-        return cls(CostModel(shape, hw, forgetting=STEP_FORGETTING), kv_block_bytes, ids_host)
+        return cls(CostModel(shape, hw, forgetting=STEP_FORGETTING), kv_block_bytes, ids_host,
+                   prefill=CostModel(shape, hw, forgetting=STEP_FORGETTING))
+
+    def model_for(self, step: Any) -> CostModel:
+        """The fit that prices (and learns from) `step`: `prefill` for a step holding a prefill, else `cost`."""
+        return self.prefill if self.prefill is not None and getattr(step, "num_prefills", 0) else self.cost
 
     def calibrate(self, steps: list[Any], before: Any = None) -> None:
         """Fold measured steps (StepRecords) into the cost model, one observation each: the cycle less its
@@ -159,7 +176,7 @@ class Predictor:
                 applied_ms = max(0.0, (s.cycle_s - s.step_s) * 1e3)
                 self._evict_sum = EVICT_FORGETTING * self._evict_sum + applied_ms
                 self._evict_blocks = EVICT_FORGETTING * self._evict_blocks + evicted
-            self.cost.observe(s.batch_tokens, s.context_tokens, s.expert_hits + s.expert_misses,
+            self.model_for(s).observe(s.batch_tokens, s.context_tokens, s.expert_hits + s.expert_misses,
                               s.cycle_s * 1e3 - stall - applied_ms, s.expert_misses + kv,
                               s.expert_misses * eb + kv * self.kv_block_bytes, stall, expert_misses=s.expert_misses,
                               chunked=float(ran_chunked(s)))
@@ -230,7 +247,7 @@ class Predictor:
         out = []
         for s in steps:
             load = self._load(s, self._spread(s.expert_misses), chunked=ran_chunked(s))
-            out.append(self.cost.step_time_ms(load).total_ms
+            out.append(self.model_for(s).step_time_ms(load).total_ms
                        + plan_evictions(s, before, self.kv_block_bytes) * self.evict_ms_per_block)
             before = s
         return out
@@ -252,7 +269,7 @@ class Predictor:
             ahead = s.expert_prefetch_hits
             share = ahead / (ahead + s.expert_misses) if ahead else 0.0
             chunked = s.num_prefills == 0 and self.over_slots(slots, s.batch_tokens)
-            total += self.cost.step_time_ms(self._load(s, tuple(m * (1 - share) for m in misses),
+            total += self.model_for(s).step_time_ms(self._load(s, tuple(m * (1 - share) for m in misses),
                                                        tuple(m * share for m in misses), chunked)).total_ms
         return total / len(steps) if steps else 0.0
 

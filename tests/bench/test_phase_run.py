@@ -155,6 +155,33 @@ def test_the_predictor_learns_a_step_time_from_the_measured_steps() -> None:
     assert max(abs(p / t - 1) for p, t in zip(after, truth, strict=True)) < 0.02, (after, truth)
 
 
+def test_a_prefills_steps_and_the_decode_steps_are_priced_by_fits_of_their_own() -> None:
+    """Decode steps of 3 ms whatever their batch (a graph replay's fixed cost) beside prefill steps of 0.2 ms a
+    token: each kind is priced by its own fit, so a small decode step keeps its fixed cost; one fit over both (the
+    predictor before session 38) prices it at half or less."""
+    from tierplan.bench.phase_run import StepRecord
+
+    def step(tokens: int, prefill: bool) -> StepRecord:
+        ms = 0.2 * tokens if prefill else 3.0
+        return StepRecord(step_s=0.0, cycle_s=ms / 1e3, num_prefills=int(prefill), num_decodes=tokens,
+                          tokens_out=tokens, batch_tokens=tokens, context_tokens=64 * tokens, expert_hits=4,
+                          expert_misses=0, expert_stall_ms=0.0, kv_stall_ms=0.0, kv_gpu_hits=0, kv_fetch={},
+                          link_bytes={})
+
+    rng = np.random.default_rng(0)
+    seen = [step(int(rng.choice([512, 1024, 2048])), True) if i % 4 == 0 else step(int(rng.choice([16, 32, 64])),
+                                                                                      False) for i in range(400)]
+    two, one = _predictor(routes=False), _predictor(routes=False)
+    one.prefill = None  # `cost` learns and prices every step
+    for pred in (two, one):
+        pred.calibrate(seen)
+    small, long = step(1, False), step(1024, True)
+    assert two.model_for(small) is two.cost and two.model_for(long) is two.prefill
+    got = two.step_prices([small, long])
+    assert abs(got[0] / 3.0 - 1) < 0.05 and abs(got[1] / 204.8 - 1) < 0.05, got
+    assert one.step_prices([small])[0] < 1.5
+
+
 def test_each_step_is_predicted_at_the_split_of_the_plan_it_ran_under() -> None:
     """A live policy's steps are priced at the split in force at each (the plan version the step ran under),
     by the rule a static split's are; the controller's own figure is kept apart."""
