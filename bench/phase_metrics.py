@@ -72,6 +72,13 @@ CURVE_ACCESSES = 16384  # expert accesses per layer a curve is built from (steps
 # within 15 % at 0.99, 142 at 0.98, 138 at 0.995, 128 at 0.9975 (chosen on those steps: a later sweep says
 # whether it holds).
 STEP_FORGETTING = 0.99
+# A step counts less once it falls this many median absolute residuals from the fit (the controller's windows:
+# 1.5, controller/costmodel_fit.py). What a row predicts is its steps' mean, slow ones included: a window's first
+# step building its telemetry (1.5-4 ms over the rest on the H100, session 38), a collection, a link that slowed;
+# fitted at 1.5 they hardly counted and the prices ran low (at the measured misses, the median run 0.96 of its
+# measured step, 197 of 948 runs under by > 15 %, 82 over). Replayed over runs 01-73 with the two fits: 695 runs
+# within 15 % at 3 and at 4, 694 at 6, 685 at 2, 669 at 1.5; unweighted, 597 (286 over).
+STEP_HUBER_K = 3.0
 # A plan that evicts GPU KV blocks moves them to the host before the next step: each such plan change measured is
 # an observation of the time a block costs (H100/H200 phase runs 29-45: 0.17-0.50 ms a block where over 1,000 moved,
 # against ~5 us of link bytes; a change moving a few blocks also pays its expert remaps, up to ~100 ms);
@@ -153,8 +160,8 @@ class Predictor:
         hw = HardwareSpec(link_bytes_per_s=dict.fromkeys(Link, link_bytes_per_s),
                           transfer_overhead_s=TRANSFER_OVERHEAD_PRIOR_S, hbm_bytes=0, name=name,
                           hbm_bytes_per_s=memory_bytes_per_s)
-        return cls(CostModel(shape, hw, forgetting=STEP_FORGETTING), kv_block_bytes, ids_host,
-                   prefill=CostModel(shape, hw, forgetting=STEP_FORGETTING))
+        return cls(CostModel(shape, hw, forgetting=STEP_FORGETTING, huber_k=STEP_HUBER_K), kv_block_bytes, ids_host,
+                   prefill=CostModel(shape, hw, forgetting=STEP_FORGETTING, huber_k=STEP_HUBER_K))
 
     def model_for(self, step: Any) -> CostModel:
         """The fit that prices (and learns from) `step`: `prefill` for a step holding a prefill, else `cost`."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from tierplan.controller.costmodel_fit import OnlineLinear
+from tierplan.controller.costmodel_fit import HUBER_K, OnlineLinear
 from tierplan.controller.model_shape import ModelShape
 from tierplan.controller.protocol import Link, StallCause, Telemetry, Tier
 
@@ -146,8 +146,10 @@ class _Timeline:
 
 class CostModel:
     def __init__(self, shape: ModelShape, hardware: HardwareSpec, compute: ComputeParams | None = None,
-                 prior_strength: float = 1.0, forgetting: float = 0.98, prefetch_lookahead_layers: int | None = None
-                 ) -> None:
+                 prior_strength: float = 1.0, forgetting: float = 0.98, prefetch_lookahead_layers: int | None = None,
+                 huber_k: float = HUBER_K) -> None:
+        """huber_k: how far (in median absolute residuals) an observation may fall from the fit before it counts
+        less (`OnlineLinear`): the default suits telemetry windows, whose means already smooth a slow step out."""
         self.shape, self.hardware = shape, hardware
         self.prefetch_lookahead_layers = prefetch_lookahead_layers
         prior = compute or ComputeParams.prior_for(shape, hardware)
@@ -160,12 +162,13 @@ class CostModel:
         # (bench/phase_cost_replay.py), with the bench's step forgetting: 146 of 225 runs within 15 %,
         # against 133 with one spread.
         scale = [max(10 * abs(v), 1.0 / t) for v, t in zip(prior.as_tuple(), self._typical_features(), strict=True)]
-        self._compute_fit = OnlineLinear(prior.as_tuple(), scale, prior_strength, forgetting, robust=True)
+        self._compute_fit = OnlineLinear(prior.as_tuple(), scale, prior_strength, forgetting, robust=True,
+                                         huber_k=huber_k)
         self._link_fit: dict[Link, OnlineLinear] = {}
         for lk in Link:  # theta = (ms per transfer, ms per byte)
             mean = (hardware.transfer_overhead_s * 1e3, 1e3 / hardware.link_bytes_per_s[lk])
             scale = [max(10 * mean[0], 0.1), 10 * mean[1]]
-            self._link_fit[lk] = OnlineLinear(mean, scale, prior_strength, forgetting, robust=True)
+            self._link_fit[lk] = OnlineLinear(mean, scale, prior_strength, forgetting, robust=True, huber_k=huber_k)
         self._refresh()
 
     def _refresh(self) -> None:

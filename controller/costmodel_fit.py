@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 _ROBUST_AFTER = 5  # observations before residuals are trusted to say what an outlier is
-_HUBER_K = 1.5  # residuals beyond this many median absolute residuals are down-weighted
+HUBER_K = 1.5  # residuals beyond this many median absolute residuals are down-weighted (the default)
 _SCALE_RATE = 0.1  # log-step of the residual scale per observation
 
 
@@ -24,19 +24,19 @@ class OnlineLinear:
     """y ≈ theta · x with a Gaussian prior N(prior_mean, (prior_strength * diag(scale^-2))^-1)."""
 
     def __init__(self, prior_mean: Sequence[float], prior_scale: Sequence[float], prior_strength: float = 1.0,
-                 forgetting: float = 1.0, robust: bool = False) -> None:
+                 forgetting: float = 1.0, robust: bool = False, huber_k: float = HUBER_K) -> None:
         mean = np.asarray(prior_mean, dtype=np.float64)  # [P]
         scale = np.asarray(prior_scale, dtype=np.float64)  # [P]
         if mean.shape != scale.shape or mean.ndim != 1:
             raise ValueError(f"OnlineLinear: prior_mean and prior_scale must be 1-D of one length, got {mean.shape} "
                              f"and {scale.shape}")
-        if not (scale > 0).all() or prior_strength <= 0 or not 0 < forgetting <= 1:
-            raise ValueError("OnlineLinear: prior_scale and prior_strength must be > 0, forgetting in (0, 1]")
+        if not (scale > 0).all() or prior_strength <= 0 or not 0 < forgetting <= 1 or not huber_k > 0:
+            raise ValueError("OnlineLinear: prior_scale, prior_strength and huber_k must be > 0, forgetting in (0, 1]")
         self._prior_prec = np.diag(prior_strength / scale**2)  # [P, P]
         self._prior_mean = mean
         self._prec = self._prior_prec.copy()  # [P, P] posterior precision
         self._rhs = self._prior_prec @ mean  # [P] precision-weighted mean
-        self.forgetting, self.robust = forgetting, robust
+        self.forgetting, self.robust, self.huber_k = forgetting, robust, huber_k
         self.num_updates = 0
         self._res_scale = 0.0
 
@@ -73,7 +73,7 @@ class OnlineLinear:
         if self.robust:
             residual = abs(y - float(np.dot(self.theta, xv)))
             if self.num_updates >= _ROBUST_AFTER and self._res_scale > 0:
-                cut = _HUBER_K * self._res_scale
+                cut = self.huber_k * self._res_scale
                 weight *= 1.0 if residual <= cut else cut / residual
             # The scale tracks the median absolute residual (a stochastic-approximation quantile: up when a
             # residual is above it, down when below), which a heavy tail of preempted steps cannot inflate.

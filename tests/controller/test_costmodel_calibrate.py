@@ -96,3 +96,22 @@ def test_a_fixed_cost_seen_at_one_step_size_is_not_priced_as_its_largest_feature
     truth = 3.0  # this machine's steps cost the same whatever their experts
     priced = model.step_time_ms(StepLoad(batch_tokens=1, active_experts=(8, 8))).total_ms
     assert priced < 2.0 * truth, model.compute
+
+
+def test_how_far_a_slow_step_may_fall_before_it_counts_less_is_the_callers() -> None:
+    """Steps of 3 ms with one in eight at 7 ms (a window's first, building its telemetry): a fit that down-weights
+    beyond 1.5 median absolute residuals (the controller's default, for window means) sits near the common step;
+    at 3 (the phase bench's per-step fits, which predict the mean) it counts the slow ones and lands nearer the
+    mean of 3.5 ms. A huber_k that is not > 0 is refused."""
+    from tierplan.controller.costmodel_fit import HUBER_K, OnlineLinear
+
+    assert HUBER_K == 1.5
+    fits = {k: OnlineLinear([0.0], [10.0], robust=True, huber_k=k) for k in (1.5, 3.0)}
+    for i in range(400):
+        for fit in fits.values():
+            fit.update([1.0], 7.0 if i % 8 == 0 else 3.0)
+    tight, loose = (float(fits[k].theta[0]) for k in (1.5, 3.0))
+    assert tight < loose and abs(loose - 3.5) < abs(tight - 3.5), (tight, loose)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="huber_k must be > 0"):
+            OnlineLinear([0.0], [1.0], huber_k=bad)
