@@ -52,7 +52,7 @@ from tierplan.bench.phase_run import (
     point_context,
 )
 from tierplan.bench.phase_shards import PointQueue, point_spec
-from tierplan.bench.phase_steps import append_steps, steps_line, steps_path
+from tierplan.bench.phase_steps import CALIBRATION, WARMUP, append_steps, steps_line, steps_path
 from tierplan.bench.phase_store import (
     CANDIDATE,
     append_row,
@@ -451,9 +451,20 @@ def _settled(steps: list[Any], sizes: Sizes) -> list[Any]:
     return steps[min(sizes.warm_steps, max(0, len(steps) - 1)):]
 
 
-def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor, say: Any) -> None:
+def _keep_discarded(store: _Store, point: Point, ctx: PointContext, policy: str, status: str, out: Outcome,
+                    ident: tuple[str, str], sizes: Sizes) -> None:
+    """A discarded run's steps to the steps file (`store.add_steps`, with `save_steps`), its status saying which
+    (`phase_steps.DISCARDED`): no row, but the cost model's replay folds them in where the process did."""
+    device, code = ident
+    store.add_steps({**_base_row(point, ctx, policy, device, code, sizes), "status": status,
+                     "warm_steps": sizes.warm_steps}, out, ctx)
+
+
+def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor, say: Any,
+               store: _Store | None = None, ident: tuple[str, str] = ("", "")) -> None:
     """One `resident` pass at the model's first point, its settled steps folded into the cost model (no row):
-    the first runs' predictions start from this machine's step times rather than the priors."""
+    the first runs' predictions start from this machine's step times rather than the priors. With `store`, its
+    steps are kept (`_keep_discarded`; `ident`: the rows' device and code)."""
     try:
         ctx, prefix_tokens = point_context(h, point, sizes)
         out = _discarded_run(h, ctx, prefix_tokens, "resident", sizes)
@@ -462,16 +473,20 @@ def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor,
             "priors")
         return
     predictor.calibrate(_settled(out.steps, sizes))
+    if store is not None:
+        _keep_discarded(store, point, ctx, "resident", CALIBRATION, out, ident, sizes)
 
 
 def _warm_up(h: ModelHandle, ctx: PointContext, prefix_tokens: int, sizes: Sizes, predictor: Predictor,
-             say: Any) -> str | None:
+             say: Any, store: _Store | None = None, point: Point | None = None,
+             ident: tuple[str, str] = ("", "")) -> str | None:
     """One discarded run of `sizes.warmup_policy` at the point (no row): the kernels its steps need are compiled
     before the first measured run, and its settled steps are folded into the cost model, so the point's first row is
     predicted from a fit that has seen the point, as the later ones are (the first policy, tierplan, was priced
     from the previous point's fit: replayed over runs 01-40, 9 of its 24 runs within 15 % at the predicted
     misses, 14 with the point's static_lru run folded in first). The policy's name, or None where there is none
-    or it failed (said; the runs still go, as the rows' `warmed_by` tells)."""
+    or it failed (said; the runs still go, as the rows' `warmed_by` tells). With `store` and `point`, its steps
+    are kept (`_keep_discarded`)."""
     if sizes.warmup_policy is None:
         return None
     t0 = time.perf_counter()
@@ -481,6 +496,8 @@ def _warm_up(h: ModelHandle, ctx: PointContext, prefix_tokens: int, sizes: Sizes
         say(f"warm-up run ({sizes.warmup_policy}) failed, the point's runs go on unwarmed: {type(exc).__name__}: {exc}")
         return None
     predictor.calibrate(_settled(out.steps, sizes))
+    if store is not None and point is not None:
+        _keep_discarded(store, point, ctx, sizes.warmup_policy, WARMUP, out, ident, sizes)
     say(f"warm-up run ({sizes.warmup_policy}, discarded): {time.perf_counter() - t0:.1f} s")
     return sizes.warmup_policy
 
@@ -511,7 +528,7 @@ def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Siz
             if h is None:
                 h = open_model(m, sweep.layers, sweep.full_layers, dev, say)
                 predictor = Predictor.for_model(h)
-                _calibrate(h, p, sizes, predictor, say)
+                _calibrate(h, p, sizes, predictor, say, store, (dev_name, code))
             assert predictor is not None
             ctx: PointContext | None = None
             prefix_tokens, why = 0, ""
@@ -519,7 +536,8 @@ def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Siz
                 ctx, prefix_tokens = point_context(h, p, sizes)
             except ConfigError as exc:
                 why = str(exc)
-            warmed = _warm_up(h, ctx, prefix_tokens, sizes, predictor, say) if ctx is not None else None
+            warmed = (_warm_up(h, ctx, prefix_tokens, sizes, predictor, say, store, p, (dev_name, code))
+                      if ctx is not None else None)
             for rep, pol in left:
                 t0 = time.perf_counter()
                 base = _base_row(p, ctx, pol, dev_name, code, sizes, rep)

@@ -7,11 +7,12 @@ on a run's warm-up steps, price its measured steps at their measured misses, fit
 mean price is set against its measured step (`predicted_step_ms_measured_misses` of the row); given the forced
 router's table, also at the misses the trace's curves predict at each plan's split (`predicted_step_ms`). What it
 cannot replay: the process's calibration pass (a resident run at its first point) and each point's warm-up run
-(static_lru, folded in since session 26; both discarded, never saved), and the measured memory bandwidth (the
-priors of the active experts' compute); so the first run of a file, and of each point in rows measured since,
-may differ from its row. Its use is to try a change to the cost model on real steps away from the device
-(H200 phase runs 26-29: 36 of 57 runs within 15 % before the per-miss term, 39 with it;
-bench/results/phase_h200.md, session 22). It never edits a row.
+(static_lru, folded in since session 26) in files saved before session 38, which kept neither (since, their steps
+are saved, status `calibration` / `warmup`, and folded in here as the process did), and the measured memory
+bandwidth (the priors of the active experts' compute); so the first run of an older file, and of each point in
+rows measured since session 26, may differ from its row. Its use is to try a change to the cost model on real
+steps away from the device (H200 phase runs 26-29: 36 of 57 runs within 15 % before the per-miss term, 39 with
+it; bench/results/phase_h200.md, session 22). It never edits a row.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 
 from tierplan.bench.phase_grid import ROUTING
 from tierplan.bench.phase_metrics import Predictor, predict_at_plans
+from tierplan.bench.phase_steps import DISCARDED
 from tierplan.bench.phase_store import load_rows
 from tierplan.controller.model_shape import BUILTIN_CONFIGS, ModelShape, builtin_shape
 from tierplan.runtime.engine.routing_trace import ROUTER_HORIZON_TOKENS, RoutingTrace
@@ -104,6 +106,9 @@ def replay_file(path: Path, lines: list[dict[str, Any]], routes: np.ndarray | No
             continue
         warm = min(int(line.get("warm_steps") or 0), len(steps) - 1)
         timed = steps[warm:]
+        if line.get("status") in DISCARDED:  # a calibration pass or warm-up run: folded in settled, as the process did
+            predictor.calibrate(timed)
+            continue
         predictor.calibrate(steps[:warm])
         before = steps[warm - 1] if warm else None
         predicted = _predicted_ms(predictor, line, timed, before) if routes is not None else None

@@ -2,7 +2,8 @@
 
 Runs in the bench process; pure Python. A row holds a run's means; fitting the cost model, or telling a few slow
 steps from a slower device, needs the steps themselves, and the device's time is too scarce to run again for
-them. `tierplan bench phase --save-steps` appends one gzip'd JSON line per run (oracle candidates included) to
+them. `tierplan bench phase --save-steps` appends one gzip'd JSON line per run (oracle candidates included, and
+since session 38 the runs that make no row: the cost model's calibration pass and each point's warm-up, `DISCARDED`) to
 `phase_<model>_<day>_steps_<run id>.jsonl.gz` beside the JSON: one file per process, so the workers of a
 `--gpus` sweep never write one file. A line holds the row's identity (`ROW_KEYS`), the warm-up steps, the slot
 and KV block bytes, each applied plan's expert bytes per model layer, GPU KV blocks and reason by version, and the
@@ -18,6 +19,16 @@ from pathlib import Path
 from typing import Any
 
 ROW_KEYS = ("model", "point", "policy", "device", "code", "run_id", "oracle_split", "status")
+# The statuses of runs that make no row, whose steps are kept since session 38 (bench/phase.py): the cost model's
+# calibration pass at a model's first point and the warm-up run before each point's runs. Only the cost model's
+# replay reads them (the process folded them in); every other reader skips them (`measured_lines`).
+CALIBRATION, WARMUP = "calibration", "warmup"
+DISCARDED = (CALIBRATION, WARMUP)
+
+
+def measured_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The lines of runs that made a row (or an oracle candidate): not the discarded ones."""
+    return [line for line in lines if line.get("status") not in DISCARDED]
 
 
 def steps_path(json_path: Path, run_id: str) -> Path:

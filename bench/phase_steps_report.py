@@ -25,7 +25,7 @@ from tierplan.bench.phase_cost_replay import replay_file, router_table, shape_of
 from tierplan.bench.phase_cost_replay import section as cost_section
 from tierplan.bench.phase_metrics import plan_evictions
 from tierplan.bench.phase_spread import apart
-from tierplan.bench.phase_steps import load_steps
+from tierplan.bench.phase_steps import load_steps, measured_lines
 
 TAIL_SHARE = 0.05  # the slowest steps whose share of the decode time is reported
 BETWEEN_SHARE = 0.1  # runs whose time between steps is at least this share of their measured wall are listed
@@ -186,7 +186,8 @@ def steps_files(folder: Path) -> list[Path]:
 
 def report(paths: list[Path]) -> str:
     """The Markdown report over the steps files `paths` (ValueError naming a file that is not one)."""
-    per_file = {p: load_steps(p) for p in paths}
+    every = {p: load_steps(p) for p in paths}  # the cost model's replay folds the discarded runs in too
+    per_file = {p: measured_lines(lines) for p, lines in every.items()}
     runs = [s for lines in per_file.values() for line in lines if (s := run_summary(line)) is not None]
     lines = ["# Per-step records: where the run-to-run spread comes from", "",
              f"{len(runs)} runs with decode steps, from {len(paths)} file(s).", ""]
@@ -258,7 +259,7 @@ def report(paths: list[Path]) -> str:
     replayed, chunking, skipped = [], [], []
     tables: dict[tuple[int, int, int], np.ndarray] = {}  # the router's table per (MoE layers, top-k, experts)
     probs: dict[tuple[int, int, int], np.ndarray] = {}  # its per-token routing probabilities
-    for p, file_lines in per_file.items():
+    for p, file_lines in every.items():
         try:
             shape = shape_of(file_lines[0]) if file_lines else None
             key = (shape.num_moe_layers, shape.top_k, shape.num_experts) if shape is not None else None
@@ -267,7 +268,7 @@ def report(paths: list[Path]) -> str:
                 probs[key] = token_probs(tables[key], key[2])
             replayed += replay_file(p, file_lines, tables.get(key) if key is not None else None)
             if key is not None:
-                chunking += chunk_rows(file_lines, probs[key], tuple(shape.moe_layers))
+                chunking += chunk_rows(per_file[p], probs[key], tuple(shape.moe_layers))
         except ValueError as exc:  # a model without a built-in shape: named, the rest replayed
             skipped.append(f"{p.name}: {exc}")
     lines += ["", *cost_section(replayed), *(["", "Not replayed: " + "; ".join(skipped)] if skipped else [])]

@@ -58,6 +58,24 @@ def test_runs_are_fitted_in_order_and_priced_against_their_measured_step(tmp_pat
     assert "## The cost model replayed" in md and "Not replayed" not in md
 
 
+def test_the_discarded_runs_are_folded_in_as_the_process_did_and_make_no_line_of_their_own(tmp_path: Path) -> None:
+    """A calibration pass and a warm-up run saved before the first run (bench/phase.py) teach the fit as they
+    taught the process, so the file's first run (one warm-up step of its own) is priced closer to its measured
+    step than from the priors and that step; they are replayed as no run, and the report's other sections leave
+    them out."""
+    from tierplan.bench.phase_steps import CALIBRATION, WARMUP
+
+    bare, kept = tmp_path / "phase_qwen3-30b-a3b_20261205_steps_r1.jsonl.gz", tmp_path / "kept" / "x_steps_r2.jsonl.gz"
+    append_steps(bare, _run("tierplan", 3, warm=1))  # one warm-up step: alone, the fit is still its priors
+    append_steps(kept, {**_run("resident", 1), "status": CALIBRATION})
+    append_steps(kept, {**_run("static_lru", 2), "status": WARMUP})
+    append_steps(kept, _run("tierplan", 3, warm=1))
+    (cold,), (warm,) = replay_file(bare, load_steps(bare)), replay_file(kept, load_steps(kept))
+    assert warm["policy"] == "tierplan" and abs(warm["ratio"] - 1) < abs(cold["ratio"] - 1) / 2, (cold, warm)
+    md = report([kept])
+    assert "| resident |" not in md.split("## The cost model replayed")[0] and "1 runs with decode steps" in md
+
+
 def test_a_file_of_a_model_without_a_shape_is_named_and_the_rest_replayed(tmp_path: Path) -> None:
     mine, ours = tmp_path / "phase_mine_20261205_steps_a.jsonl.gz", tmp_path / "phase_q_20261205_steps_b.jsonl.gz"
     append_steps(mine, {**_run("resident", 0), "model": "mine"})

@@ -14,7 +14,7 @@ import pytest
 from tierplan.bench.phase import sweep_grid, write_reports
 from tierplan.bench.phase_grid import FULL, QUICK, points, select_points
 from tierplan.bench.phase_shards import PointQueue, point_spec, run_workers, visible_devices
-from tierplan.bench.phase_steps import load_steps
+from tierplan.bench.phase_steps import CALIBRATION, WARMUP, load_steps, measured_lines
 from tierplan.bench.phase_store import load_rows
 
 
@@ -95,11 +95,18 @@ def test_two_cpu_workers_write_one_json_and_one_report(tmp_path: Path) -> None:
     assert sorted((r["batch"], r["policy"]) for r in rows) == [(1, "resident"), (1, "static_lru"),
                                                                (4, "resident"), (4, "static_lru")]
     assert json_path.with_suffix(".md").exists() and len(list(tmp_path.glob("phase_worker*.log"))) == 2
-    # --save-steps reaches the workers: each kept its own runs' steps, one line per run.
+    # --save-steps reaches the workers: each kept its own runs' steps, one line per run, and its discarded runs'
+    # (the cost model's replay folds them in): its calibration pass first, then a warm-up run before each point.
     files = sorted(tmp_path.glob("phase_tiny_*_steps_*.jsonl.gz"))
-    lines = [line for f in files for line in load_steps(f)]
+    lines = [line for f in files for line in measured_lines(load_steps(f))]
     assert len(files) == 2 and sorted((x["point"], x["policy"], x["run_id"]) for x in lines) == sorted(
         (r["point"], r["policy"], r["run_id"]) for r in rows)
+    for f in files:
+        every = load_steps(f)
+        assert every[0]["status"] == CALIBRATION and every[0]["policy"] == "resident" and every[0]["steps"]
+        warm = [x for x in every if x["status"] == WARMUP]
+        assert [x["point"] for x in warm] == list(dict.fromkeys(x["point"] for x in measured_lines(every)))
+        assert all(x["policy"] == QUICK.warmup_policy and x["run_id"] == every[0]["run_id"] for x in warm)
 
 
 def test_workers_write_rows_only_and_the_report_reads_their_days_json(tmp_path: Path) -> None:
