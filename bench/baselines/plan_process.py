@@ -50,14 +50,19 @@ def cpu_share(cores: int) -> tuple[int, ...]:
     return tuple(allowed[-cores:]) if 0 < cores < len(allowed) else tuple(allowed)
 
 
-def _confine(cpus: tuple[int, ...]) -> tuple[int, ...]:
-    """The child, before it builds the controller: run on `cpus` only, at CHILD_NICE; the CPUs it got. Its
-    thread pools (numpy's, the demand model's curves: controller/demand.py sizes its pool by them) then share
-    those cores, however many threads they start."""
+def _confine(cpus: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
+    """The child, before it builds the controller: run on `cpus` only, at CHILD_NICE; the CPUs it got, and why
+    not `cpus` where the system refused them (it then runs on all it had). Its thread pools (numpy's, the demand
+    model's curves: controller/demand.py sizes its pool by them) then share those cores, however many threads
+    they start."""
+    why = None
     if cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cpus)
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as exc:
+            why = f"CPUs {list(cpus)} refused: {exc}"
     os.nice(CHILD_NICE)
-    return tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+    return (tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()), why
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -101,14 +106,14 @@ def _serve(conn: Any, factory: Callable[[Any], Any], config: Any, parent_pid: in
            cpus: tuple[int, ...] = ()) -> None:
     """The child: confine itself to `cpus` (`_confine`), build the controller, say so with the CPUs it runs on,
     then answer (name, arguments) requests until told to stop or its parent is gone."""
-    got = _confine(cpus)
+    got, why = _confine(cpus)
     try:
         source = factory(config)
     except BaseException as exc:  # every request gets it: never a ValueError (that would read as refused telemetry)
         source, failed = None, RuntimeError(f"building the controller failed: {type(exc).__name__}: {exc}")
     else:
         failed = None
-    conn.send(("ready", got))
+    conn.send(("ready", (got, why)))
     while True:
         try:
             if not conn.poll(PARENT_CHECK_S):
@@ -141,10 +146,12 @@ class ProcessPlanSource:
 
     def __init__(self, factory: Callable[[Any], Any], config: Any, timeout_s: float = 120.0, cores: int = 0) -> None:
         """cores: how many of this process's CPUs the child may run on (`cpu_share`; 0: all of them); it runs at
-        CHILD_NICE either way. `cpus` tells which it got."""
+        CHILD_NICE either way. `cpus` tells which it got, `confine_error` why not those asked for (None: they were
+        granted)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.cpus: tuple[int, ...] = ()
+        self.confine_error: str | None = None
         self._proc = ctx.Process(target=_serve, args=(child, factory, config, os.getpid(), cpu_share(cores)),
                                  name="tierplan-controller", daemon=True)
         self.timeout_s = timeout_s
@@ -166,7 +173,8 @@ class ProcessPlanSource:
             raise
         child.close()
         try:  # built before the run starts: the controller's imports and set-up are no window's delay
-            self.cpus = tuple(self._answer("start") or ())
+            got, self.confine_error = self._answer("start")
+            self.cpus = tuple(got)
         except BaseException:
             self._stop(kill=True)
             raise

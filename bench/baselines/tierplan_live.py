@@ -295,6 +295,8 @@ class TierplanLive:
         plan = make_plan(ctx, split, self.name, f"{why}; then {self.allocator}")
         cpus = getattr(self.controller, "cpus", ())  # a controller in a child process: the CPUs it may run on
         where = f"; planner process on {len(cpus)} CPU(s) {_ranges(cpus)}" if cpus else ""
+        if (why := getattr(self.controller, "confine_error", None)) is not None:
+            where += f" (not confined: {why})"
         return PolicyRun(plan, source=AfterInitialPlan(self.controller), window_steps=WINDOW_STEPS, split=split,
                          notes=(self.notes or f"live: {self.allocator}") + where, local_predictor=self.local_predictor)
 

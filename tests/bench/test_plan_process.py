@@ -219,13 +219,26 @@ def test_the_child_runs_confined_to_its_cpus_below_the_engines_priority() -> Non
     for cores, want in ((1, [allowed[-1]]), (0, allowed)):
         src = ProcessPlanSource(_Probe, None, cores=cores)
         try:
-            assert src.cpus == tuple(want)
+            assert src.cpus == tuple(want) and src.confine_error is None
             cpus, nice, threads = src.step_next()
             assert cpus == want and threads == len(want)
             assert nice == min(19, mine + CHILD_NICE)  # the engine's thread wins a contended core
         finally:
             assert src.close() is None
     assert os.nice(0) == mine and sorted(os.sched_getaffinity(0)) == allowed  # the engine's process is untouched
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
+def test_cpus_the_system_refuses_leave_the_child_running_on_all_and_say_why(monkeypatch) -> None:
+    from tierplan.bench.baselines import plan_process
+
+    monkeypatch.setattr(plan_process, "cpu_share", lambda cores: (10**6,))  # no such CPU
+    src = ProcessPlanSource(_Probe, None, cores=1)
+    try:
+        assert src.confine_error is not None and "CPUs [1000000] refused" in src.confine_error
+        assert sorted(src.step_next()[0]) == sorted(os.sched_getaffinity(0)) == list(src.cpus)
+    finally:
+        assert src.close() is None
 
 
 def test_the_planner_cores_are_the_sweeps_unless_given_and_bad_ones_are_refused() -> None:
