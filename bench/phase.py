@@ -260,6 +260,19 @@ def _base_row(point: Point, ctx: PointContext | None, policy: str, device: str, 
             "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+RUN_LINK_PROBE_BYTES = 64 << 20  # the pinned host->device copy probed before each run (a few ms on a GPU)
+
+
+def _run_link_gb_s(h: ModelHandle) -> float | None:
+    """The host link's bandwidth just before a run (`run_link_gb_s`: the report names a run that met a slower one
+    than the run it is set against), None on the CPU, where the link is a nominal figure."""
+    if not h.dev.is_cuda:
+        return None
+    from tierplan.bench.offload import link_gb_s
+
+    return link_gb_s(h.dev, RUN_LINK_PROBE_BYTES, reps=3)
+
+
 def _tokens_per_request(ctx: PointContext) -> float:
     """The point's mean output tokens per request (the rows' `steady_tok_s`)."""
     return sum(r.output_len for r in ctx.requests) / max(1, len(ctx.requests))
@@ -540,7 +553,7 @@ def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Siz
                       if ctx is not None else None)
             for rep, pol in left:
                 t0 = time.perf_counter()
-                base = _base_row(p, ctx, pol, dev_name, code, sizes, rep)
+                base = {**_base_row(p, ctx, pol, dev_name, code, sizes, rep), "run_link_gb_s": _run_link_gb_s(h)}
                 row = (refused_row(base, why) if ctx is None
                        else _one(h, ctx, prefix_tokens, pol, sizes, predictor, base, store, say, how))
                 row["run_s"] = time.perf_counter() - t0

@@ -24,6 +24,10 @@ from tierplan.bench.phase_spread import repeat_line, same_work, spread, spread_l
 
 ORACLE, TIERPLAN = "oracle", "tierplan"
 PRED_TOLERANCE = 0.15
+# A cause also says when tierplan's run met a host link this much slower than the best baseline's did (each run's
+# `run_link_gb_s`, probed just before it: H100 run 73, b1 1K 24 GiB, kv_tiering repeated run 36's work exactly at
+# 121.0 tok/s against 187.8, its expert stall 0.171 ms a miss against 0.104; rows before session 38 lack it).
+LINK_SLOWER = 0.10
 # The baselines whose split is fixed for the run: the issue's "best static baseline" of the 0.95x target. fluxmoe
 # and mv_wsa re-plan live (bench/baselines/fluxmoe.py, mv_wsa.py); they compete for the 1.5x target's "best
 # non-oracle baseline", and the 0.95x target is reported against them too, as a second figure.
@@ -110,6 +114,9 @@ def _cause(tp: dict[str, Any], best: dict[str, Any]) -> str:
     else:
         why = (f"engine overhead (stalls alike, {tpt:.3f} vs {tpt_b:.3f} ms/token; "
                f"{h2d / max(1, tp.get('output_tokens') or 1) / 2**20:.2f} MiB h2d per token)")
+    a, b = tp.get("run_link_gb_s"), best.get("run_link_gb_s")
+    if a and b and a < (1 - LINK_SLOWER) * b:  # the machine, not the policy: the host link probed before each run
+        why += f"; host link {a:.1f} vs {b:.1f} GB/s at the runs' starts"
     if pred is not None and abs(pred - 1) > PRED_TOLERANCE:
         why += f"; prediction off by {pred - 1:+.0%}"
     return why

@@ -79,7 +79,15 @@ def test_the_cause_compares_per_token_figures() -> None:
     assert p["cause"].startswith("split: experts short (expert stall 5.000 vs 2.500 ms/token)")
     rows = [_row("resident", 200.0, running=8.0), _row("tierplan", 100.0, running=4.0)]  # no stall either
     (p,), _ = summarize(rows)
-    assert p["cause"].startswith("split: KV short (4.0 vs 8.0 sequences per step)")
+    assert p["cause"].startswith("split: KV short (4.0 vs 8.0 sequences per step)") and "host link" not in p["cause"]
+    # a run that met a slower host link than the best baseline's says so (the machine, not the policy)
+    rows = [_row("resident", 200.0, running=8.0, run_link_gb_s=50.0),
+            _row("tierplan", 100.0, running=4.0, run_link_gb_s=30.0)]
+    (p,), _ = summarize(rows)
+    assert p["cause"].endswith("; host link 30.0 vs 50.0 GB/s at the runs' starts"), p["cause"]
+    rows[1]["run_link_gb_s"] = 46.0  # within 10 %: not named
+    (p,), _ = summarize(rows)
+    assert "host link" not in p["cause"]
     rows = [_row("resident", 200.0, running=2.0, engine_step_ms=9.0),
             _row("tierplan", 100.0, running=2.0, step_ms=20.0, engine_step_ms=9.5)]  # 10.5 ms/step between steps
     (p,), _ = summarize(rows)
