@@ -9,7 +9,7 @@ price. Each candidate's schedule and access stream come from its dry replay (dry
 KV share, the forced routes); each MoE layer's slots are run under Belady's rule over that stream at step
 granularity (the experts a step needs stay, then those used soonest after: the oracle's own victim order,
 oracle.py), giving each step's hits, misses and whether a decode step outruns a layer's slots (the engine then
-runs it chunked off its graphs); the process's cost model (phase_metrics.Predictor, fitted on this process's runs)
+runs it chunked off its graphs); the process's cost model (phase_predictor.Predictor, fitted on this process's runs)
 prices each step from those and its tokens, context and the KV blocks its swaps move. The figure ranks splits; it
 is never reported as a throughput. Replayed over the saved candidates of H100/H200 phase runs 26-45 (each file's
 steps through a fresh cost model, the search's pool at three splits: the runs' own), the best priced was the best

@@ -40,7 +40,8 @@ from tierplan.bench.baselines.base import (
 from tierplan.bench.baselines.dry_record import difference, dry_record
 from tierplan.bench.oracle_estimate import DryStep, estimate_tok_s, measure_order
 from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, RunStop, Sizes, points, select_points
-from tierplan.bench.phase_metrics import Predictor, measured_row, refused_row
+from tierplan.bench.phase_metrics import measured_row, refused_row
+from tierplan.bench.phase_predictor import Predictor, WindowPlaces
 from tierplan.bench.phase_report import device_stems, write_report
 from tierplan.bench.phase_run import (
     ModelHandle,
@@ -456,12 +457,14 @@ def _discarded_run(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy
         return measure(h, ctx, make(policy), sizes, Path(tmp), prefix_tokens)
 
 
-def _settled(steps: list[Any], sizes: Sizes) -> list[Any]:
-    """A discarded run's steps past its warm-up (the last one at least), what the cost model is fitted on: its
-    first steps compile kernels (up to 2.1 s against a 4-10 ms median in H200 runs 27 and 29), and a run of such
-    outliers loosens the fit's outlier cut (costmodel_fit.OnlineLinear; a review replayed a cold prefix folded in
-    before each point's first run: 11 of 24 within 15 % against 14 with it left out)."""
-    return steps[min(sizes.warm_steps, max(0, len(steps) - 1)):]
+def _fold_settled(predictor: Predictor, out: Outcome, sizes: Sizes) -> None:
+    """Fold a discarded run's steps past its warm-up (the last one at least) into the cost model, each at its place
+    in the run's telemetry windows: its first steps compile kernels (up to 2.1 s against a 4-10 ms median in H200
+    runs 27 and 29), and a run of such outliers loosens the fit's outlier cut (costmodel_fit.OnlineLinear; a review
+    replayed a cold prefix folded in before each point's first run: 11 of 24 within 15 % against 14 with it left
+    out)."""
+    warm = min(sizes.warm_steps, max(0, len(out.steps) - 1))
+    predictor.calibrate(out.steps[warm:], places=WindowPlaces(warm, out.window_steps))
 
 
 def _keep_discarded(store: _Store, point: Point, ctx: PointContext, policy: str, status: str, out: Outcome,
@@ -485,7 +488,7 @@ def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor,
         say(f"{h.spec.name}: no calibration pass ({type(exc).__name__}: {exc}); the cost model starts from its "
             "priors")
         return
-    predictor.calibrate(_settled(out.steps, sizes))
+    _fold_settled(predictor, out, sizes)
     if store is not None:
         _keep_discarded(store, point, ctx, "resident", CALIBRATION, out, ident, sizes)
 
@@ -508,7 +511,7 @@ def _warm_up(h: ModelHandle, ctx: PointContext, prefix_tokens: int, sizes: Sizes
     except Exception as exc:
         say(f"warm-up run ({sizes.warmup_policy}) failed, the point's runs go on unwarmed: {type(exc).__name__}: {exc}")
         return None
-    predictor.calibrate(_settled(out.steps, sizes))
+    _fold_settled(predictor, out, sizes)
     if store is not None and point is not None:
         _keep_discarded(store, point, ctx, sizes.warmup_policy, WARMUP, out, ident, sizes)
     say(f"warm-up run ({sizes.warmup_policy}, discarded): {time.perf_counter() - t0:.1f} s")

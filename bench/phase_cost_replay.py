@@ -2,8 +2,9 @@
 
 Runs in the bench process (`tierplan bench phase --steps-report DIR` adds it to phase_steps_report.md); pure
 Python + numpy, no torch and no device. Each steps file is one process of a sweep (bench/phase_steps.py): its
-runs are replayed in the order they ran through one fresh `phase_metrics.Predictor`, as the process did (fit
-on a run's warm-up steps, price its measured steps at their measured misses, fit on them), and each run's
+runs are replayed in the order they ran through one fresh `phase_predictor.Predictor`, as the process did (fit
+on a run's warm-up steps, then price each telemetry window of its measured steps at their measured misses and fit
+on it: `phase_pricing.price_ahead`), and each run's
 mean price is set against its measured step (`predicted_step_ms_measured_misses` of the row); given the forced
 router's table, also at the misses the trace's curves predict at each plan's split (`predicted_step_ms`). What it
 cannot replay: the process's calibration pass (a resident run at its first point) and each point's warm-up run
@@ -26,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from tierplan.bench.phase_grid import ROUTING
-from tierplan.bench.phase_metrics import Predictor, predict_at_plans
+from tierplan.bench.phase_predictor import Predictor, WindowPlaces
+from tierplan.bench.phase_pricing import price_ahead
 from tierplan.bench.phase_steps import DISCARDED
 from tierplan.bench.phase_store import load_rows
 from tierplan.controller.model_shape import BUILTIN_CONFIGS, ModelShape, builtin_shape
@@ -76,17 +78,16 @@ def router_table(shape: ModelShape, trace: Path = ROUTING) -> np.ndarray:
                                            shape.num_experts)[0]
 
 
-def _predicted_ms(predictor: Predictor, line: dict[str, Any], timed: list[SimpleNamespace],
-                  before: SimpleNamespace | None = None) -> float | None:
-    """The run's steps priced as its row's `predicted_step_ms` is (`predict_at_plans`: each at the split of the
-    plan it ran under, the misses the trace's LRU curves predict there); None for a line saved before steps
-    carried their plan and prefetched loads."""
+def _plans(line: dict[str, Any], timed: list[SimpleNamespace]) -> tuple[dict[int, SimpleNamespace] | None, Any]:
+    """A line's plans (version -> plan) and its initial plan, what the row's `predicted_step_ms` prices the steps
+    at (`phase_pricing.price_ahead`); (None, None) for a line saved before steps carried their plan and
+    prefetched loads."""
     plans = {int(v): SimpleNamespace(**p) for v, p in (line.get("plans") or {}).items()}
     version = line.get("initial_plan_version")
     initial = None if version is None else plans.get(int(version))
     if initial is None or not all(hasattr(s, "plan_version") and hasattr(s, "expert_prefetch_hits") for s in timed):
-        return None
-    return predict_at_plans(predictor, plans, initial, timed, before)[0]
+        return None, None
+    return plans, initial
 
 
 def replay_file(path: Path, lines: list[dict[str, Any]], routes: np.ndarray | None = None) -> list[dict[str, Any]]:
@@ -105,17 +106,17 @@ def replay_file(path: Path, lines: list[dict[str, Any]], routes: np.ndarray | No
         if not steps:
             continue
         warm = min(int(line.get("warm_steps") or 0), len(steps) - 1)
+        window_steps = int(line.get("window_steps") or 0)
         timed = steps[warm:]
         if line.get("status") in DISCARDED:  # a calibration pass or warm-up run: folded in settled, as the process did
-            predictor.calibrate(timed)
+            predictor.calibrate(timed, places=WindowPlaces(warm, window_steps))
             continue
-        predictor.calibrate(steps[:warm])
-        before = steps[warm - 1] if warm else None
-        predicted = _predicted_ms(predictor, line, timed, before) if routes is not None else None
-        priced = predictor.step_ms(timed, before)
-        predictor.calibrate(timed, before)
+        plans, initial = _plans(line, timed) if routes is not None else (None, None)
+        run = price_ahead(predictor, steps, warm, window_steps, plans, initial)
         measured_ms = sum(s.cycle_s for s in timed) / len(timed) * 1e3
         ok = measured_ms > 0
+        priced = sum(run.measured_misses) / len(timed)
+        predicted = sum(run.predicted) / len(timed) if run.predicted is not None else None
         out.append({"point": line["point"], "policy": line["policy"], "status": line.get("status"),
                     "run_id": line.get("run_id"), "ratio": priced / measured_ms if ok else None,
                     "predicted_ratio": predicted / measured_ms if ok and predicted is not None else None})
@@ -127,9 +128,10 @@ def section(replayed: list[dict[str, Any]]) -> list[str]:
     the rows' target leaves them out)."""
     runs = [r for r in replayed if r["ratio"] is not None and r["status"] != "candidate"]
     lines = ["## The cost model replayed", "",
-             "Each file's runs in the order they ran, one fresh cost model per file (as its process fitted it, "
-             "less the calibration pass and the warm-up runs, which are not saved); each run's measured steps "
-             "priced at their measured misses, against its measured step (bench/phase_cost_replay.py).", ""]
+             "Each file's runs in the order they ran, one fresh cost model per file (as its process fitted it; "
+             "files before session 38 lack the calibration pass and the warm-up runs); each telemetry window of a "
+             "run's measured steps priced at their measured misses before it is folded in (the controller's "
+             "horizon: bench/phase_pricing.py), against its measured step (bench/phase_cost_replay.py).", ""]
     if not runs:
         return [*lines, "No run to replay."]
     lines += _by_policy(runs, "ratio", "Within")

@@ -23,7 +23,7 @@ from tierplan.bench.phase_chunking import chunk_rows, token_probs
 from tierplan.bench.phase_chunking import section as chunk_section
 from tierplan.bench.phase_cost_replay import replay_file, router_table, shape_of, step_records
 from tierplan.bench.phase_cost_replay import section as cost_section
-from tierplan.bench.phase_metrics import plan_evictions
+from tierplan.bench.phase_predictor import plan_evictions
 from tierplan.bench.phase_spread import apart
 from tierplan.bench.phase_steps import load_steps, measured_lines
 

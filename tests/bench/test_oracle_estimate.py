@@ -13,7 +13,7 @@ import pytest
 
 from tierplan.bench.baselines.base import ExpertFuture, Split
 from tierplan.bench.oracle_estimate import DryStep, belady_counts, estimate_tok_s, measure_order
-from tierplan.bench.phase_metrics import Predictor
+from tierplan.bench.phase_predictor import Predictor
 from tierplan.controller.model_shape import ModelShape
 
 

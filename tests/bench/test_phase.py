@@ -344,7 +344,7 @@ def test_each_point_runs_a_discarded_warm_up_first_and_goes_on_without_one_that_
     before the point's first row is predicted; each row names it. A warm-up that fails is said and the runs go
     on, their rows naming none."""
     import tierplan.bench.phase as phase
-    from tierplan.bench.phase_metrics import Predictor
+    from tierplan.bench.phase_predictor import Predictor
 
     real, made = phase.make, []
     monkeypatch.setattr(phase, "make", lambda name: made.append(name) or real(name))

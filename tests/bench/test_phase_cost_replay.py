@@ -126,7 +126,7 @@ def test_a_plan_that_evicts_kv_blocks_pays_them_at_the_time_plan_changes_measure
     from types import SimpleNamespace
 
     from tierplan.bench.phase_cost_replay import router_table
-    from tierplan.bench.phase_metrics import Predictor, predict_at_plans
+    from tierplan.bench.phase_predictor import Predictor, predict_at_plans
 
     def steps(evicted: int, apply_ms: float) -> list[SimpleNamespace]:
         out = []

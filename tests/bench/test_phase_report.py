@@ -175,3 +175,15 @@ def test_runs_that_moved_other_bytes_or_ran_other_steps_are_not_the_same_work() 
     assert not same_work(base, _row("tierplan", 100.0, point="p2", **_work()))
     assert spread([base, _row("tierplan", 100.0, point="p2", **_work())]) is None
     assert "no two runs of one point did the same work" in markdown([base], "t", False, "cpu")
+
+
+def test_the_cost_model_target_says_how_many_rows_were_priced_a_window_ahead() -> None:
+    """Rows since session 39 price each telemetry window ahead (`predicted_ahead_steps`), older ones a whole run:
+    where both are counted, the figure says how the window-ahead ones alone fared."""
+    rows = [_row("resident", 100.0, predicted_over_measured=1.3), _row("tierplan", 160.0, predicted_ahead_steps=8),
+            _row("resident", 100.0, point="p2", predicted_ahead_steps=8, predicted_over_measured=0.8)]
+    met, fig = summarize(rows)[1]["cost model within 15% of the measured step at >= 90% of runs"]
+    assert met is False and fig.startswith("1 of 3 runs (33%)")
+    assert "priced a window ahead (the controller's horizon), 1 of 2, the rest a whole run ahead" in fig
+    same = summarize([_row("resident", 100.0, predicted_ahead_steps=8)])[1]
+    assert "window ahead" not in same["cost model within 15% of the measured step at >= 90% of runs"][1]

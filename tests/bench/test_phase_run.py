@@ -101,7 +101,7 @@ def test_the_oracle_resumes_its_search_from_the_candidates_it_saved(tmp_path: Pa
 
 def _predictor(routes: bool = True) -> Any:
     """The phase rows' Predictor for a 2-layer model of 8 experts (top-2), with a random routing table or none."""
-    from tierplan.bench.phase_metrics import Predictor
+    from tierplan.bench.phase_predictor import Predictor
 
     h = type("H", (), {})()
     h.spec = type("S", (), {"name": "t", "num_layers": 2, "moe_layers": (0, 1), "num_experts": 8, "top_k": 2})()
@@ -185,7 +185,8 @@ def test_a_prefills_steps_and_the_decode_steps_are_priced_by_fits_of_their_own()
 def test_each_step_is_predicted_at_the_split_of_the_plan_it_ran_under() -> None:
     """A live policy's steps are priced at the split in force at each (the plan version the step ran under),
     by the rule a static split's are; the controller's own figure is kept apart."""
-    from tierplan.bench.phase_metrics import controller_step_ms, predict
+    from tierplan.bench.phase_metrics import controller_step_ms
+    from tierplan.bench.phase_predictor import predict_at_plans
     from tierplan.bench.phase_run import StepRecord
 
     pred = _predictor()
@@ -207,6 +208,9 @@ def test_each_step_is_predicted_at_the_split_of_the_plan_it_ran_under() -> None:
     low, high = pred.split_step_ms([step(1)], (2, 2)), pred.split_step_ms([step(1)], (8, 8))
     assert low > high
     o, steps = outcome([1, 1, 2, 2], [(1, 99.0)])
+    def predict(pred: object, o: object, steps: list[StepRecord]) -> tuple[float, str]:
+        return predict_at_plans(pred, o.extra["plans_applied"], o.initial_plan, steps)
+
     ms, source = predict(pred, o, steps)
     assert ms == pytest.approx((2 * low + 2 * high) / 4) and "2 plans" in source
     o, steps = outcome([1, 1, 1, 1], [])  # a static split: one plan throughout
@@ -282,7 +286,7 @@ def test_the_compute_prior_reads_an_active_expert_at_the_measured_memory_bandwid
         assert active_expert_prior_ms(ctx) == pytest.approx(h.stride_bytes / h.memory_bytes_per_s * 1e3)
         assert active_expert_prior_ms(dataclasses.replace(ctx, memory_bytes_per_s=0.0)) == 0.05
         # The static rows' predictor starts from the same prior.
-        from tierplan.bench.phase_metrics import Predictor
+        from tierplan.bench.phase_predictor import Predictor
 
         prior = Predictor.for_model(h).cost.compute.moe_ms_per_active_expert
         assert prior == pytest.approx(active_expert_prior_ms(ctx))
