@@ -17,7 +17,8 @@
 #   tierplan bench phase --merge bench/results/h200/phase_runNN/phase_<model>_<date>.json
 # then gzip -9 -n that run's JSON and delete the run's PNGs (the merged file holds its rows, and its report draws
 # them again; the device tool sends the working tree, tracked files included, 64 MiB at most: the per-run copies
-# of the merged JSON passed it in session 29, the per-run plots, 15.9 MB, were removed in session 31).
+# of the merged JSON passed it in session 29, the per-run plots, 15.9 MB, were removed in session 31, and since
+# session 39 a run's copy holds only the rows that call added; runs 01-77 were cut to theirs, 19.2 -> 0.9 MB).
 set -uo pipefail
 out=${1:?usage: run_h200_phase.sh OUT POINTS [MODELS] [SECONDS] [EXTRA...]}
 points=${2:?usage: run_h200_phase.sh OUT POINTS [MODELS] [SECONDS] [EXTRA...]}
@@ -67,6 +68,23 @@ fi
 cat "$out"/phase.log "$out"/phase_worker*.log 2>/dev/null | grep "tok/s" | cut -c1-110
 for md in "$out"/phase_*.md; do
   [ -f "$md" ] && { echo "== $md"; sed -n '/^## Targets/,/^## Every run/p' "$md" | cut -c1-300; }
+done
+# The call's copy keeps only the rows it added to the file it started from (its reports above read them all): the
+# merge appends what bench/results lacks either way, and a copy of the whole merged file per run had put 19 MB of
+# repeats in the tree by run 77, which the device tool sends with every call (64 MiB at most).
+for model in ${models//,/ }; do
+  last=$(ls bench/results/phase_"$model"_*.json 2>/dev/null | sort | tail -n 1)
+  [ -n "$last" ] && python3 - "$last" "$out/phase_${model}_$(date +%Y%m%d).json" <<'PY'
+import sys
+from pathlib import Path
+from tierplan.bench.phase_store import load_rows, row_identity, write_rows
+start, copy = Path(sys.argv[1]), Path(sys.argv[2])
+if copy.exists():
+    had = {row_identity(r) for r in load_rows(start)}
+    kept = [r for r in load_rows(copy) if row_identity(r) not in had]
+    write_rows(copy, kept)
+    print(f"== {copy.name}: the {len(kept)} row(s) this call added kept, the rows it started from left out")
+PY
 done
 # $OUT returns at most 8 files: two models' JSON, Markdown and plots plus the logs are more, so one archive
 tar czf /tmp/phase_out.tgz -C "$out" .
