@@ -77,4 +77,5 @@ def controller_config(reg: AgentRegistration, knobs: PolicyKnobs) -> ControllerC
                             pinned_experts=knobs.pinned_experts, predictor=CurveSource(knobs.predictor.value),
                             shadow_predictor=shadow, auto_promote=knobs.auto_promote, compute=compute,
                             batch_coupling=knobs.batch_coupling, weigh_start=knobs.weigh_start,
-                            hold_slots_while_filling=knobs.hold_slots_while_filling)
+                            hold_slots_while_filling=knobs.hold_slots_while_filling,
+                            quiet_windows=knobs.quiet_windows)

@@ -223,6 +223,8 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
         "preemptions": sum(r.preemptions for r in rep.requests),
         "plans_issued": outcome.extra.get("plans_issued") or [],  # a live controller's: when, split, batch, why
         "plans_held": outcome.extra.get("plans_held"),  # a live controller's kept splits: how often, the last why
+        # windows a live controller held its split without planning (controller/loop.py `Quiet`); None: no count
+        "windows_quiet": (outcome.extra.get("controller_stats") or {}).get("windows_quiet"),
         "notes": notes.lstrip(" |"),
     }
 

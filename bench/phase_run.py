@@ -430,6 +430,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                                                    cpu_overlap_ms(cycles, solves), strict=True):
             step.outbox_ms, step.planner_ms, step.planner_cpu_ms = busy_ms, solve_ms, cpu_ms
         history = list(getattr(run.source, "history", None) or []) if run.source is not None else []
+        controller_stats = getattr(run.source, "controller_stats", None) if run.source is not None else None
         decisions = _decisions(history)
         if (close_error := run.close()) is not None:  # the controller's process could not stop cleanly: counted
             loop.planner_errors.append(f"closing the controller's process: {close_error}")
@@ -441,6 +442,7 @@ def measure(h: ModelHandle, ctx: PointContext, policy: Any, sizes: Sizes, workdi
                                                      "decisions": decisions,
                                                      "plans_issued": _plans_issued(history),
                                                      "plans_held": _plans_held(history),
+                                                     "controller_stats": controller_stats,
                                                      "plans_applied": {p.version: p for p, a in
                                                                        zip(loop.plans, loop.acks, strict=True)
                                                                        if a.status is AckStatus.APPLIED},

@@ -51,6 +51,14 @@ from tierplan.controller.state import AgentRecord, ControllerState, ModelInfo
 from tierplan.controller.valuation import SplitSpace, Valuation, build_problem
 
 MAX_REASON_CHARS = 4000  # a plan's reason (the protocol allows a little more)
+# A window's planning is mostly its forecast's LRU curves (8 layers: ~170 of ~220 ms on a 2-core box), computed
+# again at every window since a window's tokens move some expert's step-need past the memo's tolerance; on the
+# H100 tierplan's planner took ~150 ms a window against windows of ~100 ms at b256 4K 56 GiB (phase run 75), never
+# idle, and the eager prefill steps it overlapped ran 86 ms against 60 for mv_wsa doing the same work. A split that
+# held at the last QUIET_AFTER_HELD windows, for windows within QUIET_TOLERANCE of the last one planned, is held
+# again without planning (at most `quiet_windows` in a row; none while the KV demand rises).
+QUIET_AFTER_HELD = 2
+QUIET_TOLERANCE = 0.10  # relative, on the batch and the KV demand; absolute on the share of expert accesses missed
 PIN_UNION_HEADROOM = 1.25  # step unions vary around their mean: room for most steps' unions, not the mean's
 
 
@@ -151,6 +159,9 @@ class ControllerConfig:
     # While the batch first fills (the KV demand rising, never settled nor fallen yet), no layer gives up slots
     # (`step_next` says why); False: none held.
     hold_slots_while_filling: bool = True
+    # Up to this many windows in a row are not planned while they look like the window last planned (`Quiet`):
+    # the split held at the last QUIET_AFTER_HELD decisions, the KV demand not rising. 0: every window is planned.
+    quiet_windows: int = 3
 
 
 def pinned_by_layer(shape: ModelShape, pinned: tuple[ExpertKey, ...]) -> dict[int, tuple[int, ...]]:
@@ -181,6 +192,23 @@ class Decision:
     shares: tuple[ShareTerms, ...] = ()  # every KV share the coupled search solved, term by term (none: separable)
 
 
+@dataclass(frozen=True)
+class Quiet:
+    """What a window is compared by, to tell whether planning it would see what the last planned window saw."""
+
+    batch_tokens: float  # the demand model's running batch
+    kv_demand_blocks: float  # KV blocks held plus queued at the window's end
+    miss_share: float  # expert accesses missed in the window
+
+    def like(self, other: Quiet, tolerance: float = QUIET_TOLERANCE) -> bool:
+        """Whether this window is within `tolerance` of `other` on every figure."""
+        def near(a: float, b: float) -> bool:
+            return abs(a - b) <= tolerance * max(abs(a), abs(b), 1.0)
+
+        return (near(self.batch_tokens, other.batch_tokens) and near(self.kv_demand_blocks, other.kv_demand_blocks)
+                and abs(self.miss_share - other.miss_share) <= tolerance)
+
+
 @dataclass
 class _Current:
     split: Split | None = None
@@ -188,6 +216,10 @@ class _Current:
     forecast: DemandForecast | None = None
     plan: Plan | None = None
     history: list[Decision] = field(default_factory=list)
+    window: Quiet | None = None  # the newest window's figures
+    planned: Quiet | None = None  # those of the window last planned
+    held_in_row: int = 0  # decisions in a row that held the split
+    quiet_in_row: int = 0  # windows in a row not planned (`ControllerConfig.quiet_windows`)
 
 
 class Controller:
@@ -214,6 +246,7 @@ class Controller:
         self._created_s = 0.0
         self.plans_rejected = 0  # plans an agent refused (each version once); the next window re-plans
         self.stale_acks = 0  # APPLIED acks for a version older than the current plan: mirrored, not followed
+        self.windows_quiet = 0  # windows not planned: like the last one planned, the split held (`_quiet`)
 
     @property
     def history(self) -> list[Decision]:
@@ -235,6 +268,7 @@ class Controller:
         to the reuse predictor, over a window's cap, windows behind the clock)."""
         return {"plans_issued": self.state.issued_version, "plans_rejected": self.plans_rejected,
                 "stale_acks": self.stale_acks, "applied_version": self.state.applied_version(),
+                "windows_quiet": self.windows_quiet,
                 "union_steps_skipped": self.demand.union_steps_skipped,
                 **{f"kv_reuse_{k}": v for k, v in self.kv_reuse.stats().items() if k != "windows"}}
 
@@ -255,6 +289,9 @@ class Controller:
             self._now.start = in_units(Split(slots, telemetry.kv_gpu_limit_blocks), self.config.space)
         self._created_s = max(self._created_s, telemetry.window_end_s)
         self._fresh = True
+        accesses = telemetry.expert_hits + telemetry.expert_misses
+        self._now.window = Quiet(self.demand.batch_tokens or 0.0, self.demand.kv_live_now,
+                                 telemetry.expert_misses / accesses if accesses else 0.0)
         return rec
 
     def record_ack(self, ack: PlanAck) -> None:
@@ -306,6 +343,11 @@ class Controller:
             return None
         self._fresh = False
         cfg, now = self.config, self._now
+        if self._quiet():
+            now.quiet_in_row += 1
+            self.windows_quiet += 1
+            return None
+        now.quiet_in_row, now.planned = 0, now.window
         fc = self.demand.forecast(self.predictor)
         if not self._prefetch_pays(fc):  # no table goes out: nothing is streamed ahead of a layer
             fc = replace(fc, prefetch_recall=0.0)
@@ -357,6 +399,7 @@ class Controller:
             # The split holds; the plan is re-issued for its KV retention, or to withhold or restore the table.
             if self._retention_moved(retention) or self._table_moved(fc):
                 return self._issue(cur, fc, f"kept split ({why}): {reason}", val, retention, choice)
+            now.held_in_row += 1
             now.history.append(Decision(Outcome.HELD, now.plan.version if now.plan else 0, fc.num_windows,
                                         fc.batch_tokens, kv_demand, cur, cur_ms or 0.0, f"kept ({why}): {reason}",
                                         val.predicted_step_ms(choice), val.shares))
@@ -368,6 +411,15 @@ class Controller:
         if cur is not None:
             reason += f"; {decision.reason}"
         return self._issue(new, fc, reason, val, retention, choice)
+
+    def _quiet(self) -> bool:
+        """Whether this window need not be planned (`QUIET_AFTER_HELD`'s comment): the split held at the last
+        decisions, fewer than `quiet_windows` windows in a row went unplanned, the KV demand is not rising, and
+        the window is like the one last planned."""
+        now, cfg = self._now, self.config
+        return (cfg.quiet_windows > 0 and now.quiet_in_row < cfg.quiet_windows
+                and now.held_in_row >= QUIET_AFTER_HELD and now.window is not None and now.planned is not None
+                and not self.demand.kv_rising() and now.window.like(now.planned))
 
     def _keeps_the_union(self, cur: Split, new: Split, fc: DemandForecast) -> bool:
         """Whether every layer `new` takes slots from keeps at least the experts a step needs (the union, on the
@@ -397,7 +449,7 @@ class Controller:
         cost_ms, _, link_bytes = evaluate(val.problem, choice)
         plan = self._plan(split, fc, reason, val, link_bytes, retention.hashes)
         self.state.record_issued(plan)
-        now.forecast = fc
+        now.forecast, now.held_in_row = fc, 0
         now.history.append(Decision(Outcome.ISSUED, plan.version, fc.num_windows, fc.batch_tokens,
                                     fc.kv_live_blocks, split, cost_ms, plan.reason, val.predicted_step_ms(choice),
                                     val.shares))

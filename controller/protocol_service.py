@@ -256,6 +256,7 @@ class PolicyKnobs(ProtocolModel):
     batch_coupling: bool = True  # value each GPU KV share at the batch it runs (False: at the observed batch)
     weigh_start: bool = True  # weigh the first plan against the split the agent reports it started with
     hold_slots_while_filling: bool = True  # while the batch first fills, slots leave a layer only above a step's union
+    quiet_windows: Count = 3  # windows in a row held without planning while like the last planned (0: plan each)
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

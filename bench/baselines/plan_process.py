@@ -157,6 +157,7 @@ class ProcessPlanSource:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._history: list[Any] = []
+        self._stats: dict[str, Any] | None = None
         self._closed = True  # until the child has answered: a failed start leaves nothing for close to do
         self._stopped_why: str | None = None  # why the child was killed (a call with no answer), for close
         # (start, end) perf_counter of this side's work per call, the wait for the child left out: packing and
@@ -233,6 +234,16 @@ class ProcessPlanSource:
             self._history = self._call("history")
         return list(self._history)
 
+    @property
+    def controller_stats(self) -> dict[str, Any] | None:
+        """The controller's `stats()` (those it had when closed, once closed); None where it has none."""
+        if not self._closed and self._proc.is_alive():
+            try:
+                self._stats = self._call("stats")
+            except (AttributeError, TypeError):  # a controller without stats() (the child said so): none
+                self._stats = None
+        return None if self._stats is None else dict(self._stats)
+
     def _stop(self, kill: bool = False) -> None:
         self._closed = True
         self._conn.close()
@@ -243,7 +254,7 @@ class ProcessPlanSource:
             self._proc.join()
 
     def close(self) -> str | None:
-        """Fetch the history, stop the child and wait for it (killed if it does not stop within 10 s). Returns
+        """Fetch the history and stats, stop the child and wait for it (killed if it does not stop within 10 s). Returns
         why it could not do so cleanly (the child had died, or was killed for a call with no answer), None when it
         did; that reason is returned once."""
         if self._closed:
@@ -252,6 +263,7 @@ class ProcessPlanSource:
         error = None
         try:
             _ = self.history
+            _ = self.controller_stats
             self._call("stop")
         except Exception as exc:  # the child died or hung: what is left to report
             error = f"{type(exc).__name__}: {exc}"

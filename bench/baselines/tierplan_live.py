@@ -217,6 +217,14 @@ class AfterInitialPlan:
         return list(getattr(self.source, "history", []))
 
     @property
+    def controller_stats(self) -> dict[str, Any] | None:
+        """The controller's counters (`Controller.stats`), in this process or its own; None where it has none."""
+        got = getattr(self.source, "controller_stats", None)
+        if got is None and callable(stats := getattr(self.source, "stats", None)):
+            got = stats()
+        return got
+
+    @property
     def host_spans(self) -> list[tuple[float, float]]:  # a controller in a child process: this side's work per call
         return list(getattr(self.source, "host_spans", []))
 
@@ -250,8 +258,9 @@ class TierplanLive:
     allocator = "the MCKP optimizer (exact DP) over the predictors' miss-ratio curves and the cost model"
     factory = staticmethod(mckp_controller)  # config -> controller; module-level, so a child process can build it
     batch_coupling = True  # each KV share valued at the batch it runs (controller/coupling.py)
-    # tierplan's own rules around its first plans (ControllerConfig.weigh_start, hold_slots_while_filling); the
-    # baselines that reuse this controller with their allocator re-plan as published, without them.
+    # tierplan's own rules around its first plans (ControllerConfig.weigh_start, hold_slots_while_filling) and its
+    # quiet windows (`quiet_windows`); the baselines that reuse this controller with their allocator re-plan as
+    # published, every window, without them.
     tierplan_guards = True
     notes = ""  # the rows' notes (default: "live: " and the allocator)
 
@@ -278,6 +287,8 @@ class TierplanLive:
                                      batch_coupling=type(self).batch_coupling,
                                      weigh_start=type(self).tierplan_guards,
                                      hold_slots_while_filling=type(self).tierplan_guards)
+        if not type(self).tierplan_guards:
+            config = dataclasses.replace(config, quiet_windows=0)
         if self.planner == "process":
             from tierplan.bench.baselines.plan_process import ProcessPlanSource
 

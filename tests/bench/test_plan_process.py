@@ -20,12 +20,30 @@ def test_the_childs_errors_come_back_as_themselves_and_close_leaves_nothing() ->
         with pytest.raises(AttributeError, match="sync_from"):
             src.sync_from(None)
         assert src.history == []  # the child is still there after an error
+        assert src.controller_stats is None  # no stats() there: none, and no error
     finally:
-        src.close()
+        assert src.close() is None
     src.close()  # twice is fine
     assert not controllers_running()
     with pytest.raises(RuntimeError, match="closed"):
         src.step_next()
+
+
+class _Counting(dict):
+    """A "controller" with the counters a real one reports (`Controller.stats`)."""
+
+    def stats(self) -> dict[str, int]:
+        return {"windows_quiet": len(self)}
+
+
+def test_the_controllers_stats_come_back_and_are_kept_once_closed() -> None:
+    src = ProcessPlanSource(_Counting, {"a": 1, "b": 2})
+    try:
+        assert src.controller_stats == {"windows_quiet": 2}
+    finally:
+        assert src.close() is None
+    assert src.controller_stats == {"windows_quiet": 2}  # what it had when closed
+    assert not controllers_running()
 
 
 def test_a_controller_that_cannot_be_built_fails_its_first_call() -> None:

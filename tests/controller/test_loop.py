@@ -100,7 +100,8 @@ def test_no_new_plan_while_one_is_in_flight_and_a_rejected_one_is_replaced() -> 
     assert third is not None and third.base_version == 2 and third.version == 3
     assert "replaces plan" not in third.reason
     assert ctl.stats() == {"plans_issued": 3, "plans_rejected": 1, "stale_acks": 0, "applied_version": 2,
-                           "union_steps_skipped": 0, "kv_reuse_events_fed": 0, "kv_reuse_events_over_cap": 0,
+                           "windows_quiet": 0, "union_steps_skipped": 0, "kv_reuse_events_fed": 0,
+                           "kv_reuse_events_over_cap": 0,
                            "kv_reuse_windows_clock_behind": 0, "kv_reuse_resolved_events": 0, "kv_reuse_fits": 0}
 
 

@@ -61,4 +61,5 @@ def test_a_steady_workload_gets_one_plan_then_holds() -> None:
         kv_limit, applied = kv, plan.version
     held = [d for d in ctl.history if d.outcome is Outcome.HELD]
     assert len(plans) == 1, [p.reason[-200:] for p in plans]
-    assert len(held) == 5 and not any("no longer fits" in d.reason for d in held)
+    # the windows after the first held ones look like the last planned: held without planning (test_loop_quiet.py)
+    assert len(held) + ctl.windows_quiet == 5 and not any("no longer fits" in d.reason for d in held)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from tests.api.service.conftest import Service, windows
 from tierplan.api.bench_api import synthetic_window
@@ -38,7 +39,9 @@ class Run:
 
 
 def knobs(**changed: Any) -> PolicyKnobs:
-    return PolicyKnobs.model_validate({"calibrate": False, **changed})
+    """Every window planned unless a test says otherwise (`quiet_windows` 0): these tests read each knob's effect
+    on the plans window by window; `test_quiet_windows_hold_a_held_split_without_planning` turns it on."""
+    return PolicyKnobs.model_validate({"calibrate": False, "quiet_windows": 0, **changed})
 
 
 def run(k: PolicyKnobs, max_running_seqs: int | None = None, start: tuple[tuple[int, int], int] | None = None
@@ -149,6 +152,18 @@ def test_link_share_caps_what_a_plan_streams(base: Run) -> None:
     got = run(knobs(link_share=0.01))
     assert max(p.prefetch_budget_bytes_per_step for p in got.plans) < \
         max(p.prefetch_budget_bytes_per_step for p in base.plans)
+
+
+def test_quiet_windows_hold_a_held_split_without_planning(base: Run) -> None:
+    """With quiet windows on (the default knob), windows like the last planned go unplanned once the split held,
+    so fewer decisions are made than windows seen; the plans still follow the workload's change half-way. A
+    negative count is refused by name."""
+    got = run(knobs(quiet_windows=3))
+    assert got.ctl.windows_quiet > 0 and len(got.decisions) + got.ctl.windows_quiet == len(base.decisions)
+    assert got.issued() >= 2 and base.ctl.windows_quiet == 0
+    assert PolicyKnobs().quiet_windows == 3
+    with pytest.raises(ValidationError, match="quiet_windows"):
+        PolicyKnobs.model_validate({"quiet_windows": -1})
 
 
 def test_local_table_knobs(base: Run) -> None:
