@@ -41,7 +41,8 @@ from tierplan.bench.baselines.dry_record import difference, dry_record
 from tierplan.bench.oracle_estimate import DryStep, estimate_tok_s, measure_order
 from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, RunStop, Sizes, points, select_points
 from tierplan.bench.phase_metrics import measured_row, refused_row
-from tierplan.bench.phase_predictor import Predictor, WindowPlaces
+from tierplan.bench.phase_predictor import Predictor
+from tierplan.bench.phase_pricing import fold_settled
 from tierplan.bench.phase_report import device_stems, write_report
 from tierplan.bench.phase_run import (
     ModelHandle,
@@ -463,8 +464,7 @@ def _fold_settled(predictor: Predictor, out: Outcome, sizes: Sizes) -> None:
     runs 27 and 29), and a run of such outliers loosens the fit's outlier cut (costmodel_fit.OnlineLinear; a review
     replayed a cold prefix folded in before each point's first run: 11 of 24 within 15 % against 14 with it left
     out)."""
-    warm = min(sizes.warm_steps, max(0, len(out.steps) - 1))
-    predictor.calibrate(out.steps[warm:], places=WindowPlaces(warm, out.window_steps))
+    fold_settled(predictor, out.steps, sizes.warm_steps, out.window_steps)
 
 
 def _keep_discarded(store: _Store, point: Point, ctx: PointContext, policy: str, status: str, out: Outcome,

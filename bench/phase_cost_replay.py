@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from tierplan.bench.phase_grid import ROUTING
-from tierplan.bench.phase_predictor import Predictor, WindowPlaces
-from tierplan.bench.phase_pricing import price_ahead
+from tierplan.bench.phase_predictor import Predictor
+from tierplan.bench.phase_pricing import fold_settled, price_ahead
 from tierplan.bench.phase_steps import DISCARDED
 from tierplan.bench.phase_store import load_rows
 from tierplan.controller.model_shape import BUILTIN_CONFIGS, ModelShape, builtin_shape
@@ -109,7 +109,7 @@ def replay_file(path: Path, lines: list[dict[str, Any]], routes: np.ndarray | No
         window_steps = int(line.get("window_steps") or 0)
         timed = steps[warm:]
         if line.get("status") in DISCARDED:  # a calibration pass or warm-up run: folded in settled, as the process did
-            predictor.calibrate(timed, places=WindowPlaces(warm, window_steps))
+            fold_settled(predictor, steps, warm, window_steps)
             continue
         plans, initial = _plans(line, timed) if routes is not None else (None, None)
         run = price_ahead(predictor, steps, warm, window_steps, plans, initial)

@@ -33,6 +33,14 @@ class RunPrices:
     ahead_steps: int  # the horizon: the run's telemetry window, or its measured steps where it had none
 
 
+def fold_settled(predictor: Predictor, steps: list[Any], warm: int, window_steps: int) -> None:
+    """Fold a run that makes no row (a calibration pass, a point's warm-up run) into `predictor`: its steps past its
+    `warm` warm-up steps (the last one at least), each at its place in the run's telemetry windows. The process does
+    this (bench/phase.py) and the replay of its steps after it (bench/phase_cost_replay.py)."""
+    warm = min(warm, max(0, len(steps) - 1))
+    predictor.calibrate(steps[warm:], places=WindowPlaces(warm, window_steps))
+
+
 def price_ahead(predictor: Predictor, steps: list[Any], warm: int, window_steps: int,
                 plans: Mapping[int, Any] | None = None, initial_plan: Any = None) -> RunPrices:
     """Fold a run's `warm` warm-up steps into `predictor`, then price its measured steps (`steps[warm:]`) window by

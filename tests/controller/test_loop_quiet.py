@@ -37,22 +37,19 @@ def _feed(ctl: Controller, windows: list[Telemetry]) -> list[str]:
     return out
 
 
-def _steady(n: int, ids: np.ndarray, ctl: Controller) -> list[Telemetry]:
-    """`n` windows as the steady test's, each reporting the split the controller's applied plan set."""
-    out = []
-    for seq in range(n):
-        applied = ctl.state.applied_version() if seq else 0
-        plan = ctl.state.plans.get(applied)
-        kv = plan.kv_blocks_per_tier[Tier.GPU] if plan is not None else KV_MAX
-        out.append(_window(seq, ids, kv, applied))
-    return out
+def _window_at(seq: int, ids: np.ndarray, ctl: Controller) -> Telemetry:
+    """The steady test's window `seq`, reporting the split the controller's applied plan set (its start before)."""
+    applied = ctl.state.applied_version() if seq else 0
+    plan = ctl.state.plans.get(applied)
+    kv = plan.kv_blocks_per_tier[Tier.GPU] if plan is not None else KV_MAX
+    return _window(seq, ids, kv, applied)
 
 
 def _run(ctl: Controller, n: int, ids: np.ndarray, change: dict[int, dict[str, int]] | None = None,
          start: int = 0) -> list[str]:
     got = []
     for seq in range(start, start + n):
-        tel = _steady(seq + 1, ids, ctl)[-1]
+        tel = _window_at(seq, ids, ctl)
         if change and seq in change:
             tel = tel.model_copy(update=change[seq])
         got += _feed(ctl, [tel])
