@@ -556,7 +556,8 @@ def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Siz
                       if ctx is not None else None)
             for rep, pol in left:
                 t0 = time.perf_counter()
-                base = {**_base_row(p, ctx, pol, dev_name, code, sizes, rep), "run_link_gb_s": _run_link_gb_s(h)}
+                base = {**_base_row(p, ctx, pol, dev_name, code, sizes, rep),
+                        "run_link_gb_s": _run_link_gb_s(h) if ctx is not None else None}  # a refused run: no probe
                 row = (refused_row(base, why) if ctx is None
                        else _one(h, ctx, prefix_tokens, pol, sizes, predictor, base, store, say, how))
                 row["run_s"] = time.perf_counter() - t0
