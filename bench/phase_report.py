@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tierplan.bench.baselines import VARIANTS
-from tierplan.bench.phase_spread import repeat_line, same_work, spread, spread_line
+from tierplan.bench.phase_spread import gap_by_kind, repeat_line, same_work, spread, spread_line
 
 ORACLE, TIERPLAN = "oracle", "tierplan"
 PRED_TOLERANCE = 0.15
@@ -28,6 +28,9 @@ PRED_TOLERANCE = 0.15
 # `run_link_gb_s`, probed just before it: H100 run 73, b1 1K 24 GiB, kv_tiering repeated run 36's work exactly at
 # 121.0 tok/s against 187.8, its expert stall 0.171 ms a miss against 0.104; rows before session 38 lack it).
 LINK_SLOWER = 0.10
+# A same-work cause names tierplan's planner time a window (p50) from this much: the planner process shares the
+# host's CPUs with the engine (H100 runs 74-75, b256 4K 56 GiB: 150 ms a window beside 86 ms prefills).
+PLANNER_NAMED_MS = 10.0
 # The baselines whose split is fixed for the run: the issue's "best static baseline" of the 0.95x target. fluxmoe
 # and mv_wsa re-plan live (bench/baselines/fluxmoe.py, mv_wsa.py); they compete for the 1.5x target's "best
 # non-oracle baseline", and the 0.95x target is reported against them too, as a second figure.
@@ -98,8 +101,8 @@ def _cause(tp: dict[str, Any], best: dict[str, Any]) -> str:
                f"stop, tierplan {served_tp[0]} ({run_b or 0:.1f} vs {run_tp or 0:.1f} sequences per step); its "
                "window holds few of its prefills and none of its queueing")
     elif same_work(tp, best):
-        why = (f"same work as {best['policy']} (same steps, executors, bytes moved and hits): run-to-run spread, "
-               f"not a decision ({tpt:.3f} vs {tpt_b:.3f} ms/token)")
+        why = (f"same work as {best['policy']} (same steps, executors, bytes moved and hits): "
+               + _same_work_gap(tp, best))
     elif stalls[largest] > 0.1 * tpt:
         # The largest of the three names the cause: at H100 run 47's b128 16K 40 GiB a KV stall of 1.6 ms/token
         # stood beside 10.6 ms/token between steps (0.8 for kv_tiering), the plan change's KV moves.
@@ -119,6 +122,24 @@ def _cause(tp: dict[str, Any], best: dict[str, Any]) -> str:
         why += f"; host link {a:.1f} vs {b:.1f} GB/s at the runs' starts"
     if pred is not None and abs(pred - 1) > PRED_TOLERANCE:
         why += f"; prediction off by {pred - 1:+.0%}"
+    return why
+
+
+def _same_work_gap(tp: dict[str, Any], best: dict[str, Any]) -> str:
+    """Not a decision: the kind of step that took the time (engine overhead there, every run alike: H100 runs 71,
+    74, 75), else run-to-run spread."""
+    tpt, tpt_b = _ms_per_token(tp), _ms_per_token(best)
+    gap = gap_by_kind(tp, best)
+    if gap is None:
+        return f"run-to-run spread, not a decision ({tpt:.3f} vs {tpt_b:.3f} ms/token)"
+    why = (f"not a decision; engine overhead in its {gap['kind']} steps ({gap['ms']:.1f} vs {gap['other_ms']:.1f} "
+           f"ms each over {gap['steps']}, {gap['share']:.0%} of the gap")
+    if gap["other_pair"] is not None:
+        why += f"; {gap['other']} steps {gap['other_pair'][0]:.1f} vs {gap['other_pair'][1]:.1f} ms"
+    why += ")"
+    mine, theirs = tp.get("planner_ms_p50"), best.get("planner_ms_p50")
+    if mine and mine >= PLANNER_NAMED_MS:  # the planner process runs beside the engine: the first suspect
+        why += f", beside a planner of {mine:.0f} ms a window" + (f" ({best['policy']} {theirs:.0f})" if theirs else "")
     return why
 
 
@@ -229,7 +250,7 @@ def _static_figure(static: list[dict[str, Any]], below_static: list[dict[str, An
         fig = (f"min {min(p['vs_static'] for p in static):.2f}x, {len(below_static)} of {len(static)} compared "
                f"points below the best of {', '.join(STATIC_BASELINES)}")
         if alike_static:
-            fig += f" ({alike_static} of them the same work: run-to-run spread)"
+            fig += f" ({alike_static} of them the same work: not a decision)"
     else:
         fig = "no point compared"
     tail = miss + (f"; {no_base} point(s) with no static baseline that ran" if no_base else "")

@@ -19,6 +19,11 @@ from typing import Any
 
 BYTES_TOLERANCE = 0.01  # bytes per link may differ this much (relative) between same-work runs
 HIT_TOLERANCE = 0.005  # expert hit rates may differ this much (absolute)
+# A same-work gap is named by its step kind where one kind holds this share of it and its steps ran this much
+# slower (H100 runs 71, 74, 75, b256 4K 56 GiB: three runs in a row tierplan did mv_wsa's work at 0.72-0.79x, decode
+# steps alike, 12.8 vs 12.9 ms, its 225 prefill steps 85.8 vs 60.0 ms: not spread but one kind of step, every run).
+KIND_SHARE = 0.8
+KIND_SLOWER = 0.10
 
 
 def same_work(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -39,6 +44,30 @@ def same_work(a: dict[str, Any], b: dict[str, Any]) -> bool:
                    for k in set(x) | set(y)):
             return False
     return True
+
+
+def gap_by_kind(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """Where same-work run `a` lost its time to `b`: the step kind (decode or prefill) holding at least KIND_SHARE
+    of the gap in measured step time, its steps at least KIND_SLOWER slower; None where neither does (a gap spread
+    over both kinds: run-to-run spread), `a` was not slower, or a row lacks the per-kind step times (rows before
+    session 30)."""
+    n_dec = a.get("decode_steps")
+    n_all = a.get("measured_steps")
+    times = [a.get("decode_step_ms"), b.get("decode_step_ms"), a.get("prefill_step_ms"), b.get("prefill_step_ms")]
+    if n_dec is None or n_all is None or n_dec != b.get("decode_steps"):
+        return None
+    kinds = {"decode": (n_dec, times[0], times[1]), "prefill": (n_all - n_dec, times[2], times[3])}
+    gaps = {k: n * (x - y) if n and x is not None and y is not None else 0.0 for k, (n, x, y) in kinds.items()}
+    total = sum(max(0.0, g) for g in gaps.values())  # of the time lost (a kind that ran faster gives none back)
+    if sum(gaps.values()) <= 0:
+        return None
+    kind = max(gaps, key=gaps.__getitem__)
+    n, x, y = kinds[kind]
+    if gaps[kind] < KIND_SHARE * total or not y or x < (1 + KIND_SLOWER) * y:
+        return None
+    other = "prefill" if kind == "decode" else "decode"
+    return {"kind": kind, "steps": n, "ms": x, "other_ms": y, "share": gaps[kind] / total, "other": other,
+            "other_pair": kinds[other][1:] if kinds[other][0] else None}
 
 
 def apart(values: list[float]) -> float:

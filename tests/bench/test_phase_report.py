@@ -133,10 +133,29 @@ def test_a_shortfall_with_the_same_work_as_the_best_is_named_run_to_run_spread()
     per, targets = summarize(rows)
     assert per[0]["cause"].startswith("same work as static_lru (same steps, executors, bytes moved and hits)")
     met, fig = targets["tierplan >= 0.95x the best static baseline at every point"]
-    assert met is False and "(1 of them the same work: run-to-run spread)" in fig
+    assert met is False and "(1 of them the same work: not a decision)" in fig
     md = markdown(rows, "t", False, "cpu")
     assert ("Run-to-run spread: 1 pairs of runs at 1 points did the same work" in md
             and "20.0% at the median" in md and "(static_lru and tierplan at p1)" in md)
+
+
+def test_a_same_work_gap_held_by_one_step_kind_is_named_by_it() -> None:
+    """H100 runs 71, 74, 75, b256 4K 56 GiB: tierplan did mv_wsa's work at 0.72-0.79x in three runs, decode steps
+    alike and its prefill steps 86 vs 60 ms: engine time in the prefills, beside its planner, not spread."""
+    rows = [_row("mv_wsa", 120.0, **_work(decode_steps=114), decode_step_ms=12.9, prefill_step_ms=60.0,
+                 planner_ms_p50=80.0),
+            _row("tierplan", 90.0, **_work(decode_steps=114), decode_step_ms=12.8, prefill_step_ms=85.8,
+                 planner_ms_p50=150.0)]
+    (p,), _ = summarize(rows)
+    assert p["cause"] == ("same work as mv_wsa (same steps, executors, bytes moved and hits): not a decision; engine "
+                          "overhead in its prefill steps (85.8 vs 60.0 ms each over 6, 100% of the gap; decode steps "
+                          "12.8 vs 12.9 ms), beside a planner of 150 ms a window (mv_wsa 80)")
+    rows[1]["decode_step_ms"] = 14.0  # the decode steps hold 69% of the gap now: both kinds slower, spread
+    (p,), _ = summarize(rows)
+    assert "run-to-run spread, not a decision" in p["cause"]
+    rows[1].update(decode_step_ms=12.9, prefill_step_ms=62.0)  # one kind, but its steps barely slower (3%)
+    (p,), _ = summarize(rows)
+    assert "run-to-run spread, not a decision" in p["cause"]
 
 
 def test_the_static_target_compares_fixed_splits_and_reports_the_live_baselines_beside() -> None:
