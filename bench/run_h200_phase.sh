@@ -35,7 +35,8 @@ for model in ${models//,/ }; do
     echo "== merging into the rows of $last"
   fi
 done
-{ git log -1 --format=%h; git status --short; nvidia-smi -L; nvidia-smi topo -m; } > "$out/commit.txt" 2>&1
+# lscpu -e: which CPUs share a core (a planner confined to the last --planner-cores CPUs may share the engine's)
+{ git log -1 --format=%h; git status --short; nvidia-smi -L; nvidia-smi topo -m; lscpu -e; } > "$out/commit.txt" 2>&1
 # The KV tiers' device tests first (moves one by one and as lists, after the compute stream's writes) and the
 # engine's exact check with KV spilled every step: out of this call's SECONDS, so every sweep call also checks the
 # mechanism its runs move KV blocks with, bit for bit.

@@ -52,17 +52,46 @@ def cpu_share(cores: int) -> tuple[int, ...]:
 
 def _confine(cpus: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
     """The child, before it builds the controller: run on `cpus` only, at CHILD_NICE; the CPUs it got, and why
-    not `cpus` where the system refused them (it then runs on all it had). Its thread pools (numpy's, the demand
-    model's curves: controller/demand.py sizes its pool by them) then share those cores, however many threads
-    they start."""
+    not `cpus` where the system refused them (it then runs on all it had). Every thread is set, those started
+    before this call too (`_threads`: until session 40 only the calling one was, and numpy's BLAS pool, one thread
+    per CPU of the machine, ran anywhere at the engine's priority); the thread pools started later (the demand
+    model's curves: controller/demand.py sizes its pool by these CPUs) inherit the calling thread's."""
     why = None
+    tids = _threads()
     if cpus and hasattr(os, "sched_setaffinity"):
+        had = os.sched_getaffinity(0)
         try:
-            os.sched_setaffinity(0, cpus)
+            _each(tids, os.sched_setaffinity, cpus)
         except OSError as exc:
             why = f"CPUs {list(cpus)} refused: {exc}"
-    os.nice(CHILD_NICE)
+            _each(tids, os.sched_setaffinity, had)  # one rule for every thread: all back where they were
+    if hasattr(os, "setpriority"):
+        _each(tids, lambda tid, nice: os.setpriority(os.PRIO_PROCESS, tid, nice),
+              min(19, os.getpriority(os.PRIO_PROCESS, 0) + CHILD_NICE))
+    else:
+        os.nice(CHILD_NICE)
     return (tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()), why
+
+
+def _each(tids: list[int], call: Callable[[int, Any], Any], value: Any) -> None:
+    """`call(tid, value)` for every thread in `tids`, skipping one that ended meanwhile."""
+    for tid in tids:
+        try:
+            call(tid, value)
+        except ProcessLookupError:
+            continue
+
+
+def _threads() -> list[int]:
+    """This process's threads (Linux: /proc/self/task), the calling one first; [0] (the calling thread) where the
+    platform cannot list them. Linux keeps a CPU mask and a niceness per thread, and a thread started before
+    `_confine` (numpy's BLAS pool starts at import, and spawn imports the factory's module to unpickle it before
+    `_serve` runs: one thread per CPU) keeps the whole machine at the engine's priority unless each is set."""
+    try:
+        others = sorted(int(t) for t in os.listdir("/proc/self/task") if int(t) != threading.get_native_id())
+    except (OSError, ValueError):
+        return [0]
+    return [0, *others]
 
 
 def portable(exc: BaseException) -> BaseException:

@@ -225,6 +225,11 @@ class _Probe:
 
         return sorted(os.sched_getaffinity(0)), os.nice(0), _usable_cpus()
 
+    def threads(self) -> dict[int, tuple[list[int], int]]:
+        """Every thread of the process: its CPUs and niceness (Linux keeps both per thread)."""
+        return {int(t): (sorted(os.sched_getaffinity(int(t))), os.getpriority(os.PRIO_PROCESS, int(t)))
+                for t in os.listdir("/proc/self/task")}
+
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
 def test_the_child_runs_confined_to_its_cpus_below_the_engines_priority() -> None:
@@ -241,6 +246,10 @@ def test_the_child_runs_confined_to_its_cpus_below_the_engines_priority() -> Non
             cpus, nice, threads = src.step_next()
             assert cpus == want and threads == len(want)
             assert nice == min(19, mine + CHILD_NICE)  # the engine's thread wins a contended core
+            # numpy's BLAS pool starts its threads at import, before the child confines itself (spawn imports the
+            # factory's module to unpickle it): every thread is confined, not the calling one only
+            threads = src._call("threads")
+            assert len(threads) > 1 and all(v == (want, nice) for v in threads.values()), threads
         finally:
             assert src.close() is None
     assert os.nice(0) == mine and sorted(os.sched_getaffinity(0)) == allowed  # the engine's process is untouched
