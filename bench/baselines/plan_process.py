@@ -65,12 +65,32 @@ def _confine(cpus: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
         except OSError as exc:
             why = f"CPUs {list(cpus)} refused: {exc}"
             _each(tids, os.sched_setaffinity, had)  # one rule for every thread: all back where they were
+    if (blas := _one_blas_thread()) is not None:
+        why = f"{why}; {blas}" if why else blas
     if hasattr(os, "setpriority"):
         _each(tids, lambda tid, nice: os.setpriority(os.PRIO_PROCESS, tid, nice),
               min(19, os.getpriority(os.PRIO_PROCESS, 0) + CHILD_NICE))
     else:
         os.nice(CHILD_NICE)
     return (tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()), why
+
+
+def _one_blas_thread() -> str | None:
+    """numpy's BLAS on one thread in this process; why not, where it could not be set (None: it was). The
+    planner's products are small (a curve's [C] @ [C, E + 1]), and OpenBLAS's pool spins after each call before
+    it sleeps: here, after three 300 x 300 products, 0.10 s of CPU in the next idle 0.5 s on one worker; a
+    16-CPU host has 15 of them, every one at the engine's priority until `_confine` set each thread (H100 runs
+    74-75, b256 4K 56 GiB: tierplan's prefill steps 86 ms against mv_wsa's 60 on the same work, its planner 40 ms
+    of CPU a step against 28)."""
+    # A BLAS library loaded later (scipy's, at the controller's first use of it) reads its thread count from the
+    # environment as it loads; those loaded already are set through threadpoolctl.
+    os.environ["OPENBLAS_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return "threadpoolctl missing: numpy's BLAS keeps its threads"
+    threadpool_limits(limits=1, user_api="blas")
+    return None
 
 
 def _each(tids: list[int], call: Callable[[int, Any], Any], value: Any) -> None:

@@ -225,6 +225,12 @@ class _Probe:
 
         return sorted(os.sched_getaffinity(0)), os.nice(0), _usable_cpus()
 
+    def blas_threads(self) -> list[int]:
+        import numpy  # noqa: F401  (threadpoolctl lists the BLAS libraries loaded)
+        from threadpoolctl import threadpool_info
+
+        return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
     def threads(self) -> dict[int, tuple[list[int], int]]:
         """Every thread of the process: its CPUs and niceness (Linux keeps both per thread)."""
         return {int(t): (sorted(os.sched_getaffinity(int(t))), os.getpriority(os.PRIO_PROCESS, int(t)))
@@ -250,6 +256,7 @@ def test_the_child_runs_confined_to_its_cpus_below_the_engines_priority() -> Non
             # factory's module to unpickle it): every thread is confined, not the calling one only
             threads = src._call("threads")
             assert len(threads) > 1 and all(v == (want, nice) for v in threads.values()), threads
+            assert set(src._call("blas_threads")) == {1}  # its small products never wake a pool that spins after them
         finally:
             assert src.close() is None
     assert os.nice(0) == mine and sorted(os.sched_getaffinity(0)) == allowed  # the engine's process is untouched
