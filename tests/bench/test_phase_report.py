@@ -158,6 +158,25 @@ def test_a_same_work_gap_held_by_one_step_kind_is_named_by_it() -> None:
     assert "run-to-run spread, not a decision" in p["cause"]
 
 
+def test_more_prefills_in_the_window_for_faster_decodes_are_named_as_such() -> None:
+    """H100 run 71, b8 16K 56 GiB: tierplan ran 3.3 sequences a step against kv_tiering's 2.5, paid 6 prefill steps
+    in its window against 4, and its decode steps made tokens faster: the window, not the split's speed."""
+    rows = [_row("kv_tiering", 300.0, running=2.5, measured_steps=132, decode_steps=128, decode_step_ms=3.8,
+                 prefill_step_ms=153.8),
+            _row("tierplan", 243.0, running=3.3, measured_steps=134, decode_steps=128, decode_step_ms=4.35,
+                 prefill_step_ms=212.1)]
+    (p,), _ = summarize(rows)
+    assert p["cause"].startswith("the window's prefills: its split admitted more sequences (3.3 vs 2.5 a step) and "
+                                 "the window charged 6 prefill steps against 4 (212.1 vs 153.8 ms each), while its "
+                                 "decode steps made tokens at 1.318 vs 1.520 ms each")
+    rows[1]["decode_step_ms"] = 5.2  # its decodes slower per token too: not the window alone
+    (p,), _ = summarize(rows)
+    assert not p["cause"].startswith("the window's prefills")
+    rows[1].update(decode_step_ms=4.35, measured_steps=132)  # as many prefills: not the window either
+    (p,), _ = summarize(rows)
+    assert not p["cause"].startswith("the window's prefills")
+
+
 def test_the_static_target_compares_fixed_splits_and_reports_the_live_baselines_beside() -> None:
     # The 0.95x target names the best *static* baseline; the live ones (fluxmoe, mv_wsa re-plan every window)
     # compete for "best" and the 1.5x target, and the static target's figure says how tierplan fares against them.
