@@ -57,6 +57,9 @@ def register(bench_app: typer.Typer) -> None:
             help="CPUs a live policy's controller process may run on beside the engine (0: all of them; default: "
                  "the sweep's, 4; it runs at a lower priority either way; another measurement, as "
                  "--requests-per-batch).")] = None,
+        unmeasured: Annotated[bool, typer.Option(
+            help="Run only the selected points that no row from this device holds yet, whatever its code (a "
+                 "device's missing points first; one GPU: with --gpus N, list the points).")] = False,
         save_steps: Annotated[bool, typer.Option(
             help="Also keep every run's per-step records (gzip'd JSON lines, one file per process, beside the "
                  "JSON): for fitting the cost model or studying noise away from the device.")] = False,
@@ -117,6 +120,8 @@ def register(bench_app: typer.Typer) -> None:
             fail(f"--queue {queue}: the points come from the queue; leave out --points and --gpus")
         if queue is not None and not queue.is_file():
             fail(f"--queue {queue}: no such file (a --gpus sweep writes it: phase_queue.json in its --out-dir)")
+        if unmeasured and gpus > 1:
+            fail(f"--unmeasured selects points on one GPU; with --gpus {gpus}, list them with --points")
         if device not in ("cpu", "cuda"):
             fail(f"--device {device!r}: expected cpu or cuda")
         if device == "cuda":
@@ -165,7 +170,7 @@ def register(bench_app: typer.Typer) -> None:
                                 requests_per_batch=requests_per_batch,
                                 oracle_recording=recordings[oracle_recording], report=report,
                                 save_steps=save_steps, repeats=repeats, queue=queue, deadline_s=deadline_s,
-                                planner_cores=planner_cores)
+                                planner_cores=planner_cores, unmeasured=unmeasured)
         except (ValueError, ConfigError, ProtocolError) as exc:
             fail(str(exc))
 

@@ -308,7 +308,7 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
                     oracle_recording: OracleRecording = OracleRecording.DRY, report: bool = True,
                     save_steps: bool = False, repeats: int | None = None,
                     queue: Path | None = None, deadline_s: float | None = None,
-                    planner_cores: int | None = None) -> dict[str, Path]:
+                    planner_cores: int | None = None, unmeasured: bool = False) -> dict[str, Path]:
     """Run the sweep (module docstring); returns {model: its JSON path}. ValueError for an unknown policy,
     model or point (nothing run). `on_total(n)` is told the number of runs still to do before the first.
     `requests_per_batch` overrides the sizes' (fewer requests: shorter runs at large batches); rows measured at
@@ -320,7 +320,9 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
     queue file (a worker of a sweep over several GPUs), claimed one at a time, instead of `point_spec`.
     `deadline_s`: start no point whose runs would end later than this many seconds from now (`phase_timing`;
     skipped points are named, and a rerun takes them up). `planner_cores` overrides the sizes' (the CPUs a live
-    policy's controller process may use; 0: all)."""
+    policy's controller process may use; 0: all). `unmeasured`: only the selected points no row of this device
+    holds yet, whatever its code or status (a device's coverage first: an H200 lent now and then fills its missing
+    points, and a call cut short resumes with those it left)."""
     from tierplan.runtime.device import Device
 
     if deadline_s is not None and not deadline_s > 0:
@@ -328,6 +330,8 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
     deadline = None if deadline_s is None else time.perf_counter() + deadline_s
     claims = PointQueue(queue) if queue is not None else None
     if claims is not None:
+        if unmeasured:
+            raise ValueError("--unmeasured selects points on one GPU; with a queue of points (--gpus N), list them")
         point_spec = ",".join(claims.specs())
         if not point_spec:
             raise ValueError(f"--queue {queue}: it holds no points")
@@ -346,6 +350,11 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
             rows = seed = load_rows(older[-1]) if older else []
         store = _Store(path, rows, seed, fresh, save_steps)
         pts = [p for p in grid if p.model == m]
+        if unmeasured:
+            seen = {r.get("point") for r in rows if r.get("device") == dev_name}
+            say(f"{m}: --unmeasured: {sum(p.key in seen for p in pts)} of {len(pts)} selected point(s) already have "
+                f"rows from {dev_name}; {sum(p.key not in seen for p in pts)} to run")
+            pts = [p for p in pts if p.key not in seen]
         todo += sum(len(store.todo(p, pols, dev_name, code, sizes.repeats)) for p in pts)
         plan[m] = (store, pts)
     if on_total is not None:

@@ -4,6 +4,8 @@
 #   [GPUS=N] [POLICIES=a,b,...] [GPU_TESTS=all] [PLANNER_CORES=N] bash bench/run_h200_phase.sh "$OUT" POINTS [MODELS] \
 #     [SECONDS] [EXTRA...]       (PLANNER_CORES: --planner-cores, the CPUs a live policy's planner process may use)
 # e.g. bash bench/run_h200_phase.sh "$OUT" b8c1024g40,b32c1024g40 qwen3-30b-a3b 520
+#      bash bench/run_h200_phase.sh "$OUT" b1,b8,b32,b128,b256 qwen3-30b-a3b,mixtral-8x7b 570 --unmeasured
+#        (the points this device has no row at yet, in grid order, as many as the deadline lets start)
 #      GPUS=2 bash bench/run_h200_phase.sh "$OUT" qwen3-30b-a3b:b32c1024g56,mixtral-8x7b:b1c1024g32 \
 #        qwen3-30b-a3b,mixtral-8x7b 520          (nvidia-h200-x2: a worker per GPU, each claims the next point)
 # Each model's newest merged JSON in bench/results is copied into $OUT under today's name first, so this call's

@@ -190,6 +190,28 @@ def test_a_rerun_skips_what_is_measured_and_adds_what_is_not(swept: tuple[Path, 
     assert len(opened) == 1  # opened once, for the point with a run left
 
 
+def test_unmeasured_runs_only_the_points_this_device_has_no_row_at(tmp_path: Path) -> None:
+    """--unmeasured: a point with a row from this device (another code's, another policy's) is left out; one with
+    rows from another device only runs; with --gpus N it is refused (the workers share a queue of listed points)."""
+    assert _run("--points", "b1c32f0.4", "--policies", "resident", "--out-dir", str(tmp_path)).exit_code == 0
+    path = next(tmp_path.glob("phase_tiny_*.json"))
+    rows = json.loads(path.read_text())
+    rows += [{**r, "point": r["point"].replace("f0.4", "f0.7"), "device": "NVIDIA H200", "budget_frac": 0.7}
+             for r in rows]  # b1c32f0.7 measured elsewhere only
+    for r in rows:
+        r["code"] = "older"  # another code's rows count as measured
+    path.write_text(json.dumps(rows))
+    res = _run("--points", "b1c32f0.4,b1c32f0.7", "--policies", "resident,static_lru", "--unmeasured",
+               "--out-dir", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert "1 of 2 selected point(s) already have rows" in res.output
+    new = json.loads(path.read_text())[len(rows):]
+    assert {(r["point"].rsplit("/", 1)[-1], r["policy"]) for r in new if r["status"] == "ok"} == {
+        ("f0.7", "resident"), ("f0.7", "static_lru")}
+    bad = _run("--gpus", "2", "--unmeasured", "--device", "cuda", "--out-dir", str(tmp_path))
+    assert bad.exit_code != 0 and "--unmeasured selects points on one GPU" in bad.output
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["--policies", "resident,nosuch"], "unknown policy ['nosuch']"),
     (["--models", "qwen3-30b-a3b"], "unknown model ['qwen3-30b-a3b']"),
