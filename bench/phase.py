@@ -505,26 +505,27 @@ def _calibrate(h: ModelHandle, point: Point, sizes: Sizes, predictor: Predictor,
 def _warm_up(h: ModelHandle, ctx: PointContext, prefix_tokens: int, sizes: Sizes, predictor: Predictor,
              say: Any, store: _Store | None = None, point: Point | None = None,
              ident: tuple[str, str] = ("", "")) -> str | None:
-    """One discarded run of `sizes.warmup_policy` at the point (no row): the kernels its steps need are compiled
-    before the first measured run, and its settled steps are folded into the cost model, so the point's first row is
-    predicted from a fit that has seen the point, as the later ones are (the first policy, tierplan, was priced
-    from the previous point's fit: replayed over runs 01-40, 9 of its 24 runs within 15 % at the predicted
-    misses, 14 with the point's static_lru run folded in first). The policy's name, or None where there is none
-    or it failed (said; the runs still go, as the rows' `warmed_by` tells). With `store` and `point`, its steps
-    are kept (`_keep_discarded`)."""
-    if sizes.warmup_policy is None:
-        return None
-    t0 = time.perf_counter()
-    try:
-        out = _discarded_run(h, ctx, prefix_tokens, sizes.warmup_policy, sizes)
-    except Exception as exc:
-        say(f"warm-up run ({sizes.warmup_policy}) failed, the point's runs go on unwarmed: {type(exc).__name__}: {exc}")
-        return None
-    _fold_settled(predictor, out, sizes)
-    if store is not None and point is not None:
-        _keep_discarded(store, point, ctx, sizes.warmup_policy, WARMUP, out, ident, sizes)
-    say(f"warm-up run ({sizes.warmup_policy}, discarded): {time.perf_counter() - t0:.1f} s")
-    return sizes.warmup_policy
+    """One discarded run of each of `sizes.warmup_policies` at the point, in order (no row): the kernels their
+    steps need are compiled before the first measured run, and their settled steps are folded into the cost model,
+    so the point's first row is predicted from a fit that has seen the point, as the later ones are (the first
+    policy, tierplan, was priced from the previous point's fit: replayed over runs 01-40, 9 of its 24 runs within
+    15 % at the predicted misses, 14 with the point's static_lru run folded in first). The names of those that
+    ran, joined by "+", or None where none did (each failure said; the runs still go, as the rows' `warmed_by`
+    tells). With `store` and `point`, their steps are kept (`_keep_discarded`)."""
+    ran = []
+    for policy in sizes.warmup_policies:
+        t0 = time.perf_counter()
+        try:
+            out = _discarded_run(h, ctx, prefix_tokens, policy, sizes)
+        except Exception as exc:
+            say(f"warm-up run ({policy}) failed, the point's runs go on without it: {type(exc).__name__}: {exc}")
+            continue
+        _fold_settled(predictor, out, sizes)
+        if store is not None and point is not None:
+            _keep_discarded(store, point, ctx, policy, WARMUP, out, ident, sizes)
+        say(f"warm-up run ({policy}, discarded): {time.perf_counter() - t0:.1f} s")
+        ran.append(policy)
+    return "+".join(ran) or None
 
 
 def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Sizes, dev: Any, dev_name: str,
@@ -542,11 +543,11 @@ def _sweep_model(m: str, pts: Iterable[Point], pols: tuple[str, ...], sizes: Siz
             left = store.todo(p, pols, dev_name, code, sizes.repeats)
             if not left:
                 continue
-            runs = [pol for _, pol in left] + ([sizes.warmup_policy] if sizes.warmup_policy else [])  # + warm-up
+            runs = [pol for _, pol in left] + list(sizes.warmup_policies)  # + its warm-up
             if deadline is not None and (est := estimate_point_s(store.rows, p, runs, dev_name)) is not None:
                 est += MODEL_OPEN_S if h is None else 0.0
                 if est > (left_s := deadline - time.perf_counter()):
-                    warm = " and its warm-up" if sizes.warmup_policy else ""
+                    warm = " and its warm-up" if sizes.warmup_policies else ""
                     say(f"{p.key}: skipped, not started: its {len(left)} run(s){warm} took ~{est:.0f} s at the "
                         f"nearest point measured here, and {max(0.0, left_s):.0f} s are left before --deadline-s")
                     continue

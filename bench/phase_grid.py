@@ -52,11 +52,18 @@ class Sizes:
     repeats: int  # runs of each policy at a point, in rounds of alternating order (the report shows the median)
     activation_bytes_per_token: int  # workspace allowance per batch token, taken out of the budget
     quick: bool
-    # A discarded run of this policy at each point before its measured runs (None: none). The engine compiles its
-    # Triton kernels at the first use of each specialisation (prefill lengths, context splits), so without it the
-    # point's first policy paid for them: H100 phase runs 30 and 32 (b128 1K, 40 GiB), tierplan's first 16 steps,
-    # the same plan, work and misses as mv_wsa's, took 3.0 and 5.6 s against 1.3 and 1.6.
-    warmup_policy: str | None = "static_lru"
+    # Discarded runs of these policies at each point before its measured runs, in order (empty: none). The engine
+    # compiles its Triton kernels at the first use of each specialisation (prefill lengths, context splits), so
+    # without them the point's first policy paid for them: H100 phase runs 30 and 32 (b128 1K, 40 GiB), tierplan's
+    # first 16 steps, the same plan, work and misses as mv_wsa's, took 3.0 and 5.6 s against 1.3 and 1.6. One
+    # static_lru run did not reach what a KV-first split runs into (more sequences at once, longer contexts): at
+    # b256 4K 56 GiB the first KV-first run's prefill steps were slow in one stretch whichever policy it was (by 40
+    # prefill steps, tierplan in H100 run 78 105 / 55 / 51 / 84 / 137 / 116 / 82 ms, tierplan_kf in run 79 103 / 55 /
+    # 61 / 82 / 142 / 108 / 68) and the next one's were not (mv_wsa 54-59, tierplan run third 44-54); over the saved
+    # steps, the point's first run took 1.31x the prefill time of later runs of the same prefill work at the median
+    # (15 points with such a pair, 10 of them over 1.15x: b256 4K 56 GiB, b128 1K 40/56 GiB). So the full sweep
+    # warms up with mv_wsa (KV first, live) after static_lru.
+    warmup_policies: tuple[str, ...] = ("static_lru",)
     # Splits the oracle's search prices first where it holds more than it measures (bench/oracle_estimate.py); at
     # or below `oracle_max_splits`: every one is run, none priced.
     oracle_priced_splits: int = 0
@@ -88,7 +95,8 @@ FULL = Sizes(
     batches=(1, 8, 32, 128, 256), contexts=(1024, 4096, 16384), mean_output_tokens=64, max_output_tokens=128,
     requests_per_batch=1.25,
     warm_steps=16, stop_decode_steps=128, virtual_step_s=0.02, kv_cpu_gib=24.0, kv_nvme_gib=48.0, oracle_max_splits=2,
-    repeats=1, activation_bytes_per_token=64 << 10, quick=False, oracle_priced_splits=7)
+    repeats=1, activation_bytes_per_token=64 << 10, quick=False, oracle_priced_splits=7,
+    warmup_policies=("static_lru", "mv_wsa"))
 # CPU smoke sizes: the tiny preset (2 layers, 8 experts, top-2); few steps, so its figures are no result.
 QUICK = Sizes(
     models=(ModelSweep("tiny", 2, 2, budget_fracs=(0.4, 0.7, 1.0)),),

@@ -196,12 +196,12 @@ def test_the_phase_runner_records_no_future_on_an_engine_unless_asked(tmp_path: 
     quiet = type("Quiet", (), {"print": staticmethod(lambda *_a, **_k: None)})()
     path = phase.run_phase_bench(tmp_path / "dry", console=quiet, **kw)["tiny"]
     # The cost model's calibration pass, the point's warm-up, then one run per candidate split and no recording run.
-    assert seen == ["resident", QUICK.warmup_policy] + ["oracle"] * QUICK.oracle_max_splits
+    assert seen == ["resident", *QUICK.warmup_policies] + ["oracle"] * QUICK.oracle_max_splits
     dry_rows = phase.load_rows(path)
     seen.clear()
     path = phase.run_phase_bench(tmp_path / "engine", console=quiet, oracle_recording=phase.OracleRecording.ENGINE,
                                  **kw)["tiny"]
-    assert seen == ["resident", QUICK.warmup_policy] + ["oracle-recording", "oracle"] * QUICK.oracle_max_splits
+    assert seen == ["resident", *QUICK.warmup_policies] + ["oracle-recording", "oracle"] * QUICK.oracle_max_splits
     rows = [r for r in phase.load_rows(path) if r["status"] == "candidate"]
     assert len(rows) == QUICK.oracle_max_splits
     assert all("the dry replay equals it" in r["notes"] for r in rows), [r["notes"] for r in rows]

@@ -359,15 +359,22 @@ def test_merge_adds_another_calls_rows_and_rewrites_the_report(tmp_path: Path) -
     assert res.exit_code == 2 and "that is the file it would merge into" in " ".join(res.output.split())
 
 
-def test_each_point_runs_a_discarded_warm_up_first_and_goes_on_without_one_that_fails(
+def test_each_point_runs_its_discarded_warm_ups_first_and_goes_on_without_one_that_fails(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before a point's measured runs, one run of QUICK.warmup_policy whose outcome is no row (the kernels its
-    steps need are built before the first measured policy runs) but whose steps the cost model is fitted on
-    before the point's first row is predicted; each row names it. A warm-up that fails is said and the runs go
-    on, their rows naming none."""
+    """Before a point's measured runs, one run of each warm-up policy, in order, whose outcome is no row (the kernels
+    their steps need are built before the first measured policy runs) but whose steps the cost model is fitted on
+    before the point's first row is predicted; each row names them. A warm-up that fails is said and the others
+    and the runs go on, the rows naming those that ran. The full sweep warms up KV first too (mv_wsa after
+    static_lru: H100 runs 78-79, the first KV-first run's slow prefills)."""
+    import dataclasses
+
     import tierplan.bench.phase as phase
+    from tierplan.bench.phase_grid import FULL
     from tierplan.bench.phase_predictor import Predictor
 
+    assert FULL.warmup_policies == ("static_lru", "mv_wsa") and QUICK.warmup_policies == ("static_lru",)
+    warm = ("static_lru", "kv_tiering")
+    monkeypatch.setattr(phase, "QUICK", dataclasses.replace(QUICK, warmup_policies=warm))
     real, made = phase.make, []
     monkeypatch.setattr(phase, "make", lambda name: made.append(name) or real(name))
     fit = Predictor.calibrate
@@ -377,13 +384,13 @@ def test_each_point_runs_a_discarded_warm_up_first_and_goes_on_without_one_that_
     assert res.exit_code == 0, res.output
     (row,) = json.loads(next((tmp_path / "ok").glob("phase_tiny_*.json")).read_text())
     names = [x for x in made if isinstance(x, str)]
-    assert names[-2:] == [QUICK.warmup_policy, "resident"] and row["warmed_by"] == QUICK.warmup_policy
-    between = made[made.index(QUICK.warmup_policy) + 1:made.index("resident", made.index(QUICK.warmup_policy))]
+    assert names[-3:] == [*warm, "resident"] and row["warmed_by"] == "static_lru+kv_tiering"
+    between = made[made.index(warm[-1]) + 1:made.index("resident", made.index(warm[-1]))]
     assert between and between[0] > 0, made  # the warm-up's steps, folded in before the measured run
-    assert f"warm-up run ({QUICK.warmup_policy}, discarded)" in res.output
+    assert all(f"warm-up run ({w}, discarded)" in res.output for w in warm)
 
     def broken(name: str) -> object:
-        if name == QUICK.warmup_policy and not broken.failed:  # type: ignore[attr-defined]
+        if name == warm[0] and not broken.failed:  # type: ignore[attr-defined]
             broken.failed = True  # type: ignore[attr-defined]
             raise RuntimeError("warm-up broke")
         return real(name)
@@ -393,4 +400,4 @@ def test_each_point_runs_a_discarded_warm_up_first_and_goes_on_without_one_that_
     res = _run("--points", POINT, "--policies", "resident", "--out-dir", str(tmp_path / "failed"))
     assert res.exit_code == 0, res.output
     (row,) = json.loads(next((tmp_path / "failed").glob("phase_tiny_*.json")).read_text())
-    assert row["status"] == "ok" and row["warmed_by"] is None and "warm-up broke" in res.output
+    assert row["status"] == "ok" and row["warmed_by"] == "kv_tiering" and "warm-up broke" in res.output
