@@ -61,7 +61,7 @@ class Sizes:
     # prefill steps, tierplan in H100 run 78 105 / 55 / 51 / 84 / 137 / 116 / 82 ms, tierplan_kf in run 79 103 / 55 /
     # 61 / 82 / 142 / 108 / 68) and the next one's were not (mv_wsa 54-59, tierplan run third 44-54); over the saved
     # steps, the point's first run took 1.31x the prefill time of later runs of the same prefill work at the median
-    # (15 points with such a pair, 10 of them over 1.15x: b256 4K 56 GiB, b128 1K 40/56 GiB). So the full sweep
+    # (15 first runs with such a later run, 10 over 1.15x: b256 4K 56 GiB, b128 1K 40/56 GiB). So the full sweep
     # warms up with mv_wsa (KV first, live) after static_lru.
     warmup_policies: tuple[str, ...] = ("static_lru",)
     # Splits the oracle's search prices first where it holds more than it measures (bench/oracle_estimate.py); at
