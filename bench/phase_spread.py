@@ -21,7 +21,8 @@ BYTES_TOLERANCE = 0.01  # bytes per link may differ this much (relative) between
 HIT_TOLERANCE = 0.005  # expert hit rates may differ this much (absolute)
 # A same-work gap is named by its step kind where one kind holds this share of it and its steps ran this much
 # slower (H100 runs 71, 74, 75, b256 4K 56 GiB: three runs in a row tierplan did mv_wsa's work at 0.72-0.79x, decode
-# steps alike, 12.8 vs 12.9 ms, its 225 prefill steps 85.8 vs 60.0 ms: not spread but one kind of step, every run).
+# steps alike, 12.8 vs 12.9 ms, its 225 prefill steps 85.8 vs 60.0 ms: not spread but one kind of step, every run;
+# runs 78-79 found it the first run's place at the point, whichever policy ran first).
 KIND_SHARE = 0.8
 KIND_SLOWER = 0.10
 

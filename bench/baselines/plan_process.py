@@ -79,9 +79,9 @@ def _one_blas_thread() -> str | None:
     """numpy's BLAS on one thread in this process; why not, where it could not be set (None: it was). The
     planner's products are small (a curve's [C] @ [C, E + 1]), and OpenBLAS's pool spins after each call before
     it sleeps: here, after three 300 x 300 products, 0.10 s of CPU in the next idle 0.5 s on one worker; a
-    16-CPU host has 15 of them, every one at the engine's priority until `_confine` set each thread (H100 runs
-    74-75, b256 4K 56 GiB: tierplan's prefill steps 86 ms against mv_wsa's 60 on the same work, its planner 40 ms
-    of CPU a step against 28)."""
+    16-CPU host has 15 of them, every one at the engine's priority until `_confine` set each thread. (Suspected
+    for tierplan's slow prefills at H100 b256 4K 56 GiB, runs 74-75; runs 78-79 showed those were the first run's
+    place at the point, with this change in: bench/phase_grid.py `warmup_policies`.)"""
     # A BLAS library loaded later (scipy's, at the controller's first use of it) reads its thread count from the
     # environment as it loads; those loaded already are set through threadpoolctl.
     os.environ["OPENBLAS_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
