@@ -29,7 +29,8 @@ PRED_TOLERANCE = 0.15
 # 121.0 tok/s against 187.8, its expert stall 0.171 ms a miss against 0.104; rows before session 38 lack it).
 LINK_SLOWER = 0.10
 # A same-work cause names tierplan's planner time a window (p50) from this much: the planner process shares the
-# host's CPUs with the engine (H100 runs 74-75, b256 4K 56 GiB: 150 ms a window beside 86 ms prefills).
+# host's CPUs with the engine (H100 runs 74-75, b256 4K 56 GiB: 150 ms a window beside 86 ms prefills; runs 78-79
+# showed those prefills slow for whichever policy ran first at the point, so the figure is context, not a verdict).
 PLANNER_NAMED_MS = 10.0
 # The baselines whose split is fixed for the run: the issue's "best static baseline" of the 0.95x target. fluxmoe
 # and mv_wsa re-plan live (bench/baselines/fluxmoe.py, mv_wsa.py); they compete for the 1.5x target's "best
@@ -130,7 +131,7 @@ def _cause(tp: dict[str, Any], best: dict[str, Any]) -> str:
 def _more_prefills(tp: dict[str, Any], best: dict[str, Any]) -> str | None:
     """The window's prefills, where tierplan's run admitted more sequences than `best`'s and paid more prefill
     steps in its measured window, while its decode steps made tokens at least as fast: the window charges the
-    prefills of the sequences it admitted and holds only their first decodes (H100 run 69, b8 16K 56 GiB: 6
+    prefills of the sequences it admitted and holds only their first decodes (H100 run 71, b8 16K 56 GiB: 6
     prefill steps of 212 ms against kv_tiering's 4 of 154, 3.3 against 2.5 sequences a step, its decode steps
     1.32 ms a token against 1.52). None where that does not hold or a row lacks the per-kind figures."""
     n_tp, n_b = _prefill_steps(tp), _prefill_steps(best)
@@ -157,7 +158,7 @@ def _decode_ms_per_token(r: dict[str, Any]) -> float | None:
 
 def _same_work_gap(tp: dict[str, Any], best: dict[str, Any]) -> str:
     """Not a decision: the kind of step that took the time (engine overhead there, every run alike: H100 runs 71,
-    74, 75), else run-to-run spread."""
+    74, 75; runs 78-79 found it the first run's place at the point), else run-to-run spread."""
     tpt, tpt_b = _ms_per_token(tp), _ms_per_token(best)
     gap = gap_by_kind(tp, best)
     if gap is None:
@@ -168,7 +169,7 @@ def _same_work_gap(tp: dict[str, Any], best: dict[str, Any]) -> str:
         why += f"; {gap['other']} steps {gap['other_pair'][0]:.1f} vs {gap['other_pair'][1]:.1f} ms"
     why += ")"
     mine, theirs = tp.get("planner_ms_p50"), best.get("planner_ms_p50")
-    if mine and mine >= PLANNER_NAMED_MS:  # the planner process runs beside the engine: the first suspect
+    if mine and mine >= PLANNER_NAMED_MS:  # the planner process runs beside the engine: a figure to read beside it
         why += f", beside a planner of {mine:.0f} ms a window" + (f" ({best['policy']} {theirs:.0f})" if theirs else "")
     return why
 

@@ -54,7 +54,8 @@ MAX_REASON_CHARS = 4000  # a plan's reason (the protocol allows a little more)
 # A window's planning is mostly its forecast's LRU curves (8 layers: ~170 of ~220 ms on a 2-core box), computed
 # again at every window since a window's tokens move some expert's step-need past the memo's tolerance; on the
 # H100 tierplan's planner took ~150 ms a window against windows of ~100 ms at b256 4K 56 GiB (phase run 75), never
-# idle, and the eager prefill steps it overlapped ran 86 ms against 60 for mv_wsa doing the same work. A split that
+# idle (88-91 ms with quiet windows, runs 78-79; the slow prefill steps first blamed on it were the first run's place
+# at the point, bench/phase_grid.py `warmup_policies`). A split that
 # held at the last QUIET_AFTER_HELD windows, for windows within QUIET_TOLERANCE of the last one planned, is held
 # again without planning (at most `quiet_windows` in a row; none while the KV demand rises).
 QUIET_AFTER_HELD = 2
