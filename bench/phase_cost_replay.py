@@ -6,7 +6,7 @@ runs are replayed in the order they ran through one fresh `phase_predictor.Predi
 on a run's warm-up steps, then price each telemetry window of its measured steps at their measured misses and fit
 on it: `phase_pricing.price_ahead`), and each run's
 mean price is set against its measured step (`predicted_step_ms_measured_misses` of the row); given the forced
-router's table, also at the misses the trace's curves predict at each plan's split (`predicted_step_ms`). What it
+router's table, also at the misses the engine's residency makes at each plan's split (`predicted_step_ms`). What it
 cannot replay: the process's calibration pass (a resident run at its first point) and each point's warm-up run
 (static_lru, folded in since session 26) in files saved before session 38, which kept neither (since, their steps
 are saved, status `calibration` / `warmup`, and folded in here as the process did), and the measured memory
@@ -73,7 +73,7 @@ def step_records(line: dict[str, Any]) -> list[SimpleNamespace]:
 
 def router_table(shape: ModelShape, trace: Path = ROUTING) -> np.ndarray:
     """The forced router's table [T, M, k] the runs routed by (bench/phase_run: the bundled trace fitted to the
-    model, `ROUTER_HORIZON_TOKENS` long), what the rows' miss-ratio curves are built from."""
+    model, `ROUTER_HORIZON_TOKENS` long), what the rows' predicted misses are replayed over."""
     return RoutingTrace.load(trace).routes(ROUTER_HORIZON_TOKENS, shape.num_moe_layers, shape.top_k,
                                            shape.num_experts)[0]
 
@@ -160,7 +160,7 @@ def _by_policy(runs: list[dict[str, Any]], key: str, lead: str) -> list[str]:
 
 
 def _predicted_lines(runs: list[dict[str, Any]]) -> list[str]:
-    """The rows' own figure replayed with this code: each run's steps at the misses the trace's LRU curves predict
+    """The rows' own figure replayed with this code: each run's steps at the misses the engine's residency makes
     at the splits it ran (the issue's target reads `predicted_step_ms`), by policy."""
     if not runs:
         return []

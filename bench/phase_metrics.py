@@ -28,10 +28,11 @@ measured steps (those after warm-up):
   step's: `Predictor.calibrate`, each window priced before it is folded in, the controller's horizon:
   bench/phase_pricing.py; `predicted_ahead_steps` says how many steps; rows before session 39 priced the whole
   run from the fit before it) over
-  each measured step's tokens, context and KV fetches with the expert misses the routing trace's LRU
-  miss-ratio curve predicts at the slots per layer of the plan the step ran under
-  (`controller.predictors.miss_ratio`, the decode walk of `ForcedRouter` at the step's batch), the share of
-  them the step's loads show issued ahead of their layer
+  each measured step's tokens, context and KV fetches with the expert misses the engine's LRU residency makes
+  at the slots per layer of the plan the step ran under, replayed over the run's step shapes on the forced
+  router's table (bench/phase_residency.py; rows before session 41: the trace's LRU stack-distance curves at
+  the step's batch, `predicted_from` says which), the share of them the step's loads show issued ahead of their
+  layer
   (`StepRecord.expert_prefetch_hits`) priced as streamed; a decode step that opens a telemetry window also pays
   the window's excess (`Predictor.window_open_ms`). One rule for every policy: a live one's steps are
   priced at each split it applied, from the step it took effect; that step also pays the GPU KV blocks its

@@ -4,26 +4,25 @@ Runs in the bench process (`tierplan bench phase`: each row's `predicted_step_ms
 oracle's candidate ranking, bench/oracle_estimate.py) and offline (the replay of saved steps,
 bench/phase_cost_replay.py); pure Python + numpy over the runner's step records (no torch). `Predictor` holds one
 model's fits (decode steps and prefill steps apart), the excess of a step that opens a telemetry window, the time a
-plan's KV eviction costs a block, and the routing trace's LRU miss-ratio curves; `plan_step_prices` prices steps at
-the split of the plan each ran under. How far ahead a row prices: bench/phase_pricing.py.
+plan's KV eviction costs a block, and the forced router's table; `plan_step_prices` prices steps at the split of
+the plan each ran under, at the misses the engine's expert residency makes there (bench/phase_residency.py). How
+far ahead a row prices: bench/phase_pricing.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from tierplan.bench.phase_residency import StepLoads, replay_loads
 from tierplan.controller.costmodel import CostModel, HardwareSpec, StepLoad
 from tierplan.controller.model_shape import ModelShape
-from tierplan.controller.predictors.miss_ratio import MissRatioCurves
 from tierplan.controller.protocol import Link
 
 TRANSFER_OVERHEAD_PRIOR_S = 1e-4  # per record, before calibration (the cost model fits it from the steps)
-CURVE_MAX_BATCH = 256  # the miss-ratio curves' largest tracked batch (a larger step uses this one)
-CURVE_ACCESSES = 16384  # expert accesses per layer a curve is built from (steps = this / the batch's union)
 # The fit is per step, over observations a window's means would blur (a window's mean step runs neither a
 # prefill's active experts nor a decode's): replayed over one CPU quick sweep's steps, pricing the measured
 # misses, 103 of 160 runs within 15 % fitted per step, 90 fitted per window (bench/results/phase_h200.md,
@@ -85,8 +84,8 @@ def mean_of(xs: list[float]) -> float | None:
 # runs' decode steps within 15 % with the same four terms: what is left is the online fit's, not the terms'.
 @dataclass
 class Predictor:
-    """The cost model per model in this process, calibrated as the runs go, and the routing trace's LRU
-    miss-ratio curves per tracked batch (built on first use). The model is fitted twice, on the decode steps
+    """The cost model per model in this process, calibrated as the runs go, and the forced router's table the
+    engine's expert residency is replayed over (`loads_at`). The model is fitted twice, on the decode steps
     (`cost`: CUDA graph replays, or chunked off them) and on the steps that hold a prefill (`prefill`: run eagerly),
     and each step is priced by its own kind's fit (`model_for`): one fit over both explained a prefill's thousands
     of tokens and a decode step's fixed cost with the same coefficients, and its fixed terms went to zero
@@ -96,7 +95,6 @@ class Predictor:
     kv_block_bytes: int
     ids_host: np.ndarray | None = None  # the forced router's table [T, L_moe, k]
     prefill: CostModel | None = None  # the fit of steps holding a prefill (None: `cost` prices them too)
-    _curves: dict[int, MissRatioCurves] = field(default_factory=dict)
     _evict_sum: float = 0.0  # ms outside the forward at plan changes that evicted KV blocks, forgetting older ones
     _evict_blocks: float = 0.0  # the blocks they evicted, forgotten alike
     _window_open_ms: float | None = None  # a window-opening decode step's cycle over its price (None: none seen)
@@ -179,38 +177,14 @@ class Predictor:
             return self._evict_sum / self._evict_blocks
         return self.cost.transfer_ms(Link.D2H, self.kv_block_bytes, 1)
 
-    def curve(self, batch: int) -> MissRatioCurves:
-        """The trace's LRU curves at `batch` (a power of two, <= CURVE_MAX_BATCH): `batch` sequences walking the
-        table as `ForcedRouter` has decodes do (sequence s at step t reads row (s * 997 + t) % T)."""
-        if batch not in self._curves:
-            if self.ids_host is None:
-                raise ValueError("Predictor: no routing table to build miss-ratio curves from")
-            ids = self.ids_host
-            t_rows, num_moe = ids.shape[0], ids.shape[1]
-            curves = MissRatioCurves(num_moe, self.cost.shape.num_experts, (batch,))
-            seqs = np.arange(batch, dtype=np.int64) * 997
-            union = min(self.cost.shape.num_experts, batch * self.cost.shape.top_k)
-            for t in range(max(32, CURVE_ACCESSES // union)):
-                rows = ids[(seqs + t) % t_rows]  # [B, L, k]
-                for m in range(num_moe):
-                    curves.observe_step(m, rows[:, m].reshape(-1), batch)
-            self._curves[batch] = curves
-        return self._curves[batch]
-
-    def predicted_misses(self, slots: tuple[int, ...], tokens: int) -> tuple[float, ...]:
-        """Per MoE layer: the misses per step an LRU cache of `slots[m]` slots makes at a step of `tokens`."""
-        b = curve_batch(tokens)
-        c = self.curve(b)
-        # Every expert resident: no miss (the curve's cold misses belong to the warm-up, which fills the slots).
-        return tuple(0.0 if s >= c.num_experts else float(c.expected_misses_per_step(m, b)[s])
-                     for m, s in enumerate(slots))
-
-    def over_slots(self, slots: tuple[int, ...], tokens: int) -> bool:
-        """Whether a decode step of `tokens` at `slots` per MoE layer runs chunked, as the engine decides it (some
-        layer's experts over its slots), judged by each layer's mean union on the trace's curve at that batch."""
-        b = curve_batch(tokens)
-        c = self.curve(b)
-        return any(s < c.num_experts and c.mean_union_size(m, b) > s for m, s in enumerate(slots))
+    def loads_at(self, steps: list[Any], slots: list[tuple[int, ...]]) -> list[StepLoads]:
+        """The misses each of `steps` (StepRecords) makes at `slots[i]` per MoE layer, and whether it outruns a
+        layer's slots: the engine's residency replayed over the routing table at the steps' own shapes, in order,
+        from its steady state (bench/phase_residency.py)."""
+        if self.ids_host is None:
+            raise ValueError("Predictor: no routing table to replay the expert residency over")
+        shapes = [_shape(s) for s in steps]
+        return replay_loads(self.ids_host, self.cost.shape.num_experts, shapes, slots)
 
     def _spread(self, total: int) -> tuple[int, ...]:
         """A step's count over all MoE layers as per-layer counts (the remainder to the first layers)."""
@@ -246,26 +220,36 @@ class Predictor:
         return mean_of(self.step_prices(steps, before, places)) or 0.0
 
     def split_step_ms(self, steps: list[Any], slots: tuple[int, ...]) -> float:
-        """Mean predicted step time over `steps` at a static split of `slots` per MoE layer: each step's
-        tokens, context and KV fetches, the misses the miss-ratio curve predicts. The curve's misses are an LRU
-        cache's; the share of them the step's own loads show issued ahead of their layer (prefetched, streamed)
-        is priced as streamed loads, the part behind a layer's compute free, as the controller prices its
-        prefetch recall. Charged whole as demand loads, they put tierplan's prediction a median 37 % over its
-        measured step on the H200 (qwen3 rows to session 21; fluxmoe's +13 %, resident's +9 %)."""
-        total = 0.0
-        for s in steps:
-            misses = self.predicted_misses(slots, s.batch_tokens)
+        """Mean predicted step time over `steps` at a static split of `slots` per MoE layer (`loads_step_prices`
+        at the misses `loads_at` replays there; 0.0 without steps)."""
+        return mean_of(self.loads_step_prices(steps, self.loads_at(steps, [slots] * len(steps)))) or 0.0
+
+    def loads_step_prices(self, steps: list[Any], loads: list[StepLoads]) -> list[float]:
+        """Each of `steps` priced at its tokens, context and KV fetches and at the replayed `loads` in place of its
+        measured misses: a decode step over some layer's slots runs chunked. The share of the misses the step's own
+        loads show issued ahead of their layer (prefetched, streamed) is priced as streamed loads, the part behind
+        a layer's compute free, as the controller prices its prefetch recall. Charged whole as demand loads, they
+        put tierplan's prediction a median 37 % over its measured step on the H200 (qwen3 rows to session 21;
+        fluxmoe's +13 %, resident's +9 %)."""
+        if len(steps) != len(loads):
+            raise ValueError(f"loads_step_prices: {len(steps)} steps, {len(loads)} replayed loads")
+        out = []
+        for s, load in zip(steps, loads, strict=True):
             ahead = s.expert_prefetch_hits
             share = ahead / (ahead + s.expert_misses) if ahead else 0.0
-            chunked = s.num_prefills == 0 and self.over_slots(slots, s.batch_tokens)
-            total += self.model_for(s).step_time_ms(self._load(s, tuple(m * (1 - share) for m in misses),
-                                                       tuple(m * share for m in misses), chunked)).total_ms
-        return total / len(steps) if steps else 0.0
+            chunked = s.num_prefills == 0 and load.over_slots
+            out.append(self.model_for(s).step_time_ms(self._load(s, tuple(m * (1 - share) for m in load.misses),
+                                                                 tuple(m * share for m in load.misses),
+                                                                 chunked)).total_ms)
+        return out
 
 
-def curve_batch(tokens: int) -> int:
-    """The tracked curve a step of `tokens` is priced on: the power of two at or below it, within CURVE_MAX_BATCH."""
-    return 1 << (max(1, min(tokens, CURVE_MAX_BATCH)).bit_length() - 1)
+def _shape(step: Any) -> tuple[int, int]:
+    """A step's decode tokens and prompt tokens (a record without `num_decodes`: a decode step's tokens are all
+    decodes, a prefill step's all prompt)."""
+    prompt = step.batch_tokens if step.num_prefills else 0
+    decodes = getattr(step, "num_decodes", step.batch_tokens - prompt)
+    return decodes, max(0, step.batch_tokens - decodes) if step.num_prefills else 0
 
 
 def ran_chunked(step: Any) -> bool:
@@ -306,19 +290,35 @@ def predict_at_plans(predictor: Predictor, plans: Mapping[int, Any], initial_pla
     return mean_of(prices) or 0.0, plan_source(timed, evicted)
 
 
+def plan_split(plans: Mapping[int, Any], initial_plan: Any, step: Any, shape: ModelShape) -> tuple[int, ...]:
+    """The slots per MoE layer of the plan `step` ran under (`StepRecord.plan_version`; a version not in `plans`,
+    e.g. a step before the first: `initial_plan`'s)."""
+    plan = plans.get(getattr(step, "plan_version", None), initial_plan)
+    return plan_slots(initial_plan if plan is None else plan, shape)
+
+
+def plan_loads(predictor: Predictor, plans: Mapping[int, Any], initial_plan: Any, steps: list[Any]
+               ) -> list[StepLoads]:
+    """The misses each of a run's `steps` makes at the split of the plan it ran under (`Predictor.loads_at`)."""
+    shape = predictor.cost.shape
+    return predictor.loads_at(steps, [plan_split(plans, initial_plan, s, shape) for s in steps])
+
+
 def plan_step_prices(predictor: Predictor, plans: Mapping[int, Any], initial_plan: Any, timed: list[Any],
-                     before: Any = None, places: WindowPlaces | None = None) -> tuple[list[float], int]:
+                     before: Any = None, places: WindowPlaces | None = None,
+                     loads: list[StepLoads] | None = None) -> tuple[list[float], int]:
     """Each measured step priced at the split of the plan it ran under (`StepRecord.plan_version`; a version not
     in `plans`, e.g. a step before the first: `initial_plan`'s), and the KV blocks the plans evicted. A step a new
     plan took effect at also pays, at `Predictor.evict_ms_per_block`, the GPU KV blocks the plan's share leaves
     no room for: those the step before held (its context in whole blocks) beyond the share; a decode step opening a
-    telemetry window (`places`), the window's excess (`Predictor.window_open_ms`). Plans need only
-    `expert_bytes_per_layer` and their GPU KV blocks (a saved steps line's plans serve:
-    bench/phase_cost_replay.py)."""
+    telemetry window (`places`), the window's excess (`Predictor.window_open_ms`). `loads`: each step's replayed
+    misses (`plan_loads` over the whole run, so the residency carries from step to step; None: replayed over
+    `timed` alone). Plans need only `expert_bytes_per_layer` and their GPU KV blocks (a saved steps line's plans
+    serve: bench/phase_cost_replay.py)."""
     shape = predictor.cost.shape
-    slots = {v: plan_slots(p, shape) for v, p in plans.items()}
-    initial = plan_slots(initial_plan, shape)
-    prices = [predictor.split_step_ms([s], slots.get(s.plan_version, initial)) for s in timed]
+    if loads is None:
+        loads = plan_loads(predictor, plans, initial_plan, timed)
+    prices = predictor.loads_step_prices(timed, loads)
     evicted = 0
     for i, s in enumerate(timed):
         prev = timed[i - 1] if i else before
@@ -337,6 +337,6 @@ def plan_step_prices(predictor: Predictor, plans: Mapping[int, Any], initial_pla
 def plan_source(timed: list[Any], evicted: int) -> str:
     """Where `predicted_step_ms` came from: the rule, the plans the steps ran under, the KV blocks they evicted."""
     under = {s.plan_version for s in timed}
-    return ("split: cost model over the trace's LRU miss curve" + (
+    return ("split: cost model over the engine's LRU residency replayed on the trace" + (
         f", each step at the split of the plan it ran under ({len(under)} plans)" if len(under) > 1 else "")
         + (f", {evicted} KV blocks the plans evicted" if evicted else ""))

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tierplan.bench.phase_predictor import Predictor, WindowPlaces, plan_step_prices
+from tierplan.bench.phase_predictor import Predictor, WindowPlaces, plan_loads, plan_step_prices
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,16 @@ def price_ahead(predictor: Predictor, steps: list[Any], warm: int, window_steps:
     """Fold a run's `warm` warm-up steps into `predictor`, then price its measured steps (`steps[warm:]`) window by
     window (the run's telemetry windows, `window_steps` long; the whole run at once where that is < 2), each
     window before it is folded in. With `plans` (version -> plan) and `initial_plan`, also at each plan's split
-    (`plan_step_prices`). Leaves every step folded into `predictor`, as the runs after this one see it."""
+    (`plan_step_prices`, at the misses the engine's residency makes there: `plan_loads`). Leaves every step folded
+    into `predictor`, as the runs after this one see it."""
     warm = min(warm, max(0, len(steps) - 1))
     predictor.calibrate(steps[:warm], places=WindowPlaces(0, window_steps))
     timed = steps[warm:]
     ahead = window_steps if window_steps > 1 else max(1, len(timed))
     measured: list[float] = []
     predicted: list[float] | None = [] if plans is not None and initial_plan is not None else None
+    # the residency carries from step to step: replayed once over the whole run, warm-up steps included
+    loads = plan_loads(predictor, plans or {}, initial_plan, steps) if predicted is not None else []
     evicted = 0
     start = 0
     while start < len(timed):
@@ -62,7 +65,8 @@ def price_ahead(predictor: Predictor, steps: list[Any], warm: int, window_steps:
         places = WindowPlaces(warm + start, window_steps)
         measured += predictor.step_prices(chunk, before, places)
         if predicted is not None:
-            prices, n = plan_step_prices(predictor, plans or {}, initial_plan, chunk, before, places)
+            prices, n = plan_step_prices(predictor, plans or {}, initial_plan, chunk, before, places,
+                                         loads[warm + start : warm + end])
             predicted += prices
             evicted += n
         predictor.calibrate(chunk, before, places)

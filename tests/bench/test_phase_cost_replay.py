@@ -87,7 +87,7 @@ def test_a_file_of_a_model_without_a_shape_is_named_and_the_rest_replayed(tmp_pa
 
 def test_given_the_routers_table_each_run_is_also_priced_at_the_misses_its_splits_predict(tmp_path: Path) -> None:
     """The rows' own figure, `predicted_step_ms`, replayed with this code: each step at the split of the plan it
-    ran under, the misses the trace's LRU curves predict there. A plan holding every expert predicts no miss (as
+    ran under, the misses the engine's residency replays there. A plan holding every expert predicts no miss (as
     measured here: the two prices agree); one of 8 slots a layer predicts some, so its price rises; a line saved
     before steps carried their plan is priced at its measured misses only."""
     from tierplan.bench.phase_cost_replay import router_table
@@ -112,7 +112,7 @@ def test_given_the_routers_table_each_run_is_also_priced_at_the_misses_its_split
     got = replay_file(path, load_steps(path), routes)
     assert got[0]["predicted_ratio"] is None  # no plans saved with it
     assert got[2]["predicted_ratio"] == pytest.approx(got[2]["ratio"])  # every expert resident: no miss either way
-    assert got[3]["predicted_ratio"] > got[3]["ratio"] + 0.05  # 8 slots of 128: the curve's misses are priced
+    assert got[3]["predicted_ratio"] > got[3]["ratio"] + 0.05  # 8 slots of 128: the replayed misses are priced
     assert all(r["predicted_ratio"] is None for r in replay_file(path, load_steps(path)))  # no table, no figure
     text = "\n".join(section(got))
     assert "At the predicted misses" in text and "it): within 15%: " in text and "of 3 runs" in text, text

@@ -112,7 +112,7 @@ def _predictor(routes: bool = True) -> Any:
     return Predictor.for_model(h)
 
 
-def test_a_static_split_is_predicted_from_the_miss_curve_not_the_measured_misses() -> None:
+def test_a_static_split_is_predicted_from_the_replayed_residency_not_the_measured_misses() -> None:
     from tierplan.bench.phase_run import StepRecord
 
     pred = _predictor()
@@ -125,9 +125,10 @@ def test_a_static_split_is_predicted_from_the_miss_curve_not_the_measured_misses
     few, many = [step(0)] * 4, [step(64)] * 4
     assert pred.split_step_ms(few, (4, 4)) == pred.split_step_ms(many, (4, 4))
     assert pred.step_ms(few) < pred.step_ms(many)
-    # Fewer slots: the curve predicts more misses, so a longer step; every expert resident: no miss at all.
+    # Fewer slots: the residency misses more, so a longer step; every expert resident: no miss at all.
     assert pred.split_step_ms(few, (2, 2)) > pred.split_step_ms(few, (4, 4)) > pred.split_step_ms(few, (8, 8))
-    assert pred.predicted_misses((8, 8), 4) == (0.0, 0.0)
+    assert all(load.misses == (0, 0) for load in pred.loads_at(few, [(8, 8)] * 4))
+    assert sum(sum(load.misses) for load in pred.loads_at(few, [(2, 2)] * 4)) > 0
 
 
 def test_the_predictor_learns_a_step_time_from_the_measured_steps() -> None:
@@ -186,7 +187,7 @@ def test_each_step_is_predicted_at_the_split_of_the_plan_it_ran_under() -> None:
     """A live policy's steps are priced at the split in force at each (the plan version the step ran under),
     by the rule a static split's are; the controller's own figure is kept apart."""
     from tierplan.bench.phase_metrics import controller_step_ms
-    from tierplan.bench.phase_predictor import predict_at_plans
+    from tierplan.bench.phase_predictor import plan_step_prices, predict_at_plans
     from tierplan.bench.phase_run import StepRecord
 
     pred = _predictor()
@@ -205,18 +206,19 @@ def test_each_step_is_predicted_at_the_split_of_the_plan_it_ran_under() -> None:
         o.extra = {"plans_applied": {1: plan(2), 2: plan(8)}, "decisions": decisions}
         return o, [step(v) for v in versions]
 
-    low, high = pred.split_step_ms([step(1)], (2, 2)), pred.split_step_ms([step(1)], (8, 8))
-    assert low > high
-    o, steps = outcome([1, 1, 2, 2], [(1, 99.0)])
     def predict(pred: object, o: object, steps: list[StepRecord]) -> tuple[float, str]:
         return predict_at_plans(pred, o.extra["plans_applied"], o.initial_plan, steps)
 
+    o, steps = outcome([1, 1, 2, 2], [(1, 99.0)])
+    prices, _ = plan_step_prices(pred, o.extra["plans_applied"], o.initial_plan, steps)
+    high = pred.split_step_ms(steps[2:], (8, 8))  # every expert resident: no miss
+    assert prices[2] == prices[3] == pytest.approx(high) and min(prices[:2]) > high
     ms, source = predict(pred, o, steps)
-    assert ms == pytest.approx((2 * low + 2 * high) / 4) and "2 plans" in source
+    assert ms == pytest.approx(sum(prices) / 4) and "2 plans" in source
     o, steps = outcome([1, 1, 1, 1], [])  # a static split: one plan throughout
-    assert predict(pred, o, steps)[0] == pytest.approx(low)
+    assert predict(pred, o, steps)[0] == pytest.approx(pred.split_step_ms(steps, (2, 2)))
     o, steps = outcome([0, 0], [])  # a version the run never applied: the initial plan's split
-    assert predict(pred, o, steps)[0] == pytest.approx(low)
+    assert predict(pred, o, steps)[0] == pytest.approx(pred.split_step_ms(steps, (2, 2)))
     # The controller's figure: its decision's step_ms from the step the decision took effect (window 1 x 4).
     assert controller_step_ms(*outcome([1] * 8, [(1, 99.0)])[:1], warm=2, num_timed=6) == 99.0
     assert controller_step_ms(*outcome([1] * 8, [])[:1], warm=2, num_timed=6) is None
@@ -420,8 +422,8 @@ def test_steady_throughput_charges_a_window_for_the_prefills_its_output_implies(
     assert steady_tok_s(window, [], 5.0) is None and steady_tok_s(window, window, 0.0) is None
 
 
-def test_the_curve_misses_a_step_shows_issued_ahead_are_priced_as_streamed() -> None:
-    """A step whose loads were half prefetched prices half the curve's misses as streamed loads (the part behind
+def test_the_replayed_misses_a_step_shows_issued_ahead_are_priced_as_streamed() -> None:
+    """A step whose loads were half prefetched prices half the replayed misses as streamed loads (the part behind
     a layer's compute free), so below the same step with none; a step with no prefetch prices as before."""
     from tierplan.bench.phase_run import StepRecord
 
@@ -434,7 +436,7 @@ def test_the_curve_misses_a_step_shows_issued_ahead_are_priced_as_streamed() -> 
 
     pred.calibrate([step(0, 0)] * 8)  # 10 ms of compute a step: what a streamed load can hide behind
     demand = pred.split_step_ms([step(4, 0)], (2, 2))
-    assert pred.split_step_ms([step(9, 0)], (2, 2)) == demand  # the curve's misses, not the measured ones
+    assert pred.split_step_ms([step(9, 0)], (2, 2)) == demand  # the replayed misses, not the measured ones
     half, most = pred.split_step_ms([step(4, 4)], (2, 2)), pred.split_step_ms([step(1, 7)], (2, 2))
     assert most <= half < demand  # a streamed share behind the compute is free, whatever its size
     assert pred.split_step_ms([step(0, 0)], (8, 8)) == pred.split_step_ms([step(0, 5)], (8, 8))  # nothing missed
