@@ -10,8 +10,8 @@ its slots, ascending, and a miss evicts the least recently used resident outside
 union the curves counted up to twice its misses (H100 b32 at 59 slots of 128: 21.3 a step against 10.6), and a
 prefill step, priced on a curve of independent sequences, found none of the experts the decode steps before it
 left. Replaying the engine's rule over the run's own step shapes instead (this CPU box, the H100/H200 steps of
-phase runs 01-79): the mean misses of a run's decode steps within 15 % (or 2) of those measured at 930 of 957
-runs (the curves: 696), of its prefill steps at 902 of 930 (the curves: 247).
+phase runs 01-79): the mean misses of a run's decode steps within 15 % (or 2) of those measured at 932 of 957
+runs (the curves: 696), of its prefill steps at 891 of 912 (the curves: 247).
 """
 
 from __future__ import annotations
