@@ -293,8 +293,7 @@ def predict_at_plans(predictor: Predictor, plans: Mapping[int, Any], initial_pla
 def plan_split(plans: Mapping[int, Any], initial_plan: Any, step: Any, shape: ModelShape) -> tuple[int, ...]:
     """The slots per MoE layer of the plan `step` ran under (`StepRecord.plan_version`; a version not in `plans`,
     e.g. a step before the first: `initial_plan`'s)."""
-    plan = plans.get(getattr(step, "plan_version", None), initial_plan)
-    return plan_slots(initial_plan if plan is None else plan, shape)
+    return plan_slots(plans.get(getattr(step, "plan_version", None), initial_plan), shape)
 
 
 def plan_loads(predictor: Predictor, plans: Mapping[int, Any], initial_plan: Any, steps: list[Any]
