@@ -1,9 +1,9 @@
 """The controller's forecast of the next windows: batch, experts needed per step, KV demand, the local table.
 
 Runs in the controller process, fed one accepted telemetry window at a time (`observe`). Built on the demand
-models in controller/predictors: per-layer LRU miss-ratio curves (`MissRatioCurves`, from the step unions the
-agent reports, bucketed by the step's token count) with a fallback from the activation frequencies where a
-batch size has too few steps yet (predictors/irm_lru: an LRU cache under independent tokens); and the cross-layer
+models in controller/predictors: per-layer curves of the engine's expert cache (`MissRatioCurves`, from the step
+unions the agent reports, bucketed by the step's token count) with a fallback from the activation frequencies where
+a batch size has too few steps yet (predictors/irm_lru: the same cache under independent tokens); and the cross-layer
 transition table the plan ships to the agent, estimated from the window's pair counts with the same back-off as
 `TransitionTable` (P(j|i) = (n(i,j) + prior q(j)) / (n(i) + prior), q the next layer's per-token marginal).
 `forecast()` returns a frozen `DemandForecast`; nothing here decides.
@@ -255,9 +255,9 @@ class DemandModel:
             m = self.index.get(u.layer)
             if m is None:
                 continue
-            # The newest steps only (a window's 8 steps all fit): the stack pass costs ~0.5 ms a step and layer in
-            # Python, and the curves are decayed averages anyway. Every size shares one LRU order per layer, so
-            # skipped steps shorten the stack distances of the next ones: keep the cap above the window.
+            # The newest steps only (a window's 8 steps all fit): the curves are decayed averages anyway (a step
+            # and layer costs ~25 us, 128 experts, this 2-core box). Every size shares one recency order per layer,
+            # so skipped steps shorten the distances of the next ones: keep the cap above the window.
             steps = list(zip(u.batch_tokens, u.unions, strict=True))
             self.union_steps_skipped += max(0, len(steps) - self.max_union_steps)
             steps = steps[-self.max_union_steps:]

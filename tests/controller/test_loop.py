@@ -44,14 +44,16 @@ def test_first_window_gives_a_valid_plan_with_a_reason_and_a_table() -> None:
 
 def test_split_moves_to_kv_when_context_grows_and_back_when_it_falls() -> None:
     ctl, win = make_controller(), Windows()
-    plans = drive(ctl, win, [(4, 8, 3, 0), (4, 16, 40, 30), (6, 8, 5, 0)])
+    plans = drive(ctl, win, [(4, 8, 3, 0), (8, 16, 40, 30), (8, 32, 5, 0)])
     kv = [p.kv_blocks_per_tier[Tier.GPU] for p in plans]
     experts = [sum(p.expert_bytes_per_layer) // SLOT_BYTES for p in plans]
     peak = int(np.argmax(kv))
     # Not all 70 wanted blocks: at 16 tokens a step a layer needs ~6 of its 8 experts, and below that it would
     # compute in chunks (valuation.option_stall_ms), so the experts keep 4 a layer.
     assert peak > 0 and kv[peak] > kv[0] and experts[peak] < experts[peak - 1]
-    assert kv[-1] < kv[peak] and experts[-1] > experts[peak]  # the load fell: experts get the HBM back
+    # The KV load fell while the steps need every expert (32 tokens a step): experts get the HBM back. (At 8 tokens a
+    # step, 5.7 of 8 experts, the engine's cache misses next to nothing with 6-7 slots: the split is held.)
+    assert kv[-1] < kv[peak] and experts[-1] > experts[peak]
     assert "KV GPU blocks" in plans[peak].reason and "HBM budget binding" in plans[peak].reason
 
 
@@ -344,7 +346,7 @@ def test_a_filling_batch_prices_its_kv_demand_at_the_share_the_agent_started_wit
     blind = ctl.step_next()
     assert blind is not None and blind.kv_blocks_per_tier[Tier.GPU] < 40
 
-    plans, ctl, win = _filling(compute_load_ms=0.5)
+    plans, ctl, win = _filling(compute_load_ms=0.3)
     assert plans and all(p.kv_blocks_per_tier[Tier.GPU] >= 40 for p in plans)
     assert "KV demand still rising: priced at no less than the 40 blocks the agent started with" in plans[0].reason
     assert ctl.demand.kv_start_blocks == 40  # reports under a plan of ours never move it
@@ -367,7 +369,7 @@ def test_the_start_share_is_a_price_not_a_floor_where_fewer_sequences_cost_less(
     every window, whose loads grow with every slot short of the experts it routes to, at 1 ms a load too."""
     for load_ms, prefill in ((4.0, 0), (1.0, 1000)):
         plans, _, _ = _filling(compute_load_ms=load_ms, prefill_tokens=prefill)
-        cheap, _, _ = _filling(compute_load_ms=0.5, prefill_tokens=prefill)
+        cheap, _, _ = _filling(compute_load_ms=0.3, prefill_tokens=prefill)
         assert plans[0].kv_blocks_per_tier[Tier.GPU] < 40 <= cheap[0].kv_blocks_per_tier[Tier.GPU]
         assert sum(plans[0].expert_bytes_per_layer) > sum(cheap[0].expert_bytes_per_layer)
         assert "priced at no less than the 40 blocks" in plans[0].reason
