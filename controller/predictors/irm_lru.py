@@ -19,12 +19,12 @@ over independent draws (bench/phase_residency.py; 2,000 steps, this CPU box, ses
 | experts, top-k | tokens a step | slots | here | engine's rule |
 |---|---|---|---|---|
 | 128, 8 | 8 | 37 | 23.4 | 23.9 |
-| 128, 8 | 32 | 55 | 51.9 | 53.2 |
+| 128, 8 | 32 | 73 | 23.4 | 23.9 |
 | 64, 8 | 16 | 27 | 29.7 | 29.7 |
 | 32, 4 | 1 | 5 | 2.83 | 2.77 |
 
-(Until session 42 this priced a per-access LRU, whose step may evict an expert it still needs: at 64 experts,
-16 tokens a step and 27 slots, 32.1 loads.) A 128-expert layer takes 40-90 ms on this 2-core box.
+Until session 42 this priced a per-access LRU, whose step may evict an expert it still needs: 30.0 and 38.3 loads
+at the first two rows. A 128-expert layer takes 40-90 ms on this 2-core box.
 """
 
 from __future__ import annotations
