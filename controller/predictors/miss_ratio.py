@@ -109,7 +109,7 @@ class MissRatioCurves:
             raise ValueError(f"miss-ratio curves: decay must be in [0, 1), got {decay}")
         self.num_layers, self.num_experts, self.decay = num_layers, num_experts, decay
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
-        self._stacks = {(layer, b): _Loads(num_experts) for layer in range(num_layers) for b in self.batch_sizes}
+        self._per_size = {(layer, b): _Loads(num_experts) for layer in range(num_layers) for b in self.batch_sizes}
         self._order = [_Recency(num_experts) for _ in range(num_layers)]  # per layer: the real steps' LRU order
         self._fed: str | None = None  # "tokens" or "steps", from the first observation
         self._pending = {(layer, b): ([], 0) for layer in range(num_layers) for b in self.batch_sizes}
@@ -124,11 +124,11 @@ class MissRatioCurves:
                              f"{self.num_experts}")
         return ids
 
-    def _stack(self, layer: int, batch: int) -> _Loads:
-        if (layer, batch) not in self._stacks:
+    def _per_layer_size(self, layer: int, batch: int) -> _Loads:
+        if (layer, batch) not in self._per_size:
             raise ValueError(f"miss-ratio curves: layer {layer} / batch {batch} not tracked "
                              f"(layers 0..{self.num_layers - 1}, batch sizes {list(self.batch_sizes)})")
-        return self._stacks[(layer, batch)]
+        return self._per_size[(layer, batch)]
 
     def _feeding(self, how: str) -> None:
         """Tokens (hypothetical streams per size) and real steps (one stream) keep different recency orders: one
@@ -148,7 +148,7 @@ class MissRatioCurves:
             if n == b:
                 flat = np.concatenate(parts)
                 _, first = np.unique(flat, return_index=True)
-                self._stacks[(layer, b)].access_step(flat[np.sort(first)], self.decay)
+                self._per_size[(layer, b)].access_step(flat[np.sort(first)], self.decay)
                 parts, n = [], 0
             self._pending[(layer, b)] = (parts, n)
 
@@ -164,23 +164,23 @@ class MissRatioCurves:
             _, first = np.unique(ids, return_index=True)
             ids = ids[np.sort(first)]
         self._feeding("steps")
-        loads = self._stack(layer, batch)
+        loads = self._per_layer_size(layer, batch)
         for b in self.batch_sizes:  # every size fades with each real step (the one cache forgets what stops coming)
-            self._stacks[(layer, b)].fade(self.decay)
+            self._per_size[(layer, b)].fade(self.decay)
         loads.access_step(ids, 0.0, self._order[layer])
 
     def hit_rate_curve(self, layer: int, batch: int = 1) -> np.ndarray:
-        st = self._stack(layer, batch)
+        st = self._per_layer_size(layer, batch)
         if st.accesses <= 0:
             return np.zeros(self.num_experts + 1)
         return 1.0 - st.loads / st.accesses  # [E + 1]; [0] = 0: with no slot every needed expert loads
 
     def mean_union_size(self, layer: int, batch: int = 1) -> float:
-        st = self._stack(layer, batch)
+        st = self._per_layer_size(layer, batch)
         return st.accesses / st.steps if st.steps else 0.0
 
     def num_steps(self, layer: int, batch: int = 1) -> float:
-        return self._stack(layer, batch).steps
+        return self._per_layer_size(layer, batch).steps
 
     def expected_misses_per_step(self, layer: int, batch: int = 1) -> np.ndarray:
         return self.mean_union_size(layer, batch) * (1.0 - self.hit_rate_curve(layer, batch))
