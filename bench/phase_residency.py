@@ -52,6 +52,11 @@ class ResidencyReplay:
         self._clock = 0.0
         self._t = 0  # steps replayed
 
+    @classmethod
+    def of_layers(cls, num_layers: int, num_experts: int) -> ResidencyReplay:
+        """A replay driven by `step_needed` alone (the caller names each step's experts; no table to read)."""
+        return cls(np.zeros((1, num_layers, 1), np.int64), num_experts)
+
     def _rows(self, num_decodes: int, prompt_tokens: int) -> np.ndarray:
         t_rows = self.ids.shape[0]
         parts = [(np.arange(num_decodes, dtype=np.int64) * SEQ_STRIDE + self._t) % t_rows]

@@ -75,9 +75,8 @@ def lru_curve(probs: np.ndarray, batch: float) -> tuple[np.ndarray, float]:
     late = 1.0 - absent * (1.0 - q)[None, :]  # [G, n] j (> i) touched
 
     def others(fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:  # [G, n] sum over j != i of fn(touched_j)
-        before = np.cumsum(fn(early), axis=1) - fn(early)
-        after = np.cumsum(fn(late)[:, ::-1], axis=1)[:, ::-1] - fn(late)
-        return before + after
+        lo, hi = fn(early), fn(late)
+        return np.cumsum(lo, axis=1) - lo + np.cumsum(hi[:, ::-1], axis=1)[:, ::-1] - hi
 
     mean = others(lambda t: t)
     var = others(lambda t: t * (1.0 - t))
@@ -85,18 +84,19 @@ def lru_curve(probs: np.ndarray, batch: float) -> tuple[np.ndarray, float]:
     weight = q * q[None, :] * absent  # [G, n] i needed now, last needed g + 1 steps ago
     spread = np.sqrt(np.maximum(var, 0.0))
     # Each expert's cells (one a gap) pooled on an integer grid of like count and spread (no sort): a count is at
-    # most n - 1 and its spread at most sqrt(n) / 2. Cells whose weight underflowed to 0 add nothing to any sum.
+    # most n - 1 and its spread at most sqrt(n) / 2. Cells whose weight underflowed to 0 are left out.
     spread_bins = int(np.sqrt(q.size) / 2 / POOL_EXPERTS) + 2
     size = (int(q.size / POOL_EXPERTS) + 2) * spread_bins
     key = (np.rint(mean / POOL_EXPERTS).astype(np.int64) * spread_bins + np.rint(spread / POOL_EXPERTS).astype(np.int64)
            + size * np.arange(q.size)[None, :]).ravel()
     cells, cell = np.unique(key, return_inverse=True)
     weight = weight.ravel()
-    w = np.bincount(cell, weights=weight)  # [C] pooled cells
-    expert = cells // size  # [C] whose cell
+    w = np.bincount(cell, weights=weight)
+    used = np.flatnonzero(w)
+    w, expert = w[used], cells[used] // size  # [C] pooled cells, whose each is
 
     def pooled(v: np.ndarray) -> np.ndarray:  # the cells' weighted mean of v
-        return np.bincount(cell, weights=weight * v.ravel()) / np.maximum(w, 1e-300)
+        return np.bincount(cell, weights=weight * v.ravel())[used] / w
 
     mu, sd, third = pooled(mean), np.maximum(pooled(spread), 1e-6), pooled(m3)
     skew = third / sd**3

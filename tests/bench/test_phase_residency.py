@@ -52,7 +52,7 @@ def test_the_replay_misses_what_the_engines_residency_misses_step_by_step(slots:
     rng = np.random.default_rng(slots)
     steps = [sorted({int(e) for _ in range(rng.integers(1, 5)) for e in rng.choice(NUM_EXPERTS, 2, replace=False)})
              for _ in range(80)]
-    replay = ResidencyReplay(np.zeros((1, 1, 1), np.int64), NUM_EXPERTS)
+    replay = ResidencyReplay.of_layers(1, NUM_EXPERTS)
     got = [replay.step_needed([slots], [np.array(s)]).misses[0] for s in steps]
     assert got == _engine_misses(steps, slots)
     assert any(len(s) > slots for s in steps) or slots == 8

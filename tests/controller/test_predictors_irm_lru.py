@@ -24,7 +24,7 @@ def _walk(probs: np.ndarray, top_k: int, batch: int, steps: int, seed: int) -> t
         unions.append(np.unique(tokens))
     loads = np.zeros(e + 1)
     for slots in range(1, e + 1):
-        replay = ResidencyReplay(np.zeros((1, 1, 1), np.int64), e)
+        replay = ResidencyReplay.of_layers(1, e)
         loads[slots] = np.mean([replay.step_needed([slots], [u]).misses[0] for u in unions][steps:])
     loads[0] = np.mean([u.size for u in unions])
     return loads, counts / (2 * steps * batch)

@@ -3,11 +3,10 @@ the runtime's `OnDemandExperts`), at every cache size."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 import pytest
 
+from tests.controller.test_predictors_caches import brute_force_lru_hits
 from tierplan.bench.phase_residency import ResidencyReplay
 from tierplan.controller.predictors.miss_ratio import MissRatioCurves
 
@@ -20,7 +19,7 @@ def _tokens(seed: int, num_tokens: int, num_experts: int, top_k: int) -> np.ndar
 
 def _engine_loads(unions: list[np.ndarray], num_experts: int, slots: int) -> np.ndarray:
     """Loads of each step at `slots` slots of one layer, by the engine's rule."""
-    replay = ResidencyReplay(np.zeros((1, 1, 1), np.int64), num_experts)
+    replay = ResidencyReplay.of_layers(1, num_experts)
     return np.array([replay.step_needed([slots], [np.sort(u)]).misses[0] for u in unions], float)
 
 
@@ -58,18 +57,9 @@ def test_the_curve_prices_the_engines_loads_at_every_size(seed: int, num_experts
 
 
 def _per_access_lru_loads(unions: list[np.ndarray], slots: int) -> float:
-    cache: OrderedDict[int, None] = OrderedDict()
-    loads = 0
-    for u in unions:
-        for e in u.tolist():
-            if e in cache:
-                cache.move_to_end(e)
-            else:
-                loads += 1
-                cache[e] = None
-                if len(cache) > slots:
-                    cache.popitem(last=False)
-    return loads / len(unions)
+    """Loads a step of a per-access LRU cache (Mattson's) over the steps' experts in order."""
+    stream = np.concatenate(unions)
+    return (stream.size - brute_force_lru_hits(stream, slots)) / len(unions)
 
 
 def test_a_step_never_evicts_what_it_still_needs() -> None:
