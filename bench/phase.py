@@ -212,7 +212,7 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, pref
             except RunRefused as exc:  # the next in the order takes its place
                 tried.append(f"{label}: refused ({exc})")
                 continue
-            row = measured_row(base, out, sizes.warm_steps, predictor, _tokens_per_request(ctx))
+            row = measured_row(base, out, sizes.warm_steps, predictor, _request_mean(ctx))
             if checked:
                 row["notes"] = (row["notes"] + " | " if row["notes"] else "") + checked
             row = {**row, "candidate_status": row["status"], "status": CANDIDATE, "oracle_split": label,
@@ -275,9 +275,10 @@ def _run_link_gb_s(h: ModelHandle) -> float | None:
     return link_gb_s(h.dev, RUN_LINK_PROBE_BYTES, reps=3)
 
 
-def _tokens_per_request(ctx: PointContext) -> float:
-    """The point's mean output tokens per request (the rows' `steady_tok_s`)."""
-    return sum(r.output_len for r in ctx.requests) / max(1, len(ctx.requests))
+def _request_mean(ctx: PointContext) -> tuple[float, float]:
+    """The point's mean output and prompt tokens per request (the rows' `steady_tok_s`)."""
+    n = max(1, len(ctx.requests))
+    return sum(r.output_len for r in ctx.requests) / n, sum(r.prompt_len for r in ctx.requests) / n
 
 
 def _one(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, sizes: Sizes, predictor: Predictor,
@@ -288,7 +289,7 @@ def _one(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, siz
             if baseline.needs_future:
                 return _oracle(h, ctx, sizes, Path(tmp), prefix_tokens, predictor, base, store, say, how)
             out = measure(h, ctx, baseline, sizes, Path(tmp), prefix_tokens)
-            row = measured_row(base, out, sizes.warm_steps, predictor, _tokens_per_request(ctx))
+            row = measured_row(base, out, sizes.warm_steps, predictor, _request_mean(ctx))
         except RunRefused as exc:
             return refused_row(base, str(exc))
         except ImportError as exc:  # e.g. the controller's solver stack absent on the device image

@@ -11,13 +11,19 @@ measured steps (those after warm-up):
   forward alone; `mean_running_batch`: sequences per measured step. `decode_step_ms_p50` / `_max`: the median and the
   slowest of those decode cycles, and `gc_ms` the collector's pauses in the measured steps: whether a gap
   between two runs that did the same work (phase_spread.py) is a few slow steps or every step a little slower.
-- `steady_tok_s`: `decode_tok_s` with the measured steps charged for the prefills their output implies (output
-  tokens over the point's mean output per request), at this run's own prefill cost per request, as a long
-  stream of these requests would charge them. A run stopped early (`Sizes.stop_decode_steps`) under a small KV
-  share ran few sequences, and its prefills fell mostly before its measured steps or never ran: H200 phase run
-  26, qwen3 b128 1K 40 GiB, resident served 6 of 160 requests at 470 tok/s, 357 steady; tierplan all 160 at
-  325, 300 steady (its first prefills fell in the warm-up). Where the measured steps hold the prefills of what
-  they output, the two agree.
+- `steady_tok_s`: `decode_tok_s` with the measured steps charged for the prefills their output implies, as a
+  long stream of the point's requests would charge them: output tokens over the point's mean output per request
+  give the requests, each with the point's mean prompt, priced per prompt token at this run's own prefill cost
+  (`prefill_ms_per_token`), less the prompt tokens the measured steps computed. A run stopped early
+  (`Sizes.stop_decode_steps`) under a small KV share ran few sequences, and its prefills fell mostly before its
+  measured steps or never ran: H200 phase run 26, qwen3 b128 1K 40 GiB, resident served 6 of 160 requests at
+  470 tok/s; tierplan all 160 at 325 (its first prefills fell in the warm-up). And a run that admits more
+  sequences reaches further down the request list in the same steps: at the 16K points the Mooncake prompts
+  run 3K-32K tokens, so which prefills a window holds swings its tok/s (H100 phase run 84, b8 16K 56 GiB:
+  kv_tiering's window prefilled 53K prompt tokens, tierplan's 125K). Priced a request at a time (rows
+  before session 43, `steady_per` "request"), the run's few prefills set the price too, its long prompts
+  with them (kv_tiering 255 against tierplan 200 tok/s there; per prompt token 226 against 217). Where the
+  measured steps hold the prefills of what they output, steady and `decode_tok_s` agree.
 - TPOT p50/p99 and TTFT p50 over the run's finished requests (wall time, from the `Runner`; `requests` counts
   them and `requests_unfinished`, those left when the run stopped: `Sizes.stop_decode_steps`), expert hit
   rate, stall ms per measured step by cause (a step that waited on both expert loads and KV fetches counts all
@@ -133,32 +139,36 @@ def _sum(steps: list[Any], attr: str) -> dict[str, int]:
     return out
 
 
-def prefill_ms_per_request(steps: list[Any]) -> float:
-    """A prefill's cycle time over `steps` (a run's, warm-up included): each step with prefills less its
-    decodes at the decode-only steps' median time per sequence, over the prefills (0.0 without one)."""
+def prefill_ms_per_token(steps: list[Any]) -> float:
+    """A prompt token's cycle time over `steps` (a run's, warm-up included): each step with prefills less its
+    decodes at the decode-only steps' median time per sequence, over the prompt tokens those steps computed
+    (their tokens less one a decode; 0.0 without a prefill)."""
     per_seq = [s.cycle_s / s.num_decodes for s in steps if s.num_prefills == 0 and s.num_decodes]
     d = float(np.median(per_seq)) if per_seq else 0.0
     pre = [s for s in steps if s.num_prefills]
-    n = sum(s.num_prefills for s in pre)
-    return max(0.0, sum(s.cycle_s - s.num_decodes * d for s in pre)) / n * 1e3 if n else 0.0
+    prompt = sum(s.batch_tokens - s.num_decodes for s in pre)
+    return max(0.0, sum(s.cycle_s - s.num_decodes * d for s in pre)) / prompt * 1e3 if prompt > 0 else 0.0
 
 
-def steady_tok_s(steps: list[Any], timed: list[Any], tokens_per_request: float) -> float | None:
-    """`steady_tok_s` (module docstring): the measured steps' output over their wall time plus the prefills
-    that output implies beyond (or short of) those they hold, each at `prefill_ms_per_request(steps)`."""
+def steady_tok_s(steps: list[Any], timed: list[Any], output_per_request: float,
+                 prompt_per_request: float) -> float | None:
+    """`steady_tok_s` (module docstring): the measured steps' output over their wall time plus the prompt tokens
+    that output implies (requests at `output_per_request` tokens out, `prompt_per_request` in) beyond (or short
+    of) those they computed, each at `prefill_ms_per_token(steps)`."""
     tokens, wall_s = sum(s.tokens_out for s in timed), sum(s.cycle_s for s in timed)
-    if not tokens or not wall_s or tokens_per_request <= 0:
+    if not tokens or not wall_s or output_per_request <= 0 or prompt_per_request <= 0:
         return None
-    implied = tokens / tokens_per_request - sum(s.num_prefills for s in timed)
-    charged = wall_s + implied * prefill_ms_per_request(steps) / 1e3
+    computed = sum(s.batch_tokens - s.num_decodes for s in timed if s.num_prefills)
+    implied = tokens / output_per_request * prompt_per_request - computed
+    charged = wall_s + implied * prefill_ms_per_token(steps) / 1e3
     return tokens / charged if charged > 0 else tokens / wall_s
 
 
 def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor: Predictor,
-                 tokens_per_request: float = 0.0) -> dict[str, Any]:
+                 request_mean: tuple[float, float] = (0.0, 0.0)) -> dict[str, Any]:
     """The row of a run that ran: `base` (model, layers, ... policy, device) plus its figures. Folds the run's
-    windows into `predictor` (warm-up ones before predicting, the rest after). `tokens_per_request`: the
-    point's mean output per request (`steady_tok_s`; 0: none)."""
+    windows into `predictor` (warm-up ones before predicting, the rest after). `request_mean`: the point's
+    mean output and prompt tokens per request (`steady_tok_s`; 0: none)."""
     steps = outcome.steps
     warm = min(warm_steps, max(0, len(steps) - 1))  # a run shorter than the warm-up still measures its last step
     timed = steps[warm:]
@@ -190,7 +200,7 @@ def measured_row(base: dict[str, Any], outcome: Any, warm_steps: int, predictor:
     return {
         **base,
         **tm,
-        "steady_tok_s": steady_tok_s(steps, timed, tokens_per_request),
+        "steady_tok_s": steady_tok_s(steps, timed, *request_mean), "steady_per": "prompt token",
         "tpot_p50_ms": rep.pct("tpot_s", 0.5) * 1e3, "tpot_p99_ms": rep.pct("tpot_s", 0.99) * 1e3,
         "ttft_p50_ms": rep.pct("ttft_s", 0.5) * 1e3,
         "expert_hit_rate": hits / (hits + misses) if hits + misses else 1.0,

@@ -181,11 +181,12 @@ def _why_not(tp: dict[str, Any] | None) -> str:
 
 
 def _vs_best_steady(tp: dict[str, Any] | None, others: list[dict[str, Any]]) -> float | None:
-    """tierplan's `steady_tok_s` over the best static one's at the point (None where a row lacks it: runs from
-    before the figure)."""
+    """tierplan's `steady_tok_s` over the best static one's at the point (None where a row lacks it, runs from
+    before it was kept, or where the rows price it differently: `steady_per`, "request" before session 43)."""
     steady = [r.get("steady_tok_s") for r in others]
     mine = tp.get("steady_tok_s") if tp else None
-    return mine / max(steady) if mine and steady and all(steady) else None
+    per = {r.get("steady_per", "request") for r in [tp or {}, *others]}
+    return mine / max(steady) if mine and steady and all(steady) and len(per) == 1 else None
 
 
 def summarize(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -316,9 +317,11 @@ def markdown(rows: list[dict[str, Any]], title: str, quick: bool, device: str) -
               "that produced a throughput competes (degraded ones marked). A point where tierplan is not ok counts "
               "as missed. "
               "tok/s is output tokens over the wall time of the measured steps, everything between them "
-              "included. Steady: the same with each run charged for the prefills its output implies, at its own "
-              "prefill cost (`steady_tok_s`): a run stopped early under a small KV share holds few of its "
-              "prefills.", "", spread_line(spread(rows)), "", *([repeats, ""] if repeats else []),
+              "included. Steady: the same with each run charged for the prompt tokens its output implies (the "
+              "point's mean prompt a request), at its own cost a prompt token (`steady_tok_s`): a run stopped early "
+              "under a small KV share holds few of its prefills, and one that admits more sequences reaches longer "
+              "prompts in the same steps (— where the point's rows price it differently).", "",
+              spread_line(spread(rows)), "", *([repeats, ""] if repeats else []),
               "## tierplan per point", "",
               "| batch | context | budget | best baseline | tok/s | tierplan tok/s | tierplan / best | "
               "tierplan / best (steady) | best static | tierplan / best static | oracle tok/s | tierplan / oracle | "

@@ -9,7 +9,9 @@ steps (host, collector); medians apart too: the whole run was slower (device clo
 model replayed over the same steps (bench/phase_cost_replay.py), the runs that spent a tenth of their wall or
 more between steps, with what each plan change cost there, the decode forwards' GPU time against their host time
 (where the steps carry `graph_gpu_ms`; also by their place in the telemetry window), and how often decode steps
-ran chunked off their graphs against the union model (bench/phase_chunking.py). It never edits a row's figure.
+ran chunked off their graphs against the union model (bench/phase_chunking.py), and tierplan's steady throughput
+restated per prompt token against the best static baseline's (bench/phase_steady.py). It never edits a row's
+figure.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tierplan.bench.phase_cost_replay import replay_file, router_table, shape_of
 from tierplan.bench.phase_cost_replay import section as cost_section
 from tierplan.bench.phase_predictor import plan_evictions
 from tierplan.bench.phase_spread import apart
+from tierplan.bench.phase_steady import section as steady_section
 from tierplan.bench.phase_steps import load_steps, measured_lines
 
 TAIL_SHARE = 0.05  # the slowest steps whose share of the decode time is reported
@@ -273,4 +276,5 @@ def report(paths: list[Path]) -> str:
             skipped.append(f"{p.name}: {exc}")
     lines += ["", *cost_section(replayed), *(["", "Not replayed: " + "; ".join(skipped)] if skipped else [])]
     lines += ["", *chunk_section(chunking)]
+    lines += steady_section([line for file_lines in per_file.values() for line in file_lines])
     return "\n".join(lines) + "\n"

@@ -399,27 +399,38 @@ def test_timing_reports_the_median_and_slowest_decode_cycle() -> None:
     assert timing([step(0.2, prefills=1)])["decode_step_ms_p50"] is None
 
 
-def test_steady_throughput_charges_a_window_for_the_prefills_its_output_implies() -> None:
+def test_steady_throughput_charges_a_window_for_the_prompt_tokens_its_output_implies() -> None:
     """A run stopped early under a small KV share outputs tokens whose prefills fell before its window (or never
-    ran): `steady_tok_s` charges them at the run's own prefill cost; a window that holds its prefills keeps its
-    tok/s."""
+    ran): `steady_tok_s` charges the point's mean prompt for each request they imply, at the run's own cost a
+    prompt token; a window that holds its prefills keeps its tok/s, and two windows that prefilled different
+    prompts for the same output are charged the same prompt tokens."""
     from types import SimpleNamespace
 
-    from tierplan.bench.phase_metrics import prefill_ms_per_request, steady_tok_s
+    from tierplan.bench.phase_metrics import prefill_ms_per_token, steady_tok_s
 
-    def step(cycle_s: float, prefills: int, decodes: int) -> SimpleNamespace:
+    def step(cycle_s: float, prefills: int, decodes: int, prompt: int = 0) -> SimpleNamespace:
         return SimpleNamespace(cycle_s=cycle_s, num_prefills=prefills, num_decodes=decodes,
-                               tokens_out=prefills + decodes)
+                               tokens_out=prefills + decodes, batch_tokens=prompt + decodes)
 
-    dec, pre = step(0.010, 0, 2), step(0.050, 1, 2)  # 5 ms a sequence decoding; a prefill costs 40 ms
-    assert prefill_ms_per_request([dec, pre, dec]) == pytest.approx(40.0)
-    # Ten decode steps: 20 tokens, 4 requests' worth at 5 tokens a request, none of their prefills in the window.
+    # 5 ms a sequence decoding; a 100-token prompt costs 40 ms beside two decodes (0.4 ms a prompt token).
+    dec, pre = step(0.010, 0, 2), step(0.050, 1, 2, prompt=100)
+    assert prefill_ms_per_token([dec, pre, dec]) == pytest.approx(0.4)
+    assert prefill_ms_per_token([dec, dec]) == 0.0
+    # Ten decode steps: 20 tokens, 4 requests' worth at 5 tokens a request, none of their prompts in the window.
     warm, window = [pre] * 4, [dec] * 10
-    assert steady_tok_s(warm + window, window, 5.0) == pytest.approx(20 / (0.1 + 4 * 0.040))
-    # Four prefills and four decode steps: 12 + 8 = 20 tokens, the window holds the 4 prefills they imply.
+    assert steady_tok_s(warm + window, window, 5.0, 100.0) == pytest.approx(20 / (0.1 + 400 * 0.0004))
+    # Four prefills and four decode steps: 12 + 8 = 20 tokens, the window computed the 400 prompt tokens implied.
     window = [pre] * 4 + [dec] * 4
-    assert steady_tok_s(window, window, 5.0) == pytest.approx(20 / 0.24)
-    assert steady_tok_s(window, [], 5.0) is None and steady_tok_s(window, window, 0.0) is None
+    assert steady_tok_s(window, window, 5.0, 100.0) == pytest.approx(20 / 0.24)
+    # The same output, one window holding a 300-token prompt (120 ms), the other a 100-token one: both are charged
+    # the 400 prompt tokens their 4 requests imply, so the long prompt the first happened to hold costs it nothing.
+    long = step(0.130, 1, 2, prompt=300)
+    a, b = [long] + [dec] * 8, [pre] + [dec] * 8
+    assert steady_tok_s(a, a, 5.0, 100.0) == pytest.approx(steady_tok_s(b, b, 5.0, 100.0))
+    assert sum(s.tokens_out for s in a) / sum(s.cycle_s for s in a) < 0.7 * sum(s.tokens_out for s in b) / sum(
+        s.cycle_s for s in b)
+    assert steady_tok_s(window, [], 5.0, 100.0) is None and steady_tok_s(window, window, 0.0, 100.0) is None
+    assert steady_tok_s(window, window, 5.0, 0.0) is None
 
 
 def test_the_replayed_misses_a_step_shows_issued_ahead_are_priced_as_streamed() -> None:
