@@ -365,8 +365,11 @@ def run_phase_bench(out_dir: Path, device: str = "cpu", quick: bool = False, poi
     threads = torch.get_num_threads()
     if not dev.is_cuda:  # a tiny model's ops are too small to share: one thread keeps a busy CPU from stalling them
         torch.set_num_threads(1)
-    try:
-        _sweep(plan, pols, sizes, dev, dev_name, code, say, progress, oracle_recording, report, claims, deadline)
+    from tierplan.bench.baselines.plan_process import engine_confined
+
+    try:  # the engine's threads off the CPUs a live policy's planner process runs on (plan_process.py)
+        with engine_confined(sizes.planner_cores):
+            _sweep(plan, pols, sizes, dev, dev_name, code, say, progress, oracle_recording, report, claims, deadline)
     finally:
         torch.set_num_threads(threads)
     return {m: v[0].path for m, v in plan.items()}

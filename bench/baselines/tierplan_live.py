@@ -18,6 +18,7 @@ reuse this with another allocator. It must never move bytes or build a plan itse
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING, Any
 
 from tierplan.bench.baselines.base import (
@@ -305,7 +306,9 @@ class TierplanLive:
         split, why = self.start_split(ctx, engine)
         plan = make_plan(ctx, split, self.name, f"{why}; then {self.allocator}")
         cpus = getattr(self.controller, "cpus", ())  # a controller in a child process: the CPUs it may run on
-        where = f"; planner process on {len(cpus)} CPU(s) {_ranges(cpus)}" if cpus else ""
+        mine = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+        where = (f"; planner process on {len(cpus)} CPU(s) {_ranges(cpus)}"
+                 + (f", the engine on {len(mine)} CPU(s) {_ranges(mine)}" if mine else "")) if cpus else ""
         if (why := getattr(self.controller, "confine_error", None)) is not None:
             where += f" (not confined: {why})"
         return PolicyRun(plan, source=AfterInitialPlan(self.controller), window_steps=WINDOW_STEPS, split=split,

@@ -262,6 +262,45 @@ def test_the_child_runs_confined_to_its_cpus_below_the_engines_priority() -> Non
     assert os.nice(0) == mine and sorted(os.sched_getaffinity(0)) == allowed  # the engine's process is untouched
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="CPU affinity is Linux's, and the engine keeps a CPU of its own only beside another")
+def test_the_engines_threads_leave_the_planners_cpus_and_get_them_back() -> None:
+    """`engine_confined`: every thread of the engine's process, those running before too, on the CPUs the planner's
+    child does not get; the child still gets its share of the machine (not of the engine's rest); after, every
+    thread runs where it did."""
+    import threading
+
+    from tierplan.bench.baselines.plan_process import cpu_share, engine_confined, engine_share
+
+    allowed = sorted(os.sched_getaffinity(0))
+    stop = threading.Event()
+    before = threading.Thread(target=stop.wait, daemon=True)  # a pool thread started before the sweep
+    before.start()
+
+    def masks() -> dict[int, list[int]]:
+        return {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+
+    try:
+        assert engine_share(0) == () == engine_share(len(allowed))  # the planner on every CPU: the engine keeps all
+        with engine_confined(1) as cpus:
+            assert cpus == tuple(allowed[:-1]) == engine_share(1)
+            assert all(m == allowed[:-1] for m in masks().values()), masks()
+            assert cpu_share(1) == (allowed[-1],)  # cut from the machine, not from the engine's rest
+            src = ProcessPlanSource(_Probe, None, cores=1)
+            try:
+                assert src.step_next()[0] == [allowed[-1]]
+            finally:
+                assert src.close() is None
+            with engine_confined(1) as again:  # nested: nothing more to give up
+                assert again == ()
+        assert all(m == allowed for m in masks().values()), masks()
+        with engine_confined(0) as cpus:
+            assert cpus == () and all(m == allowed for m in masks().values())
+    finally:
+        stop.set()
+        before.join()
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
 def test_cpus_the_system_refuses_leave_the_child_running_on_all_and_say_why(monkeypatch) -> None:
     from tierplan.bench.baselines import plan_process
