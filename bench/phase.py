@@ -40,7 +40,7 @@ from tierplan.bench.baselines.base import (
 from tierplan.bench.baselines.dry_record import difference, dry_record
 from tierplan.bench.oracle_estimate import DryStep, estimate_tok_s, measure_order
 from tierplan.bench.phase_grid import FULL, GIB, QUICK, Point, RunStop, Sizes, points, select_points
-from tierplan.bench.phase_metrics import measured_row, refused_row
+from tierplan.bench.phase_metrics import measured_row, refused_row, request_mean
 from tierplan.bench.phase_predictor import Predictor
 from tierplan.bench.phase_pricing import fold_settled
 from tierplan.bench.phase_report import device_stems, write_report
@@ -212,7 +212,7 @@ def _oracle(h: ModelHandle, ctx: PointContext, sizes: Sizes, workdir: Path, pref
             except RunRefused as exc:  # the next in the order takes its place
                 tried.append(f"{label}: refused ({exc})")
                 continue
-            row = measured_row(base, out, sizes.warm_steps, predictor, _request_mean(ctx))
+            row = measured_row(base, out, sizes.warm_steps, predictor, request_mean(ctx.requests))
             if checked:
                 row["notes"] = (row["notes"] + " | " if row["notes"] else "") + checked
             row = {**row, "candidate_status": row["status"], "status": CANDIDATE, "oracle_split": label,
@@ -275,12 +275,6 @@ def _run_link_gb_s(h: ModelHandle) -> float | None:
     return link_gb_s(h.dev, RUN_LINK_PROBE_BYTES, reps=3)
 
 
-def _request_mean(ctx: PointContext) -> tuple[float, float]:
-    """The point's mean output and prompt tokens per request (the rows' `steady_tok_s`)."""
-    n = max(1, len(ctx.requests))
-    return sum(r.output_len for r in ctx.requests) / n, sum(r.prompt_len for r in ctx.requests) / n
-
-
 def _one(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, sizes: Sizes, predictor: Predictor,
          base: dict[str, Any], store: _Store, say: Any, how: OracleRecording) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tierplan-phase-") as tmp:
@@ -289,7 +283,7 @@ def _one(h: ModelHandle, ctx: PointContext, prefix_tokens: int, policy: str, siz
             if baseline.needs_future:
                 return _oracle(h, ctx, sizes, Path(tmp), prefix_tokens, predictor, base, store, say, how)
             out = measure(h, ctx, baseline, sizes, Path(tmp), prefix_tokens)
-            row = measured_row(base, out, sizes.warm_steps, predictor, _request_mean(ctx))
+            row = measured_row(base, out, sizes.warm_steps, predictor, request_mean(ctx.requests))
         except RunRefused as exc:
             return refused_row(base, str(exc))
         except ImportError as exc:  # e.g. the controller's solver stack absent on the device image

@@ -56,6 +56,7 @@ It never asserts on a figure.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -137,6 +138,13 @@ def _sum(steps: list[Any], attr: str) -> dict[str, int]:
         for k, v in getattr(s, attr).items():
             out[k] = out.get(k, 0) + v
     return out
+
+
+def request_mean(requests: Sequence[Any]) -> tuple[float, float]:
+    """A point's mean output and prompt tokens per request (`steady_tok_s`'s `output_per_request`,
+    `prompt_per_request`)."""
+    n = max(1, len(requests))
+    return sum(r.output_len for r in requests) / n, sum(r.prompt_len for r in requests) / n
 
 
 def prefill_ms_per_token(steps: list[Any]) -> float:

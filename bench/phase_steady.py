@@ -13,11 +13,11 @@ the report's steady column applies to rows from session 43 on. Each point's requ
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
+from tierplan.bench.phase_cost_replay import step_records
 from tierplan.bench.phase_grid import FULL, Sizes, point_requests, points
-from tierplan.bench.phase_metrics import steady_tok_s
+from tierplan.bench.phase_metrics import request_mean, steady_tok_s
 from tierplan.bench.phase_report import STATIC_BASELINES
 
 _STEP_COLUMNS = ("cycle_s", "num_prefills", "num_decodes", "tokens_out", "batch_tokens")
@@ -25,22 +25,15 @@ _STEP_COLUMNS = ("cycle_s", "num_prefills", "num_decodes", "tokens_out", "batch_
 
 def request_means(sizes: Sizes = FULL) -> dict[str, tuple[float, float]]:
     """Each point's mean output and prompt tokens per request, by its key (`Point.key`)."""
-    out = {}
-    for p in points(sizes):
-        reqs, _ = point_requests(p, sizes)
-        n = max(1, len(reqs))
-        out[p.key] = (sum(r.output_len for r in reqs) / n, sum(r.prompt_len for r in reqs) / n)
-    return out
+    return {p.key: request_mean(point_requests(p, sizes)[0]) for p in points(sizes)}
 
 
 def run_figures(line: dict[str, Any], mean: tuple[float, float]) -> tuple[float, float] | None:
     """A saved run's tok/s over its measured steps and its `steady_tok_s` at the point's `mean` (None: the
     steps lack a column it needs, or the run made no token)."""
-    cols = line["steps"]
-    if any(c not in cols for c in _STEP_COLUMNS):
+    if any(c not in line["steps"] for c in _STEP_COLUMNS):
         return None
-    steps = [SimpleNamespace(**dict(zip(_STEP_COLUMNS, vals, strict=True)))
-             for vals in zip(*(cols[c] for c in _STEP_COLUMNS), strict=True)]
+    steps = step_records(line)
     timed = steps[min(int(line.get("warm_steps") or 0), max(0, len(steps) - 1)):]
     wall_s, tokens = sum(s.cycle_s for s in timed), sum(s.tokens_out for s in timed)
     steady = steady_tok_s(steps, timed, *mean)

@@ -47,12 +47,17 @@ CHILD_NICE = 5  # the child's priority below the engine's: where both want a cor
 _MACHINE_CPUS: tuple[int, ...] = ()
 
 
+def _machine_cpus() -> list[int]:
+    """The CPUs the planner's and the engine's shares are cut from (sorted; needs `os.sched_getaffinity`)."""
+    return sorted(_MACHINE_CPUS or os.sched_getaffinity(0))
+
+
 def cpu_share(cores: int) -> tuple[int, ...]:
     """The CPUs a child confined to `cores` of them runs on: the last `cores` of those this process may use (all of
     them for `cores` <= 0 or at least their number; () where the platform cannot tell, as on macOS)."""
     if not hasattr(os, "sched_getaffinity"):
         return ()
-    allowed = sorted(_MACHINE_CPUS or os.sched_getaffinity(0))
+    allowed = _machine_cpus()
     return tuple(allowed[-cores:]) if 0 < cores < len(allowed) else tuple(allowed)
 
 
@@ -62,7 +67,7 @@ def engine_share(cores: int) -> tuple[int, ...]:
     if not hasattr(os, "sched_getaffinity"):
         return ()
     child = set(cpu_share(cores))
-    rest = tuple(c for c in sorted(_MACHINE_CPUS or os.sched_getaffinity(0)) if c not in child)
+    rest = tuple(c for c in _machine_cpus() if c not in child)
     return rest if child and rest else ()
 
 
@@ -79,7 +84,7 @@ def engine_confined(cores: int) -> Iterator[tuple[int, ...]]:
     if not cpus or _MACHINE_CPUS:
         yield ()
         return
-    machine = tuple(sorted(os.sched_getaffinity(0)))
+    machine = tuple(_machine_cpus())
     try:
         _each(_threads(), os.sched_setaffinity, cpus)
     except OSError:
